@@ -1,0 +1,131 @@
+"""Checkpoint and restore one workload under one checkpoint ID: the engine and the store together.
+
+A checkpoint: freeze and dump into the local work directory (capturing open-for-writing files while
+frozen), let the workload run on, then store the images; the upload is off the freeze path.
+A restore: newest complete checkpoint first, each chunk verified; a corrupt one is refused and the
+next older one is tried, saying so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from .engine.criu import CriuEngine
+from .errors import CorruptCheckpoint
+from .ids import validate_checkpoint_id
+from .manifest import Manifest, ProcessInfo
+from .store.base import Store, StoreConfig
+from .store.transfer import CAPTURED_DIR, CapturedSource, CheckpointMeta, fetch_checkpoint, require_latest, save_checkpoint
+from .supervisor import Workload, become_subreaper
+
+__all__ = ["Checkpointer", "Restored"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Restored:
+    workload: Workload
+    manifest: Manifest
+    skipped: tuple[str, ...]  # why newer checkpoints were refused, newest first
+
+
+class Checkpointer:
+    def __init__(self, engine: CriuEngine, store: Store, store_cfg: StoreConfig, checkpoint_id: str, *,
+                 node: str, work_dir: Path, try_number: int = 0, compression: str = "zstd",
+                 keep_local: bool = False, progress_mode: str = "never") -> None:
+        self.engine, self.store, self.store_cfg = engine, store, store_cfg
+        self.checkpoint_id = validate_checkpoint_id(checkpoint_id)
+        self.node, self.work_dir, self.try_number = node, work_dir, try_number
+        self.compression, self.keep_local, self.progress_mode = compression, keep_local, progress_mode
+        self._lock = threading.Lock()
+        self._count = 0
+        self._known: set[str] = set()
+        self.parent_seq: int | None = None
+        self.latest: Manifest | None = None
+
+    def checkpoint(self, workload: Workload, *, leave_running: bool = True) -> Manifest:
+        with self._lock:
+            self._count += 1
+            image_dir = self.work_dir / f"dump-{os.getpid()}-{self._count}"
+            rss = workload.rss_bytes()
+            try:
+                dump = self.engine.dump(workload.pid, image_dir, leave_running=leave_running)
+                meta = CheckpointMeta(
+                    checkpoint_id=self.checkpoint_id, node=self.node, engine_version=self.engine.version,
+                    process=ProcessInfo(pid=workload.pid, command=workload.command, cwd=workload.cwd,
+                                        rss_bytes=rss, stdout_pipe=workload.stdout_pipe,
+                                        stderr_pipe=workload.stderr_pipe),
+                    try_number=self.try_number, freeze_seconds=dump.freeze_seconds, parent_seq=self.parent_seq,
+                )
+                captured = [CapturedSource(p, c, m) for p, c, m in dump.captured]
+                manifest = save_checkpoint(self.store, self.store_cfg, meta, image_dir, captured,
+                                           known_digests=self._known, compression=self.compression,
+                                           progress_mode=self.progress_mode)
+            finally:
+                if not self.keep_local:
+                    for p in image_dir.parent.glob(image_dir.name + "*"):
+                        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            self._known = manifest.chunk_digests()
+            self.latest = manifest
+            log.info("freeze checkpoint_id=%s seq=%d freeze_seconds=%.3f rss_bytes=%d",
+                     self.checkpoint_id, manifest.seq, dump.freeze_seconds, rss)
+            return manifest
+
+    def restore(self, stdout: BinaryIO | None = None, stderr: BinaryIO | None = None) -> Restored:
+        """Restore the newest verifiable checkpoint and supervise it. Raises CheckpointNotFound
+        when there is none, CorruptCheckpoint when every one fails verification."""
+        skipped: list[str] = []
+        for m in require_latest(self.store, self.checkpoint_id):
+            dest = self.work_dir / f"restore-{m.seq}"
+            try:
+                fetch_checkpoint(self.store, m, dest, self.progress_mode)
+            except CorruptCheckpoint as e:
+                skipped.append(str(e))
+                log.warning("checkpoint refused checkpoint_id=%s seq=%d: %s; falling back to the previous one",
+                            self.checkpoint_id, m.seq, e)
+                continue
+            workload = self._restore_from(dest, m, stdout, stderr)
+            if not self.keep_local:
+                shutil.rmtree(dest, ignore_errors=True)
+            self.parent_seq = m.seq
+            self._known = m.chunk_digests()
+            self.latest = m
+            return Restored(workload, m, tuple(skipped))
+        raise CorruptCheckpoint(
+            f"every checkpoint under checkpoint ID {self.checkpoint_id!r} failed verification "
+            f"({'; '.join(skipped)}). Nothing was restored; start the workload fresh."
+        )
+
+    def _restore_from(self, dest: Path, m: Manifest, stdout: BinaryIO | None, stderr: BinaryIO | None) -> Workload:
+        # Files the workload had open for writing go back first, at the size CRIU recorded.
+        for i, c in enumerate(m.captured):
+            target = Path(c.path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.cedana-restore")
+            shutil.move(str(dest / CAPTURED_DIR / str(i)), tmp)
+            os.chmod(tmp, c.mode)
+            os.replace(tmp, target)
+        Path(m.process.cwd).mkdir(parents=True, exist_ok=True)
+        become_subreaper()
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            pid = self.engine.restore(
+                dest, inherit={out_w: m.process.stdout_pipe, err_w: m.process.stderr_pipe},
+                pidfile=dest.with_name(dest.name + ".pid"),
+            )
+        except BaseException:
+            os.close(out_r)
+            os.close(err_r)
+            raise
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        return Workload.adopt(pid, m.process.command, m.process.cwd, out_r, err_r, stdout, stderr)

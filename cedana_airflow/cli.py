@@ -1,0 +1,149 @@
+"""``cedana-airflow``: every core capability without a scheduler.
+
+Exit codes: 0 ok; 1 the operation failed; 2 bad usage or configuration. ``run`` and ``restore``
+return the workload's own exit code. Errors are one ``ClassName: message`` line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from . import __version__
+from .config import Settings, load_settings
+from .errors import CedanaError
+
+__all__ = ["main"]
+
+log = logging.getLogger("cedana_airflow.cli")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", help="file:///DIR or s3://bucket/prefix (default: CEDANA_STORE, else ./.cedana/store)")
+    p.add_argument("--node", help="this node's name (default: CEDANA_NODE, else the hostname)")
+    p.add_argument("--work-dir", help="local work directory (default: CEDANA_WORK_DIR, else a temp dir)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="cedana-airflow", description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--version", action="version", version=f"cedana-airflow {__version__}")
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = ap.add_subparsers(dest="verb", required=True)
+
+    run = sub.add_parser("run", help="run COMMAND managed, checkpointing on a heartbeat")
+    run.add_argument("--id", required=True, help="checkpoint ID")
+    run.add_argument("--heartbeat", type=float, help="seconds between checkpoints (0 = none)")
+    run.add_argument("--resume", action="store_true", help="restore the latest checkpoint of ID if there is one")
+    run.add_argument("--try-number", type=int, default=0, help="which try this is (fencing of stale writers)")
+    _common(run)
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+
+    rs = sub.add_parser("restore", help="restore the latest complete checkpoint of ID and supervise it")
+    rs.add_argument("--id", required=True)
+    rs.add_argument("--heartbeat", type=float)
+    rs.add_argument("--try-number", type=int, default=0)
+    _common(rs)
+
+    ls = sub.add_parser("checkpoints", help="list checkpoints (all IDs, or one)")
+    ls.add_argument("id", nargs="?")
+    ls.add_argument("--json", action="store_true", help="print a JSON array")
+    _common(ls)
+
+    doc = sub.add_parser("doctor", help="check that checkpointing can work here")
+    doc.add_argument("--json", action="store_true")
+    _common(doc)
+    return ap
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    return load_settings({
+        "store": args.store, "node": args.node, "work_dir": args.work_dir,
+        "heartbeat_seconds": getattr(args, "heartbeat", None),
+    })
+
+
+def _cmd_run(args: argparse.Namespace, restore_only: bool) -> int:
+    from .runner import run_workload
+
+    command = None
+    if not restore_only:
+        command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        if not command:
+            print("usage: cedana-airflow run --id ID [...] -- COMMAND [ARGS...]", file=sys.stderr)
+            return 2
+    result = run_workload(_settings(args), args.id, command, resume=restore_only or args.resume,
+                          try_number=args.try_number)
+    return result.exit_code
+
+
+def _row(m: Any) -> dict[str, Any]:
+    return {
+        "id": m.checkpoint_id, "seq": m.seq, "try_number": m.try_number, "node": m.node,
+        "created_at": m.created_at.isoformat(), "image_bytes": m.image_bytes, "stored_bytes": m.stored_bytes,
+        "freeze_seconds": round(m.freeze_seconds, 3), "complete": True,
+    }
+
+
+def _cmd_checkpoints(args: argparse.Namespace) -> int:
+    from .ids import validate_checkpoint_id
+    from .store import open_store
+    from .store.transfer import load_manifests
+
+    settings = _settings(args)
+    store = open_store(settings.resolved_store())
+    store.open(create=False, chunk_avg_bytes=settings.chunk_avg_bytes)
+    ids = [validate_checkpoint_id(args.id)] if args.id else store.list_ids()
+    rows = [_row(m) for cid in ids for m in sorted(load_manifests(store, cid), key=lambda m: m.seq)]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if not rows:
+        print(f"no checkpoints in {store.url}" + (f" under {args.id}" if args.id else ""))
+        return 0
+    print(f"{'ID':<40} {'SEQ':>4} {'TRY':>3} {'NODE':<16} {'CREATED':<20} {'IMAGE MB':>9} {'STORED MB':>9}")
+    for r in rows:
+        print(f"{r['id'][:40]:<40} {r['seq']:>4} {r['try_number']:>3} {r['node'][:16]:<16} "
+              f"{r['created_at'][:19]:<20} {r['image_bytes'] / 1e6:>9.1f} {r['stored_bytes'] / 1e6:>9.1f}")
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import run_checks
+
+    checks = run_checks(_settings(args))
+    if args.json:
+        print(json.dumps([c.__dict__ for c in checks], indent=1))
+    else:
+        for c in checks:
+            line = f"{c.status.upper():<5} {c.name}: {c.detail}"
+            print(line + (f" -> fix: {c.fix}" if c.fix and c.status != "ok" else ""))
+    return 1 if any(c.blocking for c in checks) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="cedana: %(message)s")
+    try:
+        if args.verb == "run":
+            return _cmd_run(args, restore_only=False)
+        if args.verb == "restore":
+            return _cmd_run(args, restore_only=True)
+        if args.verb == "checkpoints":
+            return _cmd_checkpoints(args)
+        if args.verb == "doctor":
+            return _cmd_doctor(args)
+    except CedanaError as e:
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Settings: one validated model, filled from defaults < config file < environment < explicit overrides.
+
+Sources, in rising precedence:
+
+- the TOML file at ``CEDANA_CONFIG`` (its ``[cedana]`` table), when set;
+- environment variables ``CEDANA_<FIELD>`` (``CEDANA_STORE``, ``CEDANA_NODE``, ``CEDANA_WORK_DIR``,
+  ``CEDANA_CRIU``, ...);
+- explicit overrides (CLI flags, operator arguments).
+
+Nothing here runs at import time; :func:`load_settings` reads the sources when called.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import ConfigError
+
+__all__ = ["Settings", "load_settings", "DEFAULT_CRIU_PREFIX"]
+
+#: Where scripts/install-criu.sh unpacks a private CRIU on machines whose apt has no CRIU >= 4.
+DEFAULT_CRIU_PREFIX = "/opt/cedana-airflow/criu"
+
+_ENV_PREFIX = "CEDANA_"
+
+
+class Settings(BaseModel):
+    """Every core setting, with its default written once, here."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    store: str = Field(
+        default="",
+        description="Store URL: file://DIR or s3://bucket/prefix. Empty means file:// under the working directory.",
+    )
+    node: str = Field(default="", description="This node's name. Empty means the hostname.")
+    work_dir: Path | None = Field(
+        default=None, description="Local work directory for dumps and restores. None means a temp dir."
+    )
+    criu: str = Field(default="", description="Path to the criu binary. Empty means: private prefix, else PATH.")
+    criu_prefix: Path = Field(default=Path(DEFAULT_CRIU_PREFIX), description="Private CRIU prefix.")
+    heartbeat_seconds: float = Field(default=0.0, ge=0, description="Seconds between heartbeats; 0 = none.")
+    checkpoint_on_term: bool = Field(
+        default=True, description="On SIGTERM to the supervisor, take a final checkpoint before stopping."
+    )
+    stop_grace_seconds: float = Field(
+        default=10.0, ge=0, description="After forwarding SIGTERM, seconds before the workload is killed."
+    )
+    chunk_avg_bytes: int = Field(
+        default=1 << 20, ge=64 << 10, le=64 << 20, description="Average chunk size for new stores."
+    )
+    compression: Literal["zstd", "none"] = Field(default="zstd", description="Chunk compression.")
+    keep_local: bool = Field(default=False, description="Keep local dump directories after upload (debugging).")
+    progress: Literal["auto", "always", "never"] = Field(
+        default="auto", description="Progress display for long transfers: auto = only on a terminal."
+    )
+
+    @field_validator("store")
+    @classmethod
+    def _store_scheme(cls, v: str) -> str:
+        if v and not (v.startswith("file://") or v.startswith("s3://")):
+            raise ValueError(f"store {v!r} has no known scheme; use file:///abs/dir or s3://bucket/prefix")
+        return v
+
+    @field_validator("node")
+    @classmethod
+    def _node_name(cls, v: str) -> str:
+        if v and (len(v) > 253 or any(c.isspace() or c == "/" for c in v)):
+            raise ValueError(f"node {v!r} must be a host-like name without spaces or '/'")
+        return v
+
+    def resolved_store(self) -> str:
+        return self.store or f"file://{Path.cwd() / '.cedana' / 'store'}"
+
+    def resolved_node(self) -> str:
+        return self.node or socket.gethostname()
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in Settings.model_fields:
+        key = _ENV_PREFIX + name.upper()
+        if key in environ and environ[key] != "":
+            out[name] = environ[key]
+    return out
+
+
+def _from_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} (CEDANA_CONFIG) does not exist. Create it or unset CEDANA_CONFIG.") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}. Fix the file or unset CEDANA_CONFIG.") from None
+    table = doc.get("cedana", {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"config file {path}: [cedana] must be a table. Write it as '[cedana]' followed by key = value lines.")
+    return table
+
+
+def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Read the config file and environment, apply ``overrides`` (None values ignored), validate once."""
+    env = os.environ if environ is None else environ
+    merged: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    if env.get("CEDANA_CONFIG"):
+        for k, v in _from_file(env["CEDANA_CONFIG"]).items():
+            merged[k], source[k] = v, f"{env['CEDANA_CONFIG']} [cedana] {k}"
+    for k, v in _from_env(env).items():
+        merged[k], source[k] = v, _ENV_PREFIX + k.upper()
+    for k, v in (overrides or {}).items():
+        if v is not None:
+            merged[k], source[k] = v, f"--{k.replace('_', '-')}"
+    try:
+        return Settings(**merged)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][0]) if err["loc"] else "?"
+        where = source.get(field, field)
+        if err["type"] == "extra_forbidden":
+            known = ", ".join(sorted(Settings.model_fields))
+            raise ConfigError(f"unknown setting {field!r} (from {where}). Known settings: {known}.") from None
+        raise ConfigError(
+            f"setting {field} = {merged.get(field)!r} (from {where}) is invalid: {err['msg']}. Fix or remove it."
+        ) from None

@@ -1,0 +1,214 @@
+"""The CRIU engine: find CRIU, freeze and dump a process tree, restore it.
+
+CRIU is found through configuration (``CEDANA_CRIU`` or the config file's ``criu``), else the
+private prefix that scripts/install-criu.sh fills on Debian 12, else PATH. CRIU's exit code plus
+the tail of its log become one :class:`~cedana_airflow.errors.EngineError` line here, at the
+boundary; nothing above this module reads CRIU logs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import cedana_airflow
+
+from ..errors import DumpFailed, EngineUnavailable, RestoreFailed
+from .capture import CAPTURE_INDEX
+from .images import read_dump_stats
+
+__all__ = ["CriuBinary", "CriuEngine", "DumpResult", "find_criu", "MIN_CRIU_MAJOR"]
+
+log = logging.getLogger(__name__)
+
+MIN_CRIU_MAJOR = 4
+_INSTALL_FIX = "Run 'make setup' (scripts/install-criu.sh) or set CEDANA_CRIU to a CRIU >= 4"
+
+
+@dataclass(frozen=True)
+class CriuBinary:
+    path: str
+    source: str  # "CEDANA_CRIU", "config", "private prefix", "PATH"
+    version: str
+
+    @property
+    def major(self) -> int:
+        m = re.match(r"(\d+)", self.version)
+        return int(m.group(1)) if m else 0
+
+
+@dataclass(frozen=True)
+class DumpResult:
+    image_dir: Path
+    seconds: float  # wall time of `criu dump`, the action script included
+    freeze_seconds: float  # how long CRIU kept the tree frozen (stats-dump), else `seconds`
+    captured: tuple[tuple[str, Path, int], ...]  # (original path, copy, mode) for each captured file
+
+
+def _version_of(path: str) -> str | None:
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"Version:\s*(\S+)", out.stdout)
+    return m.group(1) if m else None
+
+
+def find_criu(configured: str = "", prefix: Path | None = None, *, configured_from: str = "CEDANA_CRIU") -> CriuBinary:
+    """Locate a usable CRIU (see module docstring) or raise EngineUnavailable with the fix."""
+    candidates: list[tuple[str, str]] = []
+    if configured:
+        candidates.append((configured, configured_from))
+    else:
+        if prefix is not None:
+            candidates.append((str(prefix / "bin" / "criu"), f"private prefix {prefix}"))
+        on_path = shutil.which("criu")
+        if on_path:
+            candidates.append((on_path, "PATH"))
+    too_old: list[str] = []
+    for path, source in candidates:
+        if not os.path.exists(path):
+            if configured:
+                raise EngineUnavailable(f"CRIU not found at {path} (from {source}). {_INSTALL_FIX}.")
+            continue
+        version = _version_of(path)
+        if version is None:
+            too_old.append(f"{path} does not run")
+            continue
+        binary = CriuBinary(path, source, version)
+        if binary.major >= MIN_CRIU_MAJOR:
+            return binary
+        too_old.append(f"{path} is CRIU {version}")
+        if configured:
+            break
+    if too_old:
+        raise EngineUnavailable(f"CRIU too old or broken ({'; '.join(too_old)}; need >= {MIN_CRIU_MAJOR}). {_INSTALL_FIX}.")
+    raise EngineUnavailable(f"CRIU not found (looked in {prefix}/bin and PATH). {_INSTALL_FIX}.")
+
+
+def _log_tail(log_path: Path, lines: int = 40) -> str:
+    try:
+        text = log_path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    errors = [ln for ln in text if "Error" in ln or "error" in ln]
+    return (errors[-1] if errors else (text[-1] if text else "")).strip()
+
+
+_HINTS = [
+    ("Can't fork for", "a PID of the checkpoint is in use here; run workloads through 'cedana-airflow run' (own PID namespace)"),
+    ("bad size", "a file the workload had open changed size since the checkpoint; it must be captured (open it for writing) or left unchanged"),
+    ("Operation not permitted", "CRIU needs root (CAP_SYS_ADMIN); run as root"),
+    ("tcp", "the workload holds TCP connections, which CRIU does not carry by default; close them before checkpointing"),
+    ("unix", "the workload holds a UNIX socket to a process outside its tree; CRIU cannot carry it"),
+]
+
+
+def _hint(tail: str) -> str:
+    for needle, hint in _HINTS:
+        if needle in tail:
+            return hint
+    return "see the log for details"
+
+
+class CriuEngine:
+    """Dump and restore process trees with a located CRIU binary."""
+
+    name = "criu"
+
+    def __init__(self, binary: CriuBinary) -> None:
+        self.binary = binary
+
+    @property
+    def version(self) -> str:
+        return self.binary.version
+
+    def check(self) -> tuple[bool, str]:
+        """Run ``criu check``; return (passed, the last line it printed)."""
+        try:
+            out = subprocess.run([self.binary.path, "check"], capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return False, str(e)
+        text = (out.stdout + out.stderr).strip().splitlines()
+        ok = out.returncode == 0 and any("Looks good" in ln for ln in text)
+        return ok, (text[-1] if text else f"exit {out.returncode}")
+
+    @staticmethod
+    def _require_root(what: str) -> None:
+        if os.geteuid() != 0:
+            raise EngineUnavailable(f"{what} needs root (CRIU uses CAP_SYS_ADMIN and ptrace); run as root.")
+
+    def dump(self, pid: int, image_dir: Path, *, leave_running: bool = True, capture: bool = True) -> DumpResult:
+        """Freeze the tree rooted at ``pid``, write its images to ``image_dir``, resume it (or not).
+
+        With ``capture``, files the tree holds open for writing are copied while it is still frozen.
+        """
+        self._require_root("checkpointing")
+        image_dir.mkdir(parents=True, exist_ok=False)
+        log_path = image_dir.with_name(image_dir.name + ".dump.log")
+        cmd = [self.binary.path, "dump", "-t", str(pid), "-D", str(image_dir), "-o", str(log_path),
+               "--file-locks"]
+        env = dict(os.environ)
+        cap_dir = image_dir.with_name(image_dir.name + ".captured")
+        if capture:
+            script = image_dir.with_name(image_dir.name + ".capture.sh")
+            script.write_text(
+                "#!/bin/sh\n"
+                '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
+                f'exec "{sys.executable}" -m cedana_airflow.engine.capture\n'
+            )
+            script.chmod(0o700)
+            cmd += ["--action-script", str(script)]
+            env["CEDANA_CAPTURE_DIR"] = str(cap_dir)
+            pkg_parent = str(Path(cedana_airflow.__file__).resolve().parent.parent)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_parent, env.get("PYTHONPATH")]))
+        if leave_running:
+            cmd.append("--leave-running")
+        t0 = time.monotonic()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        seconds = time.monotonic() - t0
+        if proc.returncode != 0:
+            tail = _log_tail(log_path) or proc.stderr.strip()[-300:]
+            raise DumpFailed(
+                f"criu dump of pid {pid} failed (exit {proc.returncode}): {tail}. "
+                f"{_hint(tail).capitalize()}; log: {log_path}."
+            )
+        stats = read_dump_stats(image_dir)
+        captured: list[tuple[str, Path, int]] = []
+        if capture and (cap_dir / CAPTURE_INDEX).exists():
+            for item in json.loads((cap_dir / CAPTURE_INDEX).read_text()):
+                captured.append((item["path"], Path(item["copy"]), int(item["mode"])))
+        return DumpResult(image_dir, seconds, stats.get("frozen", seconds), tuple(captured))
+
+    def restore(self, image_dir: Path, *, inherit: dict[int, str], pidfile: Path) -> int:
+        """Restore the tree detached (``-d``); return the host PID of its root.
+
+        ``inherit`` maps an fd of this process to the CRIU name of the file it replaces
+        (``pipe:[1234]``): the restored workload writes into our new pipes. The caller should be a
+        child subreaper (see :mod:`cedana_airflow.supervisor`) so the restored root becomes its child.
+        """
+        self._require_root("restoring")
+        log_path = image_dir.with_name(image_dir.name + ".restore.log")
+        cmd = [self.binary.path, "restore", "-D", str(image_dir), "-d", "--pidfile", str(pidfile),
+               "-o", str(log_path), "--file-locks"]
+        for fd, name in inherit.items():
+            cmd += ["--inherit-fd", f"fd[{fd}]:{name}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, pass_fds=tuple(inherit))
+        if proc.returncode != 0:
+            tail = _log_tail(log_path) or proc.stderr.strip()[-300:]
+            raise RestoreFailed(
+                f"criu restore from {image_dir} failed (exit {proc.returncode}): {tail}. "
+                f"{_hint(tail).capitalize()}; log: {log_path}."
+            )
+        try:
+            return int(pidfile.read_text().strip())
+        except (OSError, ValueError) as e:
+            raise RestoreFailed(f"criu restore succeeded but wrote no PID to {pidfile} ({e}). Report this as a bug.") from None

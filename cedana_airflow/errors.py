@@ -1,0 +1,84 @@
+"""Every error cedana-airflow raises on purpose.
+
+::
+
+    CedanaError                      root: callers catch this one
+    ├── ConfigError                  a setting is malformed or two settings conflict
+    ├── CheckpointIdError            a checkpoint ID is unsafe (path/key traversal) or malformed
+    ├── StoreError                   the store cannot be used
+    │   ├── StoreUnavailable         not reachable, not writable, unknown format version
+    │   ├── CheckpointNotFound       no complete checkpoint under that checkpoint ID
+    │   └── CorruptCheckpoint        a chunk or manifest failed verification (never restored)
+    └── EngineError                  freezing, dumping or restoring failed
+        ├── EngineUnavailable        CRIU missing, too old, or not permitted (not root)
+        ├── DumpFailed               `criu dump` failed; the workload keeps running
+        └── RestoreFailed            `criu restore` failed
+
+Messages are one line: "<what failed>: <cause>. <fix>." and name the key, path or value involved.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CedanaError",
+    "CheckpointIdError",
+    "CheckpointNotFound",
+    "ConfigError",
+    "CorruptCheckpoint",
+    "DumpFailed",
+    "EngineError",
+    "EngineUnavailable",
+    "RestoreFailed",
+    "StoreError",
+    "StoreUnavailable",
+]
+
+
+class CedanaError(Exception):
+    """Root of every error raised on purpose; its message is one line for a person."""
+
+    exit_code = 1
+
+
+class ConfigError(CedanaError):
+    """A setting is malformed, or two settings conflict. The message names both and the fix."""
+
+    exit_code = 2
+
+
+class CheckpointIdError(CedanaError):
+    """A checkpoint ID is outside the safe character set or too long."""
+
+    exit_code = 2
+
+
+class StoreError(CedanaError):
+    """The store cannot be used as asked."""
+
+
+class StoreUnavailable(StoreError):
+    """The store is not reachable, not writable, or written in a format version we do not know."""
+
+
+class CheckpointNotFound(StoreError):
+    """No complete checkpoint exists under a checkpoint ID (a partial one does not count)."""
+
+
+class CorruptCheckpoint(StoreError):
+    """A chunk or manifest did not match its digest; that checkpoint is never restored."""
+
+
+class EngineError(CedanaError):
+    """The engine could not freeze, dump or restore."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine cannot run here: CRIU missing or too old, or not running as root."""
+
+
+class DumpFailed(EngineError):
+    """`criu dump` failed. With --leave-running the workload keeps running."""
+
+
+class RestoreFailed(EngineError):
+    """`criu restore` failed."""

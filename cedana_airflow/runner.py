@@ -1,0 +1,156 @@
+"""A managed run from start to exit: start or restore, heartbeat, forward signals, return the exit code.
+
+This is what ``cedana-airflow run`` and ``restore`` do, and what the Airflow operator calls.
+
+====================  ====================================================================
+outcome               meaning
+====================  ====================================================================
+``fresh``             no checkpoint to resume (or resume not asked): the command started
+``restored``          the newest verifiable checkpoint was restored and ran to its end
+====================  ====================================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from types import FrameType
+from typing import BinaryIO, Literal
+
+from .checkpointer import Checkpointer
+from .config import Settings
+from .engine.criu import CriuEngine, find_criu
+from .errors import CheckpointNotFound
+from .heartbeat import Heartbeat
+from .manifest import Manifest
+from .store import open_store
+from .supervisor import Workload
+
+__all__ = ["RunResult", "run_workload", "make_engine"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    exit_code: int
+    outcome: Literal["fresh", "restored"]
+    restored_from: Manifest | None = None
+    skipped: tuple[str, ...] = ()
+    checkpoints: list[Manifest] = field(default_factory=list)
+    restore_seconds: float = 0.0
+    stopped_by_signal: int | None = None
+
+
+def make_engine(settings: Settings) -> CriuEngine:
+    return CriuEngine(find_criu(settings.criu, settings.criu_prefix))
+
+
+def run_workload(
+    settings: Settings,
+    checkpoint_id: str,
+    command: Sequence[str] | None,
+    *,
+    resume: bool,
+    try_number: int = 0,
+    cwd: str | None = None,
+    env: dict[str, str] | None = None,
+    stdout: BinaryIO | None = None,
+    stderr: BinaryIO | None = None,
+    handle_signals: bool = True,
+) -> RunResult:
+    """Run ``command`` managed (or, with ``command=None``, only restore) and return how it ended.
+
+    ``resume``: restore the newest complete checkpoint of ``checkpoint_id`` when there is one.
+    With ``command=None`` a missing checkpoint is an error (CheckpointNotFound).
+    """
+    engine = make_engine(settings)
+    store = open_store(settings.resolved_store())
+    store_cfg = store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
+    own_work_dir = settings.work_dir is None
+    work_dir = Path(tempfile.mkdtemp(prefix="cedana-work-")) if own_work_dir else Path(settings.work_dir)  # type: ignore[arg-type]
+    work_dir.mkdir(parents=True, exist_ok=True)
+    cp = Checkpointer(engine, store, store_cfg, checkpoint_id, node=settings.resolved_node(), work_dir=work_dir,
+                      try_number=try_number, compression=settings.compression, keep_local=settings.keep_local,
+                      progress_mode=settings.progress)
+    try:
+        result = RunResult(exit_code=0, outcome="fresh")
+        workload: Workload | None = None
+        if resume or command is None:
+            t0 = time.monotonic()
+            try:
+                restored = cp.restore(stdout, stderr)
+            except CheckpointNotFound:
+                if command is None:
+                    raise
+                log.info("no checkpoint to resume checkpoint_id=%s; starting fresh", checkpoint_id)
+            else:
+                workload, m = restored.workload, restored.manifest
+                result.outcome, result.restored_from, result.skipped = "restored", m, restored.skipped
+                result.restore_seconds = time.monotonic() - t0
+                gap = (datetime.now(timezone.utc) - m.created_at).total_seconds()
+                log.info("restored checkpoint_id=%s seq=%d from_node=%s node=%s gap_seconds=%.1f restore_seconds=%.2f",
+                         checkpoint_id, m.seq, m.node, cp.node, gap, result.restore_seconds)
+        if workload is None:
+            assert command is not None
+            workload = Workload.start(command, cwd=cwd, env=env, stdout=stdout, stderr=stderr)
+            log.info("workload started checkpoint_id=%s pid=%d node=%s", checkpoint_id, workload.pid, cp.node)
+        return _supervise(settings, cp, workload, result, handle_signals)
+    finally:
+        if own_work_dir and not settings.keep_local:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result: RunResult,
+               handle_signals: bool) -> RunResult:
+    stop_requested = threading.Event()
+    got: list[int] = []
+
+    def beat() -> None:
+        if workload.poll() is None:
+            result.checkpoints.append(cp.checkpoint(workload))
+
+    hb = Heartbeat(settings.heartbeat_seconds, beat) if settings.heartbeat_seconds > 0 else None
+    previous: dict[int, object] = {}
+    if handle_signals and threading.current_thread() is threading.main_thread():
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            got.append(signum)
+            stop_requested.set()
+
+        for s in (signal.SIGTERM, signal.SIGINT):
+            previous[s] = signal.signal(s, on_signal)
+    try:
+        if hb:
+            hb.start()
+        while workload.poll() is None:
+            if stop_requested.wait(0.1):
+                result.stopped_by_signal = got[0]
+                log.info("stop requested signal=%s checkpoint_on_term=%s", signal.Signals(got[0]).name,
+                         settings.checkpoint_on_term)
+                if hb:
+                    hb.stop()
+                if settings.checkpoint_on_term and workload.poll() is None:
+                    try:
+                        result.checkpoints.append(cp.checkpoint(workload))
+                    except Exception as e:  # stopping matters more than the final checkpoint
+                        log.warning("final checkpoint failed: %s", e)
+                workload.stop(settings.stop_grace_seconds)
+                break
+        if hb:
+            hb.stop()
+        rc = workload.wait()
+        result.exit_code = 128 + result.stopped_by_signal if result.stopped_by_signal else (rc if rc is not None else 1)
+        log.info("workload exited checkpoint_id=%s exit_code=%d checkpoints=%d", cp.checkpoint_id, result.exit_code,
+                 len(result.checkpoints))
+        return result
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)  # type: ignore[arg-type]

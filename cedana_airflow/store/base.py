@@ -1,0 +1,90 @@
+"""The store interface: what every backend (file://, s3://) provides, and the layout they share.
+
+Backends move bytes under keys; everything about checkpoints (chunking, manifests, verification,
+choosing the latest) lives above them in :mod:`cedana_airflow.store.transfer`, so a new backend is a
+small class, not a rewrite. Layout (docs/store-format.md)::
+
+    <root>/store.json                          format version and chunker parameters
+    <root>/chunks/ab/ab12...ef                 content-addressed chunks (BLAKE3 hex of raw bytes)
+    <root>/<checkpoint id>/0000000007/manifest.json   one complete checkpoint (written last)
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..chunking import CHUNKER_NAME
+from ..errors import StoreUnavailable
+from ..ids import RESERVED_NAMES
+
+__all__ = ["Store", "StoreConfig", "STORE_FORMAT_VERSION", "RESERVED_NAMES", "chunk_key", "manifest_key", "parse_store_config"]
+
+STORE_FORMAT_VERSION = 1
+
+
+class StoreConfig(BaseModel):
+    """store.json: read before anything else; an unknown format version stops every client."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    format_version: int = STORE_FORMAT_VERSION
+    chunker: str = CHUNKER_NAME
+    chunk_avg_bytes: int = 1 << 20
+    digest: str = "blake3"
+
+
+def parse_store_config(raw: bytes, where: str) -> StoreConfig:
+    try:
+        cfg = StoreConfig.model_validate(json.loads(raw))
+    except (ValueError, ValidationError) as e:
+        raise StoreUnavailable(f"store {where}: store.json is unreadable ({str(e).splitlines()[0]}). Restore it from a backup or point --store elsewhere.") from None
+    if cfg.format_version != STORE_FORMAT_VERSION or cfg.digest != "blake3" or cfg.chunker != CHUNKER_NAME:
+        raise StoreUnavailable(
+            f"store {where}: format_version={cfg.format_version} chunker={cfg.chunker} digest={cfg.digest} "
+            f"is not the format this cedana-airflow writes (version {STORE_FORMAT_VERSION}). Upgrade cedana-airflow."
+        )
+    return cfg
+
+
+def chunk_key(digest: str) -> str:
+    return f"chunks/{digest[:2]}/{digest}"
+
+
+def manifest_key(checkpoint_id: str, seq: int) -> str:
+    return f"{checkpoint_id}/{seq:010d}/manifest.json"
+
+
+@runtime_checkable
+class Store(Protocol):
+    """Byte-level operations a backend provides. Keys are relative to the store's root."""
+
+    url: str
+
+    def open(self, *, create: bool, chunk_avg_bytes: int) -> StoreConfig:
+        """Read store.json (creating it when ``create`` and absent); check the store is usable."""
+        ...
+
+    def has_chunk(self, digest: str) -> bool: ...
+
+    def put_chunk(self, digest: str, blob: bytes) -> None:
+        """Write a chunk object atomically. Writing an existing digest again is harmless."""
+        ...
+
+    def get_chunk(self, digest: str) -> bytes:
+        """Return the stored object; raise CorruptCheckpoint when it is missing."""
+        ...
+
+    def put_manifest(self, checkpoint_id: str, seq: int, data: bytes) -> bool:
+        """Write a manifest atomically, only if that (id, seq) is free. False when it was taken."""
+        ...
+
+    def get_manifest(self, checkpoint_id: str, seq: int) -> bytes: ...
+
+    def list_ids(self) -> list[str]: ...
+
+    def list_seqs(self, checkpoint_id: str) -> list[int]:
+        """Sequence numbers that have a manifest (that is, complete checkpoints), ascending."""
+        ...

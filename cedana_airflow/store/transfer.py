@@ -1,0 +1,235 @@
+"""Checkpoints in and out of a store: chunking, dedup, verification, and the manifest commit point.
+
+Write order (docs/store-format.md): every chunk first, the manifest last. A checkpoint whose
+manifest is absent does not exist, so a writer killed at any point leaves the previous checkpoint
+as the latest. Read order: manifests first, then chunks, each verified before its bytes are used.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from .. import chunking
+from ..errors import CheckpointNotFound, CorruptCheckpoint, StoreError
+from ..ids import validate_checkpoint_id
+from ..manifest import CapturedFile, ChunkRef, FileEntry, Manifest, ProcessInfo
+from ..progress import Progress
+from ..selection import restore_order
+from .base import Store, StoreConfig
+
+__all__ = ["CAPTURED_DIR", "CapturedSource", "CheckpointMeta", "fetch_checkpoint", "load_manifests", "require_latest", "save_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+#: Sub-folder of a restore directory where captured files land before they are put back.
+CAPTURED_DIR = "captured"
+_WORKERS = max(2, min(8, os.cpu_count() or 2))
+_IN_FLIGHT = _WORKERS * 2
+
+
+@dataclass(frozen=True)
+class CapturedSource:
+    """A file copied while the workload was frozen: where it belongs, and where the copy is."""
+
+    path: str
+    copy: Path
+    mode: int
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    checkpoint_id: str
+    node: str
+    engine_version: str
+    process: ProcessInfo
+    try_number: int = 0
+    freeze_seconds: float = 0.0
+    parent_seq: int | None = None
+
+
+@dataclass
+class _Writer:
+    store: Store
+    cfg: StoreConfig
+    compression: str
+    known: set[str]
+    progress: Progress
+    pool: ThreadPoolExecutor
+    stored_bytes: int = 0
+    new_chunks: int = 0
+    pending: deque[Future[int]] = field(default_factory=deque)
+
+    def _put(self, d: str, data: bytes) -> int:
+        blob = chunking.encode(data, self.compression)
+        self.store.put_chunk(d, blob)
+        return len(blob)
+
+    def _drain(self, keep: int) -> None:
+        while len(self.pending) > keep:
+            n = self.pending.popleft().result()
+            self.stored_bytes += n
+            self.new_chunks += 1
+
+    def add_file(self, path: Path) -> tuple[int, tuple[ChunkRef, ...]]:
+        refs: list[ChunkRef] = []
+        size = 0
+        for cut in chunking.cut_file(path, self.cfg.chunk_avg_bytes):
+            d = chunking.digest(cut.data)
+            n = len(cut.data)
+            refs.append(ChunkRef(digest=d, size=n))
+            size += n
+            if d not in self.known and not self.store.has_chunk(d):
+                self.known.add(d)
+                self._drain(_IN_FLIGHT)
+                self.pending.append(self.pool.submit(self._put, d, bytes(cut.data)))
+            else:
+                self.known.add(d)
+            self.progress.advance(n)
+        return size, tuple(refs)
+
+
+def save_checkpoint(
+    store: Store,
+    cfg: StoreConfig,
+    meta: CheckpointMeta,
+    image_dir: Path,
+    captured: Sequence[CapturedSource] = (),
+    *,
+    known_digests: Iterable[str] = (),
+    compression: str = "zstd",
+    progress_mode: str = "never",
+) -> Manifest:
+    """Store an image directory (and captured files) as a new checkpoint; return its manifest.
+
+    ``known_digests`` are chunks known to be in the store already (from the previous manifest of
+    this checkpoint ID), which saves an existence check per chunk.
+    """
+    validate_checkpoint_id(meta.checkpoint_id)
+    t0 = time.monotonic()
+    image_files = sorted(p for p in image_dir.iterdir() if p.is_file())
+    total = sum(p.stat().st_size for p in image_files) + sum(c.copy.stat().st_size for c in captured)
+    progress = Progress(f"checkpoint {meta.checkpoint_id}", total, progress_mode)
+    with ThreadPoolExecutor(_WORKERS, thread_name_prefix="cedana-put") as pool:
+        w = _Writer(store, cfg, compression, set(known_digests), progress, pool)
+        entries = []
+        for p in image_files:
+            size, refs = w.add_file(p)
+            entries.append(FileEntry(name=p.name, size=size, chunks=refs))
+        caps = []
+        for c in captured:
+            size, refs = w.add_file(c.copy)
+            caps.append(CapturedFile(path=c.path, size=size, mode=c.mode, chunks=refs))
+        w._drain(0)
+    progress.close()
+    seqs = store.list_seqs(meta.checkpoint_id)
+    seq = (seqs[-1] if seqs else 0) + 1
+    while True:
+        manifest = Manifest(
+            checkpoint_id=meta.checkpoint_id,
+            seq=seq,
+            try_number=meta.try_number,
+            node=meta.node,
+            created_at=datetime.now(timezone.utc),
+            engine_version=meta.engine_version,
+            process=meta.process,
+            files=tuple(entries),
+            captured=tuple(caps),
+            image_bytes=total,
+            stored_bytes=w.stored_bytes,
+            new_chunks=w.new_chunks,
+            freeze_seconds=meta.freeze_seconds,
+            parent_seq=meta.parent_seq,
+        )
+        # The commit point: until this write succeeds the checkpoint does not exist.
+        if store.put_manifest(meta.checkpoint_id, seq, manifest.model_dump_json(indent=1).encode()):
+            break
+        seq += 1  # another writer took this seq first; ours goes after it
+    log.info(
+        "checkpoint saved checkpoint_id=%s seq=%d chunks=%d new=%d image_bytes=%d stored_bytes=%d seconds=%.2f",
+        meta.checkpoint_id, seq, sum(len(e.chunks) for e in entries) + sum(len(c.chunks) for c in caps),
+        w.new_chunks, total, w.stored_bytes, time.monotonic() - t0,
+    )
+    return manifest
+
+
+def load_manifests(store: Store, checkpoint_id: str) -> list[Manifest]:
+    """Every readable complete checkpoint of an ID, newest first (see :func:`restore_order`).
+
+    A manifest that does not parse is reported and skipped: it can never be restored.
+    """
+    validate_checkpoint_id(checkpoint_id)
+    out = []
+    for seq in store.list_seqs(checkpoint_id):
+        try:
+            m = Manifest.model_validate_json(store.get_manifest(checkpoint_id, seq))
+        except (ValidationError, ValueError, OSError, StoreError) as e:
+            log.warning("manifest unreadable checkpoint_id=%s seq=%d: %s", checkpoint_id, seq, str(e).splitlines()[0])
+            continue
+        if m.checkpoint_id != checkpoint_id or m.seq != seq:
+            log.warning("manifest misplaced checkpoint_id=%s seq=%d names %s/%d; skipped", checkpoint_id, seq, m.checkpoint_id, m.seq)
+            continue
+        out.append(m)
+    return restore_order(out)
+
+
+def fetch_checkpoint(store: Store, manifest: Manifest, dest: Path, progress_mode: str = "never") -> None:
+    """Download and verify every chunk of a checkpoint into ``dest`` (image files, then captured/).
+
+    Raises CorruptCheckpoint, leaving nothing usable in ``dest``, if any chunk is missing or wrong.
+    """
+    if dest.exists():
+        shutil.rmtree(dest)
+    (dest / CAPTURED_DIR).mkdir(parents=True)
+    targets: list[tuple[Path, int, tuple[ChunkRef, ...]]] = [(dest / f.name, f.size, f.chunks) for f in manifest.files]
+    targets += [(dest / CAPTURED_DIR / str(i), c.size, c.chunks) for i, c in enumerate(manifest.captured)]
+    progress = Progress(f"restore {manifest.checkpoint_id}#{manifest.seq}", manifest.image_bytes, progress_mode)
+    fds: list[int] = []
+    jobs: list[tuple[int, int, ChunkRef]] = []
+    try:
+        for path, size, refs in targets:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fds.append(fd)
+            os.ftruncate(fd, size)
+            off = 0
+            for ref in refs:
+                jobs.append((fd, off, ref))
+                off += ref.size
+
+        def get(job: tuple[int, int, ChunkRef]) -> None:
+            fd, off, ref = job
+            raw = chunking.decode(store.get_chunk(ref.digest), ref.digest, ref.size)
+            os.pwrite(fd, raw, off)
+            progress.advance(ref.size)
+
+        with ThreadPoolExecutor(_WORKERS, thread_name_prefix="cedana-get") as pool:
+            for _ in pool.map(get, jobs):
+                pass
+    except CorruptCheckpoint as e:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise CorruptCheckpoint(f"checkpoint {manifest.checkpoint_id} seq={manifest.seq}: {e}") from None
+    finally:
+        for fd in fds:
+            os.close(fd)
+        progress.close()
+
+
+def require_latest(store: Store, checkpoint_id: str) -> list[Manifest]:
+    manifests = load_manifests(store, checkpoint_id)
+    if not manifests:
+        raise CheckpointNotFound(
+            f"no complete checkpoint under checkpoint ID {checkpoint_id!r} in {store.url}. "
+            "Check --id and --store, or start the workload with 'cedana-airflow run'."
+        )
+    return manifests

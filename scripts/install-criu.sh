@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Make a CRIU >= 4 available that passes `criu check` on this kernel.
+#
+#   1. A system CRIU that is new enough is used as it is.
+#   2. Where apt offers criu >= 4 (Debian 13), it is installed with apt.
+#   3. Otherwise (Debian 12 ships 3.17, which fails `criu check` on kernel 6.x with a vDSO error)
+#      Debian 13's criu package and the libraries it needs are fetched by package name with apt
+#      and unpacked into a private prefix, run through the loader shipped in that prefix, so the
+#      system's own libc is never touched.
+#
+# Idempotent: a prefix that already answers `criu --version` >= 4 is kept.
+# Prefix: $CEDANA_CRIU_PREFIX (default /opt/cedana-airflow/criu); the engine looks there too.
+set -euo pipefail
+
+PREFIX="${CEDANA_CRIU_PREFIX:-/opt/cedana-airflow/criu}"
+SUITE="${CEDANA_CRIU_SUITE:-trixie}"
+MIRROR="${CEDANA_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+
+say() { echo "install-criu: $*" >&2; }
+
+major_of() {  # prints the major version of the criu at "$@", or nothing
+  "$@" --version 2>/dev/null | sed -n 's/^Version: *\([0-9]*\)\..*/\1/p' | head -n1
+}
+
+new_enough() { local m; m=$(major_of "$@"); [ -n "$m" ] && [ "$m" -ge 4 ]; }
+
+if [ "$(id -u)" != 0 ]; then
+  say "must run as root (CRIU checkpoints need CAP_SYS_ADMIN and apt needs root); rerun with sudo"
+  exit 2
+fi
+
+if command -v criu >/dev/null && new_enough criu; then
+  say "system criu is new enough: $(command -v criu) ($(criu --version | head -n1))"
+  exit 0
+fi
+if [ -x "$PREFIX/bin/criu" ] && new_enough "$PREFIX/bin/criu"; then
+  say "private criu already present: $PREFIX/bin/criu ($("$PREFIX/bin/criu" --version | head -n1))"
+  exit 0
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+# util-linux gives unshare/setsid (the workload's PID namespace); always present on Debian, but be sure.
+command -v unshare >/dev/null && command -v setsid >/dev/null || { apt-get update -qq; apt-get install -y -qq util-linux; }
+
+candidate=$(apt-cache policy criu 2>/dev/null | sed -n 's/^ *Candidate: *\([0-9]*\)\..*/\1/p')
+if [ -z "$candidate" ]; then apt-get update -qq; candidate=$(apt-cache policy criu 2>/dev/null | sed -n 's/^ *Candidate: *\([0-9]*\)\..*/\1/p'); fi
+if [ -n "$candidate" ] && [ "$candidate" -ge 4 ]; then
+  say "installing criu from this system's apt sources"
+  apt-get install -y -qq --no-install-recommends criu
+  new_enough criu && exit 0
+fi
+
+say "system apt offers criu ${candidate:-none}; unpacking Debian $SUITE's criu into $PREFIX"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$work/lists/partial" "$work/cache/archives/partial" "$work/debs"
+echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $MIRROR $SUITE main" >"$work/sources.list"
+APT_OPTS=(-o "Dir::Etc::SourceList=$work/sources.list" -o "Dir::Etc::SourceParts=/dev/null"
+          -o "Dir::State::Lists=$work/lists" -o "Dir::Cache=$work/cache" -o "APT::Sandbox::User=root")
+[ -f /usr/share/keyrings/debian-archive-keyring.gpg ] || apt-get install -y -qq debian-archive-keyring
+apt-get "${APT_OPTS[@]}" update -qq
+# criu plus everything it needs at run time, resolved by apt for that suite (libc included, since
+# criu 4.1 wants glibc >= 2.38 and Debian 12 has 2.36).
+mapfile -t pkgs < <(apt-cache "${APT_OPTS[@]}" depends --recurse --no-recommends --no-suggests \
+  --no-conflicts --no-breaks --no-replaces --no-enhances --no-pre-depends criu | grep -v '^ ' | grep -v '^<' | sort -u)
+(cd "$work/debs" && apt-get "${APT_OPTS[@]}" download -qq "${pkgs[@]}")
+rm -rf "$PREFIX.new"
+mkdir -p "$PREFIX.new"
+for deb in "$work"/debs/*.deb; do dpkg-deb -x "$deb" "$PREFIX.new"; done
+lib="$PREFIX/usr/lib/x86_64-linux-gnu"
+mkdir -p "$PREFIX.new/bin"
+cat >"$PREFIX.new/bin/criu" <<WRAP
+#!/bin/sh
+# Debian $SUITE's criu, run through its own loader and libraries (see scripts/install-criu.sh).
+exec "$lib/ld-linux-x86-64.so.2" --library-path "$lib" "$PREFIX/usr/sbin/criu" "\$@"
+WRAP
+chmod 755 "$PREFIX.new/bin/criu"
+rm -rf "$PREFIX"
+mv "$PREFIX.new" "$PREFIX"
+if ! new_enough "$PREFIX/bin/criu"; then
+  say "unpacked criu does not run: $("$PREFIX/bin/criu" --version 2>&1 | tail -n1)"
+  exit 1
+fi
+say "installed $("$PREFIX/bin/criu" --version | head -n1) at $PREFIX/bin/criu"
+"$PREFIX/bin/criu" check >/dev/null 2>&1 && say "criu check: ok" || say "warning: 'criu check' failed on this kernel; run 'cedana-airflow doctor'"

@@ -1,0 +1,67 @@
+"""A training-style workload for tests and the demo: numpy state, steps, printed progress.
+
+Deterministic: the final digest depends only on the arguments, so a run that was checkpointed,
+killed and restored must print the same digest as an uninterrupted one.
+
+    python train.py --mb 200 --steps 40 --step-seconds 0.1 [--log FILE] [--threads 2] [--child]
+"""
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--mb", type=int, default=100)
+ap.add_argument("--steps", type=int, default=20)
+ap.add_argument("--step-seconds", type=float, default=0.1)
+ap.add_argument("--log", help="append one line per step to this file (held open for appending)")
+ap.add_argument("--threads", type=int, default=0, help="extra threads that each keep a counter")
+ap.add_argument("--child", action="store_true", help="keep a child process that echoes through a pipe")
+ap.add_argument("--change-fraction", type=float, default=0.01, help="fraction of state rewritten per step")
+args = ap.parse_args()
+
+print(f"start-up: allocating {args.mb} MB (pid {os.getpid()})", flush=True)
+rng = np.random.default_rng(1234)
+state = rng.standard_normal(args.mb * (1 << 20) // 8)
+log = open(args.log, "a") if args.log else None
+
+counters = [0] * args.threads
+def tick(i):
+    while True:
+        counters[i] += 1
+        time.sleep(0.01)
+for i in range(args.threads):
+    threading.Thread(target=tick, args=(i,), daemon=True).start()
+
+child = None
+if args.child:
+    child = subprocess.Popen([sys.executable, "-u", "-c",
+        "import sys\nfor line in sys.stdin:\n    print(line.strip()[::-1], flush=True)"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+n = len(state)
+span = max(1, int(n * args.change_fraction))
+for step in range(args.steps):
+    lo = (step * span) % max(1, n - span)
+    state[lo:lo + span] = state[lo:lo + span] * 0.5 + step
+    if child:
+        child.stdin.write(f"step{step}\n"); child.stdin.flush()
+        echoed = child.stdout.readline().strip()
+        assert echoed == f"step{step}"[::-1], echoed
+    if log:
+        log.write(f"step {step}\n"); log.flush()
+    if args.threads:
+        assert all(c > 0 for c in counters)
+    print(f"step {step + 1}/{args.steps}", flush=True)
+    time.sleep(args.step_seconds)
+
+digest = hashlib.sha256(state.tobytes()).hexdigest()[:16]
+print(f"done digest={digest}", flush=True)
+if child:
+    child.stdin.close(); child.wait()
