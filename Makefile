@@ -1,0 +1,32 @@
+# The two set-up commands of the README: `make demo` and `make test`. Both install what they need.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup criu demo test test-unit bench clean
+
+setup: $(STAMP) criu
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+criu:
+	bash scripts/install-criu.sh
+
+demo: setup
+	$(BIN)/python scripts/demo.py
+
+test: setup
+	$(BIN)/python -m pytest
+
+test-unit: setup
+	$(BIN)/python -m pytest -m "not integration"
+
+bench: setup
+	$(BIN)/python bench/run.py
+
+clean:
+	rm -rf $(VENV) .cedana .pytest_cache

@@ -1,0 +1,93 @@
+"""Shared fixtures: real CRIU, real processes, the file store in tmp_path."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cedana_airflow.supervisor import become_subreaper
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = REPO / "tests" / "workloads" / "train.py"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _reap_orphans():
+    """This machine's init does not reap orphans; killed supervisors leave some behind."""
+    become_subreaper()
+    yield
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+
+
+def cli_env(tmp_path: Path, node: str, work: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CEDANA_")}
+    env.update(CEDANA_STORE=f"file://{tmp_path / 'store'}", CEDANA_NODE=node,
+               CEDANA_WORK_DIR=str(tmp_path / work), PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def cli(*args: str, env: dict[str, str], timeout: float = 300, **kw) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cedana_airflow", *args], env=env, text=True,
+                          capture_output=True, timeout=timeout, **kw)
+
+
+def start_cli(*args: str, env: dict[str, str], out: Path) -> subprocess.Popen[bytes]:
+    """Start the CLI in the background, stdout and stderr to files (read them after it ends)."""
+    return subprocess.Popen([sys.executable, "-m", "cedana_airflow", *args], env=env,
+                            stdout=open(out.with_suffix(".out"), "wb"), stderr=open(out.with_suffix(".err"), "wb"))
+
+
+def manifests(store: Path, checkpoint_id: str) -> list[dict]:
+    d = store / checkpoint_id
+    if not d.is_dir():
+        return []
+    return [json.loads((p / "manifest.json").read_text()) for p in sorted(d.iterdir()) if (p / "manifest.json").exists()]
+
+
+def wait_for_checkpoints(store: Path, checkpoint_id: str, n: int, proc: subprocess.Popen[bytes],
+                         timeout: float = 120) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ms = manifests(store, checkpoint_id)
+        if len(ms) >= n:
+            return ms
+        assert proc.poll() is None, f"supervisor exited early with {proc.returncode}"
+        time.sleep(0.2)
+    raise AssertionError(f"no {n} checkpoint(s) under {checkpoint_id} within {timeout}s")
+
+
+def kill_node(proc: subprocess.Popen[bytes], workload_pid: int) -> None:
+    """Simulate losing the node: SIGKILL the supervisor and the workload's whole PID namespace."""
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    try:
+        os.kill(workload_pid, signal.SIGKILL)  # the namespace's init: everything in it dies too
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{workload_pid}") and time.monotonic() < deadline:
+        try:
+            os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.05)
+
+
+def uninterrupted_digest(*train_args: str) -> str:
+    out = subprocess.run([sys.executable, str(TRAIN), *train_args, "--step-seconds", "0"],
+                         capture_output=True, text=True, check=True).stdout
+    return out.strip().splitlines()[-1]

@@ -1,0 +1,101 @@
+"""Bad input gets one clear line naming the cause and the fix, and a distinct exit code."""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+
+import pytest
+
+from conftest import cli, cli_env
+
+
+def _one_line(r) -> str:
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+def test_unknown_checkpoint_id_is_one_line_and_exit_1(tmp_path):
+    r = cli("restore", "--id", "never-saved", env=cli_env(tmp_path, "n", "w"))
+    assert r.returncode == 1
+    line = _one_line(r)
+    assert line.startswith("CheckpointNotFound: no complete checkpoint under checkpoint ID 'never-saved'")
+    assert "Check --id and --store" in line
+
+
+@pytest.mark.parametrize("bad", ["../etc", "a/b", "chunks", "", "x" * 201])
+def test_unsafe_checkpoint_id_is_refused_before_any_io(tmp_path, bad):
+    r = cli("restore", "--id", bad, env=cli_env(tmp_path, "n", "w"))
+    assert r.returncode == 2
+    assert _one_line(r).startswith("CheckpointIdError: checkpoint ID")
+    assert not (tmp_path / "etc").exists()
+
+
+def test_store_that_cannot_be_written_is_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    env = cli_env(tmp_path, "n", "w", CEDANA_STORE=f"file://{blocker}/store")
+    r = cli("run", "--id", "x", "--", "true", env=env)
+    assert r.returncode == 1
+    line = _one_line(r)
+    assert line.startswith(f"StoreUnavailable: store file://{blocker}/store is not usable")
+    assert "choose another --store" in line
+
+
+def test_criu_absent_is_one_line_with_the_fix(tmp_path):
+    env = cli_env(tmp_path, "n", "w", CEDANA_CRIU=str(tmp_path / "no-criu-here"))
+    r = cli("run", "--id", "x", "--", "true", env=env)
+    assert r.returncode == 1
+    line = _one_line(r)
+    assert line.startswith("EngineUnavailable: CRIU not found at")
+    assert "make setup" in line
+
+
+def test_criu_too_old_is_one_line_with_the_fix_fake_binary(tmp_path):
+    # A stand-in that answers like Debian 12's CRIU 3.17 (which cannot run on this kernel at all).
+    fake = tmp_path / "criu"
+    fake.write_text("#!/bin/sh\necho 'Version: 3.17.1'\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    r = cli("run", "--id", "x", "--", "true", env=cli_env(tmp_path, "n", "w", CEDANA_CRIU=str(fake)))
+    assert r.returncode == 1
+    line = _one_line(r)
+    assert "CRIU 3.17.1" in line and "need >= 4" in line and "make setup" in line
+
+
+def test_malformed_setting_is_one_line_and_exit_2(tmp_path):
+    r = cli("run", "--id", "x", "--", "true", env=cli_env(tmp_path, "n", "w", CEDANA_STOP_GRACE_SECONDS="soon"))
+    assert r.returncode == 2
+    line = _one_line(r)
+    assert line.startswith("ConfigError: setting stop_grace_seconds = 'soon' (from CEDANA_STOP_GRACE_SECONDS)")
+
+
+def test_doctor_passes_here_and_fails_with_a_fix_without_criu(tmp_path):
+    ok = cli("doctor", env=cli_env(tmp_path, "n", "w"))
+    assert ok.returncode == 0, ok.stdout
+    assert "OK    criu check: Looks good." in ok.stdout
+    bad = cli("doctor", "--json", env=cli_env(tmp_path, "n", "w", CEDANA_CRIU="/nonexistent/criu"))
+    assert bad.returncode == 1
+    checks = {c["name"]: c for c in json.loads(bad.stdout)}
+    assert checks["criu"]["status"] == "fail" and "make setup" in checks["criu"]["fix"]
+    assert checks["store"]["status"] == "ok"
+
+
+def test_run_returns_the_workloads_own_exit_code(tmp_path):
+    r = cli("run", "--id", "rc", "--", sys.executable, "-c", "import sys; print('hi'); sys.exit(7)",
+            env=cli_env(tmp_path, "n", "w"))
+    assert r.returncode == 7
+    assert r.stdout == "hi\n"
+
+
+def test_checkpoints_json_lists_the_contract_fields(tmp_path):
+    env = cli_env(tmp_path, "node-x", "w")
+    r = cli("run", "--id", "listed", "--heartbeat", "0.5", "--", sys.executable, "-c", "import time; time.sleep(2.5)", env=env)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(cli("checkpoints", "--json", env=env).stdout)
+    assert rows and {"id", "seq", "try_number", "node", "created_at", "image_bytes", "stored_bytes", "complete"} <= rows[0].keys()
+    assert [r["seq"] for r in rows] == list(range(1, len(rows) + 1))
+    assert all(r["id"] == "listed" and r["node"] == "node-x" and r["complete"] for r in rows)
+    one = json.loads(cli("checkpoints", "listed", "--json", env=env).stdout)
+    assert one == rows

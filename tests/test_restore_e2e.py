@@ -1,0 +1,91 @@
+"""End to end with real CRIU: lose the node mid-run, restore elsewhere from the store alone."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import pytest
+
+from conftest import TRAIN, cli, cli_env, kill_node, manifests, start_cli, uninterrupted_digest, wait_for_checkpoints
+
+pytestmark = pytest.mark.integration
+
+
+def _train(*extra: str) -> list[str]:
+    return [sys.executable, str(TRAIN), *extra]
+
+
+def test_numpy_workload_survives_node_loss_and_resumes_on_another_node(tmp_path):
+    args = ["--mb", "300", "--steps", "40", "--step-seconds", "0.15"]
+    env_a = cli_env(tmp_path, "node-a", "work-a")
+    proc = start_cli("run", "--id", "train-1", "--heartbeat", "1.5", "--", *_train(*args), env=env_a, out=tmp_path / "a")
+    ms = wait_for_checkpoints(tmp_path / "store", "train-1", 1, proc)
+    kill_node(proc, ms[0]["process"]["pid"])
+    shutil.rmtree(tmp_path / "work-a")  # the new node has nothing but the store
+
+    first = (tmp_path / "a.out").read_text().splitlines()
+    assert first[0].startswith("start-up") and not any(ln.startswith("done") for ln in first)
+
+    r = cli("restore", "--id", "train-1", "--heartbeat", "60", env=cli_env(tmp_path, "node-b", "work-b"))
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    # It continued from the checkpoint: no start-up again, and the first step printed is not step 1.
+    assert not any(ln.startswith("start-up") for ln in out), out[:3]
+    assert out[0].startswith("step ") and int(out[0].split()[1].split("/")[0]) > 1, out[:3]
+    assert out[-1] == uninterrupted_digest(*args)
+    assert "from_node=node-a node=node-b" in r.stderr
+    assert all(m["node"] == "node-a" for m in ms)
+
+
+def test_threads_child_process_and_appended_file_are_restored(tmp_path):
+    log = tmp_path / "steps.log"
+    args = ["--mb", "20", "--steps", "30", "--step-seconds", "0.1", "--threads", "2", "--child", "--log", str(log)]
+    proc = start_cli("run", "--id", "tree", "--heartbeat", "1", "--", *_train(*args),
+                     env=cli_env(tmp_path, "node-a", "work-a"), out=tmp_path / "a")
+    ms = wait_for_checkpoints(tmp_path / "store", "tree", 1, proc)
+    kill_node(proc, ms[0]["process"]["pid"])
+    assert [c["path"] for c in ms[0]["captured"]] == [str(log)]
+    log.write_text("garbage written after the checkpoint\n" * 3)  # the restore must put back the captured state
+
+    r = cli("restore", "--id", "tree", env=cli_env(tmp_path, "node-b", "work-b"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == uninterrupted_digest("--mb", "20", "--steps", "30", "--threads", "2", "--child")
+    # Every step appended exactly once, in order: the file continued from the checkpoint's size.
+    assert log.read_text().splitlines() == [f"step {i}" for i in range(30)]
+
+
+def test_flipped_byte_in_a_chunk_falls_back_to_the_previous_checkpoint(tmp_path):
+    args = ["--mb", "50", "--steps", "60", "--step-seconds", "0.1"]
+    proc = start_cli("run", "--id", "flip", "--heartbeat", "1", "--", *_train(*args),
+                     env=cli_env(tmp_path, "node-a", "work-a"), out=tmp_path / "a")
+    ms = wait_for_checkpoints(tmp_path / "store", "flip", 2, proc)
+    kill_node(proc, ms[0]["process"]["pid"])
+    ms = manifests(tmp_path / "store", "flip")
+    newest, older = ms[-1], ms[-2]
+    older_digests = {c["digest"] for f in older["files"] for c in f["chunks"]}
+    victim = next(c["digest"] for f in newest["files"] for c in f["chunks"] if c["digest"] not in older_digests)
+    path = tmp_path / "store" / "chunks" / victim[:2] / victim
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    path.write_bytes(bytes(blob))
+
+    r = cli("restore", "--id", "flip", env=cli_env(tmp_path, "node-b", "work-b"))
+    assert r.returncode == 0, r.stderr
+    assert f"checkpoint refused checkpoint_id=flip seq={newest['seq']}" in r.stderr
+    assert "falling back to the previous one" in r.stderr
+    assert f"restored checkpoint_id=flip seq={older['seq']}" in r.stderr
+    assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
+
+
+def test_second_heartbeat_of_a_mostly_unchanged_process_stores_little(tmp_path):
+    # 0.2% of the state changes per step, ~5 steps between heartbeats: about 1% changed.
+    args = ["--mb", "200", "--steps", "100", "--step-seconds", "0.2", "--change-fraction", "0.002"]
+    proc = start_cli("run", "--id", "dedup", "--heartbeat", "1", "--", *_train(*args),
+                     env=cli_env(tmp_path, "node-a", "work-a"), out=tmp_path / "a")
+    ms = wait_for_checkpoints(tmp_path / "store", "dedup", 3, proc)
+    kill_node(proc, ms[0]["process"]["pid"])
+    first, later = ms[0], ms[1:3]
+    assert first["stored_bytes"] > 0.8 * 200 * 2**20  # the first one stores (nearly) everything
+    for m in later:
+        assert m["stored_bytes"] < 0.10 * m["image_bytes"], (m["seq"], m["stored_bytes"], m["image_bytes"])
