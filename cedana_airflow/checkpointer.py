@@ -53,10 +53,11 @@ class Checkpointer:
     def checkpoint(self, workload: Workload, *, leave_running: bool = True) -> Manifest:
         with self._lock:
             self._count += 1
-            image_dir = self.work_dir / f"dump-{os.getpid()}-{self._count}"
+            # Each dump gets its own folder: images, CRIU's log and the captured files, removed together.
+            dump_dir = self.work_dir / f"dump-{os.getpid()}-{self._count}"
             rss = workload.rss_bytes()
             try:
-                dump = self.engine.dump(workload.pid, image_dir, leave_running=leave_running)
+                dump = self.engine.dump(workload.pid, dump_dir / "images", leave_running=leave_running)
                 meta = CheckpointMeta(
                     checkpoint_id=self.checkpoint_id, node=self.node, engine_version=self.engine.version,
                     process=ProcessInfo(pid=workload.pid, command=workload.command, cwd=workload.cwd,
@@ -65,13 +66,12 @@ class Checkpointer:
                     try_number=self.try_number, freeze_seconds=dump.freeze_seconds, parent_seq=self.parent_seq,
                 )
                 captured = [CapturedSource(p, c, m) for p, c, m in dump.captured]
-                manifest = save_checkpoint(self.store, self.store_cfg, meta, image_dir, captured,
+                manifest = save_checkpoint(self.store, self.store_cfg, meta, dump.image_dir, captured,
                                            known_digests=self._known, compression=self.compression,
                                            progress_mode=self.progress_mode)
             finally:
                 if not self.keep_local:
-                    for p in image_dir.parent.glob(image_dir.name + "*"):
-                        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                    shutil.rmtree(dump_dir, ignore_errors=True)
             self._known = manifest.chunk_digests()
             self.latest = manifest
             log.info("freeze checkpoint_id=%s seq=%d freeze_seconds=%.3f rss_bytes=%d",
@@ -83,17 +83,21 @@ class Checkpointer:
         when there is none, CorruptCheckpoint when every one fails verification."""
         skipped: list[str] = []
         for m in require_latest(self.store, self.checkpoint_id):
-            dest = self.work_dir / f"restore-{m.seq}"
+            # images/ (with captured/ inside) plus CRIU's log and pidfile, removed together.
+            restore_dir = self.work_dir / f"restore-{os.getpid()}-{m.seq}"
+            shutil.rmtree(restore_dir, ignore_errors=True)
             try:
-                fetch_checkpoint(self.store, m, dest, self.progress_mode)
+                fetch_checkpoint(self.store, m, restore_dir / "images", self.progress_mode)
             except CorruptCheckpoint as e:
                 skipped.append(str(e))
                 log.warning("checkpoint refused checkpoint_id=%s seq=%d: %s; falling back to the previous one",
                             self.checkpoint_id, m.seq, e)
                 continue
-            workload = self._restore_from(dest, m, stdout, stderr)
-            if not self.keep_local:
-                shutil.rmtree(dest, ignore_errors=True)
+            try:
+                workload = self._restore_from(restore_dir / "images", m, stdout, stderr)
+            finally:
+                if not self.keep_local:
+                    shutil.rmtree(restore_dir, ignore_errors=True)
             self.parent_seq = m.seq
             self._known = m.chunk_digests()
             self.latest = m

@@ -81,6 +81,7 @@ class Workload:
         for p in self._pumps:
             p.start()
         self.returncode: int | None = None
+        self._reap_lock = threading.Lock()
 
     @classmethod
     def start(cls, command: Sequence[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
@@ -120,6 +121,10 @@ class Workload:
         return total
 
     def poll(self) -> int | None:
+        with self._reap_lock:  # the heartbeat thread polls too; only one may reap
+            return self._poll()
+
+    def _poll(self) -> int | None:
         if self.returncode is None:
             if self._launcher is not None:
                 rc = self._launcher.poll()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import sys
+import time
 
 import pytest
 
@@ -89,3 +92,38 @@ def test_second_heartbeat_of_a_mostly_unchanged_process_stores_little(tmp_path):
     assert first["stored_bytes"] > 0.8 * 200 * 2**20  # the first one stores (nearly) everything
     for m in later:
         assert m["stored_bytes"] < 0.10 * m["image_bytes"], (m["seq"], m["stored_bytes"], m["image_bytes"])
+
+
+def test_sigterm_takes_a_final_checkpoint_then_the_restore_heartbeats_on(tmp_path):
+    args = ["--mb", "30", "--steps", "40", "--step-seconds", "0.1"]
+    proc = start_cli("run", "--id", "drain", "--", *_train(*args),
+                     env=cli_env(tmp_path, "node-a", "work-a"), out=tmp_path / "a")
+    deadline = time.monotonic() + 30
+    while "step 5/" not in (tmp_path / "a.out").read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # a drain / preemption notice: no heartbeat was configured
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    ms = manifests(tmp_path / "store", "drain")
+    assert len(ms) == 1 and "stop requested signal=SIGTERM" in (tmp_path / "a.err").read_text()
+    assert not os.path.exists(f"/proc/{ms[0]['process']['pid']}")  # the workload was stopped
+
+    r = cli("restore", "--id", "drain", "--heartbeat", "0.5", env=cli_env(tmp_path, "node-b", "work-b"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
+    later = manifests(tmp_path / "store", "drain")[1:]
+    assert later and all(m["node"] == "node-b" and m["parent_seq"] == 1 for m in later)
+
+
+def test_a_few_gigabytes_of_numpy_state_checkpoint_and_restore(tmp_path):
+    args = ["--mb", "2048", "--steps", "20", "--step-seconds", "1.0"]
+    proc = start_cli("run", "--id", "big", "--heartbeat", "3", "--", *_train(*args),
+                     env=cli_env(tmp_path, "node-a", "work-a"), out=tmp_path / "a")
+    deadline = time.monotonic() + 300
+    while not any(m["image_bytes"] > 2 * 10**9 for m in manifests(tmp_path / "store", "big")):
+        assert proc.poll() is None and time.monotonic() < deadline, "no full-size checkpoint was taken"
+        time.sleep(0.2)
+    kill_node(proc, manifests(tmp_path / "store", "big")[0]["process"]["pid"])
+    r = cli("restore", "--id", "big", env=cli_env(tmp_path, "node-b", "work-b"))
+    assert r.returncode == 0, r.stderr
+    assert not any(ln.startswith("start-up") for ln in r.stdout.splitlines())
+    assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)

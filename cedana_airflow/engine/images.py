@@ -1,7 +1,8 @@
 """Reading the few CRIU image fields we need (dump statistics) without pulling in protobuf.
 
 A CRIU image is ``u32 magic`` (plus a second ``u32`` for common/service images), then entries of
-``u32 length`` + a protobuf message. We only read varint fields, which is all ``stats-dump`` holds.
+``u32 length`` + a protobuf message. We read varints and nested messages: all that ``stats-dump``
+and ``pagemap`` need.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-__all__ = ["read_dump_stats"]
+__all__ = ["image_entries", "message_fields", "read_dump_stats"]
 
 _IMG_COMMON = 0x54564319
 _IMG_SERVICE = 0x55105940
@@ -26,8 +27,9 @@ def _varint(buf: bytes, i: int) -> tuple[int, int]:
         shift += 7
 
 
-def _fields(msg: bytes) -> dict[int, int]:
-    out: dict[int, int] = {}
+def message_fields(msg: bytes) -> dict[int, int | bytes]:
+    """Varint fields as ints, length-delimited fields (nested messages) as bytes."""
+    out: dict[int, int | bytes] = {}
     i = 0
     while i < len(msg):
         key, i = _varint(msg, i)
@@ -40,22 +42,44 @@ def _fields(msg: bytes) -> dict[int, int]:
             i += 4
         elif wire == 2:
             n, i = _varint(msg, i)
+            out[num] = msg[i : i + n]
             i += n
         else:
             break
     return out
 
 
-def read_dump_stats(image_dir: Path) -> dict[str, float]:
-    """``freezing``, ``frozen``, ``memdump``, ``memwrite`` seconds from stats-dump; {} if unreadable."""
-    try:
-        buf = (image_dir / "stats-dump").read_bytes()
-        (magic,) = struct.unpack_from("<I", buf, 0)
-        off = 8 if magic in (_IMG_COMMON, _IMG_SERVICE) else 4
+def _payload_start(buf: bytes) -> int:
+    (magic,) = struct.unpack_from("<I", buf, 0)
+    return 8 if magic in (_IMG_COMMON, _IMG_SERVICE) else 4
+
+
+def image_entries(path: Path) -> list[dict[int, int | bytes]]:
+    """Every entry of a CRIU image file, as :func:`message_fields` reads it."""
+    buf = path.read_bytes()
+    off, out = _payload_start(buf), []
+    while off + 4 <= len(buf):
         (n,) = struct.unpack_from("<I", buf, off)
-        f = _fields(buf[off + 4 : off + 4 + n])
+        out.append(message_fields(buf[off + 4 : off + 4 + n]))
+        off += 4 + n
+    return out
+
+
+#: stats.proto, dump_stats_entry: times in microseconds, then page counts.
+_DUMP_STATS = {1: "freezing", 2: "frozen", 3: "memdump", 4: "memwrite", 5: "pages_scanned", 7: "pages_written"}
+
+
+def read_dump_stats(image_dir: Path) -> dict[str, float]:
+    """``freezing``, ``frozen``, ``memdump``, ``memwrite`` (seconds) and ``pages_scanned``,
+    ``pages_written`` (counts) from stats-dump; {} if it is missing or unreadable.
+
+    stats-dump holds one stats_entry whose field 1 is the nested dump_stats_entry.
+    """
+    try:
+        entries = image_entries(image_dir / "stats-dump")
+        dump = entries[0].get(1) if entries else None
+        f = message_fields(dump) if isinstance(dump, bytes) else {}
     except (OSError, struct.error, IndexError):
         return {}
-    # stats.proto, dump_stats_entry: 1 freezing_time, 2 frozen_time, 3 memdump_time, 4 memwrite_time (µs)
-    names = {1: "freezing", 2: "frozen", 3: "memdump", 4: "memwrite"}
-    return {name: f[num] / 1e6 for num, name in names.items() if num in f}
+    return {name: (v / 1e6 if num <= 4 else float(v)) for num, name in _DUMP_STATS.items()
+            if isinstance(v := f.get(num), int)}
