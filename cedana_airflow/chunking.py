@@ -62,12 +62,16 @@ def encode(data: bytes | memoryview, compression: str) -> bytes:
     return _RAW + bytes(data)
 
 
-def decode(blob: bytes, expected_digest: str, expected_size: int) -> bytes:
-    """Return the raw bytes of a stored chunk, or raise CorruptCheckpoint if they are not what was named."""
+def decode(blob: bytes, expected_digest: str, expected_size: int) -> bytes | memoryview:
+    """Return the raw bytes of a stored chunk, or raise CorruptCheckpoint if they are not what was named.
+
+    A raw chunk comes back as a view into ``blob`` (no copy: restores move gigabytes of them).
+    """
     codec, payload = blob[:1], memoryview(blob)[1:]
     try:
+        raw: bytes | memoryview
         if codec == _RAW:
-            raw = bytes(payload)
+            raw = payload
         elif codec == _ZSTD:
             raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=expected_size)
         else:

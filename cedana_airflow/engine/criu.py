@@ -8,18 +8,18 @@ boundary; nothing above this module reads CRIU logs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import DumpFailed, EngineUnavailable, RestoreFailed
-from . import capture as _capture
+from .capture import CaptureOnFreeze
 from .images import read_dump_stats
 
 __all__ = ["CriuBinary", "CriuEngine", "DumpResult", "find_criu", "MIN_CRIU_MAJOR"]
@@ -27,8 +27,6 @@ __all__ = ["CriuBinary", "CriuEngine", "DumpResult", "find_criu", "MIN_CRIU_MAJO
 log = logging.getLogger(__name__)
 
 MIN_CRIU_MAJOR = 4
-# The action script: a stdlib-only module run by path, so it starts in ~20 ms instead of ~130 ms.
-_CAPTURE_SCRIPT = str(Path(_capture.__file__).resolve())
 _INSTALL_FIX = "Run 'make setup' (scripts/install-criu.sh) or set CEDANA_CRIU to a CRIU >= 4"
 
 
@@ -150,40 +148,34 @@ class CriuEngine:
     def dump(self, pid: int, image_dir: Path, *, leave_running: bool = True, capture: bool = True) -> DumpResult:
         """Freeze the tree rooted at ``pid``, write its images to ``image_dir``, resume it (or not).
 
-        With ``capture``, files the tree holds open for writing are copied while it is still frozen.
+        With ``capture``, files the tree holds open for writing are copied while it is still frozen
+        (into ``<image_dir>.captured/``). CRIU's log goes to ``<image_dir>.dump.log``.
         """
         self._require_root("checkpointing")
         image_dir.mkdir(parents=True, exist_ok=False)
         log_path = image_dir.with_name(image_dir.name + ".dump.log")
-        cmd = [self.binary.path, "dump", "-t", str(pid), "-D", str(image_dir), "-o", str(log_path),
-               "--file-locks"]
-        env = dict(os.environ)
-        cap_dir = image_dir.with_name(image_dir.name + ".captured")
-        if capture:
-            script = image_dir.with_name(image_dir.name + ".capture.sh")
-            script.write_text(
-                "#!/bin/sh\n"
-                '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
-                # -S -I: stdlib only, no site-packages scan: the tree is frozen while this runs.
-                f'exec "{sys.executable}" -S -I "{_CAPTURE_SCRIPT}"\n'
-            )
-            script.chmod(0o700)
-            cmd += ["--action-script", str(script)]
-            env["CEDANA_CAPTURE_DIR"] = str(cap_dir)
+        side = image_dir.with_name(image_dir.name + ".captured")
+        side.mkdir()
+        cmd = [self.binary.path, "dump", "-t", str(pid), "-D", str(image_dir), "-o", str(log_path), "--file-locks"]
         if leave_running:
             cmd.append("--leave-running")
-        t0 = time.monotonic()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        seconds = time.monotonic() - t0
+        with contextlib.ExitStack() as stack:
+            if capture:
+                cap = stack.enter_context(CaptureOnFreeze(side))
+                cmd += ["--action-script", str(cap.script)]
+            t0 = time.monotonic()
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            seconds = time.monotonic() - t0
         if proc.returncode != 0:
             tail = _log_tail(log_path) or proc.stderr.strip()[-300:]
+            if capture and cap.error:
+                tail = f"capturing open files failed ({cap.error})"
             raise DumpFailed(
                 f"criu dump of pid {pid} failed (exit {proc.returncode}): {tail}. "
                 f"{_hint(tail).capitalize()}; log: {log_path}."
             )
         stats = read_dump_stats(image_dir)
-        captured = tuple((path, Path(copy), mode) for path, copy, mode in _capture.read_index(cap_dir)) if capture else ()
-        return DumpResult(image_dir, seconds, stats.get("frozen", seconds), captured)
+        return DumpResult(image_dir, seconds, stats.get("frozen", seconds), tuple(cap.captured) if capture else ())
 
     def restore(self, image_dir: Path, *, inherit: dict[int, str], pidfile: Path) -> int:
         """Restore the tree detached (``-d``); return the host PID of its root.
