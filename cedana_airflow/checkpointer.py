@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from .engine.criu import CriuEngine
-from .errors import CorruptCheckpoint
+from .errors import CorruptCheckpoint, RestoreFailed
 from .ids import validate_checkpoint_id
 from .manifest import Manifest, ProcessInfo
 from .store.base import Store, StoreConfig
@@ -48,7 +48,6 @@ class Checkpointer:
         self._count = 0
         self._known: set[str] = set()
         self.parent_seq: int | None = None
-        self.latest: Manifest | None = None
 
     def checkpoint(self, workload: Workload, *, leave_running: bool = True) -> Manifest:
         with self._lock:
@@ -73,63 +72,98 @@ class Checkpointer:
                 if not self.keep_local:
                     shutil.rmtree(dump_dir, ignore_errors=True)
             self._known = manifest.chunk_digests()
-            self.latest = manifest
             log.info("freeze checkpoint_id=%s seq=%d freeze_seconds=%.3f rss_bytes=%d",
                      self.checkpoint_id, manifest.seq, dump.freeze_seconds, rss)
             return manifest
 
     def restore(self, stdout: BinaryIO | None = None, stderr: BinaryIO | None = None) -> Restored:
-        """Restore the newest verifiable checkpoint and supervise it. Raises CheckpointNotFound
-        when there is none, CorruptCheckpoint when every one fails verification."""
+        """Restore the newest usable checkpoint and supervise it.
+
+        A checkpoint that fails verification, or that CRIU cannot restore here, is refused with a
+        warning and the next older one is tried. Raises CheckpointNotFound when there is none, and
+        CorruptCheckpoint (with every reason) when none could be restored.
+        """
         skipped: list[str] = []
-        for m in require_latest(self.store, self.checkpoint_id):
+        candidates = require_latest(self.store, self.checkpoint_id)
+        for i, m in enumerate(candidates):
             # images/ (with captured/ inside) plus CRIU's log and pidfile, removed together.
             restore_dir = self.work_dir / f"restore-{os.getpid()}-{m.seq}"
             shutil.rmtree(restore_dir, ignore_errors=True)
             try:
                 fetch_checkpoint(self.store, m, restore_dir / "images", self.progress_mode)
-            except CorruptCheckpoint as e:
-                skipped.append(str(e))
-                log.warning("checkpoint refused checkpoint_id=%s seq=%d: %s; falling back to the previous one",
-                            self.checkpoint_id, m.seq, e)
-                continue
-            try:
                 workload = self._restore_from(restore_dir / "images", m, stdout, stderr)
+            except (CorruptCheckpoint, RestoreFailed) as e:
+                skipped.append(str(e))
+                log.warning("checkpoint refused checkpoint_id=%s seq=%d: %s; %s", self.checkpoint_id, m.seq, e,
+                            "falling back to the previous one" if i + 1 < len(candidates) else "no older checkpoint left")
+                continue
             finally:
                 if not self.keep_local:
                     shutil.rmtree(restore_dir, ignore_errors=True)
             self.parent_seq = m.seq
             self._known = m.chunk_digests()
-            self.latest = m
             return Restored(workload, m, tuple(skipped))
         raise CorruptCheckpoint(
-            f"every checkpoint under checkpoint ID {self.checkpoint_id!r} failed verification "
-            f"({'; '.join(skipped)}). Nothing was restored; start the workload fresh."
+            f"no checkpoint under checkpoint ID {self.checkpoint_id!r} could be restored "
+            f"({'; '.join(skipped)}). Nothing was restored; start the workload fresh (run without --resume)."
         )
 
     def _restore_from(self, dest: Path, m: Manifest, stdout: BinaryIO | None, stderr: BinaryIO | None) -> Workload:
-        # Files the workload had open for writing go back first, at the size CRIU recorded.
-        for i, c in enumerate(m.captured):
+        with _CapturedFilesBack(m, dest / CAPTURED_DIR) as files_back:
+            Path(m.process.cwd).mkdir(parents=True, exist_ok=True)
+            become_subreaper()
+            out_r, out_w = os.pipe2(os.O_CLOEXEC)
+            err_r, err_w = os.pipe2(os.O_CLOEXEC)
+            try:
+                pid = self.engine.restore(
+                    dest, inherit={out_w: m.process.stdout_pipe, err_w: m.process.stderr_pipe},
+                    pidfile=dest.with_name(dest.name + ".pid"),
+                )
+            except BaseException:
+                os.close(out_r)
+                os.close(err_r)
+                raise
+            finally:
+                os.close(out_w)
+                os.close(err_w)
+            files_back.keep()
+        return Workload.adopt(pid, m.process.command, m.process.cwd, out_r, err_r, stdout, stderr)
+
+
+class _CapturedFilesBack:
+    """Puts a checkpoint's captured files in place (CRIU checks their size), and puts the node's
+    own versions back if the restore then fails, so a refused checkpoint changes nothing."""
+
+    def __init__(self, m: Manifest, source: Path) -> None:
+        self.m, self.source = m, source
+        self._backups: list[tuple[Path, Path | None]] = []
+        self._kept = False
+
+    def __enter__(self) -> _CapturedFilesBack:
+        for i, c in enumerate(self.m.captured):
             target = Path(c.path)
             target.parent.mkdir(parents=True, exist_ok=True)
+            backup: Path | None = target.with_name(f".{target.name}.cedana-orig")
+            if target.exists():
+                os.replace(target, backup)  # type: ignore[arg-type]
+            else:
+                backup = None
+            self._backups.append((target, backup))
             tmp = target.with_name(f".{target.name}.cedana-restore")
-            shutil.move(str(dest / CAPTURED_DIR / str(i)), tmp)
+            shutil.move(str(self.source / str(i)), tmp)
             os.chmod(tmp, c.mode)
             os.replace(tmp, target)
-        Path(m.process.cwd).mkdir(parents=True, exist_ok=True)
-        become_subreaper()
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        try:
-            pid = self.engine.restore(
-                dest, inherit={out_w: m.process.stdout_pipe, err_w: m.process.stderr_pipe},
-                pidfile=dest.with_name(dest.name + ".pid"),
-            )
-        except BaseException:
-            os.close(out_r)
-            os.close(err_r)
-            raise
-        finally:
-            os.close(out_w)
-            os.close(err_w)
-        return Workload.adopt(pid, m.process.command, m.process.cwd, out_r, err_r, stdout, stderr)
+        return self
+
+    def keep(self) -> None:
+        self._kept = True
+
+    def __exit__(self, *exc: object) -> None:
+        for target, backup in self._backups:
+            if self._kept:
+                if backup is not None:
+                    backup.unlink(missing_ok=True)
+            elif backup is not None:
+                os.replace(backup, target)
+            else:
+                target.unlink(missing_ok=True)

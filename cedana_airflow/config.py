@@ -13,6 +13,7 @@ Nothing here runs at import time; :func:`load_settings` reads the sources when c
 from __future__ import annotations
 
 import os
+import re
 import socket
 import tomllib
 from pathlib import Path
@@ -22,12 +23,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import ConfigError
 
-__all__ = ["Settings", "load_settings", "DEFAULT_CRIU_PREFIX"]
+__all__ = ["Settings", "load_settings", "redact", "DEFAULT_CRIU_PREFIX", "STORE_URL_HINT"]
 
 #: Where scripts/install-criu.sh unpacks a private CRIU on machines whose apt has no CRIU >= 4.
 DEFAULT_CRIU_PREFIX = "/opt/cedana-airflow/criu"
 
 _ENV_PREFIX = "CEDANA_"
+STORE_URL_HINT = "use file:///abs/dir or s3://bucket/prefix"
+_USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
+
+
+def redact(value: object) -> object:
+    """A value fit for an error message or a log line: credentials in URLs are masked."""
+    return _USERINFO.sub("***@", value) if isinstance(value, str) else value
 
 
 class Settings(BaseModel):
@@ -65,7 +73,7 @@ class Settings(BaseModel):
     @classmethod
     def _store_scheme(cls, v: str) -> str:
         if v and not (v.startswith("file://") or v.startswith("s3://")):
-            raise ValueError(f"store {v!r} has no known scheme; use file:///abs/dir or s3://bucket/prefix")
+            raise ValueError(f"store {redact(v)!r} has no known scheme; {STORE_URL_HINT}")
         return v
 
     @field_validator("node")
@@ -128,5 +136,5 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
             known = ", ".join(sorted(Settings.model_fields))
             raise ConfigError(f"unknown setting {field!r} (from {where}). Known settings: {known}.") from None
         raise ConfigError(
-            f"setting {field} = {merged.get(field)!r} (from {where}) is invalid: {err['msg']}. Fix or remove it."
+            f"setting {field} = {redact(merged.get(field))!r} (from {where}) is invalid: {err['msg']}. Fix or remove it."
         ) from None

@@ -28,11 +28,17 @@ class Check:
         return self.status == "fail"
 
 
+def _cause_and_fix(message: str) -> tuple[str, str]:
+    """Split "<what failed>: <cause>. <fix>." into its cause and its fix sentence."""
+    head, sep, fix = message.rstrip(".").rpartition(". ")
+    return (head + ".", fix) if sep else (message, "")
+
+
 def _criu(settings: Settings) -> list[Check]:
     try:
         binary = find_criu(settings.criu, settings.criu_prefix)
     except CedanaError as e:
-        return [Check("criu", "fail", str(e), "run 'make setup' (scripts/install-criu.sh) or set CEDANA_CRIU")]
+        return [Check("criu", "fail", *_cause_and_fix(str(e)))]
     out = [Check("criu", "ok", f"{binary.path} (from {binary.source})"),
            Check("criu version", "ok", binary.version)]
     if os.geteuid() == 0:
@@ -54,7 +60,7 @@ def _store(settings: Settings) -> Check:
             with tempfile.NamedTemporaryFile(dir=root, prefix=".doctor-"):
                 pass
     except (CedanaError, OSError) as e:
-        return Check("store", "fail", str(e), "set --store / CEDANA_STORE to a writable file:// directory or bucket")
+        return Check("store", "fail", *_cause_and_fix(str(e)))
     return Check("store", "ok", f"{url} reachable and writable")
 
 
@@ -71,6 +77,8 @@ def _gpu() -> list[Check]:
         driver = pynvml.nvmlSystemGetDriverVersion()
         n = pynvml.nvmlDeviceGetCount()
         names = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(n)]
+    except Exception as e:  # a driver that loads but cannot answer: report it, do not crash
+        return [Check("nvidia", "warn", f"NVML answered with an error: {e}", "check the driver with nvidia-smi")]
     finally:
         pynvml.nvmlShutdown()
     out = [Check("nvidia", "ok", f"driver {driver}, {n} GPU(s): {', '.join(map(str, names))}")]

@@ -23,17 +23,14 @@ class Heartbeat(threading.Thread):
         self.interval = interval
         self._beat = beat
         self._halt = threading.Event()
-        self.failures = 0
 
     def run(self) -> None:
         while not self._halt.wait(self.interval):
             try:
                 self._beat()
             except CedanaError as e:
-                self.failures += 1
                 log.warning("heartbeat failed; the workload keeps running: %s", e)
             except Exception:  # a bug in a heartbeat must not take the workload down either
-                self.failures += 1
                 log.exception("heartbeat failed unexpectedly; the workload keeps running")
 
     def stop(self, wait: bool = True) -> None:

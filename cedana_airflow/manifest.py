@@ -6,10 +6,11 @@ chunk by digest, so a restore can verify each byte it uses. See docs/store-forma
 
 from __future__ import annotations
 
+import os
 from datetime import datetime, timezone
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .ids import validate_checkpoint_id
 
@@ -22,7 +23,7 @@ __all__ = [
     "Manifest",
 ]
 
-MANIFEST_FORMAT_VERSION = 1
+MANIFEST_FORMAT_VERSION: Literal[1] = 1
 
 
 class _Frozen(BaseModel):
@@ -36,12 +37,23 @@ class ChunkRef(_Frozen):
     size: int = Field(ge=0)
 
 
+def _chunks_add_up(size: int, chunks: tuple[ChunkRef, ...], what: str) -> None:
+    # A file shorter than its size would be zero-filled by the restore: never restore a gap.
+    if sum(c.size for c in chunks) != size:
+        raise ValueError(f"{what}: chunks add up to {sum(c.size for c in chunks)} bytes, not its size {size}")
+
+
 class FileEntry(_Frozen):
     """One file of the CRIU image set, relative to the image directory."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     size: int = Field(ge=0)
     chunks: tuple[ChunkRef, ...]
+
+    @model_validator(mode="after")
+    def _complete(self) -> FileEntry:
+        _chunks_add_up(self.size, self.chunks, f"image file {self.name}")
+        return self
 
 
 class CapturedFile(_Frozen):
@@ -53,8 +65,15 @@ class CapturedFile(_Frozen):
 
     path: str = Field(description="Absolute path on the node that took the checkpoint.")
     size: int = Field(ge=0)
-    mode: int = Field(ge=0)
+    mode: int = Field(ge=0, le=0o777, description="Permission bits only: no setuid/setgid/sticky.")
     chunks: tuple[ChunkRef, ...]
+
+    @model_validator(mode="after")
+    def _safe(self) -> CapturedFile:
+        if not self.path.startswith("/") or os.path.normpath(self.path) != self.path or "\0" in self.path:
+            raise ValueError(f"captured path {self.path!r} must be absolute and normalised")
+        _chunks_add_up(self.size, self.chunks, f"captured file {self.path}")
+        return self
 
 
 class ProcessInfo(_Frozen):
@@ -90,6 +109,14 @@ class Manifest(_Frozen):
     @classmethod
     def _id(cls, v: str) -> str:
         return validate_checkpoint_id(v)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> Manifest:
+        names = [f.name for f in self.files]
+        paths = [c.path for c in self.captured]
+        if len(set(names)) != len(names) or len(set(paths)) != len(paths):
+            raise ValueError("manifest lists a file twice")
+        return self
 
     @field_validator("created_at")
     @classmethod

@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from types import FrameType
-from typing import BinaryIO, Literal
+from typing import Any, BinaryIO, Literal
 
 from .checkpointer import Checkpointer
 from .config import Settings
 from .engine.criu import CriuEngine, find_criu
-from .errors import CheckpointNotFound
+from .errors import CheckpointNotFound, ConfigError, CorruptCheckpoint
 from .heartbeat import Heartbeat
+from .ids import validate_checkpoint_id
 from .manifest import Manifest
 from .store import open_store
 from .supervisor import Workload
@@ -50,8 +51,15 @@ class RunResult:
     stopped_by_signal: int | None = None
 
 
+#: Signals that stop a managed run (final checkpoint first) and those passed straight to the workload.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_FORWARDED_SIGNALS = (signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
 def make_engine(settings: Settings) -> CriuEngine:
-    return CriuEngine(find_criu(settings.criu, settings.criu_prefix))
+    binary = find_criu(settings.criu, settings.criu_prefix)
+    log.debug("engine criu=%s source=%s version=%s", binary.path, binary.source, binary.version)
+    return CriuEngine(binary)
 
 
 def run_workload(
@@ -70,8 +78,12 @@ def run_workload(
     """Run ``command`` managed (or, with ``command=None``, only restore) and return how it ended.
 
     ``resume``: restore the newest complete checkpoint of ``checkpoint_id`` when there is one.
-    With ``command=None`` a missing checkpoint is an error (CheckpointNotFound).
+    With ``command=None`` a missing checkpoint is an error (CheckpointNotFound), and so is one that
+    cannot be restored (CorruptCheckpoint); with a command, the command then starts fresh.
     """
+    validate_checkpoint_id(checkpoint_id)
+    if try_number < 0:
+        raise ConfigError(f"try number {try_number} is negative. Pass --try-number 0 or more.")
     engine = make_engine(settings)
     store = open_store(settings.resolved_store())
     store_cfg = store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
@@ -92,6 +104,11 @@ def run_workload(
                 if command is None:
                     raise
                 log.info("no checkpoint to resume checkpoint_id=%s; starting fresh", checkpoint_id)
+            except CorruptCheckpoint as e:
+                if command is None:
+                    raise
+                result.skipped = (str(e),)
+                log.warning("no checkpoint could be restored checkpoint_id=%s; starting fresh", checkpoint_id)
             else:
                 workload, m = restored.workload, restored.manifest
                 result.outcome, result.restored_from, result.skipped = "restored", m, restored.skipped
@@ -119,38 +136,45 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
             result.checkpoints.append(cp.checkpoint(workload))
 
     hb = Heartbeat(settings.heartbeat_seconds, beat) if settings.heartbeat_seconds > 0 else None
-    previous: dict[int, object] = {}
+    previous: dict[signal.Signals, Any] = {}
     if handle_signals and threading.current_thread() is threading.main_thread():
-        def on_signal(signum: int, frame: FrameType | None) -> None:
+        def on_stop(signum: int, frame: FrameType | None) -> None:
             got.append(signum)
             stop_requested.set()
 
-        for s in (signal.SIGTERM, signal.SIGINT):
-            previous[s] = signal.signal(s, on_signal)
+        def on_forward(signum: int, frame: FrameType | None) -> None:
+            workload.send_signal(signum)
+
+        for s in _STOP_SIGNALS:
+            previous[s] = signal.signal(s, on_stop)
+        for s in _FORWARDED_SIGNALS:
+            previous[s] = signal.signal(s, on_forward)
     try:
         if hb:
             hb.start()
         while workload.poll() is None:
             if stop_requested.wait(0.1):
-                result.stopped_by_signal = got[0]
-                log.info("stop requested signal=%s checkpoint_on_term=%s", signal.Signals(got[0]).name,
-                         settings.checkpoint_on_term)
+                sig = signal.Signals(got[0])
+                log.info("stop requested signal=%s checkpoint_on_term=%s", sig.name, settings.checkpoint_on_term)
                 if hb:
                     hb.stop()
-                if settings.checkpoint_on_term and workload.poll() is None:
-                    try:
-                        result.checkpoints.append(cp.checkpoint(workload))
-                    except Exception as e:  # stopping matters more than the final checkpoint
-                        log.warning("final checkpoint failed: %s", e)
-                workload.stop(settings.stop_grace_seconds)
+                if workload.poll() is None:
+                    if settings.checkpoint_on_term:
+                        try:
+                            result.checkpoints.append(cp.checkpoint(workload))
+                        except Exception as e:  # stopping matters more than the final checkpoint
+                            log.warning("final checkpoint failed: %s", e)
+                    result.stopped_by_signal = sig
+                    workload.stop(settings.stop_grace_seconds, sig)
                 break
         if hb:
             hb.stop()
         rc = workload.wait()
+        # Stopped by us: 128 + the signal we were sent, as a shell reports it. Otherwise its own code.
         result.exit_code = 128 + result.stopped_by_signal if result.stopped_by_signal else (rc if rc is not None else 1)
         log.info("workload exited checkpoint_id=%s exit_code=%d checkpoints=%d", cp.checkpoint_id, result.exit_code,
                  len(result.checkpoints))
         return result
     finally:
         for s, h in previous.items():
-            signal.signal(s, h)  # type: ignore[arg-type]
+            signal.signal(s, h)

@@ -23,6 +23,8 @@ import time
 from collections.abc import Sequence
 from typing import BinaryIO
 
+from .errors import EngineError, EngineUnavailable
+
 __all__ = ["Workload", "become_subreaper", "exit_code_of"]
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,7 @@ class Workload:
             p.start()
         self.returncode: int | None = None
         self._reap_lock = threading.Lock()
+        self._watchdog = _watchdog(pid)
 
     @classmethod
     def start(cls, command: Sequence[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
@@ -95,6 +98,11 @@ class Workload:
                 stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, cwd=cwd, env=env,
                 start_new_session=True,
             )
+        except FileNotFoundError as e:
+            os.close(out_r)
+            os.close(err_r)
+            what = "'unshare' (util-linux) is not installed" if e.filename == "unshare" else f"{e.filename}: no such file"
+            raise EngineUnavailable(f"cannot start the workload: {what}. Install util-linux or check cwd {cwd}.") from None
         finally:
             os.close(out_w)
             os.close(err_w)
@@ -134,6 +142,7 @@ class Workload:
                 try:
                     pid, status = os.waitpid(self.pid, os.WNOHANG)
                 except ChildProcessError:
+                    log.warning("workload pid=%d is not our child any more; its exit code is lost (reported as 255)", self.pid)
                     self.returncode = 255
                 else:
                     if pid:
@@ -148,18 +157,21 @@ class Workload:
             time.sleep(0.05)
         for p in self._pumps:
             p.join(timeout=5)  # a grandchild that keeps the pipe open must not hang us
+        if self._watchdog.poll() is None:
+            self._watchdog.kill()
+            self._watchdog.wait()
         return self.returncode
 
-    def signal(self, sig: int) -> None:
+    def send_signal(self, sig: int) -> None:
         """Send ``sig`` to the workload's whole session (its init ignores what it has no handler for)."""
         try:
             os.killpg(self.pid, sig)
         except ProcessLookupError:
             pass
 
-    def stop(self, grace: float) -> int | None:
-        """SIGTERM the tree, wait ``grace`` seconds, then SIGKILL its init (which ends the namespace)."""
-        self.signal(signal.SIGTERM)
+    def stop(self, grace: float, sig: int = signal.SIGTERM) -> int | None:
+        """Send ``sig`` to the tree, wait ``grace`` seconds, then SIGKILL its init (ending the namespace)."""
+        self.send_signal(sig)
         rc = self.wait(timeout=grace)
         if rc is None:
             try:
@@ -168,6 +180,30 @@ class Workload:
                 pass
             rc = self.wait(timeout=30)
         return rc
+
+
+# Waits for the supervisor ($1) to die (gone or a zombie), then kills the workload's init ($2),
+# which ends its whole PID namespace. Builtins only, one `sleep` a second.
+_WATCHDOG = r"""
+while :; do
+  state=
+  while read -r key value _; do [ "$key" = State: ] && state=$value && break; done < /proc/$1/status
+  case "$state" in ""|Z) break ;; esac
+  sleep 1
+done 2>/dev/null
+kill -KILL "$2" 2>/dev/null
+"""
+
+
+def _watchdog(workload_pid: int) -> subprocess.Popen[bytes]:
+    """A workload must not outlive its supervisor: killed with SIGKILL (OOM killer, a worker crash),
+    the supervisor can no longer checkpoint or stop it, and a retry would race a headless copy.
+    The workload cannot carry a parent-death signal instead: CRIU would restore it, and it would
+    fire when ``criu restore -d`` exits."""
+    return subprocess.Popen(
+        ["sh", "-c", _WATCHDOG, "cedana-watchdog", str(os.getpid()), str(workload_pid)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
 
 
 def _child_of(launcher: subprocess.Popen[bytes], timeout: float = 10.0) -> int:
@@ -186,8 +222,6 @@ def _child_of(launcher: subprocess.Popen[bytes], timeout: float = 10.0) -> int:
             break
         time.sleep(0.005)
     launcher.kill()
-    from .errors import EngineError
-
     raise EngineError(
         f"the workload did not start under 'unshare --pid --fork' (launcher exit {launcher.returncode}). "
         "Check that util-linux's unshare is installed and that this runs as root."

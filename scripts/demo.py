@@ -55,7 +55,10 @@ def main() -> int:
     print(f"\n== node-a dies after {lost_after:.1f} s: SIGKILL to supervisor and workload, work dir deleted")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    os.kill(pid, signal.SIGKILL)
+    try:
+        os.kill(pid, signal.SIGKILL)  # its watchdog may have been quicker
+    except ProcessLookupError:
+        pass
     shutil.rmtree(DEMO / "work-node-a", ignore_errors=True)
     before = manifests()
 

@@ -99,3 +99,20 @@ def test_checkpoints_json_lists_the_contract_fields(tmp_path):
     assert all(r["id"] == "listed" and r["node"] == "node-x" and r["complete"] for r in rows)
     one = json.loads(cli("checkpoints", "listed", "--json", env=env).stdout)
     assert one == rows
+
+
+def test_resume_with_only_corrupt_checkpoints_starts_fresh_and_says_so(tmp_path):
+    env = cli_env(tmp_path, "n", "w")
+    cmd = [sys.executable, "-c", "import time; print('fresh start', flush=True); time.sleep(1.5)"]
+    assert cli("run", "--id", "bad", "--heartbeat", "0.5", "--", *cmd, env=env).returncode == 0
+    for chunk in (tmp_path / "store" / "chunks").rglob("*"):
+        if chunk.is_file():
+            chunk.write_bytes(b"\x00garbage")
+    r = cli("run", "--id", "bad", "--resume", "--", *cmd, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "fresh start\n"
+    assert "no checkpoint could be restored checkpoint_id=bad; starting fresh" in r.stderr
+    only_restore = cli("restore", "--id", "bad", env=env)
+    assert only_restore.returncode == 1
+    assert "seq=1: " in only_restore.stderr and "no older checkpoint left" in only_restore.stderr
+    assert only_restore.stderr.strip().splitlines()[-1].startswith("CorruptCheckpoint: no checkpoint under checkpoint ID 'bad' could be restored")

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import sys
 import time
+
+import pytest
 from pathlib import Path
 
 from cedana_airflow.config import DEFAULT_CRIU_PREFIX
 from cedana_airflow.engine.criu import CriuEngine, find_criu
 from cedana_airflow.engine.images import image_entries, read_dump_stats
 from cedana_airflow.supervisor import Workload
+
+pytestmark = pytest.mark.integration
 
 
 def test_dump_stats_and_pagemap_of_a_real_dump(tmp_path):

@@ -127,3 +127,20 @@ def test_a_few_gigabytes_of_numpy_state_checkpoint_and_restore(tmp_path):
     assert r.returncode == 0, r.stderr
     assert not any(ln.startswith("start-up") for ln in r.stdout.splitlines())
     assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
+
+
+def test_a_workload_does_not_outlive_its_killed_supervisor(tmp_path):
+    proc = start_cli("run", "--id", "orphan", "--heartbeat", "0.5", "--", sys.executable, "-c",
+                     "import time; print('up', flush=True); time.sleep(600)",
+                     env=cli_env(tmp_path, "node-a", "work-a"), out=tmp_path / "a")
+    pid = wait_for_checkpoints(tmp_path / "store", "orphan", 1, proc)[0]["process"]["pid"]
+    proc.send_signal(signal.SIGKILL)  # e.g. the OOM killer takes the task process, not the workload
+    proc.wait()
+    deadline = time.monotonic() + 15
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        try:
+            os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{pid}"), "the workload kept running without its supervisor"

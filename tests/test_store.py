@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from cedana_airflow.errors import CheckpointNotFound, CorruptCheckpoint, StoreUnavailable
-from cedana_airflow.manifest import ProcessInfo
+from cedana_airflow.manifest import CapturedFile, ProcessInfo
 from cedana_airflow.store import FileStore, open_store
 from cedana_airflow.store.base import chunk_key
 from cedana_airflow.store.transfer import (
@@ -129,3 +131,18 @@ def test_listing_ignores_reserved_names_and_partial_folders(store, tmp_path):
 def test_relative_file_url_is_resolved_against_the_working_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert open_store("file://rel/store").url == f"file://{tmp_path}/rel/store"
+
+
+def test_a_manifest_whose_chunks_do_not_cover_a_file_is_refused(store, tmp_path):
+    s, cfg = store
+    m = save_checkpoint(s, cfg, _meta(), _images(tmp_path / "a", b"a"))
+    doc = m.model_dump(mode="json")
+    doc["files"][0]["size"] += 4096  # a gap the restore would zero-fill
+    assert s.put_manifest("job", 2, json.dumps(doc).encode())
+    assert [x.seq for x in load_manifests(s, "job")] == [1]
+
+
+@pytest.mark.parametrize("path,mode", [("relative/log", 0o644), ("/var/../etc/passwd", 0o644), ("/tmp/x", 0o4755)])
+def test_captured_files_must_be_absolute_normalised_and_without_special_bits(path, mode):
+    with pytest.raises(ValidationError):
+        CapturedFile(path=path, size=0, mode=mode, chunks=())

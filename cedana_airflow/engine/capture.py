@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import select
+import shlex
 import stat
 import threading
 from pathlib import Path
@@ -121,8 +122,8 @@ class CaptureOnFreeze:
         self.script.write_text(
             "#!/bin/sh\n"
             '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
-            f'echo "$CRTOOLS_INIT_PID" > "{self._req}"\n'
-            f'[ "$(timeout {self._timeout} head -n 1 "{self._ack}")" = ok ]\n'
+            f'echo "$CRTOOLS_INIT_PID" > {shlex.quote(str(self._req))}\n'
+            f'[ "$(timeout {self._timeout} head -n 1 {shlex.quote(str(self._ack))})" = ok ]\n'
         )
         self.script.chmod(0o700)
         self._thread = threading.Thread(target=self._serve, name="cedana-capture", daemon=True)

@@ -59,11 +59,11 @@ def _version_of(path: str) -> str | None:
     return m.group(1) if m else None
 
 
-def find_criu(configured: str = "", prefix: Path | None = None, *, configured_from: str = "CEDANA_CRIU") -> CriuBinary:
+def find_criu(configured: str = "", prefix: Path | None = None) -> CriuBinary:
     """Locate a usable CRIU (see module docstring) or raise EngineUnavailable with the fix."""
     candidates: list[tuple[str, str]] = []
     if configured:
-        candidates.append((configured, configured_from))
+        candidates.append((configured, "CEDANA_CRIU / config criu"))
     else:
         if prefix is not None:
             candidates.append((str(prefix / "bin" / "criu"), f"private prefix {prefix}"))
@@ -88,7 +88,8 @@ def find_criu(configured: str = "", prefix: Path | None = None, *, configured_fr
             break
     if too_old:
         raise EngineUnavailable(f"CRIU too old or broken ({'; '.join(too_old)}; need >= {MIN_CRIU_MAJOR}). {_INSTALL_FIX}.")
-    raise EngineUnavailable(f"CRIU not found (looked in {prefix}/bin and PATH). {_INSTALL_FIX}.")
+    where = f"{prefix}/bin and PATH" if prefix is not None else "PATH"
+    raise EngineUnavailable(f"CRIU not found (looked in {where}). {_INSTALL_FIX}.")
 
 
 def _log_tail(log_path: Path) -> str:
@@ -106,16 +107,16 @@ _HINTS = [
     ("Can't fork for", "a PID of the checkpoint is in use here; run workloads through 'cedana-airflow run' (own PID namespace)"),
     ("bad size", "a file the workload had open changed size since the checkpoint; it must be captured (open it for writing) or left unchanged"),
     ("Operation not permitted", "CRIU needs root (CAP_SYS_ADMIN); run as root"),
-    ("tcp", "the workload holds TCP connections, which CRIU does not carry by default; close them before checkpointing"),
-    ("unix", "the workload holds a UNIX socket to a process outside its tree; CRIU cannot carry it"),
+    ("--tcp-established", "the workload holds an established TCP connection, which CRIU refuses to dump by default; connect only between checkpoints or keep connections out of the workload"),
+    ("External socket", "the workload holds a UNIX socket to a process outside its tree, which CRIU cannot carry"),
 ]
 
 
 def _hint(tail: str) -> str:
     for needle, hint in _HINTS:
         if needle in tail:
-            return hint
-    return "see the log for details"
+            return hint[0].upper() + hint[1:]
+    return "See the log for details"
 
 
 class CriuEngine:
@@ -172,7 +173,7 @@ class CriuEngine:
                 tail = f"capturing open files failed ({cap.error})"
             raise DumpFailed(
                 f"criu dump of pid {pid} failed (exit {proc.returncode}): {tail}. "
-                f"{_hint(tail).capitalize()}; log: {log_path}."
+                f"{_hint(tail)}; log: {log_path}."
             )
         stats = read_dump_stats(image_dir)
         return DumpResult(image_dir, seconds, stats.get("frozen", seconds), tuple(cap.captured) if capture else ())
@@ -195,7 +196,7 @@ class CriuEngine:
             tail = _log_tail(log_path) or proc.stderr.strip()[-300:]
             raise RestoreFailed(
                 f"criu restore from {image_dir} failed (exit {proc.returncode}): {tail}. "
-                f"{_hint(tail).capitalize()}; log: {log_path}."
+                f"{_hint(tail)}; log: {log_path}."
             )
         try:
             return int(pidfile.read_text().strip())

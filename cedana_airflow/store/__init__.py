@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..config import STORE_URL_HINT, redact
 from ..errors import ConfigError
 from .base import Store, StoreConfig
 from .file import FileStore
@@ -19,5 +20,5 @@ def open_store(url: str) -> Store:
             path = str(Path.cwd() / path)
         return FileStore(Path(path))
     if url.startswith("s3://"):
-        raise ConfigError(f"store {url}: the s3:// backend is not available in this version. Use file:///DIR.")
-    raise ConfigError(f"store {url!r} has no known scheme. Use file:///abs/dir or s3://bucket/prefix.")
+        raise ConfigError(f"store {redact(url)}: the s3:// backend is not available in this version. Use file:///DIR.")
+    raise ConfigError(f"store {redact(url)!r} has no known scheme. {STORE_URL_HINT.capitalize()}.")

@@ -25,6 +25,14 @@ class FileStore:
 
     # -- helpers --------------------------------------------------------------------------------
     def _write_atomic(self, key: str, data: bytes, *, exclusive: bool) -> bool:
+        try:
+            return self._write(key, data, exclusive=exclusive)
+        except OSError as e:  # disk full, read-only, permissions: one line, the previous checkpoint stays latest
+            raise StoreUnavailable(
+                f"store {self.url}: writing {key} failed: {e.strerror or e}. Free space or fix permissions on {self.root}."
+            ) from None
+
+    def _write(self, key: str, data: bytes, *, exclusive: bool) -> bool:
         dest = self.root / key
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=dest.parent)
@@ -53,7 +61,7 @@ class FileStore:
                 cfg = parse_store_config(cfg_path.read_bytes(), self.url)
             elif create:
                 cfg = StoreConfig(chunk_avg_bytes=chunk_avg_bytes)
-                self._write_atomic("store.json", cfg.model_dump_json(indent=2).encode(), exclusive=True)
+                self._write("store.json", cfg.model_dump_json(indent=2).encode(), exclusive=True)
                 cfg = parse_store_config(cfg_path.read_bytes(), self.url)  # a concurrent creator may have won
             else:
                 if not self.root.exists():
@@ -79,6 +87,8 @@ class FileStore:
             return (self.root / chunk_key(digest)).read_bytes()
         except FileNotFoundError:
             raise CorruptCheckpoint(f"chunk {digest} is missing from {self.url}") from None
+        except OSError as e:
+            raise StoreUnavailable(f"store {self.url}: reading chunk {digest} failed: {e.strerror or e}. Check the disk.") from None
 
     def put_manifest(self, checkpoint_id: str, seq: int, data: bytes) -> bool:
         return self._write_atomic(manifest_key(checkpoint_id, seq), data, exclusive=True)

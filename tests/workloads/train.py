@@ -56,8 +56,10 @@ for step in range(args.steps):
         assert echoed == f"step{step}"[::-1], echoed
     if log:
         log.write(f"step {step}\n"); log.flush()
-    if args.threads:
-        assert all(c > 0 for c in counters)
+    if args.threads:  # every thread is still running (also after a restore): each counter moved
+        seen = list(counters)
+        time.sleep(0.03)
+        assert all(c > s for c, s in zip(counters, seen)), (counters, seen)
     print(f"step {step + 1}/{args.steps}", flush=True)
     time.sleep(args.step_seconds)
 
