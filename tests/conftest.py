@@ -78,13 +78,19 @@ def kill_node(proc: subprocess.Popen[bytes], workload_pid: int) -> None:
         os.kill(workload_pid, signal.SIGKILL)  # the namespace's init: everything in it dies too
     except ProcessLookupError:
         pass
-    deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{workload_pid}") and time.monotonic() < deadline:
+    wait_gone(workload_pid, 10)
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    """Wait until ``pid`` no longer exists, reaping the orphans we adopted meanwhile."""
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
         try:
             os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             pass
         time.sleep(0.05)
+    return not os.path.exists(f"/proc/{pid}")
 
 
 def uninterrupted_digest(*train_args: str) -> str:

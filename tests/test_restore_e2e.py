@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from conftest import TRAIN, cli, cli_env, kill_node, manifests, start_cli, uninterrupted_digest, wait_for_checkpoints
+from conftest import (TRAIN, cli, cli_env, kill_node, manifests, start_cli, uninterrupted_digest, wait_for_checkpoints,
+                      wait_gone)
 
 pytestmark = pytest.mark.integration
 
@@ -136,11 +137,4 @@ def test_a_workload_does_not_outlive_its_killed_supervisor(tmp_path):
     pid = wait_for_checkpoints(tmp_path / "store", "orphan", 1, proc)[0]["process"]["pid"]
     proc.send_signal(signal.SIGKILL)  # e.g. the OOM killer takes the task process, not the workload
     proc.wait()
-    deadline = time.monotonic() + 15
-    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
-        try:
-            os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        time.sleep(0.1)
-    assert not os.path.exists(f"/proc/{pid}"), "the workload kept running without its supervisor"
+    assert wait_gone(pid, 15), "the workload kept running without its supervisor"
