@@ -94,7 +94,7 @@ def _cmd_checkpoints(args: argparse.Namespace) -> int:
     from .store.transfer import load_manifests
 
     settings = _settings(args)
-    store = open_store(settings.resolved_store())
+    store = open_store(settings.resolved_store(), settings)
     store.open(create=False, chunk_avg_bytes=settings.chunk_avg_bytes)
     ids = [validate_checkpoint_id(args.id)] if args.id else store.list_ids()
     rows = [_row(m) for cid in ids for m in sorted(load_manifests(store, cid), key=lambda m: m.seq)]

@@ -19,7 +19,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 
@@ -65,6 +65,17 @@ class Settings(BaseModel):
     )
     compression: Literal["zstd", "none"] = Field(default="zstd", description="Chunk compression.")
     keep_local: bool = Field(default=False, description="Keep local dump directories after upload (debugging).")
+    s3_endpoint_url: str = Field(
+        default="", description="S3-compatible endpoint (MinIO, Ceph RGW, R2...). Empty: AWS_ENDPOINT_URL, else AWS."
+    )
+    s3_addressing_style: Literal["auto", "path", "virtual"] = Field(
+        default="auto", description="Bucket addressing; 'path' for most self-hosted S3-compatible servers."
+    )
+    s3_sse: Literal["", "AES256", "aws:kms"] = Field(
+        default="", description="Server-side encryption for every object written: '', 'AES256' (SSE-S3) or 'aws:kms'."
+    )
+    s3_sse_kms_key_id: str = Field(default="", description="KMS key ID or ARN for s3_sse = 'aws:kms'.")
+    s3_parallelism: int = Field(default=16, ge=1, le=256, description="S3 requests in flight at once.")
     progress: Literal["auto", "always", "never"] = Field(
         default="auto", description="Progress display for long transfers: auto = only on a terminal."
     )
@@ -82,6 +93,12 @@ class Settings(BaseModel):
         if v and (len(v) > 253 or any(c.isspace() or c == "/" for c in v)):
             raise ValueError(f"node {v!r} must be a host-like name without spaces or '/'")
         return v
+
+    @model_validator(mode="after")
+    def _kms_needs_key(self) -> Settings:
+        if self.s3_sse_kms_key_id and self.s3_sse != "aws:kms":
+            raise ValueError("s3_sse_kms_key_id is set but s3_sse is not 'aws:kms'; set both or neither")
+        return self
 
     def resolved_store(self) -> str:
         return self.store or f"file://{Path.cwd() / '.cedana' / 'store'}"

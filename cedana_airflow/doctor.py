@@ -53,7 +53,7 @@ def _criu(settings: Settings) -> list[Check]:
 def _store(settings: Settings) -> Check:
     url = settings.resolved_store()
     try:
-        store = open_store(url)
+        store = open_store(url, settings)
         store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
         if url.startswith("file://"):
             root = Path(url[len("file://"):])
@@ -61,7 +61,9 @@ def _store(settings: Settings) -> Check:
                 pass
     except (CedanaError, OSError) as e:
         return Check("store", "fail", *_cause_and_fix(str(e)))
-    return Check("store", "ok", f"{url} reachable and writable")
+    if url.startswith("file://"):
+        return Check("store", "ok", f"{url} reachable and writable")
+    return Check("store", "ok", f"{url} reachable, bucket present, store.json readable")
 
 
 def _gpu() -> list[Check]:

@@ -85,7 +85,7 @@ def run_workload(
     if try_number < 0:
         raise ConfigError(f"try number {try_number} is negative. Pass --try-number 0 or more.")
     engine = make_engine(settings)
-    store = open_store(settings.resolved_store())
+    store = open_store(settings.resolved_store(), settings)
     store_cfg = store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
     own_work_dir = settings.work_dir is None
     work_dir = Path(tempfile.mkdtemp(prefix="cedana-work-")) if own_work_dir else Path(settings.work_dir)  # type: ignore[arg-type]

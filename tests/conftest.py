@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -97,3 +98,53 @@ def uninterrupted_digest(*train_args: str) -> str:
     out = subprocess.run([sys.executable, str(TRAIN), *train_args, "--step-seconds", "0"],
                          capture_output=True, text=True, check=True).stdout
     return out.strip().splitlines()[-1]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's S3 server over HTTP on a loopback port: a real S3 endpoint for boto3, started once."""
+    import urllib.request
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            break
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, "moto's S3 server did not start"
+            time.sleep(0.1)
+    yield url
+    proc.terminate()
+    proc.wait()
+
+
+@pytest.fixture
+def s3_env(s3_endpoint, monkeypatch):
+    """Environment for boto3 (here and in CLI subprocesses) pointing at the moto endpoint."""
+    env = {"AWS_ENDPOINT_URL": s3_endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return env
+
+
+@pytest.fixture
+def bucket(s3_env, request):
+    import boto3
+
+    name = "b-" + re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip("-")
+    client = boto3.client("s3")
+    client.create_bucket(Bucket=name)
+    return name

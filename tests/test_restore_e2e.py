@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import sys
 import time
 
+import boto3
 import pytest
 
 from conftest import (TRAIN, cli, cli_env, kill_node, manifests, start_cli, uninterrupted_digest, wait_for_checkpoints,
@@ -138,3 +140,61 @@ def test_a_workload_does_not_outlive_its_killed_supervisor(tmp_path):
     proc.send_signal(signal.SIGKILL)  # e.g. the OOM killer takes the task process, not the workload
     proc.wait()
     assert wait_gone(pid, 15), "the workload kept running without its supervisor"
+
+
+def test_s3_store_node_loss_and_restore_reads_only_the_bucket(tmp_path, bucket, s3_env):
+    args = ["--mb", "100", "--steps", "40", "--step-seconds", "0.1"]
+    store = f"s3://{bucket}/checkpoints"
+    proc = start_cli("run", "--id", "s3job", "--heartbeat", "1", "--", *_train(*args),
+                     env=cli_env(tmp_path, "node-a", "work-a", CEDANA_STORE=store, **s3_env), out=tmp_path / "a")
+    deadline = time.monotonic() + 120
+    while "checkpoint saved checkpoint_id=s3job seq=1" not in (tmp_path / "a.err").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "a.err").read_text()
+        time.sleep(0.1)
+    rows = json.loads(cli("checkpoints", "s3job", "--json", env=cli_env(tmp_path, "x", "w", CEDANA_STORE=store, **s3_env)).stdout)
+    assert rows[0]["id"] == "s3job" and rows[0]["node"] == "node-a"
+    manifest = boto3.client("s3").get_object(Bucket=bucket, Key="checkpoints/s3job/0000000001/manifest.json")
+    kill_node(proc, json.loads(manifest["Body"].read())["process"]["pid"])
+    shutil.rmtree(tmp_path / "work-a")
+    r = cli("restore", "--id", "s3job", env=cli_env(tmp_path, "node-b", "work-b", CEDANA_STORE=store, **s3_env))
+    assert r.returncode == 0, r.stderr
+    assert not any(ln.startswith("start-up") for ln in r.stdout.splitlines())
+    assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
+
+
+def test_an_unreachable_store_never_kills_the_workload(tmp_path):
+    import subprocess as sp
+
+    from conftest import _free_port
+
+    port = _free_port()
+    moto = sp.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                    stdout=sp.DEVNULL, stderr=sp.DEVNULL)
+    env = cli_env(tmp_path, "node-a", "work-a", CEDANA_STORE="s3://flaky/c", AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
+                  AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+                  AWS_MAX_ATTEMPTS="2")
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1",
+                             aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket="flaky")
+                break
+            except Exception:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        args = ["--mb", "20", "--steps", "40", "--step-seconds", "0.1"]
+        proc = start_cli("run", "--id", "flaky", "--heartbeat", "0.7", "--", *_train(*args), env=env, out=tmp_path / "a")
+        while "checkpoint saved checkpoint_id=flaky seq=1" not in (tmp_path / "a.err").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline + 60
+            time.sleep(0.05)
+        moto.kill()  # the endpoint goes away mid-run
+        moto.wait()
+        assert proc.wait(timeout=120) == 0  # the workload finished anyway
+    finally:
+        if moto.poll() is None:
+            moto.kill()
+    out, err = (tmp_path / "a.out").read_text(), (tmp_path / "a.err").read_text()
+    assert out.splitlines()[-1] == uninterrupted_digest(*args)
+    assert "heartbeat failed; the workload keeps running" in err and "is unreachable" in err
+    assert "Traceback" not in err

@@ -1,24 +1,43 @@
-"""Stores: where checkpoints live. ``file://DIR`` is built in; ``s3://`` arrives with the s3 extra."""
+"""Stores: where checkpoints live. ``file://DIR`` is built in; ``s3://bucket/prefix`` needs boto3 (the s3 extra)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
 
-from ..config import STORE_URL_HINT, redact
+from ..config import STORE_URL_HINT, Settings, redact
 from ..errors import ConfigError
 from .base import Store, StoreConfig
 from .file import FileStore
 
 __all__ = ["Store", "StoreConfig", "FileStore", "open_store"]
 
+_S3_URL = re.compile(r"s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/(.*))?")
 
-def open_store(url: str) -> Store:
-    """Build the backend for a store URL (no I/O yet)."""
+
+def open_store(url: str, settings: Settings | None = None, *, s3_client: Any = None) -> Store:
+    """Build the backend for a store URL (no I/O yet).
+
+    ``s3_client``: a boto3 S3 client to use instead of one from the standard chain (Airflow passes
+    one built from a connection).
+    """
     if url.startswith("file://"):
         path = url[len("file://") :]
         if not path.startswith("/"):
             path = str(Path.cwd() / path)
         return FileStore(Path(path))
     if url.startswith("s3://"):
-        raise ConfigError(f"store {redact(url)}: the s3:// backend is not available in this version. Use file:///DIR.")
+        m = _S3_URL.fullmatch(url)
+        if not m or "@" in url or ".." in (m.group(2) or ""):
+            raise ConfigError(
+                f"store {redact(url)!r} is not a valid S3 URL. Write it as s3://bucket/prefix "
+                "(credentials never go in the URL: use the AWS credential chain)."
+            )
+        from .s3 import S3Store, make_s3_client
+
+        s = settings or Settings()
+        client = s3_client or make_s3_client(s.s3_endpoint_url, s.s3_addressing_style, s.s3_parallelism)
+        return S3Store(m.group(1), m.group(2) or "", client, sse=s.s3_sse, sse_kms_key_id=s.s3_sse_kms_key_id,
+                       parallelism=s.s3_parallelism)
     raise ConfigError(f"store {redact(url)!r} has no known scheme. {STORE_URL_HINT.capitalize()}.")

@@ -62,6 +62,8 @@ class Store(Protocol):
     """Byte-level operations a backend provides. Keys are relative to the store's root."""
 
     url: str
+    #: Transfers in flight at once: CPU-bound for a local disk, latency-bound for S3.
+    parallelism: int
 
     def open(self, *, create: bool, chunk_avg_bytes: int) -> StoreConfig:
         """Read store.json (creating it when ``create`` and absent); check the store is usable."""

@@ -22,6 +22,7 @@ class FileStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.url = f"file://{root}"
+        self.parallelism = max(2, min(8, os.cpu_count() or 2))
 
     # -- helpers --------------------------------------------------------------------------------
     def _write_atomic(self, key: str, data: bytes, *, exclusive: bool) -> bool:

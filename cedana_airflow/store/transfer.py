@@ -35,8 +35,6 @@ log = logging.getLogger(__name__)
 
 #: Sub-folder of a restore directory where captured files land before they are put back.
 CAPTURED_DIR = "captured"
-_WORKERS = max(2, min(8, os.cpu_count() or 2))
-_IN_FLIGHT = _WORKERS * 2
 
 
 @dataclass(frozen=True)
@@ -71,7 +69,10 @@ class _Writer:
     new_chunks: int = 0
     pending: deque[Future[int]] = field(default_factory=deque)
 
-    def _put(self, d: str, data: bytes) -> int:
+    def _put_if_missing(self, d: str, data: bytes) -> int:
+        # The existence check runs in the pool too: on S3 it is a request, not a stat.
+        if self.store.has_chunk(d):
+            return -1
         blob = chunking.encode(data, self.compression)
         self.store.put_chunk(d, blob)
         return len(blob)
@@ -79,8 +80,9 @@ class _Writer:
     def _drain(self, keep: int) -> None:
         while len(self.pending) > keep:
             n = self.pending.popleft().result()
-            self.stored_bytes += n
-            self.new_chunks += 1
+            if n >= 0:
+                self.stored_bytes += n
+                self.new_chunks += 1
 
     def add_file(self, path: Path) -> tuple[int, tuple[ChunkRef, ...]]:
         refs: list[ChunkRef] = []
@@ -90,12 +92,10 @@ class _Writer:
             n = len(cut.data)
             refs.append(ChunkRef(digest=d, size=n))
             size += n
-            if d not in self.known and not self.store.has_chunk(d):
+            if d not in self.known:
                 self.known.add(d)
-                self._drain(_IN_FLIGHT)
-                self.pending.append(self.pool.submit(self._put, d, bytes(cut.data)))
-            else:
-                self.known.add(d)
+                self._drain(2 * self.store.parallelism)
+                self.pending.append(self.pool.submit(self._put_if_missing, d, bytes(cut.data)))
             self.progress.advance(n)
         return size, tuple(refs)
 
@@ -121,7 +121,7 @@ def save_checkpoint(
     image_files = sorted(p for p in image_dir.iterdir() if p.is_file())
     total = sum(p.stat().st_size for p in image_files) + sum(c.copy.stat().st_size for c in captured)
     progress = Progress(f"checkpoint {meta.checkpoint_id}", total, progress_mode)
-    with ThreadPoolExecutor(_WORKERS, thread_name_prefix="cedana-put") as pool:
+    with ThreadPoolExecutor(store.parallelism, thread_name_prefix="cedana-put") as pool:
         w = _Writer(store, cfg, compression, set(known_digests), progress, pool)
         entries = []
         for p in image_files:
@@ -213,7 +213,7 @@ def fetch_checkpoint(store: Store, manifest: Manifest, dest: Path, progress_mode
             os.pwrite(fd, raw, off)
             progress.advance(ref.size)
 
-        with ThreadPoolExecutor(_WORKERS, thread_name_prefix="cedana-get") as pool:
+        with ThreadPoolExecutor(store.parallelism, thread_name_prefix="cedana-get") as pool:
             for _ in pool.map(get, jobs):
                 pass
     except CorruptCheckpoint as e:

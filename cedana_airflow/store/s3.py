@@ -1,0 +1,187 @@
+"""``s3://bucket/prefix``: checkpoints on AWS S3 or any S3-compatible server (MinIO, Ceph RGW, R2...).
+
+boto3 with its standard credential chain; ``AWS_ENDPOINT_URL`` or ``s3_endpoint_url`` for
+S3-compatible endpoints. Inside Airflow the operator passes a client built from a connection; this
+module never imports Airflow. botocore errors become one-line :class:`StoreError` s here, at the
+boundary, and never carry credentials.
+
+Manifests are written with ``If-None-Match: *`` (a create-only PUT), so an existing manifest is
+never replaced, as in the file store. Chunks are plain PUTs: two writers of one digest write the
+same raw bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from ..errors import CorruptCheckpoint, StoreUnavailable
+from ..ids import RESERVED_NAMES
+from .base import StoreConfig, chunk_key, manifest_key, parse_store_config
+
+__all__ = ["S3Store", "make_s3_client"]
+
+_SEQ_KEY = re.compile(r"(\d{10})/manifest\.json")
+_DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken",
+           "AllAccessDisabled", "403"}
+_MISSING = {"NoSuchKey", "404", "NotFound"}
+_HEAD_BUCKET = "checking the bucket"
+
+
+def make_s3_client(endpoint_url: str = "", addressing_style: str = "auto", parallelism: int = 16) -> Any:
+    """A boto3 S3 client with the standard credential chain, bounded retries and enough connections."""
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError:
+        raise StoreUnavailable(
+            "store s3://: boto3 is not installed. Install it with pip install 'cedana-airflow[s3]'."
+        ) from None
+    cfg = Config(retries={"mode": "standard", "max_attempts": 5}, max_pool_connections=max(parallelism, 10),
+                 s3={"addressing_style": addressing_style}, connect_timeout=10, read_timeout=60)
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url or None, config=cfg)
+
+
+class S3Store:
+    def __init__(self, bucket: str, prefix: str, client: Any, *, sse: str = "", sse_kms_key_id: str = "",
+                 parallelism: int = 16) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.url = f"s3://{bucket}/{self.prefix}"
+        self.client = client
+        self.parallelism = parallelism
+        self._put_args: dict[str, str] = {}
+        if sse:
+            self._put_args["ServerSideEncryption"] = sse
+        if sse_kms_key_id:
+            self._put_args["SSEKMSKeyId"] = sse_kms_key_id
+
+    # -- the error boundary ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError, NoCredentialsError
+
+        endpoint = getattr(getattr(self.client, "meta", None), "endpoint_url", "?")
+        try:
+            yield
+        except ClientError as e:
+            code = str(e.response.get("Error", {}).get("Code", "?"))
+            # head_bucket answers a bare 404 where other calls say NoSuchBucket
+            if code == "NoSuchBucket" or (code in _MISSING and what == _HEAD_BUCKET):
+                raise StoreUnavailable(
+                    f"store {self.url}: bucket {self.bucket!r} does not exist at {endpoint}. "
+                    "Create it, or fix the bucket in --store / CEDANA_STORE."
+                ) from None
+            if code in _DENIED:
+                raise StoreUnavailable(
+                    f"store {self.url}: {what} was refused ({code}) at {endpoint}. Check the credentials "
+                    "(AWS_ACCESS_KEY_ID / profile / role, or the Airflow connection) and the bucket policy."
+                ) from None
+            raise StoreUnavailable(f"store {self.url}: {what} failed ({code}) at {endpoint}. Retry, or check the endpoint's logs.") from None
+        except NoCredentialsError:
+            raise StoreUnavailable(
+                f"store {self.url}: no AWS credentials found. Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                "a profile, or an instance role (or an aws_conn_id in Airflow)."
+            ) from None
+        except EndpointConnectionError:
+            raise StoreUnavailable(
+                f"store {self.url}: endpoint {endpoint} is unreachable. Check AWS_ENDPOINT_URL / s3_endpoint_url and the network."
+            ) from None
+        except BotoCoreError as e:
+            raise StoreUnavailable(f"store {self.url}: {what} failed: {type(e).__name__}. Check the endpoint and network.") from None
+
+    def _key(self, key: str) -> str:
+        return self.prefix + key
+
+    def _get(self, key: str) -> bytes | None:
+        from botocore.exceptions import ClientError
+
+        with self._errors(f"reading {key}"):
+            try:
+                return bytes(self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read())
+            except ClientError as e:
+                if str(e.response.get("Error", {}).get("Code")) in _MISSING:
+                    return None
+                raise
+
+    def _put(self, key: str, data: bytes, *, create_only: bool = False) -> bool:
+        from botocore.exceptions import ClientError
+
+        extra = dict(self._put_args, **({"IfNoneMatch": "*"} if create_only else {}))
+        with self._errors(f"writing {key}"):
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, **extra)
+            except ClientError as e:
+                if create_only and str(e.response.get("Error", {}).get("Code")) in {"PreconditionFailed", "412", "ConditionalRequestConflict"}:
+                    return False
+                raise
+        return True
+
+    def _keys(self, prefix: str, delimiter: str = "") -> Iterator[str]:
+        args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._key(prefix)}
+        if delimiter:
+            args["Delimiter"] = delimiter
+        with self._errors(f"listing {prefix or '/'}"):
+            for page in self.client.get_paginator("list_objects_v2").paginate(**args):
+                for p in page.get("CommonPrefixes", []):
+                    yield p["Prefix"][len(self.prefix):]
+                for o in page.get("Contents", []):
+                    yield o["Key"][len(self.prefix):]
+
+    # -- Store ----------------------------------------------------------------------------------
+    def open(self, *, create: bool, chunk_avg_bytes: int) -> StoreConfig:
+        with self._errors(_HEAD_BUCKET):
+            self.client.head_bucket(Bucket=self.bucket)
+        raw = self._get("store.json")
+        if raw is None:
+            if not create:
+                return StoreConfig(chunk_avg_bytes=chunk_avg_bytes)
+            cfg = StoreConfig(chunk_avg_bytes=chunk_avg_bytes)
+            self._put("store.json", cfg.model_dump_json(indent=2).encode(), create_only=True)
+            raw = self._get("store.json")  # a concurrent creator may have won
+            if raw is None:
+                raise StoreUnavailable(f"store {self.url}: store.json vanished right after it was written. Check the bucket's lifecycle rules.")
+        return parse_store_config(raw, self.url)
+
+    def has_chunk(self, digest: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        with self._errors(f"checking chunk {digest}"):
+            try:
+                self.client.head_object(Bucket=self.bucket, Key=self._key(chunk_key(digest)))
+                return True
+            except ClientError as e:
+                if str(e.response.get("Error", {}).get("Code")) in _MISSING:
+                    return False
+                raise
+
+    def put_chunk(self, digest: str, blob: bytes) -> None:
+        self._put(chunk_key(digest), blob)
+
+    def get_chunk(self, digest: str) -> bytes:
+        blob = self._get(chunk_key(digest))
+        if blob is None:
+            raise CorruptCheckpoint(f"chunk {digest} is missing from {self.url}")
+        return blob
+
+    def put_manifest(self, checkpoint_id: str, seq: int, data: bytes) -> bool:
+        return self._put(manifest_key(checkpoint_id, seq), data, create_only=True)
+
+    def get_manifest(self, checkpoint_id: str, seq: int) -> bytes:
+        raw = self._get(manifest_key(checkpoint_id, seq))
+        if raw is None:
+            raise CorruptCheckpoint(f"manifest {checkpoint_id}/{seq} disappeared from {self.url}")
+        return raw
+
+    def list_ids(self) -> list[str]:
+        return sorted(p.rstrip("/") for p in self._keys("", "/") if p.endswith("/") and p.rstrip("/") not in RESERVED_NAMES)
+
+    def list_seqs(self, checkpoint_id: str) -> list[int]:
+        out = []
+        for key in self._keys(f"{checkpoint_id}/"):
+            m = _SEQ_KEY.fullmatch(key[len(checkpoint_id) + 1:])
+            if m:
+                out.append(int(m.group(1)))
+        return sorted(out)
