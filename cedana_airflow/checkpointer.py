@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from .engine.criu import CriuEngine
+from .estimate import estimate_checkpoint, too_large
 from .errors import CorruptCheckpoint, RestoreFailed
 from .ids import validate_checkpoint_id
 from .manifest import Manifest, ProcessInfo
@@ -39,22 +40,34 @@ class Restored:
 class Checkpointer:
     def __init__(self, engine: CriuEngine, store: Store, store_cfg: StoreConfig, checkpoint_id: str, *,
                  node: str, work_dir: Path, try_number: int = 0, compression: str = "zstd",
-                 keep_local: bool = False, progress_mode: str = "never") -> None:
+                 keep_local: bool = False, progress_mode: str = "never", max_checkpoint_bytes: int = 0) -> None:
         self.engine, self.store, self.store_cfg = engine, store, store_cfg
         self.checkpoint_id = validate_checkpoint_id(checkpoint_id)
         self.node, self.work_dir, self.try_number = node, work_dir, try_number
         self.compression, self.keep_local, self.progress_mode = compression, keep_local, progress_mode
+        self.max_checkpoint_bytes = max_checkpoint_bytes
+        self.skipped = 0  # heartbeats skipped as too large
         self._lock = threading.Lock()
         self._count = 0
         self._known: set[str] = set()
         self.parent_seq: int | None = None
 
-    def checkpoint(self, workload: Workload, *, leave_running: bool = True) -> Manifest:
+    def checkpoint(self, workload: Workload, *, leave_running: bool = True) -> Manifest | None:
+        """Take a checkpoint and store it; None when it was skipped as too large (see estimate.py)."""
         with self._lock:
+            estimate = estimate_checkpoint(workload.pids())
+            why = too_large(estimate, self.max_checkpoint_bytes, self.work_dir)
+            if why:
+                self.skipped += 1
+                # Once per checkpoint ID at WARNING; a heartbeat every minute must not flood the log.
+                (log.debug if self.skipped > 1 else log.warning)(
+                    "heartbeat skipped checkpoint_id=%s: %s; the workload keeps running without a new checkpoint "
+                    "(skipped=%d)", self.checkpoint_id, why, self.skipped)
+                return None
             self._count += 1
             # Each dump gets its own folder: images, CRIU's log and the captured files, removed together.
             dump_dir = self.work_dir / f"dump-{os.getpid()}-{self._count}"
-            rss = workload.rss_bytes()
+            rss = estimate.rss_bytes
             try:
                 dump = self.engine.dump(workload.pid, dump_dir / "images", leave_running=leave_running)
                 meta = CheckpointMeta(

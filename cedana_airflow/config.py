@@ -65,6 +65,11 @@ class Settings(BaseModel):
     )
     compression: Literal["zstd", "none"] = Field(default="zstd", description="Chunk compression.")
     keep_local: bool = Field(default=False, description="Keep local dump directories after upload (debugging).")
+    max_checkpoint_bytes: int = Field(
+        default=64 << 30, ge=0,
+        description="Skip a heartbeat whose estimated size (RSS + GPU memory) is above this; 0 = no limit. "
+        "64 GiB freezes for about 40 s at the 0.6 s/GB measured here.",
+    )
     s3_endpoint_url: str = Field(
         default="", description="S3-compatible endpoint (MinIO, Ceph RGW, R2...). Empty: AWS_ENDPOINT_URL, else AWS."
     )

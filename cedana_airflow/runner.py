@@ -49,6 +49,7 @@ class RunResult:
     checkpoints: list[Manifest] = field(default_factory=list)
     restore_seconds: float = 0.0
     stopped_by_signal: int | None = None
+    skipped_heartbeats: int = 0  # too large to take (max_checkpoint_bytes, or no room in the work dir)
 
 
 #: Signals that stop a managed run (final checkpoint first) and those passed straight to the workload.
@@ -92,7 +93,7 @@ def run_workload(
     work_dir.mkdir(parents=True, exist_ok=True)
     cp = Checkpointer(engine, store, store_cfg, checkpoint_id, node=settings.resolved_node(), work_dir=work_dir,
                       try_number=try_number, compression=settings.compression, keep_local=settings.keep_local,
-                      progress_mode=settings.progress)
+                      progress_mode=settings.progress, max_checkpoint_bytes=settings.max_checkpoint_bytes)
     try:
         result = RunResult(exit_code=0, outcome="fresh")
         workload: Workload | None = None
@@ -131,9 +132,14 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
     stop_requested = threading.Event()
     got: list[int] = []
 
+    def take() -> None:
+        m = cp.checkpoint(workload)
+        if m is not None:
+            result.checkpoints.append(m)
+
     def beat() -> None:
         if workload.poll() is None:
-            result.checkpoints.append(cp.checkpoint(workload))
+            take()
 
     hb = Heartbeat(settings.heartbeat_seconds, beat) if settings.heartbeat_seconds > 0 else None
     previous: dict[signal.Signals, Any] = {}
@@ -161,7 +167,7 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
                 if workload.poll() is None:
                     if settings.checkpoint_on_term:
                         try:
-                            result.checkpoints.append(cp.checkpoint(workload))
+                            take()
                         except Exception as e:  # stopping matters more than the final checkpoint
                             log.warning("final checkpoint failed: %s", e)
                     result.stopped_by_signal = sig
@@ -172,8 +178,9 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
         rc = workload.wait()
         # Stopped by us: 128 + the signal we were sent, as a shell reports it. Otherwise its own code.
         result.exit_code = 128 + result.stopped_by_signal if result.stopped_by_signal else (rc if rc is not None else 1)
-        log.info("workload exited checkpoint_id=%s exit_code=%d checkpoints=%d", cp.checkpoint_id, result.exit_code,
-                 len(result.checkpoints))
+        result.skipped_heartbeats = cp.skipped
+        log.info("workload exited checkpoint_id=%s exit_code=%d checkpoints=%d skipped_heartbeats=%d",
+                 cp.checkpoint_id, result.exit_code, len(result.checkpoints), cp.skipped)
         return result
     finally:
         for s, h in previous.items():

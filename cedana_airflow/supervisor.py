@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import BinaryIO
 
+from .engine.capture import tree_pids
 from .errors import EngineError, EngineUnavailable
 
 __all__ = ["Workload", "become_subreaper", "exit_code_of"]
@@ -115,18 +116,9 @@ class Workload:
         """Supervise a restored tree whose root ``pid`` is our child (we are its subreaper)."""
         return cls(pid, command, cwd, out_r, err_r, None, stdout or sys.stdout.buffer, stderr or sys.stderr.buffer)
 
-    def rss_bytes(self) -> int:
-        """Resident memory of the whole tree (what a dump will write, roughly)."""
-        from .engine.capture import tree_pids
-
-        total = 0
-        for pid in tree_pids(self.pid):
-            try:
-                with open(f"/proc/{pid}/statm") as f:
-                    total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-            except (OSError, ValueError, IndexError):
-                pass
-        return total
+    def pids(self) -> list[int]:
+        """The host PIDs of the whole tree, root first."""
+        return tree_pids(self.pid)
 
     def poll(self) -> int | None:
         with self._reap_lock:  # the heartbeat thread polls too; only one may reap

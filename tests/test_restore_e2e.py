@@ -198,3 +198,21 @@ def test_an_unreachable_store_never_kills_the_workload(tmp_path):
     assert out.splitlines()[-1] == uninterrupted_digest(*args)
     assert "heartbeat failed; the workload keeps running" in err and "is unreachable" in err
     assert "Traceback" not in err
+
+
+def test_a_checkpoint_above_max_checkpoint_bytes_is_skipped_once_logged_and_the_workload_runs_on(tmp_path):
+    grow = ("import time, numpy as np\n"
+            "a = np.ones(20 << 17)\n"                     # 20 MB
+            "print('small', flush=True); time.sleep(2.5)\n"
+            "b = np.ones(300 << 17)\n"                    # +300 MB
+            "print('big', flush=True); time.sleep(3)\n"
+            "print('done', flush=True)\n")
+    env = cli_env(tmp_path, "node-a", "work-a", CEDANA_MAX_CHECKPOINT_BYTES=str(150 << 20))
+    r = cli("run", "--id", "grow", "--heartbeat", "0.5", "--", sys.executable, "-c", grow, env=env)
+    assert r.returncode == 0 and r.stdout.split() == ["small", "big", "done"], r.stderr
+    assert r.stderr.count("heartbeat skipped checkpoint_id=grow: estimate") == 1  # logged once per ID
+    assert "is above max_checkpoint_bytes 157286400; the workload keeps running" in r.stderr
+    skipped = int(r.stderr.split("skipped_heartbeats=")[1].split()[0])
+    assert skipped >= 3
+    ms = manifests(tmp_path / "store", "grow")
+    assert ms and all(m["image_bytes"] < 150 << 20 for m in ms)  # only the small phase was checkpointed
