@@ -18,6 +18,7 @@ from typing import BinaryIO
 
 from .engine.criu import CriuEngine
 from .estimate import estimate_checkpoint, too_large
+from .gc import prune_checkpoints
 from .errors import CorruptCheckpoint, RestoreFailed
 from .ids import validate_checkpoint_id
 from .manifest import Manifest, ProcessInfo
@@ -40,12 +41,14 @@ class Restored:
 class Checkpointer:
     def __init__(self, engine: CriuEngine, store: Store, store_cfg: StoreConfig, checkpoint_id: str, *,
                  node: str, work_dir: Path, try_number: int = 0, compression: str = "zstd",
-                 keep_local: bool = False, progress_mode: str = "never", max_checkpoint_bytes: int = 0) -> None:
+                 keep_local: bool = False, progress_mode: str = "never", max_checkpoint_bytes: int = 0,
+                 keep_checkpoints: int = 0) -> None:
         self.engine, self.store, self.store_cfg = engine, store, store_cfg
         self.checkpoint_id = validate_checkpoint_id(checkpoint_id)
         self.node, self.work_dir, self.try_number = node, work_dir, try_number
         self.compression, self.keep_local, self.progress_mode = compression, keep_local, progress_mode
         self.max_checkpoint_bytes = max_checkpoint_bytes
+        self.keep_checkpoints = keep_checkpoints  # 0: keep all
         self.skipped = 0  # heartbeats skipped as too large
         self._lock = threading.Lock()
         self._count = 0
@@ -85,6 +88,8 @@ class Checkpointer:
                 if not self.keep_local:
                     shutil.rmtree(dump_dir, ignore_errors=True)
             self._known = manifest.chunk_digests()
+            if self.keep_checkpoints:
+                prune_checkpoints(self.store, self.checkpoint_id, self.keep_checkpoints)
             log.info("freeze checkpoint_id=%s seq=%d freeze_seconds=%.3f rss_bytes=%d",
                      self.checkpoint_id, manifest.seq, dump.freeze_seconds, rss)
             return manifest

@@ -53,6 +53,12 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true", help="print a JSON array")
     _common(ls)
 
+    gc = sub.add_parser("gc", help="remove chunks no checkpoint names (older than the grace period)")
+    gc.add_argument("--dry-run", action="store_true", help="report what would be removed, remove nothing")
+    gc.add_argument("--grace", type=float, default=None, help="seconds an unreferenced chunk is spared (default 3600)")
+    gc.add_argument("--json", action="store_true")
+    _common(gc)
+
     doc = sub.add_parser("doctor", help="check that checkpointing can work here")
     doc.add_argument("--json", action="store_true")
     _common(doc)
@@ -111,6 +117,28 @@ def _cmd_checkpoints(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_gc(args: argparse.Namespace) -> int:
+    from .gc import DEFAULT_GRACE_SECONDS, collect_garbage
+    from .store import open_store
+
+    settings = _settings(args)
+    store = open_store(settings.resolved_store(), settings)
+    store.open(create=False, chunk_avg_bytes=settings.chunk_avg_bytes)
+    grace = DEFAULT_GRACE_SECONDS if args.grace is None else args.grace
+    if grace < 0:
+        print("usage: --grace takes seconds >= 0", file=sys.stderr)
+        return 2
+    report = collect_garbage(store, grace_seconds=grace, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps(report.__dict__))
+    else:
+        verb = "would remove" if report.dry_run else "removed"
+        print(f"{verb} {report.chunks_removed} chunk(s), {report.bytes_removed / 1e6:,.1f} MB, and "
+              f"{report.temp_removed} temporary file(s); kept {report.chunks_kept} chunk(s) named by "
+              f"{report.manifests} checkpoint(s), {report.young_unreferenced} younger than {grace:g} s")
+    return 0
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from .doctor import run_checks
 
@@ -135,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_run(args, restore_only=True)
         if args.verb == "checkpoints":
             return _cmd_checkpoints(args)
+        if args.verb == "gc":
+            return _cmd_gc(args)
         if args.verb == "doctor":
             return _cmd_doctor(args)
     except CedanaError as e:

@@ -65,6 +65,10 @@ class Settings(BaseModel):
     )
     compression: Literal["zstd", "none"] = Field(default="zstd", description="Chunk compression.")
     keep_local: bool = Field(default=False, description="Keep local dump directories after upload (debugging).")
+    keep_checkpoints: int = Field(default=3, ge=1, description="Complete checkpoints kept per checkpoint ID.")
+    delete_on_success: bool = Field(
+        default=False, description="Delete every checkpoint of an ID once its workload exits 0."
+    )
     max_checkpoint_bytes: int = Field(
         default=64 << 30, ge=0,
         description="Skip a heartbeat whose estimated size (RSS + GPU memory) is above this; 0 = no limit. "

@@ -7,6 +7,7 @@
     ├── CheckpointIdError            a checkpoint ID is unsafe (path/key traversal) or malformed
     ├── StoreError                   the store cannot be used
     │   ├── StoreUnavailable         not reachable, not writable, unknown format version
+    │   ├── StoreBusy                a lock is held: gc runs, or checkpoints are being written
     │   ├── CheckpointNotFound       no complete checkpoint under that checkpoint ID
     │   └── CorruptCheckpoint        a chunk or manifest failed verification (never restored)
     └── EngineError                  freezing, dumping or restoring failed
@@ -29,6 +30,7 @@ __all__ = [
     "EngineError",
     "EngineUnavailable",
     "RestoreFailed",
+    "StoreBusy",
     "StoreError",
     "StoreUnavailable",
 ]
@@ -58,6 +60,10 @@ class StoreError(CedanaError):
 
 class StoreUnavailable(StoreError):
     """The store is not reachable, not writable, or written in a format version we do not know."""
+
+
+class StoreBusy(StoreError):
+    """A store lock is held: garbage collection is running, or checkpoints are being written."""
 
 
 class CheckpointNotFound(StoreError):

@@ -29,6 +29,7 @@ from .checkpointer import Checkpointer
 from .config import Settings
 from .engine.criu import CriuEngine, find_criu
 from .errors import CheckpointNotFound, ConfigError, CorruptCheckpoint
+from .gc import delete_checkpoint_id
 from .heartbeat import Heartbeat
 from .ids import validate_checkpoint_id
 from .manifest import Manifest
@@ -93,7 +94,8 @@ def run_workload(
     work_dir.mkdir(parents=True, exist_ok=True)
     cp = Checkpointer(engine, store, store_cfg, checkpoint_id, node=settings.resolved_node(), work_dir=work_dir,
                       try_number=try_number, compression=settings.compression, keep_local=settings.keep_local,
-                      progress_mode=settings.progress, max_checkpoint_bytes=settings.max_checkpoint_bytes)
+                      progress_mode=settings.progress, max_checkpoint_bytes=settings.max_checkpoint_bytes,
+                      keep_checkpoints=settings.keep_checkpoints)
     try:
         result = RunResult(exit_code=0, outcome="fresh")
         workload: Workload | None = None
@@ -121,7 +123,10 @@ def run_workload(
             assert command is not None
             workload = Workload.start(command, cwd=cwd, env=env, stdout=stdout, stderr=stderr)
             log.info("workload started checkpoint_id=%s pid=%d node=%s", checkpoint_id, workload.pid, cp.node)
-        return _supervise(settings, cp, workload, result, handle_signals)
+        result = _supervise(settings, cp, workload, result, handle_signals)
+        if result.exit_code == 0 and settings.delete_on_success:
+            delete_checkpoint_id(store, checkpoint_id)  # done: nothing left to resume
+        return result
     finally:
         if own_work_dir and not settings.keep_local:
             shutil.rmtree(work_dir, ignore_errors=True)

@@ -90,7 +90,7 @@ def test_run_returns_the_workloads_own_exit_code(tmp_path):
 
 
 def test_checkpoints_json_lists_the_contract_fields(tmp_path):
-    env = cli_env(tmp_path, "node-x", "w")
+    env = cli_env(tmp_path, "node-x", "w", CEDANA_KEEP_CHECKPOINTS="100")
     r = cli("run", "--id", "listed", "--heartbeat", "0.5", "--", sys.executable, "-c", "import time; time.sleep(2.5)", env=env)
     assert r.returncode == 0, r.stderr
     rows = json.loads(cli("checkpoints", "--json", env=env).stdout)

@@ -12,6 +12,8 @@ small class, not a rewrite. Layout (docs/store-format.md)::
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -20,7 +22,7 @@ from ..chunking import CHUNKER_NAME
 from ..errors import StoreUnavailable
 from ..ids import RESERVED_NAMES
 
-__all__ = ["Store", "StoreConfig", "STORE_FORMAT_VERSION", "RESERVED_NAMES", "chunk_key", "manifest_key", "parse_store_config"]
+__all__ = ["Store", "StoreConfig", "StoredObject", "STORE_FORMAT_VERSION", "RESERVED_NAMES", "chunk_key", "manifest_key", "parse_store_config"]
 
 STORE_FORMAT_VERSION = 1
 
@@ -57,6 +59,13 @@ def manifest_key(checkpoint_id: str, seq: int) -> str:
     return f"{checkpoint_id}/{seq:010d}/manifest.json"
 
 
+@dataclass(frozen=True)
+class StoredObject:
+    key: str
+    size: int
+    mtime: float  # seconds since the epoch
+
+
 @runtime_checkable
 class Store(Protocol):
     """Byte-level operations a backend provides. Keys are relative to the store's root."""
@@ -89,4 +98,21 @@ class Store(Protocol):
 
     def list_seqs(self, checkpoint_id: str) -> list[int]:
         """Sequence numbers that have a manifest (that is, complete checkpoints), ascending."""
+        ...
+
+    # -- generic keys: locks, retention and garbage collection are written on these --------------
+    def get(self, key: str) -> bytes | None:
+        """The object at ``key``, or None when there is none."""
+        ...
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` atomically; False (and nothing written) when it exists."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Remove ``key``; a missing key is not an error."""
+        ...
+
+    def list_objects(self, prefix: str) -> Iterator[StoredObject]:
+        """Every object under ``prefix`` (temporary files of interrupted writes included)."""
         ...

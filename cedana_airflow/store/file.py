@@ -10,10 +10,11 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import CorruptCheckpoint, StoreUnavailable
-from .base import RESERVED_NAMES, StoreConfig, chunk_key, manifest_key, parse_store_config
+from .base import RESERVED_NAMES, StoreConfig, StoredObject, chunk_key, manifest_key, parse_store_config
 
 __all__ = ["FileStore"]
 
@@ -107,3 +108,36 @@ class FileStore:
         if not d.is_dir():
             return []
         return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and (p / "manifest.json").is_file())
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            return (self.root / key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        return self._write_atomic(key, data, exclusive=True)
+
+    def delete(self, key: str) -> None:
+        path = self.root / key
+        path.unlink(missing_ok=True)
+        # Drop folders a deleted manifest leaves empty (a seq folder, then its checkpoint ID's).
+        for d in (path.parent, path.parent.parent):
+            if d != self.root and d.is_relative_to(self.root):
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
+
+    def list_objects(self, prefix: str) -> Iterator[StoredObject]:
+        top = self.root / prefix
+        if not top.is_dir():
+            return
+        for dirpath, _, names in os.walk(top):
+            for name in names:
+                p = Path(dirpath) / name
+                try:
+                    st = p.stat()
+                except FileNotFoundError:
+                    continue
+                yield StoredObject(str(p.relative_to(self.root)), st.st_size, st.st_mtime)

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpoint, StoreUnavailable
 from ..ids import RESERVED_NAMES
-from .base import StoreConfig, chunk_key, manifest_key, parse_store_config
+from .base import StoreConfig, StoredObject, chunk_key, manifest_key, parse_store_config
 
 __all__ = ["S3Store", "make_s3_client"]
 
@@ -119,16 +119,19 @@ class S3Store:
                 raise
         return True
 
-    def _keys(self, prefix: str, delimiter: str = "") -> Iterator[str]:
+    def _pages(self, prefix: str, delimiter: str = "") -> Iterator[dict[str, Any]]:
         args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._key(prefix)}
         if delimiter:
             args["Delimiter"] = delimiter
         with self._errors(f"listing {prefix or '/'}"):
-            for page in self.client.get_paginator("list_objects_v2").paginate(**args):
-                for p in page.get("CommonPrefixes", []):
-                    yield p["Prefix"][len(self.prefix):]
-                for o in page.get("Contents", []):
-                    yield o["Key"][len(self.prefix):]
+            yield from self.client.get_paginator("list_objects_v2").paginate(**args)
+
+    def _keys(self, prefix: str, delimiter: str = "") -> Iterator[str]:
+        for page in self._pages(prefix, delimiter):
+            for p in page.get("CommonPrefixes", []):
+                yield p["Prefix"][len(self.prefix):]
+            for o in page.get("Contents", []):
+                yield o["Key"][len(self.prefix):]
 
     # -- Store ----------------------------------------------------------------------------------
     def open(self, *, create: bool, chunk_avg_bytes: int) -> StoreConfig:
@@ -185,3 +188,18 @@ class S3Store:
             if m:
                 out.append(int(m.group(1)))
         return sorted(out)
+
+    def get(self, key: str) -> bytes | None:
+        return self._get(key)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        return self._put(key, data, create_only=True)
+
+    def delete(self, key: str) -> None:
+        with self._errors(f"deleting {key}"):
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+    def list_objects(self, prefix: str) -> Iterator[StoredObject]:
+        for page in self._pages(prefix):
+            for o in page.get("Contents", []):
+                yield StoredObject(o["Key"][len(self.prefix):], int(o["Size"]), o["LastModified"].timestamp())

@@ -117,6 +117,17 @@ def save_checkpoint(
     this checkpoint ID), which saves an existence check per chunk.
     """
     validate_checkpoint_id(meta.checkpoint_id)
+    from ..locks import acquire_writer  # locks builds on this module's store interface
+
+    lock = acquire_writer(store)  # garbage collection waits while any checkpoint is being written
+    try:
+        return _save(store, cfg, meta, image_dir, captured, known_digests, compression, progress_mode)
+    finally:
+        lock.release(store)
+
+
+def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path, captured: Sequence[CapturedSource],
+          known_digests: Iterable[str], compression: str, progress_mode: str) -> Manifest:
     t0 = time.monotonic()
     image_files = sorted(p for p in image_dir.iterdir() if p.is_file())
     total = sum(p.stat().st_size for p in image_files) + sum(c.copy.stat().st_size for c in captured)
