@@ -156,6 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="cedana: %(message)s")
+    # Not ours to print, and botocore's DEBUG lines carry request headers (access key ID, signatures):
+    # kept at WARNING even with --verbose, so no credential reaches a log.
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         if args.verb == "run":
             return _cmd_run(args, restore_only=False)

@@ -108,26 +108,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint():
-    """moto's S3 server over HTTP on a loopback port: a real S3 endpoint for boto3, started once."""
+def moto_server(**env: str):
+    """Start moto's S3 server as a subprocess on a free loopback port; yield its URL, then stop it."""
+    import urllib.error
     import urllib.request
 
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:
         try:
             urllib.request.urlopen(url, timeout=1)
             break
+        except urllib.error.HTTPError:
+            break  # it answered (an auth-checking server answers with an error)
         except OSError:
             assert proc.poll() is None and time.monotonic() < deadline, "moto's S3 server did not start"
             time.sleep(0.1)
     yield url
     proc.terminate()
     proc.wait()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's S3 server over HTTP on a loopback port: a real S3 endpoint for boto3, started once."""
+    yield from moto_server()
 
 
 @pytest.fixture
