@@ -97,13 +97,14 @@ def _row(m: Any) -> dict[str, Any]:
 def _cmd_checkpoints(args: argparse.Namespace) -> int:
     from .ids import validate_checkpoint_id
     from .store import open_store
-    from .store.transfer import load_manifests
+    from .store.transfer import load_manifests_of
 
     settings = _settings(args)
     store = open_store(settings.resolved_store(), settings)
     store.open(create=False, chunk_avg_bytes=settings.chunk_avg_bytes)
     ids = [validate_checkpoint_id(args.id)] if args.id else store.list_ids()
-    rows = [_row(m) for cid in ids for m in sorted(load_manifests(store, cid), key=lambda m: m.seq)]
+    by_id = load_manifests_of(store, ids)
+    rows = [_row(m) for cid in ids for m in sorted(by_id[cid], key=lambda m: m.seq)]
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0

@@ -96,7 +96,10 @@ class FileStore:
         return self._write_atomic(manifest_key(checkpoint_id, seq), data, exclusive=True)
 
     def get_manifest(self, checkpoint_id: str, seq: int) -> bytes:
-        return (self.root / manifest_key(checkpoint_id, seq)).read_bytes()
+        raw = self.get(manifest_key(checkpoint_id, seq))
+        if raw is None:  # removed between listing and reading (retention, gc)
+            raise CorruptCheckpoint(f"manifest {checkpoint_id}/{seq} disappeared from {self.url}")
+        return raw
 
     def list_ids(self) -> list[str]:
         if not self.root.is_dir():
@@ -114,6 +117,8 @@ class FileStore:
             return (self.root / key).read_bytes()
         except FileNotFoundError:
             return None
+        except OSError as e:
+            raise StoreUnavailable(f"store {self.url}: reading {key} failed: {e.strerror or e}. Check the disk and permissions.") from None
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         return self._write_atomic(key, data, exclusive=True)

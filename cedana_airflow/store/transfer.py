@@ -22,14 +22,15 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from .. import chunking
-from ..errors import CheckpointNotFound, CorruptCheckpoint, StoreError
+from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..ids import validate_checkpoint_id
 from ..manifest import CapturedFile, ChunkRef, FileEntry, Manifest, ProcessInfo
 from ..progress import Progress
 from ..selection import restore_order
 from .base import Store, StoreConfig
 
-__all__ = ["CAPTURED_DIR", "CapturedSource", "CheckpointMeta", "fetch_checkpoint", "load_manifests", "require_latest", "save_checkpoint"]
+__all__ = ["CAPTURED_DIR", "CapturedSource", "CheckpointMeta", "fetch_checkpoint", "load_manifests", "load_manifests_of",
+           "require_latest", "save_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -178,21 +179,38 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path,
 def load_manifests(store: Store, checkpoint_id: str) -> list[Manifest]:
     """Every readable complete checkpoint of an ID, newest first (see :func:`restore_order`).
 
-    A manifest that does not parse is reported and skipped: it can never be restored.
+    A manifest that does not parse is reported and skipped: it can never be restored. A store that
+    cannot be read raises: a passing network fault must not make an older checkpoint "the latest".
     """
-    validate_checkpoint_id(checkpoint_id)
-    out = []
-    for seq in store.list_seqs(checkpoint_id):
+    return load_manifests_of(store, [checkpoint_id])[checkpoint_id]
+
+
+def load_manifests_of(store: Store, checkpoint_ids: Sequence[str]) -> dict[str, list[Manifest]]:
+    """:func:`load_manifests` for many IDs, reading the manifests ``store.parallelism`` at a time."""
+    for cid in checkpoint_ids:
+        validate_checkpoint_id(cid)
+
+    def read(key: tuple[str, int]) -> Manifest | None:
+        cid, seq = key
         try:
-            m = Manifest.model_validate_json(store.get_manifest(checkpoint_id, seq))
-        except (ValidationError, ValueError, OSError, StoreError) as e:
-            log.warning("manifest unreadable checkpoint_id=%s seq=%d: %s", checkpoint_id, seq, str(e).splitlines()[0])
-            continue
-        if m.checkpoint_id != checkpoint_id or m.seq != seq:
-            log.warning("manifest misplaced checkpoint_id=%s seq=%d names %s/%d; skipped", checkpoint_id, seq, m.checkpoint_id, m.seq)
-            continue
-        out.append(m)
-    return restore_order(out)
+            m = Manifest.model_validate_json(store.get_manifest(cid, seq))
+        except (ValidationError, ValueError, CorruptCheckpoint) as e:
+            log.warning("manifest unreadable checkpoint_id=%s seq=%d: %s", cid, seq, str(e).splitlines()[0])
+            return None
+        if m.checkpoint_id != cid or m.seq != seq:
+            log.warning("manifest misplaced checkpoint_id=%s seq=%d names %s/%d; skipped", cid, seq, m.checkpoint_id, m.seq)
+            return None
+        return m
+
+    with ThreadPoolExecutor(store.parallelism, thread_name_prefix="cedana-list") as pool:
+        keys = [(cid, seq) for cids in pool.map(lambda c: [(c, s) for s in store.list_seqs(c)], checkpoint_ids)
+                for cid, seq in cids]
+        found = list(pool.map(read, keys))
+    out: dict[str, list[Manifest]] = {cid: [] for cid in checkpoint_ids}
+    for m in found:
+        if m is not None:
+            out[m.checkpoint_id].append(m)
+    return {cid: restore_order(ms) for cid, ms in out.items()}
 
 
 def fetch_checkpoint(store: Store, manifest: Manifest, dest: Path, progress_mode: str = "never") -> None:
