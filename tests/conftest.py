@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -108,8 +110,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def moto_server(**env: str):
-    """Start moto's S3 server as a subprocess on a free loopback port; yield its URL, then stop it."""
+@contextlib.contextmanager
+def moto_server(**env: str) -> Iterator[str]:
+    """moto's S3 server as a subprocess on a free loopback port, for the length of a ``with``."""
     import urllib.error
     import urllib.request
 
@@ -117,25 +120,28 @@ def moto_server(**env: str):
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=1)
-            break
-        except urllib.error.HTTPError:
-            break  # it answered (an auth-checking server answers with an error)
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, "moto's S3 server did not start"
-            time.sleep(0.1)
-    yield url
-    proc.terminate()
-    proc.wait()
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=1)
+                break
+            except urllib.error.HTTPError:
+                break  # it answered (an auth-checking server answers with an error)
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "moto's S3 server did not start"
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait()
 
 
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """moto's S3 server over HTTP on a loopback port: a real S3 endpoint for boto3, started once."""
-    yield from moto_server()
+    with moto_server() as url:
+        yield url
 
 
 @pytest.fixture

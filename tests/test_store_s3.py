@@ -122,15 +122,11 @@ def test_kms_key_without_kms_is_a_config_error():
 def test_wrong_credentials_are_one_clear_line_without_the_secret(tmp_path):
     from conftest import cli, cli_env, moto_server
 
-    server = moto_server(INITIAL_NO_AUTH_ACTION_COUNT="0")  # this one checks every request's credentials
-    endpoint = next(server)
-    try:
+    with moto_server(INITIAL_NO_AUTH_ACTION_COUNT="0") as endpoint:  # this one checks every request's credentials
         env = cli_env(tmp_path, "n", "w", CEDANA_STORE="s3://some-bucket/x", AWS_ENDPOINT_URL=endpoint,
                       AWS_ACCESS_KEY_ID="AKIANOTAREALKEY00000", AWS_SECRET_ACCESS_KEY="wrong-secret-4711",
                       AWS_DEFAULT_REGION="us-east-1")
         r = cli("checkpoints", env=env)
-    finally:
-        next(server, None)
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("StoreUnavailable: store s3://some-bucket/x/: checking the bucket was refused (403)")
