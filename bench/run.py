@@ -1,9 +1,10 @@
 """cedana-airflow benchmarks: ratios against baselines measured in the same run.
 
-    .venv/bin/python bench/run.py [--mb 1024] [--reps 5] [--keep] [--no-write] [--no-prewarm]
+    .venv/bin/python bench/run.py [--only local|s3|s3-transfer|s3-listing] [--mb 1024] [--reps 5]
+                                  [--s3-reps 2] [--s3-naive-defaults] [--keep] [--no-write] [--no-prewarm]
 
-Three benchmarks, each on tests/workloads/train.py (numpy state, ~1% rewritten per step), run as a
-managed workload (own PID namespace, pipes for stdout/stderr):
+Local benchmarks (part "local"), each on tests/workloads/train.py (numpy state, ~1% rewritten per
+step), run as a managed workload (own PID namespace, pipes for stdout/stderr):
 
 1. freeze:  CRIU's frozen time of our engine's heartbeat dump (CriuEngine.dump, with the capture
             action script) vs a bare ``criu dump --leave-running`` of the same process to the same
@@ -14,8 +15,12 @@ managed workload (own PID namespace, pipes for stdout/stderr):
             a bare ``criu restore`` of a plain image directory of the same checkpoint.
                                                                         target <= 1.3x
 
-Writes bench/results.json and bench/results.md; prints the same table. Needs root and CRIU >= 4
-(CEDANA_CRIU, else the private prefix /opt/cedana-airflow/criu, else PATH). See bench/README.md.
+S3 benchmarks (parts "s3-transfer" and "s3-listing", both "s3"; bench/s3.py) against moto's S3
+server on loopback: first checkpoint, heartbeats 2-4, restore, and listing 1,000 IDs x 10.
+
+Writes bench/results.json and bench/results.md (a part that did not run keeps its previous results);
+prints the same table. Needs root and CRIU >= 4 (CEDANA_CRIU, else the private prefix
+/opt/cedana-airflow/criu, else PATH). See bench/README.md.
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ from cedana_airflow.engine.images import image_entries, read_dump_stats  # noqa:
 from cedana_airflow.manifest import Manifest  # noqa: E402
 from cedana_airflow.store import open_store  # noqa: E402
 from cedana_airflow.supervisor import Workload, become_subreaper  # noqa: E402
+
+# bench/s3.py imports this module as "run"; when it runs as a script, that must be this very module
+sys.modules.setdefault("run", sys.modules[__name__])
 
 TRAIN = REPO / "tests" / "workloads" / "train.py"
 MB = 1 << 20
@@ -122,20 +130,26 @@ class TailSink:
 
 
 class TimedEngine(CriuEngine):
-    """Our CriuEngine, recording how long each restore took and optionally running a hook after a dump."""
+    """Our CriuEngine, recording how long each dump and restore took and optionally running a hook after a dump."""
 
     def __init__(self, binary: Any) -> None:
         super().__init__(binary)
         self.restore_seconds: list[float] = []
+        self.dump_seconds: list[float] = []
         self.after_dump: Callable[[], None] | None = None
+        self.before_restore: Callable[[], None] | None = None  # runs untimed, right before criu restore
 
     def dump(self, *a: Any, **kw: Any) -> Any:
+        t0 = time.monotonic()
         r = super().dump(*a, **kw)
+        self.dump_seconds.append(time.monotonic() - t0)
         if self.after_dump:
             self.after_dump()
         return r
 
     def restore(self, *a: Any, **kw: Any) -> int:
+        if self.before_restore:
+            self.before_restore()
         t0 = time.monotonic()
         try:
             return super().restore(*a, **kw)
@@ -559,20 +573,45 @@ def bench_restore(engine: TimedEngine, store: Any, cfg: Any, cid: str, node: str
 # --------------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------------
+PARTS = ("local", "s3-transfer", "s3-listing")
+PART_KEYS = {"local": ("freeze", "store", "restore")}  # top-level result keys of the local part
+
+
+def parse_only(text: str) -> list[str]:
+    out: set[str] = set()
+    for word in (w.strip() for w in text.split(",")):
+        if word in ("all", ""):
+            out |= set(PARTS)
+        elif word == "s3":
+            out |= {"s3-transfer", "s3-listing"}
+        elif word in PARTS:
+            out.add(word)
+        else:
+            raise argparse.ArgumentTypeError(f"unknown part {word!r}; choose from all, local, s3, {', '.join(PARTS[1:])}")
+    return [p for p in PARTS if p in out]
+
+
 def table_rows(res: dict[str, Any]) -> list[list[str]]:
-    f, s, r = res["freeze"], res["store"], res["restore"]
     ok = lambda b: "PASS" if b else "MISS"  # noqa: E731
-    return [
-        ["freeze per heartbeat (CRIU frozen time)", f"{f['baseline_seconds']:.3f} s", f"{f['ours_seconds']:.3f} s",
-         f"{f['ratio']:.2f}x", f"<= {f['target']:.2f}x", ok(f["pass"])],
-        ["  (wall time of the dump call, info)", f"{f['wall']['baseline_seconds']:.3f} s",
-         f"{f['wall']['ours_seconds']:.3f} s", f"{f['wall']['ratio']:.2f}x", "", ""],
-        ["stored bytes, heartbeats 2-4 (worst)", f"{s['baseline_bytes'] / MB:.1f} MB image",
-         f"{s['ours_bytes'] / MB:.2f} MB stored", f"{100 * s['ratio']:.2f}%", f"<= {100 * s['target']:.0f}%",
-         ok(s["pass"])],
-        ["restore (fetch+verify+criu restore)", f"{r['baseline_seconds']:.2f} s", f"{r['ours_seconds']:.2f} s",
-         f"{r['ratio']:.2f}x", f"<= {r['target']:.2f}x", ok(r["pass"])],
-    ]
+    rows: list[list[str]] = []
+    if "freeze" in res:
+        f, s, r = res["freeze"], res["store"], res["restore"]
+        rows += [
+            ["freeze per heartbeat (CRIU frozen time)", f"{f['baseline_seconds']:.3f} s", f"{f['ours_seconds']:.3f} s",
+             f"{f['ratio']:.2f}x", f"<= {f['target']:.2f}x", ok(f["pass"])],
+            ["  (wall time of the dump call, info)", f"{f['wall']['baseline_seconds']:.3f} s",
+             f"{f['wall']['ours_seconds']:.3f} s", f"{f['wall']['ratio']:.2f}x", "", ""],
+            ["stored bytes, heartbeats 2-4 (worst)", f"{s['baseline_bytes'] / MB:.1f} MB image",
+             f"{s['ours_bytes'] / MB:.2f} MB stored", f"{100 * s['ratio']:.2f}%", f"<= {100 * s['target']:.0f}%",
+             ok(s["pass"])],
+            ["restore (fetch+verify+criu restore)", f"{r['baseline_seconds']:.2f} s", f"{r['ours_seconds']:.2f} s",
+             f"{r['ratio']:.2f}x", f"<= {r['target']:.2f}x", ok(r["pass"])],
+        ]
+    if res.get("s3"):
+        import s3
+
+        rows += s3.table_rows(res["s3"])
+    return rows
 
 
 HEAD = ["benchmark", "baseline", "ours", "ratio", "target", "result"]
@@ -584,14 +623,14 @@ def text_table(rows: list[list[str]]) -> str:
     return "\n".join([fmt(HEAD), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)])
 
 
-def details(res: dict[str, Any]) -> list[str]:
+def local_details(res: dict[str, Any], args: dict[str, Any]) -> list[str]:
     f, s, r = res["freeze"], res["store"], res["restore"]
     fb, fo = f["median"]["bare"], f["median"]["ours"]
     lines = [
-        f"workload: tests/workloads/train.py --mb {res['args']['mb']} (numpy state, 1% rewritten per step); "
-        f"{res['args']['reps']} interleaved repetitions, medians; os.sync() before each timed run"
+        f"workload: tests/workloads/train.py --mb {args['mb']} (numpy state, 1% rewritten per step); "
+        f"{args['reps']} interleaved repetitions, medians; os.sync() before each timed run"
         + ("; fresh memory touched before each timed restore (bench/README.md, 'prewarm')"
-           if res["args"]["prewarm"] else ""),
+           if args.get("prewarm", True) else ""),
         f"freeze: image {f['image_mb']:.0f} MB; CRIU stats (bare / ours): freezing {fb['freezing']:.3f} / {fo['freezing']:.3f} s, "
         f"frozen {fb['frozen']:.3f} / {fo['frozen']:.3f} s, memdump {fb['memdump']:.3f} / {fo['memdump']:.3f} s, "
         f"memwrite {fb['memwrite']:.3f} / {fo['memwrite']:.3f} s; our action script alone (it runs frozen) "
@@ -613,6 +652,43 @@ def details(res: dict[str, Any]) -> list[str]:
     return lines
 
 
+def details(res: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    parts = res.get("parts", {})
+    if "freeze" in res:
+        lines += local_details(res, parts.get("local", {}).get("args", res.get("args", {})))
+    if res.get("s3"):
+        import s3
+
+        mb = parts.get("s3-transfer", {}).get("args", {}).get("mb")
+        lines += s3.details(res["s3"], mb)
+    return lines
+
+
+def command_of(args: dict[str, Any], part: str) -> str:
+    cmd = ["bench/run.py"]
+    if args.get("only") and sorted(args["only"]) != sorted(PARTS):
+        cmd.append(f"--only {','.join(args['only'])}")
+    if part != "s3-listing":
+        cmd.append(f"--mb {args['mb']}")
+    if part == "local":
+        cmd.append(f"--reps {args['reps']}")
+    if part == "s3-transfer":
+        cmd.append(f"--s3-reps {args['s3_reps']}")
+        if args.get("s3_naive_defaults"):
+            cmd.append("--s3-naive-defaults")
+    if part == "s3-listing" and (args.get("listing_ids"), args.get("listing_seqs")) != (1000, 10):
+        cmd.append(f"--listing-ids {args['listing_ids']} --listing-seqs {args['listing_seqs']}")
+    if part != "s3-listing" and not args.get("prewarm", True):
+        cmd.append("--no-prewarm")
+    return " ".join(cmd)
+
+
+PART_TITLES = {"local": "local (freeze, stored bytes, restore from file://)",
+               "s3-transfer": "S3 first checkpoint, heartbeats, restore",
+               "s3-listing": "S3 listing"}
+
+
 def write_results(res: dict[str, Any]) -> None:
     (BENCH / "results.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
     rows = table_rows(res)
@@ -620,9 +696,10 @@ def write_results(res: dict[str, Any]) -> None:
     md = [
         "# cedana-airflow benchmark results",
         "",
-        f"Run {res['date']} with `bench/run.py --mb {res['args']['mb']}` on Linux {m['kernel']}, "
-        f"{m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM; CRIU {res['criu_version']}; "
-        f"total {res['total_seconds']:.0f} s.",
+        f"Linux {m['kernel']}, {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM; CRIU {res['criu_version']}.",
+        "",
+        *(f"- {PART_TITLES[p]}: run {info['date']} with `{command_of(info['args'], p)}`, {info['seconds']:.0f} s"
+          for p, info in res.get("parts", {}).items()),
         "",
         "| " + " | ".join(HEAD) + " |",
         "|" + "|".join("---" for _ in HEAD) + "|",
@@ -634,40 +711,97 @@ def write_results(res: dict[str, Any]) -> None:
     (BENCH / "results.md").write_text("\n".join(md))
 
 
+def previous_results() -> dict[str, Any]:
+    """bench/results.json as the last run left it, with per-part run info (older files had one run)."""
+    try:
+        old = json.loads((BENCH / "results.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if "parts" not in old and "freeze" in old:
+        old["parts"] = {"local": {"date": old.get("date"), "args": old.get("args", {}),
+                                  "seconds": old.get("total_seconds", 0.0)}}
+    return old
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", type=parse_only, default=list(PARTS),
+                    help="run only these parts, comma-separated: local, s3 (= s3-transfer,s3-listing), s3-transfer, "
+                         "s3-listing (default: all); the others keep their previous results in bench/results.*")
     ap.add_argument("--mb", type=int, default=1024, help="workload state size in MB (default 1024; 200 for a quick run)")
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions for freeze and restore (default 5)")
+    ap.add_argument("--s3-reps", type=int, default=1,
+                    help="repetitions (interleaved, ours last) of the S3 first checkpoint and restore; default 1 "
+                         "keeps the S3 part near 6 minutes, each more adds about a minute")
+    ap.add_argument("--s3-naive-defaults", action="store_true",
+                    help="also time the naive S3 restore with boto3's default download_file (ranged GETs; about "
+                         "2 minutes more on moto for 1 GB)")
+    ap.add_argument("--listing-ids", type=int, default=1000, help="checkpoint IDs in the listing benchmark (default 1000)")
+    ap.add_argument("--listing-seqs", type=int, default=10, help="checkpoints per ID in the listing benchmark (default 10)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary work directory")
     ap.add_argument("--no-prewarm", dest="prewarm", action="store_false",
                     help="do not touch fresh memory before each timed restore (see prewarm())")
     ap.add_argument("--no-write", action="store_true", help="print only; leave bench/results.* alone")
     args = ap.parse_args()
-    if os.geteuid() != 0:
+    if os.geteuid() != 0 and ("local" in args.only or "s3-transfer" in args.only):
         print("bench/run.py needs root (CRIU uses CAP_SYS_ADMIN and ptrace); run it with sudo.", file=sys.stderr)
         return 2
     t_start = time.monotonic()
     settings = Settings()  # the shipped defaults (chunk size, compression): what is benchmarked
     engine = TimedEngine(find_criu(os.environ.get("CEDANA_CRIU", ""), Path(DEFAULT_CRIU_PREFIX)))
     work = Path(tempfile.mkdtemp(prefix="cedana-bench-"))
-    say(f"CRIU {engine.version} ({engine.binary.path}); work dir {work}")
+    say(f"CRIU {engine.version} ({engine.binary.path}); work dir {work}; parts: {', '.join(args.only)}")
+    new: dict[str, Any] = {}
+    parts: dict[str, dict[str, Any]] = {}
+
+    def done(part: str, t0: float) -> None:
+        parts[part] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "args": vars(args),
+                       "seconds": time.monotonic() - t0}
+        say(f"{part}: {parts[part]['seconds']:.0f} s")
+
     try:
-        freeze = bench_freeze(engine, args.mb, args.reps, work)
-        # the heartbeat workload steps less often than a dump lasts (see bench_store_and_restore)
-        step_seconds = round(max(1.0, 2.5 * freeze["wall"]["ours_seconds"] + 0.3), 1)
-        store_res, restore_res = bench_store_and_restore(engine, args.mb, args.reps, work, settings, step_seconds,
-                                                         args.prewarm)
+        if "local" in args.only:
+            t0 = time.monotonic()
+            freeze = bench_freeze(engine, args.mb, args.reps, work)
+            # the heartbeat workload steps less often than a dump lasts (see bench_store_and_restore)
+            step_seconds = round(max(1.0, 2.5 * freeze["wall"]["ours_seconds"] + 0.3), 1)
+            store_res, restore_res = bench_store_and_restore(engine, args.mb, args.reps, work, settings, step_seconds,
+                                                             args.prewarm)
+            new.update(freeze=freeze, store=store_res, restore=restore_res)
+            done("local", t0)
+        if "s3-transfer" in args.only or "s3-listing" in args.only:
+            import s3
+
+            s3_new: dict[str, Any] = {}
+            if "s3-transfer" in args.only:
+                t0 = time.monotonic()
+                s3_new.update(s3.bench_transfer(engine, args.mb, args.s3_reps, work, args.prewarm,
+                                                args.s3_naive_defaults))
+                done("s3-transfer", t0)
+            if "s3-listing" in args.only:
+                t0 = time.monotonic()
+                s3_new["listing"] = s3.bench_listing(work, args.listing_ids, args.listing_seqs)
+                done("s3-listing", t0)
+            new["s3"] = s3_new
     finally:
         if args.keep:
             say(f"kept {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
-    res = {
+    res = previous_results() if set(args.only) != set(PARTS) else {}
+    old_s3 = res.get("s3") or {}
+    if "s3" in new:
+        if "s3-transfer" in args.only:  # the transfer part replaces its keys; a listing-only run keeps them
+            old_s3 = {k: v for k, v in old_s3.items() if k == "listing"}
+        new["s3"] = {**old_s3, **new["s3"]}
+    res.update(new)
+    res.update({
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(), "criu_version": engine.version, "args": vars(args),
         "total_seconds": time.monotonic() - t_start,
-        "freeze": freeze, "store": store_res, "restore": restore_res,
-    }
+        "parts": {**res.get("parts", {}), **parts},
+    })
+    res["parts"] = {p: res["parts"][p] for p in PARTS if p in res["parts"]}
     print()
     print(text_table(table_rows(res)))
     print()
