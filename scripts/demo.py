@@ -27,7 +27,8 @@ ID = "demo-train"
 
 
 def cli(*args: str, node: str, **kw):
-    env = dict(os.environ, CEDANA_STORE=f"file://{STORE}", CEDANA_NODE=node,
+    # Retention off for the demo (default: keep 3), so the summary can count every checkpoint taken.
+    env = dict(os.environ, CEDANA_STORE=f"file://{STORE}", CEDANA_NODE=node, CEDANA_KEEP_CHECKPOINTS="1000",
                CEDANA_WORK_DIR=str(DEMO / f"work-{node}"), PYTHONUNBUFFERED="1")
     return [sys.executable, "-m", "cedana_airflow", *args], env
 
