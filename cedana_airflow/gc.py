@@ -17,7 +17,7 @@ from .ids import validate_checkpoint_id
 from .locks import acquire_gc
 from .manifest import Manifest
 from .store.base import Store, manifest_key
-from .store.transfer import load_manifests
+from .store.transfer import load_manifests, load_manifests_of
 
 __all__ = ["GcReport", "prune_checkpoints", "delete_checkpoint_id", "collect_garbage", "DEFAULT_GRACE_SECONDS"]
 
@@ -63,7 +63,8 @@ class GcReport:
 def collect_garbage(store: Store, *, grace_seconds: float = DEFAULT_GRACE_SECONDS, dry_run: bool = False) -> GcReport:
     lock = acquire_gc(store)
     try:
-        manifests = [m for cid in store.list_ids() for m in load_manifests(store, cid)]
+        ids = store.list_ids()
+        manifests = [m for ms in load_manifests_of(store, ids).values() for m in ms]
         referenced = set().union(*(m.chunk_digests() for m in manifests))
         cutoff = time.time() - grace_seconds
         kept = removed = freed = young = temps = 0
@@ -84,7 +85,7 @@ def collect_garbage(store: Store, *, grace_seconds: float = DEFAULT_GRACE_SECOND
                 freed += obj.size
                 if not dry_run:
                     store.delete(obj.key)
-        for cid in store.list_ids():  # temporary manifests of writers killed before their commit point
+        for cid in ids:  # temporary manifests of writers killed before their commit point
             for obj in list(store.list_objects(f"{cid}/")):
                 if obj.key.rsplit("/", 1)[-1].startswith(".tmp-") and obj.mtime < cutoff:
                     temps += 1

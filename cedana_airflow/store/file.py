@@ -85,12 +85,10 @@ class FileStore:
         self._write_atomic(chunk_key(digest), blob, exclusive=False)
 
     def get_chunk(self, digest: str) -> bytes:
-        try:
-            return (self.root / chunk_key(digest)).read_bytes()
-        except FileNotFoundError:
-            raise CorruptCheckpoint(f"chunk {digest} is missing from {self.url}") from None
-        except OSError as e:
-            raise StoreUnavailable(f"store {self.url}: reading chunk {digest} failed: {e.strerror or e}. Check the disk.") from None
+        blob = self.get(chunk_key(digest))
+        if blob is None:
+            raise CorruptCheckpoint(f"chunk {digest} is missing from {self.url}")
+        return blob
 
     def put_manifest(self, checkpoint_id: str, seq: int, data: bytes) -> bool:
         return self._write_atomic(manifest_key(checkpoint_id, seq), data, exclusive=True)

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from .. import chunking
 from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..ids import validate_checkpoint_id
+from ..locks import acquire_writer
 from ..manifest import CapturedFile, ChunkRef, FileEntry, Manifest, ProcessInfo
 from ..progress import Progress
 from ..selection import restore_order
@@ -118,8 +119,6 @@ def save_checkpoint(
     this checkpoint ID), which saves an existence check per chunk.
     """
     validate_checkpoint_id(meta.checkpoint_id)
-    from ..locks import acquire_writer  # locks builds on this module's store interface
-
     lock = acquire_writer(store)  # garbage collection waits while any checkpoint is being written
     try:
         return _save(store, cfg, meta, image_dir, captured, known_digests, compression, progress_mode)
