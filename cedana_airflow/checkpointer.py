@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from . import index
 from .engine.criu import CriuEngine
 from .estimate import estimate_checkpoint, too_large
 from .gc import prune_checkpoints
@@ -66,6 +67,7 @@ class Checkpointer:
                 (log.debug if self.skipped > 1 else log.warning)(
                     "heartbeat skipped checkpoint_id=%s: %s; the workload keeps running without a new checkpoint "
                     "(skipped=%d)", self.checkpoint_id, why, self.skipped)
+                index.record_skip(self.store, self.checkpoint_id, why)  # so `checkpoints` can show it
                 return None
             self._count += 1
             # Each dump gets its own folder: images, CRIU's log and the captured files, removed together.
@@ -88,8 +90,8 @@ class Checkpointer:
                 if not self.keep_local:
                     shutil.rmtree(dump_dir, ignore_errors=True)
             self._known = manifest.chunk_digests()
-            if self.keep_checkpoints:
-                prune_checkpoints(self.store, self.checkpoint_id, self.keep_checkpoints)
+            kept = prune_checkpoints(self.store, self.checkpoint_id, self.keep_checkpoints)[0] if self.keep_checkpoints else None
+            index.record_checkpoint(self.store, manifest, kept)
             log.info("freeze checkpoint_id=%s seq=%d freeze_seconds=%.3f rss_bytes=%d",
                      self.checkpoint_id, manifest.seq, dump.freeze_seconds, rss)
             return manifest

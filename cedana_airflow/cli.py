@@ -50,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("checkpoints", help="list checkpoints (all IDs, or one)")
     ls.add_argument("id", nargs="?")
-    ls.add_argument("--json", action="store_true", help="print a JSON array")
+    ls.add_argument("--json", action="store_true", help="print a JSON array, one object per checkpoint ID")
+    ls.add_argument("--exact", action="store_true", help="read every manifest instead of the listing index (slow on big stores)")
     _common(ls)
 
     gc = sub.add_parser("gc", help="remove chunks no checkpoint names (older than the grace period)")
@@ -86,35 +87,38 @@ def _cmd_run(args: argparse.Namespace, restore_only: bool) -> int:
     return result.exit_code
 
 
-def _row(m: Any) -> dict[str, Any]:
+def _as_json(x: Any) -> dict[str, Any]:
     return {
-        "id": m.checkpoint_id, "seq": m.seq, "try_number": m.try_number, "node": m.node,
-        "created_at": m.created_at.isoformat(), "image_bytes": m.image_bytes, "stored_bytes": m.stored_bytes,
-        "freeze_seconds": round(m.freeze_seconds, 3), "complete": True,
+        "id": x.checkpoint_id, "skipped_heartbeats": x.skipped_heartbeats, "last_skip": x.last_skip, "source": x.source,
+        "checkpoints": [{"seq": r.seq, "try_number": r.try_number, "node": r.node, "created_at": r.created_at.isoformat(),
+                         "image_bytes": r.image_bytes, "stored_bytes": r.stored_bytes,
+                         "freeze_seconds": round(r.freeze_seconds, 3)} for r in x.checkpoints],
     }
 
 
 def _cmd_checkpoints(args: argparse.Namespace) -> int:
-    from .ids import validate_checkpoint_id
+    from .listing import list_store
     from .store import open_store
-    from .store.transfer import load_manifests_of
 
     settings = _settings(args)
     store = open_store(settings.resolved_store(), settings)
     store.open(create=False, chunk_avg_bytes=settings.chunk_avg_bytes)
-    ids = [validate_checkpoint_id(args.id)] if args.id else store.list_ids()
-    by_id = load_manifests_of(store, ids)
-    rows = [_row(m) for cid in ids for m in sorted(by_id[cid], key=lambda m: m.seq)]
+    listed = list_store(store, args.id, exact=args.exact)
     if args.json:
-        print(json.dumps(rows, indent=1))
+        # Indented only for a person: with indent, json falls back to its pure-Python encoder (0.8 s for 10,000 rows).
+        print(json.dumps([_as_json(x) for x in listed], indent=1 if sys.stdout.isatty() else None))
         return 0
-    if not rows:
+    if not listed:
         print(f"no checkpoints in {store.url}" + (f" under {args.id}" if args.id else ""))
         return 0
     print(f"{'ID':<40} {'SEQ':>4} {'TRY':>3} {'NODE':<16} {'CREATED':<20} {'IMAGE MB':>9} {'STORED MB':>9}")
-    for r in rows:
-        print(f"{r['id'][:40]:<40} {r['seq']:>4} {r['try_number']:>3} {r['node'][:16]:<16} "
-              f"{r['created_at'][:19]:<20} {r['image_bytes'] / 1e6:>9.1f} {r['stored_bytes'] / 1e6:>9.1f}")
+    for x in listed:
+        for r in x.checkpoints:
+            print(f"{x.checkpoint_id[:40]:<40} {r.seq:>4} {r.try_number:>3} {r.node[:16]:<16} "
+                  f"{r.created_at.isoformat()[:19]:<20} {r.image_bytes / 1e6:>9.1f} {r.stored_bytes / 1e6:>9.1f}")
+    for x in listed:
+        if x.skipped_heartbeats:
+            print(f"{x.checkpoint_id}: {x.skipped_heartbeats} heartbeat(s) skipped as too large; last: {x.last_skip}")
     return 0
 
 

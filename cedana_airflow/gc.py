@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from . import index
 from .ids import validate_checkpoint_id
 from .locks import acquire_gc
 from .manifest import Manifest
@@ -27,16 +28,17 @@ log = logging.getLogger(__name__)
 DEFAULT_GRACE_SECONDS = 3600.0
 
 
-def prune_checkpoints(store: Store, checkpoint_id: str, keep: int) -> list[Manifest]:
-    """Remove all but the newest ``keep`` checkpoints of an ID; return the removed ones."""
+def prune_checkpoints(store: Store, checkpoint_id: str, keep: int) -> tuple[list[Manifest], list[Manifest]]:
+    """Remove all but the newest ``keep`` checkpoints of an ID; return (kept, removed), newest first."""
     if keep < 1:
         raise ValueError("keep must be at least 1: the newest checkpoint is never pruned")
-    removed = load_manifests(store, checkpoint_id)[keep:]
+    found = load_manifests(store, checkpoint_id)
+    kept, removed = found[:keep], found[keep:]
     for m in removed:
         store.delete(manifest_key(checkpoint_id, m.seq))
     if removed:
         log.info("checkpoints pruned checkpoint_id=%s removed=%d kept=%d", checkpoint_id, len(removed), keep)
-    return removed
+    return kept, removed
 
 
 def delete_checkpoint_id(store: Store, checkpoint_id: str) -> int:
@@ -45,6 +47,7 @@ def delete_checkpoint_id(store: Store, checkpoint_id: str) -> int:
     seqs = store.list_seqs(checkpoint_id)
     for seq in seqs:
         store.delete(manifest_key(checkpoint_id, seq))
+    index.forget(store, checkpoint_id)
     log.info("checkpoints deleted checkpoint_id=%s removed=%d", checkpoint_id, len(seqs))
     return len(seqs)
 
@@ -64,7 +67,10 @@ def collect_garbage(store: Store, *, grace_seconds: float = DEFAULT_GRACE_SECOND
     lock = acquire_gc(store)
     try:
         ids = store.list_ids()
-        manifests = [m for ms in load_manifests_of(store, ids).values() for m in ms]
+        by_id = load_manifests_of(store, ids)
+        manifests = [m for ms in by_id.values() for m in ms]
+        if not dry_run:
+            index.rebuild_index(store, by_id)  # the listing index is a cache: gc makes it agree again
         referenced = set().union(*(m.chunk_digests() for m in manifests))
         cutoff = time.time() - grace_seconds
         kept = removed = freed = young = temps = 0

@@ -43,7 +43,7 @@ def _save(store, tmp_path: Path, n: int, cid: str = "job"):
 def test_retention_keeps_the_newest_and_gc_removes_only_unreferenced_old_chunks(store, tmp_path):
     s, _ = store
     ms = [_save(store, tmp_path, i) for i in range(5)]
-    removed = prune_checkpoints(s, "job", keep=3)
+    _, removed = prune_checkpoints(s, "job", keep=3)
     assert [m.seq for m in removed] == [2, 1]
     assert [m.seq for m in load_manifests(s, "job")] == [5, 4, 3]
 

@@ -152,7 +152,7 @@ def test_s3_store_node_loss_and_restore_reads_only_the_bucket(tmp_path, bucket, 
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "a.err").read_text()
         time.sleep(0.1)
     rows = json.loads(cli("checkpoints", "s3job", "--json", env=cli_env(tmp_path, "x", "w", CEDANA_STORE=store, **s3_env)).stdout)
-    assert rows[0]["id"] == "s3job" and rows[0]["node"] == "node-a"
+    assert rows[0]["id"] == "s3job" and rows[0]["checkpoints"][0]["node"] == "node-a"
     manifest = boto3.client("s3").get_object(Bucket=bucket, Key="checkpoints/s3job/0000000001/manifest.json")
     kill_node(proc, json.loads(manifest["Body"].read())["process"]["pid"])
     shutil.rmtree(tmp_path / "work-a")
@@ -216,3 +216,8 @@ def test_a_checkpoint_above_max_checkpoint_bytes_is_skipped_once_logged_and_the_
     assert skipped >= 3
     ms = manifests(tmp_path / "store", "grow")
     assert ms and all(m["image_bytes"] < 150 << 20 for m in ms)  # only the small phase was checkpointed
+    listed = json.loads(cli("checkpoints", "--json", env=env).stdout)  # the listing counts the skips
+    assert listed[0]["id"] == "grow" and listed[0]["skipped_heartbeats"] == skipped
+    assert "above max_checkpoint_bytes 157286400" in listed[0]["last_skip"]
+    text = cli("checkpoints", env=env).stdout
+    assert f"grow: {skipped} heartbeat(s) skipped as too large" in text

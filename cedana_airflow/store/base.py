@@ -113,6 +113,15 @@ class Store(Protocol):
         """Remove ``key``; a missing key is not an error."""
         ...
 
-    def list_objects(self, prefix: str) -> Iterator[StoredObject]:
-        """Every object under ``prefix`` (temporary files of interrupted writes included)."""
+    # -- compare-and-swap, for the one mutable document kind (the listing index, index.py) --------
+    def get_versioned(self, key: str) -> tuple[bytes | None, str]:
+        """The object and an opaque version token ("" when there is no object)."""
+        ...
+
+    def put_if_version(self, key: str, data: bytes, token: str) -> bool:
+        """Write ``key`` only if it is still at ``token`` ("" meaning absent); False when it moved on."""
+        ...
+
+    def list_objects(self, prefix: str, limit: int = 0) -> Iterator[StoredObject]:
+        """Every object under ``prefix`` (temporary files of interrupted writes included); ``limit`` > 0 stops early."""
         ...

@@ -8,6 +8,8 @@ a file, and a crash leaves at most a stray ``.tmp-*`` file that garbage collecti
 from __future__ import annotations
 
 import errno
+import fcntl
+import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
@@ -132,10 +134,33 @@ class FileStore:
                 except OSError:
                     break
 
-    def list_objects(self, prefix: str) -> Iterator[StoredObject]:
+    def get_versioned(self, key: str) -> tuple[bytes | None, str]:
+        data = self.get(key)
+        return data, ("" if data is None else hashlib.sha256(data).hexdigest())
+
+    def put_if_version(self, key: str, data: bytes, token: str) -> bool:
+        # Readers never lock (the write is a rename); writers of one key queue on a sidecar lock,
+        # the file-store equivalent of S3's If-Match / If-None-Match.
+        lock_path = self.root / key
+        lock_path = lock_path.with_name(f".lock-{lock_path.name}")
+        try:
+            lock_path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise StoreUnavailable(f"store {self.url}: locking {key} failed: {e.strerror or e}. Fix permissions on {self.root}.") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if self.get_versioned(key)[1] != token:
+                return False
+            return self._write_atomic(key, data, exclusive=False)
+        finally:
+            os.close(fd)
+
+    def list_objects(self, prefix: str, limit: int = 0) -> Iterator[StoredObject]:
         top = self.root / prefix
         if not top.is_dir():
             return
+        n = 0
         for dirpath, _, names in os.walk(top):
             for name in names:
                 p = Path(dirpath) / name
@@ -144,3 +169,6 @@ class FileStore:
                 except FileNotFoundError:
                     continue
                 yield StoredObject(str(p.relative_to(self.root)), st.st_size, st.st_mtime)
+                n += 1
+                if n == limit:
+                    return

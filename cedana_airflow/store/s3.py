@@ -27,13 +27,21 @@ _SEQ_KEY = re.compile(r"(\d{10})/manifest\.json")
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken",
            "AllAccessDisabled", "403"}
 _MISSING = {"NoSuchKey", "404", "NotFound"}
+# A conditional PUT that lost: the key exists (If-None-Match) or moved on (If-Match), or a
+# concurrent conditional write to it was in flight (409 on AWS).
+_LOST_RACE = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
 _HEAD_BUCKET = "checking the bucket"
 
 
 def make_s3_client(endpoint_url: str = "", addressing_style: str = "auto", parallelism: int = 16) -> Any:
-    """A boto3 S3 client with the standard credential chain, bounded retries and enough connections."""
+    """An S3 client with the standard credential chain, bounded retries and enough connections.
+
+    Built on botocore's session, which is what boto3's wraps (same credential chain, same
+    AWS_ENDPOINT_URL handling): importing boto3 would also load s3transfer, a quarter of a second
+    that every short command (``checkpoints``) would pay for a transfer manager it never uses.
+    """
     try:
-        import boto3
+        import botocore.session
         from botocore.config import Config
     except ImportError:
         raise StoreUnavailable(
@@ -41,7 +49,7 @@ def make_s3_client(endpoint_url: str = "", addressing_style: str = "auto", paral
         ) from None
     cfg = Config(retries={"mode": "standard", "max_attempts": 5}, max_pool_connections=max(parallelism, 10),
                  s3={"addressing_style": addressing_style}, connect_timeout=10, read_timeout=60)
-    return boto3.session.Session().client("s3", endpoint_url=endpoint_url or None, config=cfg)
+    return botocore.session.get_session().create_client("s3", endpoint_url=endpoint_url or None, config=cfg)
 
 
 class S3Store:
@@ -96,33 +104,31 @@ class S3Store:
         return self.prefix + key
 
     def _get(self, key: str) -> bytes | None:
+        return self.get_versioned(key)[0]
+
+    def _put(self, key: str, data: bytes, *, create_only: bool = False, if_match: str = "") -> bool:
         from botocore.exceptions import ClientError
 
-        with self._errors(f"reading {key}"):
-            try:
-                return bytes(self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read())
-            except ClientError as e:
-                if str(e.response.get("Error", {}).get("Code")) in _MISSING:
-                    return None
-                raise
-
-    def _put(self, key: str, data: bytes, *, create_only: bool = False) -> bool:
-        from botocore.exceptions import ClientError
-
-        extra = dict(self._put_args, **({"IfNoneMatch": "*"} if create_only else {}))
+        extra = dict(self._put_args)
+        if create_only:
+            extra["IfNoneMatch"] = "*"
+        elif if_match:
+            extra["IfMatch"] = if_match
         with self._errors(f"writing {key}"):
             try:
                 self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, **extra)
             except ClientError as e:
-                if create_only and str(e.response.get("Error", {}).get("Code")) in {"PreconditionFailed", "412", "ConditionalRequestConflict"}:
+                if (create_only or if_match) and str(e.response.get("Error", {}).get("Code")) in _LOST_RACE:
                     return False
                 raise
         return True
 
-    def _pages(self, prefix: str, delimiter: str = "") -> Iterator[dict[str, Any]]:
+    def _pages(self, prefix: str, delimiter: str = "", limit: int = 0) -> Iterator[dict[str, Any]]:
         args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._key(prefix)}
         if delimiter:
             args["Delimiter"] = delimiter
+        if limit:
+            args["PaginationConfig"] = {"MaxItems": limit, "PageSize": min(limit, 1000)}
         with self._errors(f"listing {prefix or '/'}"):
             yield from self.client.get_paginator("list_objects_v2").paginate(**args)
 
@@ -199,7 +205,22 @@ class S3Store:
         with self._errors(f"deleting {key}"):
             self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
-    def list_objects(self, prefix: str) -> Iterator[StoredObject]:
-        for page in self._pages(prefix):
+    def get_versioned(self, key: str) -> tuple[bytes | None, str]:
+        from botocore.exceptions import ClientError
+
+        with self._errors(f"reading {key}"):
+            try:
+                r = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+                return bytes(r["Body"].read()), str(r["ETag"])
+            except ClientError as e:
+                if str(e.response.get("Error", {}).get("Code")) in _MISSING:
+                    return None, ""
+                raise
+
+    def put_if_version(self, key: str, data: bytes, token: str) -> bool:
+        return self._put(key, data, create_only=not token, if_match=token)
+
+    def list_objects(self, prefix: str, limit: int = 0) -> Iterator[StoredObject]:
+        for page in self._pages(prefix, limit=limit):
             for o in page.get("Contents", []):
                 yield StoredObject(o["Key"][len(self.prefix):], int(o["Size"]), o["LastModified"].timestamp())

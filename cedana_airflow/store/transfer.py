@@ -67,13 +67,14 @@ class _Writer:
     known: set[str]
     progress: Progress
     pool: ThreadPoolExecutor
+    check_store: bool  # False when the store held no chunk at all: nothing to find, so no HEADs
     stored_bytes: int = 0
     new_chunks: int = 0
     pending: deque[Future[int]] = field(default_factory=deque)
 
     def _put_if_missing(self, d: str, data: bytes) -> int:
         # The existence check runs in the pool too: on S3 it is a request, not a stat.
-        if self.store.has_chunk(d):
+        if self.check_store and self.store.has_chunk(d):
             return -1
         blob = chunking.encode(data, self.compression)
         self.store.put_chunk(d, blob)
@@ -133,7 +134,12 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path,
     total = sum(p.stat().st_size for p in image_files) + sum(c.copy.stat().st_size for c in captured)
     progress = Progress(f"checkpoint {meta.checkpoint_id}", total, progress_mode)
     with ThreadPoolExecutor(store.parallelism, thread_name_prefix="cedana-put") as pool:
-        w = _Writer(store, cfg, compression, set(known_digests), progress, pool)
+        known = set(known_digests)
+        # A first checkpoint into an empty store would ask "is it there?" once per chunk and hear
+        # "no" every time: one listing answers for all. A concurrent writer of the same chunk
+        # writes the same bytes, so a missed dedup costs an upload, never correctness.
+        check = bool(known) or next(iter(store.list_objects("chunks/", limit=1)), None) is not None
+        w = _Writer(store, cfg, compression, known, progress, pool, check)
         entries = []
         for p in image_files:
             size, refs = w.add_file(p)
