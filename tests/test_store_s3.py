@@ -55,6 +55,18 @@ def test_second_checkpoint_uploads_only_new_chunks(bucket, tmp_path):
     assert second.stored_bytes < 0.01 * second.image_bytes and second.new_chunks == 1
 
 
+def test_a_first_checkpoint_into_an_empty_store_asks_no_per_chunk_questions(bucket, tmp_path):
+    s, cfg = _store(bucket)
+    heads: list[str] = []
+    s.client.meta.events.register("before-call.s3.HeadObject", lambda params, **kw: heads.append(params["url_path"]))
+    src = _images(tmp_path / "img", os.urandom(7))
+    first = save_checkpoint(s, cfg, META, src)
+    assert heads == [] and first.new_chunks == len(first.chunk_digests())
+    # A new writer (no chunks known from its own previous checkpoint) into a store that has chunks: it asks.
+    second = save_checkpoint(s, cfg, META, src)
+    assert len(heads) == len(second.chunk_digests()) and second.new_chunks == 0 and second.stored_bytes == 0
+
+
 def test_manifests_are_create_only(bucket, tmp_path):
     s, cfg = _store(bucket)
     m = save_checkpoint(s, cfg, META, _images(tmp_path / "img", b"x"))
