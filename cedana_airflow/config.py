@@ -17,13 +17,14 @@ import re
 import socket
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 
-__all__ = ["Settings", "load_settings", "redact", "DEFAULT_CRIU_PREFIX", "STORE_URL_HINT"]
+__all__ = ["Layer", "Settings", "load_settings", "redact", "DEFAULT_CRIU_PREFIX", "STORE_URL_HINT"]
 
 #: Where scripts/install-criu.sh unpacks a private CRIU on machines whose apt has no CRIU >= 4.
 DEFAULT_CRIU_PREFIX = "/opt/cedana-airflow/criu"
@@ -139,8 +140,14 @@ def _from_file(path: str) -> dict[str, Any]:
     return table
 
 
-def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
-    """Read the config file and environment, apply ``overrides`` (None values ignored), validate once."""
+#: A layer of settings between the environment and the overrides: (how to name a key's source, values).
+Layer = tuple[Callable[[str], str], Mapping[str, Any]]
+
+
+def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None, *,
+                  layers: Sequence[Layer] = (), overrides_source: Callable[[str], str] | None = None) -> Settings:
+    """Read the config file and environment, then ``layers`` (e.g. airflow.cfg's [cedana]), then
+    ``overrides`` (None values ignored everywhere), and validate once, naming the source of a bad value."""
     env = os.environ if environ is None else environ
     merged: dict[str, Any] = {}
     source: dict[str, str] = {}
@@ -149,9 +156,11 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
             merged[k], source[k] = v, f"{env['CEDANA_CONFIG']} [cedana] {k}"
     for k, v in _from_env(env).items():
         merged[k], source[k] = v, _ENV_PREFIX + k.upper()
-    for k, v in (overrides or {}).items():
-        if v is not None:
-            merged[k], source[k] = v, f"--{k.replace('_', '-')}"
+    name_override = overrides_source or (lambda k: f"--{k.replace('_', '-')}")
+    for name, values in [*layers, (name_override, overrides or {})]:
+        for k, v in values.items():
+            if v is not None:
+                merged[k], source[k] = v, name(k)
     try:
         return Settings(**merged)
     except ValidationError as e:

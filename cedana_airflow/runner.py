@@ -33,7 +33,7 @@ from .gc import delete_checkpoint_id
 from .heartbeat import Heartbeat
 from .ids import validate_checkpoint_id
 from .manifest import Manifest
-from .store import open_store
+from .store import Store, open_store
 from .supervisor import Workload
 
 __all__ = ["RunResult", "run_workload", "make_engine"]
@@ -49,6 +49,7 @@ class RunResult:
     skipped: tuple[str, ...] = ()
     checkpoints: list[Manifest] = field(default_factory=list)
     restore_seconds: float = 0.0
+    restore_gap_seconds: float = 0.0  # from the restored checkpoint's creation to the restore's start
     stopped_by_signal: int | None = None
     skipped_heartbeats: int = 0  # too large to take (max_checkpoint_bytes, or no room in the work dir)
 
@@ -76,18 +77,24 @@ def run_workload(
     stdout: BinaryIO | None = None,
     stderr: BinaryIO | None = None,
     handle_signals: bool = True,
+    stop: threading.Event | None = None,
+    store: Store | None = None,
 ) -> RunResult:
     """Run ``command`` managed (or, with ``command=None``, only restore) and return how it ended.
 
     ``resume``: restore the newest complete checkpoint of ``checkpoint_id`` when there is one.
     With ``command=None`` a missing checkpoint is an error (CheckpointNotFound), and so is one that
     cannot be restored (CorruptCheckpoint); with a command, the command then starts fresh.
+    ``store``: an opened-elsewhere backend (Airflow passes one whose S3 client comes from a
+    connection); default: the one ``settings`` names.
+    ``stop``: setting it does what SIGTERM does (final checkpoint, then stop), for callers that own
+    the signal handlers (Airflow's task runner calls ``on_kill`` from its own SIGTERM handler).
     """
     validate_checkpoint_id(checkpoint_id)
     if try_number < 0:
         raise ConfigError(f"try number {try_number} is negative. Pass --try-number 0 or more.")
     engine = make_engine(settings)
-    store = open_store(settings.resolved_store(), settings)
+    store = store or open_store(settings.resolved_store(), settings)
     store_cfg = store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
     own_work_dir = settings.work_dir is None
     work_dir = Path(tempfile.mkdtemp(prefix="cedana-work-")) if own_work_dir else Path(settings.work_dir)  # type: ignore[arg-type]
@@ -100,7 +107,7 @@ def run_workload(
         result = RunResult(exit_code=0, outcome="fresh")
         workload: Workload | None = None
         if resume or command is None:
-            t0 = time.monotonic()
+            t0, started_at = time.monotonic(), datetime.now(timezone.utc)
             try:
                 restored = cp.restore(stdout, stderr)
             except CheckpointNotFound:
@@ -116,14 +123,14 @@ def run_workload(
                 workload, m = restored.workload, restored.manifest
                 result.outcome, result.restored_from, result.skipped = "restored", m, restored.skipped
                 result.restore_seconds = time.monotonic() - t0
-                gap = (datetime.now(timezone.utc) - m.created_at).total_seconds()
+                result.restore_gap_seconds = max(0.0, (started_at - m.created_at).total_seconds())
                 log.info("restored checkpoint_id=%s seq=%d from_node=%s node=%s gap_seconds=%.1f restore_seconds=%.2f",
-                         checkpoint_id, m.seq, m.node, cp.node, gap, result.restore_seconds)
+                         checkpoint_id, m.seq, m.node, cp.node, result.restore_gap_seconds, result.restore_seconds)
         if workload is None:
             assert command is not None
             workload = Workload.start(command, cwd=cwd, env=env, stdout=stdout, stderr=stderr)
             log.info("workload started checkpoint_id=%s pid=%d node=%s", checkpoint_id, workload.pid, cp.node)
-        result = _supervise(settings, cp, workload, result, handle_signals)
+        result = _supervise(settings, cp, workload, result, handle_signals, stop)
         if result.exit_code == 0 and settings.delete_on_success:
             delete_checkpoint_id(store, checkpoint_id)  # done: nothing left to resume
         return result
@@ -133,8 +140,8 @@ def run_workload(
 
 
 def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result: RunResult,
-               handle_signals: bool) -> RunResult:
-    stop_requested = threading.Event()
+               handle_signals: bool, stop: threading.Event | None) -> RunResult:
+    stop_requested = stop or threading.Event()
     got: list[int] = []
 
     def take() -> None:
@@ -165,7 +172,7 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
             hb.start()
         while workload.poll() is None:
             if stop_requested.wait(0.1):
-                sig = signal.Signals(got[0])
+                sig = signal.Signals(got[0] if got else signal.SIGTERM)
                 log.info("stop requested signal=%s checkpoint_on_term=%s", sig.name, settings.checkpoint_on_term)
                 if hb:
                     hb.stop()

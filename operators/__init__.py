@@ -1,3 +1,5 @@
-"""Airflow operators for cedana-airflow (shipped as cedana_airflow.operators); they arrive with the operators issue."""
+"""Airflow operators of cedana-airflow (shipped as ``cedana_airflow.operators``)."""
 
-__all__: list[str] = []
+from .checkpointed import CheckpointedCommandOperator
+
+__all__ = ["CheckpointedCommandOperator"]

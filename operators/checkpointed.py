@@ -1,0 +1,205 @@
+"""CheckpointedCommandOperator: run a command as a managed process that is checkpointed on a heartbeat
+and, on a retry or a Clear of the same DAG run, restored from its latest checkpoint instead of
+starting over.
+
+Thin by design (DESIGN.md, layers): Airflow context in, one ``run_workload`` call, Airflow outcome out.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import threading
+from collections.abc import Sequence
+from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+from cedana_airflow.errors import CedanaError, CheckpointIdError, ConfigError
+from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
+from cedana_airflow.provider.config import task_settings
+from cedana_airflow.provider.logsink import LogSink
+from cedana_airflow.provider.store import task_store
+from cedana_airflow.runner import RunResult, run_workload
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+__all__ = ["CheckpointedCommandOperator", "STATE_KEY", "XCOM_RESTORE_KEY"]
+
+#: Key in ``context["task_state_store"]``: the checkpoint ID, the latest seq and each try's node.
+STATE_KEY = "cedana"
+#: XCom key of the restore record (also in the task log and the state store).
+XCOM_RESTORE_KEY = "cedana_restore"
+
+# Airflow's own configuration and connections must not end up in a checkpoint image (process memory
+# is stored as it is): the workload gets the task's environment without them.
+_PRIVATE_ENV_PREFIXES = ("AIRFLOW__", "AIRFLOW_CONN_", "AIRFLOW_VAR_", "_AIRFLOW")
+
+
+class CheckpointedCommandOperator(BaseOperator):
+    """Run ``command`` under cedana-airflow: heartbeat checkpoints, and resume on retry or Clear.
+
+    :param command: argv list, or a string split with shell rules (no shell runs it). Templated.
+    :param env: extra environment for the workload (on top of the task's, minus Airflow's own
+        settings and connections). Templated.
+    :param cwd: working directory of the workload. Templated.
+    :param checkpoint_id: label of this workload's checkpoints. Default: derived from dag_id,
+        task_id, map_index and run_id, so a new DAG run starts fresh and a retry or Clear of the
+        same run resumes. Templated.
+    :param heartbeat: time between checkpoints (default: [cedana] heartbeat_seconds; none if unset).
+    :param store: store URL (default: [cedana] store).
+    :param aws_conn_id: Airflow connection for an s3:// store (default: [cedana] aws_conn_id). A
+        connection that does not exist fails the task; it never falls back silently.
+    :param checkpoint_on_kill: take a final checkpoint when Airflow stops the task (drain, preemption,
+        a Clear or mark-failed of the running task). Default: [cedana] checkpoint_on_term (True).
+    :param settings: further core settings by name (e.g. ``{"max_checkpoint_bytes": 8 << 30}``).
+    """
+
+    template_fields: Sequence[str] = ("command", "env", "cwd", "checkpoint_id", "store")
+    template_fields_renderers = {"command": "bash", "env": "json"}
+    ui_color = "#d7ecf9"
+
+    def __init__(
+        self,
+        *,
+        command: str | Sequence[str],
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        checkpoint_id: str | None = None,
+        heartbeat: timedelta | None = None,
+        store: str | None = None,
+        aws_conn_id: str | None = None,
+        checkpoint_on_kill: bool | None = None,
+        settings: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.command = command
+        self.env = env
+        self.cwd = cwd
+        self.checkpoint_id = checkpoint_id
+        self.heartbeat = heartbeat
+        self.store = store
+        self.aws_conn_id = aws_conn_id
+        self.checkpoint_on_kill = checkpoint_on_kill
+        self.settings = dict(settings or {})
+        self._stop = threading.Event()
+        try:  # a bad value is a DAG import error here, not a stack trace in a worker later
+            self._resolve()
+        except CedanaError as e:
+            raise AirflowException(f"{self.task_id}: {e}") from None
+
+    def _resolve(self) -> tuple[Any, Any]:
+        overrides: dict[str, Any] = {**self.settings, "aws_conn_id": self.aws_conn_id,
+                                     "checkpoint_on_term": self.checkpoint_on_kill}
+        if self.heartbeat is not None:
+            overrides["heartbeat_seconds"] = self.heartbeat.total_seconds()
+        if self.store and "{{" not in self.store:
+            overrides["store"] = self.store
+        return task_settings(overrides)
+
+    # -- execution ---------------------------------------------------------------------------------
+    def execute(self, context: Context) -> dict[str, Any]:
+        ti = context["ti"]
+        try:
+            settings, options = self._resolve()
+            if self.store:
+                settings = settings.model_copy(update={"store": self.store})
+            cid = validate_checkpoint_id(self.checkpoint_id) if self.checkpoint_id else derive_checkpoint_id(
+                ti.dag_id, ti.task_id, context["run_id"], map_index=ti.map_index)
+            argv = shlex.split(self.command) if isinstance(self.command, str) else [str(a) for a in self.command]
+            if not argv:
+                raise ConfigError("command is empty. Give the command to run as a list or a string.")
+            store = task_store(settings, options.aws_conn_id)
+        except (ConfigError, CheckpointIdError) as e:
+            raise AirflowFailException(f"cedana: {e}") from None  # configuration: a retry would fail the same way
+        except CedanaError as e:
+            raise AirflowException(f"cedana: {e}") from None
+
+        node = settings.resolved_node()
+        state = context.get("task_state_store")
+        record = dict(state.get(STATE_KEY) or {}) if state is not None else {}
+        tries = list(record.get("tries", []))
+        previous = next((t for t in reversed(tries) if t.get("try_number") != ti.try_number), None)
+        self.log.info("cedana: checkpoint_id=%s node=%s try=%d store=%s heartbeat=%ss",
+                      cid, node, ti.try_number, store.url, settings.heartbeat_seconds or "off")
+        if previous and previous.get("node") == node:
+            msg = (f"this retry runs on node {node}, where try {previous['try_number']} ran and failed; "
+                   "its fault may still be here")
+            if options.same_node_retry == "fail":
+                raise AirflowException(f"cedana: {msg}. [cedana] same_node_retry = fail, so this try fails fast "
+                                       "and the next retry can be placed on another node.")
+            self.log.warning("cedana: %s (same_node_retry = allow).", msg)
+        tries.append({"try_number": ti.try_number, "node": node, "started_at": _now()})
+        record.update(checkpoint_id=cid, tries=tries[-20:])
+        self._save_state(state, record)
+
+        env = {k: v for k, v in os.environ.items() if not k.startswith(_PRIVATE_ENV_PREFIXES)}
+        env.update(self.env or {})
+        env.update(CEDANA_CHECKPOINT_ID=cid, AIRFLOW_CTX_DAG_ID=ti.dag_id, AIRFLOW_CTX_TASK_ID=ti.task_id,
+                   AIRFLOW_CTX_DAG_RUN_ID=context["run_id"], AIRFLOW_CTX_TRY_NUMBER=str(ti.try_number))
+        out, err = LogSink(self.log, "stdout"), LogSink(self.log, "stderr")
+        try:
+            result = run_workload(settings, cid, argv, resume=True, try_number=ti.try_number, cwd=self.cwd, env=env,
+                                  stdout=out, stderr=err, handle_signals=False, stop=self._stop, store=store)
+        except CedanaError as e:
+            raise AirflowException(f"cedana: {e}") from None
+        finally:
+            out.close()
+            err.close()
+
+        summary = self._summary(cid, node, result, previous)
+        if result.checkpoints:
+            record["latest_seq"] = result.checkpoints[-1].seq
+        if result.restored_from is not None:
+            record["last_restore"] = summary["restore"]
+            ti.xcom_push(key=XCOM_RESTORE_KEY, value=summary["restore"])
+        self._save_state(state, record)
+        if result.exit_code != 0:
+            how = f"was stopped (signal {result.stopped_by_signal})" if result.stopped_by_signal else f"exited {result.exit_code}"
+            raise AirflowException(
+                f"cedana: the workload {how}; {len(result.checkpoints)} checkpoint(s) taken this try"
+                + (f", the latest is seq {result.checkpoints[-1].seq}: a retry or Clear resumes from it"
+                   if result.checkpoints else ""))
+        return summary
+
+    def _summary(self, cid: str, node: str, result: RunResult, previous: dict[str, Any] | None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "checkpoint_id": cid, "node": node, "outcome": result.outcome, "exit_code": result.exit_code,
+            "checkpoints_taken": len(result.checkpoints), "skipped_heartbeats": result.skipped_heartbeats,
+            "stored_bytes": sum(m.stored_bytes for m in result.checkpoints), "restore": None,
+        }
+        m = result.restored_from
+        if m is not None:
+            out["restore"] = {
+                "checkpoint_id": cid, "seq": m.seq, "from_try": m.try_number, "from_node": m.node, "node": node,
+                "previous_node": previous.get("node") if previous else m.node,
+                "checkpoint_created_at": m.created_at.isoformat(), "gap_seconds": round(result.restore_gap_seconds, 1),
+                "restore_seconds": round(result.restore_seconds, 2), "image_bytes": m.image_bytes,
+                "refused": list(result.skipped),
+            }
+            self.log.info("cedana: restored checkpoint_id=%s seq=%d (taken by try %d on node %s) on node %s; "
+                          "gap %.1f s, restore %.2f s", cid, m.seq, m.try_number, m.node, node,
+                          out["restore"]["gap_seconds"], result.restore_seconds)
+        return out
+
+    def _save_state(self, state: Any, record: dict[str, Any]) -> None:
+        if state is None:
+            return
+        try:
+            state.set(STATE_KEY, record)
+        except Exception as e:  # bookkeeping must never fail the workload
+            self.log.warning("cedana: could not write the task state store: %s", e)
+
+    def on_kill(self) -> None:
+        # Called from Airflow's SIGTERM handler in the task process: the supervision loop sees the
+        # event, takes the final checkpoint (unless checkpoint_on_kill=False) and stops the workload.
+        self.log.info("cedana: the task is being stopped; final checkpoint, then SIGTERM to the workload")
+        self._stop.set()
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()

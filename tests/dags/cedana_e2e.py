@@ -1,0 +1,22 @@
+"""DAGs for the end-to-end tests (tests/test_airflow_e2e.py); settings come from the environment."""
+
+import os
+import sys
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from airflow.sdk import DAG
+
+from cedana_airflow.operators import CheckpointedCommandOperator
+
+TRAIN = str(Path(__file__).resolve().parent.parent / "workloads" / "train.py")
+ARGS = os.environ.get("CEDANA_E2E_TRAIN_ARGS", "--mb 50 --steps 60 --step-seconds 0.1").split()
+
+with DAG("cedana_e2e", schedule=None, start_date=datetime(2026, 1, 1), catchup=False,
+         default_args={"retries": 1, "retry_delay": timedelta(seconds=1)}):
+    CheckpointedCommandOperator(
+        task_id="train",
+        command=[sys.executable, TRAIN, *ARGS],
+        heartbeat=timedelta(seconds=float(os.environ.get("CEDANA_E2E_HEARTBEAT", "1"))),
+        aws_conn_id=os.environ.get("CEDANA_E2E_CONN") or None,
+    )
