@@ -3,6 +3,7 @@ a real store: try 1's workload is killed after a heartbeat, try 2 resumes from t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -126,3 +128,107 @@ def test_a_missing_connection_fails_the_task_with_one_clear_line(tmp_path, airfl
     text = r.stdout + r.stderr
     assert "Airflow connection 'nope' (aws_conn_id) is not defined. Create it" in text, text[-4000:]
     assert "start-up: allocating" not in text  # nothing ran unprotected by mistake
+
+
+# -- a Clear through the REST API with a real scheduler, dag processor and api-server ----------------
+class Stack:
+    """`airflow api-server`, `scheduler` and `dag-processor` (LocalExecutor, SQLite) for one test."""
+
+    def __init__(self, env: dict[str, str], home: Path) -> None:
+        from conftest import _free_port
+
+        port = _free_port()
+        self.base = f"http://127.0.0.1:{port}"
+        self.env = {**env, "AIRFLOW__CORE__EXECUTOR": "LocalExecutor", "AIRFLOW__API__PORT": str(port),
+                    "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.base}/execution/",
+                    "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+                    "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+                    "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+                    # One secret for all three: each would otherwise make its own, and the task's
+                    # token from the scheduler would be refused by the api-server.
+                    "AIRFLOW__API_AUTH__JWT_SECRET": os.urandom(16).hex()}
+        self.home = home
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.token = ""
+
+    def __enter__(self) -> Stack:
+        for what in (["api-server", "--port", self.env["AIRFLOW__API__PORT"]], ["scheduler"], ["dag-processor"]):
+            out = open(self.home / f"{what[0]}.log", "wb")
+            self.procs.append(subprocess.Popen([*AIRFLOW, *what], env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                               start_new_session=True))
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                # all-admins simple auth manager: the token endpoint hands out an admin token
+                self.token = self.call("GET", "/auth/token")["access_token"]
+                self.call("GET", "/api/v2/dags/cedana_e2e_clear")
+                return self
+            except OSError:
+                assert time.monotonic() < deadline, self.logs()
+                assert all(p.poll() is None for p in self.procs), self.logs()
+                time.sleep(1)
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in self.home.glob("*.log"))
+
+    def call(self, method: str, path: str, body: dict | None = None) -> dict:
+        import urllib.request
+
+        req = urllib.request.Request(self.base + path, method=method, data=json.dumps(body).encode() if body else None,
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": f"Bearer {self.token}"} if self.token else {})})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read() or b"{}")
+
+    def task_instance(self, run_id: str) -> dict:
+        return self.call("GET", f"/api/v2/dags/cedana_e2e_clear/dagRuns/{quote(run_id)}/taskInstances/train")
+
+    def wait_state(self, run_id: str, states: set[str], timeout: float = 240) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ti = self.task_instance(run_id)
+            if ti["state"] in states:
+                return ti
+            time.sleep(1)
+        raise AssertionError(f"task never reached {states}: {self.task_instance(run_id)}\n{self.logs()}")
+
+
+def test_a_clear_through_the_rest_api_resumes_the_failed_task_from_its_checkpoint(tmp_path, airflow_db):
+    env = airflow_env(tmp_path, airflow_db)
+    with Stack(env, tmp_path / "airflow") as stack:
+        run_id = stack.call("POST", "/api/v2/dags/cedana_e2e_clear/dagRuns", {"logical_date": None})["dag_run_id"]
+        look = file_manifest(tmp_path / "store", "cedana_e2e_clear.train.")
+        deadline = time.monotonic() + 180
+        while not (m := look()):
+            assert time.monotonic() < deadline and stack.task_instance(run_id)["state"] != "failed", stack.logs()
+            time.sleep(0.2)
+        kill_workload(m["process"]["pid"])
+        failed = stack.wait_state(run_id, {"failed", "success"})
+        assert failed["state"] == "failed" and failed["try_number"] == 1  # retries=0: it stays failed
+
+        # What the UI's Clear button sends.
+        cleared = stack.call("POST", "/api/v2/dags/cedana_e2e_clear/clearTaskInstances",
+                             {"dry_run": False, "dag_run_id": run_id, "task_ids": ["train"], "only_failed": True,
+                              "reset_dag_runs": True})
+        assert [t["task_id"] for t in cleared["task_instances"]] == ["train"]
+        done = stack.wait_state(run_id, {"success", "failed"})
+        assert done["state"] == "success" and done["try_number"] == 2, stack.logs()
+
+        base = f"/api/v2/dags/cedana_e2e_clear/dagRuns/{quote(run_id)}/taskInstances/train"
+        log = "\n".join(str(e.get("event", "")) for e in stack.call("GET", f"{base}/logs/2?full_content=true")["content"])
+        assert "start-up: allocating" not in log  # try 2 did not start over
+        assert re.search(r"cedana: restored checkpoint_id=cedana_e2e_clear\.train\.\S+ seq=\d+ \(taken by try 1", log), log
+        assert re.findall(r"done digest=\w+", log) == [uninterrupted_digest(*TRAIN_ARGS)]
+        restore = stack.call("GET", f"{base}/xcomEntries/cedana_restore")["value"]
+        assert restore["from_try"] == 1 and restore["seq"] == m["seq"] and restore["gap_seconds"] >= 0

@@ -20,3 +20,12 @@ with DAG("cedana_e2e", schedule=None, start_date=datetime(2026, 1, 1), catchup=F
         heartbeat=timedelta(seconds=float(os.environ.get("CEDANA_E2E_HEARTBEAT", "1"))),
         aws_conn_id=os.environ.get("CEDANA_E2E_CONN") or None,
     )
+
+# No automatic retry: the test fails the task and then clears it through the REST API, as the UI's Clear does.
+with DAG("cedana_e2e_clear", schedule=None, start_date=datetime(2026, 1, 1), catchup=False,
+         default_args={"retries": 0}):
+    CheckpointedCommandOperator(
+        task_id="train",
+        command=[sys.executable, TRAIN, *ARGS],
+        heartbeat=timedelta(seconds=float(os.environ.get("CEDANA_E2E_HEARTBEAT", "1"))),
+    )
