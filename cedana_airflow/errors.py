@@ -27,6 +27,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpoint",
     "DumpFailed",
+    "GpuUnavailable",
     "EngineError",
     "EngineUnavailable",
     "RestoreFailed",
@@ -88,3 +89,7 @@ class DumpFailed(EngineError):
 
 class RestoreFailed(EngineError):
     """`criu restore` failed."""
+
+
+class GpuUnavailable(CedanaError):
+    """No NVIDIA driver (or no pynvml) on this node: GPU state cannot be read here."""

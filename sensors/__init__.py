@@ -1,3 +1,6 @@
-"""Airflow sensors for cedana-airflow (shipped as cedana_airflow.sensors); they arrive with the operators issue."""
+"""Airflow sensors of cedana-airflow (shipped as ``cedana_airflow.sensors``)."""
 
-__all__: list[str] = []
+from .checkpoint import CheckpointSensor, CheckpointTrigger
+from .gpu import GpuSensor
+
+__all__ = ["CheckpointSensor", "CheckpointTrigger", "GpuSensor"]
