@@ -68,7 +68,7 @@ def _store(settings: Settings) -> Check:
 
 def _gpu() -> list[Check]:
     try:
-        import pynvml  # type: ignore[import-not-found]
+        import pynvml
     except ImportError:
         return [Check("nvidia", "skip", "pynvml not installed (pip install 'cedana-airflow[gpu]'); CPU only")]
     try:

@@ -42,7 +42,7 @@ def _rss(pids: list[int]) -> int:
 def _gpu(pids: list[int]) -> int:
     """GPU memory the tree's processes hold, through NVML; 0 without pynvml or a driver."""
     try:
-        import pynvml  # type: ignore[import-not-found]
+        import pynvml
 
         pynvml.nvmlInit()
     except Exception:

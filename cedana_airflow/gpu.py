@@ -32,7 +32,7 @@ class GpuReport:
 
 def _nvml() -> Any:
     try:
-        import pynvml  # type: ignore[import-not-found]
+        import pynvml
     except ImportError:
         raise GpuUnavailable("pynvml is not installed. Install it with pip install 'cedana-airflow[gpu]'.") from None
     try:
