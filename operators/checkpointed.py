@@ -102,14 +102,20 @@ class CheckpointedCommandOperator(BaseOperator):
         return task_settings(overrides)
 
     # -- execution ---------------------------------------------------------------------------------
+    def checkpoint_id_for(self, context: Context) -> str:
+        """The (validated) checkpoint ID of this task instance: the argument, else the derived default."""
+        ti = context["ti"]
+        if self.checkpoint_id:
+            return validate_checkpoint_id(self.checkpoint_id)
+        return derive_checkpoint_id(ti.dag_id, ti.task_id, context["run_id"], map_index=ti.map_index)
+
     def execute(self, context: Context) -> dict[str, Any]:
         ti = context["ti"]
         try:
             settings, options = self._resolve()
             if self.store:
                 settings = settings.model_copy(update={"store": self.store})
-            cid = validate_checkpoint_id(self.checkpoint_id) if self.checkpoint_id else derive_checkpoint_id(
-                ti.dag_id, ti.task_id, context["run_id"], map_index=ti.map_index)
+            cid = self.checkpoint_id_for(context)
             argv = shlex.split(self.command) if isinstance(self.command, str) else [str(a) for a in self.command]
             if not argv:
                 raise ConfigError("command is empty. Give the command to run as a list or a string.")
