@@ -59,7 +59,7 @@ class _CheckpointedDecoratedOperator(DecoratedOperator, CheckpointedCommandOpera
         except TypeError as e:
             raise AirflowFailException(f"cedana: @task.checkpointed arguments must be JSON ({e}).") from None
         (folder / "args.json").write_text(args)
-        (folder / "script.py").write_text(_SCRIPT.format(source=self.get_python_source(),
+        (folder / "script.py").write_text(_SCRIPT.format(source=self.get_python_source(),  # type: ignore[no-untyped-call]
                                                          name=self.python_callable.__name__))
         result = folder / "result.json"
         result.unlink(missing_ok=True)
