@@ -10,7 +10,7 @@ setup: $(STAMP) criu
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev,airflow]'
 	touch $(STAMP)
 
 criu:

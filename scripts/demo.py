@@ -1,9 +1,12 @@
-"""The demo: a training-style job loses its node mid-run and resumes on another from the store.
+"""The demo (README's first command): an Airflow task loses its workload mid-run and its retry resumes.
 
-Runs on the embedded defaults (a file:// store under .cedana/ in this repo). Steps:
-  1. node-a runs the job under `cedana-airflow run` with a heartbeat;
-  2. after two checkpoints, node-a "dies": supervisor and workload get SIGKILL, its work dir is deleted;
-  3. node-b runs `cedana-airflow restore`: the job continues from the latest checkpoint;
+Embedded defaults: an Airflow home with SQLite in .cedana/airflow and a file:// store in .cedana/demo,
+both inside this repo. Steps:
+  1. `airflow dags test cedana_demo_training` (dags/): the task runs a training-style job under
+     CheckpointedCommandOperator with a 5 s heartbeat;
+  2. after three checkpoints the workload is SIGKILLed (a lost node, an OOM kill, a GPU Xid) and the
+     task's work directory is deleted: try 1 fails;
+  3. try 2 restores from the latest checkpoint in the store and finishes the job;
   4. the final digest is compared with an uninterrupted run's, and a summary is printed.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,74 +23,92 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+HOME = REPO / ".cedana" / "airflow"
 DEMO = REPO / ".cedana" / "demo"
 STORE = DEMO / "store"
-TRAIN = [sys.executable, str(REPO / "tests" / "workloads" / "train.py"),
-         "--mb", "300", "--steps", "60", "--step-seconds", "0.25", "--change-fraction", "0.004"]
-ID = "demo-train"
+WORK = DEMO / "work"
+TRAIN = [sys.executable, str(REPO / "tests" / "workloads" / "train.py"), "--mb", "300", "--steps", "90",
+         "--change-fraction", "0.004"]
+SHOW = re.compile(r"(step \d+/\d+|cedana:|checkpoint saved|restored checkpoint_id|done digest|Task failed|DagRun Finished|\[DAG TEST\] (starting|end))")
 
 
-def cli(*args: str, node: str, **kw):
-    # Retention off for the demo (default: keep 3), so the summary can count every checkpoint taken.
-    env = dict(os.environ, CEDANA_STORE=f"file://{STORE}", CEDANA_NODE=node, CEDANA_KEEP_CHECKPOINTS="1000",
-               CEDANA_WORK_DIR=str(DEMO / f"work-{node}"), PYTHONUNBUFFERED="1")
-    return [sys.executable, "-m", "cedana_airflow", *args], env
+def airflow_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "CEDANA_"))}
+    env.update(AIRFLOW_HOME=str(HOME), AIRFLOW__CORE__DAGS_FOLDER=str(REPO / "dags"),
+               AIRFLOW__CORE__LOAD_EXAMPLES="False", AIRFLOW__CEDANA__STORE=f"file://{STORE}",
+               AIRFLOW__CEDANA__WORK_DIR=str(WORK),
+               AIRFLOW__CEDANA__KEEP_CHECKPOINTS="1000",  # the demo counts every checkpoint (default: keep 3)
+               PYTHONUNBUFFERED="1")
+    return env
 
 
 def manifests() -> list[dict]:
-    d = STORE / ID
-    return [json.loads(p.read_text()) for p in sorted(d.glob("*/manifest.json"))] if d.exists() else []
+    return [json.loads(p.read_text()) for p in sorted(STORE.glob("cedana_demo_training.train.*/*/manifest.json"))]
 
 
 def main() -> int:
     shutil.rmtree(DEMO, ignore_errors=True)
     DEMO.mkdir(parents=True)
-    print("== node-a: start the job with a 3 s heartbeat")
-    cmd, env = cli("run", "--id", ID, "--heartbeat", "3", "--", *TRAIN, node="node-a")
-    t_start = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env)
-    while len(manifests()) < 2:
-        if proc.poll() is not None:
-            print(f"demo: the job ended before two checkpoints (exit {proc.returncode})")
-            return 1
-        time.sleep(0.2)
-    time.sleep(1.0)  # some progress after the last checkpoint, which the restore will redo
-    lost_after = time.monotonic() - t_start
-    pid = manifests()[-1]["process"]["pid"]
-    print(f"\n== node-a dies after {lost_after:.1f} s: SIGKILL to supervisor and workload, work dir deleted")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    try:
-        os.kill(pid, signal.SIGKILL)  # its watchdog may have been quicker
-    except ProcessLookupError:
-        pass
-    shutil.rmtree(DEMO / "work-node-a", ignore_errors=True)
-    before = manifests()
-
-    print("\n== node-b: cedana-airflow restore (the retry)")
-    cmd, env = cli("restore", "--id", ID, "--heartbeat", "3", node="node-b")
+    env = airflow_env()
+    print(f"== Airflow home {HOME} (SQLite), store file://{STORE}")
+    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    print("== airflow dags test cedana_demo_training (try 1: a 5 s heartbeat)")
+    log = DEMO / "dags-test.log"
     t0 = time.monotonic()
-    r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
-    sys.stdout.write(r.stdout)
-    resumed_total = time.monotonic() - t0
-    out = r.stdout.splitlines()
-    first_step = int(out[0].split()[1].split("/")[0]) if out and out[0].startswith("step") else 1
-
-    expect = subprocess.run([*TRAIN[:-4], "--step-seconds", "0", "--change-fraction", "0.004"],
-                            capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-    ok = r.returncode == 0 and out and out[-1] == expect
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "airflow", "dags", "test", "cedana_demo_training"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        killed_at = None
+        assert proc.stdout is not None
+        os.set_blocking(proc.stdout.fileno(), False)
+        while True:
+            line = proc.stdout.readline()
+            if line:
+                out.write(line)
+                m = SHOW.search(line)
+                if m:
+                    print("   ", line[line.index(m.group(0)):].split(" [airflow.", 1)[0].split(" [cedana_airflow.", 1)[0].rstrip())
+                continue
+            if proc.poll() is not None:
+                break
+            ms = manifests()
+            if killed_at is None and len(ms) >= 3:
+                time.sleep(1.5)  # a little progress after the last checkpoint, which the retry redoes
+                pid = manifests()[-1]["process"]["pid"]
+                print(f"\n== {time.monotonic() - t0:.0f} s in: the workload is SIGKILLed (a lost node, a GPU Xid) and the "
+                      "work directory is deleted; the retry reads only the store\n")
+                os.kill(pid, signal.SIGKILL)
+                shutil.rmtree(WORK, ignore_errors=True)
+                killed_at = time.monotonic()
+            time.sleep(0.05)
+    text = log.read_text()
+    expect = "done " + subprocess.run([*TRAIN, "--step-seconds", "0"], capture_output=True, text=True,
+                                      check=True).stdout.split()[-1]
+    digests = re.findall(r"done digest=\w+", text)
+    restored = re.search(r"cedana: restored checkpoint_id=\S+ seq=(\d+) \(taken by try (\d+) on node (\S+)\) on node (\S+); "
+                         r"gap ([\d.]+) s, restore ([\d.]+) s", text)
+    after = text[text.index("restored checkpoint_id"):] if "restored checkpoint_id" in text else ""
+    first_step = re.search(r"step (\d+)/90", after)
+    saved = re.findall(r"stored_bytes=(\d+)", text)
     ms = manifests()
-    latest = before[-1]
+    ok = proc.returncode == 0 and restored is not None and digests == [expect]
     print("\n== summary")
-    print(f"checkpoints taken:   {len(ms)} (node-a: {len(before)}, node-b: {len(ms) - len(before)})")
-    print(f"image bytes:         {latest['image_bytes'] / 1e6:,.0f} MB per checkpoint")
-    print(f"bytes stored:        {sum(m['stored_bytes'] for m in ms) / 1e6:,.0f} MB in all "
-          f"(first {ms[0]['stored_bytes'] / 1e6:,.0f} MB, then {sum(m['stored_bytes'] for m in ms[1:]) / max(1, len(ms) - 1) / 1e6:,.1f} MB each on average)")
-    print(f"freeze per heartbeat: {sum(m['freeze_seconds'] for m in ms) / len(ms):.2f} s on average")
-    print(f"restored from:       seq {latest['seq']} taken on {latest['node']}; first step after restore: {first_step}")
-    print(f"steps saved:         {first_step - 1} of 60 not redone (starting over would redo all of them)")
-    print(f"time after restore:  {resumed_total:.1f} s to finish (node-a had run {lost_after:.1f} s)")
-    print(f"final output:        {out[-1] if out else '-'}  {'== uninterrupted run' if ok else '!= uninterrupted run: ' + expect}")
+    print(f"checkpoints taken:   {len(ms)} ({len(saved)} saves logged); image {ms[-1]['image_bytes'] / 1e6:,.0f} MB each"
+          if ms else "checkpoints taken:   none")
+    if ms:
+        print(f"bytes stored:        {sum(m['stored_bytes'] for m in ms) / 1e6:,.0f} MB in all (first "
+              f"{ms[0]['stored_bytes'] / 1e6:,.0f} MB, then {sum(m['stored_bytes'] for m in ms[1:]) / max(1, len(ms) - 1) / 1e6:,.1f} MB each)")
+        print(f"freeze per heartbeat: {sum(m['freeze_seconds'] for m in ms) / len(ms):.2f} s on average")
+    if restored:
+        seq, by_try, from_node, node, gap, secs = restored.groups()
+        print(f"restore:             seq {seq} (taken by try {by_try} on {from_node}) restored on {node} in {secs} s; "
+              f"gap since that checkpoint {gap} s")
+    if first_step:
+        print(f"steps saved:         {int(first_step.group(1)) - 1} of 90 not redone (starting over would redo all of them)")
+    print(f"final output:        {digests[-1] if digests else '-'}  "
+          f"{'== uninterrupted run' if digests == [expect] else '!= uninterrupted run: ' + expect}")
+    print(f"full log:            {log}")
     return 0 if ok else 1
 
 

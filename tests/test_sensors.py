@@ -70,6 +70,7 @@ def test_the_trigger_fires_when_the_checkpoint_lands_and_survives_serialization(
     assert event.payload["status"] == "found" and event.payload["checkpoint"]["seq"] == 1
 
 
+@pytest.mark.integration
 def test_dags_test_runs_the_sensor_in_all_three_modes_until_a_workload_checkpoints(tmp_path, airflow_db):  # noqa: F811
     env = airflow_env(tmp_path, airflow_db)
     log = tmp_path / "dags-test.log"
