@@ -72,14 +72,16 @@ def kill_workload(pid: int) -> None:
     wait_gone(pid, 10)
 
 
-def run_dag_killing_try_1(env: dict[str, str], tmp_path: Path, list_manifest) -> str:
+def run_dag_killing_try_1(env: dict[str, str], tmp_path: Path, list_manifest, dag_id: str = "cedana_e2e",
+                          succeeds: bool = True) -> str:
+    """`airflow dags test DAG_ID`; SIGKILL the workload of try 1 once its first checkpoint exists."""
     log = tmp_path / "dags-test.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([*AIRFLOW, "dags", "test", "cedana_e2e"], env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([*AIRFLOW, "dags", "test", dag_id], env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
             m = first_manifest(list_manifest, 180, proc, log)
             kill_workload(m["process"]["pid"])
-            assert proc.wait(timeout=300) == 0, log.read_text()[-5000:]
+            assert (proc.wait(timeout=300) == 0) == succeeds, log.read_text()[-5000:]
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -191,6 +193,16 @@ class Stack:
         with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read() or b"{}")
 
+    def start_run_until_first_checkpoint(self, store: Path) -> tuple[str, dict]:
+        """Trigger cedana_e2e_clear; return its run ID and first manifest once that exists."""
+        run_id = self.call("POST", "/api/v2/dags/cedana_e2e_clear/dagRuns", {"logical_date": None})["dag_run_id"]
+        look = file_manifest(store, "cedana_e2e_clear.train.")
+        deadline = time.monotonic() + 180
+        while not (m := look()):
+            assert time.monotonic() < deadline and self.task_instance(run_id)["state"] != "failed", self.logs()
+            time.sleep(0.2)
+        return run_id, m
+
     def task_instance(self, run_id: str) -> dict:
         return self.call("GET", f"/api/v2/dags/cedana_e2e_clear/dagRuns/{quote(run_id)}/taskInstances/train")
 
@@ -207,12 +219,7 @@ class Stack:
 def test_a_clear_through_the_rest_api_resumes_the_failed_task_from_its_checkpoint(tmp_path, airflow_db):
     env = airflow_env(tmp_path, airflow_db)
     with Stack(env, tmp_path / "airflow") as stack:
-        run_id = stack.call("POST", "/api/v2/dags/cedana_e2e_clear/dagRuns", {"logical_date": None})["dag_run_id"]
-        look = file_manifest(tmp_path / "store", "cedana_e2e_clear.train.")
-        deadline = time.monotonic() + 180
-        while not (m := look()):
-            assert time.monotonic() < deadline and stack.task_instance(run_id)["state"] != "failed", stack.logs()
-            time.sleep(0.2)
+        run_id, m = stack.start_run_until_first_checkpoint(tmp_path / "store")
         kill_workload(m["process"]["pid"])
         failed = stack.wait_state(run_id, {"failed", "success"})
         assert failed["state"] == "failed" and failed["try_number"] == 1  # retries=0: it stays failed
@@ -236,17 +243,8 @@ def test_a_clear_through_the_rest_api_resumes_the_failed_task_from_its_checkpoin
 
 def test_task_checkpointed_resumes_a_python_function_and_returns_its_value(tmp_path, airflow_db):
     env = airflow_env(tmp_path, airflow_db)
-    log = tmp_path / "dags-test.log"
-    look = file_manifest(tmp_path / "store", "cedana_taskflow.train.")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([*AIRFLOW, "dags", "test", "cedana_taskflow"], env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            kill_workload(first_manifest(look, 180, proc, log)["process"]["pid"])
-            assert proc.wait(timeout=300) == 0, log.read_text()[-5000:]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    text = log.read_text()
+    text = run_dag_killing_try_1(env, tmp_path, file_manifest(tmp_path / "store", "cedana_taskflow.train."),
+                                 dag_id="cedana_taskflow")
     assert text.count("start-up: 40 MB") == 1, text[-5000:]
     assert re.search(r"cedana: restored checkpoint_id=cedana_taskflow\.train\.\S+ seq=\d+ \(taken by try 1", text)
     # The same arithmetic, uninterrupted (numpy is deterministic here): the function's value came through.
@@ -256,3 +254,42 @@ def test_task_checkpointed_resumes_a_python_function_and_returns_its_value(tmp_p
     for i in range(40):
         x = (x * 1.0001 + i) % 1000.0
     assert f"RESULT {{'steps': 40, 'total': {round(float(x.sum()), 3)}}}" in text, text[-3000:]
+
+
+def test_stopping_a_running_task_takes_a_final_checkpoint_that_the_clear_resumes(tmp_path, airflow_db):
+    # A long heartbeat, so the only checkpoint after the first is the one on_kill takes, and a long
+    # run, so the task is still running when Airflow's SIGTERM reaches it.
+    args = ["--mb", "60", "--steps", "300", "--step-seconds", "0.1"]
+    env = airflow_env(tmp_path, airflow_db, CEDANA_E2E_HEARTBEAT="4", CEDANA_E2E_TRAIN_ARGS=" ".join(args))
+    with Stack(env, tmp_path / "airflow") as stack:
+        run_id, first = stack.start_run_until_first_checkpoint(tmp_path / "store")
+        base = f"/api/v2/dags/cedana_e2e_clear/dagRuns/{quote(run_id)}/taskInstances/train"
+        # Mark the running task failed (the UI's "Mark as failed"): Airflow sends the task SIGTERM.
+        stack.call("PATCH", base, {"new_state": "failed"})
+        # The state flips at once; the task process then gets SIGTERM and, 5 s later, Airflow's SIGKILL
+        # (a fixed escalation in its supervisor): the final checkpoint has to fit in between.
+        deadline = time.monotonic() + 120
+        while not re.search(r"Task killed!|workload exited", log1 := "".join(
+                p.read_text() for p in (tmp_path / "airflow" / "logs").rglob("attempt=1.log"))):
+            assert time.monotonic() < deadline, stack.logs()
+            time.sleep(0.5)
+        assert "cedana: the task is being stopped; final checkpoint" in log1, log1[-3000:]
+        final = re.findall(r"checkpoint saved checkpoint_id=\S+ seq=(\d+)", log1[log1.index("the task is being stopped"):])
+        assert final, "no final checkpoint was taken when the task was stopped"
+        assert int(final[-1]) > first["seq"]
+
+        stack.call("POST", "/api/v2/dags/cedana_e2e_clear/clearTaskInstances",
+                   {"dry_run": False, "dag_run_id": run_id, "task_ids": ["train"], "only_failed": True, "reset_dag_runs": True})
+        done = stack.wait_state(run_id, {"success", "failed"})
+        assert done["state"] == "success", stack.logs()
+        log2 = "\n".join(str(e.get("event", "")) for e in stack.call("GET", f"{base}/logs/2?full_content=true")["content"])
+        assert re.search(rf"cedana: restored checkpoint_id=\S+ seq={final[-1]} \(taken by try 1", log2), log2[-3000:]
+        assert re.findall(r"done digest=\w+", log2) == [uninterrupted_digest(*args)]
+
+
+def test_same_node_retry_fail_fails_the_retry_fast_on_the_node_that_failed(tmp_path, airflow_db):
+    env = airflow_env(tmp_path, airflow_db, AIRFLOW__CEDANA__SAME_NODE_RETRY="fail")
+    text = run_dag_killing_try_1(env, tmp_path, file_manifest(tmp_path / "store", "cedana_e2e.train."), succeeds=False)
+    assert re.search(r"cedana: this retry runs on node \S+, where try 1 ran and failed; its fault may still be here\. "
+                     r"\[cedana\] same_node_retry = fail, so this try fails fast", text), text[-3000:]
+    assert text.count("start-up: allocating") == 1 and "restored checkpoint_id" not in text  # nothing ran on try 2
