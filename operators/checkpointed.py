@@ -112,9 +112,7 @@ class CheckpointedCommandOperator(BaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         ti = context["ti"]
         try:
-            settings, options = self._resolve()
-            if self.store:
-                settings = settings.model_copy(update={"store": self.store})
+            settings, options = self._resolve()  # the templated fields are rendered by now
             cid = self.checkpoint_id_for(context)
             argv = shlex.split(self.command) if isinstance(self.command, str) else [str(a) for a in self.command]
             if not argv:
@@ -127,7 +125,7 @@ class CheckpointedCommandOperator(BaseOperator):
 
         node = settings.resolved_node()
         state = context.get("task_state_store")
-        record = dict(state.get(STATE_KEY) or {}) if state is not None else {}
+        record = self._load_state(state)
         tries = list(record.get("tries", []))
         previous = next((t for t in reversed(tries) if t.get("try_number") != ti.try_number), None)
         self.log.info("cedana: checkpoint_id=%s node=%s try=%d store=%s heartbeat=%ss",
@@ -191,6 +189,15 @@ class CheckpointedCommandOperator(BaseOperator):
                           "gap %.1f s, restore %.2f s", cid, m.seq, m.try_number, m.node, node,
                           out["restore"]["gap_seconds"], result.restore_seconds)
         return out
+
+    def _load_state(self, state: Any) -> dict[str, Any]:
+        if state is None:
+            return {}
+        try:
+            return dict(state.get(STATE_KEY) or {})
+        except Exception as e:  # bookkeeping must never fail the workload
+            self.log.warning("cedana: could not read the task state store: %s", e)
+            return {}
 
     def _save_state(self, state: Any, record: dict[str, Any]) -> None:
         if state is None:
