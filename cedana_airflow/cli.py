@@ -60,6 +60,16 @@ def _parser() -> argparse.ArgumentParser:
     gc.add_argument("--json", action="store_true")
     _common(gc)
 
+    ex = sub.add_parser("explain", help="is a task in scope of the opt-in list, and why (not)?")
+    ex.add_argument("dag_id")
+    ex.add_argument("task_id")
+    ex.add_argument("--node", help="the worker (default: this host, or CEDANA_NODE)")
+    ex.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="a Kubernetes node label (repeatable)")
+    ex.add_argument("--queue", default="default", help="the task's Airflow queue (default: default)")
+    ex.add_argument("--pool", default="default_pool", help="the task's Airflow pool (default: default_pool)")
+    ex.add_argument("--optin-file", help="the opt-in list (default: CEDANA_OPTIN_FILE / [cedana] optin_file)")
+    ex.add_argument("--json", action="store_true")
+
     doc = sub.add_parser("doctor", help="check that checkpointing can work here")
     doc.add_argument("--json", action="store_true")
     _common(doc)
@@ -144,6 +154,31 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_explain(args: argparse.Namespace) -> int:
+    from .optin import Where, decide, load_optin
+
+    settings = load_settings({"node": args.node, "optin_file": args.optin_file})
+    labels = {}
+    for item in args.label:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            print(f"usage: --label takes KEY=VALUE, not {item!r}", file=sys.stderr)
+            return 2
+        labels[key] = value
+    where = Where(args.dag_id, args.task_id, settings.resolved_node(), labels, args.queue, args.pool)
+    decision = decide(load_optin(settings.optin_file), where)
+    if args.json:
+        print(json.dumps({"dag_id": where.dag_id, "task_id": where.task_id, "node": where.node, "queue": where.queue,
+                          "pool": where.pool, "in_scope": decision.in_scope, "reasons": list(decision.reasons),
+                          "defaults": decision.defaults}, default=str))
+    else:
+        print(f"{where.dag_id}.{where.task_id} on node {where.node}, queue {where.queue}, pool {where.pool}: "
+              + decision.explain())
+        if decision.defaults:
+            print("  settings from the list: " + ", ".join(f"{k}={v}" for k, v in sorted(decision.defaults.items())))
+    return 0
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from .doctor import run_checks
 
@@ -174,6 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_checkpoints(args)
         if args.verb == "gc":
             return _cmd_gc(args)
+        if args.verb == "explain":
+            return _cmd_explain(args)
         if args.verb == "doctor":
             return _cmd_doctor(args)
     except CedanaError as e:

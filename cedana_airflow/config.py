@@ -86,6 +86,9 @@ class Settings(BaseModel):
     )
     s3_sse_kms_key_id: str = Field(default="", description="KMS key ID or ARN for s3_sse = 'aws:kms'.")
     s3_parallelism: int = Field(default=16, ge=1, le=256, description="S3 requests in flight at once.")
+    optin_file: Path | None = Field(
+        default=None, description="The opt-in list (TOML, or YAML with PyYAML). None: nothing is in scope."
+    )
     progress: Literal["auto", "always", "never"] = Field(
         default="auto", description="Progress display for long transfers: auto = only on a terminal."
     )

@@ -14,7 +14,8 @@ CORE = ["cedana_airflow", "cedana_airflow.config", "cedana_airflow.errors", "ced
         "cedana_airflow.store", "cedana_airflow.store.transfer", "cedana_airflow.engine",
         "cedana_airflow.checkpointer", "cedana_airflow.runner", "cedana_airflow.heartbeat",
         "cedana_airflow.supervisor", "cedana_airflow.doctor", "cedana_airflow.cli",
-        "cedana_airflow.index", "cedana_airflow.listing"]
+        "cedana_airflow.index", "cedana_airflow.listing", "cedana_airflow.optin", "cedana_airflow.tags",
+        "cedana_airflow.gpu"]
 
 
 def _fresh(code: str) -> subprocess.CompletedProcess[str]:

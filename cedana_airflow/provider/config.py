@@ -18,7 +18,7 @@ from ..errors import ConfigError
 __all__ = ["TaskOptions", "task_settings"]
 
 #: [cedana] options that are not core settings.
-_AIRFLOW_ONLY = {"aws_conn_id", "same_node_retry", "optin_file"}
+_AIRFLOW_ONLY = {"aws_conn_id", "same_node_retry"}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,187 @@
+"""The opt-in list: which nodes, queues and workloads may be checkpointed, written by the cluster operator.
+
+A task is in scope only when all three scopes admit it. A scope that the file does not declare admits
+nothing, and an empty or missing file admits nothing at all: nothing is checkpointed until someone
+puts it on the list. ``["*"]`` admits everything in a scope. Every decision carries its reasons, so a
+task can say why it is (not) in scope (``cedana-airflow explain``).
+
+TOML, or YAML when PyYAML is installed (Airflow brings it)::
+
+    [node]                                   # worker hostnames (fnmatch patterns) or Kubernetes node labels
+    hostnames = ["gpu-test-01"]
+    labels = { "cedana.ai/enabled" = "true" }
+    [queue]                                  # Airflow queues and/or pools
+    queues = ["cedana"]
+    [workload]                               # DAG IDs, or DAG_ID.TASK_ID, as patterns
+    dags = ["train_*"]
+    tasks = ["nightly.finetune"]
+    [workload.defaults]                      # core settings for what this scope admits (node < queue < workload)
+    heartbeat_seconds = 600
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .config import Settings
+from .errors import ConfigError
+
+__all__ = ["DEFAULT_NODE_LABEL", "Decision", "OptInList", "Where", "decide", "load_optin"]
+
+#: The node label of the Kubernetes route (issue: the Kubernetes route) when a file names none.
+DEFAULT_NODE_LABEL = ("cedana.ai/enabled", "true")
+
+
+class _Scope(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    defaults: dict[str, Any] = Field(default_factory=dict, description="Core settings for what this scope admits.")
+
+    @field_validator("defaults")
+    @classmethod
+    def _known_settings(cls, v: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(v) - set(Settings.model_fields))
+        if unknown:
+            raise ValueError(f"unknown setting(s) {', '.join(unknown)} in defaults; known: {', '.join(sorted(Settings.model_fields))}")
+        return v
+
+
+class NodeScope(_Scope):
+    hostnames: tuple[str, ...] = ()
+    labels: dict[str, str] = Field(default_factory=dict, description="All of these labels, on a Kubernetes node.")
+
+
+class QueueScope(_Scope):
+    queues: tuple[str, ...] = ()
+    pools: tuple[str, ...] = ()
+
+
+class WorkloadScope(_Scope):
+    dags: tuple[str, ...] = ()
+    tasks: tuple[str, ...] = Field(default=(), description="DAG_ID.TASK_ID patterns.")
+
+
+class OptInList(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    node: NodeScope | None = None
+    queue: QueueScope | None = None
+    workload: WorkloadScope | None = None
+
+    def empty(self) -> bool:
+        return self.node is None and self.queue is None and self.workload is None
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a task runs, as far as the list cares."""
+
+    dag_id: str
+    task_id: str
+    node: str = ""
+    node_labels: dict[str, str] = field(default_factory=dict)
+    queue: str = ""
+    pool: str = ""
+
+
+@dataclass(frozen=True)
+class Decision:
+    in_scope: bool
+    reasons: tuple[str, ...]  # one per scope, in the order node, queue, workload
+    defaults: dict[str, Any] = field(default_factory=dict)  # merged node < queue < workload
+
+    def explain(self) -> str:
+        head = "IN SCOPE: checkpointed" if self.in_scope else "OUT OF SCOPE: runs unprotected"
+        return "\n".join([head, *(f"  {r}" for r in self.reasons)])
+
+
+def load_optin(path: str | Path | None) -> OptInList:
+    """Read and validate the opt-in file; a missing setting or file means an empty list."""
+    if not path:
+        return OptInList()
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"opt-in file {p} does not exist. Create it, or unset optin_file to checkpoint nothing.") from None
+    except OSError as e:
+        raise ConfigError(f"opt-in file {p} cannot be read: {e.strerror or e}. Fix its permissions.") from None
+    doc = _parse(raw, p)
+    try:
+        return OptInList.model_validate(doc or {})
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        raise ConfigError(f"opt-in file {p}: {where}: {err['msg']}. Fix the file (see docs: the opt-in list).") from None
+
+
+def _parse(raw: bytes, p: Path) -> Any:
+    if p.suffix.lower() in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError(f"opt-in file {p} is YAML but PyYAML is not installed. pip install pyyaml, or write it as TOML.") from None
+        try:
+            return yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"opt-in file {p} is not valid YAML: {str(e).splitlines()[0]}. Fix the file.") from None
+    try:
+        return tomllib.loads(raw.decode())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"opt-in file {p} is not valid TOML: {e}. Fix the file.") from None
+
+
+def _first_match(value: str, patterns: tuple[str, ...]) -> str | None:
+    return next((pat for pat in patterns if value and fnmatchcase(value, pat)), None)
+
+
+def _node(s: NodeScope | None, w: Where) -> tuple[bool, str]:
+    if s is None:
+        return False, "node: refused: the list has no [node] scope (hostnames = [\"*\"] admits every node)"
+    if pat := _first_match(w.node, s.hostnames):
+        return True, f"node: {w.node} admitted by hostname pattern {pat!r}"
+    if s.labels and all(w.node_labels.get(k) == v for k, v in s.labels.items()):
+        return True, f"node: {w.node or '?'} admitted by its labels {', '.join(f'{k}={v}' for k, v in s.labels.items())}"
+    want = [*(repr(h) for h in s.hostnames), *(f"labels {k}={v}" for k, v in s.labels.items())]
+    return False, f"node: {w.node or '(unknown)'} refused: matches none of {', '.join(want) or 'nothing (the scope is empty)'}"
+
+
+def _queue(s: QueueScope | None, w: Where) -> tuple[bool, str]:
+    if s is None:
+        return False, "queue: refused: the list has no [queue] scope (queues = [\"*\"] admits every queue)"
+    if pat := _first_match(w.queue, s.queues):
+        return True, f"queue: {w.queue} admitted by queue pattern {pat!r}"
+    if pat := _first_match(w.pool, s.pools):
+        return True, f"queue: pool {w.pool} admitted by pool pattern {pat!r}"
+    return False, (f"queue: queue {w.queue or '(none)'} / pool {w.pool or '(none)'} refused: not in queues "
+                   f"{list(s.queues)} or pools {list(s.pools)}")
+
+
+def _workload(s: WorkloadScope | None, w: Where) -> tuple[bool, str]:
+    if s is None:
+        return False, "workload: refused: the list has no [workload] scope"
+    if pat := _first_match(f"{w.dag_id}.{w.task_id}", s.tasks):
+        return True, f"workload: task {w.dag_id}.{w.task_id} admitted by task pattern {pat!r}"
+    if pat := _first_match(w.dag_id, s.dags):
+        return True, f"workload: DAG {w.dag_id} admitted by DAG pattern {pat!r}"
+    return False, f"workload: {w.dag_id}.{w.task_id} refused: not in dags {list(s.dags)} or tasks {list(s.tasks)}"
+
+
+def decide(optin: OptInList, where: Where) -> Decision:
+    """Is this task in scope? Every scope is judged (not just the first refusal), so the answer is complete."""
+    if optin.empty():
+        return Decision(False, ("the opt-in list is empty or not configured: nothing is checkpointed "
+                                "(set [cedana] optin_file / CEDANA_OPTIN_FILE)",))
+    verdicts = [_node(optin.node, where), _queue(optin.queue, where), _workload(optin.workload, where)]
+    defaults: dict[str, Any] = {}
+    for scope in (optin.node, optin.queue, optin.workload):
+        if scope is not None:
+            defaults.update(scope.defaults)
+    in_scope = all(ok for ok, _ in verdicts)
+    return Decision(in_scope, tuple(r for _, r in verdicts), defaults if in_scope else {})
