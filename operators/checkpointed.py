@@ -23,6 +23,7 @@ from cedana_airflow.provider.config import task_settings
 from cedana_airflow.provider.logsink import LogSink
 from cedana_airflow.provider.store import task_store
 from cedana_airflow.runner import RunResult, run_workload
+from cedana_airflow.store.transfer import load_manifests
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -56,9 +57,17 @@ class CheckpointedCommandOperator(BaseOperator):
     :param checkpoint_on_kill: take a final checkpoint when Airflow stops the task (drain, preemption,
         a Clear or mark-failed of the running task). Default: [cedana] checkpoint_on_term (True).
     :param settings: further core settings by name (e.g. ``{"max_checkpoint_bytes": 8 << 30}``).
+    :param idempotency_key: required when the DAG declares ``cedana:effects=external`` (the cluster
+        policy refuses the DAG otherwise); the workload reads it as CEDANA_IDEMPOTENCY_KEY. Templated.
+    :param max_restore_gap: a checkpoint older than this is not restored; the workload starts fresh
+        and the log says so (required under ``cedana:realtime``).
+    :param lease: the license lease length of license-bound software (``cedana:license=NAME``): a
+        checkpoint older than the lease is not restored either, since its license is dead.
     """
 
-    template_fields: Sequence[str] = ("command", "env", "cwd", "checkpoint_id", "store")
+    template_fields: Sequence[str] = ("command", "env", "cwd", "checkpoint_id", "store", "idempotency_key")
+    #: The cluster policy (provider/policy.py) checks the DAG-tag rules on tasks that carry this.
+    cedana_checkpointed = True
     template_fields_renderers = {"command": "bash", "env": "json"}
     ui_color = "#d7ecf9"
 
@@ -74,9 +83,13 @@ class CheckpointedCommandOperator(BaseOperator):
         aws_conn_id: str | None = None,
         checkpoint_on_kill: bool | None = None,
         settings: dict[str, Any] | None = None,
+        idempotency_key: str | None = None,
+        max_restore_gap: timedelta | None = None,
+        lease: timedelta | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.idempotency_key, self.max_restore_gap, self.lease = idempotency_key, max_restore_gap, lease
         self.command = command
         self.env = env
         self.cwd = cwd
@@ -143,11 +156,14 @@ class CheckpointedCommandOperator(BaseOperator):
 
         env = {k: v for k, v in os.environ.items() if not k.startswith(_PRIVATE_ENV_PREFIXES)}
         env.update(self.env or {})
+        if self.idempotency_key:
+            env["CEDANA_IDEMPOTENCY_KEY"] = self.idempotency_key
         env.update(CEDANA_CHECKPOINT_ID=cid, AIRFLOW_CTX_DAG_ID=ti.dag_id, AIRFLOW_CTX_TASK_ID=ti.task_id,
                    AIRFLOW_CTX_DAG_RUN_ID=context["run_id"], AIRFLOW_CTX_TRY_NUMBER=str(ti.try_number))
         out, err = LogSink(self.log, "stdout"), LogSink(self.log, "stderr")
         try:
-            result = run_workload(settings, cid, argv, resume=True, try_number=ti.try_number, cwd=self.cwd, env=env,
+            result = run_workload(settings, cid, argv, resume=self._may_resume(store, cid), try_number=ti.try_number,
+                                  cwd=self.cwd, env=env,
                                   stdout=out, stderr=err, handle_signals=False, stop=self._stop, store=store)
         except CedanaError as e:
             raise AirflowException(f"cedana: {e}") from None
@@ -169,6 +185,26 @@ class CheckpointedCommandOperator(BaseOperator):
                 + (f", the latest is seq {result.checkpoints[-1].seq}: a retry or Clear resumes from it"
                    if result.checkpoints else ""))
         return summary
+
+    def _may_resume(self, store: Any, cid: str) -> bool:
+        """False when the latest checkpoint is older than max_restore_gap or the lease: start fresh, and say so."""
+        limits = [(name, v.total_seconds()) for name, v in (("max_restore_gap", self.max_restore_gap), ("lease", self.lease))
+                  if v is not None]
+        if not limits:
+            return True
+        try:
+            latest = load_manifests(store, cid)
+        except CedanaError:
+            return True  # the restore itself will report the store's problem
+        if not latest:
+            return True
+        gap = (datetime.now(timezone.utc) - latest[0].created_at).total_seconds()
+        for name, limit in limits:
+            if gap > limit:
+                self.log.warning("cedana: the latest checkpoint (seq %d) is %.0f s old, beyond %s = %.0f s: "
+                                 "starting fresh instead of restoring it", latest[0].seq, gap, name, limit)
+                return False
+        return True
 
     def _summary(self, cid: str, node: str, result: RunResult, previous: dict[str, Any] | None) -> dict[str, Any]:
         out: dict[str, Any] = {

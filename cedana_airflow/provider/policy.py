@@ -1,0 +1,38 @@
+"""Cluster policy (entry point ``airflow.policy``): the ``cedana:`` DAG tags enforced when DAGs are parsed.
+
+A violation is an AirflowClusterPolicyViolation, which Airflow shows as that DAG file's import error in
+the UI, with the rule, the task and the fix in one message. DAGs without ``cedana:`` tags are never
+touched, and nothing here reads the opt-in file, so a broken list cannot break parsing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from airflow.exceptions import AirflowClusterPolicyViolation
+from airflow.policies import hookimpl
+
+from ..errors import ConfigError
+from ..tags import TaskDecl, check_dag, parse_tags
+
+__all__ = ["dag_policy"]
+
+
+def _decl(task: Any) -> TaskDecl:
+    def seconds(name: str) -> float | None:
+        value = getattr(task, name, None)
+        return value.total_seconds() if value is not None else None
+
+    return TaskDecl(task.task_id, getattr(task, "idempotency_key", None), seconds("max_restore_gap"), seconds("lease"))
+
+
+@hookimpl
+def dag_policy(dag: Any) -> None:
+    try:
+        tags = parse_tags(dag.tags or ())
+    except ConfigError as e:
+        raise AirflowClusterPolicyViolation(f"cedana: DAG {dag.dag_id}: {e}") from None
+    checkpointed = [_decl(t) for t in dag.tasks if getattr(t, "cedana_checkpointed", False)]
+    violations = check_dag(dag.dag_id, tags, checkpointed)
+    if violations:
+        raise AirflowClusterPolicyViolation("cedana: " + " | ".join(str(v) for v in violations))
