@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import subprocess
 import threading
 from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
@@ -19,6 +20,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from cedana_airflow.errors import CedanaError, CheckpointIdError, ConfigError
 from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
+from cedana_airflow.optin import Decision, Where, decide, load_optin
 from cedana_airflow.provider.config import task_settings
 from cedana_airflow.provider.logsink import LogSink
 from cedana_airflow.provider.store import task_store
@@ -105,14 +107,27 @@ class CheckpointedCommandOperator(BaseOperator):
         except CedanaError as e:
             raise AirflowException(f"{self.task_id}: {e}") from None
 
-    def _resolve(self) -> tuple[Any, Any]:
+    def _resolve(self, scope_defaults: dict[str, Any] | None = None) -> tuple[Any, Any]:
         overrides: dict[str, Any] = {**self.settings, "aws_conn_id": self.aws_conn_id,
                                      "checkpoint_on_term": self.checkpoint_on_kill}
         if self.heartbeat is not None:
             overrides["heartbeat_seconds"] = self.heartbeat.total_seconds()
         if self.store and "{{" not in self.store:
             overrides["store"] = self.store
-        return task_settings(overrides)
+        return task_settings(overrides, scope_defaults)
+
+    def _in_scope(self, context: Context, settings: Any) -> Decision:
+        """The opt-in list's decision for this task on this worker, written into the task log."""
+        ti = context["ti"]
+        where = Where(ti.dag_id, ti.task_id, settings.resolved_node(), {}, getattr(ti, "queue", "") or self.queue,
+                      self.pool or "")
+        try:
+            decision = decide(load_optin(settings.optin_file), where)
+        except ConfigError as e:  # a broken list never fails a task: it runs unprotected and says why
+            decision = Decision(False, (f"the opt-in list cannot be used: {e}",))
+        for line in decision.explain().splitlines():
+            self.log.info("cedana: %s", line.strip())
+        return decision
 
     # -- execution ---------------------------------------------------------------------------------
     def checkpoint_id_for(self, context: Context) -> str:
@@ -126,10 +141,14 @@ class CheckpointedCommandOperator(BaseOperator):
         ti = context["ti"]
         try:
             settings, options = self._resolve()  # the templated fields are rendered by now
-            cid = self.checkpoint_id_for(context)
             argv = shlex.split(self.command) if isinstance(self.command, str) else [str(a) for a in self.command]
             if not argv:
                 raise ConfigError("command is empty. Give the command to run as a list or a string.")
+            decision = self._in_scope(context, settings)
+            if not decision.in_scope:
+                return self._run_unprotected(argv, self._workload_env(context, None))
+            settings, options = self._resolve(decision.defaults)
+            cid = self.checkpoint_id_for(context)
             store = task_store(settings, options.aws_conn_id)
         except (ConfigError, CheckpointIdError) as e:
             raise AirflowFailException(f"cedana: {e}") from None  # configuration: a retry would fail the same way
@@ -154,12 +173,7 @@ class CheckpointedCommandOperator(BaseOperator):
         record.update(checkpoint_id=cid, tries=tries[-20:])
         self._save_state(state, record)
 
-        env = {k: v for k, v in os.environ.items() if not k.startswith(_PRIVATE_ENV_PREFIXES)}
-        env.update(self.env or {})
-        if self.idempotency_key:
-            env["CEDANA_IDEMPOTENCY_KEY"] = self.idempotency_key
-        env.update(CEDANA_CHECKPOINT_ID=cid, AIRFLOW_CTX_DAG_ID=ti.dag_id, AIRFLOW_CTX_TASK_ID=ti.task_id,
-                   AIRFLOW_CTX_DAG_RUN_ID=context["run_id"], AIRFLOW_CTX_TRY_NUMBER=str(ti.try_number))
+        env = self._workload_env(context, cid)
         out, err = LogSink(self.log, "stdout"), LogSink(self.log, "stderr")
         try:
             result = run_workload(settings, cid, argv, resume=self._may_resume(store, cid), try_number=ti.try_number,
@@ -185,6 +199,40 @@ class CheckpointedCommandOperator(BaseOperator):
                 + (f", the latest is seq {result.checkpoints[-1].seq}: a retry or Clear resumes from it"
                    if result.checkpoints else ""))
         return summary
+
+    def _workload_env(self, context: Context, cid: str | None) -> dict[str, str]:
+        ti = context["ti"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(_PRIVATE_ENV_PREFIXES)}
+        env.update(self.env or {})
+        if self.idempotency_key:
+            env["CEDANA_IDEMPOTENCY_KEY"] = self.idempotency_key
+        if cid:
+            env["CEDANA_CHECKPOINT_ID"] = cid
+        env.update(AIRFLOW_CTX_DAG_ID=ti.dag_id, AIRFLOW_CTX_TASK_ID=ti.task_id,
+                   AIRFLOW_CTX_DAG_RUN_ID=context["run_id"], AIRFLOW_CTX_TRY_NUMBER=str(ti.try_number))
+        return env
+
+    def _run_unprotected(self, argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+        """Out of scope: the command runs as a plain subprocess (no CRIU needed), output into the log."""
+        sink = LogSink(self.log, "stdout")
+        proc = subprocess.Popen(argv, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        assert proc.stdout is not None
+        pump = threading.Thread(target=lambda: [sink.write(b) for b in iter(lambda: proc.stdout.read1(1 << 16), b"")],
+                                daemon=True)
+        pump.start()
+        while proc.poll() is None:
+            if self._stop.wait(0.1):
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        pump.join(5)
+        sink.close()
+        if proc.returncode != 0:
+            raise AirflowException(f"cedana: the workload (unprotected: not in scope) exited {proc.returncode}")
+        return {"outcome": "unprotected", "exit_code": 0, "checkpoints_taken": 0}
 
     def _may_resume(self, store: Any, cid: str) -> bool:
         """False when the latest checkpoint is older than max_restore_gap or the lease: start fresh, and say so."""

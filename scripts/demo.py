@@ -38,6 +38,7 @@ def airflow_env() -> dict[str, str]:
                AIRFLOW__CORE__LOAD_EXAMPLES="False", AIRFLOW__CEDANA__STORE=f"file://{STORE}",
                AIRFLOW__CEDANA__WORK_DIR=str(WORK),
                AIRFLOW__CEDANA__KEEP_CHECKPOINTS="1000",  # the demo counts every checkpoint (default: keep 3)
+               AIRFLOW__CEDANA__OPTIN_FILE=str(DEMO / "optin.toml"),
                PYTHONUNBUFFERED="1")
     return env
 
@@ -50,7 +51,10 @@ def main() -> int:
     shutil.rmtree(DEMO, ignore_errors=True)
     DEMO.mkdir(parents=True)
     env = airflow_env()
-    print(f"== Airflow home {HOME} (SQLite), store file://{STORE}")
+    # The operator's opt-in list, as a first week would have it: this machine, the default queue, one DAG.
+    (DEMO / "optin.toml").write_text('[node]\nhostnames = ["*"]\n[queue]\nqueues = ["default"]\n'
+                                     '[workload]\ndags = ["cedana_demo_training"]\n')
+    print(f"== Airflow home {HOME} (SQLite), store file://{STORE}, opt-in list {DEMO / 'optin.toml'}")
     subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     print("== airflow dags test cedana_demo_training (try 1: a 5 s heartbeat)")

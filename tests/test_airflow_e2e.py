@@ -34,14 +34,20 @@ def airflow_db(tmp_path_factory) -> Path:
     return home / "airflow.db"
 
 
+#: An opt-in list that admits every node, queue and workload: these tests are about what happens in scope.
+OPTIN_ALL = '[node]\nhostnames = ["*"]\n[queue]\nqueues = ["*"]\n[workload]\ndags = ["*"]\n'
+
+
 def airflow_env(tmp_path: Path, airflow_db: Path, **extra: str) -> dict[str, str]:
     home = tmp_path / "airflow"
     home.mkdir(exist_ok=True)
     shutil.copy(airflow_db, home / "airflow.db")
+    (tmp_path / "optin.toml").write_text(OPTIN_ALL)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CEDANA_", "AIRFLOW", "AWS_"))}
     env.update(AIRFLOW_HOME=str(home), AIRFLOW__CORE__DAGS_FOLDER=str(REPO / "tests" / "dags"),
                AIRFLOW__CORE__LOAD_EXAMPLES="False", AIRFLOW__CEDANA__STORE=f"file://{tmp_path / 'store'}",
                AIRFLOW__CEDANA__WORK_DIR=str(tmp_path / "work"), CEDANA_E2E_TRAIN_ARGS=" ".join(TRAIN_ARGS),
+               AIRFLOW__CEDANA__OPTIN_FILE=str(tmp_path / "optin.toml"),
                PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
@@ -293,3 +299,16 @@ def test_same_node_retry_fail_fails_the_retry_fast_on_the_node_that_failed(tmp_p
     assert re.search(r"cedana: this retry runs on node \S+, where try 1 ran and failed; its fault may still be here\. "
                      r"\[cedana\] same_node_retry = fail, so this try fails fast", text), text[-3000:]
     assert text.count("start-up: allocating") == 1 and "restored checkpoint_id" not in text  # nothing ran on try 2
+
+
+def test_a_task_outside_the_opt_in_list_runs_unprotected_and_says_why(tmp_path, airflow_db):
+    (tmp_path / "gpu-only.toml").write_text('[node]\nhostnames = ["gpu-*"]\n[queue]\nqueues = ["*"]\n[workload]\ndags = ["*"]\n')
+    env = airflow_env(tmp_path, airflow_db, AIRFLOW__CEDANA__OPTIN_FILE=str(tmp_path / "gpu-only.toml"),
+                      AIRFLOW__CEDANA__NODE="cpu-worker-3")
+    r = subprocess.run([*AIRFLOW, "dags", "test", "cedana_e2e"], env=env, capture_output=True, text=True, timeout=300)
+    text = r.stdout + r.stderr
+    assert r.returncode == 0, text[-4000:]
+    assert "cedana: OUT OF SCOPE: runs unprotected" in text
+    assert "cedana: node: cpu-worker-3 refused: matches none of 'gpu-*'" in text
+    assert re.findall(r"done digest=\w+", text) == [uninterrupted_digest(*TRAIN_ARGS)]  # it ran, all of it
+    assert not (tmp_path / "store").exists()  # and nothing was checkpointed

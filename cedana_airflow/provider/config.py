@@ -46,12 +46,16 @@ def _default_store() -> str:
     return f"file://{Path(AIRFLOW_HOME) / 'cedana' / 'store'}"
 
 
-def task_settings(overrides: Mapping[str, Any] | None = None) -> tuple[Settings, TaskOptions]:
+def task_settings(overrides: Mapping[str, Any] | None = None,
+                  scope_defaults: Mapping[str, Any] | None = None) -> tuple[Settings, TaskOptions]:
+    """``scope_defaults``: what the opt-in list sets for the scopes that admitted the task (above
+    [cedana], below operator arguments)."""
     section = _section()
     core = {k: v for k, v in section.items() if k not in _AIRFLOW_ONLY}
-    layer = (lambda k: f"airflow.cfg [cedana] {k} / AIRFLOW__CEDANA__{k.upper()}", core)
+    layers = [(lambda k: f"airflow.cfg [cedana] {k} / AIRFLOW__CEDANA__{k.upper()}", core),
+              (lambda k: f"the opt-in list's defaults ({k})", dict(scope_defaults or {}))]
     settings = load_settings({k: v for k, v in (overrides or {}).items() if k not in _AIRFLOW_ONLY},
-                             layers=[layer], overrides_source=lambda k: f"operator argument {k}")
+                             layers=layers, overrides_source=lambda k: f"operator argument {k}")
     if not settings.store:
         settings = settings.model_copy(update={"store": _default_store()})
     policy = section.get("same_node_retry", "allow")
