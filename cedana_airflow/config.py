@@ -75,6 +75,9 @@ class Settings(BaseModel):
         description="Skip a heartbeat whose estimated size (RSS + GPU memory) is above this; 0 = no limit. "
         "64 GiB freezes for about 40 s at the 0.6 s/GB measured here.",
     )
+    checkpoint_above_bytes: int = Field(
+        default=0, ge=0, description="Checkpoint at once when the tree's memory crosses this (a policy trigger); 0 = off."
+    )
     s3_endpoint_url: str = Field(
         default="", description="S3-compatible endpoint (MinIO, Ceph RGW, R2...). Empty: AWS_ENDPOINT_URL, else AWS."
     )

@@ -17,6 +17,12 @@ TOML, or YAML when PyYAML is installed (Airflow brings it)::
     tasks = ["nightly.finetune"]
     [workload.defaults]                      # core settings for what this scope admits (node < queue < workload)
     heartbeat_seconds = 600
+
+    [[policies]]                             # trigger + filter + action, applied after the scope defaults
+    name = "big-memory"
+    trigger = { memory_above_bytes = 60_000_000_000 }   # or schedule_seconds = 600, or signal = "SIGTERM"
+    filter = { dags = ["train_*"], queues = ["gpu"], tags = ["team:ml"] }
+    action = "checkpoint"                    # or "none": switch that trigger off
 """
 
 from __future__ import annotations
@@ -25,14 +31,14 @@ import tomllib
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .config import Settings
 from .errors import ConfigError
 
-__all__ = ["DEFAULT_NODE_LABEL", "Decision", "OptInList", "Where", "decide", "load_optin"]
+__all__ = ["DEFAULT_NODE_LABEL", "Decision", "OptInList", "Policy", "Where", "decide", "load_optin"]
 
 #: The node label of the Kubernetes route (issue: the Kubernetes route) when a file names none.
 DEFAULT_NODE_LABEL = ("cedana.ai/enabled", "true")
@@ -67,12 +73,65 @@ class WorkloadScope(_Scope):
     tasks: tuple[str, ...] = Field(default=(), description="DAG_ID.TASK_ID patterns.")
 
 
+class PolicyTrigger(BaseModel):
+    """Exactly one: memory above N bytes (checkpoint now), a schedule (heartbeat), or SIGTERM / a drain."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    memory_above_bytes: int | None = Field(default=None, gt=0)
+    schedule_seconds: float | None = Field(default=None, gt=0)
+    signal: Literal["SIGTERM"] | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> PolicyTrigger:
+        if sum(v is not None for v in (self.memory_above_bytes, self.schedule_seconds, self.signal)) != 1:
+            raise ValueError("a trigger is exactly one of memory_above_bytes, schedule_seconds, signal")
+        return self
+
+
+class PolicyFilter(BaseModel):
+    """Empty fields match everything; a task must match every field that is given."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dags: tuple[str, ...] = ()
+    queues: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()
+
+
+class Policy(BaseModel):
+    """trigger + filter + action, e.g. "GPU or host memory above 60 GB -> checkpoint now" for train_* DAGs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    trigger: PolicyTrigger
+    filter: PolicyFilter = Field(default_factory=PolicyFilter)
+    action: Literal["checkpoint", "none"] = "checkpoint"
+
+    def matches(self, w: Where) -> bool:
+        f = self.filter
+        return ((not f.dags or _first_match(w.dag_id, f.dags) is not None)
+                and (not f.queues or _first_match(w.queue, f.queues) is not None)
+                and (not f.tags or any(_first_match(t, f.tags) for t in w.tags)))
+
+    def settings(self) -> dict[str, Any]:
+        """The core settings this policy stands for (runner.py and watch.py act on them)."""
+        t, on = self.trigger, self.action == "checkpoint"
+        if t.memory_above_bytes is not None:
+            return {"checkpoint_above_bytes": t.memory_above_bytes if on else 0}
+        if t.schedule_seconds is not None:
+            return {"heartbeat_seconds": t.schedule_seconds if on else 0}
+        return {"checkpoint_on_term": on}
+
+
 class OptInList(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     node: NodeScope | None = None
     queue: QueueScope | None = None
     workload: WorkloadScope | None = None
+    policies: tuple[Policy, ...] = ()
 
     def empty(self) -> bool:
         return self.node is None and self.queue is None and self.workload is None
@@ -88,6 +147,7 @@ class Where:
     node_labels: dict[str, str] = field(default_factory=dict)
     queue: str = ""
     pool: str = ""
+    tags: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -184,4 +244,9 @@ def decide(optin: OptInList, where: Where) -> Decision:
         if scope is not None:
             defaults.update(scope.defaults)
     in_scope = all(ok for ok, _ in verdicts)
-    return Decision(in_scope, tuple(r for _, r in verdicts), defaults if in_scope else {})
+    reasons = [r for _, r in verdicts]
+    for p in optin.policies:  # in file order: a later policy overrides an earlier one's setting
+        if p.matches(where):
+            defaults.update(p.settings())
+            reasons.append(f"policy {p.name!r} applies: {p.settings()}")
+    return Decision(in_scope, tuple(reasons), defaults if in_scope else {})

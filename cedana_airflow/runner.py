@@ -29,12 +29,14 @@ from .checkpointer import Checkpointer
 from .config import Settings
 from .engine.criu import CriuEngine, find_criu
 from .errors import CheckpointNotFound, ConfigError, CorruptCheckpoint
+from .estimate import estimate_checkpoint
 from .gc import delete_checkpoint_id
 from .heartbeat import Heartbeat
 from .ids import validate_checkpoint_id
 from .manifest import Manifest
 from .store import Store, open_store
 from .supervisor import Workload
+from .watch import MemoryWatch
 
 __all__ = ["RunResult", "run_workload", "make_engine"]
 
@@ -154,6 +156,8 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
             take()
 
     hb = Heartbeat(settings.heartbeat_seconds, beat) if settings.heartbeat_seconds > 0 else None
+    watch = (MemoryWatch(settings.checkpoint_above_bytes, lambda: estimate_checkpoint(workload.pids()).total, beat)
+             if settings.checkpoint_above_bytes > 0 else None)
     previous: dict[signal.Signals, Any] = {}
     if handle_signals and threading.current_thread() is threading.main_thread():
         def on_stop(signum: int, frame: FrameType | None) -> None:
@@ -170,12 +174,16 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
     try:
         if hb:
             hb.start()
+        if watch:
+            watch.start()
         while workload.poll() is None:
             if stop_requested.wait(0.1):
                 sig = signal.Signals(got[0] if got else signal.SIGTERM)
                 log.info("stop requested signal=%s checkpoint_on_term=%s", sig.name, settings.checkpoint_on_term)
                 if hb:
                     hb.stop()
+                if watch:
+                    watch.stop()
                 if workload.poll() is None:
                     if settings.checkpoint_on_term:
                         try:
@@ -187,6 +195,8 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
                 break
         if hb:
             hb.stop()
+        if watch:
+            watch.stop()
         rc = workload.wait()
         # Stopped by us: 128 + the signal we were sent, as a shell reports it. Otherwise its own code.
         result.exit_code = 128 + result.stopped_by_signal if result.stopped_by_signal else (rc if rc is not None else 1)

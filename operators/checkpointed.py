@@ -119,8 +119,9 @@ class CheckpointedCommandOperator(BaseOperator):
     def _in_scope(self, context: Context, settings: Any) -> Decision:
         """The opt-in list's decision for this task on this worker, written into the task log."""
         ti = context["ti"]
+        dag = context.get("dag")
         where = Where(ti.dag_id, ti.task_id, settings.resolved_node(), {}, getattr(ti, "queue", "") or self.queue,
-                      self.pool or "")
+                      self.pool or "", tuple(getattr(dag, "tags", None) or ()))
         try:
             decision = decide(load_optin(settings.optin_file), where)
         except ConfigError as e:  # a broken list never fails a task: it runs unprotected and says why

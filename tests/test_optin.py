@@ -111,3 +111,53 @@ def test_explain_prints_the_decision_and_every_reason(tmp_path, first_week):
     assert "queue: queue default / pool default_pool refused" in out["reasons"][1]
     bad = cli("explain", "d", "t", "--optin-file", str(tmp_path / "nope.toml"), env=env)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("ConfigError: opt-in file") and "does not exist" in bad.stderr
+
+
+def test_policies_apply_by_filter_after_the_scope_defaults(tmp_path, first_week):
+    p = tmp_path / "optin.toml"
+    p.write_text(first_week.read_text() + """
+[[policies]]
+name = "big-memory"
+trigger = { memory_above_bytes = 8000000000 }
+filter = { dags = ["train_*"], tags = ["team:ml"] }
+
+[[policies]]
+name = "drain"
+trigger = { signal = "SIGTERM" }
+action = "none"
+
+[[policies]]
+name = "hourly"
+trigger = { schedule_seconds = 3600 }
+filter = { queues = ["other"] }
+""")
+    optin = load_optin(p)
+    d = decide(optin, Where("train_llm", "fit", "gpu-test-01", {}, "cedana", tags=("team:ml",)))
+    assert d.in_scope and d.defaults == {"heartbeat_seconds": 600, "keep_checkpoints": 2,
+                                         "checkpoint_above_bytes": 8000000000, "checkpoint_on_term": False}
+    assert any("policy 'big-memory' applies" in r for r in d.reasons)
+    untagged = decide(optin, Where("train_llm", "fit", "gpu-test-01", {}, "cedana"))
+    assert "checkpoint_above_bytes" not in untagged.defaults
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[policies]]\nname = "x"\ntrigger = { memory_above_bytes = 1, schedule_seconds = 2 }\n')
+    with pytest.raises(ConfigError, match="a trigger is exactly one of"):
+        load_optin(bad)
+
+
+def test_a_memory_threshold_checkpoints_a_growing_workload_once_as_it_crosses(tmp_path):
+    import sys
+
+    from conftest import manifests
+
+    grow = ("import time, numpy as np\n"
+            "a = np.ones(20 << 17)\n"                  # 20 MB
+            "print('small', flush=True); time.sleep(2)\n"
+            "b = np.ones(300 << 17)\n"                 # +300 MB: crosses 150 MB
+            "print('big', flush=True); time.sleep(3)\n"
+            "print('done', flush=True)\n")
+    env = cli_env(tmp_path, "n", "w", CEDANA_CHECKPOINT_ABOVE_BYTES=str(150 << 20))  # no heartbeat at all
+    r = cli("run", "--id", "grows", "--", sys.executable, "-c", grow, env=env)
+    assert r.returncode == 0 and r.stdout.split() == ["small", "big", "done"], r.stderr
+    assert r.stderr.count("memory above threshold") == 1, r.stderr
+    [m] = manifests(tmp_path / "store", "grows")
+    assert m["image_bytes"] > 150 << 20  # taken after the growth, not before
