@@ -18,6 +18,11 @@ TOML, or YAML when PyYAML is installed (Airflow brings it)::
     [workload.defaults]                      # core settings for what this scope admits (node < queue < workload)
     heartbeat_seconds = 600
 
+    [rules]                                  # eligibility, each refusal named in the decision
+    min_expected_seconds = 600               # tasks declared shorter re-run instead (expected_duration)
+    job_server_queues = ["emr"]              # job_server tasks only on these queues
+    gpu_needs_nvidia = true                  # gpu tasks only where an NVIDIA driver is present
+
     [[policies]]                             # trigger + filter + action, applied after the scope defaults
     name = "big-memory"
     trigger = { memory_above_bytes = 60_000_000_000 }   # or schedule_seconds = 600, or signal = "SIGTERM"
@@ -125,12 +130,23 @@ class Policy(BaseModel):
         return {"checkpoint_on_term": on}
 
 
+class Rules(BaseModel):
+    """Eligibility rules: work a checkpoint cannot protect well is kept off, with the rule named."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_expected_seconds: float = Field(default=0, ge=0, description="Tasks declared shorter than this re-run instead.")
+    job_server_queues: tuple[str, ...] = Field(default=(), description="Queues where job_server tasks may be in scope.")
+    gpu_needs_nvidia: bool = Field(default=True, description="GPU tasks only where an NVIDIA driver can hold GPU state.")
+
+
 class OptInList(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     node: NodeScope | None = None
     queue: QueueScope | None = None
     workload: WorkloadScope | None = None
+    rules: Rules = Field(default_factory=Rules)
     policies: tuple[Policy, ...] = ()
 
     def empty(self) -> bool:
@@ -148,6 +164,10 @@ class Where:
     queue: str = ""
     pool: str = ""
     tags: tuple[str, ...] = ()
+    expected_seconds: float | None = None  # declared by the task (expected_duration)
+    job_server: bool = False  # the task drives a third-party job server (EMR, Databricks, Slurm...)
+    gpu: bool = False  # the task uses a GPU
+    nvidia: bool | None = None  # this node has an NVIDIA driver (None: not asked)
 
 
 @dataclass(frozen=True)
@@ -233,6 +253,22 @@ def _workload(s: WorkloadScope | None, w: Where) -> tuple[bool, str]:
     return False, f"workload: {w.dag_id}.{w.task_id} refused: not in dags {list(s.dags)} or tasks {list(s.tasks)}"
 
 
+def _rules(r: Rules, w: Where) -> list[tuple[bool, str]]:
+    """Only the rules that concern this task are reported."""
+    out = []
+    if w.expected_seconds is not None and w.expected_seconds < r.min_expected_seconds:
+        out.append((False, f"rule short-task: expected {w.expected_seconds:.0f} s is below min_expected_seconds "
+                           f"{r.min_expected_seconds:.0f} s; a retry re-runs it instead"))
+    if w.job_server:
+        ok = _first_match(w.queue, r.job_server_queues) is not None
+        out.append((ok, f"rule job-server: queue {w.queue or '(none)'} " + (
+            "is marked for job-server tasks" if ok else
+            f"is not in job_server_queues {list(r.job_server_queues)}; a job server manages its own jobs")))
+    if w.gpu and r.gpu_needs_nvidia and w.nvidia is False:
+        out.append((False, f"rule gpu: node {w.node or '?'} has no NVIDIA driver, so GPU state cannot be checkpointed here"))
+    return out
+
+
 def decide(optin: OptInList, where: Where) -> Decision:
     """Is this task in scope? Every scope is judged (not just the first refusal), so the answer is complete."""
     if optin.empty():
@@ -243,6 +279,7 @@ def decide(optin: OptInList, where: Where) -> Decision:
     for scope in (optin.node, optin.queue, optin.workload):
         if scope is not None:
             defaults.update(scope.defaults)
+    verdicts += _rules(optin.rules, where)
     in_scope = all(ok for ok, _ in verdicts)
     reasons = [r for _, r in verdicts]
     for p in optin.policies:  # in file order: a later policy overrides an earlier one's setting

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from cedana_airflow.errors import CedanaError, CheckpointIdError, ConfigError
+from cedana_airflow.errors import CedanaError, CheckpointIdError, ConfigError, GpuUnavailable
+from cedana_airflow.gpu import read_gpus
 from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
 from cedana_airflow.optin import Decision, Where, decide, load_optin
 from cedana_airflow.provider.config import task_settings
@@ -65,6 +66,8 @@ class CheckpointedCommandOperator(BaseOperator):
         and the log says so (required under ``cedana:realtime``).
     :param lease: the license lease length of license-bound software (``cedana:license=NAME``): a
         checkpoint older than the lease is not restored either, since its license is dead.
+    :param expected_duration: / :param job_server: / :param gpu: what the opt-in list's rules judge
+        (short tasks re-run; job-server tasks only on marked queues; GPU tasks only with NVIDIA).
     """
 
     template_fields: Sequence[str] = ("command", "env", "cwd", "checkpoint_id", "store", "idempotency_key")
@@ -88,10 +91,14 @@ class CheckpointedCommandOperator(BaseOperator):
         idempotency_key: str | None = None,
         max_restore_gap: timedelta | None = None,
         lease: timedelta | None = None,
+        expected_duration: timedelta | None = None,
+        job_server: bool = False,
+        gpu: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.idempotency_key, self.max_restore_gap, self.lease = idempotency_key, max_restore_gap, lease
+        self.expected_duration, self.job_server, self.gpu = expected_duration, job_server, gpu
         self.command = command
         self.env = env
         self.cwd = cwd
@@ -121,7 +128,9 @@ class CheckpointedCommandOperator(BaseOperator):
         ti = context["ti"]
         dag = context.get("dag")
         where = Where(ti.dag_id, ti.task_id, settings.resolved_node(), {}, getattr(ti, "queue", "") or self.queue,
-                      self.pool or "", tuple(getattr(dag, "tags", None) or ()))
+                      self.pool or "", tuple(getattr(dag, "tags", None) or ()),
+                      self.expected_duration.total_seconds() if self.expected_duration else None,
+                      self.job_server, self.gpu, _has_nvidia() if self.gpu else None)
         try:
             decision = decide(load_optin(settings.optin_file), where)
         except ConfigError as e:  # a broken list never fails a task: it runs unprotected and says why
@@ -301,3 +310,11 @@ class CheckpointedCommandOperator(BaseOperator):
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat()
+
+
+def _has_nvidia() -> bool:
+    try:
+        read_gpus()
+        return True
+    except GpuUnavailable:
+        return False

@@ -161,3 +161,23 @@ def test_a_memory_threshold_checkpoints_a_growing_workload_once_as_it_crosses(tm
     assert r.stderr.count("memory above threshold") == 1, r.stderr
     [m] = manifests(tmp_path / "store", "grows")
     assert m["image_bytes"] > 150 << 20  # taken after the growth, not before
+
+
+@pytest.mark.parametrize("where, in_scope, says", [
+    (Where("train_x", "t", "gpu-test-01", {}, "cedana", expected_seconds=120), False,
+     "rule short-task: expected 120 s is below min_expected_seconds 600 s"),
+    (Where("train_x", "t", "gpu-test-01", {}, "cedana", expected_seconds=7200), True, None),
+    (Where("train_x", "t", "gpu-test-01", {}, "cedana", job_server=True), False,
+     "rule job-server: queue cedana is not in job_server_queues ['emr']"),
+    (Where("train_x", "t", "gpu-test-01", {}, "emr", job_server=True), True, "is marked for job-server tasks"),
+    (Where("train_x", "t", "gpu-test-01", {}, "cedana", gpu=True, nvidia=False), False,
+     "rule gpu: node gpu-test-01 has no NVIDIA driver"),
+    (Where("train_x", "t", "gpu-test-01", {}, "cedana", gpu=True, nvidia=True), True, None),
+])
+def test_eligibility_rules_keep_off_what_a_checkpoint_cannot_protect(tmp_path, where, in_scope, says):
+    p = tmp_path / "optin.toml"
+    p.write_text('[node]\nhostnames = ["*"]\n[queue]\nqueues = ["*"]\n[workload]\ndags = ["*"]\n'
+                 '[rules]\nmin_expected_seconds = 600\njob_server_queues = ["emr"]\n')
+    d = decide(load_optin(p), where)
+    assert d.in_scope is in_scope, d.reasons
+    assert says is None or any(says in r for r in d.reasons), d.reasons
