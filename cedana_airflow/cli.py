@@ -65,8 +65,15 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("task_id")
     ex.add_argument("--node", help="the worker (default: this host, or CEDANA_NODE)")
     ex.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="a Kubernetes node label (repeatable)")
-    ex.add_argument("--queue", default="default", help="the task's Airflow queue (default: default)")
-    ex.add_argument("--pool", default="default_pool", help="the task's Airflow pool (default: default_pool)")
+    ex.add_argument("--queue", help="the task's Airflow queue (default: from the DAG, else default)")
+    ex.add_argument("--pool", help="the task's Airflow pool (default: from the DAG, else default_pool)")
+    ex.add_argument("--tag", action="append", default=None, help="a DAG tag (repeatable; default: from the DAG)")
+    ex.add_argument("--expected-seconds", type=float, help="the task's expected duration (rule short-task)")
+    ex.add_argument("--job-server", action="store_true", default=None, help="the task drives a third-party job server")
+    ex.add_argument("--gpu", action="store_true", default=None, help="the task uses a GPU")
+    ex.add_argument("--no-nvidia", action="store_true", help="the node has no NVIDIA driver (rule gpu)")
+    ex.add_argument("--dags-folder", help="read queue, pool, tags and the task's arguments from this DAG folder "
+                                          "through Airflow (needs the airflow extra)")
     ex.add_argument("--optin-file", help="the opt-in list (default: CEDANA_OPTIN_FILE / [cedana] optin_file)")
     ex.add_argument("--json", action="store_true")
 
@@ -155,17 +162,22 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    from .optin import Where, decide, load_optin
+    from .optin import Where, decide, load_optin, parse_labels
 
     settings = load_settings({"node": args.node, "optin_file": args.optin_file})
-    labels = {}
-    for item in args.label:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            print(f"usage: --label takes KEY=VALUE, not {item!r}", file=sys.stderr)
-            return 2
-        labels[key] = value
-    where = Where(args.dag_id, args.task_id, settings.resolved_node(), labels, args.queue, args.pool)
+    facts: dict[str, Any] = {"queue": "default", "pool": "default_pool", "tags": (), "expected_seconds": None,
+                             "job_server": False, "gpu": False}
+    if args.dags_folder:
+        from .provider.explain import task_facts  # Airflow only when asked: the core CLI runs without it
+
+        facts.update(task_facts(args.dag_id, args.task_id, args.dags_folder))
+        if not facts.pop("checkpointed"):
+            print(f"note: {args.dag_id}.{args.task_id} is not a checkpointed operator; the list would not be asked")
+    given = {"queue": args.queue, "pool": args.pool, "tags": tuple(args.tag) if args.tag else None,
+             "expected_seconds": args.expected_seconds, "job_server": args.job_server, "gpu": args.gpu}
+    facts.update({k: v for k, v in given.items() if v is not None})
+    where = Where(args.dag_id, args.task_id, settings.resolved_node(), parse_labels(",".join(args.label)),
+                  nvidia=False if args.no_nvidia else None, **facts)
     decision = decide(load_optin(settings.optin_file), where)
     if args.json:
         print(json.dumps({"dag_id": where.dag_id, "task_id": where.task_id, "node": where.node, "queue": where.queue,

@@ -9,7 +9,7 @@ TOML, or YAML when PyYAML is installed (Airflow brings it)::
 
     [node]                                   # worker hostnames (fnmatch patterns) or Kubernetes node labels
     hostnames = ["gpu-test-01"]
-    labels = { "cedana.ai/enabled" = "true" }
+    labels = { "cedana.ai/enabled" = "true" }   # the default; labels = {} admits by hostname only
     [queue]                                  # Airflow queues and/or pools
     queues = ["cedana"]
     [workload]                               # DAG IDs, or DAG_ID.TASK_ID, as patterns
@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .config import Settings
 from .errors import ConfigError
 
-__all__ = ["DEFAULT_NODE_LABEL", "Decision", "OptInList", "Policy", "Where", "decide", "load_optin"]
+__all__ = ["DEFAULT_NODE_LABEL", "Decision", "OptInList", "Policy", "Where", "decide", "load_optin", "parse_labels"]
 
 #: The node label of the Kubernetes route (issue: the Kubernetes route) when a file names none.
 DEFAULT_NODE_LABEL = ("cedana.ai/enabled", "true")
@@ -65,7 +65,8 @@ class _Scope(BaseModel):
 
 class NodeScope(_Scope):
     hostnames: tuple[str, ...] = ()
-    labels: dict[str, str] = Field(default_factory=dict, description="All of these labels, on a Kubernetes node.")
+    labels: dict[str, str] = Field(default_factory=lambda: dict([DEFAULT_NODE_LABEL]),
+                                   description="All of these labels, on a Kubernetes node (CEDANA_NODE_LABELS there).")
 
 
 class QueueScope(_Scope):
@@ -226,7 +227,7 @@ def _node(s: NodeScope | None, w: Where) -> tuple[bool, str]:
         return False, "node: refused: the list has no [node] scope (hostnames = [\"*\"] admits every node)"
     if pat := _first_match(w.node, s.hostnames):
         return True, f"node: {w.node} admitted by hostname pattern {pat!r}"
-    if s.labels and all(w.node_labels.get(k) == v for k, v in s.labels.items()):
+    if s.labels and w.node_labels and all(w.node_labels.get(k) == v for k, v in s.labels.items()):
         return True, f"node: {w.node or '?'} admitted by its labels {', '.join(f'{k}={v}' for k, v in s.labels.items())}"
     want = [*(repr(h) for h in s.hostnames), *(f"labels {k}={v}" for k, v in s.labels.items())]
     return False, f"node: {w.node or '(unknown)'} refused: matches none of {', '.join(want) or 'nothing (the scope is empty)'}"
@@ -287,3 +288,14 @@ def decide(optin: OptInList, where: Where) -> Decision:
             defaults.update(p.settings())
             reasons.append(f"policy {p.name!r} applies: {p.settings()}")
     return Decision(in_scope, tuple(reasons), defaults if in_scope else {})
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    """``k=v,k2=v2`` (CEDANA_NODE_LABELS, set by the Kubernetes route from the node's labels)."""
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"node label {item!r} is not KEY=VALUE. Fix CEDANA_NODE_LABELS / --label.")
+        out[key] = value
+    return out

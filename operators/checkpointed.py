@@ -21,7 +21,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from cedana_airflow.errors import CedanaError, CheckpointIdError, ConfigError, GpuUnavailable
 from cedana_airflow.gpu import read_gpus
 from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
-from cedana_airflow.optin import Decision, Where, decide, load_optin
+from cedana_airflow.optin import Decision, Where, decide, load_optin, parse_labels
 from cedana_airflow.provider.config import task_settings
 from cedana_airflow.provider.logsink import LogSink
 from cedana_airflow.provider.store import task_store
@@ -127,11 +127,12 @@ class CheckpointedCommandOperator(BaseOperator):
         """The opt-in list's decision for this task on this worker, written into the task log."""
         ti = context["ti"]
         dag = context.get("dag")
-        where = Where(ti.dag_id, ti.task_id, settings.resolved_node(), {}, getattr(ti, "queue", "") or self.queue,
-                      self.pool or "", tuple(getattr(dag, "tags", None) or ()),
-                      self.expected_duration.total_seconds() if self.expected_duration else None,
-                      self.job_server, self.gpu, _has_nvidia() if self.gpu else None)
         try:
+            where = Where(ti.dag_id, ti.task_id, settings.resolved_node(),
+                          parse_labels(os.environ.get("CEDANA_NODE_LABELS", "")), getattr(ti, "queue", "") or self.queue,
+                          self.pool or "", tuple(getattr(dag, "tags", None) or ()),
+                          self.expected_duration.total_seconds() if self.expected_duration else None,
+                          self.job_server, self.gpu, _has_nvidia() if self.gpu else None)
             decision = decide(load_optin(settings.optin_file), where)
         except ConfigError as e:  # a broken list never fails a task: it runs unprotected and says why
             decision = Decision(False, (f"the opt-in list cannot be used: {e}",))

@@ -181,3 +181,29 @@ def test_eligibility_rules_keep_off_what_a_checkpoint_cannot_protect(tmp_path, w
     d = decide(load_optin(p), where)
     assert d.in_scope is in_scope, d.reasons
     assert says is None or any(says in r for r in d.reasons), d.reasons
+
+
+def test_explain_reads_the_task_from_a_real_dag_folder(tmp_path, first_week):
+    pytest.importorskip("airflow")
+    from conftest import REPO
+
+    env = cli_env(tmp_path, "gpu-test-01", "w", CEDANA_OPTIN_FILE=str(first_week), AIRFLOW_HOME=str(tmp_path / "af"),
+                  AIRFLOW__CORE__LOAD_EXAMPLES="False")
+    r = cli("explain", "cedana_demo_training", "train", "--dags-folder", str(REPO / "dags"), env=env)
+    assert r.returncode == 0, r.stderr
+    assert "queue default, pool default_pool: OUT OF SCOPE" in r.stdout  # the list admits queue cedana only
+    assert "workload: cedana_demo_training.train refused" in r.stdout
+    missing = cli("explain", "nope", "train", "--dags-folder", str(REPO / "dags"), env=env)
+    assert missing.returncode == 2 and "DAG 'nope' is not in" in missing.stderr
+
+
+def test_a_kubernetes_node_with_the_default_label_is_admitted_and_labels_come_from_the_environment(tmp_path):
+    from cedana_airflow.optin import parse_labels
+
+    p = tmp_path / "optin.toml"
+    p.write_text('[node]\nhostnames = ["gpu-test-01"]\n[queue]\nqueues = ["*"]\n[workload]\ndags = ["*"]\n')
+    labels = parse_labels("cedana.ai/enabled=true, topology.kubernetes.io/zone=us-east-1a")
+    assert decide(load_optin(p), Where("d", "t", "ip-10-0-3-7", labels, "q")).in_scope
+    assert not decide(load_optin(p), Where("d", "t", "ip-10-0-3-7", {}, "q")).in_scope  # no labels: hostnames only
+    with pytest.raises(ConfigError, match="node label 'zone' is not KEY=VALUE"):
+        parse_labels("zone")
