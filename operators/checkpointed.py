@@ -66,11 +66,15 @@ class CheckpointedCommandOperator(BaseOperator):
         and the log says so (required under ``cedana:realtime``).
     :param lease: the license lease length of license-bound software (``cedana:license=NAME``): a
         checkpoint older than the lease is not restored either, since its license is dead.
+    :param lease_renew_command: run before restoring a checkpoint older than ``lease`` (with
+        CEDANA_CHECKPOINT_ID and CEDANA_RESTORE_GAP_SECONDS in its environment), e.g. to re-check-out
+        the license the restored process holds; exit 0 restores, anything else starts fresh.
     :param expected_duration: / :param job_server: / :param gpu: what the opt-in list's rules judge
         (short tasks re-run; job-server tasks only on marked queues; GPU tasks only with NVIDIA).
     """
 
-    template_fields: Sequence[str] = ("command", "env", "cwd", "checkpoint_id", "store", "idempotency_key")
+    template_fields: Sequence[str] = ("command", "env", "cwd", "checkpoint_id", "store", "idempotency_key",
+                                      "lease_renew_command")
     #: The cluster policy (provider/policy.py) checks the DAG-tag rules on tasks that carry this.
     cedana_checkpointed = True
     template_fields_renderers = {"command": "bash", "env": "json"}
@@ -94,9 +98,11 @@ class CheckpointedCommandOperator(BaseOperator):
         expected_duration: timedelta | None = None,
         job_server: bool = False,
         gpu: bool = False,
+        lease_renew_command: str | Sequence[str] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.lease_renew_command = lease_renew_command
         self.idempotency_key, self.max_restore_gap, self.lease = idempotency_key, max_restore_gap, lease
         self.expected_duration, self.job_server, self.gpu = expected_duration, job_server, gpu
         self.command = command
@@ -259,11 +265,30 @@ class CheckpointedCommandOperator(BaseOperator):
             return True
         gap = (datetime.now(timezone.utc) - latest[0].created_at).total_seconds()
         for name, limit in limits:
+            if gap > limit and name == "lease" and self.lease_renew_command and self._renew_lease(cid, gap):
+                continue
             if gap > limit:
                 self.log.warning("cedana: the latest checkpoint (seq %d) is %.0f s old, beyond %s = %.0f s: "
                                  "starting fresh instead of restoring it", latest[0].seq, gap, name, limit)
                 return False
         return True
+
+    def _renew_lease(self, cid: str, gap: float) -> bool:
+        cmd = self.lease_renew_command
+        argv = shlex.split(cmd) if isinstance(cmd, str) else [str(a) for a in cmd or ()]
+        env = {**os.environ, "CEDANA_CHECKPOINT_ID": cid, "CEDANA_RESTORE_GAP_SECONDS": f"{gap:.0f}"}
+        try:
+            r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            self.log.warning("cedana: lease_renew_command failed to run: %s", e)
+            return False
+        for line in (r.stdout + r.stderr).splitlines():
+            self.log.info("cedana: lease_renew_command: %s", line)
+        if r.returncode == 0:
+            self.log.info("cedana: the lease was renewed after a %.0f s gap; restoring", gap)
+            return True
+        self.log.warning("cedana: lease_renew_command exited %d", r.returncode)
+        return False
 
     def _summary(self, cid: str, node: str, result: RunResult, previous: dict[str, Any] | None) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -110,3 +110,8 @@ def test_a_checkpoint_older_than_max_restore_gap_or_the_lease_is_not_restored(tm
     time.sleep(1.2)
     stale = CheckpointedCommandOperator(task_id="c", command="x", max_restore_gap=timedelta(minutes=5), lease=timedelta(seconds=1))
     assert stale._may_resume(store, "rt") is False  # the lease ran out: starting fresh
+    renewed = CheckpointedCommandOperator(task_id="d", command="x", lease=timedelta(seconds=1),
+                                          lease_renew_command=["sh", "-c", 'test "$CEDANA_CHECKPOINT_ID" = rt'])
+    assert renewed._may_resume(store, "rt") is True  # the hook re-checked-out the license
+    refused = CheckpointedCommandOperator(task_id="e", command="x", lease=timedelta(seconds=1), lease_renew_command="false")
+    assert refused._may_resume(store, "rt") is False
