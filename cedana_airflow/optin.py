@@ -22,6 +22,7 @@ TOML, or YAML when PyYAML is installed (Airflow brings it)::
     min_expected_seconds = 600               # tasks declared shorter re-run instead (expected_duration)
     job_server_queues = ["emr"]              # job_server tasks only on these queues
     gpu_needs_nvidia = true                  # gpu tasks only where an NVIDIA driver is present
+    require_dag_opt_in = false               # true: only DAGs tagged cedana:opt-in (tag rules checked at parse)
 
     [[policies]]                             # trigger + filter + action, applied after the scope defaults
     name = "big-memory"
@@ -139,6 +140,8 @@ class Rules(BaseModel):
     min_expected_seconds: float = Field(default=0, ge=0, description="Tasks declared shorter than this re-run instead.")
     job_server_queues: tuple[str, ...] = Field(default=(), description="Queues where job_server tasks may be in scope.")
     gpu_needs_nvidia: bool = Field(default=True, description="GPU tasks only where an NVIDIA driver can hold GPU state.")
+    require_dag_opt_in: bool = Field(default=False, description="Only DAGs tagged cedana:opt-in (whose tag rules "
+                                     "the cluster policy has checked) may be in scope.")
 
 
 class OptInList(BaseModel):
@@ -257,6 +260,11 @@ def _workload(s: WorkloadScope | None, w: Where) -> tuple[bool, str]:
 def _rules(r: Rules, w: Where) -> list[tuple[bool, str]]:
     """Only the rules that concern this task are reported."""
     out = []
+    if r.require_dag_opt_in:
+        tagged = "cedana:opt-in" in w.tags
+        out.append((tagged, "rule dag-opt-in: " + ("the DAG is tagged cedana:opt-in" if tagged else
+                    "the DAG is not tagged cedana:opt-in, and require_dag_opt_in is set; its author has not "
+                    "declared its effects")))
     if w.expected_seconds is not None and w.expected_seconds < r.min_expected_seconds:
         out.append((False, f"rule short-task: expected {w.expected_seconds:.0f} s is below min_expected_seconds "
                            f"{r.min_expected_seconds:.0f} s; a retry re-runs it instead"))

@@ -207,3 +207,14 @@ def test_a_kubernetes_node_with_the_default_label_is_admitted_and_labels_come_fr
     assert not decide(load_optin(p), Where("d", "t", "ip-10-0-3-7", {}, "q")).in_scope  # no labels: hostnames only
     with pytest.raises(ConfigError, match="node label 'zone' is not KEY=VALUE"):
         parse_labels("zone")
+
+
+def test_require_dag_opt_in_admits_only_dags_whose_author_declared_them(tmp_path):
+    p = tmp_path / "optin.toml"
+    p.write_text('[node]\nhostnames = ["*"]\n[queue]\nqueues = ["*"]\n[workload]\ndags = ["*"]\n'
+                 '[rules]\nrequire_dag_opt_in = true\n')
+    optin = load_optin(p)
+    tagged = decide(optin, Where("d", "t", "n", {}, "q", tags=("cedana:opt-in", "cedana:effects=none")))
+    assert tagged.in_scope and "rule dag-opt-in: the DAG is tagged cedana:opt-in" in tagged.reasons
+    untagged = decide(optin, Where("d", "t", "n", {}, "q"))
+    assert not untagged.in_scope and any("not tagged cedana:opt-in" in r for r in untagged.reasons)
