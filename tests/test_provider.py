@@ -40,7 +40,7 @@ def test_provider_info_declares_every_core_setting_it_names():
     from cedana_airflow.config import Settings
 
     options = get_provider_info()["config"]["cedana"]["options"]
-    assert set(options) - {"aws_conn_id", "same_node_retry"} <= set(Settings.model_fields)
+    assert set(options) - {"aws_conn_id", "same_node_retry", "k8s_route", "k8s_runtime_class"} <= set(Settings.model_fields)
 
 
 def test_cedana_section_sits_between_the_environment_and_operator_arguments(monkeypatch, tmp_path):

@@ -34,7 +34,10 @@ CONFIG_OPTIONS: tuple[tuple[str, str, str | None, str], ...] = (
     ("s3_parallelism", "integer", None, "S3 requests in flight per transfer (default 16)."),
     ("same_node_retry", "string", "allow", "A retry on the node where the previous try failed: 'allow' (log it) or "
      "'fail' (fail fast so the next retry is placed elsewhere)."),
-    ("optin_file", "string", None, "The opt-in list (YAML or TOML); read by the opt-in issue's cluster policy."),
+    ("optin_file", "string", None, "The opt-in list (TOML, or YAML): what may be checkpointed. Unset: nothing."),
+    ("k8s_route", "string", "cedana", "CedanaKubernetesPodOperator: 'cedana' (runtime class on a Cedana cluster) or "
+     "'wrap' (our CLI wrapped around the container's command)."),
+    ("k8s_runtime_class", "string", "cedana", "The runtime class of the 'cedana' route."),
 )
 
 

@@ -18,7 +18,7 @@ from ..errors import ConfigError
 __all__ = ["TaskOptions", "task_settings"]
 
 #: [cedana] options that are not core settings.
-_AIRFLOW_ONLY = {"aws_conn_id", "same_node_retry"}
+_AIRFLOW_ONLY = {"aws_conn_id", "same_node_retry", "k8s_route", "k8s_runtime_class"}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,118 @@
+"""CedanaKubernetesPodOperator: a KubernetesPodOperator that asks for checkpointing with one line.
+
+Pods go to opted-in nodes; a retry's pod avoids the node where the previous try ran (recorded by the
+pod-starting callback in the task state store) and is always a new pod, never a reattach to the
+failed one. Which route (a Cedana cluster, or our CLI wrapped around the command) is configuration:
+``[cedana] k8s_route``. The pod spec itself is built by cedana_airflow.provider.kube.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from airflow.configuration import conf
+from airflow.providers.cncf.kubernetes.callbacks import KubernetesPodOperatorCallback
+from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+from airflow.sdk.exceptions import AirflowFailException
+from kubernetes.client import models as k8s
+
+from cedana_airflow.errors import ConfigError
+from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
+from cedana_airflow.optin import DEFAULT_NODE_LABEL, Where, decide, load_optin
+from cedana_airflow.provider.config import task_settings
+from cedana_airflow.provider.kube import Route, apply_route, uses_gpu
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+__all__ = ["CedanaKubernetesPodOperator", "NODES_KEY"]
+
+#: Key in ``context["task_state_store"]``: the node each try's pod started on.
+NODES_KEY = "cedana_k8s_nodes"
+
+
+class _RecordNode(KubernetesPodOperatorCallback):
+    """Remember where each try's pod runs, so the next try's pod can avoid that node."""
+
+    @staticmethod
+    def on_pod_starting(*, pod: k8s.V1Pod, operator: Any, context: Any, **kwargs: Any) -> None:
+        node = getattr(pod.spec, "node_name", None)
+        state = context.get("task_state_store") if context else None
+        if not node or state is None:
+            return
+        try:
+            nodes = list(state.get(NODES_KEY) or [])
+            nodes.append({"try_number": context["ti"].try_number, "node": node})
+            state.set(NODES_KEY, nodes[-20:])
+        except Exception as e:  # bookkeeping never fails the pod
+            operator.log.warning("cedana: could not record the pod's node: %s", e)
+
+
+class CedanaKubernetesPodOperator(KubernetesPodOperator):
+    """``KubernetesPodOperator`` plus checkpointing: everything it takes, and
+
+    :param checkpoint_id: templated; default derived from dag_id, task_id, map_index and run_id.
+    :param heartbeat: time between checkpoints (default [cedana] heartbeat_seconds, else 10 minutes).
+    :param route: ``cedana`` or ``wrap`` (default [cedana] k8s_route, else ``cedana``).
+    :param store_secret: wrap route: a Secret whose keys become the container's environment (the
+        store's credentials, e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL).
+    """
+
+    template_fields: Sequence[str] = (*KubernetesPodOperator.template_fields, "checkpoint_id")
+
+    def __init__(self, *, checkpoint_id: str | None = None, heartbeat: timedelta | None = None,
+                 route: str | None = None, store_secret: str | None = None, **kwargs: Any) -> None:
+        callbacks = kwargs.pop("callbacks", None) or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        kwargs["durable"] = False  # a retry gets a new pod on another node, never the failed one
+        super().__init__(callbacks=[*callbacks, _RecordNode], **kwargs)
+        self.checkpoint_id, self.heartbeat, self.store_secret = checkpoint_id, heartbeat, store_secret
+        self.route = route or conf.get("cedana", "k8s_route", fallback="cedana") or "cedana"
+        if self.route not in ("cedana", "wrap"):
+            raise ValueError(f"{self.task_id}: route {self.route!r} is unknown; use 'cedana' or 'wrap'.")
+
+    def build_pod_request_obj(self, context: Context | None = None, *, dry_run: bool = False) -> k8s.V1Pod:
+        pod = super().build_pod_request_obj(context, dry_run=dry_run)
+        if context is None:
+            return pod
+        try:
+            return self._checkpointed(pod, context)
+        except ConfigError as e:
+            raise AirflowFailException(f"cedana: {e}") from None
+
+    def _checkpointed(self, pod: k8s.V1Pod, context: Context) -> k8s.V1Pod:
+        ti = context["ti"]
+        overrides = {"heartbeat_seconds": self.heartbeat.total_seconds()} if self.heartbeat else {}
+        settings, _ = task_settings(overrides)
+        optin = load_optin(settings.optin_file)
+        label = next(iter(optin.node.labels.items()), DEFAULT_NODE_LABEL) if optin.node else DEFAULT_NODE_LABEL
+        # The pod's node is chosen by the scheduler after this, so the node scope is met by pinning the
+        # pod to labelled nodes; the queue and workload scopes are judged here.
+        where = Where(ti.dag_id, ti.task_id, f"(a node labelled {label[0]}={label[1]})", dict([label]),
+                      self.queue, self.pool or "")
+        decision = decide(optin, where)
+        for line in decision.explain().splitlines():
+            self.log.info("cedana: %s", line.strip())
+        if not decision.in_scope:
+            if uses_gpu(pod):
+                self.log.warning("cedana: this pod asks for a GPU but is out of scope: it runs unprotected")
+            return pod
+        settings, _ = task_settings(overrides, decision.defaults)
+        cid = (validate_checkpoint_id(self.checkpoint_id) if self.checkpoint_id
+               else derive_checkpoint_id(ti.dag_id, ti.task_id, context["run_id"], map_index=ti.map_index))
+        state = context.get("task_state_store")
+        try:
+            earlier = [n["node"] for n in (state.get(NODES_KEY) or []) if n.get("try_number") != ti.try_number] if state else []
+        except Exception as e:
+            self.log.warning("cedana: could not read earlier tries' nodes: %s", e)
+            earlier = []
+        if earlier:
+            self.log.info("cedana: this retry's pod avoids node(s) %s, where earlier tries ran", ", ".join(earlier))
+        route = Route(kind=self.route, checkpoint_id=cid,  # type: ignore[arg-type]
+                      heartbeat_seconds=int(settings.heartbeat_seconds or 600), node_label=label,
+                      avoid_nodes=tuple(dict.fromkeys(earlier)),
+                      runtime_class=conf.get("cedana", "k8s_runtime_class", fallback="cedana") or "cedana",
+                      store=settings.store, store_secret=self.store_secret or "", try_number=ti.try_number)
+        return apply_route(pod, route)

@@ -1,0 +1,112 @@
+"""The Kubernetes route as pod specs: there is no Kubernetes API server here, so these are spec tests.
+The pod comes from the operator's own build_pod_request_obj(dry_run=True) and is checked field by field,
+then round-tripped through the installed kubernetes client's OpenAPI models."""
+
+from __future__ import annotations
+
+import types
+from datetime import timedelta
+
+import pytest
+
+pytest.importorskip("airflow.providers.cncf.kubernetes")
+from kubernetes.client import ApiClient  # noqa: E402
+from kubernetes.client import models as k8s  # noqa: E402
+
+from cedana_airflow.operators import CedanaKubernetesPodOperator  # noqa: E402
+from cedana_airflow.provider.kube import HEARTBEAT_LABEL  # noqa: E402
+
+OPTIN = '[node]\nlabels = { "cedana.ai/enabled" = "true" }\n[queue]\nqueues = ["*"]\n[workload]\ndags = ["*"]\n'
+
+
+class _StateStore(dict):
+    """Stands in for context["task_state_store"] (the real one talks to the API server of a running task)."""
+
+    def set(self, key, value):
+        self[key] = value
+
+
+def _context(try_number=1, state=None):
+    ti = types.SimpleNamespace(dag_id="train_llm", task_id="finetune", try_number=try_number, map_index=-1)
+    return {"ti": ti, "dag": types.SimpleNamespace(dag_id="train_llm"), "run_id": "scheduled__2026-11-29T00:00:00+00:00",
+            "task_state_store": state or _StateStore()}
+
+
+@pytest.fixture
+def optin(tmp_path, monkeypatch):
+    p = tmp_path / "optin.toml"
+    p.write_text(OPTIN)
+    monkeypatch.setenv("AIRFLOW__CEDANA__OPTIN_FILE", str(p))
+    monkeypatch.setenv("AIRFLOW__CEDANA__STORE", "s3://ckpt/airflow")
+    return p
+
+
+def _op(**kw):
+    kw.setdefault("cmds", ["python", "train.py"])
+    kw.setdefault("arguments", ["--epochs", "3"])
+    return CedanaKubernetesPodOperator(task_id="finetune", name="finetune", namespace="ml", image="ml/train:1",
+                                       container_resources=k8s.V1ResourceRequirements(limits={"nvidia.com/gpu": "1"}),
+                                       heartbeat=timedelta(minutes=5), **kw)
+
+
+def _roundtrip(pod):
+    api = ApiClient()
+    data = api.sanitize_for_serialization(pod)
+    again = api._ApiClient__deserialize(data, "V1Pod")  # every model validates its required fields
+    assert api.sanitize_for_serialization(again) == data
+    return data
+
+
+def _node_terms(pod):
+    return pod.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms
+
+
+def test_spec_cedana_route_runtime_class_env_label_and_affinity(optin):
+    pod = _op().build_pod_request_obj(_context(), dry_run=True)
+    _roundtrip(pod)
+    assert pod.spec.runtime_class_name == "cedana"
+    env = {e.name: e.value for e in pod.spec.containers[0].env}
+    assert env["CEDANA_CHECKPOINT"].startswith("train_llm.finetune.scheduled__2026-11-29T00_00_00+00_00-")
+    assert pod.metadata.labels[HEARTBEAT_LABEL] == "300"
+    [term] = _node_terms(pod)
+    assert [(e.key, e.operator, e.values) for e in term.match_expressions] == [("cedana.ai/enabled", "In", ["true"])]
+    assert pod.spec.containers[0].command == ["python", "train.py"]  # untouched on a Cedana cluster
+
+
+def test_spec_a_retry_avoids_the_node_of_the_previous_try_and_never_reattaches(optin):
+    op = _op()
+    assert op.reattach_on_restart is False
+    state = _StateStore({"cedana_k8s_nodes": [{"try_number": 1, "node": "gpu-node-7"}]})
+    pod = op.build_pod_request_obj(_context(try_number=2, state=state), dry_run=True)
+    [term] = _node_terms(pod)
+    assert ("kubernetes.io/hostname", "NotIn", ["gpu-node-7"]) in [(e.key, e.operator, e.values) for e in term.match_expressions]
+    # the pod-starting callback records where this try's pod runs
+    started = k8s.V1Pod(spec=k8s.V1PodSpec(containers=[], node_name="gpu-node-9"))
+    [cb for cb in op.callbacks if cb.__name__ == "_RecordNode"][0].on_pod_starting(
+        pod=started, client=None, mode="sync", operator=op, context=_context(try_number=2, state=state))
+    assert state["cedana_k8s_nodes"][-1] == {"try_number": 2, "node": "gpu-node-9"}
+
+
+def test_spec_wrap_route_wraps_the_command_with_the_cli_and_secret_credentials(optin):
+    pod = _op(route="wrap", store_secret="ckpt-s3").build_pod_request_obj(_context(try_number=3), dry_run=True)
+    data = _roundtrip(pod)
+    main = pod.spec.containers[0]
+    assert main.command[:4] == ["cedana-airflow", "run", "--resume", "--id"]
+    assert main.command[main.command.index("--") + 1:] == ["python", "train.py", "--epochs", "3"]
+    assert main.command[main.command.index("--try-number") + 1] == "3" and not main.args
+    env = {e.name: e for e in main.env}
+    assert env["CEDANA_STORE"].value == "s3://ckpt/airflow"
+    assert env["CEDANA_NODE"].value_from.field_ref.field_path == "spec.nodeName"
+    assert [s.secret_ref.name for s in main.env_from] == ["ckpt-s3"]
+    assert main.security_context.privileged is True and pod.spec.runtime_class_name is None
+    assert "AWS_SECRET_ACCESS_KEY" not in str(data)  # credentials only by reference
+
+
+def test_spec_out_of_scope_pods_are_left_alone_and_a_gpu_pod_says_it_runs_unprotected(tmp_path, monkeypatch, caplog):
+    p = tmp_path / "optin.toml"
+    p.write_text(OPTIN.replace('queues = ["*"]', 'queues = ["gpu"]'))
+    monkeypatch.setenv("AIRFLOW__CEDANA__OPTIN_FILE", str(p))
+    op = _op()
+    plain = op.build_pod_request_obj(_context(), dry_run=True)
+    assert plain.spec.runtime_class_name is None and HEARTBEAT_LABEL not in (plain.metadata.labels or {})
+    assert not any(e.name == "CEDANA_CHECKPOINT" for e in plain.spec.containers[0].env or [])
