@@ -46,7 +46,7 @@ def _op(**kw):
     kw.setdefault("arguments", ["--epochs", "3"])
     return CedanaKubernetesPodOperator(task_id="finetune", name="finetune", namespace="ml", image="ml/train:1",
                                        container_resources=k8s.V1ResourceRequirements(limits={"nvidia.com/gpu": "1"}),
-                                       heartbeat=timedelta(minutes=5), **kw)
+                                       **{"heartbeat": timedelta(minutes=5), **kw})
 
 
 def _roundtrip(pod):
@@ -110,3 +110,58 @@ def test_spec_out_of_scope_pods_are_left_alone_and_a_gpu_pod_says_it_runs_unprot
     plain = op.build_pod_request_obj(_context(), dry_run=True)
     assert plain.spec.runtime_class_name is None and HEARTBEAT_LABEL not in (plain.metadata.labels or {})
     assert not any(e.name == "CEDANA_CHECKPOINT" for e in plain.spec.containers[0].env or [])
+
+
+@pytest.mark.integration
+def test_wrap_route_end_to_end_the_pods_command_checkpoints_to_s3_and_the_retry_pod_resumes(tmp_path, optin, bucket, s3_env, monkeypatch):
+    """No cluster: the exact container command lines the operator generates run here, as the two pods would."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    import boto3
+
+    from conftest import TRAIN, kill_node, uninterrupted_digest
+
+    monkeypatch.setenv("AIRFLOW__CEDANA__STORE", f"s3://{bucket}/k8s")
+    args = ["--mb", "60", "--steps", "60", "--step-seconds", "0.1"]
+    op = _op(route="wrap", store_secret="ckpt-s3", cmds=[sys.executable, str(TRAIN)], arguments=args,
+             heartbeat=timedelta(seconds=1))
+    state = _StateStore()
+
+    def container(pod, node: str, work: str) -> tuple[list[str], dict[str, str]]:
+        main = pod.spec.containers[0]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("CEDANA_", "AIRFLOW"))}
+        env.update({e.name: e.value for e in main.env if e.value is not None})
+        env.update(CEDANA_NODE=node, CEDANA_WORK_DIR=str(tmp_path / work), PYTHONUNBUFFERED="1", **s3_env)  # downward API + Secret
+        return list(main.command), env
+
+    first = op.build_pod_request_obj(_context(try_number=1, state=state), dry_run=True)
+    cmd, env = container(first, "node-a", "work-a")
+    assert cmd[0] == "cedana-airflow"
+    cmd[0] = shutil.which("cedana-airflow", path=os.path.dirname(sys.executable))  # the image's PATH
+    out = open(tmp_path / "a.err", "wb")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=out)
+    s3 = boto3.client("s3")
+    deadline = time.monotonic() + 120
+    while not (keys := [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="k8s/train_llm.").get("Contents", [])
+                        if o["Key"].endswith("manifest.json")]):
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "a.err").read_text()
+        time.sleep(0.2)
+    manifest = json.loads(s3.get_object(Bucket=bucket, Key=sorted(keys)[0])["Body"].read())
+    kill_node(proc, manifest["process"]["pid"])  # the node goes away with the pod
+    state.set("cedana_k8s_nodes", [{"try_number": 1, "node": "node-a"}])  # what on_pod_starting recorded
+
+    retry = op.build_pod_request_obj(_context(try_number=2, state=state), dry_run=True)
+    [term] = _node_terms(retry)
+    assert ("kubernetes.io/hostname", "NotIn", ["node-a"]) in [(e.key, e.operator, e.values) for e in term.match_expressions]
+    cmd, env = container(retry, "node-b", "work-b")
+    cmd[0] = shutil.which("cedana-airflow", path=os.path.dirname(sys.executable))
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "restored checkpoint_id=train_llm.finetune." in r.stderr and "from_node=node-a node=node-b" in r.stderr
+    assert not any(line.startswith("start-up") for line in r.stdout.splitlines())
+    assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
