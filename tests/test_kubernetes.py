@@ -165,3 +165,32 @@ def test_wrap_route_end_to_end_the_pods_command_checkpoints_to_s3_and_the_retry_
     assert "restored checkpoint_id=train_llm.finetune." in r.stderr and "from_node=node-a node=node-b" in r.stderr
     assert not any(line.startswith("start-up") for line in r.stdout.splitlines())
     assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
+
+
+def test_spec_pod_mutation_hook_routes_kubernetes_executor_pods_on_the_list(optin, tmp_path, monkeypatch):
+    from cedana_airflow.provider.policy import pod_mutation_hook
+
+    def worker_pod(dag_id: str) -> k8s.V1Pod:  # as the KubernetesExecutor builds one
+        return k8s.V1Pod(
+            metadata=k8s.V1ObjectMeta(name="w", labels={"airflow-worker": "1"},
+                                      annotations={"dag_id": dag_id, "task_id": "fit", "run_id": "manual__1", "try_number": "1"}),
+            spec=k8s.V1PodSpec(containers=[k8s.V1Container(name="base", image="airflow:3.3",
+                                                           args=["airflow", "tasks", "run", "..."])]))
+
+    pod = worker_pod("train_llm")
+    pod_mutation_hook(pod)
+    _roundtrip(pod)
+    assert pod.spec.runtime_class_name == "cedana" and pod.metadata.labels[HEARTBEAT_LABEL] == "600"
+    assert {e.name: e.value for e in pod.spec.containers[0].env}["CEDANA_CHECKPOINT"].startswith("train_llm.fit.manual__1-")
+    assert pod.spec.containers[0].args == ["airflow", "tasks", "run", "..."]
+
+    p = tmp_path / "narrow.toml"
+    p.write_text(OPTIN.replace('dags = ["*"]', 'dags = ["train_*"]'))
+    monkeypatch.setenv("AIRFLOW__CEDANA__OPTIN_FILE", str(p))
+    other = worker_pod("etl_daily")
+    pod_mutation_hook(other)
+    assert other.spec.runtime_class_name is None and HEARTBEAT_LABEL not in other.metadata.labels  # not on the list
+    kpo = _op().build_pod_request_obj(_context(), dry_run=True)
+    before = ApiClient().sanitize_for_serialization(kpo)
+    pod_mutation_hook(kpo)
+    assert ApiClient().sanitize_for_serialization(kpo) == before  # a pod that took its route already is left alone

@@ -25,7 +25,8 @@ from kubernetes.client import models as k8s
 
 from ..ids import validate_checkpoint_id
 
-__all__ = ["HEARTBEAT_LABEL", "CHECKPOINT_ENV", "NOT_READY_TAINT", "Route", "apply_route", "uses_gpu"]
+__all__ = ["HEARTBEAT_LABEL", "CHECKPOINT_ENV", "NOT_READY_TAINT", "Route", "apply_route", "kubernetes_executor_route",
+           "uses_gpu"]
 
 HEARTBEAT_LABEL = "cedana.ai/heartbeat-checkpoint"
 CHECKPOINT_ENV = "CEDANA_CHECKPOINT"
@@ -105,3 +106,32 @@ def apply_route(pod: k8s.V1Pod, route: Route) -> k8s.V1Pod:
     main.security_context = main.security_context or k8s.V1SecurityContext()
     main.security_context.privileged = True  # CRIU: ptrace, namespaces, /proc/sys writes
     return pod
+
+
+def kubernetes_executor_route(pod: k8s.V1Pod, annotations: dict[str, str]) -> k8s.V1Pod | None:
+    """The ``cedana`` route for a KubernetesExecutor worker pod whose task the opt-in list admits, else None.
+
+    Only the ``cedana`` route: wrapping the worker's own command would checkpoint Airflow's task
+    runner along with the workload, and restore a process that talks to the API server of another time.
+    """
+    from airflow.configuration import conf
+
+    from ..ids import derive_checkpoint_id
+    from ..optin import DEFAULT_NODE_LABEL, Where, decide, load_optin
+    from .config import task_settings
+
+    settings, _ = task_settings({})
+    optin = load_optin(settings.optin_file)
+    label = next(iter(optin.node.labels.items()), DEFAULT_NODE_LABEL) if optin.node else DEFAULT_NODE_LABEL
+    where = Where(annotations["dag_id"], annotations["task_id"], f"(a node labelled {label[0]}={label[1]})",
+                  dict([label]), annotations.get("queue") or "kubernetes", annotations.get("pool", ""))
+    decision = decide(optin, where)
+    if not decision.in_scope:
+        return None
+    settings, _ = task_settings({}, decision.defaults)
+    map_index = int(annotations.get("map_index", "-1") or -1)
+    cid = derive_checkpoint_id(annotations["dag_id"], annotations["task_id"], annotations["run_id"], map_index=map_index)
+    route = Route(kind="cedana", checkpoint_id=cid, heartbeat_seconds=int(settings.heartbeat_seconds or 600),
+                  node_label=label, runtime_class=conf.get("cedana", "k8s_runtime_class", fallback="cedana") or "cedana",
+                  try_number=int(annotations.get("try_number", "0") or 0))
+    return apply_route(pod, route)

@@ -15,7 +15,7 @@ from airflow.policies import hookimpl
 from ..errors import ConfigError
 from ..tags import TaskDecl, check_dag, parse_tags
 
-__all__ = ["dag_policy"]
+__all__ = ["dag_policy", "pod_mutation_hook"]
 
 
 def _decl(task: Any) -> TaskDecl:
@@ -36,3 +36,31 @@ def dag_policy(dag: Any) -> None:
     violations = check_dag(dag.dag_id, tags, checkpointed)
     if violations:
         raise AirflowClusterPolicyViolation("cedana: " + " | ".join(str(v) for v in violations))
+
+
+@hookimpl
+def pod_mutation_hook(pod: Any) -> None:
+    """KubernetesExecutor: give a worker pod whose task is on the opt-in list the ``cedana`` route.
+
+    Worker pods carry their task in annotations (dag_id, task_id, run_id, try_number); the same spec
+    as CedanaKubernetesPodOperator's is applied in place. Pods that already took a route, pods of no
+    task, and tasks out of scope are left as they are; a failure here is logged, never raised (it
+    would stop the pod from being created).
+    """
+    import logging
+
+    from .kube import HEARTBEAT_LABEL, kubernetes_executor_route
+
+    meta = getattr(pod, "metadata", None)
+    if meta is None:
+        return
+    annotations = meta.annotations or {}
+    if not {"dag_id", "task_id", "run_id"} <= set(annotations) or HEARTBEAT_LABEL in (meta.labels or {}):
+        return
+    try:
+        routed = kubernetes_executor_route(pod, annotations)
+    except Exception as e:  # noqa: BLE001 - a hook that raises would stop the pod from being created
+        logging.getLogger(__name__).warning("cedana: pod_mutation_hook left the pod as it is: %s", e)
+        return
+    if routed is not None:
+        pod.metadata, pod.spec = routed.metadata, routed.spec
