@@ -19,10 +19,10 @@ from typing import Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..chunking import CHUNKER_NAME
-from ..errors import StoreUnavailable
+from ..errors import CorruptCheckpoint, StoreUnavailable
 from ..ids import RESERVED_NAMES
 
-__all__ = ["Store", "StoreConfig", "StoredObject", "STORE_FORMAT_VERSION", "RESERVED_NAMES", "chunk_key", "manifest_key", "parse_store_config"]
+__all__ = ["RequiredReads", "Store", "StoreConfig", "StoredObject", "STORE_FORMAT_VERSION", "RESERVED_NAMES", "chunk_key", "manifest_key", "parse_store_config"]
 
 STORE_FORMAT_VERSION = 1
 
@@ -64,6 +64,27 @@ class StoredObject:
     key: str
     size: int
     mtime: float  # seconds since the epoch
+
+
+class RequiredReads:
+    """``get_chunk`` and ``get_manifest`` on top of a backend's ``get()``: the same for every backend."""
+
+    url: str
+
+    def get(self, key: str) -> bytes | None:
+        raise NotImplementedError
+
+    def get_chunk(self, digest: str) -> bytes:
+        blob = self.get(chunk_key(digest))
+        if blob is None:
+            raise CorruptCheckpoint(f"chunk {digest} is missing from {self.url}")
+        return blob
+
+    def get_manifest(self, checkpoint_id: str, seq: int) -> bytes:
+        raw = self.get(manifest_key(checkpoint_id, seq))
+        if raw is None:  # removed between listing and reading (retention, gc)
+            raise CorruptCheckpoint(f"manifest {checkpoint_id}/{seq} disappeared from {self.url}")
+        return raw
 
 
 @runtime_checkable

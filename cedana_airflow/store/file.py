@@ -15,13 +15,13 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import CorruptCheckpoint, StoreUnavailable
-from .base import RESERVED_NAMES, StoreConfig, StoredObject, chunk_key, manifest_key, parse_store_config
+from ..errors import StoreUnavailable
+from .base import RESERVED_NAMES, RequiredReads, StoreConfig, StoredObject, chunk_key, manifest_key, parse_store_config
 
 __all__ = ["FileStore"]
 
 
-class FileStore:
+class FileStore(RequiredReads):
     def __init__(self, root: Path) -> None:
         self.root = root
         self.url = f"file://{root}"
@@ -86,20 +86,8 @@ class FileStore:
     def put_chunk(self, digest: str, blob: bytes) -> None:
         self._write_atomic(chunk_key(digest), blob, exclusive=False)
 
-    def get_chunk(self, digest: str) -> bytes:
-        blob = self.get(chunk_key(digest))
-        if blob is None:
-            raise CorruptCheckpoint(f"chunk {digest} is missing from {self.url}")
-        return blob
-
     def put_manifest(self, checkpoint_id: str, seq: int, data: bytes) -> bool:
         return self._write_atomic(manifest_key(checkpoint_id, seq), data, exclusive=True)
-
-    def get_manifest(self, checkpoint_id: str, seq: int) -> bytes:
-        raw = self.get(manifest_key(checkpoint_id, seq))
-        if raw is None:  # removed between listing and reading (retention, gc)
-            raise CorruptCheckpoint(f"manifest {checkpoint_id}/{seq} disappeared from {self.url}")
-        return raw
 
     def list_ids(self) -> list[str]:
         if not self.root.is_dir():

@@ -17,9 +17,9 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import CorruptCheckpoint, StoreUnavailable
+from ..errors import StoreUnavailable
 from ..ids import RESERVED_NAMES
-from .base import StoreConfig, StoredObject, chunk_key, manifest_key, parse_store_config
+from .base import RequiredReads, StoreConfig, StoredObject, chunk_key, manifest_key, parse_store_config
 
 __all__ = ["S3Store", "make_s3_client"]
 
@@ -52,7 +52,7 @@ def make_s3_client(endpoint_url: str = "", addressing_style: str = "auto", paral
     return botocore.session.get_session().create_client("s3", endpoint_url=endpoint_url or None, config=cfg)
 
 
-class S3Store:
+class S3Store(RequiredReads):
     def __init__(self, bucket: str, prefix: str, client: Any, *, sse: str = "", sse_kms_key_id: str = "",
                  parallelism: int = 16) -> None:
         self.bucket = bucket
@@ -169,20 +169,8 @@ class S3Store:
     def put_chunk(self, digest: str, blob: bytes) -> None:
         self._put(chunk_key(digest), blob)
 
-    def get_chunk(self, digest: str) -> bytes:
-        blob = self._get(chunk_key(digest))
-        if blob is None:
-            raise CorruptCheckpoint(f"chunk {digest} is missing from {self.url}")
-        return blob
-
     def put_manifest(self, checkpoint_id: str, seq: int, data: bytes) -> bool:
         return self._put(manifest_key(checkpoint_id, seq), data, create_only=True)
-
-    def get_manifest(self, checkpoint_id: str, seq: int) -> bytes:
-        raw = self._get(manifest_key(checkpoint_id, seq))
-        if raw is None:
-            raise CorruptCheckpoint(f"manifest {checkpoint_id}/{seq} disappeared from {self.url}")
-        return raw
 
     def list_ids(self) -> list[str]:
         return sorted(p.rstrip("/") for p in self._keys("", "/") if p.endswith("/") and p.rstrip("/") not in RESERVED_NAMES)
