@@ -20,9 +20,7 @@ from kubernetes.client import models as k8s
 
 from cedana_airflow.errors import ConfigError
 from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
-from cedana_airflow.optin import DEFAULT_NODE_LABEL, Where, decide, load_optin
-from cedana_airflow.provider.config import task_settings
-from cedana_airflow.provider.kube import Route, apply_route, uses_gpu
+from cedana_airflow.provider.kube import Route, apply_route, pod_scope, uses_gpu
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -85,21 +83,13 @@ class CedanaKubernetesPodOperator(KubernetesPodOperator):
     def _checkpointed(self, pod: k8s.V1Pod, context: Context) -> k8s.V1Pod:
         ti = context["ti"]
         overrides = {"heartbeat_seconds": self.heartbeat.total_seconds()} if self.heartbeat else {}
-        settings, _ = task_settings(overrides)
-        optin = load_optin(settings.optin_file)
-        label = next(iter(optin.node.labels.items()), DEFAULT_NODE_LABEL) if optin.node else DEFAULT_NODE_LABEL
-        # The pod's node is chosen by the scheduler after this, so the node scope is met by pinning the
-        # pod to labelled nodes; the queue and workload scopes are judged here.
-        where = Where(ti.dag_id, ti.task_id, f"(a node labelled {label[0]}={label[1]})", dict([label]),
-                      self.queue, self.pool or "")
-        decision = decide(optin, where)
-        for line in decision.explain().splitlines():
+        scope = pod_scope(ti.dag_id, ti.task_id, self.queue, self.pool or "", overrides)
+        for line in scope.decision.explain().splitlines():
             self.log.info("cedana: %s", line.strip())
-        if not decision.in_scope:
+        if not scope.decision.in_scope:
             if uses_gpu(pod):
                 self.log.warning("cedana: this pod asks for a GPU but is out of scope: it runs unprotected")
             return pod
-        settings, _ = task_settings(overrides, decision.defaults)
         cid = (validate_checkpoint_id(self.checkpoint_id) if self.checkpoint_id
                else derive_checkpoint_id(ti.dag_id, ti.task_id, context["run_id"], map_index=ti.map_index))
         state = context.get("task_state_store")
@@ -111,8 +101,7 @@ class CedanaKubernetesPodOperator(KubernetesPodOperator):
         if earlier:
             self.log.info("cedana: this retry's pod avoids node(s) %s, where earlier tries ran", ", ".join(earlier))
         route = Route(kind=self.route, checkpoint_id=cid,  # type: ignore[arg-type]
-                      heartbeat_seconds=int(settings.heartbeat_seconds or 600), node_label=label,
-                      avoid_nodes=tuple(dict.fromkeys(earlier)),
-                      runtime_class=conf.get("cedana", "k8s_runtime_class", fallback="cedana") or "cedana",
-                      store=settings.store, store_secret=self.store_secret or "", try_number=ti.try_number)
+                      heartbeat_seconds=int(scope.settings.heartbeat_seconds or 600), node_label=scope.node_label,
+                      avoid_nodes=tuple(dict.fromkeys(earlier)), runtime_class=scope.runtime_class,
+                      store=scope.settings.store, store_secret=self.store_secret or "", try_number=ti.try_number)
         return apply_route(pod, route)

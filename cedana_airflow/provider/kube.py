@@ -17,16 +17,18 @@ retry, keep it off the node where the previous try ran.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from kubernetes.client import models as k8s
 
+from ..config import Settings
 from ..ids import validate_checkpoint_id
+from ..optin import Decision
 
-__all__ = ["HEARTBEAT_LABEL", "CHECKPOINT_ENV", "NOT_READY_TAINT", "Route", "apply_route", "kubernetes_executor_route",
-           "uses_gpu"]
+__all__ = ["HEARTBEAT_LABEL", "CHECKPOINT_ENV", "NOT_READY_TAINT", "PodScope", "Route", "apply_route",
+           "kubernetes_executor_route", "pod_scope", "uses_gpu"]
 
 HEARTBEAT_LABEL = "cedana.ai/heartbeat-checkpoint"
 CHECKPOINT_ENV = "CEDANA_CHECKPOINT"
@@ -108,30 +110,50 @@ def apply_route(pod: k8s.V1Pod, route: Route) -> k8s.V1Pod:
     return pod
 
 
+@dataclass(frozen=True)
+class PodScope:
+    """The opt-in list's answer for a task's pod, and what follows from it."""
+
+    decision: Decision
+    settings: Settings  # with the list's defaults when in scope
+    node_label: tuple[str, str]
+    runtime_class: str
+
+
+def pod_scope(dag_id: str, task_id: str, queue: str, pool: str, overrides: Mapping[str, Any]) -> PodScope:
+    """Judge a pod's task against the opt-in list. The scheduler picks the pod's node later, so the node
+    scope is met by pinning the pod to the list's node label; queue and workload are judged here."""
+    from airflow.configuration import conf
+
+    from ..optin import DEFAULT_NODE_LABEL, Where, decide, load_optin
+    from .config import task_settings
+
+    settings, _ = task_settings(overrides)
+    optin = load_optin(settings.optin_file)
+    label = next(iter(optin.node.labels.items()), DEFAULT_NODE_LABEL) if optin.node else DEFAULT_NODE_LABEL
+    where = Where(dag_id, task_id, f"(a node labelled {label[0]}={label[1]})", dict([label]), queue, pool)
+    decision = decide(optin, where)
+    if decision.in_scope:
+        settings, _ = task_settings(overrides, decision.defaults)
+    runtime_class = conf.get("cedana", "k8s_runtime_class", fallback="cedana") or "cedana"
+    return PodScope(decision, settings, label, runtime_class)
+
+
 def kubernetes_executor_route(pod: k8s.V1Pod, annotations: dict[str, str]) -> k8s.V1Pod | None:
     """The ``cedana`` route for a KubernetesExecutor worker pod whose task the opt-in list admits, else None.
 
     Only the ``cedana`` route: wrapping the worker's own command would checkpoint Airflow's task
     runner along with the workload, and restore a process that talks to the API server of another time.
     """
-    from airflow.configuration import conf
-
     from ..ids import derive_checkpoint_id
-    from ..optin import DEFAULT_NODE_LABEL, Where, decide, load_optin
-    from .config import task_settings
 
-    settings, _ = task_settings({})
-    optin = load_optin(settings.optin_file)
-    label = next(iter(optin.node.labels.items()), DEFAULT_NODE_LABEL) if optin.node else DEFAULT_NODE_LABEL
-    where = Where(annotations["dag_id"], annotations["task_id"], f"(a node labelled {label[0]}={label[1]})",
-                  dict([label]), annotations.get("queue") or "kubernetes", annotations.get("pool", ""))
-    decision = decide(optin, where)
-    if not decision.in_scope:
+    scope = pod_scope(annotations["dag_id"], annotations["task_id"], annotations.get("queue") or "kubernetes",
+                      annotations.get("pool", ""), {})
+    if not scope.decision.in_scope:
         return None
-    settings, _ = task_settings({}, decision.defaults)
     map_index = int(annotations.get("map_index", "-1") or -1)
     cid = derive_checkpoint_id(annotations["dag_id"], annotations["task_id"], annotations["run_id"], map_index=map_index)
-    route = Route(kind="cedana", checkpoint_id=cid, heartbeat_seconds=int(settings.heartbeat_seconds or 600),
-                  node_label=label, runtime_class=conf.get("cedana", "k8s_runtime_class", fallback="cedana") or "cedana",
+    route = Route(kind="cedana", checkpoint_id=cid, heartbeat_seconds=int(scope.settings.heartbeat_seconds or 600),
+                  node_label=scope.node_label, runtime_class=scope.runtime_class,
                   try_number=int(annotations.get("try_number", "0") or 0))
     return apply_route(pod, route)
