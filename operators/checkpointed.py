@@ -234,9 +234,14 @@ class CheckpointedCommandOperator(BaseOperator):
         sink = LogSink(self.log, "stdout")
         proc = subprocess.Popen(argv, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-        assert proc.stdout is not None
-        pump = threading.Thread(target=lambda: [sink.write(b) for b in iter(lambda: proc.stdout.read1(1 << 16), b"")],
-                                daemon=True)
+        out = proc.stdout
+        assert out is not None
+
+        def copy() -> None:
+            for data in iter(lambda: out.read1(1 << 16), b""):
+                sink.write(data)
+
+        pump = threading.Thread(target=copy, daemon=True)
         pump.start()
         while proc.poll() is None:
             if self._stop.wait(0.1):
