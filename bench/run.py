@@ -471,6 +471,31 @@ def bench_store_and_restore(engine: TimedEngine, mb: int, reps: int, work: Path,
     return store_res, restore_res
 
 
+class Timed:
+    """Wraps a module-level function of cedana_airflow.checkpointer (in a ``with``) and records how long each call took."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.seconds: list[float] = []
+        self._real: Callable[..., Any] = getattr(checkpointer_mod, name)
+
+    def __enter__(self) -> Timed:
+        real = self._real
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.monotonic()
+            try:
+                return real(*a, **kw)
+            finally:
+                self.seconds.append(time.monotonic() - t0)
+
+        setattr(checkpointer_mod, self.name, timed)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        setattr(checkpointer_mod, self.name, self._real)
+
+
 def bench_restore(engine: TimedEngine, store: Any, cfg: Any, cid: str, node: str, plain: Path,
                   final: Manifest, reps: int, work: Path, step_seconds: float,
                   warm_bytes: int | None = None) -> dict[str, Any]:
@@ -478,17 +503,7 @@ def bench_restore(engine: TimedEngine, store: Any, cfg: Any, cid: str, node: str
     if warm_bytes is None:
         warm_bytes = int(2.5 * final.image_bytes)
     become_subreaper()
-    fetch_seconds: list[float] = []
-    real_fetch = checkpointer_mod.fetch_checkpoint
-
-    def timed_fetch(*a: Any, **kw: Any) -> Any:
-        t0 = time.monotonic()
-        try:
-            return real_fetch(*a, **kw)
-        finally:
-            fetch_seconds.append(time.monotonic() - t0)
-
-    checkpointer_mod.fetch_checkpoint = timed_fetch  # type: ignore[assignment]
+    fetches = Timed("fetch_checkpoint")
     runs: dict[str, list[dict[str, float]]] = {"bare": [], "ours": []}
     live: list[Workload] = []  # restored trees not yet killed (killed on the way out, whatever happens)
 
@@ -524,7 +539,7 @@ def bench_restore(engine: TimedEngine, store: Any, cfg: Any, cid: str, node: str
         rw = work / f"ours-restore-{rep}"
         rw.mkdir()
         c = Checkpointer(engine, store, cfg, cid, node=node, work_dir=rw)
-        n_f, n_r = len(fetch_seconds), len(engine.restore_seconds)
+        n_f, n_r = len(fetches.seconds), len(engine.restore_seconds)
         t0 = time.monotonic()
         restored = c.restore(sink, TailSink())  # type: ignore[arg-type]
         secs = time.monotonic() - t0
@@ -532,7 +547,7 @@ def bench_restore(engine: TimedEngine, store: Any, cfg: Any, cid: str, node: str
         assert restored.manifest.seq == final.seq, (restored.manifest.seq, final.seq)
         check_alive(restored.workload, sink, "Checkpointer.restore")
         kill(restored.workload)
-        fetch = sum(fetch_seconds[n_f:])
+        fetch = sum(fetches.seconds[n_f:])
         criu = sum(engine.restore_seconds[n_r:])
         runs["ours"].append({"seconds": secs, "fetch": fetch, "criu_restore": criu, "other": secs - fetch - criu})
         shutil.rmtree(rw, ignore_errors=True)
@@ -540,18 +555,18 @@ def bench_restore(engine: TimedEngine, store: Any, cfg: Any, cid: str, node: str
     kinds: dict[str, Callable[[int], None]] = {"bare": bare, "ours": ours}
     names = list(kinds)
     try:
-        for rep in range(reps):
-            for name in names[rep % len(names):] + names[: rep % len(names)]:  # rotate who goes first
-                os.sync()  # untimed: no run starts with another's writeback pending
-                warm = prewarm(warm_bytes) if warm_bytes else 0.0  # untimed: see prewarm()
-                kinds[name](rep)
-                r = runs[name][-1]
-                r["prewarm_seconds"] = warm
-                extra = (f" (fetch+verify {r['fetch']:.2f}s, criu restore {r['criu_restore']:.2f}s, "
-                         f"other {r['other']:.2f}s)") if "fetch" in r else ""
-                say(f"  {name:10} rep {rep}: {r['seconds']:.2f}s{extra}")
+        with fetches:
+            for rep in range(reps):
+                for name in names[rep % len(names):] + names[: rep % len(names)]:  # rotate who goes first
+                    os.sync()  # untimed: no run starts with another's writeback pending
+                    warm = prewarm(warm_bytes) if warm_bytes else 0.0  # untimed: see prewarm()
+                    kinds[name](rep)
+                    r = runs[name][-1]
+                    r["prewarm_seconds"] = warm
+                    extra = (f" (fetch+verify {r['fetch']:.2f}s, criu restore {r['criu_restore']:.2f}s, "
+                             f"other {r['other']:.2f}s)") if "fetch" in r else ""
+                    say(f"  {name:10} rep {rep}: {r['seconds']:.2f}s{extra}")
     finally:
-        checkpointer_mod.fetch_checkpoint = real_fetch  # type: ignore[assignment]
         for w in live:
             if w.poll() is None:
                 kill(w)

@@ -43,7 +43,6 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
 import run as base  # bench/run.py (it registers itself under this name when it runs as a script)
-from cedana_airflow import checkpointer as checkpointer_mod
 from cedana_airflow.checkpointer import Checkpointer
 from cedana_airflow.config import Settings, load_settings
 from cedana_airflow.engine.criu import CriuEngine
@@ -228,31 +227,6 @@ def delete_prefix(prefix: str) -> int:
     return n
 
 
-class Timed:
-    """Wraps a module-level function of cedana_airflow.checkpointer and records how long each call took."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.seconds: list[float] = []
-        self._real: Callable[..., Any] = getattr(checkpointer_mod, name)
-
-    def __enter__(self) -> Timed:
-        real = self._real
-
-        def timed(*a: Any, **kw: Any) -> Any:
-            t0 = time.monotonic()
-            try:
-                return real(*a, **kw)
-            finally:
-                self.seconds.append(time.monotonic() - t0)
-
-        setattr(checkpointer_mod, self.name, timed)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        setattr(checkpointer_mod, self.name, self._real)
-
-
 class Warm:
     """run.py's prewarm(), held: touch ``nbytes`` of fresh memory on entry, free it on exit. The
     workload steps every few seconds and a run must start right after a step; memory freed while
@@ -352,7 +326,7 @@ def _take(engine: base.TimedEngine, cp: Checkpointer, w: Workload, out: base.Ste
     if stop_after_dump:
         engine.after_dump = lambda: os.kill(w.pid, signal.SIGSTOP)
     try:
-        with Timed("save_checkpoint") as save:
+        with base.Timed("save_checkpoint") as save:
             t0 = time.monotonic()
             m = cp.checkpoint(w)
             secs = time.monotonic() - t0
@@ -569,7 +543,7 @@ def _restore(engine: base.TimedEngine, final: Manifest, plain: Path, prefix: str
         cpu0 = time.process_time()
         engine.before_restore = held.release  # see the plan below
         try:
-            with Timed("fetch_checkpoint") as fetch:
+            with base.Timed("fetch_checkpoint") as fetch:
                 t0 = time.monotonic()
                 restored = c.restore(sink, base.TailSink())  # type: ignore[arg-type]
                 secs = time.monotonic() - t0
