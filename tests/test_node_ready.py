@@ -64,7 +64,7 @@ def api(monkeypatch):
     server.shutdown()
 
 
-def test_waits_while_the_bootstrap_taint_is_there_and_succeeds_once_it_is_lifted(api):
+def test_recorded_api_waits_while_the_bootstrap_taint_is_there_and_succeeds_once_it_is_lifted(api):
     api.answers += [(200, _list(_node("gpu-1", tainted=True), _node("gpu-2", tainted=False, ready="False"))),
                     (200, _list(_node("gpu-1", tainted=False), _node("gpu-2", tainted=False)))]
     sensor = NodeReadySensor(task_id="nodes", kubernetes_conn_id="k8s_test", min_nodes=2)
@@ -73,13 +73,13 @@ def test_waits_while_the_bootstrap_taint_is_there_and_succeeds_once_it_is_lifted
     assert all("labelSelector=cedana.ai%2Fenabled%3Dtrue" in p for p in api.paths)
 
 
-def test_one_named_node(api):
+def test_recorded_api_one_named_node(api):
     api.answers += [(200, _node("gpu-9", tainted=False))]
     assert NodeReadySensor(task_id="n", node_name="gpu-9", kubernetes_conn_id="k8s_test").poke({}) is True
     assert api.paths == ["/api/v1/nodes/gpu-9"]
 
 
-def test_rbac_denial_is_one_clear_line(api):
+def test_recorded_api_rbac_denial_is_one_clear_line(api):
     api.answers += [(403, FORBIDDEN)]
     with pytest.raises(AirflowFailException, match=r"refused to list nodes \(403, RBAC\) for connection 'k8s_test'. "
                                                    r"Grant its service account get/list on nodes"):
