@@ -47,15 +47,15 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(REPO))
 
-from cedana_airflow import checkpointer as checkpointer_mod  # noqa: E402
-from cedana_airflow.checkpointer import Checkpointer  # noqa: E402
+from cedana_airflow.run import checkpointer as checkpointer_mod  # noqa: E402
+from cedana_airflow.run.checkpointer import Checkpointer  # noqa: E402
 from cedana_airflow.config import DEFAULT_CRIU_PREFIX, Settings  # noqa: E402
 from cedana_airflow.engine.capture import CaptureOnFreeze  # noqa: E402
 from cedana_airflow.engine.criu import CriuEngine, find_criu  # noqa: E402
 from cedana_airflow.engine.images import image_entries, read_dump_stats  # noqa: E402
-from cedana_airflow.manifest import Manifest  # noqa: E402
+from cedana_airflow.format.manifest import Manifest  # noqa: E402
 from cedana_airflow.store import open_store  # noqa: E402
-from cedana_airflow.supervisor import Workload, become_subreaper  # noqa: E402
+from cedana_airflow.run.workload import Workload, become_subreaper  # noqa: E402
 
 # bench/s3.py imports this module as "run"; when it runs as a script, that must be this very module
 sys.modules.setdefault("run", sys.modules[__name__])
@@ -472,7 +472,7 @@ def bench_store_and_restore(engine: TimedEngine, mb: int, reps: int, work: Path,
 
 
 class Timed:
-    """Wraps a module-level function of cedana_airflow.checkpointer (in a ``with``) and records how long each call took."""
+    """Wraps a module-level function of cedana_airflow.run.checkpointer (in a ``with``) and records how long each call took."""
 
     def __init__(self, name: str) -> None:
         self.name = name

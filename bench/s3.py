@@ -43,15 +43,15 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
 import run as base  # bench/run.py (it registers itself under this name when it runs as a script)
-from cedana_airflow.checkpointer import Checkpointer
+from cedana_airflow.run.checkpointer import Checkpointer
 from cedana_airflow.config import Settings, load_settings
 from cedana_airflow.engine.criu import CriuEngine
 from cedana_airflow.ids import derive_checkpoint_id
-from cedana_airflow.index import rebuild_index
-from cedana_airflow.manifest import Manifest, ProcessInfo
+from cedana_airflow.store.index import rebuild_index
+from cedana_airflow.format.manifest import Manifest, ProcessInfo
 from cedana_airflow.store import open_store
 from cedana_airflow.store.base import StoreConfig, manifest_key
-from cedana_airflow.supervisor import Workload, become_subreaper
+from cedana_airflow.run.workload import Workload, become_subreaper
 
 MB = base.MB
 say, med = base.say, base.med

@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 _NAMES = {
     "Settings": "config",
     "load_settings": "config",
-    "Manifest": "manifest",
+    "Manifest": "format.manifest",
     "CedanaError": "errors",
     "ConfigError": "errors",
     "StoreError": "errors",
@@ -24,8 +24,8 @@ _NAMES = {
     "validate_checkpoint_id": "ids",
     "derive_checkpoint_id": "ids",
     "open_store": "store",
-    "run_workload": "runner",
-    "RunResult": "runner",
+    "run_workload": "run.runner",
+    "RunResult": "run.runner",
 }
 
 __all__ = ["__version__", *sorted(_NAMES)]

@@ -91,7 +91,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def _cmd_run(args: argparse.Namespace, restore_only: bool) -> int:
-    from .runner import run_workload
+    from .run.runner import run_workload
 
     command = None
     if not restore_only:
@@ -114,7 +114,7 @@ def _as_json(x: Any) -> dict[str, Any]:
 
 
 def _cmd_checkpoints(args: argparse.Namespace) -> int:
-    from .listing import list_store
+    from .store.listing import list_store
     from .store import open_store
 
     settings = _settings(args)
@@ -140,7 +140,7 @@ def _cmd_checkpoints(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from .gc import DEFAULT_GRACE_SECONDS, collect_garbage
+    from .store.gc import DEFAULT_GRACE_SECONDS, collect_garbage
     from .store import open_store
 
     settings = _settings(args)
@@ -162,13 +162,13 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    from .optin import Where, decide, load_optin, parse_labels
+    from .scope.optin import Where, decide, load_optin, parse_labels
 
     settings = load_settings({"node": args.node, "optin_file": args.optin_file})
     facts: dict[str, Any] = {"queue": "default", "pool": "default_pool", "tags": (), "expected_seconds": None,
                              "job_server": False, "gpu": False}
     if args.dags_folder:
-        from .provider.explain import task_facts  # Airflow only when asked: the core CLI runs without it
+        from .airflow.explain import task_facts  # Airflow only when asked: the core CLI runs without it
 
         facts.update(task_facts(args.dag_id, args.task_id, args.dags_folder))
         if not facts.pop("checkpointed"):
@@ -192,7 +192,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from .doctor import run_checks
+    from .node.doctor import run_checks
 
     checks = run_checks(_settings(args))
     if args.json:

@@ -19,13 +19,13 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from cedana_airflow.errors import CedanaError, CheckpointIdError, ConfigError, GpuUnavailable
-from cedana_airflow.gpu import read_gpus
+from cedana_airflow.node.gpu import read_gpus
 from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
-from cedana_airflow.optin import Decision, Where, decide, load_optin, parse_labels
-from cedana_airflow.provider.config import task_settings
-from cedana_airflow.provider.logsink import LogSink
-from cedana_airflow.provider.store import task_store
-from cedana_airflow.runner import RunResult, run_workload
+from cedana_airflow.scope.optin import Decision, Where, decide, load_optin, parse_labels
+from cedana_airflow.airflow.config import task_settings
+from cedana_airflow.airflow.logsink import LogSink
+from cedana_airflow.airflow.store import task_store
+from cedana_airflow.run.runner import RunResult, run_workload
 from cedana_airflow.store.transfer import load_manifests
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 Pods go to opted-in nodes; a retry's pod avoids the node where the previous try ran (recorded by the
 pod-starting callback in the task state store) and is always a new pod, never a reattach to the
 failed one. Which route (a Cedana cluster, or our CLI wrapped around the command) is configuration:
-``[cedana] k8s_route``. The pod spec itself is built by cedana_airflow.provider.kube.
+``[cedana] k8s_route``. The pod spec itself is built by cedana_airflow.airflow.kube.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kubernetes.client import models as k8s
 
 from cedana_airflow.errors import ConfigError
 from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
-from cedana_airflow.provider.kube import Route, apply_route, pod_scope, uses_gpu
+from cedana_airflow.airflow.kube import Route, apply_route, pod_scope, uses_gpu
 
 if TYPE_CHECKING:
     from airflow.sdk import Context

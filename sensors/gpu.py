@@ -9,7 +9,7 @@ from airflow.sdk import BaseSensorOperator
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from cedana_airflow.errors import GpuUnavailable
-from cedana_airflow.gpu import read_gpus, unmet_conditions
+from cedana_airflow.node.gpu import read_gpus, unmet_conditions
 
 if TYPE_CHECKING:
     from airflow.sdk import Context

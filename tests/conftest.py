@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cedana_airflow.supervisor import become_subreaper
+from cedana_airflow.run.workload import become_subreaper
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "tests" / "workloads" / "train.py"

@@ -2,20 +2,64 @@
 
 from __future__ import annotations
 
+import ast
+import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import cedana_airflow
 
-CORE = ["cedana_airflow", "cedana_airflow.config", "cedana_airflow.errors", "cedana_airflow.ids",
-        "cedana_airflow.manifest", "cedana_airflow.chunking", "cedana_airflow.selection",
-        "cedana_airflow.store", "cedana_airflow.store.transfer", "cedana_airflow.engine",
-        "cedana_airflow.checkpointer", "cedana_airflow.runner", "cedana_airflow.heartbeat",
-        "cedana_airflow.supervisor", "cedana_airflow.doctor", "cedana_airflow.cli",
-        "cedana_airflow.index", "cedana_airflow.listing", "cedana_airflow.optin", "cedana_airflow.tags",
-        "cedana_airflow.gpu"]
+PKG = Path(cedana_airflow.__file__).parent
+#: The Airflow side of the package; everything else is core and must import without Airflow.
+ADAPTERS = ("cedana_airflow.airflow", "cedana_airflow.operators", "cedana_airflow.sensors")
+#: Subpackages from the bottom up: a module may import only from its own layer or one below it.
+LAYERS = [
+    {"cedana_airflow.errors", "cedana_airflow.ids", "cedana_airflow.config"},
+    {"cedana_airflow.format"},
+    {"cedana_airflow.store", "cedana_airflow.engine"},
+    {"cedana_airflow.node"},
+    {"cedana_airflow.run", "cedana_airflow.scope"},
+    {"cedana_airflow.cli", "cedana_airflow.airflow"},
+]
+
+
+def _modules() -> list[str]:
+    """Every module of the package, found by walking it (a new module is covered without listing it)."""
+    return sorted(m.name for m in pkgutil.walk_packages([str(PKG)], "cedana_airflow.")
+                  if not m.name.endswith("__main__"))
+
+
+CORE = ["cedana_airflow", *(m for m in _modules() if not m.startswith(ADAPTERS))]
+
+
+def _unit(module: str) -> str:
+    """The layer unit a module belongs to: its subpackage, or itself for a top-level module."""
+    return ".".join(module.split(".")[:2])
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Absolute names of the cedana_airflow modules ``path`` imports (at any depth of the file)."""
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                name = ".".join([*base, node.module] if node.module else base)
+            else:
+                name = node.module or ""
+            names = [f"{name}.{a.name}" for a in node.names] if name in _package_names() else [name]
+            out.update(n for n in names if n.startswith("cedana_airflow."))
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("cedana_airflow."))
+    return out
+
+
+def _package_names() -> set[str]:
+    return {"cedana_airflow", *(m.name for m in pkgutil.walk_packages([str(PKG)], "cedana_airflow.") if m.ispkg)}
 
 
 def _fresh(code: str) -> subprocess.CompletedProcess[str]:
@@ -82,3 +126,26 @@ def test_operators_and_sensors_ship_inside_the_package():
 
     assert cedana_airflow.operators.__name__ == "cedana_airflow.operators"
     assert cedana_airflow.sensors.__file__.endswith("sensors/__init__.py")
+
+
+def test_the_walk_finds_every_layer_and_the_core_leaves_out_the_adapters():
+    assert {"cedana_airflow.format.manifest", "cedana_airflow.store.transfer", "cedana_airflow.engine.criu",
+            "cedana_airflow.run.runner", "cedana_airflow.scope.optin", "cedana_airflow.node.gpu"} <= set(CORE)
+    assert not [m for m in CORE if m.startswith(ADAPTERS)]
+    units = {_unit(m) for m in _modules()} - {"cedana_airflow.__init__"}
+    assert units <= set().union(*LAYERS), f"a module outside every layer: {units - set().union(*LAYERS)}"
+
+
+def test_imports_point_down_the_layers_only():
+    rank = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+    upward = []
+    for info in pkgutil.walk_packages([str(PKG)], "cedana_airflow."):
+        if info.name.endswith("__main__"):
+            continue
+        rel = Path(*info.name.split(".")[1:])
+        path = PKG / rel / "__init__.py" if info.ispkg else (PKG / rel).with_suffix(".py")
+        me = _unit(info.name)
+        for target in _imports(path, info.name):
+            if rank.get(_unit(target), -1) > rank[me]:
+                upward.append(f"{info.name} imports {target}")
+    assert not upward, "imports that point up a layer:\n" + "\n".join(upward)

@@ -183,7 +183,7 @@ class CriuEngine:
 
         ``inherit`` maps an fd of this process to the CRIU name of the file it replaces
         (``pipe:[1234]``): the restored workload writes into our new pipes. The caller should be a
-        child subreaper (see :mod:`cedana_airflow.supervisor`) so the restored root becomes its child.
+        child subreaper (see :mod:`cedana_airflow.run.workload`) so the restored root becomes its child.
         """
         self._require_root("restoring")
         log_path = image_dir.with_name(image_dir.name + ".restore.log")

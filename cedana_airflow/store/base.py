@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..chunking import CHUNKER_NAME
+from ..format.chunking import CHUNKER_NAME
 from ..errors import CorruptCheckpoint, StoreUnavailable
 from ..ids import RESERVED_NAMES
 

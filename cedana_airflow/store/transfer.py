@@ -21,13 +21,13 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from .. import chunking
+from ..format import chunking
 from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..ids import validate_checkpoint_id
-from ..locks import acquire_writer
-from ..manifest import CapturedFile, ChunkRef, FileEntry, Manifest, ProcessInfo
-from ..progress import Progress
-from ..selection import restore_order
+from .locks import acquire_writer
+from ..format.manifest import CapturedFile, ChunkRef, FileEntry, Manifest, ProcessInfo
+from .progress import Progress
+from ..format.selection import restore_order
 from .base import Store, StoreConfig
 
 __all__ = ["CAPTURED_DIR", "CapturedSource", "CheckpointMeta", "fetch_checkpoint", "load_manifests", "load_manifests_of",

@@ -1,0 +1,159 @@
+"""The Kubernetes route: what a pod needs to be checkpointed, applied to a V1Pod (an Airflow adapter).
+
+Two routes (``[cedana] k8s_route``):
+
+- ``cedana`` (default): a cluster running Cedana. The pod gets the runtime class (``cedana``), the
+  checkpoint ID in ``CEDANA_CHECKPOINT`` so a restore picks the latest checkpoint under it, and the
+  heartbeat label ``cedana.ai/heartbeat-checkpoint: "<seconds>"``.
+- ``wrap``: a cluster without Cedana. The container's command is wrapped by our own CLI
+  (``cedana-airflow run --resume --id ID -- CMD``), the store's credentials come from a Kubernetes
+  secret, and the node name from the downward API; the in-pod engine checkpoints to S3 and a retry's
+  pod restores from it. CRIU needs a privileged container.
+
+Both pin the pod to opted-in nodes (a node label, by default ``cedana.ai/enabled=true``) and, on a
+retry, keep it off the node where the previous try ran.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kubernetes.client import models as k8s
+
+from ..config import Settings
+from ..ids import validate_checkpoint_id
+from ..scope.optin import Decision
+
+__all__ = ["HEARTBEAT_LABEL", "CHECKPOINT_ENV", "NOT_READY_TAINT", "PodScope", "Route", "apply_route",
+           "kubernetes_executor_route", "pod_scope", "uses_gpu"]
+
+HEARTBEAT_LABEL = "cedana.ai/heartbeat-checkpoint"
+CHECKPOINT_ENV = "CEDANA_CHECKPOINT"
+NOT_READY_TAINT = "cedana.ai/not-ready"
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+
+
+@dataclass(frozen=True)
+class Route:
+    kind: Literal["cedana", "wrap"]
+    checkpoint_id: str
+    heartbeat_seconds: int
+    node_label: tuple[str, str] = ("cedana.ai/enabled", "true")
+    avoid_nodes: tuple[str, ...] = ()  # where earlier tries ran
+    runtime_class: str = "cedana"
+    store: str = ""  # wrap: the store URL the in-pod CLI writes to
+    store_secret: str = ""  # wrap: a Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and more), as env
+    try_number: int = 0
+    cli: Sequence[str] = ("cedana-airflow",)
+
+
+def uses_gpu(pod: k8s.V1Pod) -> bool:
+    for c in pod.spec.containers or []:
+        res = c.resources
+        for group in (getattr(res, "limits", None) or {}, getattr(res, "requests", None) or {}):
+            if any(k.startswith("nvidia.com/") for k in group):
+                return True
+    return False
+
+
+def _affinity(pod: k8s.V1Pod, route: Route) -> None:
+    exprs = [k8s.V1NodeSelectorRequirement(key=route.node_label[0], operator="In", values=[route.node_label[1]])]
+    if route.avoid_nodes:
+        exprs.append(k8s.V1NodeSelectorRequirement(key=HOSTNAME_LABEL, operator="NotIn", values=list(route.avoid_nodes)))
+    spec = pod.spec
+    spec.affinity = spec.affinity or k8s.V1Affinity()
+    na = spec.affinity.node_affinity = spec.affinity.node_affinity or k8s.V1NodeAffinity()
+    req = na.required_during_scheduling_ignored_during_execution
+    if req is None or not req.node_selector_terms:
+        na.required_during_scheduling_ignored_during_execution = k8s.V1NodeSelector(
+            node_selector_terms=[k8s.V1NodeSelectorTerm(match_expressions=exprs)])
+    else:  # terms are ORed: our requirements go into each one, so every way in is an opted-in node
+        for term in req.node_selector_terms:
+            term.match_expressions = [*(term.match_expressions or []), *copy.deepcopy(exprs)]
+
+
+def _env(container: k8s.V1Container, name: str, value: str | None = None,
+         source: k8s.V1EnvVarSource | None = None) -> None:
+    container.env = [e for e in (container.env or []) if e.name != name]
+    container.env.append(k8s.V1EnvVar(name=name, value=value, value_from=source))
+
+
+def apply_route(pod: k8s.V1Pod, route: Route) -> k8s.V1Pod:
+    """Return a copy of ``pod`` that takes the route (the first container is the workload)."""
+    validate_checkpoint_id(route.checkpoint_id)
+    pod = copy.deepcopy(pod)
+    pod.metadata.labels = {**(pod.metadata.labels or {}), HEARTBEAT_LABEL: str(route.heartbeat_seconds)}
+    _affinity(pod, route)
+    main = pod.spec.containers[0]
+    _env(main, CHECKPOINT_ENV, route.checkpoint_id)
+    if route.kind == "cedana":
+        pod.spec.runtime_class_name = route.runtime_class
+        return pod
+    # wrap: our CLI supervises the original entrypoint inside the container
+    original = [*(main.command or []), *(main.args or [])]
+    if not original:
+        raise ValueError("the wrap route needs the container's command (cmds/arguments): the image's own "
+                         "entrypoint is unknown here. Set cmds= on the operator.")
+    main.command = [*route.cli, "run", "--resume", "--id", route.checkpoint_id, "--heartbeat",
+                    str(route.heartbeat_seconds), "--try-number", str(route.try_number), "--", *original]
+    main.args = None
+    if route.store:
+        _env(main, "CEDANA_STORE", route.store)
+    _env(main, "CEDANA_NODE", source=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path="spec.nodeName")))
+    if route.store_secret:
+        main.env_from = [*(main.env_from or []), k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=route.store_secret))]
+    main.security_context = main.security_context or k8s.V1SecurityContext()
+    main.security_context.privileged = True  # CRIU: ptrace, namespaces, /proc/sys writes
+    return pod
+
+
+@dataclass(frozen=True)
+class PodScope:
+    """The opt-in list's answer for a task's pod, and what follows from it."""
+
+    decision: Decision
+    settings: Settings  # with the list's defaults when in scope
+    node_label: tuple[str, str]
+    runtime_class: str
+
+
+def pod_scope(dag_id: str, task_id: str, queue: str, pool: str, overrides: Mapping[str, Any]) -> PodScope:
+    """Judge a pod's task against the opt-in list. The scheduler picks the pod's node later, so the node
+    scope is met by pinning the pod to the list's node label; queue and workload are judged here."""
+    from airflow.configuration import conf
+
+    from ..scope.optin import DEFAULT_NODE_LABEL, Where, decide, load_optin
+    from .config import task_settings
+
+    settings, _ = task_settings(overrides)
+    optin = load_optin(settings.optin_file)
+    label = next(iter(optin.node.labels.items()), DEFAULT_NODE_LABEL) if optin.node else DEFAULT_NODE_LABEL
+    where = Where(dag_id, task_id, f"(a node labelled {label[0]}={label[1]})", dict([label]), queue, pool)
+    decision = decide(optin, where)
+    if decision.in_scope:
+        settings, _ = task_settings(overrides, decision.defaults)
+    runtime_class = conf.get("cedana", "k8s_runtime_class", fallback="cedana") or "cedana"
+    return PodScope(decision, settings, label, runtime_class)
+
+
+def kubernetes_executor_route(pod: k8s.V1Pod, annotations: dict[str, str]) -> k8s.V1Pod | None:
+    """The ``cedana`` route for a KubernetesExecutor worker pod whose task the opt-in list admits, else None.
+
+    Only the ``cedana`` route: wrapping the worker's own command would checkpoint Airflow's task
+    runner along with the workload, and restore a process that talks to the API server of another time.
+    """
+    from ..ids import derive_checkpoint_id
+
+    scope = pod_scope(annotations["dag_id"], annotations["task_id"], annotations.get("queue") or "kubernetes",
+                      annotations.get("pool", ""), {})
+    if not scope.decision.in_scope:
+        return None
+    map_index = int(annotations.get("map_index", "-1") or -1)
+    cid = derive_checkpoint_id(annotations["dag_id"], annotations["task_id"], annotations["run_id"], map_index=map_index)
+    route = Route(kind="cedana", checkpoint_id=cid, heartbeat_seconds=int(scope.settings.heartbeat_seconds or 600),
+                  node_label=scope.node_label, runtime_class=scope.runtime_class,
+                  try_number=int(annotations.get("try_number", "0") or 0))
+    return apply_route(pod, route)

@@ -1,0 +1,63 @@
+"""Facts about a live process tree, read from /proc: its PIDs and the files it holds open for writing.
+
+The engine reads them around a dump (which files to capture), the supervisor and the size estimate
+read the tree's PIDs. Read-only, no signals sent: looking never disturbs the workload.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+__all__ = ["tree_pids", "open_for_writing"]
+
+
+def tree_pids(root: int) -> list[int]:
+    """The root and all its descendants (every thread's children), in discovery order."""
+    out: list[int] = []
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+            except FileNotFoundError:
+                pass
+    return out
+
+
+def _flags(fdinfo: str) -> int:
+    for line in fdinfo.splitlines():
+        if line.startswith("flags:"):
+            return int(line.split()[1], 8)
+    return 0
+
+
+def open_for_writing(pids: list[int]) -> dict[str, int]:
+    """{path: mode bits} of regular files some process in ``pids`` has open with O_WRONLY or O_RDWR."""
+    found: dict[str, int] = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except (FileNotFoundError, PermissionError):
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if not target.startswith("/") or target.endswith(" (deleted)"):
+                    continue  # pipes, sockets, anon inodes; deleted files travel inside the CRIU image
+                with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                    if _flags(f.read()) & (os.O_WRONLY | os.O_RDWR) == 0:
+                        continue
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                if stat.S_ISREG(st.st_mode):
+                    found[target] = stat.S_IMODE(st.st_mode)
+            except (FileNotFoundError, PermissionError, ValueError):
+                continue
+    return found

@@ -1,0 +1,128 @@
+"""The manifest: the JSON document that describes one checkpoint and makes it exist.
+
+A checkpoint is complete once its manifest is written (last, atomically). The manifest names every
+chunk by digest, so a restore can verify each byte it uses. See docs/store-format.md for the fields.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timezone
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..ids import validate_checkpoint_id
+
+__all__ = [
+    "MANIFEST_FORMAT_VERSION",
+    "ChunkRef",
+    "FileEntry",
+    "CapturedFile",
+    "ProcessInfo",
+    "Manifest",
+]
+
+MANIFEST_FORMAT_VERSION: Literal[1] = 1
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ChunkRef(_Frozen):
+    """One chunk of a file: its digest (hex BLAKE3 of the raw bytes) and raw length."""
+
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0)
+
+
+def _chunks_add_up(size: int, chunks: tuple[ChunkRef, ...], what: str) -> None:
+    # A file shorter than its size would be zero-filled by the restore: never restore a gap.
+    if sum(c.size for c in chunks) != size:
+        raise ValueError(f"{what}: chunks add up to {sum(c.size for c in chunks)} bytes, not its size {size}")
+
+
+class FileEntry(_Frozen):
+    """One file of the CRIU image set, relative to the image directory."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    size: int = Field(ge=0)
+    chunks: tuple[ChunkRef, ...]
+
+    @model_validator(mode="after")
+    def _complete(self) -> FileEntry:
+        _chunks_add_up(self.size, self.chunks, f"image file {self.name}")
+        return self
+
+
+class CapturedFile(_Frozen):
+    """A regular file the workload held open for writing, copied while the tree was frozen.
+
+    CRIU records each open file's size and refuses a restore when it differs ("bad size"), so the
+    restore writes this content back at ``path`` before calling ``criu restore``.
+    """
+
+    path: str = Field(description="Absolute path on the node that took the checkpoint.")
+    size: int = Field(ge=0)
+    mode: int = Field(ge=0, le=0o777, description="Permission bits only: no setuid/setgid/sticky.")
+    chunks: tuple[ChunkRef, ...]
+
+    @model_validator(mode="after")
+    def _safe(self) -> CapturedFile:
+        if not self.path.startswith("/") or os.path.normpath(self.path) != self.path or "\0" in self.path:
+            raise ValueError(f"captured path {self.path!r} must be absolute and normalised")
+        _chunks_add_up(self.size, self.chunks, f"captured file {self.path}")
+        return self
+
+
+class ProcessInfo(_Frozen):
+    """What was running: enough to explain a checkpoint and to wire a restore."""
+
+    pid: int = Field(description="Host PID of the workload's root (the init of its PID namespace).")
+    command: tuple[str, ...]
+    cwd: str
+    rss_bytes: int = Field(ge=0, default=0)
+    stdout_pipe: str = Field(description="CRIU's name of the stdout pipe, e.g. 'pipe:[1234]', for --inherit-fd.")
+    stderr_pipe: str
+
+
+class Manifest(_Frozen):
+    format_version: Literal[1] = MANIFEST_FORMAT_VERSION
+    checkpoint_id: str
+    seq: int = Field(ge=1, description="1, 2, 3 ... within a checkpoint ID; the newest complete one restores.")
+    try_number: int = Field(ge=0, default=0, description="Which try of the task took it (0 outside Airflow).")
+    node: str
+    created_at: datetime
+    engine: str = "criu"
+    engine_version: str
+    process: ProcessInfo
+    files: tuple[FileEntry, ...]
+    captured: tuple[CapturedFile, ...] = ()
+    image_bytes: int = Field(ge=0, description="Bytes of the CRIU image set plus captured files.")
+    stored_bytes: int = Field(ge=0, description="Bytes this checkpoint added to the store (new chunks only).")
+    new_chunks: int = Field(ge=0, default=0)
+    freeze_seconds: float = Field(ge=0, default=0.0, description="How long the workload was frozen.")
+    parent_seq: int | None = Field(default=None, description="The checkpoint this one was restored from, if any.")
+
+    @field_validator("checkpoint_id")
+    @classmethod
+    def _id(cls, v: str) -> str:
+        return validate_checkpoint_id(v)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> Manifest:
+        names = [f.name for f in self.files]
+        paths = [c.path for c in self.captured]
+        if len(set(names)) != len(names) or len(set(paths)) != len(paths):
+            raise ValueError("manifest lists a file twice")
+        return self
+
+    @field_validator("created_at")
+    @classmethod
+    def _aware(cls, v: datetime) -> datetime:
+        return v if v.tzinfo else v.replace(tzinfo=timezone.utc)
+
+    def chunk_digests(self) -> set[str]:
+        refs = [c for f in self.files for c in f.chunks] + [c for f in self.captured for c in f.chunks]
+        return {c.digest for c in refs}

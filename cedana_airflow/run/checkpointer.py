@@ -1,0 +1,189 @@
+"""Checkpoint and restore one workload under one checkpoint ID: the engine and the store together.
+
+A checkpoint: freeze and dump into the local work directory (capturing open-for-writing files while
+frozen), let the workload run on, then store the images; the upload is off the freeze path.
+A restore: newest complete checkpoint first, each chunk verified; a corrupt one is refused and the
+next older one is tried, saying so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from ..store import index
+from ..engine.criu import CriuEngine
+from .estimate import estimate_checkpoint, too_large
+from ..store.gc import prune_checkpoints
+from ..errors import CorruptCheckpoint, RestoreFailed
+from ..ids import validate_checkpoint_id
+from ..format.manifest import Manifest, ProcessInfo
+from ..store.base import Store, StoreConfig
+from ..store.transfer import CAPTURED_DIR, CapturedSource, CheckpointMeta, fetch_checkpoint, require_latest, save_checkpoint
+from .workload import Workload, become_subreaper
+
+__all__ = ["Checkpointer", "Restored"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Restored:
+    workload: Workload
+    manifest: Manifest
+    skipped: tuple[str, ...]  # why newer checkpoints were refused, newest first
+
+
+class Checkpointer:
+    def __init__(self, engine: CriuEngine, store: Store, store_cfg: StoreConfig, checkpoint_id: str, *,
+                 node: str, work_dir: Path, try_number: int = 0, compression: str = "zstd",
+                 keep_local: bool = False, progress_mode: str = "never", max_checkpoint_bytes: int = 0,
+                 keep_checkpoints: int = 0) -> None:
+        self.engine, self.store, self.store_cfg = engine, store, store_cfg
+        self.checkpoint_id = validate_checkpoint_id(checkpoint_id)
+        self.node, self.work_dir, self.try_number = node, work_dir, try_number
+        self.compression, self.keep_local, self.progress_mode = compression, keep_local, progress_mode
+        self.max_checkpoint_bytes = max_checkpoint_bytes
+        self.keep_checkpoints = keep_checkpoints  # 0: keep all
+        self.skipped = 0  # heartbeats skipped as too large
+        self._lock = threading.Lock()
+        self._count = 0
+        self._known: set[str] = set()
+        self.parent_seq: int | None = None
+
+    def checkpoint(self, workload: Workload, *, leave_running: bool = True) -> Manifest | None:
+        """Take a checkpoint and store it; None when it was skipped as too large (see estimate.py)."""
+        with self._lock:
+            estimate = estimate_checkpoint(workload.pids())
+            why = too_large(estimate, self.max_checkpoint_bytes, self.work_dir)
+            if why:
+                self.skipped += 1
+                # Once per checkpoint ID at WARNING; a heartbeat every minute must not flood the log.
+                (log.debug if self.skipped > 1 else log.warning)(
+                    "heartbeat skipped checkpoint_id=%s: %s; the workload keeps running without a new checkpoint "
+                    "(skipped=%d)", self.checkpoint_id, why, self.skipped)
+                index.record_skip(self.store, self.checkpoint_id, why)  # so `checkpoints` can show it
+                return None
+            self._count += 1
+            # Each dump gets its own folder: images, CRIU's log and the captured files, removed together.
+            dump_dir = self.work_dir / f"dump-{os.getpid()}-{self._count}"
+            rss = estimate.rss_bytes
+            try:
+                dump = self.engine.dump(workload.pid, dump_dir / "images", leave_running=leave_running)
+                meta = CheckpointMeta(
+                    checkpoint_id=self.checkpoint_id, node=self.node, engine_version=self.engine.version,
+                    process=ProcessInfo(pid=workload.pid, command=workload.command, cwd=workload.cwd,
+                                        rss_bytes=rss, stdout_pipe=workload.stdout_pipe,
+                                        stderr_pipe=workload.stderr_pipe),
+                    try_number=self.try_number, freeze_seconds=dump.freeze_seconds, parent_seq=self.parent_seq,
+                )
+                captured = [CapturedSource(p, c, m) for p, c, m in dump.captured]
+                manifest = save_checkpoint(self.store, self.store_cfg, meta, dump.image_dir, captured,
+                                           known_digests=self._known, compression=self.compression,
+                                           progress_mode=self.progress_mode)
+            finally:
+                if not self.keep_local:
+                    shutil.rmtree(dump_dir, ignore_errors=True)
+            self._known = manifest.chunk_digests()
+            kept = prune_checkpoints(self.store, self.checkpoint_id, self.keep_checkpoints)[0] if self.keep_checkpoints else None
+            index.record_checkpoint(self.store, manifest, kept)
+            log.info("freeze checkpoint_id=%s seq=%d freeze_seconds=%.3f rss_bytes=%d",
+                     self.checkpoint_id, manifest.seq, dump.freeze_seconds, rss)
+            return manifest
+
+    def restore(self, stdout: BinaryIO | None = None, stderr: BinaryIO | None = None) -> Restored:
+        """Restore the newest usable checkpoint and supervise it.
+
+        A checkpoint that fails verification, or that CRIU cannot restore here, is refused with a
+        warning and the next older one is tried. Raises CheckpointNotFound when there is none, and
+        CorruptCheckpoint (with every reason) when none could be restored.
+        """
+        skipped: list[str] = []
+        candidates = require_latest(self.store, self.checkpoint_id)
+        for i, m in enumerate(candidates):
+            # images/ (with captured/ inside) plus CRIU's log and pidfile, removed together.
+            restore_dir = self.work_dir / f"restore-{os.getpid()}-{m.seq}"
+            shutil.rmtree(restore_dir, ignore_errors=True)
+            try:
+                fetch_checkpoint(self.store, m, restore_dir / "images", self.progress_mode)
+                workload = self._restore_from(restore_dir / "images", m, stdout, stderr)
+            except (CorruptCheckpoint, RestoreFailed) as e:
+                skipped.append(str(e))
+                log.warning("checkpoint refused checkpoint_id=%s seq=%d: %s; %s", self.checkpoint_id, m.seq, e,
+                            "falling back to the previous one" if i + 1 < len(candidates) else "no older checkpoint left")
+                continue
+            finally:
+                if not self.keep_local:
+                    shutil.rmtree(restore_dir, ignore_errors=True)
+            self.parent_seq = m.seq
+            self._known = m.chunk_digests()
+            return Restored(workload, m, tuple(skipped))
+        raise CorruptCheckpoint(
+            f"no checkpoint under checkpoint ID {self.checkpoint_id!r} could be restored "
+            f"({'; '.join(skipped)}). Nothing was restored; start the workload fresh (run without --resume)."
+        )
+
+    def _restore_from(self, dest: Path, m: Manifest, stdout: BinaryIO | None, stderr: BinaryIO | None) -> Workload:
+        with _CapturedFilesBack(m, dest / CAPTURED_DIR) as files_back:
+            Path(m.process.cwd).mkdir(parents=True, exist_ok=True)
+            become_subreaper()
+            out_r, out_w = os.pipe2(os.O_CLOEXEC)
+            err_r, err_w = os.pipe2(os.O_CLOEXEC)
+            try:
+                pid = self.engine.restore(
+                    dest, inherit={out_w: m.process.stdout_pipe, err_w: m.process.stderr_pipe},
+                    pidfile=dest.with_name(dest.name + ".pid"),
+                )
+            except BaseException:
+                os.close(out_r)
+                os.close(err_r)
+                raise
+            finally:
+                os.close(out_w)
+                os.close(err_w)
+            files_back.keep()
+        return Workload.adopt(pid, m.process.command, m.process.cwd, out_r, err_r, stdout, stderr)
+
+
+class _CapturedFilesBack:
+    """Puts a checkpoint's captured files in place (CRIU checks their size), and puts the node's
+    own versions back if the restore then fails, so a refused checkpoint changes nothing."""
+
+    def __init__(self, m: Manifest, source: Path) -> None:
+        self.m, self.source = m, source
+        self._backups: list[tuple[Path, Path | None]] = []
+        self._kept = False
+
+    def __enter__(self) -> _CapturedFilesBack:
+        for i, c in enumerate(self.m.captured):
+            target = Path(c.path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            backup: Path | None = target.with_name(f".{target.name}.cedana-orig")
+            if target.exists():
+                os.replace(target, backup)  # type: ignore[arg-type]
+            else:
+                backup = None
+            self._backups.append((target, backup))
+            tmp = target.with_name(f".{target.name}.cedana-restore")
+            shutil.move(str(self.source / str(i)), tmp)
+            os.chmod(tmp, c.mode)
+            os.replace(tmp, target)
+        return self
+
+    def keep(self) -> None:
+        self._kept = True
+
+    def __exit__(self, *exc: object) -> None:
+        for target, backup in self._backups:
+            if self._kept:
+                if backup is not None:
+                    backup.unlink(missing_ok=True)
+            elif backup is not None:
+                os.replace(backup, target)
+            else:
+                target.unlink(missing_ok=True)

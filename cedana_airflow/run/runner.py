@@ -1,0 +1,208 @@
+"""A managed run from start to exit: start or restore, heartbeat, forward signals, return the exit code.
+
+This is what ``cedana-airflow run`` and ``restore`` do, and what the Airflow operator calls.
+
+====================  ====================================================================
+outcome               meaning
+====================  ====================================================================
+``fresh``             no checkpoint to resume (or resume not asked): the command started
+``restored``          the newest verifiable checkpoint was restored and ran to its end
+====================  ====================================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from types import FrameType
+from typing import Any, BinaryIO, Literal
+
+from .checkpointer import Checkpointer
+from ..config import Settings
+from ..engine.criu import CriuEngine, find_criu
+from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint
+from .estimate import estimate_checkpoint
+from ..store.gc import delete_checkpoint_id
+from .triggers import Heartbeat, MemoryWatch
+from ..ids import validate_checkpoint_id
+from ..format.manifest import Manifest
+from ..store import Store, open_store
+from .workload import Workload
+
+__all__ = ["RunResult", "run_workload", "make_engine"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    exit_code: int
+    outcome: Literal["fresh", "restored"]
+    restored_from: Manifest | None = None
+    skipped: tuple[str, ...] = ()
+    checkpoints: list[Manifest] = field(default_factory=list)
+    restore_seconds: float = 0.0
+    restore_gap_seconds: float = 0.0  # from the restored checkpoint's creation to the restore's start
+    stopped_by_signal: int | None = None
+    skipped_heartbeats: int = 0  # too large to take (max_checkpoint_bytes, or no room in the work dir)
+
+
+#: Signals that stop a managed run (final checkpoint first) and those passed straight to the workload.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_FORWARDED_SIGNALS = (signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def make_engine(settings: Settings) -> CriuEngine:
+    binary = find_criu(settings.criu, settings.criu_prefix)
+    log.debug("engine criu=%s source=%s version=%s", binary.path, binary.source, binary.version)
+    return CriuEngine(binary)
+
+
+def run_workload(
+    settings: Settings,
+    checkpoint_id: str,
+    command: Sequence[str] | None,
+    *,
+    resume: bool,
+    try_number: int = 0,
+    cwd: str | None = None,
+    env: dict[str, str] | None = None,
+    stdout: BinaryIO | None = None,
+    stderr: BinaryIO | None = None,
+    handle_signals: bool = True,
+    stop: threading.Event | None = None,
+    store: Store | None = None,
+) -> RunResult:
+    """Run ``command`` managed (or, with ``command=None``, only restore) and return how it ended.
+
+    ``resume``: restore the newest complete checkpoint of ``checkpoint_id`` when there is one.
+    With ``command=None`` a missing checkpoint is an error (CheckpointNotFound), and so is one that
+    cannot be restored (CorruptCheckpoint); with a command, the command then starts fresh.
+    ``store``: an opened-elsewhere backend (Airflow passes one whose S3 client comes from a
+    connection); default: the one ``settings`` names.
+    ``stop``: setting it does what SIGTERM does (final checkpoint, then stop), for callers that own
+    the signal handlers (Airflow's task runner calls ``on_kill`` from its own SIGTERM handler).
+    """
+    validate_checkpoint_id(checkpoint_id)
+    if try_number < 0:
+        raise ConfigError(f"try number {try_number} is negative. Pass --try-number 0 or more.")
+    engine = make_engine(settings)
+    store = store or open_store(settings.resolved_store(), settings)
+    store_cfg = store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
+    own_work_dir = settings.work_dir is None
+    work_dir = Path(tempfile.mkdtemp(prefix="cedana-work-")) if own_work_dir else Path(settings.work_dir)  # type: ignore[arg-type]
+    work_dir.mkdir(parents=True, exist_ok=True)
+    cp = Checkpointer(engine, store, store_cfg, checkpoint_id, node=settings.resolved_node(), work_dir=work_dir,
+                      try_number=try_number, compression=settings.compression, keep_local=settings.keep_local,
+                      progress_mode=settings.progress, max_checkpoint_bytes=settings.max_checkpoint_bytes,
+                      keep_checkpoints=settings.keep_checkpoints)
+    try:
+        result = RunResult(exit_code=0, outcome="fresh")
+        workload: Workload | None = None
+        if resume or command is None:
+            t0, started_at = time.monotonic(), datetime.now(timezone.utc)
+            try:
+                restored = cp.restore(stdout, stderr)
+            except CheckpointNotFound:
+                if command is None:
+                    raise
+                log.info("no checkpoint to resume checkpoint_id=%s; starting fresh", checkpoint_id)
+            except CorruptCheckpoint as e:
+                if command is None:
+                    raise
+                result.skipped = (str(e),)
+                log.warning("no checkpoint could be restored checkpoint_id=%s; starting fresh", checkpoint_id)
+            else:
+                workload, m = restored.workload, restored.manifest
+                result.outcome, result.restored_from, result.skipped = "restored", m, restored.skipped
+                result.restore_seconds = time.monotonic() - t0
+                result.restore_gap_seconds = max(0.0, (started_at - m.created_at).total_seconds())
+                log.info("restored checkpoint_id=%s seq=%d from_node=%s node=%s gap_seconds=%.1f restore_seconds=%.2f",
+                         checkpoint_id, m.seq, m.node, cp.node, result.restore_gap_seconds, result.restore_seconds)
+        if workload is None:
+            assert command is not None
+            workload = Workload.start(command, cwd=cwd, env=env, stdout=stdout, stderr=stderr)
+            log.info("workload started checkpoint_id=%s pid=%d node=%s", checkpoint_id, workload.pid, cp.node)
+        result = _supervise(settings, cp, workload, result, handle_signals, stop)
+        if result.exit_code == 0 and settings.delete_on_success:
+            delete_checkpoint_id(store, checkpoint_id)  # done: nothing left to resume
+        return result
+    finally:
+        if own_work_dir and not settings.keep_local:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result: RunResult,
+               handle_signals: bool, stop: threading.Event | None) -> RunResult:
+    stop_requested = stop or threading.Event()
+    got: list[int] = []
+
+    def take() -> None:
+        m = cp.checkpoint(workload)
+        if m is not None:
+            result.checkpoints.append(m)
+
+    def beat() -> None:
+        if workload.poll() is None:
+            take()
+
+    hb = Heartbeat(settings.heartbeat_seconds, beat) if settings.heartbeat_seconds > 0 else None
+    watch = (MemoryWatch(settings.checkpoint_above_bytes, lambda: estimate_checkpoint(workload.pids()).total, beat)
+             if settings.checkpoint_above_bytes > 0 else None)
+    previous: dict[signal.Signals, Any] = {}
+    if handle_signals and threading.current_thread() is threading.main_thread():
+        def on_stop(signum: int, frame: FrameType | None) -> None:
+            got.append(signum)
+            stop_requested.set()
+
+        def on_forward(signum: int, frame: FrameType | None) -> None:
+            workload.send_signal(signum)
+
+        for s in _STOP_SIGNALS:
+            previous[s] = signal.signal(s, on_stop)
+        for s in _FORWARDED_SIGNALS:
+            previous[s] = signal.signal(s, on_forward)
+    try:
+        if hb:
+            hb.start()
+        if watch:
+            watch.start()
+        while workload.poll() is None:
+            if stop_requested.wait(0.1):
+                sig = signal.Signals(got[0] if got else signal.SIGTERM)
+                log.info("stop requested signal=%s checkpoint_on_term=%s", sig.name, settings.checkpoint_on_term)
+                if hb:
+                    hb.stop()
+                if watch:
+                    watch.stop()
+                if workload.poll() is None:
+                    if settings.checkpoint_on_term:
+                        try:
+                            take()
+                        except Exception as e:  # stopping matters more than the final checkpoint
+                            log.warning("final checkpoint failed: %s", e)
+                    result.stopped_by_signal = sig
+                    workload.stop(settings.stop_grace_seconds, sig)
+                break
+        if hb:
+            hb.stop()
+        if watch:
+            watch.stop()
+        rc = workload.wait()
+        # Stopped by us: 128 + the signal we were sent, as a shell reports it. Otherwise its own code.
+        result.exit_code = 128 + result.stopped_by_signal if result.stopped_by_signal else (rc if rc is not None else 1)
+        result.skipped_heartbeats = cp.skipped
+        log.info("workload exited checkpoint_id=%s exit_code=%d checkpoints=%d skipped_heartbeats=%d",
+                 cp.checkpoint_id, result.exit_code, len(result.checkpoints), cp.skipped)
+        return result
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

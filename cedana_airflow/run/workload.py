@@ -1,0 +1,220 @@
+"""The supervisor side of a managed workload: start it, stream its output, wait for it, stop it.
+
+A workload runs as ``unshare --pid --fork setsid COMMAND``: COMMAND is the init of its own PID
+namespace and leads its own session. That is what makes it restorable anywhere: CRIU restores a
+PID namespace with the same PIDs inside it, so no PID on the target node can be "in use".
+
+stdout and stderr are pipes whose read ends the supervisor owns; it copies them to its own output.
+After a restore, CRIU hands fresh pipes to the restored process (``--inherit-fd``), so the output
+keeps flowing to whoever supervises now. The supervisor makes itself a child subreaper, so a
+restored workload (detached by ``criu restore -d``) becomes its child and its exit code comes back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import BinaryIO
+
+from ..engine.procfs import tree_pids
+from ..errors import EngineError, EngineUnavailable
+
+__all__ = ["Workload", "become_subreaper", "exit_code_of"]
+
+log = logging.getLogger(__name__)
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    """Adopt orphaned descendants (a restored workload, and orphans this machine's init won't reap)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
+def exit_code_of(status: int) -> int:
+    """A wait status as a shell would report it: the exit code, or 128 + signal number."""
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+def _pipe_name(fd: int) -> str:
+    return f"pipe:[{os.fstat(fd).st_ino}]"
+
+
+class _Pump(threading.Thread):
+    """Copies one pipe to one of our streams until EOF."""
+
+    def __init__(self, read_fd: int, sink: BinaryIO, name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self.read_fd, self.sink = read_fd, sink
+
+    def run(self) -> None:
+        try:
+            while chunk := os.read(self.read_fd, 1 << 16):
+                self.sink.write(chunk)
+                self.sink.flush()
+        except (OSError, ValueError):
+            pass
+        finally:
+            os.close(self.read_fd)
+
+
+class Workload:
+    """One managed process tree, started fresh (:meth:`start`) or restored (:meth:`adopt`)."""
+
+    def __init__(self, pid: int, command: Sequence[str], cwd: str, out_fd: int, err_fd: int,
+                 launcher: subprocess.Popen[bytes] | None, stdout: BinaryIO, stderr: BinaryIO) -> None:
+        self.pid = pid  # host PID of the namespace's init: what CRIU dumps
+        self.command = tuple(command)
+        self.cwd = cwd
+        self.stdout_pipe = _pipe_name(out_fd)
+        self.stderr_pipe = _pipe_name(err_fd)
+        self._launcher = launcher
+        self._pumps = [_Pump(out_fd, stdout, "cedana-stdout"), _Pump(err_fd, stderr, "cedana-stderr")]
+        for p in self._pumps:
+            p.start()
+        self.returncode: int | None = None
+        self._reap_lock = threading.Lock()
+        self._watchdog = _watchdog(pid)
+
+    @classmethod
+    def start(cls, command: Sequence[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
+              stdout: BinaryIO | None = None, stderr: BinaryIO | None = None) -> Workload:
+        cwd = cwd or os.getcwd()
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            launcher = subprocess.Popen(
+                ["unshare", "--pid", "--fork", "setsid", *command],
+                stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, cwd=cwd, env=env,
+                start_new_session=True,
+            )
+        except FileNotFoundError as e:
+            os.close(out_r)
+            os.close(err_r)
+            what = "'unshare' (util-linux) is not installed" if e.filename == "unshare" else f"{e.filename}: no such file"
+            raise EngineUnavailable(f"cannot start the workload: {what}. Install util-linux or check cwd {cwd}.") from None
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        pid = _child_of(launcher)
+        return cls(pid, command, cwd, out_r, err_r, launcher, stdout or sys.stdout.buffer, stderr or sys.stderr.buffer)
+
+    @classmethod
+    def adopt(cls, pid: int, command: Sequence[str], cwd: str, out_r: int, err_r: int,
+              stdout: BinaryIO | None = None, stderr: BinaryIO | None = None) -> Workload:
+        """Supervise a restored tree whose root ``pid`` is our child (we are its subreaper)."""
+        return cls(pid, command, cwd, out_r, err_r, None, stdout or sys.stdout.buffer, stderr or sys.stderr.buffer)
+
+    def pids(self) -> list[int]:
+        """The host PIDs of the whole tree, root first."""
+        return tree_pids(self.pid)
+
+    def poll(self) -> int | None:
+        with self._reap_lock:  # the heartbeat thread polls too; only one may reap
+            return self._poll()
+
+    def _poll(self) -> int | None:
+        if self.returncode is None:
+            if self._launcher is not None:
+                rc = self._launcher.poll()
+                if rc is not None:
+                    self.returncode = 128 - rc if rc < 0 else rc
+            else:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:
+                    log.warning("workload pid=%d is not our child any more; its exit code is lost (reported as 255)", self.pid)
+                    self.returncode = 255
+                else:
+                    if pid:
+                        self.returncode = exit_code_of(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+        for p in self._pumps:
+            p.join(timeout=5)  # a grandchild that keeps the pipe open must not hang us
+        if self._watchdog.poll() is None:
+            self._watchdog.kill()
+            self._watchdog.wait()
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` to the workload's whole session (its init ignores what it has no handler for)."""
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, grace: float, sig: int = signal.SIGTERM) -> int | None:
+        """Send ``sig`` to the tree, wait ``grace`` seconds, then SIGKILL its init (ending the namespace)."""
+        self.send_signal(sig)
+        rc = self.wait(timeout=grace)
+        if rc is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            rc = self.wait(timeout=30)
+        return rc
+
+
+# Waits for the supervisor ($1) to die (gone or a zombie), then kills the workload's init ($2),
+# which ends its whole PID namespace. Builtins only, one `sleep` a second.
+_WATCHDOG = r"""
+while :; do
+  state=
+  while read -r key value _; do [ "$key" = State: ] && state=$value && break; done < /proc/$1/status
+  case "$state" in ""|Z) break ;; esac
+  sleep 1
+done 2>/dev/null
+kill -KILL "$2" 2>/dev/null
+"""
+
+
+def _watchdog(workload_pid: int) -> subprocess.Popen[bytes]:
+    """A workload must not outlive its supervisor: killed with SIGKILL (OOM killer, a worker crash),
+    the supervisor can no longer checkpoint or stop it, and a retry would race a headless copy.
+    The workload cannot carry a parent-death signal instead: CRIU would restore it, and it would
+    fire when ``criu restore -d`` exits."""
+    return subprocess.Popen(
+        ["sh", "-c", _WATCHDOG, "cedana-watchdog", str(os.getpid()), str(workload_pid)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+
+
+def _child_of(launcher: subprocess.Popen[bytes], timeout: float = 10.0) -> int:
+    """The host PID of the namespace init that ``unshare --fork`` started."""
+    deadline = time.monotonic() + timeout
+    path = f"/proc/{launcher.pid}/task/{launcher.pid}/children"
+    while time.monotonic() < deadline:
+        try:
+            with open(path) as f:
+                kids = f.read().split()
+            if kids:
+                return int(kids[0])
+        except FileNotFoundError:
+            pass
+        if launcher.poll() is not None:
+            break
+        time.sleep(0.005)
+    launcher.kill()
+    raise EngineError(
+        f"the workload did not start under 'unshare --pid --fork' (launcher exit {launcher.returncode}). "
+        "Check that util-linux's unshare is installed and that this runs as root."
+    )

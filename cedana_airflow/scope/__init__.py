@@ -1,0 +1,3 @@
+"""Who may be checkpointed: the operator's opt-in list (``optin``) and the DAG authors' tags (``tags``)."""
+
+__all__ = ["optin", "tags"]

@@ -1,0 +1,105 @@
+"""Retention and garbage collection.
+
+Retention removes manifests: the newest ``keep`` checkpoints of an ID (in restore order) stay, and
+an ID whose task succeeded can be removed whole. Chunks are never removed there, because other
+checkpoints may share them. Garbage collection removes chunks no manifest names, and temporary
+files of interrupted writes, once they are older than a grace period, under the exclusive gc lock
+(writers hold shared locks, see locks.py). Rules: docs/store-format.md, "Locking and garbage collection".
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from . import index
+from ..ids import validate_checkpoint_id
+from .locks import acquire_gc
+from ..format.manifest import Manifest
+from .base import Store, manifest_key
+from .transfer import load_manifests, load_manifests_of
+
+__all__ = ["GcReport", "prune_checkpoints", "delete_checkpoint_id", "collect_garbage", "DEFAULT_GRACE_SECONDS"]
+
+log = logging.getLogger(__name__)
+
+#: A chunk younger than this is spared even when no manifest names it yet (an upload in flight).
+DEFAULT_GRACE_SECONDS = 3600.0
+
+
+def prune_checkpoints(store: Store, checkpoint_id: str, keep: int) -> tuple[list[Manifest], list[Manifest]]:
+    """Remove all but the newest ``keep`` checkpoints of an ID; return (kept, removed), newest first."""
+    if keep < 1:
+        raise ValueError("keep must be at least 1: the newest checkpoint is never pruned")
+    found = load_manifests(store, checkpoint_id)
+    kept, removed = found[:keep], found[keep:]
+    for m in removed:
+        store.delete(manifest_key(checkpoint_id, m.seq))
+    if removed:
+        log.info("checkpoints pruned checkpoint_id=%s removed=%d kept=%d", checkpoint_id, len(removed), keep)
+    return kept, removed
+
+
+def delete_checkpoint_id(store: Store, checkpoint_id: str) -> int:
+    """Remove every checkpoint of an ID (its task succeeded); return how many."""
+    validate_checkpoint_id(checkpoint_id)
+    seqs = store.list_seqs(checkpoint_id)
+    for seq in seqs:
+        store.delete(manifest_key(checkpoint_id, seq))
+    index.forget(store, checkpoint_id)
+    log.info("checkpoints deleted checkpoint_id=%s removed=%d", checkpoint_id, len(seqs))
+    return len(seqs)
+
+
+@dataclass(frozen=True)
+class GcReport:
+    dry_run: bool
+    manifests: int
+    chunks_kept: int
+    chunks_removed: int
+    bytes_removed: int
+    young_unreferenced: int  # spared by the grace period
+    temp_removed: int
+
+
+def collect_garbage(store: Store, *, grace_seconds: float = DEFAULT_GRACE_SECONDS, dry_run: bool = False) -> GcReport:
+    lock = acquire_gc(store)
+    try:
+        ids = store.list_ids()
+        by_id = load_manifests_of(store, ids)
+        manifests = [m for ms in by_id.values() for m in ms]
+        if not dry_run:
+            index.rebuild_index(store, by_id)  # the listing index is a cache: gc makes it agree again
+        referenced = set().union(*(m.chunk_digests() for m in manifests))
+        cutoff = time.time() - grace_seconds
+        kept = removed = freed = young = temps = 0
+        for obj in list(store.list_objects("chunks/")):
+            name = obj.key.rsplit("/", 1)[-1]
+            if name.startswith(".tmp-"):
+                if obj.mtime < cutoff:
+                    temps += 1
+                    if not dry_run:
+                        store.delete(obj.key)
+                continue
+            if name in referenced:
+                kept += 1
+            elif obj.mtime >= cutoff:
+                young += 1
+            else:
+                removed += 1
+                freed += obj.size
+                if not dry_run:
+                    store.delete(obj.key)
+        for cid in ids:  # temporary manifests of writers killed before their commit point
+            for obj in list(store.list_objects(f"{cid}/")):
+                if obj.key.rsplit("/", 1)[-1].startswith(".tmp-") and obj.mtime < cutoff:
+                    temps += 1
+                    if not dry_run:
+                        store.delete(obj.key)
+    finally:
+        lock.release(store)
+    report = GcReport(dry_run, len(manifests), kept, removed, freed, young, temps)
+    log.info("gc done dry_run=%s manifests=%d chunks_kept=%d chunks_removed=%d bytes_removed=%d "
+             "young_unreferenced=%d temp_removed=%d", *report.__dict__.values())
+    return report

@@ -1,0 +1,163 @@
+"""The listing index: what ``checkpoints`` shows, answered in a few reads instead of one per manifest.
+
+Manifests stay the only truth: restore, retention and gc never read the index. It is a cache for
+listing, kept in 16 shard documents (``index/<hex digit>.json``, by the SHA-256 of the checkpoint
+ID) that writers update by compare-and-swap (``If-Match`` on S3, a lock on a file store), so two
+writers never lose each other's rows. A writer killed between its manifest and its index update
+leaves the index one row short; :func:`rebuild_index` (run by gc) repairs it from the manifests.
+It also holds what no manifest can: heartbeats skipped as too large (estimate.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import CedanaError
+from ..format.manifest import Manifest
+from .base import Store
+
+__all__ = ["IndexEntry", "IndexRow", "SHARDS", "forget", "read_index", "read_entry", "rebuild_index",
+           "record_checkpoint", "record_skip", "shard_key"]
+
+log = logging.getLogger(__name__)
+
+SHARDS = 16
+_ATTEMPTS = 12
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+class IndexRow(_Model):
+    """One complete checkpoint, as a listing shows it (a summary of its manifest)."""
+
+    seq: int
+    try_number: int = 0
+    node: str = ""
+    created_at: datetime
+    image_bytes: int = 0
+    stored_bytes: int = 0
+    freeze_seconds: float = 0.0
+
+    @classmethod
+    def of(cls, m: Manifest) -> IndexRow:
+        return cls(seq=m.seq, try_number=m.try_number, node=m.node, created_at=m.created_at,
+                   image_bytes=m.image_bytes, stored_bytes=m.stored_bytes, freeze_seconds=m.freeze_seconds)
+
+
+class IndexEntry(_Model):
+    checkpoints: tuple[IndexRow, ...] = ()
+    skipped_heartbeats: int = Field(default=0, ge=0)
+    last_skip: str = ""  # the estimate and the threshold of the latest skip
+
+    def empty(self) -> bool:
+        return not self.checkpoints and not self.skipped_heartbeats
+
+
+class _Shard(_Model):
+    format_version: int = 1
+    ids: dict[str, IndexEntry] = {}
+
+
+def shard_key(checkpoint_id: str) -> str:
+    return f"index/{hashlib.sha256(checkpoint_id.encode()).hexdigest()[0]}.json"
+
+
+def _parse(raw: bytes | None, key: str) -> _Shard:
+    if raw is None:
+        return _Shard()
+    try:
+        return _Shard.model_validate_json(raw)
+    except (ValidationError, ValueError) as e:
+        # A cache: a damaged shard is rewritten, never trusted, and never stops a checkpoint.
+        log.warning("listing index %s unreadable (%s); it will be rewritten", key, str(e).splitlines()[0])
+        return _Shard()
+
+
+def _update(store: Store, key: str, change: Callable[[dict[str, IndexEntry]], None]) -> bool:
+    """Apply ``change`` to a shard's entries and write it back, retrying when another writer won."""
+    for attempt in range(_ATTEMPTS):
+        raw, token = store.get_versioned(key)
+        ids = dict(_parse(raw, key).ids)
+        change(ids)
+        data = _Shard(ids={k: v for k, v in sorted(ids.items()) if not v.empty()}).model_dump_json().encode()
+        if store.put_if_version(key, data, token):
+            return True
+        time.sleep(random.uniform(0, 0.02 * 2 ** min(attempt, 5)))  # contention: back off, jittered
+    log.warning("listing index %s: gave up after %d contended updates; gc rebuilds it", key, _ATTEMPTS)
+    return False
+
+
+def _update_entry(store: Store, checkpoint_id: str, change: Callable[[IndexEntry], IndexEntry]) -> bool:
+    """Best effort: a failed index update is logged and never fails the checkpoint that caused it."""
+    def apply(ids: dict[str, IndexEntry]) -> None:
+        ids[checkpoint_id] = change(ids.get(checkpoint_id, IndexEntry()))
+
+    try:
+        return _update(store, shard_key(checkpoint_id), apply)
+    except CedanaError as e:
+        log.warning("listing index not updated checkpoint_id=%s: %s", checkpoint_id, e)
+        return False
+
+
+def record_checkpoint(store: Store, manifest: Manifest, kept: Sequence[Manifest] | None = None) -> bool:
+    """Add a just-committed checkpoint; with ``kept`` (what retention left), the ID's rows become exactly those."""
+    rows = {r.seq: r for r in ((IndexRow.of(m) for m in kept) if kept is not None else ())}
+    rows[manifest.seq] = IndexRow.of(manifest)
+
+    def change(e: IndexEntry) -> IndexEntry:
+        merged = rows if kept is not None else {**{r.seq: r for r in e.checkpoints}, **rows}
+        return e.model_copy(update={"checkpoints": tuple(merged[s] for s in sorted(merged))})
+
+    return _update_entry(store, manifest.checkpoint_id, change)
+
+
+def record_skip(store: Store, checkpoint_id: str, why: str) -> bool:
+    return _update_entry(store, checkpoint_id, lambda e: e.model_copy(update={
+        "skipped_heartbeats": e.skipped_heartbeats + 1, "last_skip": why}))
+
+
+def forget(store: Store, checkpoint_id: str) -> bool:
+    """Drop an ID's rows (its checkpoints were deleted); its skip count goes with them."""
+    return _update_entry(store, checkpoint_id, lambda e: IndexEntry())
+
+
+def read_entry(store: Store, checkpoint_id: str) -> IndexEntry:
+    key = shard_key(checkpoint_id)
+    return _parse(store.get(key), key).ids.get(checkpoint_id, IndexEntry())
+
+
+def read_index(store: Store) -> dict[str, IndexEntry]:
+    """Every entry of every shard: 16 reads, in parallel."""
+    keys = [f"index/{i:x}.json" for i in range(SHARDS)]
+    with ThreadPoolExecutor(min(SHARDS, store.parallelism), thread_name_prefix="cedana-index") as pool:
+        shards = list(pool.map(lambda k: _parse(store.get(k), k), keys))
+    return {cid: e for s in shards for cid, e in s.ids.items()}
+
+
+def rebuild_index(store: Store, manifests: Mapping[str, Sequence[Manifest]]) -> None:
+    """Make every shard agree with the manifests (the truth), keeping the skip counts."""
+    by_shard: dict[str, dict[str, tuple[IndexRow, ...]]] = {f"index/{i:x}.json": {} for i in range(SHARDS)}
+    for cid, ms in manifests.items():
+        by_shard[shard_key(cid)][cid] = tuple(sorted((IndexRow.of(m) for m in ms), key=lambda r: r.seq))
+
+    def fix(key: str) -> None:
+        rows = by_shard[key]
+
+        def apply(ids: dict[str, IndexEntry]) -> None:
+            for cid in set(ids) | set(rows):
+                ids[cid] = ids.get(cid, IndexEntry()).model_copy(update={"checkpoints": rows.get(cid, ())})
+
+        _update(store, key, apply)
+
+    with ThreadPoolExecutor(min(SHARDS, store.parallelism), thread_name_prefix="cedana-index") as pool:
+        list(pool.map(fix, by_shard))

@@ -1,0 +1,64 @@
+"""What a store holds, per checkpoint ID: the answer behind ``cedana-airflow checkpoints`` and the UI.
+
+One ID is listed exactly, from its manifests (a handful of reads). A whole store is listed from the
+listing index (index.py: 16 reads, however many IDs) plus one key listing of the IDs, so that an ID
+the index does not know yet (a store written before the index, or a writer killed between its
+manifest and its index update) is read from its manifests instead of being left out, and an ID
+whose folder is gone is left out even if the index still names it. ``exact`` reads every manifest.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from . import index
+from ..ids import validate_checkpoint_id
+from .index import IndexEntry, IndexRow
+from .base import Store
+from .transfer import load_manifests_of
+
+__all__ = ["IdListing", "list_store"]
+
+
+@dataclass(frozen=True)
+class IdListing:
+    checkpoint_id: str
+    checkpoints: tuple[IndexRow, ...]  # complete checkpoints, oldest first
+    skipped_heartbeats: int = 0
+    last_skip: str = ""
+    source: str = "manifests"  # or "index"
+
+
+def _from_manifests(store: Store, ids: list[str], entries: dict[str, IndexEntry]) -> list[IdListing]:
+    by_id = load_manifests_of(store, ids)
+    out = []
+    for cid in ids:
+        e = entries.get(cid, IndexEntry())
+        rows = tuple(sorted((IndexRow.of(m) for m in by_id[cid]), key=lambda r: r.seq))
+        out.append(IdListing(cid, rows, e.skipped_heartbeats, e.last_skip, "manifests"))
+    return out
+
+
+def list_store(store: Store, checkpoint_id: str | None = None, *, exact: bool = False) -> list[IdListing]:
+    """Every checkpoint ID with its complete checkpoints and skipped heartbeats, sorted by ID."""
+    if checkpoint_id is not None:
+        cid = validate_checkpoint_id(checkpoint_id)
+        return [x for x in _from_manifests(store, [cid], {cid: index.read_entry(store, cid)})
+                if x.checkpoints or x.skipped_heartbeats]
+    with ThreadPoolExecutor(1, thread_name_prefix="cedana-list") as pool:  # the two reads overlap
+        ids = pool.submit(store.list_ids)
+        entries = index.read_index(store)
+        present = set(ids.result())
+    if exact:
+        unknown = sorted(present)
+        known: list[IdListing] = []
+    else:
+        unknown = sorted(c for c in present if not entries.get(c, IndexEntry()).checkpoints)
+        known = [IdListing(c, e.checkpoints, e.skipped_heartbeats, e.last_skip, "index")
+                 for c, e in entries.items() if c in present and e.checkpoints]
+    # IDs with skips but no checkpoint have no folder: the index is the only place that knows them.
+    skipped_only = [IdListing(c, (), e.skipped_heartbeats, e.last_skip, "index")
+                    for c, e in entries.items() if c not in present and e.skipped_heartbeats]
+    listed = known + skipped_only + [x for x in _from_manifests(store, unknown, entries) if x.checkpoints or x.skipped_heartbeats]
+    return sorted(listed, key=lambda x: x.checkpoint_id)

@@ -1,0 +1,117 @@
+"""The Airflow provider: registration (providers, plugins, config), [cedana] settings and their errors,
+and the operator's checks at DAG parse time."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+
+pytest.importorskip("airflow")
+from airflow.sdk.exceptions import AirflowException  # noqa: E402
+
+from cedana_airflow.errors import ConfigError  # noqa: E402
+from cedana_airflow.operators import CheckpointedCommandOperator  # noqa: E402
+from cedana_airflow.airflow import get_provider_info  # noqa: E402
+from cedana_airflow.airflow.config import task_settings  # noqa: E402
+from cedana_airflow.airflow.logsink import LogSink  # noqa: E402
+
+
+def _airflow(*args: str, tmp_path) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+    env.update(AIRFLOW_HOME=str(tmp_path), AIRFLOW__CORE__LOAD_EXAMPLES="False")
+    r = subprocess.run([sys.executable, "-m", "airflow", *args], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+def test_airflow_lists_the_provider_the_plugin_and_the_config_section(tmp_path):
+    assert "cedana-airflow" in _airflow("providers", "list", tmp_path=tmp_path)
+    assert "cedana_airflow.airflow.plugin:CedanaPlugin" in _airflow("plugins", tmp_path=tmp_path).replace("\n", "").replace(" ", "").replace("|", "")
+    section = _airflow("config", "list", "--section", "cedana", tmp_path=tmp_path)
+    assert "[cedana]" in section and "# same_node_retry =" in section and "# store =" in section
+    assert _airflow("config", "get-value", "cedana", "same_node_retry", tmp_path=tmp_path).strip() == "allow"
+
+
+def test_provider_info_declares_every_core_setting_it_names():
+    from cedana_airflow.config import Settings
+
+    options = get_provider_info()["config"]["cedana"]["options"]
+    assert set(options) - {"aws_conn_id", "same_node_retry", "k8s_route", "k8s_runtime_class"} <= set(Settings.model_fields)
+
+
+def test_cedana_section_sits_between_the_environment_and_operator_arguments(monkeypatch, tmp_path):
+    monkeypatch.setenv("CEDANA_HEARTBEAT_SECONDS", "5")
+    monkeypatch.setenv("AIRFLOW__CEDANA__HEARTBEAT_SECONDS", "30")
+    monkeypatch.setenv("AIRFLOW__CEDANA__STORE", f"file://{tmp_path}")
+    settings, options = task_settings({})
+    assert settings.heartbeat_seconds == 30 and settings.store == f"file://{tmp_path}"
+    assert options.same_node_retry == "allow" and options.aws_conn_id is None
+    assert task_settings({"heartbeat_seconds": 90})[0].heartbeat_seconds == 90
+
+
+def test_a_bad_cedana_option_is_one_line_naming_its_source(monkeypatch):
+    monkeypatch.setenv("AIRFLOW__CEDANA__MAX_CHECKPOINT_BYTES", "lots")
+    with pytest.raises(ConfigError, match=r"max_checkpoint_bytes = 'lots' \(from airflow.cfg \[cedana\] max_checkpoint_bytes / "
+                                          r"AIRFLOW__CEDANA__MAX_CHECKPOINT_BYTES\) is invalid"):
+        task_settings({})
+    monkeypatch.delenv("AIRFLOW__CEDANA__MAX_CHECKPOINT_BYTES")
+    monkeypatch.setenv("AIRFLOW__CEDANA__SAME_NODE_RETRY", "sometimes")
+    with pytest.raises(ConfigError, match="same_node_retry = 'sometimes'.*use 'allow' or 'fail'"):
+        task_settings({})
+
+
+def test_the_operator_refuses_bad_settings_when_the_dag_is_parsed():
+    with pytest.raises(AirflowException, match=r"train: setting store = 'ftp://x' \(from operator argument store\) is invalid"):
+        CheckpointedCommandOperator(task_id="train", command="python train.py", store="ftp://x")
+    with pytest.raises(AirflowException, match="heartbeat_seconds = -5.0"):
+        CheckpointedCommandOperator(task_id="train", command="python train.py", heartbeat=timedelta(seconds=-5))
+    # a templated store is checked when it is rendered, at run time
+    CheckpointedCommandOperator(task_id="ok", command=["python"], store="{{ var.value.store }}")
+
+
+def test_log_sink_logs_whole_lines_and_the_rest_at_close():
+    class Rec:
+        lines: list[str] = []
+
+        def info(self, fmt, line):
+            self.lines.append(line)
+
+    rec = Rec()
+    sink = LogSink(rec, "stdout")  # type: ignore[arg-type]
+    sink.write(b"step 1\nst")
+    sink.write(b"ep 2\r\nno newline")
+    assert rec.lines == ["step 1", "step 2"]
+    sink.close()
+    assert rec.lines == ["step 1", "step 2", "no newline"]
+
+
+def test_a_checkpoint_older_than_max_restore_gap_or_the_lease_is_not_restored(tmp_path):
+    import time
+
+    from cedana_airflow.config import load_settings
+    from cedana_airflow.format.manifest import ProcessInfo
+    from cedana_airflow.store import open_store
+    from cedana_airflow.store.transfer import CheckpointMeta, save_checkpoint
+
+    store = open_store(f"file://{tmp_path / 'store'}", load_settings(environ={}))
+    cfg = store.open(create=True, chunk_avg_bytes=64 << 10)
+    images = tmp_path / "img"
+    images.mkdir()
+    (images / "pages-1.img").write_bytes(os.urandom(5000))
+    proc = ProcessInfo(pid=1, command=("x",), cwd="/", stdout_pipe="pipe:[1]", stderr_pipe="pipe:[2]")
+    save_checkpoint(store, cfg, CheckpointMeta("rt", "n", "4.1.1", proc), images)
+    fresh = CheckpointedCommandOperator(task_id="a", command="x", max_restore_gap=timedelta(seconds=60))
+    assert fresh._may_resume(store, "rt") is True
+    assert CheckpointedCommandOperator(task_id="b", command="x")._may_resume(store, "rt") is True
+    time.sleep(1.2)
+    stale = CheckpointedCommandOperator(task_id="c", command="x", max_restore_gap=timedelta(minutes=5), lease=timedelta(seconds=1))
+    assert stale._may_resume(store, "rt") is False  # the lease ran out: starting fresh
+    renewed = CheckpointedCommandOperator(task_id="d", command="x", lease=timedelta(seconds=1),
+                                          lease_renew_command=["sh", "-c", 'test "$CEDANA_CHECKPOINT_ID" = rt'])
+    assert renewed._may_resume(store, "rt") is True  # the hook re-checked-out the license
+    refused = CheckpointedCommandOperator(task_id="e", command="x", lease=timedelta(seconds=1), lease_renew_command="false")
+    assert refused._may_resume(store, "rt") is False

@@ -1,0 +1,74 @@
+"""The post-dump handshake: CRIU's action script asks, the supervisor copies, the script exits 0/1."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from cedana_airflow.engine.capture import CaptureOnFreeze
+from cedana_airflow.engine.procfs import open_for_writing, tree_pids
+
+
+HOLDER = """
+import subprocess, sys, time
+d = sys.argv[1]
+a = open(d + "/appended.log", "a"); a.write("x" * 10); a.flush()
+open(d + "/read-only.txt", "w").close(); r = open(d + "/read-only.txt")
+child = "import sys, time; f = open(sys.argv[1] + '/rw.bin', 'w+'); print(1, flush=True); time.sleep(60)"
+c = subprocess.Popen([sys.executable, "-c", child, d], stdout=subprocess.PIPE)
+c.stdout.readline(); print("ready", flush=True); time.sleep(60)
+"""
+
+
+def _holder(tmp_path):
+    """A process tree: a parent appending to one file, a child holding another for read/write."""
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def _run_script(cap: CaptureOnFreeze, pid: int, action: str = "post-dump") -> int:
+    env = dict(os.environ, CRTOOLS_SCRIPT_ACTION=action, CRTOOLS_INIT_PID=str(pid))
+    return subprocess.run(["sh", str(cap.script)], env=env, timeout=30).returncode
+
+
+def test_files_open_for_writing_in_the_whole_tree_are_found(tmp_path):
+    p = _holder(tmp_path)
+    try:
+        pids = tree_pids(p.pid)
+        assert len(pids) == 2
+        assert sorted(open_for_writing(pids)) == [str(tmp_path / "appended.log"), str(tmp_path / "rw.bin")]
+    finally:
+        subprocess.run(["pkill", "-P", str(p.pid)])
+        p.kill()
+
+
+def test_script_hands_over_and_the_supervisor_copies(tmp_path):
+    p = _holder(tmp_path)
+    side = tmp_path / "side"
+    side.mkdir()
+    try:
+        with CaptureOnFreeze(side) as cap:
+            assert _run_script(cap, p.pid, "pre-dump") == 0 and cap.captured == []  # other actions: no-op
+            assert _run_script(cap, p.pid) == 0
+    finally:
+        subprocess.run(["pkill", "-P", str(p.pid)])
+        p.kill()
+    paths = {path: copy for path, copy, _ in cap.captured}
+    assert paths[str(tmp_path / "appended.log")].read_text() == "x" * 10
+    assert str(tmp_path / "rw.bin") in paths and cap.error is None
+
+
+def test_a_failed_capture_fails_the_script_so_criu_fails_the_dump(tmp_path):
+    side = tmp_path / "side"
+    side.mkdir()
+    (side / "captured").write_text("a file where the capture folder should be")
+    p = _holder(tmp_path)
+    try:
+        with CaptureOnFreeze(side) as cap:
+            assert _run_script(cap, p.pid) != 0
+    finally:
+        subprocess.run(["pkill", "-P", str(p.pid)])
+        p.kill()
+    assert cap.error and "FileExistsError" in cap.error

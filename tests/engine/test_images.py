@@ -1,0 +1,32 @@
+"""CRIU image reading, against a real dump."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+from pathlib import Path
+
+from cedana_airflow.config import DEFAULT_CRIU_PREFIX
+from cedana_airflow.engine.criu import CriuEngine, find_criu
+from cedana_airflow.engine.images import image_entries, read_dump_stats
+from cedana_airflow.run.workload import Workload
+
+pytestmark = pytest.mark.integration
+
+
+def test_dump_stats_and_pagemap_of_a_real_dump(tmp_path):
+    devnull = open("/dev/null", "wb")
+    w = Workload.start([sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"], stdout=devnull, stderr=devnull)
+    try:
+        time.sleep(0.3)
+        r = CriuEngine(find_criu("", Path(DEFAULT_CRIU_PREFIX))).dump(w.pid, tmp_path / "images")
+    finally:
+        w.stop(1)
+    st = read_dump_stats(r.image_dir)
+    assert 0 < st["frozen"] <= r.seconds and st["pages_written"] > 0
+    assert r.freeze_seconds == st["frozen"]
+    head, *entries = image_entries(next(r.image_dir.glob("pagemap-*.img")))
+    assert entries and all(isinstance(e.get(1), int) and e.get(2, 0) > 0 for e in entries)  # vaddr, nr_pages
+    assert read_dump_stats(tmp_path) == {}  # no stats-dump there

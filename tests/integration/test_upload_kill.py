@@ -1,0 +1,105 @@
+"""SIGKILL the uploader at random points of a checkpoint's upload, 20 times: the previous complete
+checkpoint stays the latest (or the new one is complete), nothing partial is ever chosen, and what
+is chosen restores with real CRIU and runs to the uninterrupted result."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cedana_airflow.config import DEFAULT_CRIU_PREFIX, load_settings
+from cedana_airflow.engine.criu import CriuEngine, find_criu
+from cedana_airflow.format.manifest import ProcessInfo
+from cedana_airflow.store import open_store
+from cedana_airflow.store.transfer import CheckpointMeta, fetch_checkpoint, load_manifests, save_checkpoint
+from cedana_airflow.run.checkpointer import Checkpointer
+from cedana_airflow.run.workload import Workload
+from conftest import TRAIN, uninterrupted_digest
+
+pytestmark = pytest.mark.integration
+
+TRIALS = 20
+SEED = 20261129
+
+UPLOADER = """
+import json, sys
+from pathlib import Path
+from cedana_airflow.config import load_settings
+from cedana_airflow.format.manifest import ProcessInfo
+from cedana_airflow.store import open_store
+from cedana_airflow.store.transfer import CheckpointMeta, save_checkpoint
+url, image_dir, process = sys.argv[1], Path(sys.argv[2]), ProcessInfo.model_validate_json(sys.argv[3])
+store = open_store(url, load_settings(environ={}))
+cfg = store.open(create=True, chunk_avg_bytes=1 << 20)
+print("uploading", flush=True)
+save_checkpoint(store, cfg, CheckpointMeta("job", "node-a", "4.1.1", process, try_number=1), image_dir)
+print("committed", flush=True)
+"""
+
+
+class _Lines:
+    def __init__(self) -> None:
+        self.data = b""
+
+    def write(self, b: bytes) -> int:
+        self.data += b
+        return len(b)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_sigkilled_uploads_never_leave_a_partial_latest(tmp_path, bucket, s3_env):
+    args = ["--mb", "8", "--steps", "60", "--step-seconds", "0.05"]
+    engine = CriuEngine(find_criu("", Path(DEFAULT_CRIU_PREFIX)))
+    out = _Lines()
+    w = Workload.start([sys.executable, str(TRAIN), *args], stdout=out, stderr=_Lines())  # type: ignore[arg-type]
+    while b"step 5/" not in out.data:
+        time.sleep(0.02)
+    base = engine.dump(w.pid, tmp_path / "a" / "images")
+    while b"step 20/" not in out.data:
+        time.sleep(0.02)
+    newer = engine.dump(w.pid, tmp_path / "b" / "images", leave_running=False)  # the workload ends here
+    w.wait(30)
+    process = ProcessInfo(pid=w.pid, command=w.command, cwd=w.cwd, stdout_pipe=w.stdout_pipe, stderr_pipe=w.stderr_pipe)
+
+    rng = random.Random(SEED)
+    outcomes = {"previous": 0, "new": 0}
+    full = None
+    for trial in range(TRIALS):
+        url = f"s3://{bucket}/trial-{trial}"
+        store = open_store(url, load_settings(environ={}))
+        cfg = store.open(create=True, chunk_avg_bytes=1 << 20)
+        previous = save_checkpoint(store, cfg, CheckpointMeta("job", "node-a", "4.1.1", process, try_number=1),
+                                   base.image_dir)
+        t0 = time.monotonic()
+        up = subprocess.Popen([sys.executable, "-c", UPLOADER, url, str(newer.image_dir), process.model_dump_json()],
+                              stdout=subprocess.PIPE, text=True)
+        assert up.stdout.readline().strip() == "uploading"
+        if full is None:  # the first trial measures a whole upload; later ones kill inside it
+            assert up.wait(120) == 0
+            full = time.monotonic() - t0
+        else:
+            time.sleep(rng.uniform(0, full * 1.1))
+            up.send_signal(signal.SIGKILL)
+            up.wait()
+        up.stdout.close()
+        latest = load_manifests(store, "job")[0]
+        assert latest.seq in (1, 2)
+        outcomes["previous" if latest == previous else "new"] += 1
+        fetch_checkpoint(store, latest, tmp_path / f"verify-{trial}")  # every chunk of what is chosen verifies
+
+    assert outcomes["previous"] >= 5, outcomes  # most kills landed before the commit point
+
+    # And the latest of the last trial restores with real CRIU and finishes like an uninterrupted run.
+    cp = Checkpointer(engine, store, cfg, "job", node="node-b", work_dir=tmp_path / "restore", try_number=2)
+    sink = _Lines()
+    restored = cp.restore(sink, _Lines())  # type: ignore[arg-type]
+    assert restored.workload.wait(120) == 0
+    assert sink.data.decode().strip().splitlines()[-1] == uninterrupted_digest(*args)

@@ -1,0 +1,196 @@
+"""The Kubernetes route as pod specs: there is no Kubernetes API server here, so these are spec tests.
+The pod comes from the operator's own build_pod_request_obj(dry_run=True) and is checked field by field,
+then round-tripped through the installed kubernetes client's OpenAPI models."""
+
+from __future__ import annotations
+
+import types
+from datetime import timedelta
+
+import pytest
+
+pytest.importorskip("airflow.providers.cncf.kubernetes")
+from kubernetes.client import ApiClient  # noqa: E402
+from kubernetes.client import models as k8s  # noqa: E402
+
+from cedana_airflow.operators import CedanaKubernetesPodOperator  # noqa: E402
+from cedana_airflow.airflow.kube import HEARTBEAT_LABEL  # noqa: E402
+
+OPTIN = '[node]\nlabels = { "cedana.ai/enabled" = "true" }\n[queue]\nqueues = ["*"]\n[workload]\ndags = ["*"]\n'
+
+
+class _StateStore(dict):
+    """Stands in for context["task_state_store"] (the real one talks to the API server of a running task)."""
+
+    def set(self, key, value):
+        self[key] = value
+
+
+def _context(try_number=1, state=None):
+    ti = types.SimpleNamespace(dag_id="train_llm", task_id="finetune", try_number=try_number, map_index=-1)
+    return {"ti": ti, "dag": types.SimpleNamespace(dag_id="train_llm"), "run_id": "scheduled__2026-11-29T00:00:00+00:00",
+            "task_state_store": state or _StateStore()}
+
+
+@pytest.fixture
+def optin(tmp_path, monkeypatch):
+    p = tmp_path / "optin.toml"
+    p.write_text(OPTIN)
+    monkeypatch.setenv("AIRFLOW__CEDANA__OPTIN_FILE", str(p))
+    monkeypatch.setenv("AIRFLOW__CEDANA__STORE", "s3://ckpt/airflow")
+    return p
+
+
+def _op(**kw):
+    kw.setdefault("cmds", ["python", "train.py"])
+    kw.setdefault("arguments", ["--epochs", "3"])
+    return CedanaKubernetesPodOperator(task_id="finetune", name="finetune", namespace="ml", image="ml/train:1",
+                                       container_resources=k8s.V1ResourceRequirements(limits={"nvidia.com/gpu": "1"}),
+                                       **{"heartbeat": timedelta(minutes=5), **kw})
+
+
+def _roundtrip(pod):
+    api = ApiClient()
+    data = api.sanitize_for_serialization(pod)
+    again = api._ApiClient__deserialize(data, "V1Pod")  # every model validates its required fields
+    assert api.sanitize_for_serialization(again) == data
+    return data
+
+
+def _node_terms(pod):
+    return pod.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms
+
+
+def test_spec_cedana_route_runtime_class_env_label_and_affinity(optin):
+    pod = _op().build_pod_request_obj(_context(), dry_run=True)
+    _roundtrip(pod)
+    assert pod.spec.runtime_class_name == "cedana"
+    env = {e.name: e.value for e in pod.spec.containers[0].env}
+    assert env["CEDANA_CHECKPOINT"].startswith("train_llm.finetune.scheduled__2026-11-29T00_00_00+00_00-")
+    assert pod.metadata.labels[HEARTBEAT_LABEL] == "300"
+    [term] = _node_terms(pod)
+    assert [(e.key, e.operator, e.values) for e in term.match_expressions] == [("cedana.ai/enabled", "In", ["true"])]
+    assert pod.spec.containers[0].command == ["python", "train.py"]  # untouched on a Cedana cluster
+
+
+def test_spec_a_retry_avoids_the_node_of_the_previous_try_and_never_reattaches(optin):
+    op = _op()
+    assert op.reattach_on_restart is False
+    state = _StateStore({"cedana_k8s_nodes": [{"try_number": 1, "node": "gpu-node-7"}]})
+    pod = op.build_pod_request_obj(_context(try_number=2, state=state), dry_run=True)
+    [term] = _node_terms(pod)
+    assert ("kubernetes.io/hostname", "NotIn", ["gpu-node-7"]) in [(e.key, e.operator, e.values) for e in term.match_expressions]
+    # the pod-starting callback records where this try's pod runs
+    started = k8s.V1Pod(spec=k8s.V1PodSpec(containers=[], node_name="gpu-node-9"))
+    [cb for cb in op.callbacks if cb.__name__ == "_RecordNode"][0].on_pod_starting(
+        pod=started, client=None, mode="sync", operator=op, context=_context(try_number=2, state=state))
+    assert state["cedana_k8s_nodes"][-1] == {"try_number": 2, "node": "gpu-node-9"}
+
+
+def test_spec_wrap_route_wraps_the_command_with_the_cli_and_secret_credentials(optin):
+    pod = _op(route="wrap", store_secret="ckpt-s3").build_pod_request_obj(_context(try_number=3), dry_run=True)
+    data = _roundtrip(pod)
+    main = pod.spec.containers[0]
+    assert main.command[:4] == ["cedana-airflow", "run", "--resume", "--id"]
+    assert main.command[main.command.index("--") + 1:] == ["python", "train.py", "--epochs", "3"]
+    assert main.command[main.command.index("--try-number") + 1] == "3" and not main.args
+    env = {e.name: e for e in main.env}
+    assert env["CEDANA_STORE"].value == "s3://ckpt/airflow"
+    assert env["CEDANA_NODE"].value_from.field_ref.field_path == "spec.nodeName"
+    assert [s.secret_ref.name for s in main.env_from] == ["ckpt-s3"]
+    assert main.security_context.privileged is True and pod.spec.runtime_class_name is None
+    assert "AWS_SECRET_ACCESS_KEY" not in str(data)  # credentials only by reference
+
+
+def test_spec_out_of_scope_pods_are_left_alone_and_a_gpu_pod_says_it_runs_unprotected(tmp_path, monkeypatch, caplog):
+    p = tmp_path / "optin.toml"
+    p.write_text(OPTIN.replace('queues = ["*"]', 'queues = ["gpu"]'))
+    monkeypatch.setenv("AIRFLOW__CEDANA__OPTIN_FILE", str(p))
+    op = _op()
+    plain = op.build_pod_request_obj(_context(), dry_run=True)
+    assert plain.spec.runtime_class_name is None and HEARTBEAT_LABEL not in (plain.metadata.labels or {})
+    assert not any(e.name == "CEDANA_CHECKPOINT" for e in plain.spec.containers[0].env or [])
+
+
+@pytest.mark.integration
+def test_wrap_route_end_to_end_the_pods_command_checkpoints_to_s3_and_the_retry_pod_resumes(tmp_path, optin, bucket, s3_env, monkeypatch):
+    """No cluster: the exact container command lines the operator generates run here, as the two pods would."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    import boto3
+
+    from conftest import TRAIN, kill_node, uninterrupted_digest
+
+    monkeypatch.setenv("AIRFLOW__CEDANA__STORE", f"s3://{bucket}/k8s")
+    args = ["--mb", "60", "--steps", "60", "--step-seconds", "0.1"]
+    op = _op(route="wrap", store_secret="ckpt-s3", cmds=[sys.executable, str(TRAIN)], arguments=args,
+             heartbeat=timedelta(seconds=1))
+    state = _StateStore()
+
+    def container(pod, node: str, work: str) -> tuple[list[str], dict[str, str]]:
+        main = pod.spec.containers[0]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("CEDANA_", "AIRFLOW"))}
+        env.update({e.name: e.value for e in main.env if e.value is not None})
+        env.update(CEDANA_NODE=node, CEDANA_WORK_DIR=str(tmp_path / work), PYTHONUNBUFFERED="1", **s3_env)  # downward API + Secret
+        return list(main.command), env
+
+    first = op.build_pod_request_obj(_context(try_number=1, state=state), dry_run=True)
+    cmd, env = container(first, "node-a", "work-a")
+    assert cmd[0] == "cedana-airflow"
+    cmd[0] = shutil.which("cedana-airflow", path=os.path.dirname(sys.executable))  # the image's PATH
+    out = open(tmp_path / "a.err", "wb")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=out)
+    s3 = boto3.client("s3")
+    deadline = time.monotonic() + 120
+    while not (keys := [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="k8s/train_llm.").get("Contents", [])
+                        if o["Key"].endswith("manifest.json")]):
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "a.err").read_text()
+        time.sleep(0.2)
+    manifest = json.loads(s3.get_object(Bucket=bucket, Key=sorted(keys)[0])["Body"].read())
+    kill_node(proc, manifest["process"]["pid"])  # the node goes away with the pod
+    state.set("cedana_k8s_nodes", [{"try_number": 1, "node": "node-a"}])  # what on_pod_starting recorded
+
+    retry = op.build_pod_request_obj(_context(try_number=2, state=state), dry_run=True)
+    [term] = _node_terms(retry)
+    assert ("kubernetes.io/hostname", "NotIn", ["node-a"]) in [(e.key, e.operator, e.values) for e in term.match_expressions]
+    cmd, env = container(retry, "node-b", "work-b")
+    cmd[0] = shutil.which("cedana-airflow", path=os.path.dirname(sys.executable))
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "restored checkpoint_id=train_llm.finetune." in r.stderr and "from_node=node-a node=node-b" in r.stderr
+    assert not any(line.startswith("start-up") for line in r.stdout.splitlines())
+    assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
+
+
+def test_spec_pod_mutation_hook_routes_kubernetes_executor_pods_on_the_list(optin, tmp_path, monkeypatch):
+    from cedana_airflow.airflow.policy import pod_mutation_hook
+
+    def worker_pod(dag_id: str) -> k8s.V1Pod:  # as the KubernetesExecutor builds one
+        return k8s.V1Pod(
+            metadata=k8s.V1ObjectMeta(name="w", labels={"airflow-worker": "1"},
+                                      annotations={"dag_id": dag_id, "task_id": "fit", "run_id": "manual__1", "try_number": "1"}),
+            spec=k8s.V1PodSpec(containers=[k8s.V1Container(name="base", image="airflow:3.3",
+                                                           args=["airflow", "tasks", "run", "..."])]))
+
+    pod = worker_pod("train_llm")
+    pod_mutation_hook(pod)
+    _roundtrip(pod)
+    assert pod.spec.runtime_class_name == "cedana" and pod.metadata.labels[HEARTBEAT_LABEL] == "600"
+    assert {e.name: e.value for e in pod.spec.containers[0].env}["CEDANA_CHECKPOINT"].startswith("train_llm.fit.manual__1-")
+    assert pod.spec.containers[0].args == ["airflow", "tasks", "run", "..."]
+
+    p = tmp_path / "narrow.toml"
+    p.write_text(OPTIN.replace('dags = ["*"]', 'dags = ["train_*"]'))
+    monkeypatch.setenv("AIRFLOW__CEDANA__OPTIN_FILE", str(p))
+    other = worker_pod("etl_daily")
+    pod_mutation_hook(other)
+    assert other.spec.runtime_class_name is None and HEARTBEAT_LABEL not in other.metadata.labels  # not on the list
+    kpo = _op().build_pod_request_obj(_context(), dry_run=True)
+    before = ApiClient().sanitize_for_serialization(kpo)
+    pod_mutation_hook(kpo)
+    assert ApiClient().sanitize_for_serialization(kpo) == before  # a pod that took its route already is left alone

@@ -1,0 +1,146 @@
+"""The S3 backend against moto's S3 server over HTTP: the same contract as the file store."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import boto3
+import pytest
+
+from cedana_airflow.config import load_settings
+from cedana_airflow.errors import CorruptCheckpoint, StoreUnavailable
+from cedana_airflow.format.manifest import ProcessInfo
+from cedana_airflow.store import open_store
+from cedana_airflow.store.base import chunk_key
+from cedana_airflow.store.transfer import CheckpointMeta, fetch_checkpoint, load_manifests, save_checkpoint
+
+PROC = ProcessInfo(pid=42, command=("train",), cwd="/", stdout_pipe="pipe:[1]", stderr_pipe="pipe:[2]")
+META = CheckpointMeta(checkpoint_id="job", node="n1", engine_version="4.1.1", process=PROC)
+
+
+def _images(d: Path, seed: bytes) -> Path:
+    d.mkdir(parents=True)
+    (d / "pages-1.img").write_bytes(seed * (1 << 20))
+    (d / "core-1.img").write_bytes(os.urandom(5000))
+    return d
+
+
+def _store(bucket, **settings):
+    s = open_store(f"s3://{bucket}/ckpt/team-a", load_settings(settings, environ={}))
+    return s, s.open(create=True, chunk_avg_bytes=64 << 10)
+
+
+def test_round_trip_and_layout_a_person_can_browse(bucket, tmp_path):
+    s, cfg = _store(bucket)
+    src = _images(tmp_path / "img", os.urandom(3))
+    m = save_checkpoint(s, cfg, META, src)
+    keys = {o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket=bucket)["Contents"]}
+    assert "ckpt/team-a/store.json" in keys and "ckpt/team-a/job/0000000001/manifest.json" in keys
+    assert all(k.startswith("ckpt/team-a/chunks/") for k in keys - {"ckpt/team-a/store.json", "ckpt/team-a/job/0000000001/manifest.json"})
+    fetch_checkpoint(s, m, tmp_path / "out")
+    for p in src.iterdir():
+        assert (tmp_path / "out" / p.name).read_bytes() == p.read_bytes()
+    assert s.list_ids() == ["job"] and s.list_seqs("job") == [1]
+
+
+def test_second_checkpoint_uploads_only_new_chunks(bucket, tmp_path):
+    s, cfg = _store(bucket)
+    src = _images(tmp_path / "img", b"")
+    (src / "pages-1.img").write_bytes(os.urandom(4 << 20))  # incompressible, like model weights
+    first = save_checkpoint(s, cfg, META, src)
+    (src / "core-1.img").write_bytes(os.urandom(5000))  # a small change
+    second = save_checkpoint(s, cfg, META, src)
+    assert first.stored_bytes > 4 << 20
+    assert second.stored_bytes < 0.01 * second.image_bytes and second.new_chunks == 1
+
+
+def test_a_first_checkpoint_into_an_empty_store_asks_no_per_chunk_questions(bucket, tmp_path):
+    s, cfg = _store(bucket)
+    heads: list[str] = []
+    s.client.meta.events.register("before-call.s3.HeadObject", lambda params, **kw: heads.append(params["url_path"]))
+    src = _images(tmp_path / "img", os.urandom(7))
+    first = save_checkpoint(s, cfg, META, src)
+    assert heads == [] and first.new_chunks == len(first.chunk_digests())
+    # A new writer (no chunks known from its own previous checkpoint) into a store that has chunks: it asks.
+    second = save_checkpoint(s, cfg, META, src)
+    assert len(heads) == len(second.chunk_digests()) and second.new_chunks == 0 and second.stored_bytes == 0
+
+
+def test_manifests_are_create_only(bucket, tmp_path):
+    s, cfg = _store(bucket)
+    m = save_checkpoint(s, cfg, META, _images(tmp_path / "img", b"x"))
+    assert s.put_manifest("job", 1, b"{}") is False
+    assert load_manifests(s, "job") == [m]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_corrupt_chunk_objects_are_refused(bucket, tmp_path, damage):
+    s, cfg = _store(bucket)
+    m = save_checkpoint(s, cfg, META, _images(tmp_path / "img", os.urandom(7)))
+    key = "ckpt/team-a/" + chunk_key(m.files[-1].chunks[0].digest)
+    c = boto3.client("s3")
+    body = bytearray(c.get_object(Bucket=bucket, Key=key)["Body"].read())
+    if damage == "delete":
+        c.delete_object(Bucket=bucket, Key=key)
+    else:
+        if damage == "flip":
+            body[len(body) // 2] ^= 1
+        else:
+            del body[-100:]
+        c.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    with pytest.raises(CorruptCheckpoint, match="missing" if damage == "delete" else "seq=1"):
+        fetch_checkpoint(s, m, tmp_path / "out")
+
+
+def test_server_side_encryption_is_requested_on_every_object(bucket, tmp_path):
+    s, cfg = _store(bucket, s3_sse="AES256")
+    save_checkpoint(s, cfg, META, _images(tmp_path / "img", b"e"))
+    c = boto3.client("s3")
+    for o in c.list_objects_v2(Bucket=bucket, Prefix="ckpt/team-a/chunks/")["Contents"] + \
+            c.list_objects_v2(Bucket=bucket, Prefix="ckpt/team-a/job/")["Contents"]:
+        assert c.head_object(Bucket=bucket, Key=o["Key"])["ServerSideEncryption"] == "AES256"
+
+
+def test_missing_bucket_is_one_clear_line(s3_env):
+    s = open_store("s3://no-such-bucket-here/x", load_settings(environ={}))
+    with pytest.raises(StoreUnavailable, match=r"bucket 'no-such-bucket-here' does not exist at http://127\.0\.0\.1:\d+\. Create it"):
+        s.open(create=True, chunk_avg_bytes=1 << 20)
+
+
+def test_unreachable_endpoint_is_one_clear_line(s3_env, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # discard port: nothing listens
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    s = open_store("s3://any-bucket/x", load_settings(environ={}))
+    with pytest.raises(StoreUnavailable, match=r"endpoint http://127\.0\.0\.1:9 is unreachable\. Check AWS_ENDPOINT_URL"):
+        s.open(create=True, chunk_avg_bytes=1 << 20)
+
+
+def test_credentials_never_reach_a_message(s3_env, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-value")
+    for url in ("s3://user:s3cr3t-value@bucket/x", "s3://UPPER/x", "s3://b/../x"):
+        with pytest.raises(Exception) as e:
+            open_store(url, load_settings(environ={}))
+        assert "s3cr3t-value" not in str(e.value) and "s3://bucket/prefix" in str(e.value)
+
+
+def test_kms_key_without_kms_is_a_config_error():
+    from cedana_airflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="s3_sse_kms_key_id is set but s3_sse is not 'aws:kms'"):
+        load_settings({"s3_sse_kms_key_id": "arn:aws:kms:us-east-1:1:key/x"}, environ={})
+
+
+def test_wrong_credentials_are_one_clear_line_without_the_secret(tmp_path):
+    from conftest import cli, cli_env, moto_server
+
+    with moto_server(INITIAL_NO_AUTH_ACTION_COUNT="0") as endpoint:  # this one checks every request's credentials
+        env = cli_env(tmp_path, "n", "w", CEDANA_STORE="s3://some-bucket/x", AWS_ENDPOINT_URL=endpoint,
+                      AWS_ACCESS_KEY_ID="AKIANOTAREALKEY00000", AWS_SECRET_ACCESS_KEY="wrong-secret-4711",
+                      AWS_DEFAULT_REGION="us-east-1")
+        r = cli("checkpoints", env=env)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("StoreUnavailable: store s3://some-bucket/x/: checking the bucket was refused (403)")
+    assert "Check the credentials" in lines[0]
+    assert "wrong-secret-4711" not in r.stderr + r.stdout and "AKIANOTAREALKEY00000" not in r.stderr + r.stdout
