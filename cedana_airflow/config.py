@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import ConfigError
 
-__all__ = ["Layer", "Settings", "load_settings", "redact", "DEFAULT_CRIU_PREFIX", "STORE_URL_HINT"]
+__all__ = ["Layer", "Settings", "default", "load_settings", "redact", "DEFAULT_CRIU_PREFIX", "STORE_URL_HINT"]
 
 #: Where scripts/install-criu.sh unpacks a private CRIU on machines whose apt has no CRIU >= 4.
 DEFAULT_CRIU_PREFIX = "/opt/cedana-airflow/criu"
@@ -121,6 +121,12 @@ class Settings(BaseModel):
 
     def resolved_node(self) -> str:
         return self.node or socket.gethostname()
+
+
+def default(name: str) -> Any:
+    """The default of setting ``name``, for code below the settings that needs the same value (a
+    store.json written by hand, a library call without settings): written once, in Settings."""
+    return Settings.model_fields[name].default
 
 
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:

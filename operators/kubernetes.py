@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from airflow.configuration import conf
 from airflow.providers.cncf.kubernetes.callbacks import KubernetesPodOperatorCallback
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from airflow.sdk.exceptions import AirflowFailException
@@ -20,6 +19,7 @@ from kubernetes.client import models as k8s
 
 from cedana_airflow.errors import ConfigError
 from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
+from cedana_airflow.airflow.config import airflow_options
 from cedana_airflow.airflow.kube import Route, apply_route, pod_scope, uses_gpu
 
 if TYPE_CHECKING:
@@ -52,7 +52,8 @@ class CedanaKubernetesPodOperator(KubernetesPodOperator):
     """``KubernetesPodOperator`` plus checkpointing: everything it takes, and
 
     :param checkpoint_id: templated; default derived from dag_id, task_id, map_index and run_id.
-    :param heartbeat: time between checkpoints (default [cedana] heartbeat_seconds, else 10 minutes).
+    :param heartbeat: time between checkpoints (default [cedana] heartbeat_seconds, else 10 minutes:
+        ``POD_HEARTBEAT_FALLBACK_SECONDS``).
     :param route: ``cedana`` or ``wrap`` (default [cedana] k8s_route, else ``cedana``).
     :param store_secret: wrap route: a Secret whose keys become the container's environment (the
         store's credentials, e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL).
@@ -67,9 +68,9 @@ class CedanaKubernetesPodOperator(KubernetesPodOperator):
         kwargs["durable"] = False  # a retry gets a new pod on another node, never the failed one
         super().__init__(callbacks=[*callbacks, _RecordNode], **kwargs)
         self.checkpoint_id, self.heartbeat, self.store_secret = checkpoint_id, heartbeat, store_secret
-        self.route = route or conf.get("cedana", "k8s_route", fallback="cedana") or "cedana"
-        if self.route not in ("cedana", "wrap"):
-            raise ValueError(f"{self.task_id}: route {self.route!r} is unknown; use 'cedana' or 'wrap'.")
+        if route and route not in ("cedana", "wrap"):
+            raise ValueError(f"{self.task_id}: route {route!r} is unknown; use 'cedana' or 'wrap'.")
+        self.route = route or airflow_options("k8s_route").k8s_route
 
     def build_pod_request_obj(self, context: Context | None = None, *, dry_run: bool = False) -> k8s.V1Pod:
         pod = super().build_pod_request_obj(context, dry_run=dry_run)
@@ -101,7 +102,7 @@ class CedanaKubernetesPodOperator(KubernetesPodOperator):
         if earlier:
             self.log.info("cedana: this retry's pod avoids node(s) %s, where earlier tries ran", ", ".join(earlier))
         route = Route(kind=self.route, checkpoint_id=cid,  # type: ignore[arg-type]
-                      heartbeat_seconds=int(scope.settings.heartbeat_seconds or 600), node_label=scope.node_label,
+                      heartbeat_seconds=scope.heartbeat_seconds, node_label=scope.node_label,
                       avoid_nodes=tuple(dict.fromkeys(earlier)), runtime_class=scope.runtime_class,
                       store=scope.settings.store, store_secret=self.store_secret or "", try_number=ti.try_number)
         return apply_route(pod, route)

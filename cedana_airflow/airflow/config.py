@@ -3,41 +3,123 @@
 Precedence, rising: core defaults < CEDANA_CONFIG < CEDANA_* < [cedana] < operator arguments. A bad
 value is one ConfigError naming the option and where it came from, raised when the operator is
 built (so the DAG shows an import error) or when the task starts, never deep inside a worker.
+
+The [cedana] section declared to Airflow (provider info) is generated from the two models here:
+every core :class:`~cedana_airflow.config.Settings` field, plus :class:`AirflowOptions`, the options
+only the Airflow side reads. So ``airflow config list --section cedana`` shows the real defaults, and
+a default is written once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import types
+import typing
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
-from ..config import Settings, load_settings
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..config import Settings, load_settings, redact
 from ..errors import ConfigError
 
-__all__ = ["TaskOptions", "task_settings"]
-
-#: [cedana] options that are not core settings.
-_AIRFLOW_ONLY = {"aws_conn_id", "same_node_retry", "k8s_route", "k8s_runtime_class"}
+__all__ = ["AirflowOptions", "ConfigOption", "airflow_options", "config_options", "task_settings"]
 
 
-@dataclass(frozen=True)
-class TaskOptions:
-    aws_conn_id: str | None
-    same_node_retry: Literal["allow", "fail"]
+class AirflowOptions(BaseModel):
+    """[cedana] options that are not core settings: only the operators and the plugin read them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    aws_conn_id: str | None = Field(
+        default=None,
+        description="Airflow connection for s3:// stores (amazon provider's S3Hook). Unset: boto3's credential chain.")
+    same_node_retry: Literal["allow", "fail"] = Field(
+        default="allow", description="A retry on the node where the previous try failed: 'allow' (log it) or "
+        "'fail' (fail fast so the next retry is placed elsewhere).")
+    k8s_route: Literal["cedana", "wrap"] = Field(
+        default="cedana", description="CedanaKubernetesPodOperator: 'cedana' (runtime class on a Cedana cluster) or "
+        "'wrap' (our CLI wrapped around the container's command).")
+    k8s_runtime_class: str = Field(default="cedana", description="The runtime class of the 'cedana' route.")
 
 
-def _section() -> dict[str, str]:
+#: Where a core setting's meaning differs inside Airflow, the [cedana] description says so.
+_AIRFLOW_WORDING = {
+    "store": "Store URL: file:///DIR or s3://bucket/prefix. Unset: file://$AIRFLOW_HOME/cedana/store.",
+    "heartbeat_seconds": "Default seconds between heartbeat checkpoints for operators without `heartbeat`; 0 = none.",
+    "checkpoint_on_term": "Take a final checkpoint when Airflow stops a task (drain, preemption, mark-failed).",
+    "work_dir": "Local directory for dumps and restores. Unset: a temp dir per task.",
+}
+
+
+class ConfigOption(NamedTuple):
+    name: str
+    type: str  # Airflow's option types: string, integer, float, boolean
+    default: str | None  # as airflow.cfg would spell it; None: unset
+    description: str
+
+
+def _airflow_type(annotation: Any) -> str:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        annotation = args[0]
+    return {bool: "boolean", int: "integer", float: "float"}.get(annotation, "string")
+
+
+def _spelled(value: Any) -> str | None:
+    if value is None or value == "":
+        return None
+    return str(value)
+
+
+def config_options() -> tuple[ConfigOption, ...]:
+    """The [cedana] section, option by option, from the models' fields (defaults and descriptions)."""
+    out = []
+    for model in (Settings, AirflowOptions):
+        for name, f in model.model_fields.items():
+            out.append(ConfigOption(name, _airflow_type(f.annotation), _spelled(f.default),
+                                    _AIRFLOW_WORDING.get(name, f.description or "")))
+    return tuple(out)
+
+
+def _where(key: str) -> str:
+    return f"airflow.cfg [cedana] {key} / AIRFLOW__CEDANA__{key.upper()}"
+
+
+def _section(names: Sequence[str]) -> dict[str, str]:
+    """The [cedana] options set by the deployment (airflow.cfg, AIRFLOW__CEDANA__*, commands, secrets).
+
+    The provider's declared defaults are left out on purpose: they repeat the core defaults, and
+    read as a layer they would hide CEDANA_* and CEDANA_CONFIG, which sit below [cedana].
+    """
     from airflow.configuration import conf
 
-    from . import CONFIG_OPTIONS
-
     out = {}
-    for name, *_ in CONFIG_OPTIONS:
-        value = conf.get("cedana", name, fallback=None)
-        if value not in (None, ""):
-            out[name] = value
+    with conf.make_sure_configuration_loaded(with_providers=False):
+        for name in names:
+            value = conf.get("cedana", name, fallback=None)
+            if value not in (None, ""):
+                out[name] = value
     return out
+
+
+def airflow_options(*names: str, overrides: Mapping[str, Any] | None = None) -> AirflowOptions:
+    """The Airflow-only options ``names`` (all when none are named), from [cedana], then ``overrides``;
+    options not asked for keep their defaults, so a bad value of one never breaks a reader of another."""
+    wanted = names or tuple(AirflowOptions.model_fields)
+    values: dict[str, Any] = dict(_section(wanted))
+    source = {k: _where(k) for k in values}
+    for k, v in (overrides or {}).items():
+        if k in wanted and v is not None:
+            values[k], source[k] = v, f"operator argument {k}"
+    try:
+        return AirflowOptions(**values)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][0])
+        why = f"use {err['ctx']['expected']}" if err["type"] == "literal_error" else err["msg"]
+        raise ConfigError(f"setting {field} = {redact(values.get(field))!r} (from {source.get(field, field)}) "
+                          f"is invalid: {why}.") from None
 
 
 def _default_store() -> str:
@@ -47,20 +129,16 @@ def _default_store() -> str:
 
 
 def task_settings(overrides: Mapping[str, Any] | None = None,
-                  scope_defaults: Mapping[str, Any] | None = None) -> tuple[Settings, TaskOptions]:
-    """``scope_defaults``: what the opt-in list sets for the scopes that admitted the task (above
+                  scope_defaults: Mapping[str, Any] | None = None) -> tuple[Settings, AirflowOptions]:
+    """A task's core settings and the options its operator reads (aws_conn_id, same_node_retry).
+
+    ``scope_defaults``: what the opt-in list sets for the scopes that admitted the task (above
     [cedana], below operator arguments)."""
-    section = _section()
-    core = {k: v for k, v in section.items() if k not in _AIRFLOW_ONLY}
-    layers = [(lambda k: f"airflow.cfg [cedana] {k} / AIRFLOW__CEDANA__{k.upper()}", core),
-              (lambda k: f"the opt-in list's defaults ({k})", dict(scope_defaults or {}))]
-    settings = load_settings({k: v for k, v in (overrides or {}).items() if k not in _AIRFLOW_ONLY},
+    core_names = tuple(Settings.model_fields)
+    section = _section(core_names)
+    layers = [(_where, section), (lambda k: f"the opt-in list's defaults ({k})", dict(scope_defaults or {}))]
+    settings = load_settings({k: v for k, v in (overrides or {}).items() if k in core_names},
                              layers=layers, overrides_source=lambda k: f"operator argument {k}")
     if not settings.store:
         settings = settings.model_copy(update={"store": _default_store()})
-    policy = section.get("same_node_retry", "allow")
-    if policy not in ("allow", "fail"):
-        raise ConfigError(f"setting same_node_retry = {policy!r} (from airflow.cfg [cedana] same_node_retry / "
-                          "AIRFLOW__CEDANA__SAME_NODE_RETRY) is invalid: use 'allow' or 'fail'.")
-    conn = (overrides or {}).get("aws_conn_id") or section.get("aws_conn_id")
-    return settings, TaskOptions(aws_conn_id=conn, same_node_retry=policy)  # type: ignore[arg-type]
+    return settings, airflow_options("aws_conn_id", "same_node_retry", overrides=overrides)

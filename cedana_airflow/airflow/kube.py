@@ -25,15 +25,17 @@ from kubernetes.client import models as k8s
 
 from ..config import Settings
 from ..ids import validate_checkpoint_id
-from ..scope.optin import Decision
+from ..scope.optin import DEFAULT_NODE_LABEL, Decision
 
 __all__ = ["HEARTBEAT_LABEL", "CHECKPOINT_ENV", "NOT_READY_TAINT", "PodScope", "Route", "apply_route",
-           "kubernetes_executor_route", "pod_scope", "uses_gpu"]
+           "POD_HEARTBEAT_FALLBACK_SECONDS", "kubernetes_executor_route", "pod_scope", "uses_gpu"]
 
 HEARTBEAT_LABEL = "cedana.ai/heartbeat-checkpoint"
 CHECKPOINT_ENV = "CEDANA_CHECKPOINT"
 NOT_READY_TAINT = "cedana.ai/not-ready"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
+#: A pod's heartbeat when neither the operator nor the settings give one: both routes need an interval.
+POD_HEARTBEAT_FALLBACK_SECONDS = 600
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class Route:
     kind: Literal["cedana", "wrap"]
     checkpoint_id: str
     heartbeat_seconds: int
-    node_label: tuple[str, str] = ("cedana.ai/enabled", "true")
+    node_label: tuple[str, str] = DEFAULT_NODE_LABEL
     avoid_nodes: tuple[str, ...] = ()  # where earlier tries ran
     runtime_class: str = "cedana"
     store: str = ""  # wrap: the store URL the in-pod CLI writes to
@@ -119,14 +121,16 @@ class PodScope:
     node_label: tuple[str, str]
     runtime_class: str
 
+    @property
+    def heartbeat_seconds(self) -> int:
+        return int(self.settings.heartbeat_seconds or POD_HEARTBEAT_FALLBACK_SECONDS)
+
 
 def pod_scope(dag_id: str, task_id: str, queue: str, pool: str, overrides: Mapping[str, Any]) -> PodScope:
     """Judge a pod's task against the opt-in list. The scheduler picks the pod's node later, so the node
     scope is met by pinning the pod to the list's node label; queue and workload are judged here."""
-    from airflow.configuration import conf
-
-    from ..scope.optin import DEFAULT_NODE_LABEL, Where, decide, load_optin
-    from .config import task_settings
+    from ..scope.optin import Where, decide, load_optin
+    from .config import airflow_options, task_settings
 
     settings, _ = task_settings(overrides)
     optin = load_optin(settings.optin_file)
@@ -135,8 +139,7 @@ def pod_scope(dag_id: str, task_id: str, queue: str, pool: str, overrides: Mappi
     decision = decide(optin, where)
     if decision.in_scope:
         settings, _ = task_settings(overrides, decision.defaults)
-    runtime_class = conf.get("cedana", "k8s_runtime_class", fallback="cedana") or "cedana"
-    return PodScope(decision, settings, label, runtime_class)
+    return PodScope(decision, settings, label, airflow_options("k8s_runtime_class").k8s_runtime_class)
 
 
 def kubernetes_executor_route(pod: k8s.V1Pod, annotations: dict[str, str]) -> k8s.V1Pod | None:
@@ -153,7 +156,7 @@ def kubernetes_executor_route(pod: k8s.V1Pod, annotations: dict[str, str]) -> k8
         return None
     map_index = int(annotations.get("map_index", "-1") or -1)
     cid = derive_checkpoint_id(annotations["dag_id"], annotations["task_id"], annotations["run_id"], map_index=map_index)
-    route = Route(kind="cedana", checkpoint_id=cid, heartbeat_seconds=int(scope.settings.heartbeat_seconds or 600),
+    route = Route(kind="cedana", checkpoint_id=cid, heartbeat_seconds=scope.heartbeat_seconds,
                   node_label=scope.node_label, runtime_class=scope.runtime_class,
                   try_number=int(annotations.get("try_number", "0") or 0))
     return apply_route(pod, route)

@@ -7,6 +7,7 @@ from typing import Any
 from ..config import Settings
 from ..errors import ConfigError
 from ..store import Store, open_store
+from ..store.s3 import client_config
 
 __all__ = ["task_store", "s3_client_for"]
 
@@ -16,7 +17,6 @@ def s3_client_for(aws_conn_id: str, settings: Settings) -> Any:
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
     from airflow.sdk import BaseHook
     from airflow.sdk.exceptions import AirflowNotFoundException
-    from botocore.config import Config
 
     # Looked up first: S3Hook on its own logs a warning for a missing connection and carries on with
     # boto3's default chain, which could write checkpoints somewhere nobody configured.
@@ -28,9 +28,7 @@ def s3_client_for(aws_conn_id: str, settings: Settings) -> Any:
             f"'airflow connections add', or AIRFLOW_CONN_{aws_conn_id.upper()}) or drop aws_conn_id to use "
             "boto3's credential chain."
         ) from None
-    cfg = Config(retries={"mode": "standard", "max_attempts": 5}, max_pool_connections=max(settings.s3_parallelism, 10),
-                 s3={"addressing_style": settings.s3_addressing_style}, connect_timeout=10, read_timeout=60)
-    return S3Hook(aws_conn_id=aws_conn_id, config=cfg).get_conn()
+    return S3Hook(aws_conn_id=aws_conn_id, config=client_config(settings)).get_conn()
 
 
 def task_store(settings: Settings, aws_conn_id: str | None) -> Store:

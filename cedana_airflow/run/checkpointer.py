@@ -8,14 +8,18 @@ next older one is tried, saying so.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from ..config import Settings
 from ..store import index
 from ..engine.criu import CriuEngine
 from .estimate import estimate_checkpoint, too_large
@@ -27,7 +31,7 @@ from ..store.base import Store, StoreConfig
 from ..store.transfer import CAPTURED_DIR, CapturedSource, CheckpointMeta, fetch_checkpoint, require_latest, save_checkpoint
 from .workload import Workload, become_subreaper
 
-__all__ = ["Checkpointer", "Restored"]
+__all__ = ["Checkpointer", "PhaseHook", "Restored"]
 
 log = logging.getLogger(__name__)
 
@@ -39,28 +43,44 @@ class Restored:
     skipped: tuple[str, ...]  # why newer checkpoints were refused, newest first
 
 
+#: Called with a phase's name and its seconds, after each phase: ``dump`` (frozen, into the work dir),
+#: ``save`` (chunks and manifest into the store), ``fetch`` (chunks out of the store, each verified),
+#: ``criu_restore`` (the engine's restore). An explicit hook for whoever measures (bench/), so nobody
+#: has to wrap this module's functions to time them.
+PhaseHook = Callable[[str, float], None]
+
+
 class Checkpointer:
-    def __init__(self, engine: CriuEngine, store: Store, store_cfg: StoreConfig, checkpoint_id: str, *,
-                 node: str, work_dir: Path, try_number: int = 0, compression: str = "zstd",
-                 keep_local: bool = False, progress_mode: str = "never", max_checkpoint_bytes: int = 0,
-                 keep_checkpoints: int = 0) -> None:
+    """Checkpoints and restores under one checkpoint ID, as ``settings`` say (node, compression,
+    retention, size limit, progress display, whether local dumps are kept)."""
+
+    def __init__(self, engine: CriuEngine, store: Store, store_cfg: StoreConfig, checkpoint_id: str,
+                 settings: Settings, *, work_dir: Path, try_number: int = 0, on_phase: PhaseHook | None = None) -> None:
         self.engine, self.store, self.store_cfg = engine, store, store_cfg
         self.checkpoint_id = validate_checkpoint_id(checkpoint_id)
-        self.node, self.work_dir, self.try_number = node, work_dir, try_number
-        self.compression, self.keep_local, self.progress_mode = compression, keep_local, progress_mode
-        self.max_checkpoint_bytes = max_checkpoint_bytes
-        self.keep_checkpoints = keep_checkpoints  # 0: keep all
+        self.settings = settings
+        self.node, self.work_dir, self.try_number = settings.resolved_node(), work_dir, try_number
         self.skipped = 0  # heartbeats skipped as too large
+        self._on_phase = on_phase
         self._lock = threading.Lock()
         self._count = 0
         self._known: set[str] = set()
         self.parent_seq: int | None = None
 
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            if self._on_phase is not None:
+                self._on_phase(name, time.monotonic() - t0)
+
     def checkpoint(self, workload: Workload, *, leave_running: bool = True) -> Manifest | None:
         """Take a checkpoint and store it; None when it was skipped as too large (see estimate.py)."""
         with self._lock:
             estimate = estimate_checkpoint(workload.pids())
-            why = too_large(estimate, self.max_checkpoint_bytes, self.work_dir)
+            why = too_large(estimate, self.settings.max_checkpoint_bytes, self.work_dir)
             if why:
                 self.skipped += 1
                 # Once per checkpoint ID at WARNING; a heartbeat every minute must not flood the log.
@@ -74,7 +94,8 @@ class Checkpointer:
             dump_dir = self.work_dir / f"dump-{os.getpid()}-{self._count}"
             rss = estimate.rss_bytes
             try:
-                dump = self.engine.dump(workload.pid, dump_dir / "images", leave_running=leave_running)
+                with self._phase("dump"):
+                    dump = self.engine.dump(workload.pid, dump_dir / "images", leave_running=leave_running)
                 meta = CheckpointMeta(
                     checkpoint_id=self.checkpoint_id, node=self.node, engine_version=self.engine.version,
                     process=ProcessInfo(pid=workload.pid, command=workload.command, cwd=workload.cwd,
@@ -83,14 +104,15 @@ class Checkpointer:
                     try_number=self.try_number, freeze_seconds=dump.freeze_seconds, parent_seq=self.parent_seq,
                 )
                 captured = [CapturedSource(p, c, m) for p, c, m in dump.captured]
-                manifest = save_checkpoint(self.store, self.store_cfg, meta, dump.image_dir, captured,
-                                           known_digests=self._known, compression=self.compression,
-                                           progress_mode=self.progress_mode)
+                with self._phase("save"):
+                    manifest = save_checkpoint(self.store, self.store_cfg, meta, dump.image_dir, captured,
+                                               known_digests=self._known, compression=self.settings.compression,
+                                               progress_mode=self.settings.progress)
             finally:
-                if not self.keep_local:
+                if not self.settings.keep_local:
                     shutil.rmtree(dump_dir, ignore_errors=True)
             self._known = manifest.chunk_digests()
-            kept = prune_checkpoints(self.store, self.checkpoint_id, self.keep_checkpoints)[0] if self.keep_checkpoints else None
+            kept = prune_checkpoints(self.store, self.checkpoint_id, self.settings.keep_checkpoints)[0]
             index.record_checkpoint(self.store, manifest, kept)
             log.info("freeze checkpoint_id=%s seq=%d freeze_seconds=%.3f rss_bytes=%d",
                      self.checkpoint_id, manifest.seq, dump.freeze_seconds, rss)
@@ -110,7 +132,8 @@ class Checkpointer:
             restore_dir = self.work_dir / f"restore-{os.getpid()}-{m.seq}"
             shutil.rmtree(restore_dir, ignore_errors=True)
             try:
-                fetch_checkpoint(self.store, m, restore_dir / "images", self.progress_mode)
+                with self._phase("fetch"):
+                    fetch_checkpoint(self.store, m, restore_dir / "images", self.settings.progress)
                 workload = self._restore_from(restore_dir / "images", m, stdout, stderr)
             except (CorruptCheckpoint, RestoreFailed) as e:
                 skipped.append(str(e))
@@ -118,7 +141,7 @@ class Checkpointer:
                             "falling back to the previous one" if i + 1 < len(candidates) else "no older checkpoint left")
                 continue
             finally:
-                if not self.keep_local:
+                if not self.settings.keep_local:
                     shutil.rmtree(restore_dir, ignore_errors=True)
             self.parent_seq = m.seq
             self._known = m.chunk_digests()
@@ -135,10 +158,11 @@ class Checkpointer:
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
             err_r, err_w = os.pipe2(os.O_CLOEXEC)
             try:
-                pid = self.engine.restore(
-                    dest, inherit={out_w: m.process.stdout_pipe, err_w: m.process.stderr_pipe},
-                    pidfile=dest.with_name(dest.name + ".pid"),
-                )
+                with self._phase("criu_restore"):
+                    pid = self.engine.restore(
+                        dest, inherit={out_w: m.process.stdout_pipe, err_w: m.process.stderr_pipe},
+                        pidfile=dest.with_name(dest.name + ".pid"),
+                    )
             except BaseException:
                 os.close(out_r)
                 os.close(err_r)

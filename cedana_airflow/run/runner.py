@@ -12,13 +12,14 @@ outcome               meaning
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import signal
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -97,36 +98,11 @@ def run_workload(
     engine = make_engine(settings)
     store = store or open_store(settings.resolved_store(), settings)
     store_cfg = store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
-    own_work_dir = settings.work_dir is None
-    work_dir = Path(tempfile.mkdtemp(prefix="cedana-work-")) if own_work_dir else Path(settings.work_dir)  # type: ignore[arg-type]
-    work_dir.mkdir(parents=True, exist_ok=True)
-    cp = Checkpointer(engine, store, store_cfg, checkpoint_id, node=settings.resolved_node(), work_dir=work_dir,
-                      try_number=try_number, compression=settings.compression, keep_local=settings.keep_local,
-                      progress_mode=settings.progress, max_checkpoint_bytes=settings.max_checkpoint_bytes,
-                      keep_checkpoints=settings.keep_checkpoints)
-    try:
+    with _work_dir(settings) as work_dir:
+        cp = Checkpointer(engine, store, store_cfg, checkpoint_id, settings, work_dir=work_dir, try_number=try_number)
         result = RunResult(exit_code=0, outcome="fresh")
-        workload: Workload | None = None
-        if resume or command is None:
-            t0, started_at = time.monotonic(), datetime.now(timezone.utc)
-            try:
-                restored = cp.restore(stdout, stderr)
-            except CheckpointNotFound:
-                if command is None:
-                    raise
-                log.info("no checkpoint to resume checkpoint_id=%s; starting fresh", checkpoint_id)
-            except CorruptCheckpoint as e:
-                if command is None:
-                    raise
-                result.skipped = (str(e),)
-                log.warning("no checkpoint could be restored checkpoint_id=%s; starting fresh", checkpoint_id)
-            else:
-                workload, m = restored.workload, restored.manifest
-                result.outcome, result.restored_from, result.skipped = "restored", m, restored.skipped
-                result.restore_seconds = time.monotonic() - t0
-                result.restore_gap_seconds = max(0.0, (started_at - m.created_at).total_seconds())
-                log.info("restored checkpoint_id=%s seq=%d from_node=%s node=%s gap_seconds=%.1f restore_seconds=%.2f",
-                         checkpoint_id, m.seq, m.node, cp.node, result.restore_gap_seconds, result.restore_seconds)
+        workload = _resume(cp, result, must_restore=command is None, stdout=stdout, stderr=stderr) \
+            if resume or command is None else None
         if workload is None:
             assert command is not None
             workload = Workload.start(command, cwd=cwd, env=env, stdout=stdout, stderr=stderr)
@@ -135,13 +111,53 @@ def run_workload(
         if result.exit_code == 0 and settings.delete_on_success:
             delete_checkpoint_id(store, checkpoint_id)  # done: nothing left to resume
         return result
+
+
+@contextlib.contextmanager
+def _work_dir(settings: Settings) -> Iterator[Path]:
+    """The configured work directory, or a temp one that is removed afterwards (unless keep_local)."""
+    if settings.work_dir is not None:
+        settings.work_dir.mkdir(parents=True, exist_ok=True)
+        yield settings.work_dir
+        return
+    work_dir = Path(tempfile.mkdtemp(prefix="cedana-work-"))
+    try:
+        yield work_dir
     finally:
-        if own_work_dir and not settings.keep_local:
+        if not settings.keep_local:
             shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _resume(cp: Checkpointer, result: RunResult, *, must_restore: bool, stdout: BinaryIO | None,
+            stderr: BinaryIO | None) -> Workload | None:
+    """Restore the newest usable checkpoint into ``result``; None (start fresh) when there is none,
+    unless ``must_restore`` (restore without a command), where that is the caller's error."""
+    t0, started_at = time.monotonic(), datetime.now(timezone.utc)
+    try:
+        restored = cp.restore(stdout, stderr)
+    except CheckpointNotFound:
+        if must_restore:
+            raise
+        log.info("no checkpoint to resume checkpoint_id=%s; starting fresh", cp.checkpoint_id)
+        return None
+    except CorruptCheckpoint as e:
+        if must_restore:
+            raise
+        result.skipped = (str(e),)
+        log.warning("no checkpoint could be restored checkpoint_id=%s; starting fresh", cp.checkpoint_id)
+        return None
+    m = restored.manifest
+    result.outcome, result.restored_from, result.skipped = "restored", m, restored.skipped
+    result.restore_seconds = time.monotonic() - t0
+    result.restore_gap_seconds = max(0.0, (started_at - m.created_at).total_seconds())
+    log.info("restored checkpoint_id=%s seq=%d from_node=%s node=%s gap_seconds=%.1f restore_seconds=%.2f",
+             cp.checkpoint_id, m.seq, m.node, cp.node, result.restore_gap_seconds, result.restore_seconds)
+    return restored.workload
 
 
 def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result: RunResult,
                handle_signals: bool, stop: threading.Event | None) -> RunResult:
+    """Run the triggers while the workload runs; on a stop request take the final checkpoint and stop it."""
     stop_requested = stop or threading.Event()
     got: list[int] = []
 
@@ -154,11 +170,65 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
         if workload.poll() is None:
             take()
 
-    hb = Heartbeat(settings.heartbeat_seconds, beat) if settings.heartbeat_seconds > 0 else None
-    watch = (MemoryWatch(settings.checkpoint_above_bytes, lambda: estimate_checkpoint(workload.pids()).total, beat)
-             if settings.checkpoint_above_bytes > 0 else None)
+    triggers = _Triggers(settings, workload, beat)
+    with _signals(handle_signals, workload, got, stop_requested):
+        triggers.start()
+        try:
+            while workload.poll() is None:
+                if stop_requested.wait(0.1):
+                    sig = signal.Signals(got[0] if got else signal.SIGTERM)
+                    log.info("stop requested signal=%s checkpoint_on_term=%s", sig.name, settings.checkpoint_on_term)
+                    triggers.stop()
+                    if workload.poll() is None:
+                        _final_checkpoint(settings, take)
+                        result.stopped_by_signal = sig
+                        workload.stop(settings.stop_grace_seconds, sig)
+                    break
+        finally:
+            triggers.stop()
+        rc = workload.wait()
+    # Stopped by us: 128 + the signal we were sent, as a shell reports it. Otherwise its own code.
+    result.exit_code = 128 + result.stopped_by_signal if result.stopped_by_signal else (rc if rc is not None else 1)
+    result.skipped_heartbeats = cp.skipped
+    log.info("workload exited checkpoint_id=%s exit_code=%d checkpoints=%d skipped_heartbeats=%d",
+             cp.checkpoint_id, result.exit_code, len(result.checkpoints), cp.skipped)
+    return result
+
+
+def _final_checkpoint(settings: Settings, take: Callable[[], None]) -> None:
+    if not settings.checkpoint_on_term:
+        return
+    try:
+        take()
+    except Exception as e:  # stopping matters more than the final checkpoint
+        log.warning("final checkpoint failed: %s", e)
+
+
+class _Triggers:
+    """The heartbeat and the memory watch that ``settings`` ask for, started and stopped together."""
+
+    def __init__(self, settings: Settings, workload: Workload, beat: Callable[[], None]) -> None:
+        self.heartbeat = Heartbeat(settings.heartbeat_seconds, beat) if settings.heartbeat_seconds > 0 else None
+        self.watch = (MemoryWatch(settings.checkpoint_above_bytes, lambda: estimate_checkpoint(workload.pids()).total,
+                                  beat) if settings.checkpoint_above_bytes > 0 else None)
+
+    def start(self) -> None:
+        for t in (self.heartbeat, self.watch):
+            if t is not None:
+                t.start()
+
+    def stop(self) -> None:
+        for t in (self.heartbeat, self.watch):
+            if t is not None and t.is_alive():
+                t.stop()
+
+
+@contextlib.contextmanager
+def _signals(handle: bool, workload: Workload, got: list[int], stop_requested: threading.Event) -> Iterator[None]:
+    """While supervising: SIGTERM/SIGINT request a stop (final checkpoint first), HUP/QUIT/USR1/USR2 go
+    to the workload. Only in the main thread (Python's rule), and only when the caller lets us."""
     previous: dict[signal.Signals, Any] = {}
-    if handle_signals and threading.current_thread() is threading.main_thread():
+    if handle and threading.current_thread() is threading.main_thread():
         def on_stop(signum: int, frame: FrameType | None) -> None:
             got.append(signum)
             stop_requested.set()
@@ -171,38 +241,7 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
         for s in _FORWARDED_SIGNALS:
             previous[s] = signal.signal(s, on_forward)
     try:
-        if hb:
-            hb.start()
-        if watch:
-            watch.start()
-        while workload.poll() is None:
-            if stop_requested.wait(0.1):
-                sig = signal.Signals(got[0] if got else signal.SIGTERM)
-                log.info("stop requested signal=%s checkpoint_on_term=%s", sig.name, settings.checkpoint_on_term)
-                if hb:
-                    hb.stop()
-                if watch:
-                    watch.stop()
-                if workload.poll() is None:
-                    if settings.checkpoint_on_term:
-                        try:
-                            take()
-                        except Exception as e:  # stopping matters more than the final checkpoint
-                            log.warning("final checkpoint failed: %s", e)
-                    result.stopped_by_signal = sig
-                    workload.stop(settings.stop_grace_seconds, sig)
-                break
-        if hb:
-            hb.stop()
-        if watch:
-            watch.stop()
-        rc = workload.wait()
-        # Stopped by us: 128 + the signal we were sent, as a shell reports it. Otherwise its own code.
-        result.exit_code = 128 + result.stopped_by_signal if result.stopped_by_signal else (rc if rc is not None else 1)
-        result.skipped_heartbeats = cp.skipped
-        log.info("workload exited checkpoint_id=%s exit_code=%d checkpoints=%d skipped_heartbeats=%d",
-                 cp.checkpoint_id, result.exit_code, len(result.checkpoints), cp.skipped)
-        return result
+        yield
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

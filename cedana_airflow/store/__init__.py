@@ -1,4 +1,12 @@
-"""Stores: where checkpoints live. ``file://DIR`` is built in; ``s3://bucket/prefix`` needs boto3 (the s3 extra)."""
+"""Stores: where checkpoints live, and everything that reads or writes them.
+
+``file://DIR`` is built in; ``s3://bucket/prefix`` needs boto3 (the s3 extra).
+
+- backends: ``base`` (the Store protocol, store.json, keys), ``file``, ``s3`` (with its one client config);
+- ``transfer``: save a checkpoint (chunks first, manifest last) and fetch one (every chunk verified);
+- ``locks`` (writers and gc), ``index`` and ``listing`` (what ``checkpoints`` shows), ``gc`` (retention
+  and garbage collection), ``progress`` (the display of long transfers).
+"""
 
 from __future__ import annotations
 
@@ -37,7 +45,5 @@ def open_store(url: str, settings: Settings | None = None, *, s3_client: Any = N
         from .s3 import S3Store, make_s3_client
 
         s = settings or Settings()
-        client = s3_client or make_s3_client(s.s3_endpoint_url, s.s3_addressing_style, s.s3_parallelism)
-        return S3Store(m.group(1), m.group(2) or "", client, sse=s.s3_sse, sse_kms_key_id=s.s3_sse_kms_key_id,
-                       parallelism=s.s3_parallelism)
+        return S3Store(m.group(1), m.group(2) or "", s3_client or make_s3_client(s), s)
     raise ConfigError(f"store {redact(url)!r} has no known scheme. {STORE_URL_HINT.capitalize()}.")

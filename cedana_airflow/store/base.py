@@ -19,6 +19,7 @@ from typing import Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..format.chunking import CHUNKER_NAME
+from ..config import default
 from ..errors import CorruptCheckpoint, StoreUnavailable
 from ..ids import RESERVED_NAMES
 
@@ -34,7 +35,7 @@ class StoreConfig(BaseModel):
 
     format_version: int = STORE_FORMAT_VERSION
     chunker: str = CHUNKER_NAME
-    chunk_avg_bytes: int = 1 << 20
+    chunk_avg_bytes: int = default("chunk_avg_bytes")
     digest: str = "blake3"
 
 

@@ -17,11 +17,12 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from ..config import Settings
 from ..errors import StoreUnavailable
 from ..ids import RESERVED_NAMES
 from .base import RequiredReads, StoreConfig, StoredObject, chunk_key, manifest_key, parse_store_config
 
-__all__ = ["S3Store", "make_s3_client"]
+__all__ = ["S3Store", "client_config", "make_s3_client"]
 
 _SEQ_KEY = re.compile(r"(\d{10})/manifest\.json")
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken",
@@ -33,8 +34,18 @@ _LOST_RACE = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
 _HEAD_BUCKET = "checking the bucket"
 
 
-def make_s3_client(endpoint_url: str = "", addressing_style: str = "auto", parallelism: int = 16) -> Any:
-    """An S3 client with the standard credential chain, bounded retries and enough connections.
+def client_config(settings: Settings) -> Any:
+    """botocore's client Config for a store: bounded retries, timeouts, a connection per request in
+    flight. One place, so the CLI's client and the one from an Airflow connection behave alike."""
+    from botocore.config import Config
+
+    return Config(retries={"mode": "standard", "max_attempts": 5},
+                  max_pool_connections=max(settings.s3_parallelism, 10),
+                  s3={"addressing_style": settings.s3_addressing_style}, connect_timeout=10, read_timeout=60)
+
+
+def make_s3_client(settings: Settings) -> Any:
+    """An S3 client with the standard credential chain, for the endpoint and addressing ``settings`` name.
 
     Built on botocore's session, which is what boto3's wraps (same credential chain, same
     AWS_ENDPOINT_URL handling): importing boto3 would also load s3transfer, a quarter of a second
@@ -42,29 +53,28 @@ def make_s3_client(endpoint_url: str = "", addressing_style: str = "auto", paral
     """
     try:
         import botocore.session
-        from botocore.config import Config
     except ImportError:
         raise StoreUnavailable(
             "store s3://: boto3 is not installed. Install it with pip install 'cedana-airflow[s3]'."
         ) from None
-    cfg = Config(retries={"mode": "standard", "max_attempts": 5}, max_pool_connections=max(parallelism, 10),
-                 s3={"addressing_style": addressing_style}, connect_timeout=10, read_timeout=60)
-    return botocore.session.get_session().create_client("s3", endpoint_url=endpoint_url or None, config=cfg)
+    return botocore.session.get_session().create_client(
+        "s3", endpoint_url=settings.s3_endpoint_url or None, config=client_config(settings))
 
 
 class S3Store(RequiredReads):
-    def __init__(self, bucket: str, prefix: str, client: Any, *, sse: str = "", sse_kms_key_id: str = "",
-                 parallelism: int = 16) -> None:
+    """``settings`` give the requests in flight and the server-side encryption asked for on every write."""
+
+    def __init__(self, bucket: str, prefix: str, client: Any, settings: Settings) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.url = f"s3://{bucket}/{self.prefix}"
         self.client = client
-        self.parallelism = parallelism
+        self.parallelism = settings.s3_parallelism
         self._put_args: dict[str, str] = {}
-        if sse:
-            self._put_args["ServerSideEncryption"] = sse
-        if sse_kms_key_id:
-            self._put_args["SSEKMSKeyId"] = sse_kms_key_id
+        if settings.s3_sse:
+            self._put_args["ServerSideEncryption"] = settings.s3_sse
+        if settings.s3_sse_kms_key_id:
+            self._put_args["SSEKMSKeyId"] = settings.s3_sse_kms_key_id
 
     # -- the error boundary ---------------------------------------------------------------------
     @contextlib.contextmanager

@@ -22,6 +22,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ..format import chunking
+from ..config import default
 from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..ids import validate_checkpoint_id
 from .locks import acquire_writer
@@ -111,8 +112,8 @@ def save_checkpoint(
     captured: Sequence[CapturedSource] = (),
     *,
     known_digests: Iterable[str] = (),
-    compression: str = "zstd",
-    progress_mode: str = "never",
+    compression: str = default("compression"),
+    progress_mode: str = "never",  # a library call is quiet unless its caller asks
 ) -> Manifest:
     """Store an image directory (and captured files) as a new checkpoint; return its manifest.
 

@@ -34,13 +34,27 @@ def test_airflow_lists_the_provider_the_plugin_and_the_config_section(tmp_path):
     section = _airflow("config", "list", "--section", "cedana", tmp_path=tmp_path)
     assert "[cedana]" in section and "# same_node_retry =" in section and "# store =" in section
     assert _airflow("config", "get-value", "cedana", "same_node_retry", tmp_path=tmp_path).strip() == "allow"
+    # the core defaults, as Settings writes them, not a blank
+    assert _airflow("config", "get-value", "cedana", "keep_checkpoints", tmp_path=tmp_path).strip() == "3"
+    assert _airflow("config", "get-value", "cedana", "max_checkpoint_bytes", tmp_path=tmp_path).strip() == str(64 << 30)
 
 
-def test_provider_info_declares_every_core_setting_it_names():
+def test_the_cedana_section_is_generated_from_the_settings_models():
+    from cedana_airflow.airflow.config import AirflowOptions
     from cedana_airflow.config import Settings
 
     options = get_provider_info()["config"]["cedana"]["options"]
-    assert set(options) - {"aws_conn_id", "same_node_retry", "k8s_route", "k8s_runtime_class"} <= set(Settings.model_fields)
+    assert list(options) == [*Settings.model_fields, *AirflowOptions.model_fields]
+    for model in (Settings, AirflowOptions):
+        for name, field in model.model_fields.items():
+            declared = options[name]["default"]
+            if field.default in (None, ""):
+                assert declared is None, name
+            else:  # what airflow.cfg would say parses back to the model's own default
+                assert model.model_validate({name: declared}).model_dump()[name] == field.default, name
+            assert options[name]["description"], name
+    assert options["keep_checkpoints"]["type"] == "integer" and options["delete_on_success"]["type"] == "boolean"
+    assert options["heartbeat_seconds"]["type"] == "float" and options["work_dir"]["type"] == "string"
 
 
 def test_cedana_section_sits_between_the_environment_and_operator_arguments(monkeypatch, tmp_path):
@@ -51,6 +65,15 @@ def test_cedana_section_sits_between_the_environment_and_operator_arguments(monk
     assert settings.heartbeat_seconds == 30 and settings.store == f"file://{tmp_path}"
     assert options.same_node_retry == "allow" and options.aws_conn_id is None
     assert task_settings({"heartbeat_seconds": 90})[0].heartbeat_seconds == 90
+
+
+def test_the_declared_defaults_do_not_hide_the_environment(monkeypatch):
+    # [cedana] keep_checkpoints has a declared default (3), and [cedana] sits above CEDANA_*: only
+    # a value the deployment set may win over the environment, never the declaration.
+    monkeypatch.setenv("CEDANA_KEEP_CHECKPOINTS", "7")
+    assert task_settings({})[0].keep_checkpoints == 7
+    monkeypatch.setenv("AIRFLOW__CEDANA__KEEP_CHECKPOINTS", "4")
+    assert task_settings({})[0].keep_checkpoints == 4
 
 
 def test_a_bad_cedana_option_is_one_line_naming_its_source(monkeypatch):

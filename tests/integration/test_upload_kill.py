@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cedana_airflow.config import DEFAULT_CRIU_PREFIX, load_settings
+from cedana_airflow.config import DEFAULT_CRIU_PREFIX, Settings, load_settings
 from cedana_airflow.engine.criu import CriuEngine, find_criu
 from cedana_airflow.format.manifest import ProcessInfo
 from cedana_airflow.store import open_store
@@ -98,7 +98,7 @@ def test_sigkilled_uploads_never_leave_a_partial_latest(tmp_path, bucket, s3_env
     assert outcomes["previous"] >= 5, outcomes  # most kills landed before the commit point
 
     # And the latest of the last trial restores with real CRIU and finishes like an uninterrupted run.
-    cp = Checkpointer(engine, store, cfg, "job", node="node-b", work_dir=tmp_path / "restore", try_number=2)
+    cp = Checkpointer(engine, store, cfg, "job", Settings(node="node-b"), work_dir=tmp_path / "restore", try_number=2)
     sink = _Lines()
     restored = cp.restore(sink, _Lines())  # type: ignore[arg-type]
     assert restored.workload.wait(120) == 0
