@@ -42,13 +42,13 @@ def validate_checkpoint_id(checkpoint_id: str) -> str:
     return checkpoint_id
 
 
-def derive_checkpoint_id(dag_id: str, task_id: str, run_id: str, map_index: int = -1) -> str:
+def derive_checkpoint_id(dag_id: str, task_id: str, run_id: str, map_index: int | None = -1) -> str:
     """The default ID of an Airflow task: stable across retries and Clear of one run, new for each run.
 
     Unsafe characters (``:`` in run IDs, ``/``) become ``_``; a short digest of the exact inputs keeps
-    two runs whose names differ only in such characters apart.
+    two runs whose names differ only in such characters apart. ``map_index`` -1 or None: not mapped.
     """
-    parts = [dag_id, task_id] + ([str(map_index)] if map_index >= 0 else []) + [run_id]
+    parts = [dag_id, task_id] + ([str(map_index)] if map_index is not None and map_index >= 0 else []) + [run_id]
     exact = "\x1f".join(parts).encode()
     digest = hashlib.sha256(exact).hexdigest()[:10]
     readable = ".".join(_UNSAFE_CHAR.sub("_", p) for p in parts).strip("._-=+@")

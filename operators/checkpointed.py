@@ -9,32 +9,34 @@ from __future__ import annotations
 
 import os
 import shlex
-import subprocess
 import threading
 from collections.abc import Sequence
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from cedana_airflow.errors import CedanaError, CheckpointIdError, ConfigError, GpuUnavailable
-from cedana_airflow.node.gpu import read_gpus
-from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
-from cedana_airflow.scope.optin import Decision, Where, decide, load_optin, parse_labels
-from cedana_airflow.airflow.config import task_settings
+from cedana_airflow.airflow.config import AirflowOptions, task_settings
 from cedana_airflow.airflow.logsink import LogSink
 from cedana_airflow.airflow.store import task_store
+from cedana_airflow.airflow.task_state import STATE_KEY, TaskState
+from cedana_airflow.config import Settings
+from cedana_airflow.errors import CedanaError, CheckpointIdError, ConfigError, GpuUnavailable
+from cedana_airflow.format.selection import AgeLimit
+from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
+from cedana_airflow.node.gpu import read_gpus
+from cedana_airflow.run.restore_gap import judge_restore_gap
 from cedana_airflow.run.runner import RunResult, run_workload
-from cedana_airflow.store.transfer import load_manifests
+from cedana_airflow.run.workload import run_unprotected
+from cedana_airflow.scope.optin import Decision, Where, decide, load_optin, parse_labels
+from cedana_airflow.store import Store
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
 __all__ = ["CheckpointedCommandOperator", "STATE_KEY", "XCOM_RESTORE_KEY"]
 
-#: Key in ``context["task_state_store"]``: the checkpoint ID, the latest seq and each try's node.
-STATE_KEY = "cedana"
 #: XCom key of the restore record (also in the task log and the state store).
 XCOM_RESTORE_KEY = "cedana_restore"
 
@@ -120,7 +122,7 @@ class CheckpointedCommandOperator(BaseOperator):
         except CedanaError as e:
             raise AirflowException(f"{self.task_id}: {e}") from None
 
-    def _resolve(self, scope_defaults: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    def _resolve(self, scope_defaults: dict[str, Any] | None = None) -> tuple[Settings, AirflowOptions]:
         overrides: dict[str, Any] = {**self.settings, "aws_conn_id": self.aws_conn_id,
                                      "checkpoint_on_term": self.checkpoint_on_kill}
         if self.heartbeat is not None:
@@ -129,7 +131,7 @@ class CheckpointedCommandOperator(BaseOperator):
             overrides["store"] = self.store
         return task_settings(overrides, scope_defaults)
 
-    def _in_scope(self, context: Context, settings: Any) -> Decision:
+    def _in_scope(self, context: Context, settings: Settings) -> Decision:
         """The opt-in list's decision for this task on this worker, written into the task log."""
         ti = context["ti"]
         dag = context.get("dag")
@@ -158,12 +160,12 @@ class CheckpointedCommandOperator(BaseOperator):
         ti = context["ti"]
         try:
             settings, options = self._resolve()  # the templated fields are rendered by now
-            argv = shlex.split(self.command) if isinstance(self.command, str) else [str(a) for a in self.command]
+            argv = _argv(self.command)
             if not argv:
                 raise ConfigError("command is empty. Give the command to run as a list or a string.")
             decision = self._in_scope(context, settings)
             if not decision.in_scope:
-                return self._run_unprotected(argv, self._workload_env(context, None))
+                return self._run_unprotected(argv, self._workload_env(context, None), settings)
             settings, options = self._resolve(decision.defaults)
             cid = self.checkpoint_id_for(context)
             store = task_store(settings, options.aws_conn_id)
@@ -173,22 +175,12 @@ class CheckpointedCommandOperator(BaseOperator):
             raise AirflowException(f"cedana: {e}") from None
 
         node = settings.resolved_node()
-        state = context.get("task_state_store")
-        record = self._load_state(state)
-        tries = list(record.get("tries", []))
-        previous = next((t for t in reversed(tries) if t.get("try_number") != ti.try_number), None)
+        state = TaskState.of(context, self.log)
+        previous = state.previous_try(ti.try_number)
         self.log.info("cedana: checkpoint_id=%s node=%s try=%d store=%s heartbeat=%ss",
                       cid, node, ti.try_number, store.url, settings.heartbeat_seconds or "off")
-        if previous and previous.get("node") == node:
-            msg = (f"this retry runs on node {node}, where try {previous['try_number']} ran and failed; "
-                   "its fault may still be here")
-            if options.same_node_retry == "fail":
-                raise AirflowException(f"cedana: {msg}. [cedana] same_node_retry = fail, so this try fails fast "
-                                       "and the next retry can be placed on another node.")
-            self.log.warning("cedana: %s (same_node_retry = allow).", msg)
-        tries.append({"try_number": ti.try_number, "node": node, "started_at": _now()})
-        record.update(checkpoint_id=cid, tries=tries[-20:])
-        self._save_state(state, record)
+        self._check_same_node(previous, node, options.same_node_retry)
+        state.add_try(ti.try_number, node, checkpoint_id=cid)
 
         env = self._workload_env(context, cid)
         out, err = LogSink(self.log, "stdout"), LogSink(self.log, "stderr")
@@ -201,14 +193,30 @@ class CheckpointedCommandOperator(BaseOperator):
         finally:
             out.close()
             err.close()
+        return self._outcome(context, state, result, cid, node, previous)
 
+    def _check_same_node(self, previous: dict[str, Any] | None, node: str, policy: str) -> None:
+        """A retry on the node where the previous try failed: say so, or fail fast (same_node_retry = fail)."""
+        if not previous or previous.get("node") != node:
+            return
+        msg = (f"this retry runs on node {node}, where try {previous['try_number']} ran and failed; "
+               "its fault may still be here")
+        if policy == "fail":
+            raise AirflowException(f"cedana: {msg}. [cedana] same_node_retry = fail, so this try fails fast "
+                                   "and the next retry can be placed on another node.")
+        self.log.warning("cedana: %s (same_node_retry = allow).", msg)
+
+    def _outcome(self, context: Context, state: TaskState, result: RunResult, cid: str, node: str,
+                 previous: dict[str, Any] | None) -> dict[str, Any]:
+        """Record the try, then map the run's result to the task's: its summary (the XCom), or an exception."""
         summary = self._summary(cid, node, result, previous)
+        record: dict[str, Any] = {}
         if result.checkpoints:
             record["latest_seq"] = result.checkpoints[-1].seq
         if result.restored_from is not None:
             record["last_restore"] = summary["restore"]
-            ti.xcom_push(key=XCOM_RESTORE_KEY, value=summary["restore"])
-        self._save_state(state, record)
+            context["ti"].xcom_push(key=XCOM_RESTORE_KEY, value=summary["restore"])
+        state.update(**record)
         if result.exit_code != 0:
             how = f"was stopped (signal {result.stopped_by_signal})" if result.stopped_by_signal else f"exited {result.exit_code}"
             raise AirflowException(
@@ -229,71 +237,26 @@ class CheckpointedCommandOperator(BaseOperator):
                    AIRFLOW_CTX_DAG_RUN_ID=context["run_id"], AIRFLOW_CTX_TRY_NUMBER=str(ti.try_number))
         return env
 
-    def _run_unprotected(self, argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+    def _run_unprotected(self, argv: list[str], env: dict[str, str], settings: Settings) -> dict[str, Any]:
         """Out of scope: the command runs as a plain subprocess (no CRIU needed), output into the log."""
         sink = LogSink(self.log, "stdout")
-        proc = subprocess.Popen(argv, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        out = proc.stdout
-        assert out is not None
-
-        def copy() -> None:
-            for data in iter(lambda: out.read1(1 << 16), b""):
-                sink.write(data)
-
-        pump = threading.Thread(target=copy, daemon=True)
-        pump.start()
-        while proc.poll() is None:
-            if self._stop.wait(0.1):
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-        pump.join(5)
-        sink.close()
-        if proc.returncode != 0:
-            raise AirflowException(f"cedana: the workload (unprotected: not in scope) exited {proc.returncode}")
+        try:
+            rc = run_unprotected(argv, cwd=self.cwd, env=env, sink=sink, stop=self._stop,
+                                 grace=settings.stop_grace_seconds)
+        finally:
+            sink.close()
+        if rc != 0:
+            raise AirflowException(f"cedana: the workload (unprotected: not in scope) exited {rc}")
         return {"outcome": "unprotected", "exit_code": 0, "checkpoints_taken": 0}
 
-    def _may_resume(self, store: Any, cid: str) -> bool:
+    def _may_resume(self, store: Store, cid: str) -> bool:
         """False when the latest checkpoint is older than max_restore_gap or the lease: start fresh, and say so."""
-        limits = [(name, v.total_seconds()) for name, v in (("max_restore_gap", self.max_restore_gap), ("lease", self.lease))
-                  if v is not None]
-        if not limits:
-            return True
-        try:
-            latest = load_manifests(store, cid)
-        except CedanaError:
-            return True  # the restore itself will report the store's problem
-        if not latest:
-            return True
-        gap = (datetime.now(timezone.utc) - latest[0].created_at).total_seconds()
-        for name, limit in limits:
-            if gap > limit and name == "lease" and self.lease_renew_command and self._renew_lease(cid, gap):
-                continue
-            if gap > limit:
-                self.log.warning("cedana: the latest checkpoint (seq %d) is %.0f s old, beyond %s = %.0f s: "
-                                 "starting fresh instead of restoring it", latest[0].seq, gap, name, limit)
-                return False
-        return True
-
-    def _renew_lease(self, cid: str, gap: float) -> bool:
-        cmd = self.lease_renew_command
-        argv = shlex.split(cmd) if isinstance(cmd, str) else [str(a) for a in cmd or ()]
-        env = {**os.environ, "CEDANA_CHECKPOINT_ID": cid, "CEDANA_RESTORE_GAP_SECONDS": f"{gap:.0f}"}
-        try:
-            r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            self.log.warning("cedana: lease_renew_command failed to run: %s", e)
-            return False
-        for line in (r.stdout + r.stderr).splitlines():
-            self.log.info("cedana: lease_renew_command: %s", line)
-        if r.returncode == 0:
-            self.log.info("cedana: the lease was renewed after a %.0f s gap; restoring", gap)
-            return True
-        self.log.warning("cedana: lease_renew_command exited %d", r.returncode)
-        return False
+        limits = [AgeLimit(name, v.total_seconds()) for name, v in
+                  (("max_restore_gap", self.max_restore_gap), ("lease", self.lease)) if v is not None]
+        verdict = judge_restore_gap(store, cid, limits, _argv(self.lease_renew_command))
+        for level, note in verdict.notes:
+            self.log.log(level, "cedana: %s", note)
+        return verdict.resume
 
     def _summary(self, cid: str, node: str, result: RunResult, previous: dict[str, Any] | None) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -315,23 +278,6 @@ class CheckpointedCommandOperator(BaseOperator):
                           out["restore"]["gap_seconds"], result.restore_seconds)
         return out
 
-    def _load_state(self, state: Any) -> dict[str, Any]:
-        if state is None:
-            return {}
-        try:
-            return dict(state.get(STATE_KEY) or {})
-        except Exception as e:  # bookkeeping must never fail the workload
-            self.log.warning("cedana: could not read the task state store: %s", e)
-            return {}
-
-    def _save_state(self, state: Any, record: dict[str, Any]) -> None:
-        if state is None:
-            return
-        try:
-            state.set(STATE_KEY, record)
-        except Exception as e:  # bookkeeping must never fail the workload
-            self.log.warning("cedana: could not write the task state store: %s", e)
-
     def on_kill(self) -> None:
         # Called from Airflow's SIGTERM handler in the task process: the supervision loop sees the
         # event, takes the final checkpoint (unless checkpoint_on_kill=False) and stops the workload.
@@ -339,8 +285,11 @@ class CheckpointedCommandOperator(BaseOperator):
         self._stop.set()
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat()
+def _argv(command: str | Sequence[str] | None) -> list[str]:
+    """A command as an argv list: a string is split with shell rules (no shell runs it)."""
+    if command is None:
+        return []
+    return shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
 
 
 def _has_nvidia() -> bool:

@@ -1,8 +1,8 @@
 """CedanaKubernetesPodOperator: a KubernetesPodOperator that asks for checkpointing with one line.
 
 Pods go to opted-in nodes; a retry's pod avoids the node where the previous try ran (recorded by the
-pod-starting callback in the task state store) and is always a new pod, never a reattach to the
-failed one. Which route (a Cedana cluster, or our CLI wrapped around the command) is configuration:
+pod-starting callback in the task state record, cedana_airflow.airflow.task_state) and is always a
+new pod, never a reattach to the failed one. Which route (a Cedana cluster, or our CLI wrapped around the command) is configuration:
 ``[cedana] k8s_route``. The pod spec itself is built by cedana_airflow.airflow.kube.
 """
 
@@ -21,31 +21,23 @@ from cedana_airflow.errors import ConfigError
 from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
 from cedana_airflow.airflow.config import airflow_options
 from cedana_airflow.airflow.kube import Route, apply_route, pod_scope, uses_gpu
+from cedana_airflow.airflow.task_state import TaskState
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-__all__ = ["CedanaKubernetesPodOperator", "NODES_KEY"]
-
-#: Key in ``context["task_state_store"]``: the node each try's pod started on.
-NODES_KEY = "cedana_k8s_nodes"
+__all__ = ["CedanaKubernetesPodOperator"]
 
 
 class _RecordNode(KubernetesPodOperatorCallback):
-    """Remember where each try's pod runs, so the next try's pod can avoid that node."""
+    """Remember where each try's pod runs (the task state record), so the next try's pod can avoid that node."""
 
     @staticmethod
     def on_pod_starting(*, pod: k8s.V1Pod, operator: Any, context: Any, **kwargs: Any) -> None:
         node = getattr(pod.spec, "node_name", None)
-        state = context.get("task_state_store") if context else None
-        if not node or state is None:
+        if not node or not context or context.get("task_state_store") is None:
             return
-        try:
-            nodes = list(state.get(NODES_KEY) or [])
-            nodes.append({"try_number": context["ti"].try_number, "node": node})
-            state.set(NODES_KEY, nodes[-20:])
-        except Exception as e:  # bookkeeping never fails the pod
-            operator.log.warning("cedana: could not record the pod's node: %s", e)
+        TaskState.of(context, operator.log).add_try(context["ti"].try_number, node)
 
 
 class CedanaKubernetesPodOperator(KubernetesPodOperator):
@@ -93,16 +85,11 @@ class CedanaKubernetesPodOperator(KubernetesPodOperator):
             return pod
         cid = (validate_checkpoint_id(self.checkpoint_id) if self.checkpoint_id
                else derive_checkpoint_id(ti.dag_id, ti.task_id, context["run_id"], map_index=ti.map_index))
-        state = context.get("task_state_store")
-        try:
-            earlier = [n["node"] for n in (state.get(NODES_KEY) or []) if n.get("try_number") != ti.try_number] if state else []
-        except Exception as e:
-            self.log.warning("cedana: could not read earlier tries' nodes: %s", e)
-            earlier = []
+        earlier = TaskState.of(context, self.log).earlier_nodes(ti.try_number)
         if earlier:
             self.log.info("cedana: this retry's pod avoids node(s) %s, where earlier tries ran", ", ".join(earlier))
         route = Route(kind=self.route, checkpoint_id=cid,  # type: ignore[arg-type]
                       heartbeat_seconds=scope.heartbeat_seconds, node_label=scope.node_label,
-                      avoid_nodes=tuple(dict.fromkeys(earlier)), runtime_class=scope.runtime_class,
+                      avoid_nodes=earlier, runtime_class=scope.runtime_class,
                       store=scope.settings.store, store_secret=self.store_secret or "", try_number=ti.try_number)
         return apply_route(pod, route)

@@ -50,7 +50,7 @@ class CheckpointTrigger(BaseTrigger):
 
     def __init__(self, checkpoint_id: str, max_age_seconds: float | None, store: str | None, aws_conn_id: str | None,
                  poll_seconds: float = 30.0) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # Airflow's BaseTrigger is not annotated
         self.checkpoint_id, self.max_age_seconds = checkpoint_id, max_age_seconds
         self.store, self.aws_conn_id, self.poll_seconds = store, aws_conn_id, poll_seconds
 
@@ -65,10 +65,10 @@ class CheckpointTrigger(BaseTrigger):
                 found = await asyncio.to_thread(fresh_checkpoint, self.checkpoint_id, self.max_age_seconds,
                                                 self.store, self.aws_conn_id)
             except CedanaError as e:
-                yield TriggerEvent({"status": "error", "message": str(e)})
+                yield TriggerEvent({"status": "error", "message": str(e)})  # type: ignore[no-untyped-call]
                 return
             if found:
-                yield TriggerEvent({"status": "found", "checkpoint": found})
+                yield TriggerEvent({"status": "found", "checkpoint": found})  # type: ignore[no-untyped-call]
                 return
             await asyncio.sleep(self.poll_seconds)
 

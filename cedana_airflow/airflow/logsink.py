@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-import logging
 import threading
+from typing import Any, Protocol
 
-__all__ = ["LogSink"]
+__all__ = ["LogSink", "TaskLog"]
+
+
+class TaskLog(Protocol):
+    """What we call on a task's logger: a stdlib Logger and Airflow's own (``self.log``) both fit."""
+
+    def info(self, event: Any, *args: Any) -> Any: ...
+    def warning(self, event: Any, *args: Any) -> Any: ...
+    def log(self, level: int, event: Any, *args: Any) -> Any: ...
 
 _MAX_LINE = 64 << 10  # a line without a newline is logged in pieces of this size, never held forever
 
@@ -13,7 +21,7 @@ _MAX_LINE = 64 << 10  # a line without a newline is logged in pieces of this siz
 class LogSink:
     """``write``/``flush``/``close``, as the supervisor's pipe pumps call them (one pump per sink)."""
 
-    def __init__(self, log: logging.Logger | logging.LoggerAdapter[logging.Logger], name: str) -> None:
+    def __init__(self, log: TaskLog, name: str) -> None:
         self.log, self.name = log, name
         self._buf = b""
         self._lock = threading.Lock()

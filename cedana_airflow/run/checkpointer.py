@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 from ..config import Settings
 from ..store import index
@@ -29,7 +28,7 @@ from ..ids import validate_checkpoint_id
 from ..format.manifest import Manifest, ProcessInfo
 from ..store.base import Store, StoreConfig
 from ..store.transfer import CAPTURED_DIR, CapturedSource, CheckpointMeta, fetch_checkpoint, require_latest, save_checkpoint
-from .workload import Workload, become_subreaper
+from .workload import Sink, Workload, become_subreaper
 
 __all__ = ["Checkpointer", "PhaseHook", "Restored"]
 
@@ -118,7 +117,7 @@ class Checkpointer:
                      self.checkpoint_id, manifest.seq, dump.freeze_seconds, rss)
             return manifest
 
-    def restore(self, stdout: BinaryIO | None = None, stderr: BinaryIO | None = None) -> Restored:
+    def restore(self, stdout: Sink | None = None, stderr: Sink | None = None) -> Restored:
         """Restore the newest usable checkpoint and supervise it.
 
         A checkpoint that fails verification, or that CRIU cannot restore here, is refused with a
@@ -151,7 +150,7 @@ class Checkpointer:
             f"({'; '.join(skipped)}). Nothing was restored; start the workload fresh (run without --resume)."
         )
 
-    def _restore_from(self, dest: Path, m: Manifest, stdout: BinaryIO | None, stderr: BinaryIO | None) -> Workload:
+    def _restore_from(self, dest: Path, m: Manifest, stdout: Sink | None, stderr: Sink | None) -> Workload:
         with _CapturedFilesBack(m, dest / CAPTURED_DIR) as files_back:
             Path(m.process.cwd).mkdir(parents=True, exist_ok=True)
             become_subreaper()

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from types import FrameType
-from typing import Any, BinaryIO, Literal
+from typing import Any, Literal
 
 from .checkpointer import Checkpointer
 from ..config import Settings
@@ -36,7 +36,7 @@ from .triggers import Heartbeat, MemoryWatch
 from ..ids import validate_checkpoint_id
 from ..format.manifest import Manifest
 from ..store import Store, open_store
-from .workload import Workload
+from .workload import Sink, Workload
 
 __all__ = ["RunResult", "run_workload", "make_engine"]
 
@@ -76,8 +76,8 @@ def run_workload(
     try_number: int = 0,
     cwd: str | None = None,
     env: dict[str, str] | None = None,
-    stdout: BinaryIO | None = None,
-    stderr: BinaryIO | None = None,
+    stdout: Sink | None = None,
+    stderr: Sink | None = None,
     handle_signals: bool = True,
     stop: threading.Event | None = None,
     store: Store | None = None,
@@ -128,8 +128,8 @@ def _work_dir(settings: Settings) -> Iterator[Path]:
             shutil.rmtree(work_dir, ignore_errors=True)
 
 
-def _resume(cp: Checkpointer, result: RunResult, *, must_restore: bool, stdout: BinaryIO | None,
-            stderr: BinaryIO | None) -> Workload | None:
+def _resume(cp: Checkpointer, result: RunResult, *, must_restore: bool, stdout: Sink | None,
+            stderr: Sink | None) -> Workload | None:
     """Restore the newest usable checkpoint into ``result``; None (start fresh) when there is none,
     unless ``must_restore`` (restore without a command), where that is the caller's error."""
     t0, started_at = time.monotonic(), datetime.now(timezone.utc)

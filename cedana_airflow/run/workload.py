@@ -1,4 +1,4 @@
-"""The supervisor side of a managed workload: start it, stream its output, wait for it, stop it.
+"""A workload: the process tree we supervise. Start it, stream its output, wait for it, stop it.
 
 A workload runs as ``unshare --pid --fork setsid COMMAND``: COMMAND is the init of its own PID
 namespace and leads its own session. That is what makes it restorable anywhere: CRIU restores a
@@ -8,6 +8,9 @@ stdout and stderr are pipes whose read ends the supervisor owns; it copies them 
 After a restore, CRIU hands fresh pipes to the restored process (``--inherit-fd``), so the output
 keeps flowing to whoever supervises now. The supervisor makes itself a child subreaper, so a
 restored workload (detached by ``criu restore -d``) becomes its child and its exit code comes back.
+
+A task outside the opt-in list runs unprotected (:func:`run_unprotected`): a plain subprocess, no
+namespace and no CRIU, with the same output pump and the same way to stop it.
 """
 
 from __future__ import annotations
@@ -21,12 +24,12 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import BinaryIO
+from typing import Protocol
 
 from ..engine.procfs import tree_pids
 from ..errors import EngineError, EngineUnavailable
 
-__all__ = ["Workload", "become_subreaper", "exit_code_of"]
+__all__ = ["Sink", "Workload", "become_subreaper", "exit_code_of", "run_unprotected"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,13 @@ def exit_code_of(status: int) -> int:
     return os.WEXITSTATUS(status)
 
 
+class Sink(Protocol):
+    """Where a workload's output goes: a binary stream (sys.stdout.buffer, a file) or a task log's sink."""
+
+    def write(self, data: bytes, /) -> int: ...
+    def flush(self) -> None: ...
+
+
 def _pipe_name(fd: int) -> str:
     return f"pipe:[{os.fstat(fd).st_ino}]"
 
@@ -54,7 +64,7 @@ def _pipe_name(fd: int) -> str:
 class _Pump(threading.Thread):
     """Copies one pipe to one of our streams until EOF."""
 
-    def __init__(self, read_fd: int, sink: BinaryIO, name: str) -> None:
+    def __init__(self, read_fd: int, sink: Sink, name: str) -> None:
         super().__init__(name=name, daemon=True)
         self.read_fd, self.sink = read_fd, sink
 
@@ -73,7 +83,7 @@ class Workload:
     """One managed process tree, started fresh (:meth:`start`) or restored (:meth:`adopt`)."""
 
     def __init__(self, pid: int, command: Sequence[str], cwd: str, out_fd: int, err_fd: int,
-                 launcher: subprocess.Popen[bytes] | None, stdout: BinaryIO, stderr: BinaryIO) -> None:
+                 launcher: subprocess.Popen[bytes] | None, stdout: Sink, stderr: Sink) -> None:
         self.pid = pid  # host PID of the namespace's init: what CRIU dumps
         self.command = tuple(command)
         self.cwd = cwd
@@ -89,7 +99,7 @@ class Workload:
 
     @classmethod
     def start(cls, command: Sequence[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
-              stdout: BinaryIO | None = None, stderr: BinaryIO | None = None) -> Workload:
+              stdout: Sink | None = None, stderr: Sink | None = None) -> Workload:
         cwd = cwd or os.getcwd()
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -112,7 +122,7 @@ class Workload:
 
     @classmethod
     def adopt(cls, pid: int, command: Sequence[str], cwd: str, out_r: int, err_r: int,
-              stdout: BinaryIO | None = None, stderr: BinaryIO | None = None) -> Workload:
+              stdout: Sink | None = None, stderr: Sink | None = None) -> Workload:
         """Supervise a restored tree whose root ``pid`` is our child (we are its subreaper)."""
         return cls(pid, command, cwd, out_r, err_r, None, stdout or sys.stdout.buffer, stderr or sys.stderr.buffer)
 
@@ -172,6 +182,33 @@ class Workload:
                 pass
             rc = self.wait(timeout=30)
         return rc
+
+
+def run_unprotected(command: Sequence[str], *, cwd: str | None, env: dict[str, str] | None, sink: Sink,
+                    stop: threading.Event, grace: float) -> int:
+    """Run ``command`` as a plain subprocess, stdout and stderr together into ``sink``, and return its exit
+    code (negative: the signal that ended it). Setting ``stop`` sends SIGTERM, and SIGKILL ``grace``
+    seconds later."""
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        proc = subprocess.Popen(list(command), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out_w,
+                                stderr=out_w, start_new_session=True)
+    except BaseException:
+        os.close(out_r)
+        raise
+    finally:
+        os.close(out_w)
+    pump = _Pump(out_r, sink, "cedana-output")
+    pump.start()
+    while proc.poll() is None:
+        if stop.wait(0.1):
+            proc.terminate()
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    pump.join(5)  # a grandchild that keeps the pipe open must not hang us
+    return proc.wait()
 
 
 # Waits for the supervisor ($1) to die (gone or a zombie), then kills the workload's init ($2),

@@ -110,31 +110,3 @@ def test_log_sink_logs_whole_lines_and_the_rest_at_close():
     assert rec.lines == ["step 1", "step 2"]
     sink.close()
     assert rec.lines == ["step 1", "step 2", "no newline"]
-
-
-def test_a_checkpoint_older_than_max_restore_gap_or_the_lease_is_not_restored(tmp_path):
-    import time
-
-    from cedana_airflow.config import load_settings
-    from cedana_airflow.format.manifest import ProcessInfo
-    from cedana_airflow.store import open_store
-    from cedana_airflow.store.transfer import CheckpointMeta, save_checkpoint
-
-    store = open_store(f"file://{tmp_path / 'store'}", load_settings(environ={}))
-    cfg = store.open(create=True, chunk_avg_bytes=64 << 10)
-    images = tmp_path / "img"
-    images.mkdir()
-    (images / "pages-1.img").write_bytes(os.urandom(5000))
-    proc = ProcessInfo(pid=1, command=("x",), cwd="/", stdout_pipe="pipe:[1]", stderr_pipe="pipe:[2]")
-    save_checkpoint(store, cfg, CheckpointMeta("rt", "n", "4.1.1", proc), images)
-    fresh = CheckpointedCommandOperator(task_id="a", command="x", max_restore_gap=timedelta(seconds=60))
-    assert fresh._may_resume(store, "rt") is True
-    assert CheckpointedCommandOperator(task_id="b", command="x")._may_resume(store, "rt") is True
-    time.sleep(1.2)
-    stale = CheckpointedCommandOperator(task_id="c", command="x", max_restore_gap=timedelta(minutes=5), lease=timedelta(seconds=1))
-    assert stale._may_resume(store, "rt") is False  # the lease ran out: starting fresh
-    renewed = CheckpointedCommandOperator(task_id="d", command="x", lease=timedelta(seconds=1),
-                                          lease_renew_command=["sh", "-c", 'test "$CEDANA_CHECKPOINT_ID" = rt'])
-    assert renewed._may_resume(store, "rt") is True  # the hook re-checked-out the license
-    refused = CheckpointedCommandOperator(task_id="e", command="x", lease=timedelta(seconds=1), lease_renew_command="false")
-    assert refused._may_resume(store, "rt") is False

@@ -76,7 +76,7 @@ def test_spec_cedana_route_runtime_class_env_label_and_affinity(optin):
 def test_spec_a_retry_avoids_the_node_of_the_previous_try_and_never_reattaches(optin):
     op = _op()
     assert op.reattach_on_restart is False
-    state = _StateStore({"cedana_k8s_nodes": [{"try_number": 1, "node": "gpu-node-7"}]})
+    state = _StateStore({"cedana": {"tries": [{"try_number": 1, "node": "gpu-node-7"}]}})
     pod = op.build_pod_request_obj(_context(try_number=2, state=state), dry_run=True)
     [term] = _node_terms(pod)
     assert ("kubernetes.io/hostname", "NotIn", ["gpu-node-7"]) in [(e.key, e.operator, e.values) for e in term.match_expressions]
@@ -84,7 +84,7 @@ def test_spec_a_retry_avoids_the_node_of_the_previous_try_and_never_reattaches(o
     started = k8s.V1Pod(spec=k8s.V1PodSpec(containers=[], node_name="gpu-node-9"))
     [cb for cb in op.callbacks if cb.__name__ == "_RecordNode"][0].on_pod_starting(
         pod=started, client=None, mode="sync", operator=op, context=_context(try_number=2, state=state))
-    assert state["cedana_k8s_nodes"][-1] == {"try_number": 2, "node": "gpu-node-9"}
+    assert {k: state["cedana"]["tries"][-1][k] for k in ("try_number", "node")} == {"try_number": 2, "node": "gpu-node-9"}
 
 
 def test_spec_wrap_route_wraps_the_command_with_the_cli_and_secret_credentials(optin):
@@ -153,7 +153,7 @@ def test_wrap_route_end_to_end_the_pods_command_checkpoints_to_s3_and_the_retry_
         time.sleep(0.2)
     manifest = json.loads(s3.get_object(Bucket=bucket, Key=sorted(keys)[0])["Body"].read())
     kill_node(proc, manifest["process"]["pid"])  # the node goes away with the pod
-    state.set("cedana_k8s_nodes", [{"try_number": 1, "node": "node-a"}])  # what on_pod_starting recorded
+    state.set("cedana", {"tries": [{"try_number": 1, "node": "node-a"}]})  # what on_pod_starting recorded
 
     retry = op.build_pod_request_obj(_context(try_number=2, state=state), dry_run=True)
     [term] = _node_terms(retry)

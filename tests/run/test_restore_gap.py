@@ -1,0 +1,38 @@
+"""The restore gap and license leases: a checkpoint too old to restore makes the workload start fresh."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from cedana_airflow.config import load_settings
+from cedana_airflow.format.manifest import ProcessInfo
+from cedana_airflow.format.selection import AgeLimit
+from cedana_airflow.run.restore_gap import judge_restore_gap
+from cedana_airflow.store import open_store
+from cedana_airflow.store.transfer import CheckpointMeta, save_checkpoint
+
+
+def test_a_checkpoint_older_than_max_restore_gap_or_the_lease_is_not_restored(tmp_path):
+    store = open_store(f"file://{tmp_path / 'store'}", load_settings(environ={}))
+    cfg = store.open(create=True, chunk_avg_bytes=64 << 10)
+    images = tmp_path / "img"
+    images.mkdir()
+    (images / "pages-1.img").write_bytes(os.urandom(5000))
+    proc = ProcessInfo(pid=1, command=("x",), cwd="/", stdout_pipe="pipe:[1]", stderr_pipe="pipe:[2]")
+    save_checkpoint(store, cfg, CheckpointMeta("rt", "n", "4.1.1", proc), images)
+    assert judge_restore_gap(store, "rt", [AgeLimit("max_restore_gap", 60)]).resume is True
+    assert judge_restore_gap(store, "rt", []).resume is True
+    assert judge_restore_gap(store, "nothing-yet", [AgeLimit("lease", 0)]).resume is True  # nothing to refuse
+    time.sleep(1.2)
+    stale = judge_restore_gap(store, "rt", [AgeLimit("max_restore_gap", 300), AgeLimit("lease", 1)])
+    assert stale.resume is False  # the lease ran out: starting fresh, and the log says why
+    assert stale.notes[-1][0] == logging.WARNING and "beyond lease = 1 s: starting fresh" in stale.notes[-1][1]
+    renewed = judge_restore_gap(store, "rt", [AgeLimit("lease", 1)], ["sh", "-c", 'test "$CEDANA_CHECKPOINT_ID" = rt'])
+    assert renewed.resume is True  # the hook re-checked-out the license
+    assert "the lease was renewed" in renewed.notes[-1][1]
+    refused = judge_restore_gap(store, "rt", [AgeLimit("lease", 1)], ["false"])
+    assert refused.resume is False and any("lease_renew_command exited 1" in n for _, n in refused.notes)
+    # a renewed lease does not excuse a real-time reader's gap
+    assert judge_restore_gap(store, "rt", [AgeLimit("lease", 1), AgeLimit("max_restore_gap", 1)], ["true"]).resume is False
