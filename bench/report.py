@@ -1,0 +1,269 @@
+"""The report: table rows, detail lines, bench/results.md and bench/results.json.
+
+Reads only result dictionaries (what the benchmarks return, or what results.json kept from an
+earlier run), so a part that did not run is reported from its previous results.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from harness import BENCH, MB
+
+PARTS = ("local", "s3-transfer", "s3-listing")
+PART_TITLES = {"local": "local (freeze, stored bytes, restore from file://)",
+               "s3-transfer": "S3 first checkpoint, heartbeats, restore",
+               "s3-listing": "S3 listing"}
+HEAD = ["benchmark", "baseline", "ours", "ratio", "target", "result"]
+
+MOTO_NOTE = ("S3 endpoint: moto's S3 server (python -m moto.server, one Python process on loopback) is a protocol "
+             "test double, not a storage system (DESIGN.md measured ~116 MB/s up and 30 MB/s down with boto3 "
+             "defaults): these figures say how our requests and bytes fare against it, not what AWS S3, MinIO "
+             "or R2 would do")
+
+
+def fmt_ops(ops: dict[str, int]) -> str:
+    return ", ".join(f"{v} {k}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1]))
+
+
+def _ok(passed: bool) -> str:
+    return "PASS" if passed else "MISS"
+
+
+# --------------------------------------------------------------------------------------------
+# the table
+# --------------------------------------------------------------------------------------------
+def table_rows(res: dict[str, Any]) -> list[list[str]]:
+    rows = _local_rows(res) if "freeze" in res else []
+    if res.get("s3"):
+        rows += _s3_rows(res["s3"])
+    return rows
+
+
+def _local_rows(res: dict[str, Any]) -> list[list[str]]:
+    f, s, r = res["freeze"], res["store"], res["restore"]
+    return [
+        ["freeze per heartbeat (CRIU frozen time)", f"{f['baseline_seconds']:.3f} s", f"{f['ours_seconds']:.3f} s",
+         f"{f['ratio']:.2f}x", f"<= {f['target']:.2f}x", _ok(f["pass"])],
+        ["  (wall time of the dump call, info)", f"{f['wall']['baseline_seconds']:.3f} s",
+         f"{f['wall']['ours_seconds']:.3f} s", f"{f['wall']['ratio']:.2f}x", "", ""],
+        ["stored bytes, heartbeats 2-4 (worst)", f"{s['baseline_bytes'] / MB:.1f} MB image",
+         f"{s['ours_bytes'] / MB:.2f} MB stored", f"{100 * s['ratio']:.2f}%", f"<= {100 * s['target']:.0f}%",
+         _ok(s["pass"])],
+        ["restore (fetch+verify+criu restore)", f"{r['baseline_seconds']:.2f} s", f"{r['ours_seconds']:.2f} s",
+         f"{r['ratio']:.2f}x", f"<= {r['target']:.2f}x", _ok(r["pass"])],
+    ]
+
+
+def _s3_rows(s3: dict[str, Any]) -> list[list[str]]:
+    rows: list[list[str]] = []
+    if "checkpoint" in s3:
+        c, h, r = s3["checkpoint"], s3["heartbeats"], s3["restore"]
+        rows += [
+            ["S3 first checkpoint (dump+upload)", f"{c['baseline_seconds']:.2f} s", f"{c['ours_seconds']:.2f} s",
+             f"{c['ratio']:.2f}x", f"<= {c['target']:.2f}x", _ok(c["pass"])],
+            ["S3 heartbeats 2-4: bytes sent (worst)", f"{h['baseline_bytes'] / MB:.1f} MB full",
+             f"{h['ours_bytes'] / MB:.2f} MB sent", f"{100 * h['ratio_bytes']:.2f}%",
+             f"<= {100 * h['target_bytes']:.0f}%", _ok(h["pass_bytes"])],
+            ["S3 heartbeats 2-4: time (worst)", f"{h['baseline_seconds']:.2f} s naive", f"{h['ours_seconds']:.2f} s",
+             f"{h['ratio_time']:.2f}x", f"<= {h['target_time']:.2f}x", _ok(h["pass_time"])],
+            ["S3 restore (download+verify+criu restore)", f"{r['baseline_seconds']:.2f} s", f"{r['ours_seconds']:.2f} s",
+             f"{r['ratio']:.2f}x", f"<= {r['target']:.2f}x", _ok(r["pass"])],
+        ]
+        if "defaults" in r:
+            d = r["defaults"]
+            rows.append(["  (vs download_file with boto3 defaults, info)", f"{d['baseline_seconds']:.2f} s",
+                         f"{r['ours_seconds']:.2f} s", f"{d['ratio']:.2f}x", "", ""])
+    if "listing" in s3:
+        li = s3["listing"]
+        rows.append([f"S3 listing, {li['ids']:,} IDs x {li['seqs']} (checkpoints --json)",
+                     f"{li['baseline_seconds']:.2f} s file://", f"{li['ours_seconds']:.2f} s",
+                     f"{li['ratio']:.1f}x", f"< {li['target_seconds']:.0f} s", _ok(li["pass"])])
+    return rows
+
+
+def text_table(rows: list[list[str]]) -> str:
+    widths = [max(len(x[i]) for x in [HEAD, *rows]) for i in range(len(HEAD))]
+
+    def fmt(row: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+
+    return "\n".join([fmt(HEAD), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)])
+
+
+# --------------------------------------------------------------------------------------------
+# the details under it
+# --------------------------------------------------------------------------------------------
+def details(res: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    parts = res.get("parts", {})
+    if "freeze" in res:
+        lines += _local_details(res, parts.get("local", {}).get("args", res.get("args", {})))
+    if res.get("s3"):
+        s3 = res["s3"]
+        lines.append(MOTO_NOTE)
+        if "checkpoint" in s3:
+            lines += [_s3_first_details(s3["checkpoint"]), _s3_heartbeat_details(s3["heartbeats"]),
+                      _s3_restore_details(s3["restore"])]
+        if "listing" in s3:
+            lines.append(_s3_listing_details(s3["listing"]))
+    return lines
+
+
+def _local_details(res: dict[str, Any], args: dict[str, Any]) -> list[str]:
+    f, s, r = res["freeze"], res["store"], res["restore"]
+    fb, fo = f["median"]["bare"], f["median"]["ours"]
+    return [
+        f"workload: tests/workloads/train.py --mb {args['mb']} (numpy state, 1% rewritten per step); "
+        f"{args['reps']} interleaved repetitions, medians; os.sync() before each timed run"
+        + ("; fresh memory touched before each timed restore (bench/README.md, 'prewarm')"
+           if args.get("prewarm", True) else ""),
+        f"freeze: image {f['image_mb']:.0f} MB; CRIU stats (bare / ours): freezing {fb['freezing']:.3f} / {fo['freezing']:.3f} s, "
+        f"frozen {fb['frozen']:.3f} / {fo['frozen']:.3f} s, memdump {fb['memdump']:.3f} / {fo['memdump']:.3f} s, "
+        f"memwrite {fb['memwrite']:.3f} / {fo['memwrite']:.3f} s; our action script alone (it runs frozen) "
+        f"{f['capture_script_alone_seconds']:.3f} s",
+        "store: " + ", ".join(
+            f"#{b['seq']} {b['image_bytes'] / MB:.1f} MB image -> {b['stored_bytes'] / MB:.2f} MB stored "
+            f"({100 * b['ratio']:.2f}%)" for b in s["heartbeats"])
+        + f"; between heartbeats the workload rewrites {100 * s['change_fraction_between_heartbeats']:.1f}% of its state, "
+          f"but its memory pages differ by up to {100 * s['changed_memory_fraction']:.2f}% of the image "
+          f"(page-by-page diff of consecutive dumps), so the store keeps up to "
+          f"{s['stored_per_changed_byte']:.2f} bytes per changed byte; "
+          f"mean of 2-4 {100 * s['ratio_mean']:.2f}%; chunk avg {s['chunk_avg_bytes'] // 1024} KiB, {s['compression']}"
+        + ("" if s["exactly_one_step_between"] else
+           "; WARNING: not exactly one step between heartbeats (see results.json), the deltas are uncertain"),
+        f"restore: image {r['image_mb']:.0f} MB; ours = fetch+verify {r['ours_breakdown_median']['fetch']:.2f} s + "
+        f"criu restore {r['ours_breakdown_median']['criu_restore']:.2f} s + other {r['ours_breakdown_median']['other']:.2f} s; "
+        f"{r['note']}",
+    ]
+
+
+def _medians_of(runs: list[Any]) -> str:
+    return f"medians of {len(runs)}" if len(runs) > 1 else "one run each"
+
+
+def _s3_first_details(c: dict[str, Any]) -> str:
+    n, o = c["median"]["naive"], c["median"]["ours"]
+    return (
+        f"S3 first checkpoint ({c['runs']['ours'][0]['image_bytes'] / MB:.0f} MB image, "
+        + _medians_of(c["runs"]["ours"])
+        + f"): naive = dump {n['dump']:.2f} s + upload {n['upload']:.2f} s "
+        f"({n['requests']:.0f} requests: {fmt_ops(c['runs']['naive'][-1]['ops'])}; moto CPU "
+        f"{n['server_cpu_seconds']:.1f} s, our process CPU {n['client_cpu_seconds']:.1f} s); ours = dump {o['dump']:.2f} s + chunk/hash/compress/upload "
+        f"{o['upload']:.2f} s + other {o['other']:.2f} s ({o['requests']:.0f} requests: "
+        f"{fmt_ops(c['runs']['ours'][-1]['ops'])}; moto CPU {o['server_cpu_seconds']:.1f} s, our process CPU "
+        f"{o['client_cpu_seconds']:.1f} s); bytes sent naive {n['bytes_sent'] / MB:.0f} MB, ours "
+        f"{o['bytes_sent'] / MB:.0f} MB")
+
+
+def _s3_heartbeat_details(h: dict[str, Any]) -> str:
+    return (
+        "S3 heartbeats: " + ", ".join(
+            f"#{b['seq']} {b['seconds']:.2f} s (dump {b['dump']:.2f} + chunk/hash/upload {b['upload']:.2f} + "
+            f"other {b['other']:.2f}), {b['bytes_sent'] / MB:.2f} MB sent ({100 * b['ratio_bytes']:.2f}%), "
+            f"{b['requests']} requests" for b in h["heartbeats"])
+        + " (#1 is the last first checkpoint above; the workload is stopped from the end of each dump until "
+          "its upload is done, so exactly one step lies between heartbeats)"
+        + f"; baseline time = naive path of the first checkpoint ({h['baseline_seconds']:.2f} s); bytes sent = "
+          "request bodies (chunks, manifest, lock objects) counted on our boto3 client"
+        + ("" if h["exactly_one_step_between"] else
+           "; WARNING: not exactly one step between heartbeats (see results.json)"))
+
+
+def _s3_restore_details(r: dict[str, Any]) -> str:
+    nm, om = r["median"]["naive"], r["median"]["ours"]
+    return (
+        f"S3 restore ({r['image_mb']:.0f} MB image, "
+        + _medians_of(r["runs"]["ours"])
+        + f"): naive = download {nm['download']:.2f} s + criu restore {nm['criu_restore']:.2f} s + other "
+        f"{nm['other']:.2f} s "
+        f"({nm['requests']:.0f} requests; moto CPU {nm['server_cpu_seconds']:.1f} s, our process CPU "
+        f"{nm['client_cpu_seconds']:.1f} s); ours = "
+        f"download+verify {om['download']:.2f} s + criu restore {om['criu_restore']:.2f} s + other "
+        f"{om['other']:.2f} s ({om['requests']:.0f} requests; moto CPU {om['server_cpu_seconds']:.1f} s, our "
+        f"process CPU {om['client_cpu_seconds']:.1f} s); baseline: one GET per file, because {r['why_no_ranges']}"
+        + (f"; with boto3's defaults the naive restore took {r['defaults']['baseline_seconds']:.1f} s"
+           if "defaults" in r else "; the defaults variant runs with --s3-naive-defaults (about 2 more minutes)")
+        + f"; {r['note']}")
+
+
+def _s3_listing_details(li: dict[str, Any]) -> str:
+    return (
+        f"S3 listing: {li['requests']:,} requests ({fmt_ops(li['ops'])}) in {li['ours_seconds']:.2f} s: one key "
+        f"listing of the IDs and the 16 shards of the listing index (docs/store-format.md); moto used "
+        f"{li['server_cpu_seconds']:.2f} s of CPU and the CLI {li['client_cpu_seconds']:.2f} s; the CLI on an empty "
+        f"store takes {li['cli_floor_seconds']:.2f} s (interpreter + imports); on file:// the index listing took "
+        f"{li['baseline_seconds']:.2f} s and --exact (every manifest parsed) {li['file_exact_runs'][0]['seconds']:.2f} s; "
+        f"writing the index as writers leave it took {li['index_write_seconds']:.2f} s, the {li['ids'] * li['seqs']:,} "
+        f"manifests {li['populate_seconds']:.0f} s (untimed). Before the index (2026-11-29, first session) the "
+        f"same listing read every manifest: 11,004 requests, 118 s")
+
+
+# --------------------------------------------------------------------------------------------
+# bench/results.md and bench/results.json
+# --------------------------------------------------------------------------------------------
+def command_of(args: dict[str, Any], part: str) -> str:
+    cmd = ["bench/run.py"]
+    if args.get("only") and sorted(args["only"]) != sorted(PARTS):
+        cmd.append(f"--only {','.join(args['only'])}")
+    if part != "s3-listing":
+        cmd.append(f"--mb {args['mb']}")
+    if part == "local":
+        cmd.append(f"--reps {args['reps']}")
+    if part == "s3-transfer":
+        cmd.append(f"--s3-reps {args['s3_reps']}")
+        if args.get("s3_naive_defaults"):
+            cmd.append("--s3-naive-defaults")
+    if part == "s3-listing" and (args.get("listing_ids"), args.get("listing_seqs")) != (1000, 10):
+        cmd.append(f"--listing-ids {args['listing_ids']} --listing-seqs {args['listing_seqs']}")
+    if part != "s3-listing" and not args.get("prewarm", True):
+        cmd.append("--no-prewarm")
+    return " ".join(cmd)
+
+
+def results_md(res: dict[str, Any]) -> str:
+    m = res["machine"]
+    return "\n".join([
+        "# cedana-airflow benchmark results",
+        "",
+        f"Linux {m['kernel']}, {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM; CRIU {res['criu_version']}.",
+        "",
+        *(f"- {PART_TITLES[p]}: run {info['date']} with `{command_of(info['args'], p)}`, {info['seconds']:.0f} s"
+          for p, info in res.get("parts", {}).items()),
+        "",
+        "| " + " | ".join(HEAD) + " |",
+        "|" + "|".join("---" for _ in HEAD) + "|",
+        *("| " + " | ".join(c or " " for c in row) + " |" for row in table_rows(res)),
+        "",
+        *(f"- {line}" for line in details(res)),
+        "",
+    ])
+
+
+def write_results(res: dict[str, Any]) -> None:
+    (BENCH / "results.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
+    (BENCH / "results.md").write_text(results_md(res))
+
+
+def previous_results() -> dict[str, Any]:
+    """bench/results.json as the last run left it, with per-part run info (older files had one run)."""
+    try:
+        old: dict[str, Any] = json.loads((BENCH / "results.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if "parts" not in old and "freeze" in old:
+        old["parts"] = {"local": {"date": old.get("date"), "args": old.get("args", {}),
+                                  "seconds": old.get("total_seconds", 0.0)}}
+    return old
+
+
+def merge_results(res: dict[str, Any], new: dict[str, Any], only: list[str]) -> dict[str, Any]:
+    """``new`` over ``res`` (the previous results): each part that ran replaces its keys, the others keep theirs."""
+    old_s3 = res.get("s3") or {}
+    if "s3" in new:
+        if "s3-transfer" in only:  # the transfer part replaces its keys; a listing-only run keeps them
+            old_s3 = {k: v for k, v in old_s3.items() if k == "listing"}
+        new["s3"] = {**old_s3, **new["s3"]}
+    res.update(new)
+    return res
