@@ -114,8 +114,8 @@ def _as_json(x: Any) -> dict[str, Any]:
 
 
 def _cmd_checkpoints(args: argparse.Namespace) -> int:
-    from .store.listing import list_store
     from .store import open_store
+    from .store.listing import list_store
 
     settings = _settings(args)
     store = open_store(settings.resolved_store(), settings)
@@ -140,8 +140,8 @@ def _cmd_checkpoints(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from .store.gc import DEFAULT_GRACE_SECONDS, collect_garbage
     from .store import open_store
+    from .store.gc import DEFAULT_GRACE_SECONDS, collect_garbage
 
     settings = _settings(args)
     store = open_store(settings.resolved_store(), settings)

@@ -73,11 +73,23 @@ class CheckpointedCommandOperator(BaseOperator):
         the license the restored process holds; exit 0 restores, anything else starts fresh.
     :param expected_duration: / :param job_server: / :param gpu: what the opt-in list's rules judge
         (short tasks re-run; job-server tasks only on marked queues; GPU tasks only with NVIDIA).
+
+    ================================  =================================================================
+    what happened                      the task
+    ================================  =================================================================
+    the workload exited 0              success; the summary (fresh or restored, checkpoints) is its XCom
+    the workload exited N != 0         failed, retries apply; a retry or Clear resumes the latest checkpoint
+    Airflow stopped the task           final checkpoint (``checkpoint_on_kill``), then failed
+    bad configuration or ID            failed without retries (``AirflowFailException``): one line
+    the store or the engine failed     failed, retries apply: one ``cedana:`` line naming the cause
+    retry on the failing node          logged; with ``same_node_retry = fail`` that try fails at once
+    out of scope                       runs unprotected (no CRIU); its exit code decides, as above
+    ================================  =================================================================
     """
 
     template_fields: Sequence[str] = ("command", "env", "cwd", "checkpoint_id", "store", "idempotency_key",
                                       "lease_renew_command")
-    #: The cluster policy (provider/policy.py) checks the DAG-tag rules on tasks that carry this.
+    #: The cluster policy (cedana_airflow/airflow/policy.py) checks the DAG-tag rules on tasks that carry this.
     cedana_checkpointed = True
     template_fields_renderers = {"command": "bash", "env": "json"}
     ui_color = "#d7ecf9"

@@ -17,11 +17,11 @@ from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperato
 from airflow.sdk.exceptions import AirflowFailException
 from kubernetes.client import models as k8s
 
-from cedana_airflow.errors import ConfigError
-from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
 from cedana_airflow.airflow.config import airflow_options
 from cedana_airflow.airflow.kube import Route, apply_route, pod_scope, uses_gpu
 from cedana_airflow.airflow.task_state import TaskState
+from cedana_airflow.errors import ConfigError
+from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
 
 if TYPE_CHECKING:
     from airflow.sdk import Context

@@ -59,11 +59,18 @@ def main() -> int:
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     print("== airflow dags test cedana_demo_training (try 1: a 5 s heartbeat)")
     log = DEMO / "dags-test.log"
+    returncode = run_and_lose_the_node(env, log)
+    return summarize(log, returncode)
+
+
+def run_and_lose_the_node(env: dict[str, str], log: Path) -> int:
+    """Run the DAG, echoing the interesting lines; after three checkpoints, kill the workload and delete
+    its work directory, as a lost node would. Returns ``airflow dags test``'s exit code."""
     t0 = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "airflow", "dags", "test", "cedana_demo_training"], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        killed_at = None
+        killed = False
         assert proc.stdout is not None
         os.set_blocking(proc.stdout.fileno(), False)
         while True:
@@ -75,17 +82,21 @@ def main() -> int:
                     print("   ", line[line.index(m.group(0)):].split(" [airflow.", 1)[0].split(" [cedana_airflow.", 1)[0].rstrip())
                 continue
             if proc.poll() is not None:
-                break
-            ms = manifests()
-            if killed_at is None and len(ms) >= 3:
+                return proc.returncode
+            if not killed and len(manifests()) >= 3:
                 time.sleep(1.5)  # a little progress after the last checkpoint, which the retry redoes
                 pid = manifests()[-1]["process"]["pid"]
                 print(f"\n== {time.monotonic() - t0:.0f} s in: the workload is SIGKILLed (a lost node, a GPU Xid) and the "
                       "work directory is deleted; the retry reads only the store\n")
                 os.kill(pid, signal.SIGKILL)
                 shutil.rmtree(WORK, ignore_errors=True)
-                killed_at = time.monotonic()
+                killed = True
             time.sleep(0.05)
+
+
+def summarize(log: Path, returncode: int) -> int:
+    """Print what happened, from the log and the store; 0 when the retry restored and finished with the
+    uninterrupted run's output."""
     text = log.read_text()
     expect = "done " + subprocess.run([*TRAIN, "--step-seconds", "0"], capture_output=True, text=True,
                                       check=True).stdout.split()[-1]
@@ -96,7 +107,6 @@ def main() -> int:
     first_step = re.search(r"step (\d+)/90", after)
     saved = re.findall(r"stored_bytes=(\d+)", text)
     ms = manifests()
-    ok = proc.returncode == 0 and restored is not None and digests == [expect]
     print("\n== summary")
     print(f"checkpoints taken:   {len(ms)} ({len(saved)} saves logged); image {ms[-1]['image_bytes'] / 1e6:,.0f} MB each"
           if ms else "checkpoints taken:   none")
@@ -113,7 +123,7 @@ def main() -> int:
     print(f"final output:        {digests[-1] if digests else '-'}  "
           f"{'== uninterrupted run' if digests == [expect] else '!= uninterrupted run: ' + expect}")
     print(f"full log:            {log}")
-    return 0 if ok else 1
+    return 0 if returncode == 0 and restored is not None and digests == [expect] else 1
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 from airflow.sdk import BaseSensorOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from cedana_airflow.scope.optin import DEFAULT_NODE_LABEL
 from cedana_airflow.airflow.kube import NOT_READY_TAINT
+from cedana_airflow.scope.optin import DEFAULT_NODE_LABEL
 
 if TYPE_CHECKING:
     from airflow.sdk import Context

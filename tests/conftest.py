@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -162,3 +163,37 @@ def bucket(s3_env, request):
     client = boto3.client("s3")
     client.create_bucket(Bucket=name)
     return name
+
+
+# -- an Airflow home: shared by the Airflow end-to-end tests and the sensor tests -----------------------
+#: The e2e DAG's workload (tests/dags/cedana_e2e.py reads CEDANA_E2E_TRAIN_ARGS).
+TRAIN_ARGS = ["--mb", "60", "--steps", "50", "--step-seconds", "0.1"]
+AIRFLOW = [sys.executable, "-m", "airflow"]
+
+
+@pytest.fixture(scope="session")
+def airflow_db(tmp_path_factory) -> Path:
+    """An Airflow metadata DB migrated once; each test copies it into its own home."""
+    home = tmp_path_factory.mktemp("airflow-template")
+    env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
+    subprocess.run([*AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True, timeout=300)
+    return home / "airflow.db"
+
+
+#: An opt-in list that admits every node, queue and workload: these tests are about what happens in scope.
+OPTIN_ALL = '[node]\nhostnames = ["*"]\n[queue]\nqueues = ["*"]\n[workload]\ndags = ["*"]\n'
+
+
+def airflow_env(tmp_path: Path, airflow_db: Path, **extra: str) -> dict[str, str]:
+    home = tmp_path / "airflow"
+    home.mkdir(exist_ok=True)
+    shutil.copy(airflow_db, home / "airflow.db")
+    (tmp_path / "optin.toml").write_text(OPTIN_ALL)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CEDANA_", "AIRFLOW", "AWS_"))}
+    env.update(AIRFLOW_HOME=str(home), AIRFLOW__CORE__DAGS_FOLDER=str(REPO / "tests" / "dags"),
+               AIRFLOW__CORE__LOAD_EXAMPLES="False", AIRFLOW__CEDANA__STORE=f"file://{tmp_path / 'store'}",
+               AIRFLOW__CEDANA__WORK_DIR=str(tmp_path / "work"), CEDANA_E2E_TRAIN_ARGS=" ".join(TRAIN_ARGS),
+               AIRFLOW__CEDANA__OPTIN_FILE=str(tmp_path / "optin.toml"),
+               PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env

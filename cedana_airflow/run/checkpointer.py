@@ -19,15 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Settings
-from ..store import index
 from ..engine.criu import CriuEngine
-from .estimate import estimate_checkpoint, too_large
-from ..store.gc import prune_checkpoints
 from ..errors import CorruptCheckpoint, RestoreFailed
-from ..ids import validate_checkpoint_id
 from ..format.manifest import Manifest, ProcessInfo
+from ..ids import validate_checkpoint_id
+from ..store import index
 from ..store.base import Store, StoreConfig
+from ..store.gc import prune_checkpoints
 from ..store.transfer import CAPTURED_DIR, CapturedSource, CheckpointMeta, fetch_checkpoint, require_latest, save_checkpoint
+from .estimate import estimate_checkpoint, too_large
 from .workload import Sink, Workload, become_subreaper
 
 __all__ = ["Checkpointer", "PhaseHook", "Restored"]

@@ -26,16 +26,16 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Literal
 
-from .checkpointer import Checkpointer
 from ..config import Settings
 from ..engine.criu import CriuEngine, find_criu
 from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint
-from .estimate import estimate_checkpoint
-from ..store.gc import delete_checkpoint_id
-from .triggers import Heartbeat, MemoryWatch
-from ..ids import validate_checkpoint_id
 from ..format.manifest import Manifest
+from ..ids import validate_checkpoint_id
 from ..store import Store, open_store
+from ..store.gc import delete_checkpoint_id
+from .checkpointer import Checkpointer
+from .estimate import estimate_checkpoint
+from .triggers import Heartbeat, MemoryWatch
 from .workload import Sink, Workload
 
 __all__ = ["RunResult", "run_workload", "make_engine"]

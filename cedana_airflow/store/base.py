@@ -18,9 +18,9 @@ from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..format.chunking import CHUNKER_NAME
 from ..config import default
 from ..errors import CorruptCheckpoint, StoreUnavailable
+from ..format.chunking import CHUNKER_NAME
 from ..ids import RESERVED_NAMES
 
 __all__ = ["RequiredReads", "Store", "StoreConfig", "StoredObject", "STORE_FORMAT_VERSION", "RESERVED_NAMES", "chunk_key", "manifest_key", "parse_store_config"]

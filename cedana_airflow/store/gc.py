@@ -13,11 +13,11 @@ import logging
 import time
 from dataclasses import dataclass
 
-from . import index
-from ..ids import validate_checkpoint_id
-from .locks import acquire_gc
 from ..format.manifest import Manifest
+from ..ids import validate_checkpoint_id
+from . import index
 from .base import Store, manifest_key
+from .locks import acquire_gc
 from .transfer import load_manifests, load_manifests_of
 
 __all__ = ["GcReport", "prune_checkpoints", "delete_checkpoint_id", "collect_garbage", "DEFAULT_GRACE_SECONDS"]

@@ -5,7 +5,7 @@ listing, kept in 16 shard documents (``index/<hex digit>.json``, by the SHA-256 
 ID) that writers update by compare-and-swap (``If-Match`` on S3, a lock on a file store), so two
 writers never lose each other's rows. A writer killed between its manifest and its index update
 leaves the index one row short; :func:`rebuild_index` (run by gc) repairs it from the manifests.
-It also holds what no manifest can: heartbeats skipped as too large (estimate.py).
+It also holds what no manifest can: heartbeats skipped as too large (run/estimate.py).
 """
 
 from __future__ import annotations

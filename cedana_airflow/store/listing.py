@@ -12,10 +12,10 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from . import index
 from ..ids import validate_checkpoint_id
-from .index import IndexEntry, IndexRow
+from . import index
 from .base import Store
+from .index import IndexEntry, IndexRow
 from .transfer import load_manifests_of
 
 __all__ = ["IdListing", "list_store"]

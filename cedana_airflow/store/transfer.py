@@ -7,7 +7,6 @@ as the latest. Read order: manifests first, then chunks, each verified before it
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -21,15 +20,15 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from ..format import chunking
 from ..config import default
 from ..errors import CheckpointNotFound, CorruptCheckpoint
-from ..ids import validate_checkpoint_id
-from .locks import acquire_writer
+from ..format import chunking
 from ..format.manifest import CapturedFile, ChunkRef, FileEntry, Manifest, ProcessInfo
-from .progress import Progress
 from ..format.selection import restore_order
+from ..ids import validate_checkpoint_id
 from .base import Store, StoreConfig
+from .locks import acquire_writer
+from .progress import Progress
 
 __all__ = ["CAPTURED_DIR", "CapturedSource", "CheckpointMeta", "fetch_checkpoint", "load_manifests", "load_manifests_of",
            "require_latest", "save_checkpoint"]

@@ -13,11 +13,11 @@ import pytest
 pytest.importorskip("airflow")
 from airflow.sdk.exceptions import AirflowException  # noqa: E402
 
-from cedana_airflow.errors import ConfigError  # noqa: E402
-from cedana_airflow.operators import CheckpointedCommandOperator  # noqa: E402
 from cedana_airflow.airflow import get_provider_info  # noqa: E402
 from cedana_airflow.airflow.config import task_settings  # noqa: E402
 from cedana_airflow.airflow.logsink import LogSink  # noqa: E402
+from cedana_airflow.errors import ConfigError  # noqa: E402
+from cedana_airflow.operators import CheckpointedCommandOperator  # noqa: E402
 
 
 def _airflow(*args: str, tmp_path) -> str:

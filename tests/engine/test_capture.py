@@ -9,7 +9,6 @@ import sys
 from cedana_airflow.engine.capture import CaptureOnFreeze
 from cedana_airflow.engine.procfs import open_for_writing, tree_pids
 
-
 HOLDER = """
 import subprocess, sys, time
 d = sys.argv[1]

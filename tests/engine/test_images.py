@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 from cedana_airflow.config import DEFAULT_CRIU_PREFIX
 from cedana_airflow.engine.criu import CriuEngine, find_criu

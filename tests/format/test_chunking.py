@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from cedana_airflow.format import chunking
 from cedana_airflow.errors import CorruptCheckpoint
+from cedana_airflow.format import chunking
 
 
 def _chunks(path, avg=64 << 10):

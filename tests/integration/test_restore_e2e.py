@@ -12,8 +12,7 @@ import time
 import boto3
 import pytest
 
-from conftest import (TRAIN, cli, cli_env, kill_node, manifests, start_cli, uninterrupted_digest, wait_for_checkpoints,
-                      wait_gone)
+from conftest import TRAIN, cli, cli_env, kill_node, manifests, start_cli, uninterrupted_digest, wait_for_checkpoints, wait_gone
 
 pytestmark = pytest.mark.integration
 

@@ -16,10 +16,10 @@ import pytest
 from cedana_airflow.config import DEFAULT_CRIU_PREFIX, Settings, load_settings
 from cedana_airflow.engine.criu import CriuEngine, find_criu
 from cedana_airflow.format.manifest import ProcessInfo
-from cedana_airflow.store import open_store
-from cedana_airflow.store.transfer import CheckpointMeta, fetch_checkpoint, load_manifests, save_checkpoint
 from cedana_airflow.run.checkpointer import Checkpointer
 from cedana_airflow.run.workload import Workload
+from cedana_airflow.store import open_store
+from cedana_airflow.store.transfer import CheckpointMeta, fetch_checkpoint, load_manifests, save_checkpoint
 from conftest import TRAIN, uninterrupted_digest
 
 pytestmark = pytest.mark.integration

@@ -13,8 +13,8 @@ pytest.importorskip("airflow.providers.cncf.kubernetes")
 from kubernetes.client import ApiClient  # noqa: E402
 from kubernetes.client import models as k8s  # noqa: E402
 
-from cedana_airflow.operators import CedanaKubernetesPodOperator  # noqa: E402
 from cedana_airflow.airflow.kube import HEARTBEAT_LABEL  # noqa: E402
+from cedana_airflow.operators import CedanaKubernetesPodOperator  # noqa: E402
 
 OPTIN = '[node]\nlabels = { "cedana.ai/enabled" = "true" }\n[queue]\nqueues = ["*"]\n[workload]\ndags = ["*"]\n'
 

@@ -19,8 +19,7 @@ from cedana_airflow.config import load_settings
 from cedana_airflow.format.manifest import ProcessInfo
 from cedana_airflow.store import open_store
 from cedana_airflow.store.transfer import CheckpointMeta, save_checkpoint
-from conftest import cli_env
-from test_airflow_e2e import AIRFLOW, airflow_db, airflow_env  # noqa: F401  (the session fixture)
+from conftest import AIRFLOW, airflow_env, cli_env
 
 pytest.importorskip("airflow")
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException  # noqa: E402

@@ -12,10 +12,10 @@ import pytest
 
 from cedana_airflow.config import load_settings
 from cedana_airflow.errors import StoreBusy
-from cedana_airflow.store.gc import collect_garbage, delete_checkpoint_id, prune_checkpoints
-from cedana_airflow.store.locks import acquire_gc, acquire_writer
 from cedana_airflow.format.manifest import ProcessInfo
 from cedana_airflow.store import open_store
+from cedana_airflow.store.gc import collect_garbage, delete_checkpoint_id, prune_checkpoints
+from cedana_airflow.store.locks import acquire_gc, acquire_writer
 from cedana_airflow.store.transfer import CheckpointMeta, fetch_checkpoint, load_manifests, save_checkpoint
 from conftest import cli, cli_env
 

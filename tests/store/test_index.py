@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from cedana_airflow.store import index
 from cedana_airflow.config import load_settings
+from cedana_airflow.format.manifest import ProcessInfo
+from cedana_airflow.store import index, open_store
 from cedana_airflow.store.gc import collect_garbage, delete_checkpoint_id
 from cedana_airflow.store.listing import list_store
-from cedana_airflow.format.manifest import ProcessInfo
-from cedana_airflow.store import open_store
 from cedana_airflow.store.transfer import CheckpointMeta, save_checkpoint
 
 PROC = ProcessInfo(pid=42, command=("train",), cwd="/", stdout_pipe="pipe:[1]", stderr_pipe="pipe:[2]")

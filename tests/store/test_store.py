@@ -14,7 +14,12 @@ from cedana_airflow.format.manifest import CapturedFile, ProcessInfo
 from cedana_airflow.store import FileStore, open_store
 from cedana_airflow.store.base import chunk_key
 from cedana_airflow.store.transfer import (
-    CapturedSource, CheckpointMeta, fetch_checkpoint, load_manifests, require_latest, save_checkpoint,
+    CapturedSource,
+    CheckpointMeta,
+    fetch_checkpoint,
+    load_manifests,
+    require_latest,
+    save_checkpoint,
 )
 
 PROC = ProcessInfo(pid=42, command=("train",), cwd="/", stdout_pipe="pipe:[1]", stderr_pipe="pipe:[2]")
