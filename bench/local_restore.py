@@ -12,12 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harness import MB, PhaseTimes, StepSink, StoredCheckpoint, TailSink, adopt, bare_restore, check_alive, kill, make_checkpointer, med, prewarm, say
+
 from cedana_airflow.config import Settings
 from cedana_airflow.engine.criu import CriuEngine
 from cedana_airflow.run.workload import Workload, become_subreaper
-
-from harness import (MB, PhaseTimes, StepSink, StoredCheckpoint, TailSink, adopt, bare_restore, check_alive, kill,
-                     make_checkpointer, med, prewarm, say)
 
 TARGET = 1.30
 

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import MB, PhaseTimes, StepSink, StoredCheckpoint, drop_dir, kill, make_checkpointer, med, say, start_workload
+
 from cedana_airflow.config import Settings
 from cedana_airflow.engine.criu import CriuEngine
 from cedana_airflow.engine.images import image_entries
@@ -21,9 +23,6 @@ from cedana_airflow.run.checkpointer import Checkpointer
 from cedana_airflow.run.workload import Workload
 from cedana_airflow.store import open_store
 from cedana_airflow.store.base import StoreConfig
-
-from harness import (MB, PhaseTimes, StepSink, StoredCheckpoint, drop_dir, kill, make_checkpointer, med, say,
-                     start_workload)
 
 TARGET = 0.03
 CHECKPOINT_ID = "bench-heartbeats"

@@ -33,21 +33,21 @@ import shutil
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for cedana_airflow
-
-from cedana_airflow.config import DEFAULT_CRIU_PREFIX, Settings  # noqa: E402
-from cedana_airflow.engine.criu import CriuEngine, find_criu  # noqa: E402
 
 from harness import BENCH, machine, say  # noqa: E402
 from local_freeze import bench_freeze  # noqa: E402
 from local_restore import bench_restore  # noqa: E402
 from local_store import bench_store  # noqa: E402
 from report import PARTS, details, merge_results, previous_results, table_rows, text_table, write_results  # noqa: E402
+
+from cedana_airflow.config import DEFAULT_CRIU_PREFIX, Settings  # noqa: E402
+from cedana_airflow.engine.criu import CriuEngine, find_criu  # noqa: E402
 
 
 def parse_only(text: str) -> list[str]:

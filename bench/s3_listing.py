@@ -20,6 +20,9 @@ from typing import Any
 
 import boto3
 from botocore.config import Config
+from harness import MB, REPO, med, say
+from report import MOTO_NOTE, fmt_ops
+from s3_server import BUCKET, Moto
 
 from cedana_airflow.config import load_settings
 from cedana_airflow.format.manifest import Manifest, ProcessInfo
@@ -27,10 +30,6 @@ from cedana_airflow.ids import derive_checkpoint_id
 from cedana_airflow.store import open_store
 from cedana_airflow.store.base import StoreConfig, manifest_key
 from cedana_airflow.store.index import rebuild_index
-
-from harness import MB, REPO, med, say
-from report import MOTO_NOTE, fmt_ops
-from s3_server import BUCKET, Moto
 
 TARGET_SECONDS = 1.0
 

@@ -15,16 +15,14 @@ from typing import Any
 
 import boto3
 from boto3.s3.transfer import TransferConfig
+from harness import MB, PhaseTimes, StepSink, TailSink, Warm, adopt, bare_restore, check_alive, kill, make_checkpointer, med, prewarm, say
+from s3_server import BUCKET, Moto
 
 from cedana_airflow.config import Settings
 from cedana_airflow.engine.criu import CriuEngine
 from cedana_airflow.format.manifest import Manifest
 from cedana_airflow.run.workload import Workload, become_subreaper
 from cedana_airflow.store import open_store
-
-from harness import (MB, PhaseTimes, StepSink, TailSink, Warm, adopt, bare_restore, check_alive, kill,
-                     make_checkpointer, med, prewarm, say)
-from s3_server import BUCKET, Moto
 
 TARGET = 1.10
 

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import boto3
-
 from harness import say
 
 BUCKET = "bench"

@@ -24,6 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+from harness import MB, PhaseTimes, StepSink, Warm, bare_dump, drop_dir, kill, make_checkpointer, med, say, start_workload
+from report import MOTO_NOTE, fmt_ops
+from s3_restore import bench_s3_restore
+from s3_server import BUCKET, Moto, WireCounter, delete_prefix, moto_version
 
 from cedana_airflow.config import Settings, load_settings
 from cedana_airflow.engine.criu import CriuEngine
@@ -32,12 +36,6 @@ from cedana_airflow.run.checkpointer import Checkpointer
 from cedana_airflow.run.workload import Workload
 from cedana_airflow.store import open_store
 from cedana_airflow.store.base import Store, StoreConfig
-
-from harness import (MB, PhaseTimes, StepSink, Warm, bare_dump, drop_dir, kill, make_checkpointer, med, say,
-                     start_workload)
-from report import MOTO_NOTE, fmt_ops
-from s3_restore import bench_s3_restore
-from s3_server import BUCKET, Moto, WireCounter, delete_prefix, moto_version
 
 TARGETS = {"checkpoint": 1.0, "heartbeat_bytes": 0.03, "heartbeat_time": 0.10}
 CHECKPOINT_ID = "bench-s3"

@@ -2,8 +2,8 @@
 
 Pods go to opted-in nodes; a retry's pod avoids the node where the previous try ran (recorded by the
 pod-starting callback in the task state record, cedana_airflow.airflow.task_state) and is always a
-new pod, never a reattach to the failed one. Which route (a Cedana cluster, or our CLI wrapped around the command) is configuration:
-``[cedana] k8s_route``. The pod spec itself is built by cedana_airflow.airflow.kube.
+new pod, never a reattach to the failed one. Which route (a Cedana cluster, or our CLI wrapped
+around the command) is configuration: ``[cedana] k8s_route``. The pod spec itself is built by cedana_airflow.airflow.kube.
 """
 
 from __future__ import annotations

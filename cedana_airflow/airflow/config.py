@@ -6,8 +6,11 @@ built (so the DAG shows an import error) or when the task starts, never deep ins
 
 The [cedana] section declared to Airflow (provider info) is generated from the two models here:
 every core :class:`~cedana_airflow.config.Settings` field, plus :class:`AirflowOptions`, the options
-only the Airflow side reads. So ``airflow config list --section cedana`` shows the real defaults, and
-a default is written once.
+only the Airflow side reads, so a default is written once, in its model. A core option's default is
+stated in its description, not declared as its value: Airflow writes declared defaults into a new
+airflow.cfg as set values, and [cedana] sits above CEDANA_* and CEDANA_CONFIG, so a declared
+``keep_checkpoints = 3`` would silently override ``CEDANA_KEEP_CHECKPOINTS``. The Airflow-only
+options have nothing below them and declare theirs.
 """
 
 from __future__ import annotations
@@ -75,10 +78,14 @@ def _spelled(value: Any) -> str | None:
 def config_options() -> tuple[ConfigOption, ...]:
     """The [cedana] section, option by option, from the models' fields (defaults and descriptions)."""
     out = []
-    for model in (Settings, AirflowOptions):
-        for name, f in model.model_fields.items():
-            out.append(ConfigOption(name, _airflow_type(f.annotation), _spelled(f.default),
-                                    _AIRFLOW_WORDING.get(name, f.description or "")))
+    for name, f in Settings.model_fields.items():
+        default = _spelled(f.default)
+        said = _AIRFLOW_WORDING.get(name, f.description or "")
+        if default is not None and "Default: " not in said:
+            said = f"{said} Default: {default}."
+        out.append(ConfigOption(name, _airflow_type(f.annotation), None, said))
+    for name, f in AirflowOptions.model_fields.items():
+        out.append(ConfigOption(name, _airflow_type(f.annotation), _spelled(f.default), f.description or ""))
     return tuple(out)
 
 
@@ -87,19 +94,15 @@ def _where(key: str) -> str:
 
 
 def _section(names: Sequence[str]) -> dict[str, str]:
-    """The [cedana] options set by the deployment (airflow.cfg, AIRFLOW__CEDANA__*, commands, secrets).
-
-    The provider's declared defaults are left out on purpose: they repeat the core defaults, and
-    read as a layer they would hide CEDANA_* and CEDANA_CONFIG, which sit below [cedana].
-    """
+    """The [cedana] options the deployment set (airflow.cfg, AIRFLOW__CEDANA__*, commands, secrets);
+    an option it did not set reads as None, since core options declare no default (module docstring)."""
     from airflow.configuration import conf
 
     out = {}
-    with conf.make_sure_configuration_loaded(with_providers=False):
-        for name in names:
-            value = conf.get("cedana", name, fallback=None)
-            if value not in (None, ""):
-                out[name] = value
+    for name in names:
+        value = conf.get("cedana", name, fallback=None)
+        if value not in (None, ""):
+            out[name] = value
     return out
 
 
@@ -110,7 +113,7 @@ def airflow_options(*names: str, overrides: Mapping[str, Any] | None = None) -> 
     values: dict[str, Any] = dict(_section(wanted))
     source = {k: _where(k) for k in values}
     for k, v in (overrides or {}).items():
-        if k in wanted and v is not None:
+        if k in wanted and v not in (None, ""):
             values[k], source[k] = v, f"operator argument {k}"
     try:
         return AirflowOptions(**values)
@@ -134,11 +137,14 @@ def task_settings(overrides: Mapping[str, Any] | None = None,
 
     ``scope_defaults``: what the opt-in list sets for the scopes that admitted the task (above
     [cedana], below operator arguments)."""
-    core_names = tuple(Settings.model_fields)
-    section = _section(core_names)
+    section = _section(tuple(Settings.model_fields))
     layers = [(_where, section), (lambda k: f"the opt-in list's defaults ({k})", dict(scope_defaults or {}))]
-    settings = load_settings({k: v for k, v in (overrides or {}).items() if k in core_names},
-                             layers=layers, overrides_source=lambda k: f"operator argument {k}")
+    # Every override but the Airflow-only options goes to the core, so a misspelt setting is an
+    # "unknown setting" error when the DAG is parsed, never silently ignored.
+    core = {k: v for k, v in (overrides or {}).items() if k not in AirflowOptions.model_fields}
+    settings = load_settings(core, layers=layers, overrides_source=lambda k: f"operator argument {k}")
     if not settings.store:
         settings = settings.model_copy(update={"store": _default_store()})
-    return settings, airflow_options("aws_conn_id", "same_node_retry", overrides=overrides)
+    # aws_conn_id is an operator argument; same_node_retry only a deployment's choice ([cedana]).
+    return settings, airflow_options("aws_conn_id", "same_node_retry",
+                                     overrides={"aws_conn_id": (overrides or {}).get("aws_conn_id")})

@@ -42,10 +42,10 @@ class Restored:
     skipped: tuple[str, ...]  # why newer checkpoints were refused, newest first
 
 
-#: Called with a phase's name and its seconds, after each phase: ``dump`` (frozen, into the work dir),
-#: ``save`` (chunks and manifest into the store), ``fetch`` (chunks out of the store, each verified),
-#: ``criu_restore`` (the engine's restore). An explicit hook for whoever measures (bench/), so nobody
-#: has to wrap this module's functions to time them.
+#: Called with a phase's name and its seconds, after each phase that completes: ``dump`` (frozen,
+#: into the work dir), ``save`` (chunks and manifest into the store), ``fetch`` (chunks out of the
+#: store, each verified), ``criu_restore`` (the engine's restore). An explicit hook for whoever
+#: measures (bench/), so nobody has to wrap this module's functions to time them.
 PhaseHook = Callable[[str, float], None]
 
 
@@ -68,12 +68,11 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:
+        """Report a phase that completed (a failed one raises; its time is nobody's figure)."""
         t0 = time.monotonic()
-        try:
-            yield
-        finally:
-            if self._on_phase is not None:
-                self._on_phase(name, time.monotonic() - t0)
+        yield
+        if self._on_phase is not None:
+            self._on_phase(name, time.monotonic() - t0)
 
     def checkpoint(self, workload: Workload, *, leave_running: bool = True) -> Manifest | None:
         """Take a checkpoint and store it; None when it was skipped as too large (see estimate.py)."""

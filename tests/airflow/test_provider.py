@@ -34,9 +34,10 @@ def test_airflow_lists_the_provider_the_plugin_and_the_config_section(tmp_path):
     section = _airflow("config", "list", "--section", "cedana", tmp_path=tmp_path)
     assert "[cedana]" in section and "# same_node_retry =" in section and "# store =" in section
     assert _airflow("config", "get-value", "cedana", "same_node_retry", tmp_path=tmp_path).strip() == "allow"
-    # the core defaults, as Settings writes them, not a blank
-    assert _airflow("config", "get-value", "cedana", "keep_checkpoints", tmp_path=tmp_path).strip() == "3"
-    assert _airflow("config", "get-value", "cedana", "max_checkpoint_bytes", tmp_path=tmp_path).strip() == str(64 << 30)
+    # each core option says its real default (from Settings) without declaring it as a value
+    described = _airflow("config", "list", "--section", "cedana", "--include-descriptions", tmp_path=tmp_path)
+    assert "Complete checkpoints kept per checkpoint ID. Default: 3." in described
+    assert f"Default: {64 << 30}." in described and "# keep_checkpoints = \n" in described
 
 
 def test_the_cedana_section_is_generated_from_the_settings_models():
@@ -45,14 +46,16 @@ def test_the_cedana_section_is_generated_from_the_settings_models():
 
     options = get_provider_info()["config"]["cedana"]["options"]
     assert list(options) == [*Settings.model_fields, *AirflowOptions.model_fields]
-    for model in (Settings, AirflowOptions):
-        for name, field in model.model_fields.items():
-            declared = options[name]["default"]
-            if field.default in (None, ""):
-                assert declared is None, name
-            else:  # what airflow.cfg would say parses back to the model's own default
-                assert model.model_validate({name: declared}).model_dump()[name] == field.default, name
-            assert options[name]["description"], name
+    for name, field in Settings.model_fields.items():
+        assert options[name]["default"] is None, name  # declared, it would sit above CEDANA_* (see below)
+        said = options[name]["description"]
+        if field.default not in (None, ""):  # the stated default parses back to the model's own
+            stated = said.rsplit("Default: ", 1)[1].rstrip(".")
+            assert Settings.model_validate({name: stated}).model_dump()[name] == field.default, name
+        assert said, name
+    for name, field in AirflowOptions.model_fields.items():
+        declared = options[name]["default"]
+        assert (declared is None) if field.default is None else AirflowOptions.model_validate({name: declared}).model_dump()[name] == field.default
     assert options["keep_checkpoints"]["type"] == "integer" and options["delete_on_success"]["type"] == "boolean"
     assert options["heartbeat_seconds"]["type"] == "float" and options["work_dir"]["type"] == "string"
 
@@ -67,13 +70,27 @@ def test_cedana_section_sits_between_the_environment_and_operator_arguments(monk
     assert task_settings({"heartbeat_seconds": 90})[0].heartbeat_seconds == 90
 
 
-def test_the_declared_defaults_do_not_hide_the_environment(monkeypatch):
-    # [cedana] keep_checkpoints has a declared default (3), and [cedana] sits above CEDANA_*: only
-    # a value the deployment set may win over the environment, never the declaration.
-    monkeypatch.setenv("CEDANA_KEEP_CHECKPOINTS", "7")
-    assert task_settings({})[0].keep_checkpoints == 7
-    monkeypatch.setenv("AIRFLOW__CEDANA__KEEP_CHECKPOINTS", "4")
-    assert task_settings({})[0].keep_checkpoints == 4
+def test_the_airflow_cfg_airflow_writes_does_not_hide_the_environment(tmp_path):
+    # A new Airflow home gets an airflow.cfg with every declared provider default written as a value;
+    # [cedana] sits above CEDANA_*, so a declared core default would beat the environment from then on.
+    _airflow("config", "list", tmp_path=tmp_path)
+    cfg = (tmp_path / "airflow.cfg").read_text()
+    assert "[cedana]" in cfg and "\nsame_node_retry = allow" in cfg
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "CEDANA_"))}
+    env.update(AIRFLOW_HOME=str(tmp_path), CEDANA_KEEP_CHECKPOINTS="7", CEDANA_HEARTBEAT_SECONDS="60")
+    code = ("from cedana_airflow.airflow.config import task_settings\n"
+            "s = task_settings({})[0]\nprint(s.keep_checkpoints, s.heartbeat_seconds)")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["7", "60.0"], r.stdout + r.stderr[-2000:]
+
+
+def test_operator_settings_are_checked_by_name_and_aws_conn_id_falls_back_to_the_section(monkeypatch):
+    with pytest.raises(ConfigError, match="unknown setting 'keep_checkpoint'"):
+        task_settings({"keep_checkpoint": 5})
+    monkeypatch.setenv("AIRFLOW__CEDANA__AWS_CONN_ID", "ckpt_s3")
+    assert task_settings({"aws_conn_id": ""})[1].aws_conn_id == "ckpt_s3"
+    assert task_settings({"aws_conn_id": "other"})[1].aws_conn_id == "other"
+    assert task_settings({"same_node_retry": "fail"})[1].same_node_retry == "allow"  # the deployment's choice
 
 
 def test_a_bad_cedana_option_is_one_line_naming_its_source(monkeypatch):
