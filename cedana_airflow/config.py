@@ -95,12 +95,32 @@ class Settings(BaseModel):
     progress: Literal["auto", "always", "never"] = Field(
         default="auto", description="Progress display for long transfers: auto = only on a terminal."
     )
+    restore_roots: tuple[Path, ...] = Field(
+        default=(), description="Directories under which a restore may put back captured files and create the "
+        "workload's working directory, besides the restoring command's own working directory (e.g. a shared "
+        "output volume). System trees are never written. Several: separated by ':' (CEDANA_RESTORE_ROOTS)."
+    )
 
     @field_validator("store")
     @classmethod
     def _store_scheme(cls, v: str) -> str:
         if v and not (v.startswith("file://") or v.startswith("s3://")):
             raise ValueError(f"store {redact(v)!r} has no known scheme; {STORE_URL_HINT}")
+        return v
+
+    @field_validator("restore_roots", mode="before")
+    @classmethod
+    def _roots_from_text(cls, v: object) -> object:
+        if isinstance(v, str):  # CEDANA_RESTORE_ROOTS, [cedana] restore_roots: a PATH-like list
+            return tuple(p for p in v.split(":") if p)
+        return v
+
+    @field_validator("restore_roots")
+    @classmethod
+    def _roots_absolute(cls, v: tuple[Path, ...]) -> tuple[Path, ...]:
+        for p in v:
+            if not p.is_absolute():
+                raise ValueError(f"restore root {str(p)!r} is not an absolute path; write it as /abs/dir")
         return v
 
     @field_validator("node")

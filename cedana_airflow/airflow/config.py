@@ -70,7 +70,7 @@ def _airflow_type(annotation: Any) -> str:
 
 
 def _spelled(value: Any) -> str | None:
-    if value is None or value == "":
+    if value is None or value == "" or value == ():
         return None
     return str(value)
 

@@ -14,9 +14,9 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from ..config import Settings
 from ..engine.criu import CriuEngine
@@ -27,6 +27,7 @@ from ..store import index
 from ..store.base import Store, StoreConfig
 from ..store.gc import prune_checkpoints
 from ..store.transfer import CAPTURED_DIR, CapturedSource, CheckpointMeta, fetch_checkpoint, require_latest, save_checkpoint
+from .captured import CapturedFilesBack, ensure_cwd, restore_roots
 from .estimate import estimate_checkpoint, too_large
 from .workload import Sink, Workload, become_subreaper
 
@@ -116,13 +117,16 @@ class Checkpointer:
                      self.checkpoint_id, manifest.seq, dump.freeze_seconds, rss)
             return manifest
 
-    def restore(self, stdout: Sink | None = None, stderr: Sink | None = None) -> Restored:
+    def restore(self, stdout: Sink | None = None, stderr: Sink | None = None, *, cwd: str | None = None) -> Restored:
         """Restore the newest usable checkpoint and supervise it.
 
-        A checkpoint that fails verification, or that CRIU cannot restore here, is refused with a
-        warning and the next older one is tried. Raises CheckpointNotFound when there is none, and
-        CorruptCheckpoint (with every reason) when none could be restored.
+        A checkpoint that fails verification, that would write outside this node's restore roots
+        (``settings.restore_roots`` and ``cwd``, default ours: see captured.py), or that CRIU cannot
+        restore here, is refused with a warning and the next older one is tried. Raises
+        CheckpointNotFound when there is none, and CorruptCheckpoint (with every reason) when none
+        could be restored.
         """
+        roots = restore_roots(self.settings.restore_roots, cwd)
         skipped: list[str] = []
         candidates = require_latest(self.store, self.checkpoint_id)
         for i, m in enumerate(candidates):
@@ -132,7 +136,7 @@ class Checkpointer:
             try:
                 with self._phase("fetch"):
                     fetch_checkpoint(self.store, m, restore_dir / "images", self.settings.progress)
-                workload = self._restore_from(restore_dir / "images", m, stdout, stderr)
+                workload = self._restore_from(restore_dir / "images", m, stdout, stderr, roots)
             except (CorruptCheckpoint, RestoreFailed) as e:
                 skipped.append(str(e))
                 log.warning("checkpoint refused checkpoint_id=%s seq=%d: %s; %s", self.checkpoint_id, m.seq, e,
@@ -149,9 +153,10 @@ class Checkpointer:
             f"({'; '.join(skipped)}). Nothing was restored; start the workload fresh (run without --resume)."
         )
 
-    def _restore_from(self, dest: Path, m: Manifest, stdout: Sink | None, stderr: Sink | None) -> Workload:
-        with _CapturedFilesBack(m, dest / CAPTURED_DIR) as files_back:
-            Path(m.process.cwd).mkdir(parents=True, exist_ok=True)
+    def _restore_from(self, dest: Path, m: Manifest, stdout: Sink | None, stderr: Sink | None,
+                      roots: Sequence[PurePosixPath]) -> Workload:
+        with CapturedFilesBack(m, dest / CAPTURED_DIR, roots) as files_back:
+            ensure_cwd(m, roots)
             become_subreaper()
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
             err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -170,42 +175,3 @@ class Checkpointer:
                 os.close(err_w)
             files_back.keep()
         return Workload.adopt(pid, m.process.command, m.process.cwd, out_r, err_r, stdout, stderr)
-
-
-class _CapturedFilesBack:
-    """Puts a checkpoint's captured files in place (CRIU checks their size), and puts the node's
-    own versions back if the restore then fails, so a refused checkpoint changes nothing."""
-
-    def __init__(self, m: Manifest, source: Path) -> None:
-        self.m, self.source = m, source
-        self._backups: list[tuple[Path, Path | None]] = []
-        self._kept = False
-
-    def __enter__(self) -> _CapturedFilesBack:
-        for i, c in enumerate(self.m.captured):
-            target = Path(c.path)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            backup: Path | None = target.with_name(f".{target.name}.cedana-orig")
-            if target.exists():
-                os.replace(target, backup)  # type: ignore[arg-type]
-            else:
-                backup = None
-            self._backups.append((target, backup))
-            tmp = target.with_name(f".{target.name}.cedana-restore")
-            shutil.move(str(self.source / str(i)), tmp)
-            os.chmod(tmp, c.mode)
-            os.replace(tmp, target)
-        return self
-
-    def keep(self) -> None:
-        self._kept = True
-
-    def __exit__(self, *exc: object) -> None:
-        for target, backup in self._backups:
-            if self._kept:
-                if backup is not None:
-                    backup.unlink(missing_ok=True)
-            elif backup is not None:
-                os.replace(backup, target)
-            else:
-                target.unlink(missing_ok=True)

@@ -101,7 +101,7 @@ def run_workload(
     with _work_dir(settings) as work_dir:
         cp = Checkpointer(engine, store, store_cfg, checkpoint_id, settings, work_dir=work_dir, try_number=try_number)
         result = RunResult(exit_code=0, outcome="fresh")
-        workload = _resume(cp, result, must_restore=command is None, stdout=stdout, stderr=stderr) \
+        workload = _resume(cp, result, must_restore=command is None, cwd=cwd, stdout=stdout, stderr=stderr) \
             if resume or command is None else None
         if workload is None:
             assert command is not None
@@ -128,13 +128,13 @@ def _work_dir(settings: Settings) -> Iterator[Path]:
             shutil.rmtree(work_dir, ignore_errors=True)
 
 
-def _resume(cp: Checkpointer, result: RunResult, *, must_restore: bool, stdout: Sink | None,
+def _resume(cp: Checkpointer, result: RunResult, *, must_restore: bool, cwd: str | None, stdout: Sink | None,
             stderr: Sink | None) -> Workload | None:
     """Restore the newest usable checkpoint into ``result``; None (start fresh) when there is none,
     unless ``must_restore`` (restore without a command), where that is the caller's error."""
     t0, started_at = time.monotonic(), datetime.now(timezone.utc)
     try:
-        restored = cp.restore(stdout, stderr)
+        restored = cp.restore(stdout, stderr, cwd=cwd)
     except CheckpointNotFound:
         if must_restore:
             raise

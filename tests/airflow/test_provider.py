@@ -49,7 +49,7 @@ def test_the_cedana_section_is_generated_from_the_settings_models():
     for name, field in Settings.model_fields.items():
         assert options[name]["default"] is None, name  # declared, it would sit above CEDANA_* (see below)
         said = options[name]["description"]
-        if field.default not in (None, ""):  # the stated default parses back to the model's own
+        if field.default not in (None, "", ()):  # the stated default parses back to the model's own
             stated = said.rsplit("Default: ", 1)[1].rstrip(".")
             assert Settings.model_validate({name: stated}).model_dump()[name] == field.default, name
         assert said, name

@@ -53,7 +53,11 @@ def test_threads_child_process_and_appended_file_are_restored(tmp_path):
     assert [c["path"] for c in ms[0]["captured"]] == [str(log)]
     log.write_text("garbage written after the checkpoint\n" * 3)  # the restore must put back the captured state
 
-    r = cli("restore", "--id", "tree", env=cli_env(tmp_path, "node-b", "work-b"))
+    # the log lies outside the restoring command's working directory: refused until this node allows it
+    refused = cli("restore", "--id", "tree", env=cli_env(tmp_path, "node-b", "work-b"))
+    assert refused.returncode == 1 and f"captured file {log} is outside the restore roots" in refused.stderr
+    assert log.read_text() == "garbage written after the checkpoint\n" * 3  # nothing was written
+    r = cli("restore", "--id", "tree", env=cli_env(tmp_path, "node-b", "work-b", CEDANA_RESTORE_ROOTS=str(tmp_path)))
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[-1] == uninterrupted_digest("--mb", "20", "--steps", "30", "--threads", "2", "--child")
     # Every step appended exactly once, in order: the file continued from the checkpoint's size.
