@@ -95,6 +95,11 @@ class Settings(BaseModel):
     progress: Literal["auto", "always", "never"] = Field(
         default="auto", description="Progress display for long transfers: auto = only on a terminal."
     )
+    keep_env: tuple[str, ...] = Field(
+        default=(), description="Store credential variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, "
+        "AWS_PROFILE, ...) the workload keeps: by default they are left out of its environment, which every "
+        "checkpoint image holds. Several: separated by ','."
+    )
     restore_roots: tuple[Path, ...] = Field(
         default=(), description="Directories under which a restore may put back captured files and create the "
         "workload's working directory, besides the restoring command's own working directory (e.g. a shared "
@@ -106,6 +111,13 @@ class Settings(BaseModel):
     def _store_scheme(cls, v: str) -> str:
         if v and not (v.startswith("file://") or v.startswith("s3://")):
             raise ValueError(f"store {redact(v)!r} has no known scheme; {STORE_URL_HINT}")
+        return v
+
+    @field_validator("keep_env", mode="before")
+    @classmethod
+    def _names_from_text(cls, v: object) -> object:
+        if isinstance(v, str):  # CEDANA_KEEP_ENV, [cedana] keep_env
+            return tuple(n.strip() for n in v.split(",") if n.strip())
         return v
 
     @field_validator("restore_roots", mode="before")

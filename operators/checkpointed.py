@@ -26,6 +26,7 @@ from cedana_airflow.errors import CedanaError, CheckpointIdError, ConfigError, G
 from cedana_airflow.format.selection import AgeLimit
 from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
 from cedana_airflow.node.gpu import read_gpus
+from cedana_airflow.run.environment import workload_env
 from cedana_airflow.run.restore_gap import judge_restore_gap
 from cedana_airflow.run.runner import RunResult, run_workload
 from cedana_airflow.run.workload import run_unprotected
@@ -50,7 +51,7 @@ class CheckpointedCommandOperator(BaseOperator):
 
     :param command: argv list, or a string split with shell rules (no shell runs it). Templated.
     :param env: extra environment for the workload (on top of the task's, minus Airflow's own
-        settings and connections). Templated.
+        settings and connections and the store's credentials; see ``keep_env``). Templated.
     :param cwd: working directory of the workload. Templated.
     :param checkpoint_id: label of this workload's checkpoints. Default: derived from dag_id,
         task_id, map_index and run_id, so a new DAG run starts fresh and a retry or Clear of the
@@ -177,7 +178,7 @@ class CheckpointedCommandOperator(BaseOperator):
                 raise ConfigError("command is empty. Give the command to run as a list or a string.")
             decision = self._in_scope(context, settings)
             if not decision.in_scope:
-                return self._run_unprotected(argv, self._workload_env(context, None), settings)
+                return self._run_unprotected(argv, self._workload_env(context, None, settings), settings)
             settings, options = self._resolve(decision.defaults)
             cid = self.checkpoint_id_for(context)
             store = task_store(settings, options.aws_conn_id)
@@ -194,7 +195,7 @@ class CheckpointedCommandOperator(BaseOperator):
         self._check_same_node(previous, node, options.same_node_retry)
         state.add_try(ti.try_number, node, checkpoint_id=cid)
 
-        env = self._workload_env(context, cid)
+        env = self._workload_env(context, cid, settings)
         out, err = LogSink(self.log, "stdout"), LogSink(self.log, "stderr")
         try:
             result = run_workload(settings, cid, argv, resume=self._may_resume(store, cid), try_number=ti.try_number,
@@ -237,9 +238,12 @@ class CheckpointedCommandOperator(BaseOperator):
                    if result.checkpoints else ""))
         return summary
 
-    def _workload_env(self, context: Context, cid: str | None) -> dict[str, str]:
+    def _workload_env(self, context: Context, cid: str | None, settings: Settings) -> dict[str, str]:
+        """The task's environment less Airflow's own settings and the store's credentials (both would be
+        in every checkpoint image), plus ``env``: what the author passes explicitly is kept."""
         ti = context["ti"]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(_PRIVATE_ENV_PREFIXES)}
+        env = workload_env({k: v for k, v in os.environ.items() if not k.startswith(_PRIVATE_ENV_PREFIXES)},
+                           settings.keep_env)
         env.update(self.env or {})
         if self.idempotency_key:
             env["CEDANA_IDEMPOTENCY_KEY"] = self.idempotency_key

@@ -91,6 +91,7 @@ class Checkpointer:
             self._count += 1
             # Each dump gets its own folder: images, CRIU's log and the captured files, removed together.
             dump_dir = self.work_dir / f"dump-{os.getpid()}-{self._count}"
+            dump_dir.mkdir(mode=0o700, parents=True)  # images and captured copies are process memory: root's eyes only
             rss = estimate.rss_bytes
             try:
                 with self._phase("dump"):
@@ -133,6 +134,7 @@ class Checkpointer:
             # images/ (with captured/ inside) plus CRIU's log and pidfile, removed together.
             restore_dir = self.work_dir / f"restore-{os.getpid()}-{m.seq}"
             shutil.rmtree(restore_dir, ignore_errors=True)
+            restore_dir.mkdir(mode=0o700, parents=True)  # the fetched images are process memory: root's eyes only
             try:
                 with self._phase("fetch"):
                     fetch_checkpoint(self.store, m, restore_dir / "images", self.settings.progress)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 import signal
 import tempfile
@@ -34,6 +35,7 @@ from ..ids import validate_checkpoint_id
 from ..store import Store, open_store
 from ..store.gc import delete_checkpoint_id
 from .checkpointer import Checkpointer
+from .environment import workload_env
 from .estimate import estimate_checkpoint
 from .triggers import Heartbeat, MemoryWatch
 from .workload import Sink, Workload
@@ -89,6 +91,8 @@ def run_workload(
     cannot be restored (CorruptCheckpoint); with a command, the command then starts fresh.
     ``store``: an opened-elsewhere backend (Airflow passes one whose S3 client comes from a
     connection); default: the one ``settings`` names.
+    ``env``: the workload's whole environment; default: ours less the store's credentials
+    (run/environment.py; ``settings.keep_env`` keeps named ones).
     ``stop``: setting it does what SIGTERM does (final checkpoint, then stop), for callers that own
     the signal handlers (Airflow's task runner calls ``on_kill`` from its own SIGTERM handler).
     """
@@ -105,6 +109,8 @@ def run_workload(
             if resume or command is None else None
         if workload is None:
             assert command is not None
+            if env is None:  # ours, less the store's credentials: they would be in every image
+                env = workload_env(os.environ, settings.keep_env)
             workload = Workload.start(command, cwd=cwd, env=env, stdout=stdout, stderr=stderr)
             log.info("workload started checkpoint_id=%s pid=%d node=%s", checkpoint_id, workload.pid, cp.node)
         result = _supervise(settings, cp, workload, result, handle_signals, stop)

@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from ..config import Settings
+from ..config import Settings, redact
 from ..errors import StoreUnavailable
 from ..ids import RESERVED_NAMES
 from .base import RequiredReads, StoreConfig, StoredObject, chunk_key, manifest_key, parse_store_config
@@ -81,7 +81,8 @@ class S3Store(RequiredReads):
     def _errors(self, what: str) -> Iterator[None]:
         from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError, NoCredentialsError
 
-        endpoint = getattr(getattr(self.client, "meta", None), "endpoint_url", "?")
+        # an endpoint URL may carry user:password@: never into a message
+        endpoint = redact(getattr(getattr(self.client, "meta", None), "endpoint_url", "?"))
         try:
             yield
         except ClientError as e:

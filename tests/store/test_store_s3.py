@@ -116,6 +116,15 @@ def test_unreachable_endpoint_is_one_clear_line(s3_env, monkeypatch):
         s.open(create=True, chunk_avg_bytes=1 << 20)
 
 
+def test_an_endpoint_with_userinfo_is_masked_in_messages(s3_env, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://minio:s3cr3t-value@127.0.0.1:9")  # nothing listens on 9
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    s = open_store("s3://any-bucket/x", load_settings(environ={}))
+    with pytest.raises(StoreUnavailable) as e:
+        s.open(create=True, chunk_avg_bytes=1 << 20)
+    assert "s3cr3t-value" not in str(e.value) and "http://***@127.0.0.1:9" in str(e.value)
+
+
 def test_credentials_never_reach_a_message(s3_env, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-value")
     for url in ("s3://user:s3cr3t-value@bucket/x", "s3://UPPER/x", "s3://b/../x"):
