@@ -13,8 +13,10 @@ starting a Python interpreter would keep the workload frozen 20-130 ms longer.
 
 from __future__ import annotations
 
+import errno
 import os
 import select
+import shutil
 import shlex
 import threading
 from pathlib import Path
@@ -25,13 +27,20 @@ __all__ = ["capture", "CaptureOnFreeze"]
 
 
 def _copy(src: str, dst: str) -> None:
+    """Copy in the kernel where it can (copy_file_range); across filesystems (outputs on a volume, the
+    work dir on local disk or tmpfs: EXDEV) or where it is unsupported, read and write instead."""
     with open(src, "rb") as i, open(dst, "wb") as o:
         left = os.fstat(i.fileno()).st_size
-        while left > 0:
-            n = os.copy_file_range(i.fileno(), o.fileno(), left)
-            if n == 0:
-                break
-            left -= n
+        try:
+            while left > 0:
+                n = os.copy_file_range(i.fileno(), o.fileno(), left)
+                if n == 0:
+                    break
+                left -= n
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise
+            shutil.copyfileobj(i, o, 1 << 20)  # from where the kernel copy stopped: both offsets moved together
 
 
 def capture(root_pid: int, dest: Path) -> list[tuple[str, Path, int]]:

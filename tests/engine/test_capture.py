@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from cedana_airflow.engine.capture import CaptureOnFreeze
 from cedana_airflow.engine.procfs import open_for_writing, tree_pids
@@ -71,3 +74,24 @@ def test_a_failed_capture_fails_the_script_so_criu_fails_the_dump(tmp_path):
         subprocess.run(["pkill", "-P", str(p.pid)])
         p.kill()
     assert cap.error and "FileExistsError" in cap.error
+
+
+def test_files_on_another_filesystem_than_the_work_dir_are_captured(tmp_path):
+    # outputs on a volume (here tmpfs), the work dir on local disk: the kernel copy says EXDEV
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    assert os.stat(shm).st_dev != os.stat(tmp_path).st_dev
+    p = _holder(shm)
+    try:
+        with open(shm / "appended.log", "a") as more:
+            more.write("y" * (3 << 20))  # larger than one read, so the fallback copies in pieces
+        side = tmp_path / "side"
+        side.mkdir()
+        with CaptureOnFreeze(side) as cap:
+            assert _run_script(cap, p.pid) == 0, cap.error
+        copies = {path: copy for path, copy, _ in cap.captured}
+        assert copies[str(shm / "appended.log")].read_bytes() == (shm / "appended.log").read_bytes()
+        assert len(copies[str(shm / "appended.log")].read_bytes()) == 10 + (3 << 20)
+    finally:
+        subprocess.run(["pkill", "-P", str(p.pid)])
+        p.kill()
+        shutil.rmtree(shm, ignore_errors=True)
