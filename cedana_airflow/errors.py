@@ -11,6 +11,7 @@
     │   ├── CheckpointNotFound       no complete checkpoint under that checkpoint ID
     │   └── CorruptCheckpoint        a chunk or manifest failed verification (never restored)
     └── EngineError                  freezing, dumping or restoring failed
+        ├── CommandNotFound          the workload's command does not exist (exit code 127)
         ├── EngineUnavailable        CRIU missing, too old, or not permitted (not root)
         ├── DumpFailed               `criu dump` failed; the workload keeps running
         └── RestoreFailed            `criu restore` failed
@@ -24,6 +25,7 @@ __all__ = [
     "CedanaError",
     "CheckpointIdError",
     "CheckpointNotFound",
+    "CommandNotFound",
     "ConfigError",
     "CorruptCheckpoint",
     "DumpFailed",
@@ -77,6 +79,13 @@ class CorruptCheckpoint(StoreError):
 
 class EngineError(CedanaError):
     """The engine could not freeze, dump or restore."""
+
+
+class CommandNotFound(EngineError):
+    """The workload's command is not an executable file, on PATH or at the path given. Exit code 127,
+    as a shell reports it."""
+
+    exit_code = 127
 
 
 class EngineUnavailable(EngineError):

@@ -118,3 +118,16 @@ def test_resume_with_only_corrupt_checkpoints_starts_fresh_and_says_so(tmp_path)
     assert only_restore.returncode == 1
     assert "seq=1: " in only_restore.stderr and "no older checkpoint left" in only_restore.stderr
     assert only_restore.stderr.strip().splitlines()[-1].startswith("CorruptCheckpoint: no checkpoint under checkpoint ID 'bad' could be restored")
+
+
+def test_short_commands_return_their_own_exit_code_and_a_missing_one_is_127(tmp_path):
+    env = cli_env(tmp_path, "n", "w")
+    assert cli("run", "--id", "quick", "--", "true", env=env).returncode == 0
+    r = cli("run", "--id", "quick", "--", "sh", "-c", "echo said; exit 3", env=env)
+    assert r.returncode == 3 and r.stdout == "said\n", r.stderr
+    missing = cli("run", "--id", "quick", "--", "no-such-command-here", "--flag", env=env)
+    assert missing.returncode == 127
+    assert _one_line(missing).startswith("CommandNotFound: command not found: 'no-such-command-here' is not an "
+                                         "executable file on PATH")
+    relative = cli("run", "--id", "quick", "--", "./not-here.sh", env=env, cwd=tmp_path)
+    assert relative.returncode == 127 and f"at {tmp_path}/not-here.sh." in _one_line(relative)

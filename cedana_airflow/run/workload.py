@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from ..engine.procfs import tree_pids
-from ..errors import EngineError, EngineUnavailable
+from ..errors import CommandNotFound, EngineError, EngineUnavailable
 
 __all__ = ["Sink", "Workload", "become_subreaper", "exit_code_of", "run_unprotected"]
 
@@ -83,7 +84,7 @@ class Workload:
     """One managed process tree, started fresh (:meth:`start`) or restored (:meth:`adopt`)."""
 
     def __init__(self, pid: int, command: Sequence[str], cwd: str, out_fd: int, err_fd: int,
-                 launcher: subprocess.Popen[bytes] | None, stdout: Sink, stderr: Sink) -> None:
+                 launcher: subprocess.Popen[bytes] | None, stdout: Sink, stderr: Sink, *, ended: bool = False) -> None:
         self.pid = pid  # host PID of the namespace's init: what CRIU dumps
         self.command = tuple(command)
         self.cwd = cwd
@@ -95,12 +96,14 @@ class Workload:
             p.start()
         self.returncode: int | None = None
         self._reap_lock = threading.Lock()
-        self._watchdog = _watchdog(pid)
+        # A tree that ended before we saw it (a short command) needs no watchdog: nothing is left to kill.
+        self._watchdog = None if ended else _watchdog(pid)
 
     @classmethod
     def start(cls, command: Sequence[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
               stdout: Sink | None = None, stderr: Sink | None = None) -> Workload:
         cwd = cwd or os.getcwd()
+        _check_command(command, cwd, env)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         try:
@@ -118,6 +121,9 @@ class Workload:
             os.close(out_w)
             os.close(err_w)
         pid = _child_of(launcher)
+        if pid is None:  # it ran and ended before we saw it: its exit code is the launcher's
+            return cls(launcher.pid, command, cwd, out_r, err_r, launcher, stdout or sys.stdout.buffer,
+                       stderr or sys.stderr.buffer, ended=True)
         return cls(pid, command, cwd, out_r, err_r, launcher, stdout or sys.stdout.buffer, stderr or sys.stderr.buffer)
 
     @classmethod
@@ -159,7 +165,7 @@ class Workload:
             time.sleep(0.05)
         for p in self._pumps:
             p.join(timeout=5)  # a grandchild that keeps the pipe open must not hang us
-        if self._watchdog.poll() is None:
+        if self._watchdog is not None and self._watchdog.poll() is None:
             self._watchdog.kill()
             self._watchdog.wait()
         return self.returncode
@@ -235,8 +241,28 @@ def _watchdog(workload_pid: int) -> subprocess.Popen[bytes]:
     )
 
 
-def _child_of(launcher: subprocess.Popen[bytes], timeout: float = 10.0) -> int:
-    """The host PID of the namespace init that ``unshare --fork`` started."""
+def _check_command(command: Sequence[str], cwd: str, env: dict[str, str] | None) -> None:
+    """A command that cannot be executed is one line and exit code 127, not a launcher failure."""
+    if not command:
+        raise CommandNotFound("the workload's command is empty. Give the command after '--'.")
+    name = command[0]
+    if "/" in name:
+        path = os.path.normpath(os.path.join(cwd, name))
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return
+        where = f"at {path}"
+    else:
+        search = (env if env is not None else os.environ).get("PATH", os.defpath)
+        if shutil.which(name, path=search) is not None:
+            return
+        where = "on PATH"
+    raise CommandNotFound(f"command not found: {name!r} is not an executable file {where}. Check the command, "
+                          "its path and PATH.")
+
+
+def _child_of(launcher: subprocess.Popen[bytes], timeout: float = 10.0) -> int | None:
+    """The host PID of the namespace init that ``unshare --fork`` started; None when it has already
+    ended (a short command), whose exit code is then the launcher's."""
     deadline = time.monotonic() + timeout
     path = f"/proc/{launcher.pid}/task/{launcher.pid}/children"
     while time.monotonic() < deadline:
@@ -248,7 +274,7 @@ def _child_of(launcher: subprocess.Popen[bytes], timeout: float = 10.0) -> int:
         except FileNotFoundError:
             pass
         if launcher.poll() is not None:
-            break
+            return None
         time.sleep(0.005)
     launcher.kill()
     raise EngineError(
