@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--heartbeat", type=float, help="seconds between checkpoints (0 = none)")
     run.add_argument("--resume", action="store_true", help="restore the latest checkpoint of ID if there is one")
     run.add_argument("--try-number", type=int, default=0, help="which try this is (fencing of stale writers)")
+    run.add_argument("--max-restore-gap", type=float, metavar="SECONDS",
+                     help="never restore a checkpoint older than this; with none left, start fresh")
     _common(run)
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
 
@@ -46,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     rs.add_argument("--id", required=True)
     rs.add_argument("--heartbeat", type=float)
     rs.add_argument("--try-number", type=int, default=0)
+    rs.add_argument("--max-restore-gap", type=float, metavar="SECONDS",
+                    help="never restore a checkpoint older than this; with none left, exit 1")
     _common(rs)
 
     ls = sub.add_parser("checkpoints", help="list checkpoints (all IDs, or one)")
@@ -87,6 +91,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     return load_settings({
         "store": args.store, "node": args.node, "work_dir": args.work_dir,
         "heartbeat_seconds": getattr(args, "heartbeat", None),
+        "max_restore_gap_seconds": getattr(args, "max_restore_gap", None),
     })
 
 

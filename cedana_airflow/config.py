@@ -95,6 +95,11 @@ class Settings(BaseModel):
     progress: Literal["auto", "always", "never"] = Field(
         default="auto", description="Progress display for long transfers: auto = only on a terminal."
     )
+    max_restore_gap_seconds: float = Field(
+        default=0.0, ge=0, allow_inf_nan=False,
+        description="Never restore a checkpoint older than this (a real-time reader's data has moved on): "
+        "older ones are refused one by one, and with none left the workload starts fresh. 0 = no limit."
+    )
     keep_env: tuple[str, ...] = Field(
         default=(), description="Store credential variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, "
         "AWS_PROFILE, ...) the workload keeps: by default they are left out of its environment, which every "

@@ -140,6 +140,8 @@ class CheckpointedCommandOperator(BaseOperator):
                                      "checkpoint_on_term": self.checkpoint_on_kill}
         if self.heartbeat is not None:
             overrides["heartbeat_seconds"] = self.heartbeat.total_seconds()
+        if self.max_restore_gap is not None:  # the core refuses each too-old candidate, fallbacks included
+            overrides["max_restore_gap_seconds"] = self.max_restore_gap.total_seconds()
         if self.store and "{{" not in self.store:
             overrides["store"] = self.store
         return task_settings(overrides, scope_defaults)

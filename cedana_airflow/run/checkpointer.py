@@ -16,12 +16,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 
 from ..config import Settings
 from ..engine.criu import CriuEngine
 from ..errors import CorruptCheckpoint, RestoreFailed
 from ..format.manifest import Manifest, ProcessInfo
+from ..format.selection import AgeLimit, limits_exceeded
 from ..ids import validate_checkpoint_id
 from ..store import index
 from ..store.base import Store, StoreConfig
@@ -131,6 +133,11 @@ class Checkpointer:
         skipped: list[str] = []
         candidates = require_latest(self.store, self.checkpoint_id)
         for i, m in enumerate(candidates):
+            too_old = self._too_old(m)
+            if too_old:  # each candidate, not just the newest: a fallback must not resume stale state
+                skipped.append(too_old)
+                log.warning("checkpoint refused checkpoint_id=%s seq=%d: %s", self.checkpoint_id, m.seq, too_old)
+                continue
             # images/ (with captured/ inside) plus CRIU's log and pidfile, removed together.
             restore_dir = self.work_dir / f"restore-{os.getpid()}-{m.seq}"
             shutil.rmtree(restore_dir, ignore_errors=True)
@@ -154,6 +161,13 @@ class Checkpointer:
             f"no checkpoint under checkpoint ID {self.checkpoint_id!r} could be restored "
             f"({'; '.join(skipped)}). Nothing was restored; start the workload fresh (run without --resume)."
         )
+
+    def _too_old(self, m: Manifest) -> str | None:
+        limit = self.settings.max_restore_gap_seconds
+        if not limit:
+            return None
+        gap, beyond = limits_exceeded(m, datetime.now(timezone.utc), [AgeLimit("max_restore_gap", limit)])
+        return f"seq {m.seq} is {gap:.0f} s old, beyond max_restore_gap = {limit:.0f} s" if beyond else None
 
     def _restore_from(self, dest: Path, m: Manifest, stdout: Sink | None, stderr: Sink | None,
                       roots: Sequence[PurePosixPath]) -> Workload:

@@ -195,6 +195,7 @@ def run_unprotected(command: Sequence[str], *, cwd: str | None, env: dict[str, s
     """Run ``command`` as a plain subprocess, stdout and stderr together into ``sink``, and return its exit
     code (negative: the signal that ended it). Setting ``stop`` sends SIGTERM, and SIGKILL ``grace``
     seconds later."""
+    _check_command(command, cwd or os.getcwd(), env)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     try:
         proc = subprocess.Popen(list(command), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out_w,

@@ -36,3 +36,35 @@ def test_a_checkpoint_older_than_max_restore_gap_or_the_lease_is_not_restored(tm
     assert refused.resume is False and any("lease_renew_command exited 1" in n for _, n in refused.notes)
     # a renewed lease does not excuse a real-time reader's gap
     assert judge_restore_gap(store, "rt", [AgeLimit("lease", 1), AgeLimit("max_restore_gap", 1)], ["true"]).resume is False
+
+
+def _two_checkpoints_the_newest_corrupt(tmp_path):
+    store = open_store(f"file://{tmp_path / 'store'}", load_settings(environ={}))
+    cfg = store.open(create=True, chunk_avg_bytes=64 << 10)
+    proc = ProcessInfo(pid=1, command=("x",), cwd="/", stdout_pipe="pipe:[1]", stderr_pipe="pipe:[2]")
+    for n in (1, 2):
+        images = tmp_path / f"img{n}"
+        images.mkdir()
+        (images / "pages-1.img").write_bytes(os.urandom(5000))
+        m = save_checkpoint(store, cfg, CheckpointMeta("rt", "n", "4.1.1", proc), images)
+        if n == 1:
+            time.sleep(1.5)
+    chunk = tmp_path / "store" / "chunks" / m.files[0].chunks[0].digest[:2] / m.files[0].chunks[0].digest
+    data = bytearray(chunk.read_bytes())
+    data[-1] ^= 0xFF
+    chunk.write_bytes(bytes(data))  # the newest checkpoint no longer verifies
+
+
+def test_a_fallback_never_restores_a_checkpoint_older_than_max_restore_gap(tmp_path):
+    from conftest import cli, cli_env
+
+    _two_checkpoints_the_newest_corrupt(tmp_path)
+    env = cli_env(tmp_path, "node-b", "work")
+    r = cli("restore", "--id", "rt", "--max-restore-gap", "1", env=env)
+    last = r.stderr.strip().splitlines()[-1]  # each refusal is logged as it happens; the error is the last line
+    assert r.returncode == 1 and last.startswith("CorruptCheckpoint: no checkpoint under checkpoint ID 'rt'"), r.stderr
+    assert "does not match its digest" in last and "seq 1 is" in last and "beyond max_restore_gap = 1 s" in last
+    # run --resume: with nothing young enough left, the command starts fresh and says why
+    fresh = cli("run", "--id", "rt", "--resume", "--max-restore-gap", "1", "--", "sh", "-c", "echo fresh start", env=env)
+    assert fresh.returncode == 0 and fresh.stdout == "fresh start\n"
+    assert "beyond max_restore_gap" in fresh.stderr and "starting fresh" in fresh.stderr
