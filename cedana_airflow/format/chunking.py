@@ -21,9 +21,12 @@ from pyfastcdc.cy import FastCDC
 
 from ..errors import CorruptCheckpoint
 
-__all__ = ["Cut", "cut_file", "digest", "encode", "decode", "CHUNKER_NAME"]
+__all__ = ["Cut", "cut_file", "digest", "encode", "decode", "CHUNKER_NAME", "MAX_CHUNK_FACTOR"]
 
 CHUNKER_NAME = "fastcdc-2020"
+#: FastCDC cuts no chunk longer than this many times the store's average: a manifest that declares a
+#: longer one is refused before any byte of it is read (its size would be allocated to decompress it).
+MAX_CHUNK_FACTOR = 4
 _RAW = b"\x00"
 _ZSTD = b"\x01"
 # Memory images are often incompressible (float weights): a trial on a sample avoids paying full
@@ -42,7 +45,7 @@ def cut_file(path: Path, avg_size: int) -> Iterator[Cut]:
     """Yield the file's chunks in order; ``data`` is a view valid until the next item."""
     if path.stat().st_size == 0:
         return
-    cdc = FastCDC(avg_size=avg_size, min_size=max(avg_size // 4, 64), max_size=avg_size * 4)
+    cdc = FastCDC(avg_size=avg_size, min_size=max(avg_size // 4, 64), max_size=avg_size * MAX_CHUNK_FACTOR)
     for c in cdc.cut_file(str(path)):
         yield Cut(c.offset, c.data)
 

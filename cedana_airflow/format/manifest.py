@@ -30,6 +30,10 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+#: The folder of a fetched image set where captured files land: no image file may take its name.
+CAPTURED_DIR = "captured"
+
+
 class ChunkRef(_Frozen):
     """One chunk of a file: its digest (hex BLAKE3 of the raw bytes) and raw length."""
 
@@ -52,6 +56,8 @@ class FileEntry(_Frozen):
 
     @model_validator(mode="after")
     def _complete(self) -> FileEntry:
+        if self.name == CAPTURED_DIR:
+            raise ValueError(f"image file name {CAPTURED_DIR!r} is reserved: captured files are fetched there")
         _chunks_add_up(self.size, self.chunks, f"image file {self.name}")
         return self
 

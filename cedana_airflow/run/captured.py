@@ -193,6 +193,7 @@ class CapturedFilesBack:
         self._kept = True
 
     def __exit__(self, *exc: object) -> None:
+        # Never raises: after a restore, a leftover backup must not cost the restored workload.
         for dfd, name, backup in reversed(self._placed):
             try:
                 if self._kept:
@@ -202,8 +203,8 @@ class CapturedFilesBack:
                     os.replace(backup, name, src_dir_fd=dfd, dst_dir_fd=dfd)
                 else:
                     os.unlink(name, dir_fd=dfd)
-            except FileNotFoundError:
-                pass
+            except OSError as e:
+                log.warning("captured file %s: clean-up left %s behind: %s", name, backup or name, e)
             finally:
                 os.close(dfd)
         self._placed.clear()

@@ -22,13 +22,14 @@ from pathlib import Path, PurePosixPath
 from ..config import Settings
 from ..engine.criu import CriuEngine
 from ..errors import CorruptCheckpoint, RestoreFailed
-from ..format.manifest import Manifest, ProcessInfo
+from ..format.chunking import MAX_CHUNK_FACTOR
+from ..format.manifest import CAPTURED_DIR, Manifest, ProcessInfo
 from ..format.selection import AgeLimit, limits_exceeded
 from ..ids import validate_checkpoint_id
 from ..store import index
 from ..store.base import Store, StoreConfig
 from ..store.gc import prune_checkpoints
-from ..store.transfer import CAPTURED_DIR, CapturedSource, CheckpointMeta, fetch_checkpoint, require_latest, save_checkpoint
+from ..store.transfer import CapturedSource, CheckpointMeta, fetch_checkpoint, require_latest, save_checkpoint
 from .captured import CapturedFilesBack, ensure_cwd, restore_roots
 from .estimate import estimate_checkpoint, too_large
 from .workload import Sink, Workload, become_subreaper
@@ -144,9 +145,15 @@ class Checkpointer:
             restore_dir.mkdir(mode=0o700, parents=True)  # the fetched images are process memory: root's eyes only
             try:
                 with self._phase("fetch"):
-                    fetch_checkpoint(self.store, m, restore_dir / "images", self.settings.progress)
+                    fetch_checkpoint(self.store, m, restore_dir / "images", self.settings.progress,
+                                     max_chunk_bytes=MAX_CHUNK_FACTOR * self.store_cfg.chunk_avg_bytes)
                 workload = self._restore_from(restore_dir / "images", m, stdout, stderr, roots)
-            except (CorruptCheckpoint, RestoreFailed) as e:
+            except (CorruptCheckpoint, RestoreFailed, OSError, ValueError, MemoryError) as e:
+                # Whatever a fetched checkpoint makes fail here refuses it; only the store being down
+                # (StoreUnavailable) is not the checkpoint's fault, and goes up.
+                if not isinstance(e, (CorruptCheckpoint, RestoreFailed)):
+                    e = CorruptCheckpoint(f"checkpoint {self.checkpoint_id} seq={m.seq} could not be prepared: "
+                                          f"{type(e).__name__}: {e}")
                 skipped.append(str(e))
                 log.warning("checkpoint refused checkpoint_id=%s seq=%d: %s; %s", self.checkpoint_id, m.seq, e,
                             "falling back to the previous one" if i + 1 < len(candidates) else "no older checkpoint left")
@@ -189,5 +196,7 @@ class Checkpointer:
             finally:
                 os.close(out_w)
                 os.close(err_w)
+            # Supervised (watchdog on) before anything else can fail: a restored tree is never left alone.
+            workload = Workload.adopt(pid, m.process.command, m.process.cwd, out_r, err_r, stdout, stderr)
             files_back.keep()
-        return Workload.adopt(pid, m.process.command, m.process.cwd, out_r, err_r, stdout, stderr)
+        return workload

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from ..config import default
 from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..format import chunking
-from ..format.manifest import CapturedFile, ChunkRef, FileEntry, Manifest, ProcessInfo
+from ..format.manifest import CAPTURED_DIR, CapturedFile, ChunkRef, FileEntry, Manifest, ProcessInfo
 from ..format.selection import restore_order
 from ..ids import validate_checkpoint_id
 from .base import Store, StoreConfig
@@ -35,8 +35,6 @@ __all__ = ["CAPTURED_DIR", "CapturedSource", "CheckpointMeta", "fetch_checkpoint
 
 log = logging.getLogger(__name__)
 
-#: Sub-folder of a restore directory where captured files land before they are put back.
-CAPTURED_DIR = "captured"
 
 
 @dataclass(frozen=True)
@@ -218,11 +216,20 @@ def load_manifests_of(store: Store, checkpoint_ids: Sequence[str]) -> dict[str, 
     return {cid: restore_order(ms) for cid, ms in out.items()}
 
 
-def fetch_checkpoint(store: Store, manifest: Manifest, dest: Path, progress_mode: str = "never") -> None:
+def fetch_checkpoint(store: Store, manifest: Manifest, dest: Path, progress_mode: str = "never", *,
+                     max_chunk_bytes: int | None = None) -> None:
     """Download and verify every chunk of a checkpoint into ``dest`` (image files, then captured/).
 
-    Raises CorruptCheckpoint, leaving nothing usable in ``dest``, if any chunk is missing or wrong.
+    Raises CorruptCheckpoint, leaving nothing usable in ``dest``, if any chunk is missing or wrong,
+    or (with ``max_chunk_bytes``, the store's cap) declared longer than any chunk the store can hold.
     """
+    if max_chunk_bytes is not None:
+        declared = [c for f in manifest.files for c in f.chunks] + [c for f in manifest.captured for c in f.chunks]
+        big = next((c for c in declared if c.size > max_chunk_bytes), None)
+        if big is not None:
+            raise CorruptCheckpoint(
+                f"checkpoint {manifest.checkpoint_id} seq={manifest.seq}: chunk {big.digest} declares {big.size} "
+                f"bytes, more than any chunk of this store ({max_chunk_bytes}). Its manifest is not one we wrote")
     if dest.exists():
         shutil.rmtree(dest)
     (dest / CAPTURED_DIR).mkdir(parents=True)

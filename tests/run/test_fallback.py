@@ -1,0 +1,59 @@
+"""Whatever a fetched checkpoint makes fail refuses that checkpoint with one line (issue 11, item 5).
+
+Crafted but schema-valid manifests are written straight into a file:// store, as a store writer
+could, and restored with the real Checkpointer: no traceback, no huge allocation, one reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from cedana_airflow.config import DEFAULT_CRIU_PREFIX, Settings
+from cedana_airflow.engine.criu import CriuEngine, find_criu
+from cedana_airflow.errors import CheckpointNotFound, CorruptCheckpoint
+from cedana_airflow.format.manifest import Manifest, ProcessInfo
+from cedana_airflow.run.checkpointer import Checkpointer
+from cedana_airflow.store import open_store
+from cedana_airflow.store.transfer import CheckpointMeta, save_checkpoint
+
+
+def _one_checkpoint(tmp_path: Path):
+    store = open_store(f"file://{tmp_path / 'store'}", Settings())
+    cfg = store.open(create=True, chunk_avg_bytes=64 << 10)
+    images = tmp_path / "img"
+    images.mkdir()
+    (images / "pages-1.img").write_bytes(os.urandom(5000))
+    proc = ProcessInfo(pid=1, command=("x",), cwd=str(tmp_path), stdout_pipe="pipe:[1]", stderr_pipe="pipe:[2]")
+    m = save_checkpoint(store, cfg, CheckpointMeta("job", "node-a", "4.1.1", proc), images)
+    return store, cfg, tmp_path / "store" / "job" / f"{m.seq:010d}" / "manifest.json"
+
+
+def _checkpointer(tmp_path: Path, store, cfg) -> Checkpointer:
+    engine = CriuEngine(find_criu("", Path(DEFAULT_CRIU_PREFIX)))
+    return Checkpointer(engine, store, cfg, "job", Settings(node="node-b"), work_dir=tmp_path / "work")
+
+
+def test_a_chunk_declaring_a_huge_size_is_refused_before_anything_is_allocated(tmp_path):
+    store, cfg, path = _one_checkpoint(tmp_path)
+    doc = json.loads(path.read_text())
+    doc["files"][0]["chunks"][0]["size"] = 1 << 36  # 64 GiB: decompressing it would allocate that much
+    doc["files"][0]["size"] = sum(c["size"] for c in doc["files"][0]["chunks"])
+    doc["image_bytes"] = doc["files"][0]["size"]
+    Manifest.model_validate(doc)  # schema-valid: only the store's own limit can tell
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CorruptCheckpoint, match=r"declares 68719476736 bytes, more than any chunk of this store \(262144\)"):
+        _checkpointer(tmp_path, store, cfg).restore(cwd=str(tmp_path))
+
+
+def test_an_image_file_named_like_the_captured_folder_is_never_fetched(tmp_path):
+    store, cfg, path = _one_checkpoint(tmp_path)
+    doc = json.loads(path.read_text())
+    doc["files"][0]["name"] = "captured"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CheckpointNotFound):  # the manifest is refused when read: no complete checkpoint
+        _checkpointer(tmp_path, store, cfg).restore(cwd=str(tmp_path))
+    assert not (tmp_path / "work").exists() or not list((tmp_path / "work").rglob("captured"))
