@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -148,13 +149,13 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     from .store import open_store
     from .store.gc import DEFAULT_GRACE_SECONDS, collect_garbage
 
+    grace = DEFAULT_GRACE_SECONDS if args.grace is None else args.grace
+    if not math.isfinite(grace) or grace < 0:  # nan compares false with everything: it would spare nothing
+        print(f"usage: --grace {grace:g} is not a number of seconds >= 0; give e.g. --grace 3600", file=sys.stderr)
+        return 2
     settings = _settings(args)
     store = open_store(settings.resolved_store(), settings)
     store.open(create=False, chunk_avg_bytes=settings.chunk_avg_bytes)
-    grace = DEFAULT_GRACE_SECONDS if args.grace is None else args.grace
-    if grace < 0:
-        print("usage: --grace takes seconds >= 0", file=sys.stderr)
-        return 2
     report = collect_garbage(store, grace_seconds=grace, dry_run=args.dry_run)
     if args.json:
         print(json.dumps(report.__dict__))

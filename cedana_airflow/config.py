@@ -54,12 +54,12 @@ class Settings(BaseModel):
     )
     criu: str = Field(default="", description="Path to the criu binary. Empty means: private prefix, else PATH.")
     criu_prefix: Path = Field(default=Path(DEFAULT_CRIU_PREFIX), description="Private CRIU prefix.")
-    heartbeat_seconds: float = Field(default=0.0, ge=0, description="Seconds between heartbeats; 0 = none.")
+    heartbeat_seconds: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="Seconds between heartbeats; 0 = none.")
     checkpoint_on_term: bool = Field(
         default=True, description="On SIGTERM to the supervisor, take a final checkpoint before stopping."
     )
     stop_grace_seconds: float = Field(
-        default=10.0, ge=0, description="After forwarding SIGTERM, seconds before the workload is killed."
+        default=10.0, ge=0, allow_inf_nan=False, description="After forwarding SIGTERM, seconds before the workload is killed."
     )
     chunk_avg_bytes: int = Field(
         default=1 << 20, ge=64 << 10, le=64 << 20, description="Average chunk size for new stores."

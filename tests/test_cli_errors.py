@@ -131,3 +131,16 @@ def test_short_commands_return_their_own_exit_code_and_a_missing_one_is_127(tmp_
                                          "executable file on PATH")
     relative = cli("run", "--id", "quick", "--", "./not-here.sh", env=env, cwd=tmp_path)
     assert relative.returncode == 127 and f"at {tmp_path}/not-here.sh." in _one_line(relative)
+
+
+def test_non_finite_numbers_and_an_unusable_work_dir_are_one_line(tmp_path):
+    env = cli_env(tmp_path, "n", "w")
+    grace = cli("gc", "--grace", "nan", env=env)
+    assert grace.returncode == 2 and "--grace nan is not a number of seconds >= 0" in _one_line(grace)
+    beat = cli("run", "--id", "x", "--heartbeat", "inf", "--", "true", env=env)
+    assert beat.returncode == 2 and "heartbeat_seconds = inf" in _one_line(beat)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    work = cli("run", "--id", "x", "--work-dir", str(blocker / "work"), "--", "true", env=env)
+    assert work.returncode == 2
+    assert _one_line(work).startswith(f"ConfigError: work dir {blocker / 'work'} cannot be used: Not a directory.")

@@ -15,6 +15,9 @@ options have nothing below them and declare theirs.
 
 from __future__ import annotations
 
+import difflib
+import logging
+import os
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -27,6 +30,10 @@ from ..config import Settings, load_settings, redact
 from ..errors import ConfigError
 
 __all__ = ["AirflowOptions", "ConfigOption", "airflow_options", "config_options", "task_settings"]
+
+log = logging.getLogger(__name__)
+
+_ENV_PREFIX = "AIRFLOW__CEDANA__"
 
 
 class AirflowOptions(BaseModel):
@@ -93,6 +100,22 @@ def _where(key: str) -> str:
     return f"airflow.cfg [cedana] {key} / AIRFLOW__CEDANA__{key.upper()}"
 
 
+def _warn_unknown_options(environ: Mapping[str, str]) -> None:
+    """An AIRFLOW__CEDANA__* variable no option reads is a typo until shown otherwise: say so, with the
+    closest option, instead of ignoring it in silence."""
+    known = [*Settings.model_fields, *AirflowOptions.model_fields]
+    for var in environ:
+        if not var.startswith(_ENV_PREFIX):
+            continue
+        name = var[len(_ENV_PREFIX):].lower()
+        if name.endswith(("_cmd", "_secret")):
+            name = name.rsplit("_", 1)[0]  # Airflow's command and secret forms of an option
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            log.warning("%s is not a [cedana] option and is ignored.%s Options: %s", var,
+                        f" Did you mean {_ENV_PREFIX}{close[0].upper()}?" if close else "", ", ".join(known))
+
+
 def _section(names: Sequence[str]) -> dict[str, str]:
     """The [cedana] options the deployment set (airflow.cfg, AIRFLOW__CEDANA__*, commands, secrets);
     an option it did not set reads as None, since core options declare no default (module docstring)."""
@@ -137,6 +160,7 @@ def task_settings(overrides: Mapping[str, Any] | None = None,
 
     ``scope_defaults``: what the opt-in list sets for the scopes that admitted the task (above
     [cedana], below operator arguments)."""
+    _warn_unknown_options(os.environ)
     section = _section(tuple(Settings.model_fields))
     layers = [(_where, section), (lambda k: f"the opt-in list's defaults ({k})", dict(scope_defaults or {}))]
     # Every override but the Airflow-only options goes to the core, so a misspelt setting is an

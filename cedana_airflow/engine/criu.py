@@ -92,14 +92,19 @@ def find_criu(configured: str = "", prefix: Path | None = None) -> CriuBinary:
     raise EngineUnavailable(f"CRIU not found (looked in {where}). {_INSTALL_FIX}.")
 
 
+#: Error lines CRIU logs on its way that do not stop it (it carries on after each).
+_NOT_FATAL = ("rlimit", "RLIMIT")
+
+
 def _log_tail(log_path: Path) -> str:
-    """The line that names the cause: CRIU's first error, not its closing "... FAILED" summary."""
+    """The line that names the cause: CRIU's first error that stopped it, not a non-fatal one logged
+    on the way nor its closing "... FAILED" summary."""
     try:
         text = log_path.read_text(errors="replace").splitlines()
     except OSError:
         return ""
     errors = [ln.strip() for ln in text if "Error" in ln]
-    causes = [ln for ln in errors if "FAILED" not in ln]
+    causes = [ln for ln in errors if "FAILED" not in ln and not any(n in ln for n in _NOT_FATAL)]
     return (causes or errors or [ln.strip() for ln in text[-1:]] or [""])[0]
 
 

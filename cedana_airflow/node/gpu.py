@@ -6,6 +6,7 @@ NVML reports an Xid only to a listener registered when it happens, so :func:`rea
 
 from __future__ import annotations
 
+import ctypes
 import socket
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,14 +70,17 @@ def read_gpus(indices: list[int] | None = None, xid_listen_seconds: float = 0.0)
         nv.nvmlShutdown()
 
 
+def _address(handle: Any) -> int | None:
+    """The device a pynvml handle (a ctypes pointer) points to."""
+    return ctypes.cast(handle, ctypes.c_void_p).value
+
+
 def _listen_for_xids(nv: Any, handles: dict[int, Any], seconds: float) -> list[tuple[int, int]]:
     events = nv.nvmlEventSetCreate()
-    by_handle = {}
     try:
-        for i, h in handles.items():
+        for h in handles.values():
             try:
                 nv.nvmlDeviceRegisterEvents(h, nv.nvmlEventTypeXidCriticalError, events)
-                by_handle[id(h)] = i
             except nv.NVMLError:
                 pass  # some GPUs (and MIG instances) do not report Xids to listeners
         out: list[tuple[int, int]] = []
@@ -86,7 +90,8 @@ def _listen_for_xids(nv: Any, handles: dict[int, Any], seconds: float) -> list[t
                 data = nv.nvmlEventSetWait_v2(events, timeout_ms)
             except nv.NVMLError_Timeout:
                 return out
-            index = next((i for i, h in handles.items() if h == data.device), -1)
+            # an event's device is a new ctypes pointer object: compare what it points to, not identity
+            index = next((i for i, h in handles.items() if _address(h) == _address(data.device)), -1)
             out.append((index, int(data.eventData)))
             timeout_ms = 0  # drain what is queued, then stop
     finally:

@@ -53,6 +53,18 @@ class Restored:
 PhaseHook = Callable[[str, float], None]
 
 
+def _drop_all_but_logs(folder: Path) -> None:
+    """Remove a dump or restore folder's images and copies (large: process memory), keeping CRIU's
+    logs, which an error message may name; the folder goes when nothing else is left."""
+    for entry in folder.iterdir() if folder.is_dir() else ():
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        elif not entry.name.endswith(".log"):
+            entry.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        folder.rmdir()  # empty: nothing failed, no log was written
+
+
 class Checkpointer:
     """Checkpoints and restores under one checkpoint ID, as ``settings`` say (node, compression,
     retention, size limit, progress display, whether local dumps are kept)."""
@@ -111,7 +123,11 @@ class Checkpointer:
                     manifest = save_checkpoint(self.store, self.store_cfg, meta, dump.image_dir, captured,
                                                known_digests=self._known, compression=self.settings.compression,
                                                progress_mode=self.settings.progress)
-            finally:
+            except BaseException:
+                if not self.settings.keep_local:
+                    _drop_all_but_logs(dump_dir)
+                raise
+            else:
                 if not self.settings.keep_local:
                     shutil.rmtree(dump_dir, ignore_errors=True)
             self._known = manifest.chunk_digests()
@@ -143,11 +159,13 @@ class Checkpointer:
             restore_dir = self.work_dir / f"restore-{os.getpid()}-{m.seq}"
             shutil.rmtree(restore_dir, ignore_errors=True)
             restore_dir.mkdir(mode=0o700, parents=True)  # the fetched images are process memory: root's eyes only
+            refused = True
             try:
                 with self._phase("fetch"):
                     fetch_checkpoint(self.store, m, restore_dir / "images", self.settings.progress,
                                      max_chunk_bytes=MAX_CHUNK_FACTOR * self.store_cfg.chunk_avg_bytes)
                 workload = self._restore_from(restore_dir / "images", m, stdout, stderr, roots)
+                refused = False
             except (CorruptCheckpoint, RestoreFailed, OSError, ValueError, MemoryError) as e:
                 # Whatever a fetched checkpoint makes fail here refuses it; only the store being down
                 # (StoreUnavailable) is not the checkpoint's fault, and goes up.
@@ -159,7 +177,11 @@ class Checkpointer:
                             "falling back to the previous one" if i + 1 < len(candidates) else "no older checkpoint left")
                 continue
             finally:
-                if not self.settings.keep_local:
+                if self.settings.keep_local:
+                    pass
+                elif refused:  # its message may name CRIU's restore log: keep that, not the images
+                    _drop_all_but_logs(restore_dir)
+                else:
                     shutil.rmtree(restore_dir, ignore_errors=True)
             self.parent_seq = m.seq
             self._known = m.chunk_digests()

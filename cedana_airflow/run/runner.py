@@ -123,7 +123,11 @@ def run_workload(
 def _work_dir(settings: Settings) -> Iterator[Path]:
     """The configured work directory, or a temp one that is removed afterwards (unless keep_local)."""
     if settings.work_dir is not None:
-        settings.work_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            settings.work_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"work dir {settings.work_dir} cannot be used: {e.strerror}. Point --work-dir / "
+                              "CEDANA_WORK_DIR at a writable local directory.") from None
         yield settings.work_dir
         return
     work_dir = Path(tempfile.mkdtemp(prefix="cedana-work-"))

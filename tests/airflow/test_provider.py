@@ -93,6 +93,17 @@ def test_operator_settings_are_checked_by_name_and_aws_conn_id_falls_back_to_the
     assert task_settings({"same_node_retry": "fail"})[1].same_node_retry == "allow"  # the deployment's choice
 
 
+def test_an_unknown_cedana_variable_is_a_warning_naming_the_closest_option(monkeypatch, caplog):
+    monkeypatch.setenv("AIRFLOW__CEDANA__COMPRESION", "none")
+    monkeypatch.setenv("AIRFLOW__CEDANA__COMPRESSION", "none")  # every setting is an option now
+    with caplog.at_level("WARNING"):
+        settings, _ = task_settings({})
+    assert settings.compression == "none"
+    assert "AIRFLOW__CEDANA__COMPRESION is not a [cedana] option and is ignored. Did you mean " \
+           "AIRFLOW__CEDANA__COMPRESSION?" in caplog.text
+    assert "AIRFLOW__CEDANA__COMPRESSION is not" not in caplog.text
+
+
 def test_a_bad_cedana_option_is_one_line_naming_its_source(monkeypatch):
     monkeypatch.setenv("AIRFLOW__CEDANA__MAX_CHECKPOINT_BYTES", "lots")
     with pytest.raises(ConfigError, match=r"max_checkpoint_bytes = 'lots' \(from airflow.cfg \[cedana\] max_checkpoint_bytes / "

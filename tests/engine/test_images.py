@@ -30,3 +30,15 @@ def test_dump_stats_and_pagemap_of_a_real_dump(tmp_path):
     head, *entries = image_entries(next(r.image_dir.glob("pagemap-*.img")))
     assert entries and all(isinstance(e.get(1), int) and e.get(2, 0) > 0 for e in entries)  # vaddr, nr_pages
     assert read_dump_stats(tmp_path) == {}  # no stats-dump there
+
+
+def test_a_failed_criu_step_names_the_error_that_stopped_it_not_a_warning_on_the_way(tmp_path):
+    from cedana_airflow.engine.criu import _log_tail
+
+    log = tmp_path / "restore.log"
+    log.write_text(
+        "(00.000100) Warn  (criu/cr-restore.c:123): something harmless\n"
+        "(00.000200) Error (criu/rlimit.c:45): Can't set rlimit 7 to 1048576: Operation not permitted\n"
+        "(00.010000) Error (criu/cr-restore.c:1479): Can't fork for 7: File exists\n"
+        "(00.020000) Error (criu/cr-restore.c:2415): Restoring FAILED.\n")
+    assert _log_tail(log) == "(00.010000) Error (criu/cr-restore.c:1479): Can't fork for 7: File exists"

@@ -57,3 +57,15 @@ def test_an_image_file_named_like_the_captured_folder_is_never_fetched(tmp_path)
     with pytest.raises(CheckpointNotFound):  # the manifest is refused when read: no complete checkpoint
         _checkpointer(tmp_path, store, cfg).restore(cwd=str(tmp_path))
     assert not (tmp_path / "work").exists() or not list((tmp_path / "work").rglob("captured"))
+
+
+def test_a_checkpoint_criu_refuses_keeps_the_log_its_message_names(tmp_path):
+    import re
+
+    store, cfg, _ = _one_checkpoint(tmp_path)  # random bytes: real CRIU refuses them
+    with pytest.raises(CorruptCheckpoint) as e:
+        _checkpointer(tmp_path, store, cfg).restore(cwd=str(tmp_path))
+    log = re.search(r"log: (\S+\.log)\.", str(e.value))
+    assert log, str(e.value)
+    assert Path(log.group(1)).is_file()  # the log the message points to is there to read
+    assert not list((tmp_path / "work").rglob("pages-1.img"))  # the images are not

@@ -4,6 +4,7 @@ GpuSensor: the real no-driver path here, and its conditions against a fake NVML 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import re
 import subprocess
@@ -111,8 +112,16 @@ def test_gpu_sensor_without_a_driver_fails_with_one_line_or_skips():
         GpuSensor(task_id="g", soft_fail=True).poke({})
 
 
+class _Device(ctypes.Structure):
+    _fields_ = [("index", ctypes.c_int)]
+
+
 class _FakeNvml(types.ModuleType):
-    """Stands in for NVML: there is no GPU on this machine. Two GPUs, settable free memory and Xids."""
+    """Stands in for NVML: there is no GPU on this machine. Two GPUs, settable free memory and Xids.
+
+    Handles are ctypes pointers, as real pynvml's are: an event's ``device`` is a new pointer object
+    to the same device, so it compares unequal (by identity) to the handle it was registered with.
+    """
 
     class NVMLError(Exception):
         pass
@@ -125,14 +134,18 @@ class _FakeNvml(types.ModuleType):
     def __init__(self, free: list[int], util: list[int], xids: list[tuple[int, int]]) -> None:
         super().__init__("pynvml")
         self.free, self.util, self.xids = free, util, list(xids)
+        self.devices = [_Device(i) for i in range(len(free))]
+
+    def _handle(self, i):  # a fresh pointer object each time, like the driver's answers
+        return ctypes.cast(ctypes.addressof(self.devices[i]), ctypes.POINTER(_Device))
 
     def nvmlInit(self): pass
     def nvmlShutdown(self): pass
     def nvmlDeviceGetCount(self): return len(self.free)
-    def nvmlDeviceGetHandleByIndex(self, i): return ("gpu", i)
+    def nvmlDeviceGetHandleByIndex(self, i): return self._handle(i)
     def nvmlDeviceGetName(self, h): return "NVIDIA H200"
-    def nvmlDeviceGetMemoryInfo(self, h): return types.SimpleNamespace(total=141 << 30, free=self.free[h[1]])
-    def nvmlDeviceGetUtilizationRates(self, h): return types.SimpleNamespace(gpu=self.util[h[1]])
+    def nvmlDeviceGetMemoryInfo(self, h): return types.SimpleNamespace(total=141 << 30, free=self.free[h.contents.index])
+    def nvmlDeviceGetUtilizationRates(self, h): return types.SimpleNamespace(gpu=self.util[h.contents.index])
     def nvmlEventSetCreate(self): return object()
     def nvmlEventSetFree(self, s): pass
     def nvmlDeviceRegisterEvents(self, h, kind, s): pass
@@ -141,7 +154,7 @@ class _FakeNvml(types.ModuleType):
         if not self.xids:
             raise self.NVMLError_Timeout()
         i, xid = self.xids.pop(0)
-        return types.SimpleNamespace(device=("gpu", i), eventData=xid)
+        return types.SimpleNamespace(device=self._handle(i), eventData=xid)
 
 
 def test_gpu_sensor_conditions_against_a_fake_nvml_no_gpu_here(monkeypatch):
