@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 
@@ -100,6 +100,13 @@ class Settings(BaseModel):
         description="Never restore a checkpoint older than this (a real-time reader's data has moved on): "
         "older ones are refused one by one, and with none left the workload starts fresh. 0 = no limit."
     )
+    signing_key: SecretStr | None = Field(
+        default=None, description="Key that signs every manifest written and that every restore requires "
+        "(HMAC-SHA256). Prefer signing_key_file, or CEDANA_SIGNING_KEY; never in a config file others read."
+    )
+    signing_key_file: Path | None = Field(
+        default=None, description="A file holding the signing key (its first line); wins over signing_key."
+    )
     keep_env: tuple[str, ...] = Field(
         default=(), description="Store credential variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, "
         "AWS_PROFILE, ...) the workload keeps: by default they are left out of its environment, which every "
@@ -152,6 +159,23 @@ class Settings(BaseModel):
         if self.s3_sse_kms_key_id and self.s3_sse != "aws:kms":
             raise ValueError("s3_sse_kms_key_id is set but s3_sse is not 'aws:kms'; set both or neither")
         return self
+
+    def resolved_signing_key(self) -> bytes | None:
+        """The signing key's bytes (read from signing_key_file when set), or None when signing is off."""
+        if self.signing_key_file is not None:
+            try:
+                key = self.signing_key_file.read_bytes().splitlines()[0].strip() if self.signing_key_file.stat().st_size else b""
+            except OSError as e:
+                raise ConfigError(f"signing key file {self.signing_key_file} cannot be read: {e.strerror}. "
+                                  "Fix signing_key_file / CEDANA_SIGNING_KEY_FILE.") from None
+        elif self.signing_key is not None:
+            key = self.signing_key.get_secret_value().encode()
+        else:
+            return None
+        if len(key) < 16:
+            raise ConfigError("the signing key is shorter than 16 bytes (or empty). Use a random one, e.g. "
+                              "'openssl rand -hex 32'.")
+        return key
 
     def resolved_store(self) -> str:
         return self.store or f"file://{Path.cwd() / '.cedana' / 'store'}"

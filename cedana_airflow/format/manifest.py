@@ -93,8 +93,18 @@ class ProcessInfo(_Frozen):
     stderr_pipe: str
 
 
+class Signature(_Frozen):
+    """Who wrote a manifest: an HMAC-SHA256 over its canonical bytes (format/signing.py) and the ID of
+    the key, so a node with another key can say so instead of calling the manifest forged."""
+
+    key_id: str = Field(pattern=r"^[0-9a-f]{16}$")
+    hmac: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
 class Manifest(_Frozen):
-    format_version: Literal[1] = MANIFEST_FORMAT_VERSION
+    # 1: unsigned. 2: the same fields plus ``signature`` (only signed manifests are written as 2, so
+    # readers that predate signing still read every unsigned one).
+    format_version: Literal[1, 2] = MANIFEST_FORMAT_VERSION
     checkpoint_id: str
     seq: int = Field(ge=1, description="1, 2, 3 ... within a checkpoint ID; the newest complete one restores.")
     try_number: int = Field(ge=0, default=0, description="Which try of the task took it (0 outside Airflow).")
@@ -110,11 +120,23 @@ class Manifest(_Frozen):
     new_chunks: int = Field(ge=0, default=0)
     freeze_seconds: float = Field(ge=0, default=0.0, description="How long the workload was frozen.")
     parent_seq: int | None = Field(default=None, description="The checkpoint this one was restored from, if any.")
+    signature: Signature | None = Field(default=None, description="Present when the writer had a signing key.")
 
     @field_validator("checkpoint_id")
     @classmethod
     def _id(cls, v: str) -> str:
         return validate_checkpoint_id(v)
+
+    @model_validator(mode="after")
+    def _signed_is_version_2(self) -> Manifest:
+        if (self.format_version == 2) != (self.signature is not None):
+            raise ValueError("a signature goes with format_version 2, and only there")
+        return self
+
+    def to_json(self) -> bytes:
+        """The stored document: an unsigned manifest has no ``signature`` key at all (version 1 readers
+        forbid unknown fields)."""
+        return self.model_dump_json(indent=1, exclude={"signature"} if self.signature is None else None).encode()
 
     @model_validator(mode="after")
     def _distinct(self) -> Manifest:

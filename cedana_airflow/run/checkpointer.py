@@ -25,6 +25,7 @@ from ..errors import CorruptCheckpoint, RestoreFailed
 from ..format.chunking import MAX_CHUNK_FACTOR
 from ..format.manifest import CAPTURED_DIR, Manifest, ProcessInfo
 from ..format.selection import AgeLimit, limits_exceeded
+from ..format.signing import signature_problem
 from ..ids import validate_checkpoint_id
 from ..store import index
 from ..store.base import Store, StoreConfig
@@ -75,6 +76,7 @@ class Checkpointer:
         self.checkpoint_id = validate_checkpoint_id(checkpoint_id)
         self.settings = settings
         self.node, self.work_dir, self.try_number = settings.resolved_node(), work_dir, try_number
+        self._key = settings.resolved_signing_key()  # read once: a heartbeat must not fail on a moved file
         self.skipped = 0  # heartbeats skipped as too large
         self._on_phase = on_phase
         self._lock = threading.Lock()
@@ -122,7 +124,7 @@ class Checkpointer:
                 with self._phase("save"):
                     manifest = save_checkpoint(self.store, self.store_cfg, meta, dump.image_dir, captured,
                                                known_digests=self._known, compression=self.settings.compression,
-                                               progress_mode=self.settings.progress)
+                                               progress_mode=self.settings.progress, signing_key=self._key)
             except BaseException:
                 if not self.settings.keep_local:
                     _drop_all_but_logs(dump_dir)
@@ -150,10 +152,10 @@ class Checkpointer:
         skipped: list[str] = []
         candidates = require_latest(self.store, self.checkpoint_id)
         for i, m in enumerate(candidates):
-            too_old = self._too_old(m)
-            if too_old:  # each candidate, not just the newest: a fallback must not resume stale state
-                skipped.append(too_old)
-                log.warning("checkpoint refused checkpoint_id=%s seq=%d: %s", self.checkpoint_id, m.seq, too_old)
+            why_not = self._refusal(m)
+            if why_not:  # each candidate, not just the newest: a fallback must not run forged or stale state
+                skipped.append(why_not)
+                log.warning("checkpoint refused checkpoint_id=%s seq=%d: %s", self.checkpoint_id, m.seq, why_not)
                 continue
             # images/ (with captured/ inside) plus CRIU's log and pidfile, removed together.
             restore_dir = self.work_dir / f"restore-{os.getpid()}-{m.seq}"
@@ -191,7 +193,12 @@ class Checkpointer:
             f"({'; '.join(skipped)}). Nothing was restored; start the workload fresh (run without --resume)."
         )
 
-    def _too_old(self, m: Manifest) -> str | None:
+    def _refusal(self, m: Manifest) -> str | None:
+        """Why a candidate is refused before any chunk is fetched: a bad signature, or too old."""
+        if self._key is not None:
+            problem = signature_problem(m, self._key)
+            if problem is not None:
+                return f"checkpoint {self.checkpoint_id} seq={m.seq} is refused: {problem}"
         limit = self.settings.max_restore_gap_seconds
         if not limit:
             return None

@@ -25,6 +25,7 @@ from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..format import chunking
 from ..format.manifest import CAPTURED_DIR, CapturedFile, ChunkRef, FileEntry, Manifest, ProcessInfo
 from ..format.selection import restore_order
+from ..format.signing import sign
 from ..ids import validate_checkpoint_id
 from .base import Store, StoreConfig
 from .locks import acquire_writer
@@ -111,22 +112,24 @@ def save_checkpoint(
     known_digests: Iterable[str] = (),
     compression: str = default("compression"),
     progress_mode: str = "never",  # a library call is quiet unless its caller asks
+    signing_key: bytes | None = None,
 ) -> Manifest:
     """Store an image directory (and captured files) as a new checkpoint; return its manifest.
 
     ``known_digests`` are chunks known to be in the store already (from the previous manifest of
-    this checkpoint ID), which saves an existence check per chunk.
+    this checkpoint ID), which saves an existence check per chunk. ``signing_key``: sign the
+    manifest (format/signing.py).
     """
     validate_checkpoint_id(meta.checkpoint_id)
     lock = acquire_writer(store)  # garbage collection waits while any checkpoint is being written
     try:
-        return _save(store, cfg, meta, image_dir, captured, known_digests, compression, progress_mode)
+        return _save(store, cfg, meta, image_dir, captured, known_digests, compression, progress_mode, signing_key)
     finally:
         lock.release(store)
 
 
 def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path, captured: Sequence[CapturedSource],
-          known_digests: Iterable[str], compression: str, progress_mode: str) -> Manifest:
+          known_digests: Iterable[str], compression: str, progress_mode: str, signing_key: bytes | None) -> Manifest:
     t0 = time.monotonic()
     image_files = sorted(p for p in image_dir.iterdir() if p.is_file())
     total = sum(p.stat().st_size for p in image_files) + sum(c.copy.stat().st_size for c in captured)
@@ -167,8 +170,10 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path,
             freeze_seconds=meta.freeze_seconds,
             parent_seq=meta.parent_seq,
         )
+        if signing_key is not None:
+            manifest = sign(manifest, signing_key)
         # The commit point: until this write succeeds the checkpoint does not exist.
-        if store.put_manifest(meta.checkpoint_id, seq, manifest.model_dump_json(indent=1).encode()):
+        if store.put_manifest(meta.checkpoint_id, seq, manifest.to_json()):
             break
         seq += 1  # another writer took this seq first; ours goes after it
     log.info(
