@@ -54,6 +54,10 @@ def capture(root_pid: int, dest: Path) -> list[tuple[str, Path, int]]:
     return out
 
 
+#: Seconds the action script waits to hand over its request: a live supervisor reads it at once.
+_REQUEST_TIMEOUT = 10
+
+
 class CaptureOnFreeze:
     """Answers CRIU's post-dump action script: captures the frozen tree's files, then lets it go.
 
@@ -81,7 +85,9 @@ class CaptureOnFreeze:
         self.script.write_text(
             "#!/bin/sh\n"
             '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
-            f'echo "$CRTOOLS_INIT_PID" > {shlex.quote(str(self._req))}\n'
+            # Both ends time out: with the supervisor gone nobody holds the FIFOs, an open would block
+            # for good, and CRIU would keep the workload frozen.
+            f'echo "$CRTOOLS_INIT_PID" | timeout {_REQUEST_TIMEOUT} tee {shlex.quote(str(self._req))} >/dev/null || exit 1\n'
             f'[ "$(timeout {self._timeout} head -n 1 {shlex.quote(str(self._ack))})" = ok ]\n'
         )
         self.script.chmod(0o700)

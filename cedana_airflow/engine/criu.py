@@ -92,6 +92,14 @@ def find_criu(configured: str = "", prefix: Path | None = None) -> CriuBinary:
     raise EngineUnavailable(f"CRIU not found (looked in {where}). {_INSTALL_FIX}.")
 
 
+def _dies_with_us() -> list[str]:
+    """A prefix that makes ``criu dump`` die with its supervisor (a parent-death signal, set by
+    util-linux's setpriv): a dump left running by a dead supervisor would keep the workload frozen.
+    When criu dies its ptrace hold ends and the tree runs on, until the watchdog ends it too."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
+
+
 #: Error lines CRIU logs on its way that do not stop it (it carries on after each).
 _NOT_FATAL = ("rlimit", "RLIMIT")
 
@@ -170,7 +178,7 @@ class CriuEngine:
                 cap = stack.enter_context(CaptureOnFreeze(side))
                 cmd += ["--action-script", str(cap.script)]
             t0 = time.monotonic()
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run([*_dies_with_us(), *cmd], capture_output=True, text=True)
             seconds = time.monotonic() - t0
         if proc.returncode != 0:
             tail = _log_tail(log_path) or proc.stderr.strip()[-300:]

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from cedana_airflow.engine.capture import CaptureOnFreeze
@@ -95,3 +96,16 @@ def test_files_on_another_filesystem_than_the_work_dir_are_captured(tmp_path):
         subprocess.run(["pkill", "-P", str(p.pid)])
         p.kill()
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_the_action_script_gives_up_when_the_supervisor_is_gone(tmp_path):
+    # The supervisor died mid-dump: nobody holds the FIFOs any more. The script must fail (so CRIU
+    # fails the dump and lets the tree go) instead of blocking on an open that never returns.
+    side = tmp_path / "side"
+    side.mkdir()
+    with CaptureOnFreeze(side, timeout=3) as cap:
+        pass  # out of the block: the supervisor's side is closed, as if it had died
+    t0 = time.monotonic()
+    rc = subprocess.run(["sh", str(cap.script)], env=dict(os.environ, CRTOOLS_SCRIPT_ACTION="post-dump",
+                                                           CRTOOLS_INIT_PID="1"), timeout=60).returncode
+    assert rc != 0 and time.monotonic() - t0 < 30
