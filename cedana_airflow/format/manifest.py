@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..errors import CheckpointIdError
 from ..ids import validate_checkpoint_id
 
 __all__ = [
@@ -125,7 +126,10 @@ class Manifest(_Frozen):
     @field_validator("checkpoint_id")
     @classmethod
     def _id(cls, v: str) -> str:
-        return validate_checkpoint_id(v)
+        try:
+            return validate_checkpoint_id(v)
+        except CheckpointIdError as e:  # a validation error, so that readers skip the manifest like any bad one
+            raise ValueError(str(e)) from None
 
     @model_validator(mode="after")
     def _signed_is_version_2(self) -> Manifest:
