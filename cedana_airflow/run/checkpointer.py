@@ -179,11 +179,9 @@ class Checkpointer:
                             "falling back to the previous one" if i + 1 < len(candidates) else "no older checkpoint left")
                 continue
             finally:
-                if self.settings.keep_local:
-                    pass
-                elif refused:  # its message may name CRIU's restore log: keep that, not the images
-                    _drop_all_but_logs(restore_dir)
-                else:
+                if refused and not self.settings.keep_local:
+                    _drop_all_but_logs(restore_dir)  # its message may name CRIU's restore log: keep that
+                elif not self.settings.keep_local:
                     shutil.rmtree(restore_dir, ignore_errors=True)
             self.parent_seq = m.seq
             self._known = m.chunk_digests()
