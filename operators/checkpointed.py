@@ -19,7 +19,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from cedana_airflow.airflow.config import AirflowOptions, task_settings
 from cedana_airflow.airflow.logsink import LogSink
-from cedana_airflow.airflow.store import task_store
+from cedana_airflow.airflow.store import task_store, with_signing_key
 from cedana_airflow.airflow.task_state import STATE_KEY, TaskState
 from cedana_airflow.config import Settings
 from cedana_airflow.errors import CedanaError, CheckpointIdError, ConfigError, GpuUnavailable
@@ -183,6 +183,7 @@ class CheckpointedCommandOperator(BaseOperator):
                 return self._run_unprotected(argv, self._workload_env(context, None, settings), settings)
             settings, options = self._resolve(decision.defaults)
             cid = self.checkpoint_id_for(context)
+            settings = with_signing_key(settings, options.signing_conn_id)
             store = task_store(settings, options.aws_conn_id)
         except (ConfigError, CheckpointIdError) as e:
             raise AirflowFailException(f"cedana: {e}") from None  # configuration: a retry would fail the same way

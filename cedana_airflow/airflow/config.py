@@ -51,6 +51,9 @@ class AirflowOptions(BaseModel):
         default="cedana", description="CedanaKubernetesPodOperator: 'cedana' (runtime class on a Cedana cluster) or "
         "'wrap' (our CLI wrapped around the container's command).")
     k8s_runtime_class: str = Field(default="cedana", description="The runtime class of the 'cedana' route.")
+    signing_conn_id: str | None = Field(
+        default=None, description="Airflow connection whose password is the signing key (format/signing.py), looked "
+        "up when a task runs; it wins over signing_key_file / CEDANA_SIGNING_KEY on the worker.")
 
 
 #: Where a core setting's meaning differs inside Airflow, the [cedana] description says so.
@@ -156,7 +159,8 @@ def _default_store() -> str:
 
 def task_settings(overrides: Mapping[str, Any] | None = None,
                   scope_defaults: Mapping[str, Any] | None = None) -> tuple[Settings, AirflowOptions]:
-    """A task's core settings and the options its operator reads (aws_conn_id, same_node_retry).
+    """A task's core settings and the options its operator reads (aws_conn_id, same_node_retry,
+    signing_conn_id).
 
     ``scope_defaults``: what the opt-in list sets for the scopes that admitted the task (above
     [cedana], below operator arguments)."""
@@ -170,5 +174,5 @@ def task_settings(overrides: Mapping[str, Any] | None = None,
     if not settings.store:
         settings = settings.model_copy(update={"store": _default_store()})
     # aws_conn_id is an operator argument; same_node_retry only a deployment's choice ([cedana]).
-    return settings, airflow_options("aws_conn_id", "same_node_retry",
+    return settings, airflow_options("aws_conn_id", "same_node_retry", "signing_conn_id",
                                      overrides={"aws_conn_id": (overrides or {}).get("aws_conn_id")})

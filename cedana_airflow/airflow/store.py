@@ -4,31 +4,50 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import SecretStr
+
 from ..config import Settings
 from ..errors import ConfigError
 from ..store import Store, open_store
 from ..store.s3 import client_config
 
-__all__ = ["task_store", "s3_client_for"]
+__all__ = ["task_store", "s3_client_for", "with_signing_key"]
 
 
 def s3_client_for(aws_conn_id: str, settings: Settings) -> Any:
     """The amazon provider's S3Hook client for ``aws_conn_id`` (its credentials, region and endpoint_url)."""
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
-    from airflow.sdk import BaseHook
-    from airflow.sdk.exceptions import AirflowNotFoundException
 
     # Looked up first: S3Hook on its own logs a warning for a missing connection and carries on with
     # boto3's default chain, which could write checkpoints somewhere nobody configured.
+    _connection(aws_conn_id, "aws_conn_id", "to use boto3's credential chain")
+    return S3Hook(aws_conn_id=aws_conn_id, config=client_config(settings)).get_conn()
+
+
+def _connection(conn_id: str, option: str, without: str) -> Any:
+    """The Airflow connection an option names; a missing one is one line naming the option and the fix."""
+    from airflow.sdk import BaseHook
+    from airflow.sdk.exceptions import AirflowNotFoundException
+
     try:
-        BaseHook.get_connection(aws_conn_id)
+        return BaseHook.get_connection(conn_id)
     except AirflowNotFoundException:
         raise ConfigError(
-            f"Airflow connection {aws_conn_id!r} (aws_conn_id) is not defined. Create it (Admin > Connections, "
-            f"'airflow connections add', or AIRFLOW_CONN_{aws_conn_id.upper()}) or drop aws_conn_id to use "
-            "boto3's credential chain."
+            f"Airflow connection {conn_id!r} ({option}) is not defined. Create it (Admin > Connections, "
+            f"'airflow connections add', or AIRFLOW_CONN_{conn_id.upper()}) or drop {option} {without}."
         ) from None
-    return S3Hook(aws_conn_id=aws_conn_id, config=client_config(settings)).get_conn()
+
+
+def with_signing_key(settings: Settings, signing_conn_id: str | None) -> Settings:
+    """``settings`` with the signing key from an Airflow connection's password, when one is named. Looked
+    up when the task runs, never when the DAG is parsed (no secrets backend calls at parse time)."""
+    if not signing_conn_id:
+        return settings
+    password = _connection(signing_conn_id, "signing_conn_id", "to use a key file or CEDANA_SIGNING_KEY").password
+    if not password:
+        raise ConfigError(f"Airflow connection {signing_conn_id!r} (signing_conn_id) has no password. Put the "
+                          "signing key in its password field.")
+    return settings.model_copy(update={"signing_key": SecretStr(password), "signing_key_file": None})
 
 
 def task_store(settings: Settings, aws_conn_id: str | None) -> Store:

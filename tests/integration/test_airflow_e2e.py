@@ -70,10 +70,16 @@ def assert_resumed(text: str) -> None:
     assert digests == [uninterrupted_digest(*TRAIN_ARGS)], digests
 
 
-def test_dags_test_try_2_resumes_from_try_1s_checkpoint(tmp_path, airflow_db):
-    env = airflow_env(tmp_path, airflow_db)
+def test_dags_test_try_2_resumes_from_try_1s_signed_checkpoint(tmp_path, airflow_db):
+    key = "0123456789abcdef0123456789abcdef"
+    # the signing key lives in an Airflow connection: every checkpoint is signed, and the retry checks it
+    env = airflow_env(tmp_path, airflow_db, AIRFLOW__CEDANA__SIGNING_CONN_ID="ckpt_signing",
+                      AIRFLOW_CONN_CKPT_SIGNING=json.dumps({"conn_type": "generic", "password": key}))
     text = run_dag_killing_try_1(env, tmp_path, file_manifest(tmp_path / "store", "cedana_e2e.train."))
     assert_resumed(text)
+    signed = [json.loads(p.read_text()) for p in (tmp_path / "store").glob("cedana_e2e.train.*/*/manifest.json")]
+    assert signed and all(m["format_version"] == 2 and m["signature"]["key_id"] for m in signed)
+    assert key not in text
 
 
 def test_dags_test_resumes_through_an_airflow_connection_to_s3(tmp_path, airflow_db, bucket, s3_env):
