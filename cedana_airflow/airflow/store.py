@@ -1,4 +1,5 @@
-"""A task's store: the URL from settings, and for s3:// an S3 client built from an Airflow connection."""
+"""A task's store and its trust: the store URL from settings, for s3:// an S3 client built from an Airflow
+connection, and the signing key from another connection's password."""
 
 from __future__ import annotations
 
