@@ -95,10 +95,10 @@ class Settings(BaseModel):
     progress: Literal["auto", "always", "never"] = Field(
         default="auto", description="Progress display for long transfers: auto = only on a terminal."
     )
-    max_restore_gap_seconds: float = Field(
-        default=0.0, ge=0, allow_inf_nan=False,
+    max_restore_gap_seconds: float | None = Field(
+        default=None, ge=0, allow_inf_nan=False,
         description="Never restore a checkpoint older than this (a real-time reader's data has moved on): "
-        "older ones are refused one by one, and with none left the workload starts fresh. 0 = no limit."
+        "older ones are refused one by one, and with none left the workload starts fresh. Unset: no limit."
     )
     signing_key: SecretStr | None = Field(
         default=None, description="Key that signs every manifest written and that every restore requires "

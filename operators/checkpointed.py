@@ -269,9 +269,9 @@ class CheckpointedCommandOperator(BaseOperator):
         return {"outcome": "unprotected", "exit_code": 0, "checkpoints_taken": 0}
 
     def _may_resume(self, store: Store, cid: str) -> bool:
-        """False when the latest checkpoint is older than max_restore_gap or the lease: start fresh, and say so."""
-        limits = [AgeLimit(name, v.total_seconds()) for name, v in
-                  (("max_restore_gap", self.max_restore_gap), ("lease", self.lease)) if v is not None]
+        """False when the latest checkpoint is older than the license lease (unless lease_renew_command
+        renews it): start fresh, and say so. max_restore_gap is the core's, checked on every candidate."""
+        limits = [AgeLimit("lease", self.lease.total_seconds())] if self.lease is not None else []
         verdict = judge_restore_gap(store, cid, limits, _argv(self.lease_renew_command))
         for level, note in verdict.notes:
             self.log.log(level, "cedana: %s", note)

@@ -198,7 +198,7 @@ class Checkpointer:
             if problem is not None:
                 return f"checkpoint {self.checkpoint_id} seq={m.seq} is refused: {problem}"
         limit = self.settings.max_restore_gap_seconds
-        if not limit:
+        if limit is None:
             return None
         gap, beyond = limits_exceeded(m, datetime.now(timezone.utc), [AgeLimit("max_restore_gap", limit)])
         return f"seq {m.seq} is {gap:.0f} s old, beyond max_restore_gap = {limit:.0f} s" if beyond else None

@@ -64,6 +64,9 @@ def test_a_fallback_never_restores_a_checkpoint_older_than_max_restore_gap(tmp_p
     last = r.stderr.strip().splitlines()[-1]  # each refusal is logged as it happens; the error is the last line
     assert r.returncode == 1 and last.startswith("CorruptCheckpoint: no checkpoint under checkpoint ID 'rt'"), r.stderr
     assert "does not match its digest" in last and "seq 1 is" in last and "beyond max_restore_gap = 1 s" in last
+    # 0 is a limit too (nothing is young enough), not "no limit"
+    never = cli("restore", "--id", "rt", "--max-restore-gap", "0", env=env)
+    assert never.returncode == 1 and "beyond max_restore_gap = 0 s" in never.stderr.strip().splitlines()[-1]
     # run --resume: with nothing young enough left, the command starts fresh and says why
     fresh = cli("run", "--id", "rt", "--resume", "--max-restore-gap", "1", "--", "sh", "-c", "echo fresh start", env=env)
     assert fresh.returncode == 0 and fresh.stdout == "fresh start\n"
