@@ -77,15 +77,16 @@ def refusal(path: str, roots: Sequence[PurePosixPath]) -> str | None:
     return None
 
 
-def _root_of(p: PurePosixPath, roots: Sequence[PurePosixPath]) -> PurePosixPath:
-    return max((r for r in roots if r in p.parents), key=lambda r: len(r.parts))
+def _root_of(directory: PurePosixPath, roots: Sequence[PurePosixPath]) -> PurePosixPath:
+    """The innermost root that is ``directory`` or holds it."""
+    return max((r for r in roots if r == directory or r in directory.parents), key=lambda r: len(r.parts))
 
 
 def _open_dir(directory: PurePosixPath, roots: Sequence[PurePosixPath], *, create: bool) -> int:
     """A descriptor of ``directory``, reached from its root one component at a time with O_NOFOLLOW
     (created 0755 where missing, when ``create``). The root itself is the node's own setting and may
     be a symlink; nothing below it may."""
-    root = _root_of(directory / "x", roots)
+    root = _root_of(directory, roots)
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for part in directory.relative_to(root).parts:
