@@ -100,12 +100,16 @@ def config_options() -> tuple[ConfigOption, ...]:
 
 
 def _where(key: str) -> str:
-    return f"airflow.cfg [cedana] {key} / AIRFLOW__CEDANA__{key.upper()}"
+    return f"airflow.cfg [cedana] {key} / {_ENV_PREFIX}{key.upper()}"
+
+
+#: Variables already warned about: task_settings runs for every operator a parse builds.
+_warned: set[str] = set()
 
 
 def _warn_unknown_options(environ: Mapping[str, str]) -> None:
-    """An AIRFLOW__CEDANA__* variable no option reads is a typo until shown otherwise: say so, with the
-    closest option, instead of ignoring it in silence."""
+    """An AIRFLOW__CEDANA__* variable no option reads is a typo until shown otherwise: say so once per
+    process, with the closest option, instead of ignoring it in silence."""
     known = [*Settings.model_fields, *AirflowOptions.model_fields]
     for var in environ:
         if not var.startswith(_ENV_PREFIX):
@@ -113,7 +117,8 @@ def _warn_unknown_options(environ: Mapping[str, str]) -> None:
         name = var[len(_ENV_PREFIX):].lower()
         if name.endswith(("_cmd", "_secret")):
             name = name.rsplit("_", 1)[0]  # Airflow's command and secret forms of an option
-        if name not in known:
+        if name not in known and var not in _warned:
+            _warned.add(var)
             close = difflib.get_close_matches(name, known, n=1)
             log.warning("%s is not a [cedana] option and is ignored.%s Options: %s", var,
                         f" Did you mean {_ENV_PREFIX}{close[0].upper()}?" if close else "", ", ".join(known))
