@@ -16,8 +16,8 @@ from __future__ import annotations
 import errno
 import os
 import select
-import shutil
 import shlex
+import shutil
 import threading
 from pathlib import Path
 

@@ -1,5 +1,5 @@
 """Policy test DAG: opted in, effects declared, external with a key"""
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from airflow.sdk import DAG
 

@@ -1,5 +1,5 @@
 """Policy test DAG: external effects, no idempotency key"""
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from airflow.sdk import DAG
 

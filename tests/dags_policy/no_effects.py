@@ -1,5 +1,5 @@
 """Policy test DAG: opted in without cedana:effects"""
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from airflow.sdk import DAG
 

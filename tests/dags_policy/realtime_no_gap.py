@@ -1,5 +1,5 @@
 """Policy test DAG: realtime without max_restore_gap"""
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from airflow.sdk import DAG
 

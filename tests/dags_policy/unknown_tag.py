@@ -1,5 +1,5 @@
 """Policy test DAG: a misspelt cedana tag"""
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from airflow.sdk import DAG
 

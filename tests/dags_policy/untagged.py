@@ -1,5 +1,5 @@
 """Policy test DAG: no cedana tags: never touched"""
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from airflow.sdk import DAG
 
