@@ -39,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--id", required=True, help="checkpoint ID")
     run.add_argument("--heartbeat", type=float, help="seconds between checkpoints (0 = none)")
     run.add_argument("--resume", action="store_true", help="restore the latest checkpoint of ID if there is one")
-    run.add_argument("--try-number", type=int, default=0, help="which try this is (fencing of stale writers)")
+    run.add_argument("--try-number", type=int, default=0,
+                     help="which try this is: a higher one takes the ID's writer lease over from a lower one")
     run.add_argument("--max-restore-gap", type=float, metavar="SECONDS",
                      help="never restore a checkpoint older than this; with none left, start fresh")
     _common(run)
@@ -48,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     rs = sub.add_parser("restore", help="restore the latest complete checkpoint of ID and supervise it")
     rs.add_argument("--id", required=True)
     rs.add_argument("--heartbeat", type=float)
-    rs.add_argument("--try-number", type=int, default=0)
+    rs.add_argument("--try-number", type=int, default=0,
+                    help="which try this is: a higher one takes the ID's writer lease over from a lower one")
     rs.add_argument("--max-restore-gap", type=float, metavar="SECONDS",
                     help="never restore a checkpoint older than this; with none left, exit 1")
     _common(rs)

@@ -55,6 +55,13 @@ class Settings(BaseModel):
     criu: str = Field(default="", description="Path to the criu binary. Empty means: private prefix, else PATH.")
     criu_prefix: Path = Field(default=Path(DEFAULT_CRIU_PREFIX), description="Private CRIU prefix.")
     heartbeat_seconds: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="Seconds between heartbeats; 0 = none.")
+    writer_lease_seconds: float = Field(
+        default=60.0, ge=0, allow_inf_nan=False,
+        description="A supervisor's hold on its checkpoint ID lapses this long after its last renewal (it renews "
+        "every third of it). A second supervisor of the same try waits up to this long to learn whether the "
+        "holder is alive before it is refused; a newer try takes over at once. 0 = no lease (stores without "
+        "conditional writes).",
+    )
     checkpoint_on_term: bool = Field(
         default=True, description="On SIGTERM to the supervisor, take a final checkpoint before stopping."
     )
@@ -106,6 +113,11 @@ class Settings(BaseModel):
     )
     signing_key_file: Path | None = Field(
         default=None, description="A file holding the signing key (its first line); wins over signing_key."
+    )
+    store_credentials_dir: Path | None = Field(
+        default=None, description="A directory of files named AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (optional: "
+        "AWS_SESSION_TOKEN, AWS_ENDPOINT_URL, AWS_REGION): the S3 store's credentials, read by the supervisor only "
+        "(a Kubernetes Secret mounted as a volume: the wrap route). Unset: boto3's standard credential chain."
     )
     keep_env: tuple[str, ...] = Field(
         default=(), description="Store credential variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, "

@@ -8,6 +8,8 @@
     ├── StoreError                   the store cannot be used
     │   ├── StoreUnavailable         not reachable, not writable, unknown format version
     │   ├── StoreBusy                a lock is held: gc runs, or checkpoints are being written
+    │   │   ├── WriterLeaseHeld      another supervisor writes this checkpoint ID
+    │   │   └── WriterFenced         a newer supervisor took this checkpoint ID over
     │   ├── CheckpointNotFound       no complete checkpoint under that checkpoint ID
     │   └── CorruptCheckpoint        a chunk or manifest failed verification (never restored)
     └── EngineError                  freezing, dumping or restoring failed
@@ -36,6 +38,8 @@ __all__ = [
     "StoreBusy",
     "StoreError",
     "StoreUnavailable",
+    "WriterFenced",
+    "WriterLeaseHeld",
 ]
 
 
@@ -67,6 +71,14 @@ class StoreUnavailable(StoreError):
 
 class StoreBusy(StoreError):
     """A store lock is held: garbage collection is running, or checkpoints are being written."""
+
+
+class WriterLeaseHeld(StoreBusy):
+    """Another supervisor holds the writer lease of this checkpoint ID (store/writer_lease.py)."""
+
+
+class WriterFenced(StoreBusy):
+    """This supervisor's writer lease was taken over: it must not write the checkpoint ID again."""
 
 
 class CheckpointNotFound(StoreError):

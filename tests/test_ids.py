@@ -12,7 +12,7 @@ def test_safe_ids_pass_unchanged(ok):
 
 
 @pytest.mark.parametrize("bad", ["", "..", "../x", "a/../b", "a/b", "/abs", ".hidden", "-flag", "a..b", "a b",
-                                 "a\x00b", "chunks", "store.json", "é", "A" * (MAX_ID_LENGTH + 1)])
+                                 "a\x00b", "chunks", "leases", "store.json", "é", "A" * (MAX_ID_LENGTH + 1)])
 def test_unsafe_ids_are_refused(bad):
     with pytest.raises(CheckpointIdError):
         validate_checkpoint_id(bad)

@@ -31,6 +31,7 @@ from ..store import index
 from ..store.base import Store, StoreConfig
 from ..store.gc import prune_checkpoints
 from ..store.transfer import CapturedSource, CheckpointMeta, fetch_checkpoint, require_latest, save_checkpoint
+from ..store.writer_lease import WriterLease
 from .captured import CapturedFilesBack, ensure_cwd, restore_roots
 from .estimate import estimate_checkpoint, too_large
 from .workload import Sink, Workload, become_subreaper
@@ -68,10 +69,12 @@ def _drop_all_but_logs(folder: Path) -> None:
 
 class Checkpointer:
     """Checkpoints and restores under one checkpoint ID, as ``settings`` say (node, compression,
-    retention, size limit, progress display, whether local dumps are kept)."""
+    retention, size limit, progress display, whether local dumps are kept). With a ``lease`` (held
+    by the caller), nothing is written once another supervisor took the ID over."""
 
     def __init__(self, engine: CriuEngine, store: Store, store_cfg: StoreConfig, checkpoint_id: str,
-                 settings: Settings, *, work_dir: Path, try_number: int = 0, on_phase: PhaseHook | None = None) -> None:
+                 settings: Settings, *, work_dir: Path, try_number: int = 0, on_phase: PhaseHook | None = None,
+                 lease: WriterLease | None = None) -> None:
         self.engine, self.store, self.store_cfg = engine, store, store_cfg
         self.checkpoint_id = validate_checkpoint_id(checkpoint_id)
         self.settings = settings
@@ -79,6 +82,7 @@ class Checkpointer:
         self._key = settings.resolved_signing_key()  # read once: a heartbeat must not fail on a moved file
         self.skipped = 0  # heartbeats skipped as too large
         self._on_phase = on_phase
+        self.lease = lease
         self._lock = threading.Lock()
         self._count = 0
         self._known: set[str] = set()
@@ -93,8 +97,11 @@ class Checkpointer:
             self._on_phase(name, time.monotonic() - t0)
 
     def checkpoint(self, workload: Workload, *, leave_running: bool = True) -> Manifest | None:
-        """Take a checkpoint and store it; None when it was skipped as too large (see estimate.py)."""
+        """Take a checkpoint and store it; None when it was skipped as too large (see estimate.py), or
+        because another supervisor took the checkpoint ID over (said once, by the lease)."""
         with self._lock:
+            if self.lease is not None and self.lease.fenced:
+                return None  # no freeze either: this supervisor's checkpoints would never be used
             estimate = estimate_checkpoint(workload.pids())
             why = too_large(estimate, self.settings.max_checkpoint_bytes, self.work_dir)
             if why:
@@ -124,7 +131,8 @@ class Checkpointer:
                 with self._phase("save"):
                     manifest = save_checkpoint(self.store, self.store_cfg, meta, dump.image_dir, captured,
                                                known_digests=self._known, compression=self.settings.compression,
-                                               progress_mode=self.settings.progress, signing_key=self._key)
+                                               progress_mode=self.settings.progress, signing_key=self._key,
+                                               before_commit=self.lease.confirm if self.lease else None)
             except BaseException:
                 if not self.settings.keep_local:
                     _drop_all_but_logs(dump_dir)

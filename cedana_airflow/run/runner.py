@@ -34,6 +34,7 @@ from ..format.manifest import Manifest
 from ..ids import validate_checkpoint_id
 from ..store import Store, open_store
 from ..store.gc import delete_checkpoint_id
+from ..store.writer_lease import WriterLease
 from .checkpointer import Checkpointer
 from .environment import workload_env
 from .estimate import estimate_checkpoint
@@ -102,8 +103,12 @@ def run_workload(
     engine = make_engine(settings)
     store = store or open_store(settings.resolved_store(), settings)
     store_cfg = store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
-    with _work_dir(settings) as work_dir:
-        cp = Checkpointer(engine, store, store_cfg, checkpoint_id, settings, work_dir=work_dir, try_number=try_number)
+    lease = (WriterLease(store, checkpoint_id, node=settings.resolved_node(), try_number=try_number,
+                         ttl_seconds=settings.writer_lease_seconds) if settings.writer_lease_seconds > 0 else None)
+    # The lease comes first: a second supervisor of this ID must neither restore nor start anything.
+    with lease.held() if lease is not None else contextlib.nullcontext(), _work_dir(settings) as work_dir:
+        cp = Checkpointer(engine, store, store_cfg, checkpoint_id, settings, work_dir=work_dir, try_number=try_number,
+                          lease=lease)
         result = RunResult(exit_code=0, outcome="fresh")
         workload = _resume(cp, result, must_restore=command is None, cwd=cwd, stdout=stdout, stderr=stderr) \
             if resume or command is None else None

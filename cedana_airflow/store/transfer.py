@@ -12,7 +12,7 @@ import os
 import shutil
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -113,23 +113,27 @@ def save_checkpoint(
     compression: str = default("compression"),
     progress_mode: str = "never",  # a library call is quiet unless its caller asks
     signing_key: bytes | None = None,
+    before_commit: Callable[[], None] | None = None,
 ) -> Manifest:
     """Store an image directory (and captured files) as a new checkpoint; return its manifest.
 
     ``known_digests`` are chunks known to be in the store already (from the previous manifest of
     this checkpoint ID), which saves an existence check per chunk. ``signing_key``: sign the
-    manifest (format/signing.py).
+    manifest (format/signing.py). ``before_commit``: called right before the manifest is written;
+    raising there abandons the checkpoint (the writer lease's last check, store/writer_lease.py).
     """
     validate_checkpoint_id(meta.checkpoint_id)
     lock = acquire_writer(store)  # garbage collection waits while any checkpoint is being written
     try:
-        return _save(store, cfg, meta, image_dir, captured, known_digests, compression, progress_mode, signing_key)
+        return _save(store, cfg, meta, image_dir, captured, known_digests, compression, progress_mode, signing_key,
+                     before_commit)
     finally:
         lock.release(store)
 
 
 def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path, captured: Sequence[CapturedSource],
-          known_digests: Iterable[str], compression: str, progress_mode: str, signing_key: bytes | None) -> Manifest:
+          known_digests: Iterable[str], compression: str, progress_mode: str, signing_key: bytes | None,
+          before_commit: Callable[[], None] | None) -> Manifest:
     t0 = time.monotonic()
     image_files = sorted(p for p in image_dir.iterdir() if p.is_file())
     total = sum(p.stat().st_size for p in image_files) + sum(c.copy.stat().st_size for c in captured)
@@ -172,6 +176,8 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path,
         )
         if signing_key is not None:
             manifest = sign(manifest, signing_key)
+        if before_commit is not None:
+            before_commit()
         # The commit point: until this write succeeds the checkpoint does not exist.
         if store.put_manifest(meta.checkpoint_id, seq, manifest.to_json()):
             break
