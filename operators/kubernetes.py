@@ -47,8 +47,9 @@ class CedanaKubernetesPodOperator(KubernetesPodOperator):
     :param heartbeat: time between checkpoints (default [cedana] heartbeat_seconds, else 10 minutes:
         ``POD_HEARTBEAT_FALLBACK_SECONDS``).
     :param route: ``cedana`` or ``wrap`` (default [cedana] k8s_route, else ``cedana``).
-    :param store_secret: wrap route: a Secret whose keys become the container's environment (the
-        store's credentials, e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL).
+    :param store_secret: wrap route: a Secret with the store's credentials (keys AWS_ACCESS_KEY_ID,
+        AWS_SECRET_ACCESS_KEY; optional AWS_SESSION_TOKEN, AWS_ENDPOINT_URL, AWS_REGION), mounted
+        read-only as files that only cedana-airflow reads: never in the workload's environment.
     """
 
     template_fields: Sequence[str] = (*KubernetesPodOperator.template_fields, "checkpoint_id")

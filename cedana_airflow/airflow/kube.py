@@ -7,8 +7,9 @@ Two routes (``[cedana] k8s_route``):
   heartbeat label ``cedana.ai/heartbeat-checkpoint: "<seconds>"``.
 - ``wrap``: a cluster without Cedana. The container's command is wrapped by our own CLI
   (``cedana-airflow run --resume --id ID -- CMD``), the store's credentials come from a Kubernetes
-  secret, and the node name from the downward API; the in-pod engine checkpoints to S3 and a retry's
-  pod restores from it. CRIU needs a privileged container.
+  Secret mounted as files that only our CLI reads (never the workload's environment, which every
+  checkpoint image holds), and the node name from the downward API; the in-pod engine checkpoints
+  to S3 and a retry's pod restores from it. CRIU needs a privileged container.
 
 Both pin the pod to opted-in nodes (a node label, by default ``cedana.ai/enabled=true``) and, on a
 retry, keep it off the node where the previous try ran.
@@ -27,13 +28,16 @@ from ..config import Settings
 from ..ids import validate_checkpoint_id
 from ..scope.optin import DEFAULT_NODE_LABEL, Decision
 
-__all__ = ["HEARTBEAT_LABEL", "CHECKPOINT_ENV", "NOT_READY_TAINT", "PodScope", "Route", "apply_route",
+__all__ = ["HEARTBEAT_LABEL", "CHECKPOINT_ENV", "CREDENTIALS_MOUNT", "NOT_READY_TAINT", "PodScope", "Route", "apply_route",
            "POD_HEARTBEAT_FALLBACK_SECONDS", "kubernetes_executor_route", "pod_scope", "uses_gpu"]
 
 HEARTBEAT_LABEL = "cedana.ai/heartbeat-checkpoint"
 CHECKPOINT_ENV = "CEDANA_CHECKPOINT"
 NOT_READY_TAINT = "cedana.ai/not-ready"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
+#: Where the wrap route mounts the store Secret (read-only, root only) for the CLI's store_credentials_dir.
+CREDENTIALS_MOUNT = "/var/run/secrets/cedana/store"
+_CREDENTIALS_VOLUME = "cedana-store-credentials"
 #: A pod's heartbeat when neither the operator nor the settings give one: both routes need an interval.
 POD_HEARTBEAT_FALLBACK_SECONDS = 600
 
@@ -47,7 +51,7 @@ class Route:
     avoid_nodes: tuple[str, ...] = ()  # where earlier tries ran
     runtime_class: str = "cedana"
     store: str = ""  # wrap: the store URL the in-pod CLI writes to
-    store_secret: str = ""  # wrap: a Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and more), as env
+    store_secret: str = ""  # wrap: a Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and more), as files
     try_number: int = 0
     cli: Sequence[str] = ("cedana-airflow",)
 
@@ -106,7 +110,12 @@ def apply_route(pod: k8s.V1Pod, route: Route) -> k8s.V1Pod:
         _env(main, "CEDANA_STORE", route.store)
     _env(main, "CEDANA_NODE", source=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path="spec.nodeName")))
     if route.store_secret:
-        main.env_from = [*(main.env_from or []), k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=route.store_secret))]
+        # Files for the CLI, not envFrom: the workload's environment is in every image it is checkpointed into.
+        pod.spec.volumes = [*(v for v in pod.spec.volumes or [] if v.name != _CREDENTIALS_VOLUME), k8s.V1Volume(
+            name=_CREDENTIALS_VOLUME, secret=k8s.V1SecretVolumeSource(secret_name=route.store_secret, default_mode=0o400))]
+        main.volume_mounts = [*(m for m in main.volume_mounts or [] if m.name != _CREDENTIALS_VOLUME),
+                              k8s.V1VolumeMount(name=_CREDENTIALS_VOLUME, mount_path=CREDENTIALS_MOUNT, read_only=True)]
+        _env(main, "CEDANA_STORE_CREDENTIALS_DIR", CREDENTIALS_MOUNT)
     main.security_context = main.security_context or k8s.V1SecurityContext()
     main.security_context.privileged = True  # CRIU: ptrace, namespaces, /proc/sys writes
     return pod

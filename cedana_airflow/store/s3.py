@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from ..config import Settings, redact
@@ -57,8 +58,36 @@ def make_s3_client(settings: Settings) -> Any:
         raise StoreUnavailable(
             "store s3://: boto3 is not installed. Install it with pip install 'cedana-airflow[s3]'."
         ) from None
+    found = _credentials_dir(settings.store_credentials_dir) if settings.store_credentials_dir else {}
     return botocore.session.get_session().create_client(
-        "s3", endpoint_url=settings.s3_endpoint_url or None, config=client_config(settings))
+        "s3", endpoint_url=settings.s3_endpoint_url or found.get("AWS_ENDPOINT_URL") or None,
+        region_name=found.get("AWS_REGION") or found.get("AWS_DEFAULT_REGION") or None,
+        aws_access_key_id=found.get("AWS_ACCESS_KEY_ID"), aws_secret_access_key=found.get("AWS_SECRET_ACCESS_KEY"),
+        aws_session_token=found.get("AWS_SESSION_TOKEN"), config=client_config(settings))
+
+
+#: Files a credentials directory may hold: a Kubernetes Secret mounted as a volume, one file per key.
+_CREDENTIAL_FILES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
+                     "AWS_REGION", "AWS_DEFAULT_REGION")
+
+
+def _credentials_dir(folder: Path) -> dict[str, str]:
+    """The store's credentials from files (read by the supervisor only: never in the workload's
+    environment, so never in a checkpoint image)."""
+    found = {}
+    for name in _CREDENTIAL_FILES:
+        try:
+            found[name] = (folder / name).read_text().strip()
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise StoreUnavailable(f"store credentials {folder / name} cannot be read: {e.strerror}. "
+                                   "Check the mounted Secret (store_credentials_dir).") from None
+    missing = [n for n in _CREDENTIAL_FILES[:2] if not found.get(n)]
+    if missing:
+        raise StoreUnavailable(f"store credentials dir {folder} has no {' or '.join(missing)} file. Give the Secret "
+                               "those keys, or unset store_credentials_dir to use the standard credential chain.")
+    return found
 
 
 class S3Store(RequiredReads):

@@ -13,7 +13,7 @@ pytest.importorskip("airflow.providers.cncf.kubernetes")
 from kubernetes.client import ApiClient  # noqa: E402
 from kubernetes.client import models as k8s  # noqa: E402
 
-from cedana_airflow.airflow.kube import HEARTBEAT_LABEL  # noqa: E402
+from cedana_airflow.airflow.kube import CREDENTIALS_MOUNT, HEARTBEAT_LABEL  # noqa: E402
 from cedana_airflow.operators import CedanaKubernetesPodOperator  # noqa: E402
 
 OPTIN = '[node]\nlabels = { "cedana.ai/enabled" = "true" }\n[queue]\nqueues = ["*"]\n[workload]\ndags = ["*"]\n'
@@ -87,7 +87,7 @@ def test_spec_a_retry_avoids_the_node_of_the_previous_try_and_never_reattaches(o
     assert {k: state["cedana"]["tries"][-1][k] for k in ("try_number", "node")} == {"try_number": 2, "node": "gpu-node-9"}
 
 
-def test_spec_wrap_route_wraps_the_command_with_the_cli_and_secret_credentials(optin):
+def test_spec_wrap_route_wraps_the_command_with_the_cli_and_mounts_the_secret_as_files(optin):
     pod = _op(route="wrap", store_secret="ckpt-s3").build_pod_request_obj(_context(try_number=3), dry_run=True)
     data = _roundtrip(pod)
     main = pod.spec.containers[0]
@@ -97,7 +97,12 @@ def test_spec_wrap_route_wraps_the_command_with_the_cli_and_secret_credentials(o
     env = {e.name: e for e in main.env}
     assert env["CEDANA_STORE"].value == "s3://ckpt/airflow"
     assert env["CEDANA_NODE"].value_from.field_ref.field_path == "spec.nodeName"
-    assert [s.secret_ref.name for s in main.env_from] == ["ckpt-s3"]
+    # The Secret is files for the CLI (read-only, root only), never the workload's environment.
+    assert not main.env_from
+    [vol] = [v for v in pod.spec.volumes if v.secret is not None]
+    assert (vol.secret.secret_name, vol.secret.default_mode) == ("ckpt-s3", 0o400)
+    [mount] = [m for m in main.volume_mounts if m.name == vol.name]
+    assert mount.read_only and env["CEDANA_STORE_CREDENTIALS_DIR"].value == mount.mount_path == CREDENTIALS_MOUNT
     assert main.security_context.privileged is True and pod.spec.runtime_class_name is None
     assert "AWS_SECRET_ACCESS_KEY" not in str(data)  # credentials only by reference
 
@@ -124,6 +129,10 @@ def test_wrap_route_end_to_end_the_pods_command_checkpoints_to_s3_and_the_retry_
 
     import boto3
 
+    from cedana_airflow.config import load_settings
+    from cedana_airflow.format.manifest import Manifest
+    from cedana_airflow.store import open_store
+    from cedana_airflow.store.transfer import fetch_checkpoint
     from conftest import TRAIN, kill_node, uninterrupted_digest
 
     monkeypatch.setenv("AIRFLOW__CEDANA__STORE", f"s3://{bucket}/k8s")
@@ -132,11 +141,18 @@ def test_wrap_route_end_to_end_the_pods_command_checkpoints_to_s3_and_the_retry_
              heartbeat=timedelta(seconds=1))
     state = _StateStore()
 
+    secret = tmp_path / "secret"  # what the kubelet mounts: one file per key of the Secret
+    secret.mkdir()
+    canary = f"canary-{os.urandom(8).hex()}"  # moto takes any key: a secret we can look for in the images
+    for k, v in {**s3_env, "AWS_SECRET_ACCESS_KEY": canary}.items():
+        (secret / k).write_text(v)
+
     def container(pod, node: str, work: str) -> tuple[list[str], dict[str, str]]:
         main = pod.spec.containers[0]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("CEDANA_", "AIRFLOW"))}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("CEDANA_", "AIRFLOW", "AWS_"))}
         env.update({e.name: e.value for e in main.env if e.value is not None})
-        env.update(CEDANA_NODE=node, CEDANA_WORK_DIR=str(tmp_path / work), PYTHONUNBUFFERED="1", **s3_env)  # downward API + Secret
+        env.update(CEDANA_NODE=node, CEDANA_WORK_DIR=str(tmp_path / work), PYTHONUNBUFFERED="1",  # downward API
+                   CEDANA_STORE_CREDENTIALS_DIR=str(secret))  # the Secret's mount, here
         return list(main.command), env
 
     first = op.build_pod_request_obj(_context(try_number=1, state=state), dry_run=True)
@@ -153,6 +169,10 @@ def test_wrap_route_end_to_end_the_pods_command_checkpoints_to_s3_and_the_retry_
         time.sleep(0.2)
     manifest = json.loads(s3.get_object(Bucket=bucket, Key=sorted(keys)[0])["Body"].read())
     kill_node(proc, manifest["process"]["pid"])  # the node goes away with the pod
+    store = open_store(f"s3://{bucket}/k8s", load_settings(environ={}))
+    fetch_checkpoint(store, Manifest.model_validate(manifest), tmp_path / "images")  # every chunk, decoded
+    images = b"".join(p.read_bytes() for p in sorted((tmp_path / "images").rglob("*")) if p.is_file())
+    assert len(images) > 1 << 20 and canary.encode() not in images  # the supervisor had it; the workload never did
     state.set("cedana", {"tries": [{"try_number": 1, "node": "node-a"}]})  # what on_pod_starting recorded
 
     retry = op.build_pod_request_obj(_context(try_number=2, state=state), dry_run=True)
