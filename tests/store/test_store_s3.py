@@ -153,3 +153,22 @@ def test_wrong_credentials_are_one_clear_line_without_the_secret(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("StoreUnavailable: store s3://some-bucket/x/: checking the bucket was refused (403)")
     assert "Check the credentials" in lines[0]
     assert "wrong-secret-4711" not in r.stderr + r.stdout and "AKIANOTAREALKEY00000" not in r.stderr + r.stdout
+
+
+def test_credentials_from_a_mounted_secret_directory_and_one_line_when_a_key_is_missing(tmp_path, bucket, s3_endpoint):
+    from conftest import cli, cli_env
+
+    secret = tmp_path / "secret"  # a Kubernetes Secret as a volume: one file per key
+    secret.mkdir()
+    (secret / "AWS_ACCESS_KEY_ID").write_text("from-the-file\n")
+    (secret / "AWS_ENDPOINT_URL").write_text(s3_endpoint)
+    (secret / "AWS_REGION").write_text("us-east-1")
+    env = {k: v for k, v in cli_env(tmp_path, "n", "w", CEDANA_STORE=f"s3://{bucket}/x").items() if not k.startswith("AWS_")}
+    env["CEDANA_STORE_CREDENTIALS_DIR"] = str(secret)
+    r = cli("checkpoints", env=env)
+    assert r.returncode == 1 and r.stderr.strip() == (
+        f"StoreUnavailable: store credentials dir {secret} has no AWS_SECRET_ACCESS_KEY file. Give the Secret those "
+        "keys, or unset store_credentials_dir to use the standard credential chain.")
+    (secret / "AWS_SECRET_ACCESS_KEY").write_text("also-from-the-file")
+    r = cli("checkpoints", env=env)  # no AWS_* in the environment: without the files botocore has no credentials
+    assert r.returncode == 0, r.stderr
