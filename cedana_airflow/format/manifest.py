@@ -21,6 +21,8 @@ __all__ = [
     "FileEntry",
     "CapturedFile",
     "ProcessInfo",
+    "GpuProcess",
+    "GpuState",
     "Manifest",
 ]
 
@@ -102,10 +104,28 @@ class Signature(_Frozen):
     hmac: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
+class GpuProcess(_Frozen):
+    ns_pid: int = Field(ge=1, description="Its pid inside the workload's PID namespace (what a restore brings back).")
+    memory_bytes: int = Field(ge=0, default=0, description="GPU memory it held, moved into its host memory (NVML).")
+
+
+class GpuState(_Frozen):
+    """CUDA state moved into host memory by the driver before the dump (engine/cuda.py, docs/gpu.md).
+    A restore needs the driver's checkpoint API and the same GPU models, in the same number."""
+
+    driver_version: str = Field(description="The kernel module's version, e.g. '580.65.06'.")
+    cuda_api_version: int = Field(ge=0, description="cuDriverGetVersion, e.g. 13000.")
+    gpus: tuple[str, ...] = Field(description="The node's GPU models, in index order.")
+    processes: tuple[GpuProcess, ...] = Field(min_length=1)
+    checkpoint_seconds: float = Field(ge=0, description="Lock and copy-out, before CRIU froze the tree.")
+    resume_seconds: float = Field(ge=0, default=0.0, description="Copy-back and unlock, after the dump.")
+
+
 class Manifest(_Frozen):
     # 1: unsigned. 2: the same fields plus ``signature`` (only signed manifests are written as 2, so
-    # readers that predate signing still read every unsigned one).
-    format_version: Literal[1, 2] = MANIFEST_FORMAT_VERSION
+    # readers that predate signing still read every unsigned one). 3: holds ``gpu`` (CUDA state),
+    # signed or not: readers that predate it skip it, and they could not restore it anyway.
+    format_version: Literal[1, 2, 3] = MANIFEST_FORMAT_VERSION
     checkpoint_id: str
     seq: int = Field(ge=1, description="1, 2, 3 ... within a checkpoint ID; the newest complete one restores.")
     try_number: int = Field(ge=0, default=0, description="Which try of the task took it (0 outside Airflow).")
@@ -122,6 +142,7 @@ class Manifest(_Frozen):
     freeze_seconds: float = Field(ge=0, default=0.0, description="How long the workload was frozen.")
     parent_seq: int | None = Field(default=None, description="The checkpoint this one was restored from, if any.")
     signature: Signature | None = Field(default=None, description="Present when the writer had a signing key.")
+    gpu: GpuState | None = Field(default=None, description="Present when the tree held CUDA state (version 3).")
 
     @field_validator("checkpoint_id")
     @classmethod
@@ -132,15 +153,23 @@ class Manifest(_Frozen):
             raise ValueError(str(e)) from None
 
     @model_validator(mode="after")
-    def _signed_is_version_2(self) -> Manifest:
-        if (self.format_version == 2) != (self.signature is not None):
-            raise ValueError("a signature goes with format_version 2, and only there")
+    def _version_says_what_is_in_it(self) -> Manifest:
+        if (self.format_version == 3) != (self.gpu is not None):
+            raise ValueError("a gpu block goes with format_version 3, and only there")
+        if self.format_version == 2 and self.signature is None or self.format_version == 1 and self.signature:
+            raise ValueError("a signature goes with format_version 2 (3 with a gpu block), and only there")
         return self
 
+    @staticmethod
+    def version_for(*, signed: bool, gpu: bool) -> Literal[1, 2, 3]:
+        return 3 if gpu else 2 if signed else 1
+
     def to_json(self) -> bytes:
-        """The stored document: an unsigned manifest has no ``signature`` key at all (version 1 readers
-        forbid unknown fields)."""
-        return self.model_dump_json(indent=1, exclude={"signature"} if self.signature is None else None).encode()
+        """The stored document: absent blocks have no key at all (version 1 readers forbid unknown fields)."""
+        return self.model_dump_json(indent=1, exclude=self.absent_blocks()).encode()
+
+    def absent_blocks(self) -> set[str]:
+        return {k for k in ("signature", "gpu") if getattr(self, k) is None}
 
     @model_validator(mode="after")
     def _distinct(self) -> Manifest:

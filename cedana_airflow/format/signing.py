@@ -29,7 +29,7 @@ def key_id(key: bytes) -> str:
 
 
 def canonical_bytes(m: Manifest) -> bytes:
-    doc = m.model_dump(mode="json", exclude={"signature"})
+    doc = m.model_dump(mode="json", exclude={"signature"} | m.absent_blocks())
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
@@ -38,9 +38,10 @@ def _mac(m: Manifest, key: bytes) -> str:
 
 
 def sign(m: Manifest, key: bytes) -> Manifest:
-    """``m`` as a signed (format version 2) manifest; the version is part of what is signed."""
-    v2 = m.model_copy(update={"format_version": 2, "signature": None})
-    return v2.model_copy(update={"signature": Signature(key_id=key_id(key), hmac=_mac(v2, key))})
+    """``m`` as a signed manifest (format version 2, or 3 with a gpu block); the version is signed too."""
+    v = m.model_copy(update={"format_version": Manifest.version_for(signed=True, gpu=m.gpu is not None),
+                             "signature": None})
+    return v.model_copy(update={"signature": Signature(key_id=key_id(key), hmac=_mac(v, key))})
 
 
 def signature_problem(m: Manifest, key: bytes) -> str | None:

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from ..config import default
 from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..format import chunking
-from ..format.manifest import CAPTURED_DIR, CapturedFile, ChunkRef, FileEntry, Manifest, ProcessInfo
+from ..format.manifest import CAPTURED_DIR, CapturedFile, ChunkRef, FileEntry, GpuState, Manifest, ProcessInfo
 from ..format.selection import restore_order
 from ..format.signing import sign
 from ..ids import validate_checkpoint_id
@@ -56,6 +56,7 @@ class CheckpointMeta:
     try_number: int = 0
     freeze_seconds: float = 0.0
     parent_seq: int | None = None
+    gpu: GpuState | None = None  # CUDA state the driver moved into the images (engine/cuda.py)
 
 
 @dataclass
@@ -159,6 +160,8 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path,
     seq = (seqs[-1] if seqs else 0) + 1
     while True:
         manifest = Manifest(
+            format_version=Manifest.version_for(signed=False, gpu=meta.gpu is not None),
+            gpu=meta.gpu,
             checkpoint_id=meta.checkpoint_id,
             seq=seq,
             try_number=meta.try_number,
