@@ -43,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="which try this is: a higher one takes the ID's writer lease over from a lower one")
     run.add_argument("--max-restore-gap", type=float, metavar="SECONDS",
                      help="never restore a checkpoint older than this; with none left, start fresh")
+    run.add_argument("--gpu", choices=("auto", "off", "require"),
+                     help="GPU state: auto (default), require (refuse to start where it cannot be checkpointed), off")
     _common(run)
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
 
@@ -53,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="which try this is: a higher one takes the ID's writer lease over from a lower one")
     rs.add_argument("--max-restore-gap", type=float, metavar="SECONDS",
                     help="never restore a checkpoint older than this; with none left, exit 1")
+    rs.add_argument("--gpu", choices=("auto", "off", "require"),
+                    help="GPU state: auto (default), require (refuse to start where it cannot be checkpointed), off")
     _common(rs)
 
     ls = sub.add_parser("checkpoints", help="list checkpoints (all IDs, or one)")
@@ -95,6 +99,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         "store": args.store, "node": args.node, "work_dir": args.work_dir,
         "heartbeat_seconds": getattr(args, "heartbeat", None),
         "max_restore_gap_seconds": getattr(args, "max_restore_gap", None),
+        "gpu": getattr(args, "gpu", None),
     })
 
 
@@ -204,7 +209,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
     checks = run_checks(_settings(args))
     if args.json:
-        print(json.dumps([c.__dict__ for c in checks], indent=1))
+        print(json.dumps([{k: v for k, v in c.__dict__.items() if k != "gpu" or v is not None} for c in checks], indent=1))
     else:
         for c in checks:
             line = f"{c.status.upper():<5} {c.name}: {c.detail}"

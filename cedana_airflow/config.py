@@ -62,6 +62,18 @@ class Settings(BaseModel):
         "holder is alive before it is refused; a newer try takes over at once. 0 = no lease (stores without "
         "conditional writes).",
     )
+    gpu: Literal["auto", "off", "require"] = Field(
+        default="auto",
+        description="GPU state: auto = a tree holding CUDA state is checkpointed through the driver's checkpoint "
+        "API when this node has it, else its heartbeats are skipped (said once); require = refuse to start "
+        "where GPU state cannot be checkpointed; off = never touch the GPU (a tree holding CUDA state is not "
+        "checkpointed).",
+    )
+    gpu_lock_timeout_seconds: float = Field(
+        default=10.0, gt=0, le=3600, allow_inf_nan=False,
+        description="How long the driver may wait for a CUDA process's running work before it is locked for a "
+        "checkpoint; past it the heartbeat is skipped and the process runs on.",
+    )
     checkpoint_on_term: bool = Field(
         default=True, description="On SIGTERM to the supervisor, take a final checkpoint before stopping."
     )

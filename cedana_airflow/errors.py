@@ -16,6 +16,7 @@
         ├── CommandNotFound          the workload's command does not exist (exit code 127)
         ├── EngineUnavailable        CRIU missing, too old, or not permitted (not root)
         ├── DumpFailed               `criu dump` failed; the workload keeps running
+        │   └── GpuCheckpointFailed  the driver could not move GPU state out (or back); rolled back
         └── RestoreFailed            `criu restore` failed
 
 Messages are one line: "<what failed>: <cause>. <fix>." and name the key, path or value involved.
@@ -34,6 +35,7 @@ __all__ = [
     "GpuUnavailable",
     "EngineError",
     "EngineUnavailable",
+    "GpuCheckpointFailed",
     "RestoreFailed",
     "StoreBusy",
     "StoreError",
@@ -106,6 +108,10 @@ class EngineUnavailable(EngineError):
 
 class DumpFailed(EngineError):
     """`criu dump` failed. With --leave-running the workload keeps running."""
+
+
+class GpuCheckpointFailed(DumpFailed):
+    """The driver could not move a process's GPU state out (or back); what was done is rolled back."""
 
 
 class RestoreFailed(EngineError):

@@ -34,6 +34,7 @@ from ..store.transfer import CapturedSource, CheckpointMeta, fetch_checkpoint, r
 from ..store.writer_lease import WriterLease
 from .captured import CapturedFilesBack, ensure_cwd, restore_roots
 from .estimate import estimate_checkpoint, too_large
+from .gpu_state import GpuGate
 from .workload import Sink, Workload, become_subreaper
 
 __all__ = ["Checkpointer", "PhaseHook", "Restored"]
@@ -74,7 +75,7 @@ class Checkpointer:
 
     def __init__(self, engine: CriuEngine, store: Store, store_cfg: StoreConfig, checkpoint_id: str,
                  settings: Settings, *, work_dir: Path, try_number: int = 0, on_phase: PhaseHook | None = None,
-                 lease: WriterLease | None = None) -> None:
+                 lease: WriterLease | None = None, gpu: GpuGate | None = None) -> None:
         self.engine, self.store, self.store_cfg = engine, store, store_cfg
         self.checkpoint_id = validate_checkpoint_id(checkpoint_id)
         self.settings = settings
@@ -83,6 +84,7 @@ class Checkpointer:
         self.skipped = 0  # heartbeats skipped as too large
         self._on_phase = on_phase
         self.lease = lease
+        self.gpu = gpu or GpuGate(settings)
         self._lock = threading.Lock()
         self._count = 0
         self._known: set[str] = set()
@@ -102,7 +104,13 @@ class Checkpointer:
         with self._lock:
             if self.lease is not None and self.lease.fenced:
                 return None  # no freeze either: this supervisor's checkpoints would never be used
-            estimate = estimate_checkpoint(workload.pids())
+            pids = workload.pids()
+            holding, why_not = self.gpu.dump_refusal(pids)
+            if why_not:  # the workload keeps running; said once, not every heartbeat
+                self.gpu.say_once(f"heartbeat skipped checkpoint_id={self.checkpoint_id}: {why_not}; the workload "
+                                  "keeps running without a new checkpoint")
+                return None
+            estimate = estimate_checkpoint(pids)
             why = too_large(estimate, self.settings.max_checkpoint_bytes, self.work_dir)
             if why:
                 self.skipped += 1
@@ -119,13 +127,18 @@ class Checkpointer:
             rss = estimate.rss_bytes
             try:
                 with self._phase("dump"):
-                    dump = self.engine.dump(workload.pid, dump_dir / "images", leave_running=leave_running)
+                    # CUDA state first moves into host memory (engine/cuda.py), then CRIU dumps it with the rest.
+                    with self.gpu.suspended(holding, leave_running=leave_running) as suspension:
+                        dump = self.engine.dump(workload.pid, dump_dir / "images", leave_running=leave_running)
+                gpu = self.gpu.state(suspension, estimate) if suspension is not None else None
+                # The workload's CUDA work stops for the copy-out and the copy-back too: part of its freeze.
+                freeze = dump.freeze_seconds + (gpu.checkpoint_seconds + gpu.resume_seconds if gpu else 0.0)
                 meta = CheckpointMeta(
                     checkpoint_id=self.checkpoint_id, node=self.node, engine_version=self.engine.version,
                     process=ProcessInfo(pid=workload.pid, command=workload.command, cwd=workload.cwd,
                                         rss_bytes=rss, stdout_pipe=workload.stdout_pipe,
                                         stderr_pipe=workload.stderr_pipe),
-                    try_number=self.try_number, freeze_seconds=dump.freeze_seconds, parent_seq=self.parent_seq,
+                    try_number=self.try_number, freeze_seconds=freeze, parent_seq=self.parent_seq, gpu=gpu,
                 )
                 captured = [CapturedSource(p, c, m) for p, c, m in dump.captured]
                 with self._phase("save"):
@@ -143,8 +156,10 @@ class Checkpointer:
             self._known = manifest.chunk_digests()
             kept = prune_checkpoints(self.store, self.checkpoint_id, self.settings.keep_checkpoints)[0]
             index.record_checkpoint(self.store, manifest, kept)
-            log.info("freeze checkpoint_id=%s seq=%d freeze_seconds=%.3f rss_bytes=%d",
-                     self.checkpoint_id, manifest.seq, dump.freeze_seconds, rss)
+            log.info("freeze checkpoint_id=%s seq=%d freeze_seconds=%.3f rss_bytes=%d%s",
+                     self.checkpoint_id, manifest.seq, freeze, rss,
+                     f" gpu_bytes={estimate.gpu_bytes} gpu_checkpoint_seconds={gpu.checkpoint_seconds:.3f} "
+                     f"gpu_resume_seconds={gpu.resume_seconds:.3f}" if gpu else "")
             return manifest
 
     def restore(self, stdout: Sink | None = None, stderr: Sink | None = None, *, cwd: str | None = None) -> Restored:
@@ -200,11 +215,15 @@ class Checkpointer:
         )
 
     def _refusal(self, m: Manifest) -> str | None:
-        """Why a candidate is refused before any chunk is fetched: a bad signature, or too old."""
+        """Why a candidate is refused before any chunk is fetched: a bad signature, too old, or GPU
+        state this node cannot take."""
         if self._key is not None:
             problem = signature_problem(m, self._key)
             if problem is not None:
                 return f"checkpoint {self.checkpoint_id} seq={m.seq} is refused: {problem}"
+        gpu = self.gpu.restore_refusal(m)
+        if gpu is not None:
+            return gpu
         limit = self.settings.max_restore_gap_seconds
         if limit is None:
             return None
@@ -233,5 +252,9 @@ class Checkpointer:
                 os.close(err_w)
             # Supervised (watchdog on) before anything else can fail: a restored tree is never left alone.
             workload = Workload.adopt(pid, m.process.command, m.process.cwd, out_r, err_r, stdout, stderr)
+            seconds = self.gpu.resume(workload, m)  # a failure kills the tree and refuses the checkpoint
+            if m.gpu is not None:
+                log.info("gpu state restored checkpoint_id=%s seq=%d processes=%d seconds=%.3f",
+                         self.checkpoint_id, m.seq, len(m.gpu.processes), seconds)
             files_back.keep()
         return workload

@@ -21,6 +21,7 @@ __all__ = ["Estimate", "estimate_checkpoint", "too_large"]
 class Estimate:
     rss_bytes: int
     gpu_bytes: int
+    gpu_by_pid: tuple[tuple[int, int], ...] = ()  # (host pid, GPU memory bytes), for the manifest's gpu block
 
     @property
     def total(self) -> int:
@@ -39,24 +40,24 @@ def _rss(pids: list[int]) -> int:
     return total
 
 
-def _gpu(pids: list[int]) -> int:
-    """GPU memory the tree's processes hold, through NVML; 0 without pynvml or a driver."""
+def _gpu(pids: list[int]) -> dict[int, int]:
+    """GPU memory each of the tree's processes holds, through NVML; empty without pynvml or a driver."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
     except Exception:
-        return 0
+        return {}
     try:
-        wanted, total = set(pids), 0
+        wanted, used = set(pids), dict[int, int]()
         for i in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)
             for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
                 if p.pid in wanted and p.usedGpuMemory:
-                    total += int(p.usedGpuMemory)
-        return total
+                    used[p.pid] = used.get(p.pid, 0) + int(p.usedGpuMemory)
+        return used
     except Exception:
-        return 0
+        return {}
     finally:
         pynvml.nvmlShutdown()
 
@@ -64,7 +65,8 @@ def _gpu(pids: list[int]) -> int:
 def estimate_checkpoint(pids: list[int]) -> Estimate:
     """Resident memory of ``pids`` (shared pages counted once per process: an overestimate) plus
     their GPU memory."""
-    return Estimate(_rss(pids), _gpu(pids))
+    used = _gpu(pids)
+    return Estimate(_rss(pids), sum(used.values()), tuple(sorted(used.items())))
 
 
 def too_large(estimate: Estimate, max_bytes: int, work_dir: Path) -> str | None:

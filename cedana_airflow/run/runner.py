@@ -38,6 +38,7 @@ from ..store.writer_lease import WriterLease
 from .checkpointer import Checkpointer
 from .environment import workload_env
 from .estimate import estimate_checkpoint
+from .gpu_state import GpuGate
 from .triggers import Heartbeat, MemoryWatch
 from .workload import Sink, Workload
 
@@ -101,6 +102,8 @@ def run_workload(
     if try_number < 0:
         raise ConfigError(f"try number {try_number} is negative. Pass --try-number 0 or more.")
     engine = make_engine(settings)
+    gpu = GpuGate(settings)
+    gpu.require()  # gpu = require: a node that cannot checkpoint GPU state fails here, before anything starts
     store = store or open_store(settings.resolved_store(), settings)
     store_cfg = store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
     lease = (WriterLease(store, checkpoint_id, node=settings.resolved_node(), try_number=try_number,
@@ -108,7 +111,7 @@ def run_workload(
     # The lease comes first: a second supervisor of this ID must neither restore nor start anything.
     with lease.held() if lease is not None else contextlib.nullcontext(), _work_dir(settings) as work_dir:
         cp = Checkpointer(engine, store, store_cfg, checkpoint_id, settings, work_dir=work_dir, try_number=try_number,
-                          lease=lease)
+                          lease=lease, gpu=gpu)
         result = RunResult(exit_code=0, outcome="fresh")
         workload = _resume(cp, result, must_restore=command is None, cwd=cwd, stdout=stdout, stderr=stderr) \
             if resume or command is None else None

@@ -1,0 +1,270 @@
+"""CUDA state through the driver's checkpoint API: what lets CRIU dump a process that holds GPU memory.
+
+CRIU cannot dump ``/dev/nvidia*`` mappings. NVIDIA's driver (the ``cuCheckpointProcess*`` calls of
+libcuda, CUDA 12.8 / driver 570 and later) can move one process's CUDA state into its host memory
+and back, driven from another process by pid: lock (its CUDA calls block), checkpoint (GPU memory
+copied out, every device mapping released), then, after CRIU, restore (memory back at the same
+device addresses) and unlock. docs/gpu.md has the sources and the limits.
+
+:func:`suspended` is that sequence around a dump, with a rollback at every step: a workload is never
+left locked, or without its GPU state, because something failed half-way.
+
+The binding is ctypes over ``libcuda.so.1``: no package to install, and no import of it on a node
+without a GPU. :class:`CudaDriver` is the protocol, so tests drive the state machine with a stand-in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from ..errors import GpuCheckpointFailed, GpuUnavailable
+
+__all__ = ["CudaDriver", "GpuInventory", "GpuSuspension", "LibcudaDriver", "cuda_pids", "gpu_inventory", "load_driver",
+           "ns_pid", "nvidia_files", "resume_restored", "suspended"]
+
+log = logging.getLogger(__name__)
+
+#: The driver API version (cuDriverGetVersion: 1000 * major + 10 * minor) that has the checkpoint API.
+MIN_API_VERSION = 12080
+_STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
+
+
+class CudaDriver(Protocol):
+    def version(self) -> int: ...
+    def lock(self, pid: int, timeout_ms: int) -> None: ...
+    def checkpoint(self, pid: int) -> None: ...
+    def restore(self, pid: int) -> None: ...
+    def unlock(self, pid: int) -> None: ...
+    def state(self, pid: int) -> str: ...
+
+
+class _LockArgs(ctypes.Structure):
+    # CUcheckpointLockArgs (cuda.h): 64 bytes; every reserved field must be zero.
+    _fields_ = [("timeoutMs", ctypes.c_uint), ("reserved0", ctypes.c_uint), ("reserved1", ctypes.c_uint64 * 7)]
+
+
+class LibcudaDriver:
+    """The checkpoint API of the installed driver, through ctypes. Every failure raises one line."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        self._version = 0
+
+    def _call(self, what: str, pid: int, rc: int) -> None:
+        if rc != 0:
+            name = ctypes.c_char_p()
+            self._lib.cuGetErrorName(rc, ctypes.byref(name))
+            raise GpuCheckpointFailed(f"{what} of pid {pid} failed: {(name.value or b'CUDA error').decode()} ({rc})")
+
+    def version(self) -> int:
+        if not self._version:
+            v = ctypes.c_int()
+            self._lib.cuDriverGetVersion(ctypes.byref(v))
+            self._version = v.value
+        return self._version
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        args = _LockArgs(timeoutMs=timeout_ms)
+        self._call("cuCheckpointProcessLock", pid, self._lib.cuCheckpointProcessLock(pid, ctypes.byref(args)))
+
+    def checkpoint(self, pid: int) -> None:
+        self._call("cuCheckpointProcessCheckpoint", pid, self._lib.cuCheckpointProcessCheckpoint(pid, None))
+
+    def restore(self, pid: int) -> None:
+        self._call("cuCheckpointProcessRestore", pid, self._lib.cuCheckpointProcessRestore(pid, None))
+
+    def unlock(self, pid: int) -> None:
+        self._call("cuCheckpointProcessUnlock", pid, self._lib.cuCheckpointProcessUnlock(pid, None))
+
+    def state(self, pid: int) -> str:
+        s = ctypes.c_int()
+        self._call("cuCheckpointProcessGetState", pid, self._lib.cuCheckpointProcessGetState(pid, ctypes.byref(s)))
+        return _STATES.get(s.value, f"unknown ({s.value})")
+
+
+_driver: LibcudaDriver | None = None
+
+
+def load_driver() -> LibcudaDriver:
+    """The node's driver, loaded once; GpuUnavailable (one line: what is missing) when it cannot
+    checkpoint GPU state: no libcuda, a driver without the checkpoint API, or cuInit failing."""
+    global _driver
+    if _driver is not None:
+        return _driver
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise GpuUnavailable(f"no NVIDIA driver on this node ({e}). Checkpointing GPU state needs driver 570 or "
+                             "later: run GPU tasks on GPU nodes, or set gpu = off") from None
+    drv = LibcudaDriver(lib)
+    if not hasattr(lib, "cuCheckpointProcessLock") or drv.version() < MIN_API_VERSION:
+        raise GpuUnavailable(f"the NVIDIA driver here (CUDA API {drv.version()}) has no checkpoint API "
+                             "(cuCheckpointProcess*, CUDA 12.8 / driver 570 and later). Upgrade the driver, or set gpu = off")
+    rc = lib.cuInit(0)
+    if rc != 0:
+        raise GpuUnavailable(f"the NVIDIA driver is installed but cuInit failed ({rc}): no usable GPU here "
+                             "(check nvidia-smi and the device permissions), or set gpu = off")
+    _driver = drv
+    return drv
+
+
+@dataclass(frozen=True)
+class GpuInventory:
+    """What the kernel module says about this node: no library, no NVML needed."""
+
+    driver_version: str  # "" without the kernel module
+    models: tuple[str, ...]  # in PCI bus order, which is NVML's index order
+
+
+_MODULE_VERSION = re.compile(r"Kernel Module.*?\s(\d+\.\d+(?:\.\d+)?)\s")
+
+
+def gpu_inventory(root: Path = Path("/proc/driver/nvidia")) -> GpuInventory:
+    try:
+        m = _MODULE_VERSION.search((root / "version").read_text())
+    except OSError:
+        return GpuInventory("", ())
+    models = []
+    for info in sorted((root / "gpus").glob("*/information")):
+        with contextlib.suppress(OSError):
+            for line in info.read_text().splitlines():
+                if line.startswith("Model:"):
+                    models.append(line.split(":", 1)[1].strip())
+    return GpuInventory(m.group(1) if m else "?", tuple(models))
+
+
+# -- which processes hold CUDA state --------------------------------------------------------------
+def nvidia_files(pid: int) -> list[str]:
+    """The ``/dev/nvidia*`` files a process maps or holds open (what CRIU cannot dump)."""
+    found: set[str] = set()
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").split(maxsplit=5)[5:]
+                if path and path[0].startswith("/dev/nvidia"):
+                    found.add(path[0])
+    except (OSError, IndexError):
+        pass
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/nvidia"):
+                    found.add(target)
+    return sorted(found)
+
+
+def cuda_pids(pids: Sequence[int]) -> list[int]:
+    """Those of ``pids`` that hold ``/dev/nvidia*`` open or mapped."""
+    return [p for p in pids if nvidia_files(p)]
+
+
+def ns_pid(pid: int) -> int:
+    """A process's pid inside its innermost PID namespace (the one a restore brings back), from NSpid."""
+    with contextlib.suppress(OSError, ValueError):
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    return pid
+
+
+# -- the sequence ---------------------------------------------------------------------------------
+@dataclass
+class GpuSuspension:
+    """What :func:`suspended` did: per pid, and how long the copy-out and the copy-back took."""
+
+    pids: tuple[int, ...]
+    checkpoint_seconds: float = 0.0
+    resume_seconds: float = 0.0
+    locked: list[int] = field(default_factory=list)
+    checkpointed: list[int] = field(default_factory=list)
+
+
+def _roll_back(driver: CudaDriver, s: GpuSuspension) -> list[str]:
+    """Restore what was checkpointed, unlock what was locked, newest first; the problems, if any."""
+    problems, stuck = [], set()
+    for pid in reversed(s.checkpointed):
+        try:
+            driver.restore(pid)
+        except GpuCheckpointFailed as e:
+            problems.append(str(e))
+            stuck.add(pid)  # still checkpointed: the driver refuses to unlock it, so do not ask
+    s.checkpointed.clear()
+    for pid in reversed(s.locked):
+        if pid in stuck:
+            continue
+        try:
+            driver.unlock(pid)
+        except GpuCheckpointFailed as e:
+            problems.append(str(e))
+    s.locked.clear()
+    return problems
+
+
+@contextlib.contextmanager
+def suspended(driver: CudaDriver, pids: Sequence[int], *, lock_timeout_ms: int,
+              resume: bool = True) -> Iterator[GpuSuspension]:
+    """Lock and checkpoint every CUDA process of a tree, for a dump; restore and unlock them afterwards.
+
+    Every process is locked before any is checkpointed (a process sharing work with another must not
+    run on while its peer is copied out). Before yielding, no ``/dev/nvidia*`` mapping may remain.
+    Any failure, here or in the body, rolls back what was done and raises GpuCheckpointFailed with
+    one line. ``resume=False``: a body that succeeds ended the processes (a final dump): nothing to put back.
+    """
+    s = GpuSuspension(tuple(pids))
+    t0 = time.monotonic()
+    try:
+        for pid in s.pids:
+            driver.lock(pid, lock_timeout_ms)
+            s.locked.append(pid)
+        for pid in s.pids:
+            driver.checkpoint(pid)
+            s.checkpointed.append(pid)
+        left = {pid: nvidia_files(pid) for pid in s.pids}
+        left = {pid: files for pid, files in left.items() if files}
+        if left:
+            pid, files = next(iter(left.items()))
+            raise GpuCheckpointFailed(f"pid {pid} still maps {', '.join(files)} after its CUDA checkpoint "
+                                      "(UVM/managed or IPC memory cannot be checkpointed by the driver)")
+    except GpuCheckpointFailed as e:
+        problems = _roll_back(driver, s)
+        raise GpuCheckpointFailed(_rolled_back(str(e), problems)) from None
+    s.checkpoint_seconds = time.monotonic() - t0
+    try:
+        yield s
+    except BaseException as e:
+        problems = _roll_back(driver, s)  # the dump failed: its processes are still there, even for a final one
+        if problems:
+            log.error("GPU state not put back after a failed dump: %s", "; ".join(problems))
+        raise e
+    if resume:
+        t1 = time.monotonic()
+        problems = _roll_back(driver, s)
+        s.resume_seconds = time.monotonic() - t1
+        if problems:
+            raise GpuCheckpointFailed(f"the dump succeeded, but putting GPU state back failed: {'; '.join(problems)}")
+
+
+def _rolled_back(why: str, problems: list[str]) -> str:
+    if problems:
+        return f"{why}; rolling back also failed ({'; '.join(problems)}): the workload may be stuck"
+    return f"{why}; every process was put back as it was and runs on"
+
+
+def resume_restored(driver: CudaDriver, pids: Sequence[int]) -> float:
+    """After ``criu restore``: put each process's GPU state back and unlock it; the seconds it took."""
+    t0 = time.monotonic()
+    for pid in pids:
+        driver.restore(pid)
+        driver.unlock(pid)
+    return time.monotonic() - t0

@@ -1,0 +1,121 @@
+"""GPU state in a managed run: when a tree holding CUDA state may be checkpointed or restored here.
+
+The ``gpu`` setting decides (docs/gpu.md):
+
+- ``auto``: a tree that holds ``/dev/nvidia*`` is checkpointed through the driver's checkpoint API
+  (engine/cuda.py) when this node has it; when it does not, its heartbeats are skipped, said once,
+  and the workload keeps running.
+- ``require``: the run refuses to start where GPU state cannot be checkpointed (exit 2).
+- ``off``: the GPU is never touched; a tree holding CUDA state is not checkpointed, said once.
+
+A checkpoint holding GPU state is restored only where the driver has the API and the node's GPU
+models are the ones it was taken on, in the same number; otherwise it is refused like a corrupt one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+from collections.abc import Callable, Iterator, Sequence
+
+from ..config import Settings
+from ..engine import cuda
+from ..engine.procfs import tree_pids
+from ..errors import ConfigError, GpuCheckpointFailed, GpuUnavailable, RestoreFailed
+from ..format.manifest import GpuProcess, GpuState, Manifest
+from .estimate import Estimate
+from .workload import Workload
+
+__all__ = ["GpuGate"]
+
+log = logging.getLogger(__name__)
+
+
+class GpuGate:
+    """The ``gpu`` setting applied to one run. ``load`` gives the driver (a stand-in in tests)."""
+
+    def __init__(self, settings: Settings, load: Callable[[], cuda.CudaDriver] = cuda.load_driver,
+                 inventory: Callable[[], cuda.GpuInventory] = cuda.gpu_inventory) -> None:
+        self.mode = settings.gpu
+        self.lock_timeout_ms = int(settings.gpu_lock_timeout_seconds * 1000)
+        self._load, self._inventory = load, inventory
+        self._said: set[str] = set()
+
+    def driver(self) -> cuda.CudaDriver:
+        return self._load()
+
+    def require(self) -> None:
+        """``gpu = require``: a node that cannot checkpoint GPU state is a configuration error (exit 2)."""
+        if self.mode != "require":
+            return
+        try:
+            self._load()
+        except GpuUnavailable as e:
+            raise ConfigError(f"gpu = require, but this node cannot checkpoint GPU state: {e}") from None
+
+    # -- checkpoint ---------------------------------------------------------------------------
+    def dump_refusal(self, pids: Sequence[int]) -> tuple[list[int], str | None]:
+        """The tree's CUDA processes, and why it must not be dumped now (None: go ahead)."""
+        holding = cuda.cuda_pids(pids)
+        if not holding:
+            return [], None
+        what = f"the tree holds CUDA state (pid {holding[0]}: {', '.join(cuda.nvidia_files(holding[0]))})"
+        if self.mode == "off":
+            return holding, f"{what} and gpu = off, so it is not checkpointed"
+        try:
+            self._load()
+        except GpuUnavailable as e:
+            return holding, f"{what}, but {e}"
+        return holding, None
+
+    def say_once(self, why: str) -> None:
+        (log.debug if why in self._said else log.warning)("%s", why)
+        self._said.add(why)
+
+    @contextlib.contextmanager
+    def suspended(self, holding: Sequence[int], *, leave_running: bool) -> Iterator[cuda.GpuSuspension | None]:
+        if not holding:
+            yield None
+            return
+        with cuda.suspended(self._load(), holding, lock_timeout_ms=self.lock_timeout_ms, resume=leave_running) as s:
+            yield s
+
+    def state(self, s: cuda.GpuSuspension, estimate: Estimate) -> GpuState:
+        inv, used = self._inventory(), dict(estimate.gpu_by_pid)
+        return GpuState(driver_version=inv.driver_version, cuda_api_version=self._load().version(), gpus=inv.models,
+                        processes=tuple(GpuProcess(ns_pid=cuda.ns_pid(p), memory_bytes=used.get(p, 0)) for p in s.pids),
+                        checkpoint_seconds=round(s.checkpoint_seconds, 6), resume_seconds=round(s.resume_seconds, 6))
+
+    # -- restore ------------------------------------------------------------------------------
+    def restore_refusal(self, m: Manifest) -> str | None:
+        if m.gpu is None:
+            return None
+        held = f"seq {m.seq} holds GPU state ({len(m.gpu.gpus)} x {', '.join(sorted(set(m.gpu.gpus))) or '?'})"
+        if self.mode == "off":
+            return f"{held} and gpu = off on this node"
+        try:
+            self._load()
+        except GpuUnavailable as e:
+            return f"{held}, but {e}"
+        here = self._inventory().models
+        if sorted(here) != sorted(m.gpu.gpus):
+            return (f"{held}; this node has {len(here)} x {', '.join(sorted(set(here))) or 'none'}: the driver restores "
+                    "GPU state only onto the same GPU models, in the same number")
+        return None
+
+    def resume(self, workload: Workload, m: Manifest) -> float:
+        """After ``criu restore``: copy each process's GPU state back and unlock it. On failure the
+        restored tree is killed (never left half-restored) and the checkpoint is refused."""
+        if m.gpu is None:
+            return 0.0
+        by_ns = {cuda.ns_pid(p): p for p in tree_pids(workload.pid)}
+        try:
+            missing = [g.ns_pid for g in m.gpu.processes if g.ns_pid not in by_ns]
+            if missing:
+                raise GpuCheckpointFailed(f"the restored tree has no process {missing[0]} (in its namespace)")
+            return cuda.resume_restored(self._load(), [by_ns[g.ns_pid] for g in m.gpu.processes])
+        except (GpuCheckpointFailed, GpuUnavailable) as e:
+            workload.stop(0, signal.SIGKILL)
+            raise RestoreFailed(f"checkpoint {m.checkpoint_id} seq={m.seq}: GPU state could not be put back ({e}); "
+                                "the restored tree was killed") from None
