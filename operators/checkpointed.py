@@ -22,10 +22,10 @@ from cedana_airflow.airflow.logsink import LogSink
 from cedana_airflow.airflow.store import task_store, with_signing_key
 from cedana_airflow.airflow.task_state import STATE_KEY, TaskState
 from cedana_airflow.config import Settings
+from cedana_airflow.engine.cuda import load_driver
 from cedana_airflow.errors import CedanaError, CheckpointIdError, ConfigError, GpuUnavailable
 from cedana_airflow.format.selection import AgeLimit
 from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
-from cedana_airflow.node.gpu import read_gpus
 from cedana_airflow.run.environment import workload_env
 from cedana_airflow.run.restore_gap import judge_restore_gap
 from cedana_airflow.run.runner import RunResult, run_workload
@@ -312,8 +312,10 @@ def _argv(command: str | Sequence[str] | None) -> list[str]:
 
 
 def _has_nvidia() -> bool:
+    """Whether this node can hold a GPU task's state: the driver's checkpoint API (engine/cuda.py), the
+    same detection as ``gpu = require`` and GpuSensor(require_checkpoint_api=True)."""
     try:
-        read_gpus()
+        load_driver()
         return True
     except GpuUnavailable:
         return False

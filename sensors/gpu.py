@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseSensorOperator
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
+from cedana_airflow.engine.cuda import load_driver
 from cedana_airflow.errors import GpuUnavailable
 from cedana_airflow.node.gpu import read_gpus, unmet_conditions
 
@@ -26,14 +27,19 @@ class GpuSensor(BaseSensorOperator):
     :param xid_listen_seconds: how long each poke listens for Xid errors (NVML only reports an Xid to
         a listener registered when it happens). An Xid fails the sensor: the node needs attention,
         and waiting will not fix it.
-    With no NVIDIA driver on the worker the sensor fails with one line, or skips when ``soft_fail``.
+    :param require_checkpoint_api: also require that this node can checkpoint GPU state (the driver's
+        checkpoint API, the same detection as ``gpu = require`` and the opt-in rule ``gpu_needs_nvidia``).
+    With no NVIDIA driver on the worker (or, with ``require_checkpoint_api``, no checkpoint API) the
+    sensor fails with one line, or skips when ``soft_fail``.
     """
 
     template_fields: Sequence[str] = ("gpu_indices",)
 
     def __init__(self, *, min_free_memory_bytes: int | None = None, max_utilization_percent: int | None = None,
-                 gpu_indices: list[int] | None = None, xid_listen_seconds: float = 1.0, **kwargs: Any) -> None:
+                 gpu_indices: list[int] | None = None, xid_listen_seconds: float = 1.0,
+                 require_checkpoint_api: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.require_checkpoint_api = require_checkpoint_api
         self.min_free_memory_bytes = min_free_memory_bytes
         self.max_utilization_percent = max_utilization_percent
         self.gpu_indices = gpu_indices
@@ -41,6 +47,8 @@ class GpuSensor(BaseSensorOperator):
 
     def poke(self, context: Context) -> bool:
         try:
+            if self.require_checkpoint_api:
+                load_driver()
             report = read_gpus(self.gpu_indices, self.xid_listen_seconds)
         except GpuUnavailable as e:
             if self.soft_fail:

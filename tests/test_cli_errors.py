@@ -80,6 +80,12 @@ def test_doctor_passes_here_and_fails_with_a_fix_without_criu(tmp_path):
     checks = {c["name"]: c for c in json.loads(bad.stdout)}
     assert checks["criu"]["status"] == "fail" and "make setup" in checks["criu"]["fix"]
     assert checks["store"]["status"] == "ok"
+    gpu = checks["gpu"]  # no NVIDIA driver on this machine: said, not a failure unless gpu = require
+    assert gpu["status"] == "skip" and gpu["gpu"]["checkpoint_api"] is False and gpu["gpu"]["libcuda"] is False
+    assert gpu["gpu"]["problem"].startswith("no NVIDIA driver on this node") and gpu["gpu"]["gpus"] == []
+    assert "gpu" not in checks["criu"]  # the object belongs to the gpu check only
+    req = cli("doctor", "--json", env=cli_env(tmp_path, "n", "w", CEDANA_GPU="require"))
+    assert req.returncode == 1 and {c["name"]: c for c in json.loads(req.stdout)}["gpu"]["status"] == "fail"
 
 
 def test_run_returns_the_workloads_own_exit_code(tmp_path):

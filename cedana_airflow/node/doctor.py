@@ -7,10 +7,12 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..config import Settings
+from ..engine import cuda
 from ..engine.criu import CriuEngine, find_criu
-from ..errors import CedanaError
+from ..errors import CedanaError, GpuUnavailable
 from ..store import open_store
 
 __all__ = ["Check", "run_checks"]
@@ -22,6 +24,7 @@ class Check:
     status: str  # "ok", "fail" (checkpointing cannot work), "warn", "skip"
     detail: str
     fix: str = ""
+    gpu: dict[str, Any] | None = None  # the "gpu" check only: what --json shows of the node's GPU state support
 
     @property
     def blocking(self) -> bool:
@@ -85,9 +88,55 @@ def _gpu() -> list[Check]:
         pynvml.nvmlShutdown()
     out = [Check("nvidia", "ok", f"driver {driver}, {n} GPU(s): {', '.join(map(str, names))}")]
     cc = shutil.which("cuda-checkpoint")
-    out.append(Check("cuda-checkpoint", "ok" if cc else "warn", cc or "not on PATH",
-                     "" if cc else "install NVIDIA's cuda-checkpoint (driver >= 550) to checkpoint GPU state"))
+    out.append(Check("cuda-checkpoint", "ok" if cc else "skip", cc or "not on PATH: not needed, the driver's "
+                     "checkpoint API is called directly (see the gpu check)"))
     return out
+
+
+def _persistence_modes() -> list[bool] | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        return [bool(pynvml.nvmlDeviceGetPersistenceMode(pynvml.nvmlDeviceGetHandleByIndex(i)))
+                for i in range(pynvml.nvmlDeviceGetCount())]
+    except Exception:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _gpu_state(settings: Settings) -> Check:
+    """Can this node checkpoint GPU state (engine/cuda.py)? With the facts --json carries as ``gpu``."""
+    inv = cuda.gpu_inventory()
+    info: dict[str, Any] = {"mode": settings.gpu, "driver_version": inv.driver_version or None,
+                            "gpus": list(inv.models), "libcuda": False, "cuda_api_version": None,
+                            "checkpoint_api": False, "persistence_mode": _persistence_modes(), "warnings": [],
+                            "problem": None}
+    try:
+        driver = cuda.load_driver()
+        info.update(libcuda=True, cuda_api_version=driver.version(), checkpoint_api=True)
+    except GpuUnavailable as e:
+        info["problem"] = str(e)
+        info["libcuda"] = "no NVIDIA driver" not in str(e)
+        status = "fail" if settings.gpu == "require" else "skip"
+        return Check("gpu", status, f"GPU state cannot be checkpointed here: {e}",
+                     "run GPU tasks on a node with driver 570 or later" if status == "fail" else "", info)
+    major = int(inv.driver_version.split(".")[0]) if inv.driver_version[:1].isdigit() else 0
+    warnings = info["warnings"]
+    if major and major < 575:
+        warnings.append(f"driver {inv.driver_version}: PyTorch is reported to fail to checkpoint below 575")
+    if major and major < 580:
+        warnings.append(f"driver {inv.driver_version}: restores only onto the same GPU models (580 adds a device map)")
+    if info["persistence_mode"] and not all(info["persistence_mode"]):
+        warnings.append("persistence mode is off on some GPUs: each checkpoint and restore pays the driver's start-up")
+    warnings.append("not supported by the driver: UVM/managed memory, CUDA IPC memory, MIG, MPS, multi-process NCCL")
+    detail = (f"checkpoint API present (CUDA API {info['cuda_api_version']}, driver {inv.driver_version or '?'}, "
+              f"{len(inv.models)} GPU(s))")
+    return Check("gpu", "warn" if len(warnings) > 1 else "ok", detail, "; ".join(warnings[:-1]), info)
 
 
 def run_checks(settings: Settings) -> list[Check]:
@@ -101,4 +150,5 @@ def run_checks(settings: Settings) -> list[Check]:
                             "" if path else "apt-get install util-linux"))
     checks.append(_store(settings))
     checks.extend(_gpu())
+    checks.append(_gpu_state(settings))
     return checks

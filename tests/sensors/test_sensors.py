@@ -110,6 +110,9 @@ def test_gpu_sensor_without_a_driver_fails_with_one_line_or_skips():
         GpuSensor(task_id="g").poke({})
     with pytest.raises(AirflowSkipException, match="no NVIDIA driver"):
         GpuSensor(task_id="g", soft_fail=True).poke({})
+    # the checkpoint API is asked first, with the detection gpu = require uses
+    with pytest.raises(AirflowFailException, match=r"cedana: no NVIDIA driver on this node \(.*\)\. Checkpointing GPU state"):
+        GpuSensor(task_id="g", require_checkpoint_api=True).poke({})
 
 
 class _Device(ctypes.Structure):
