@@ -16,7 +16,7 @@ from typing import Any
 
 from . import __version__
 from .config import Settings, load_settings
-from .errors import CedanaError
+from .errors import CedanaError, ConfigError
 
 __all__ = ["main"]
 
@@ -45,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="never restore a checkpoint older than this; with none left, start fresh")
     run.add_argument("--gpu", choices=("auto", "off", "require"),
                      help="GPU state: auto (default), require (refuse to start where it cannot be checkpointed), off")
+    _airflow_task(run)
     _common(run)
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
 
@@ -57,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="never restore a checkpoint older than this; with none left, exit 1")
     rs.add_argument("--gpu", choices=("auto", "off", "require"),
                     help="GPU state: auto (default), require (refuse to start where it cannot be checkpointed), off")
+    _airflow_task(rs)
     _common(rs)
 
     ls = sub.add_parser("checkpoints", help="list checkpoints (all IDs, or one)")
@@ -94,6 +96,30 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _airflow_task(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("the Airflow task instance this run is (recorded in manifests; the UI filters by it)")
+    g.add_argument("--dag-id")
+    g.add_argument("--task-id")
+    g.add_argument("--run-id")
+    g.add_argument("--map-index", type=int, default=-1)
+
+
+def _task_of(args: argparse.Namespace) -> Any:
+    from pydantic import ValidationError
+
+    from .format.manifest import AirflowTask
+
+    given = [args.dag_id, args.task_id, args.run_id]
+    if not any(given):
+        return None
+    try:
+        return AirflowTask(dag_id=args.dag_id or "", task_id=args.task_id or "", run_id=args.run_id or "",
+                           map_index=args.map_index)
+    except ValidationError:
+        raise ConfigError("--dag-id, --task-id and --run-id go together (and --map-index is -1 or more). "
+                          "Pass all three, or none.") from None
+
+
 def _settings(args: argparse.Namespace) -> Settings:
     return load_settings({
         "store": args.store, "node": args.node, "work_dir": args.work_dir,
@@ -113,13 +139,14 @@ def _cmd_run(args: argparse.Namespace, restore_only: bool) -> int:
             print("usage: cedana-airflow run --id ID [...] -- COMMAND [ARGS...]", file=sys.stderr)
             return 2
     result = run_workload(_settings(args), args.id, command, resume=restore_only or args.resume,
-                          try_number=args.try_number)
+                          try_number=args.try_number, airflow=_task_of(args))
     return result.exit_code
 
 
 def _as_json(x: Any) -> dict[str, Any]:
     return {
         "id": x.checkpoint_id, "skipped_heartbeats": x.skipped_heartbeats, "last_skip": x.last_skip, "source": x.source,
+        "airflow": x.airflow.model_dump() if x.airflow else None, "restores": x.restores,
         "checkpoints": [{"seq": r.seq, "try_number": r.try_number, "node": r.node, "created_at": r.created_at.isoformat(),
                          "image_bytes": r.image_bytes, "stored_bytes": r.stored_bytes,
                          "freeze_seconds": round(r.freeze_seconds, 3)} for r in x.checkpoints],

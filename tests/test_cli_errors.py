@@ -97,10 +97,13 @@ def test_run_returns_the_workloads_own_exit_code(tmp_path):
 
 def test_checkpoints_json_lists_the_contract_fields(tmp_path):
     env = cli_env(tmp_path, "node-x", "w", CEDANA_KEEP_CHECKPOINTS="100")
-    r = cli("run", "--id", "listed", "--heartbeat", "0.5", "--", sys.executable, "-c", "import time; time.sleep(2.5)", env=env)
+    r = cli("run", "--id", "listed", "--heartbeat", "0.5", "--dag-id", "d", "--task-id", "t", "--run-id", "manual__1",
+            "--", sys.executable, "-c", "import time; time.sleep(2.5)", env=env)
     assert r.returncode == 0, r.stderr
     listed = json.loads(cli("checkpoints", "--json", env=env).stdout)
     assert [x["id"] for x in listed] == ["listed"] and listed[0]["source"] == "index"
+    assert listed[0]["airflow"] == {"dag_id": "d", "task_id": "t", "run_id": "manual__1", "map_index": -1}
+    assert listed[0]["restores"] == 0
     rows = listed[0]["checkpoints"]
     assert rows and {"seq", "try_number", "node", "created_at", "image_bytes", "stored_bytes", "freeze_seconds"} <= rows[0].keys()
     assert [r["seq"] for r in rows] == list(range(1, len(rows) + 1))
@@ -120,6 +123,10 @@ def test_resume_with_only_corrupt_checkpoints_starts_fresh_and_says_so(tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout == "fresh start\n"
     assert "no checkpoint could be restored checkpoint_id=bad; starting fresh" in r.stderr
+    # the restore history says why this try started fresh, and the listing counts it
+    [hist] = [json.loads(p.read_text()) for p in (tmp_path / "store" / "bad" / "restores").glob("*.json")]
+    assert hist["outcome"] == "fresh" and hist["reason"] == "every checkpoint was refused" and hist["refused"]
+    assert json.loads(cli("checkpoints", "--json", env=env).stdout)[0]["restores"] == 1
     only_restore = cli("restore", "--id", "bad", env=env)
     assert only_restore.returncode == 1
     assert "seq=1: " in only_restore.stderr and "no older checkpoint left" in only_restore.stderr

@@ -25,6 +25,7 @@ from typing import Any, Literal
 from kubernetes.client import models as k8s
 
 from ..config import Settings
+from ..format.manifest import AirflowTask
 from ..ids import validate_checkpoint_id
 from ..scope.optin import DEFAULT_NODE_LABEL, Decision
 
@@ -54,6 +55,7 @@ class Route:
     store_secret: str = ""  # wrap: a Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and more), as files
     try_number: int = 0
     cli: Sequence[str] = ("cedana-airflow",)
+    airflow: AirflowTask | None = None  # wrap: the task instance, recorded in its manifests
 
 
 def uses_gpu(pod: k8s.V1Pod) -> bool:
@@ -103,8 +105,10 @@ def apply_route(pod: k8s.V1Pod, route: Route) -> k8s.V1Pod:
     if not original:
         raise ValueError("the wrap route needs the container's command (cmds/arguments): the image's own "
                          "entrypoint is unknown here. Set cmds= on the operator.")
+    task = (["--dag-id", route.airflow.dag_id, "--task-id", route.airflow.task_id, "--run-id", route.airflow.run_id,
+             "--map-index", str(route.airflow.map_index)] if route.airflow else [])
     main.command = [*route.cli, "run", "--resume", "--id", route.checkpoint_id, "--heartbeat",
-                    str(route.heartbeat_seconds), "--try-number", str(route.try_number), "--", *original]
+                    str(route.heartbeat_seconds), "--try-number", str(route.try_number), *task, "--", *original]
     main.args = None
     if route.store:
         _env(main, "CEDANA_STORE", route.store)

@@ -21,6 +21,7 @@ __all__ = [
     "FileEntry",
     "CapturedFile",
     "ProcessInfo",
+    "AirflowTask",
     "GpuProcess",
     "GpuState",
     "Manifest",
@@ -121,10 +122,20 @@ class GpuState(_Frozen):
     resume_seconds: float = Field(ge=0, default=0.0, description="Copy-back and unlock, after the dump.")
 
 
+class AirflowTask(_Frozen):
+    """Which Airflow task instance wrote a checkpoint: what the UI filters by DAG permission. The try
+    is the manifest's ``try_number``."""
+
+    dag_id: str = Field(min_length=1, max_length=250)
+    task_id: str = Field(min_length=1, max_length=250)
+    run_id: str = Field(min_length=1, max_length=250)
+    map_index: int = Field(ge=-1, default=-1)
+
+
 class Manifest(_Frozen):
     # 1: unsigned. 2: the same fields plus ``signature`` (only signed manifests are written as 2, so
-    # readers that predate signing still read every unsigned one). 3: holds ``gpu`` (CUDA state),
-    # signed or not: readers that predate it skip it, and they could not restore it anyway.
+    # readers that predate signing still read every unsigned one). 3: holds ``gpu`` (CUDA state)
+    # and/or ``airflow`` (the task that wrote it), signed or not: readers that predate it skip it.
     format_version: Literal[1, 2, 3] = MANIFEST_FORMAT_VERSION
     checkpoint_id: str
     seq: int = Field(ge=1, description="1, 2, 3 ... within a checkpoint ID; the newest complete one restores.")
@@ -143,6 +154,7 @@ class Manifest(_Frozen):
     parent_seq: int | None = Field(default=None, description="The checkpoint this one was restored from, if any.")
     signature: Signature | None = Field(default=None, description="Present when the writer had a signing key.")
     gpu: GpuState | None = Field(default=None, description="Present when the tree held CUDA state (version 3).")
+    airflow: AirflowTask | None = Field(default=None, description="Present when an Airflow task wrote it (version 3).")
 
     @field_validator("checkpoint_id")
     @classmethod
@@ -154,22 +166,26 @@ class Manifest(_Frozen):
 
     @model_validator(mode="after")
     def _version_says_what_is_in_it(self) -> Manifest:
-        if (self.format_version == 3) != (self.gpu is not None):
-            raise ValueError("a gpu block goes with format_version 3, and only there")
+        if (self.format_version == 3) != (self.gpu is not None or self.airflow is not None):
+            raise ValueError("a gpu or airflow block goes with format_version 3, and only there")
         if self.format_version == 2 and self.signature is None or self.format_version == 1 and self.signature:
             raise ValueError("a signature goes with format_version 2 (3 with a gpu block), and only there")
         return self
 
     @staticmethod
-    def version_for(*, signed: bool, gpu: bool) -> Literal[1, 2, 3]:
-        return 3 if gpu else 2 if signed else 1
+    def version_for(*, signed: bool, blocks: bool) -> Literal[1, 2, 3]:
+        """The version a manifest is written as: ``blocks`` when it has a gpu or an airflow block."""
+        return 3 if blocks else 2 if signed else 1
+
+    def has_blocks(self) -> bool:
+        return self.gpu is not None or self.airflow is not None
 
     def to_json(self) -> bytes:
         """The stored document: absent blocks have no key at all (version 1 readers forbid unknown fields)."""
         return self.model_dump_json(indent=1, exclude=self.absent_blocks()).encode()
 
     def absent_blocks(self) -> set[str]:
-        return {k for k in ("signature", "gpu") if getattr(self, k) is None}
+        return {k for k in ("signature", "gpu", "airflow") if getattr(self, k) is None}
 
     @model_validator(mode="after")
     def _distinct(self) -> Manifest:

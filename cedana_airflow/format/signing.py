@@ -38,8 +38,8 @@ def _mac(m: Manifest, key: bytes) -> str:
 
 
 def sign(m: Manifest, key: bytes) -> Manifest:
-    """``m`` as a signed manifest (format version 2, or 3 with a gpu block); the version is signed too."""
-    v = m.model_copy(update={"format_version": Manifest.version_for(signed=True, gpu=m.gpu is not None),
+    """``m`` as a signed manifest (format version 2, or 3 with a block); the version is signed too."""
+    v = m.model_copy(update={"format_version": Manifest.version_for(signed=True, blocks=m.has_blocks()),
                              "signature": None})
     return v.model_copy(update={"signature": Signature(key_id=key_id(key), hmac=_mac(v, key))})
 

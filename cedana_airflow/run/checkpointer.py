@@ -23,7 +23,7 @@ from ..config import Settings
 from ..engine.criu import CriuEngine
 from ..errors import CorruptCheckpoint, RestoreFailed
 from ..format.chunking import MAX_CHUNK_FACTOR
-from ..format.manifest import CAPTURED_DIR, Manifest, ProcessInfo
+from ..format.manifest import CAPTURED_DIR, AirflowTask, Manifest, ProcessInfo
 from ..format.selection import AgeLimit, limits_exceeded
 from ..format.signing import signature_problem
 from ..ids import validate_checkpoint_id
@@ -75,7 +75,8 @@ class Checkpointer:
 
     def __init__(self, engine: CriuEngine, store: Store, store_cfg: StoreConfig, checkpoint_id: str,
                  settings: Settings, *, work_dir: Path, try_number: int = 0, on_phase: PhaseHook | None = None,
-                 lease: WriterLease | None = None, gpu: GpuGate | None = None) -> None:
+                 lease: WriterLease | None = None, gpu: GpuGate | None = None,
+                 airflow: AirflowTask | None = None) -> None:
         self.engine, self.store, self.store_cfg = engine, store, store_cfg
         self.checkpoint_id = validate_checkpoint_id(checkpoint_id)
         self.settings = settings
@@ -85,6 +86,7 @@ class Checkpointer:
         self._on_phase = on_phase
         self.lease = lease
         self.gpu = gpu or GpuGate(settings)
+        self.airflow = airflow  # the task instance that owns this ID, written into every manifest
         self._lock = threading.Lock()
         self._count = 0
         self._known: set[str] = set()
@@ -139,6 +141,7 @@ class Checkpointer:
                                         rss_bytes=rss, stdout_pipe=workload.stdout_pipe,
                                         stderr_pipe=workload.stderr_pipe),
                     try_number=self.try_number, freeze_seconds=freeze, parent_seq=self.parent_seq, gpu=gpu,
+                    airflow=self.airflow,
                 )
                 captured = [CapturedSource(p, c, m) for p, c, m in dump.captured]
                 with self._phase("save"):

@@ -30,10 +30,11 @@ from typing import Any, Literal
 from ..config import Settings
 from ..engine.criu import CriuEngine, find_criu
 from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint
-from ..format.manifest import Manifest
+from ..format.manifest import AirflowTask, Manifest
 from ..ids import validate_checkpoint_id
-from ..store import Store, open_store
+from ..store import Store, index, open_store
 from ..store.gc import delete_checkpoint_id
+from ..store.restores import RestoreRecord, record_restore
 from ..store.writer_lease import WriterLease
 from .checkpointer import Checkpointer
 from .environment import workload_env
@@ -85,6 +86,7 @@ def run_workload(
     handle_signals: bool = True,
     stop: threading.Event | None = None,
     store: Store | None = None,
+    airflow: AirflowTask | None = None,
 ) -> RunResult:
     """Run ``command`` managed (or, with ``command=None``, only restore) and return how it ended.
 
@@ -97,6 +99,7 @@ def run_workload(
     (run/environment.py; ``settings.keep_env`` keeps named ones).
     ``stop``: setting it does what SIGTERM does (final checkpoint, then stop), for callers that own
     the signal handlers (Airflow's task runner calls ``on_kill`` from its own SIGTERM handler).
+    ``airflow``: the task instance this run is (written into every manifest and restore record).
     """
     validate_checkpoint_id(checkpoint_id)
     if try_number < 0:
@@ -111,7 +114,7 @@ def run_workload(
     # The lease comes first: a second supervisor of this ID must neither restore nor start anything.
     with lease.held() if lease is not None else contextlib.nullcontext(), _work_dir(settings) as work_dir:
         cp = Checkpointer(engine, store, store_cfg, checkpoint_id, settings, work_dir=work_dir, try_number=try_number,
-                          lease=lease, gpu=gpu)
+                          lease=lease, gpu=gpu, airflow=airflow)
         result = RunResult(exit_code=0, outcome="fresh")
         workload = _resume(cp, result, must_restore=command is None, cwd=cwd, stdout=stdout, stderr=stderr) \
             if resume or command is None else None
@@ -151,6 +154,12 @@ def _resume(cp: Checkpointer, result: RunResult, *, must_restore: bool, cwd: str
     """Restore the newest usable checkpoint into ``result``; None (start fresh) when there is none,
     unless ``must_restore`` (restore without a command), where that is the caller's error."""
     t0, started_at = time.monotonic(), datetime.now(timezone.utc)
+
+    def history(**fields: Any) -> None:  # best effort: what the CLI and the UI show of each resume
+        record_restore(cp.store, RestoreRecord(checkpoint_id=cp.checkpoint_id, try_number=cp.try_number, node=cp.node,
+                                               at=started_at, airflow=cp.airflow, **fields))
+        index.count_restore(cp.store, cp.checkpoint_id)
+
     try:
         restored = cp.restore(stdout, stderr, cwd=cwd)
     except CheckpointNotFound:
@@ -163,11 +172,14 @@ def _resume(cp: Checkpointer, result: RunResult, *, must_restore: bool, cwd: str
             raise
         result.skipped = (str(e),)
         log.warning("no checkpoint could be restored checkpoint_id=%s; starting fresh", cp.checkpoint_id)
+        history(outcome="fresh", reason="every checkpoint was refused", refused=(str(e),))
         return None
     m = restored.manifest
     result.outcome, result.restored_from, result.skipped = "restored", m, restored.skipped
     result.restore_seconds = time.monotonic() - t0
     result.restore_gap_seconds = max(0.0, (started_at - m.created_at).total_seconds())
+    history(outcome="restored", seq=m.seq, from_node=m.node, gap_seconds=round(result.restore_gap_seconds, 3),
+            restore_seconds=round(result.restore_seconds, 3), refused=restored.skipped)
     log.info("restored checkpoint_id=%s seq=%d from_node=%s node=%s gap_seconds=%.1f restore_seconds=%.2f",
              cp.checkpoint_id, m.seq, m.node, cp.node, result.restore_gap_seconds, result.restore_seconds)
     return restored.workload

@@ -18,6 +18,7 @@ from ..ids import validate_checkpoint_id
 from . import index
 from .base import Store, manifest_key
 from .locks import acquire_gc
+from .restores import delete_restores
 from .transfer import load_manifests, load_manifests_of
 
 __all__ = ["GcReport", "prune_checkpoints", "delete_checkpoint_id", "collect_garbage", "DEFAULT_GRACE_SECONDS"]
@@ -47,6 +48,7 @@ def delete_checkpoint_id(store: Store, checkpoint_id: str) -> int:
     seqs = store.list_seqs(checkpoint_id)
     for seq in seqs:
         store.delete(manifest_key(checkpoint_id, seq))
+    delete_restores(store, checkpoint_id)  # its history goes with it: nothing is left to resume
     index.forget(store, checkpoint_id)
     log.info("checkpoints deleted checkpoint_id=%s removed=%d", checkpoint_id, len(seqs))
     return len(seqs)

@@ -21,10 +21,10 @@ from datetime import datetime
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import CedanaError
-from ..format.manifest import Manifest
+from ..format.manifest import AirflowTask, Manifest
 from .base import Store
 
-__all__ = ["IndexEntry", "IndexRow", "SHARDS", "forget", "read_index", "read_entry", "rebuild_index",
+__all__ = ["IndexEntry", "IndexRow", "SHARDS", "count_restore", "forget", "read_index", "read_entry", "rebuild_index",
            "record_checkpoint", "record_skip", "shard_key"]
 
 log = logging.getLogger(__name__)
@@ -58,9 +58,11 @@ class IndexEntry(_Model):
     checkpoints: tuple[IndexRow, ...] = ()
     skipped_heartbeats: int = Field(default=0, ge=0)
     last_skip: str = ""  # the estimate and the threshold of the latest skip
+    airflow: AirflowTask | None = None  # the task whose checkpoints these are (newest manifest's block)
+    restores: int = Field(default=0, ge=0)  # resumes recorded (store/restores.py holds each one)
 
     def empty(self) -> bool:
-        return not self.checkpoints and not self.skipped_heartbeats
+        return not self.checkpoints and not self.skipped_heartbeats and not self.restores
 
 
 class _Shard(_Model):
@@ -116,9 +118,14 @@ def record_checkpoint(store: Store, manifest: Manifest, kept: Sequence[Manifest]
 
     def change(e: IndexEntry) -> IndexEntry:
         merged = rows if kept is not None else {**{r.seq: r for r in e.checkpoints}, **rows}
-        return e.model_copy(update={"checkpoints": tuple(merged[s] for s in sorted(merged))})
+        return e.model_copy(update={"checkpoints": tuple(merged[s] for s in sorted(merged)),
+                                    "airflow": manifest.airflow or e.airflow})
 
     return _update_entry(store, manifest.checkpoint_id, change)
+
+
+def count_restore(store: Store, checkpoint_id: str) -> bool:
+    return _update_entry(store, checkpoint_id, lambda e: e.model_copy(update={"restores": e.restores + 1}))
 
 
 def record_skip(store: Store, checkpoint_id: str, why: str) -> bool:
@@ -147,6 +154,7 @@ def read_index(store: Store) -> dict[str, IndexEntry]:
 def rebuild_index(store: Store, manifests: Mapping[str, Sequence[Manifest]]) -> None:
     """Make every shard agree with the manifests (the truth), keeping the skip counts."""
     by_shard: dict[str, dict[str, tuple[IndexRow, ...]]] = {f"index/{i:x}.json": {} for i in range(SHARDS)}
+    owners = {cid: next((m.airflow for m in ms if m.airflow is not None), None) for cid, ms in manifests.items()}
     for cid, ms in manifests.items():
         by_shard[shard_key(cid)][cid] = tuple(sorted((IndexRow.of(m) for m in ms), key=lambda r: r.seq))
 
@@ -155,7 +163,8 @@ def rebuild_index(store: Store, manifests: Mapping[str, Sequence[Manifest]]) -> 
 
         def apply(ids: dict[str, IndexEntry]) -> None:
             for cid in set(ids) | set(rows):
-                ids[cid] = ids.get(cid, IndexEntry()).model_copy(update={"checkpoints": rows.get(cid, ())})
+                e = ids.get(cid, IndexEntry())
+                ids[cid] = e.model_copy(update={"checkpoints": rows.get(cid, ()), "airflow": owners.get(cid) or e.airflow})
 
         _update(store, key, apply)
 

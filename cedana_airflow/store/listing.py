@@ -12,6 +12,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ..format.manifest import AirflowTask
 from ..ids import validate_checkpoint_id
 from . import index
 from .base import Store
@@ -28,6 +29,8 @@ class IdListing:
     skipped_heartbeats: int = 0
     last_skip: str = ""
     source: str = "manifests"  # or "index"
+    airflow: AirflowTask | None = None  # the task that wrote them, when an operator did
+    restores: int = 0  # resumes recorded in the index
 
 
 def _from_manifests(store: Store, ids: list[str], entries: dict[str, IndexEntry]) -> list[IdListing]:
@@ -36,7 +39,8 @@ def _from_manifests(store: Store, ids: list[str], entries: dict[str, IndexEntry]
     for cid in ids:
         e = entries.get(cid, IndexEntry())
         rows = tuple(sorted((IndexRow.of(m) for m in by_id[cid]), key=lambda r: r.seq))
-        out.append(IdListing(cid, rows, e.skipped_heartbeats, e.last_skip, "manifests"))
+        owner = next((m.airflow for m in by_id[cid] if m.airflow is not None), e.airflow)
+        out.append(IdListing(cid, rows, e.skipped_heartbeats, e.last_skip, "manifests", owner, e.restores))
     return out
 
 
@@ -55,10 +59,10 @@ def list_store(store: Store, checkpoint_id: str | None = None, *, exact: bool = 
         known: list[IdListing] = []
     else:
         unknown = sorted(c for c in present if not entries.get(c, IndexEntry()).checkpoints)
-        known = [IdListing(c, e.checkpoints, e.skipped_heartbeats, e.last_skip, "index")
+        known = [IdListing(c, e.checkpoints, e.skipped_heartbeats, e.last_skip, "index", e.airflow, e.restores)
                  for c, e in entries.items() if c in present and e.checkpoints]
     # IDs with skips but no checkpoint have no folder: the index is the only place that knows them.
-    skipped_only = [IdListing(c, (), e.skipped_heartbeats, e.last_skip, "index")
+    skipped_only = [IdListing(c, (), e.skipped_heartbeats, e.last_skip, "index", e.airflow, e.restores)
                     for c, e in entries.items() if c not in present and e.skipped_heartbeats]
     listed = known + skipped_only + [x for x in _from_manifests(store, unknown, entries) if x.checkpoints or x.skipped_heartbeats]
     return sorted(listed, key=lambda x: x.checkpoint_id)

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from ..config import default
 from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..format import chunking
-from ..format.manifest import CAPTURED_DIR, CapturedFile, ChunkRef, FileEntry, GpuState, Manifest, ProcessInfo
+from ..format.manifest import CAPTURED_DIR, AirflowTask, CapturedFile, ChunkRef, FileEntry, GpuState, Manifest, ProcessInfo
 from ..format.selection import restore_order
 from ..format.signing import sign
 from ..ids import validate_checkpoint_id
@@ -57,6 +57,7 @@ class CheckpointMeta:
     freeze_seconds: float = 0.0
     parent_seq: int | None = None
     gpu: GpuState | None = None  # CUDA state the driver moved into the images (engine/cuda.py)
+    airflow: AirflowTask | None = None  # the task instance that wrote it (the UI's permission filter)
 
 
 @dataclass
@@ -160,8 +161,9 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path,
     seq = (seqs[-1] if seqs else 0) + 1
     while True:
         manifest = Manifest(
-            format_version=Manifest.version_for(signed=False, gpu=meta.gpu is not None),
+            format_version=Manifest.version_for(signed=False, blocks=meta.gpu is not None or meta.airflow is not None),
             gpu=meta.gpu,
+            airflow=meta.airflow,
             checkpoint_id=meta.checkpoint_id,
             seq=seq,
             try_number=meta.try_number,

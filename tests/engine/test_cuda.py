@@ -174,5 +174,5 @@ def test_a_gpu_manifest_is_version_3_signed_or_not_and_its_gpu_block_is_signed()
     assert signed.format_version == 3 and signature_problem(signed, b"k" * 32) is None
     forged = signed.model_copy(update={"gpu": signed.gpu.model_copy(update={"gpus": ("NVIDIA H100",)})})
     assert "changed after it was signed" in signature_problem(forged, b"k" * 32)
-    with pytest.raises(ValueError, match="gpu block goes with format_version 3"):
+    with pytest.raises(ValueError, match="gpu or airflow block goes with format_version 3"):
         Manifest.model_validate({**m.model_dump(mode="json"), "format_version": 1})

@@ -78,8 +78,23 @@ def test_dags_test_try_2_resumes_from_try_1s_signed_checkpoint(tmp_path, airflow
     text = run_dag_killing_try_1(env, tmp_path, file_manifest(tmp_path / "store", "cedana_e2e.train."))
     assert_resumed(text)
     signed = [json.loads(p.read_text()) for p in (tmp_path / "store").glob("cedana_e2e.train.*/*/manifest.json")]
-    assert signed and all(m["format_version"] == 2 and m["signature"]["key_id"] for m in signed)
+    # version 3: signed, and carrying the task that wrote it (signed with the rest)
+    assert signed and all(m["format_version"] == 3 and m["signature"]["key_id"] for m in signed)
+    assert {(m["airflow"]["dag_id"], m["airflow"]["task_id"], m["airflow"]["map_index"]) for m in signed} == {
+        ("cedana_e2e", "train", -1)}
     assert key not in text
+    # the retry's resume is in the store's restore history, and the listing knows the ID's task
+    from cedana_airflow.config import load_settings
+    from cedana_airflow.store import open_store
+    from cedana_airflow.store.listing import list_store
+    from cedana_airflow.store.restores import list_restores
+
+    store = open_store(f"file://{tmp_path / 'store'}", load_settings(environ={}))
+    [listed] = list_store(store)
+    assert listed.airflow is not None and listed.airflow.dag_id == "cedana_e2e" and listed.restores == 1
+    [rec] = list_restores(store, listed.checkpoint_id)
+    assert (rec.outcome, rec.try_number, rec.seq, rec.airflow.task_id) == ("restored", 2, 1, "train")
+    assert rec.from_node == rec.node and rec.restore_seconds > 0
 
 
 def test_dags_test_resumes_through_an_airflow_connection_to_s3(tmp_path, airflow_db, bucket, s3_env):

@@ -41,6 +41,10 @@ def test_numpy_workload_survives_node_loss_and_resumes_on_another_node(tmp_path)
     assert out[-1] == uninterrupted_digest(*args)
     assert "from_node=node-a node=node-b" in r.stderr
     assert all(m["node"] == "node-a" for m in ms)
+    [hist] = [json.loads(p.read_text()) for p in (tmp_path / "store" / "train-1" / "restores").glob("*.json")]
+    assert (hist["outcome"], hist["from_node"], hist["node"]) == ("restored", "node-a", "node-b")
+    assert hist["seq"] == max(m["seq"] for m in manifests(tmp_path / "store", "train-1"))  # the latest one
+    assert hist["gap_seconds"] > 0 and hist["airflow"] is None
 
 
 def test_threads_child_process_and_appended_file_are_restored(tmp_path):

@@ -169,6 +169,7 @@ def test_wrap_route_end_to_end_the_pods_command_checkpoints_to_s3_and_the_retry_
         time.sleep(0.2)
     manifest = json.loads(s3.get_object(Bucket=bucket, Key=sorted(keys)[0])["Body"].read())
     kill_node(proc, manifest["process"]["pid"])  # the node goes away with the pod
+    assert (manifest["format_version"], manifest["airflow"]["dag_id"], manifest["airflow"]["task_id"]) == (3, "train_llm", "finetune")
     store = open_store(f"s3://{bucket}/k8s", load_settings(environ={}))
     fetch_checkpoint(store, Manifest.model_validate(manifest), tmp_path / "images")  # every chunk, decoded
     images = b"".join(p.read_bytes() for p in sorted((tmp_path / "images").rglob("*")) if p.is_file())

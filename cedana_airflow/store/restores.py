@@ -1,0 +1,79 @@
+"""Restore history: one small record per resume, so the CLI and the UI can say what each try restored.
+
+A record is written create-only after each resume attempt, under its checkpoint ID::
+
+    <checkpoint id>/restores/<UTC time>-<try>-<random>.json
+    {"checkpoint_id": ..., "outcome": "restored", "seq": 7, "try_number": 2, "from_node": "gpu-3",
+     "node": "gpu-9", "at": "...", "gap_seconds": 41.0, "restore_seconds": 3.2, "refused": [...]}
+
+``outcome`` is ``restored`` or ``fresh`` (with ``reason``: nothing to resume, every checkpoint
+refused). Readers of checkpoints never look here: a record is history, not state. Best effort, like
+the listing index: a record that cannot be written is logged and never fails the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import CedanaError
+from ..format.manifest import AirflowTask
+from ..ids import validate_checkpoint_id
+from .base import Store
+
+__all__ = ["RestoreRecord", "delete_restores", "list_restores", "record_restore"]
+
+log = logging.getLogger(__name__)
+
+
+class RestoreRecord(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    checkpoint_id: str
+    outcome: Literal["restored", "fresh"]
+    reason: str = ""  # fresh: why nothing was restored
+    seq: int | None = None
+    try_number: int = Field(ge=0, default=0)  # the try that resumed
+    from_node: str = ""  # where the restored checkpoint was taken
+    node: str = ""  # where it was restored
+    at: datetime
+    gap_seconds: float = 0.0
+    restore_seconds: float = 0.0
+    refused: tuple[str, ...] = ()  # newer checkpoints refused on the way, newest first
+    airflow: AirflowTask | None = None
+
+
+def _prefix(checkpoint_id: str) -> str:
+    return f"{validate_checkpoint_id(checkpoint_id)}/restores/"
+
+
+def record_restore(store: Store, rec: RestoreRecord) -> None:
+    key = f"{_prefix(rec.checkpoint_id)}{rec.at.strftime('%Y%m%dT%H%M%S.%fZ')}-{rec.try_number}-{uuid.uuid4().hex[:8]}.json"
+    try:
+        store.put_if_absent(key, rec.model_dump_json().encode())
+    except CedanaError as e:
+        log.warning("restore history not written checkpoint_id=%s: %s", rec.checkpoint_id, e)
+
+
+def list_restores(store: Store, checkpoint_id: str) -> list[RestoreRecord]:
+    """Every readable record of an ID, oldest first (a damaged one is skipped with a warning)."""
+    out = []
+    for obj in store.list_objects(_prefix(checkpoint_id)):
+        if not obj.key.endswith(".json") or obj.key.rsplit("/", 1)[-1].startswith("."):
+            continue
+        try:
+            out.append(RestoreRecord.model_validate_json(store.get(obj.key) or b""))
+        except (ValidationError, ValueError):
+            log.warning("restore record unreadable: %s", obj.key)
+    return sorted(out, key=lambda r: r.at)
+
+
+def delete_restores(store: Store, checkpoint_id: str) -> int:
+    keys = [o.key for o in store.list_objects(_prefix(checkpoint_id))]
+    for k in keys:
+        store.delete(k)
+    return len(keys)
