@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from ..format.manifest import AirflowTask
 from ..ids import validate_checkpoint_id
@@ -19,7 +20,7 @@ from .base import Store
 from .index import IndexEntry, IndexRow
 from .transfer import load_manifests_of
 
-__all__ = ["IdListing", "list_store"]
+__all__ = ["IdListing", "as_json", "list_store"]
 
 
 @dataclass(frozen=True)
@@ -66,3 +67,14 @@ def list_store(store: Store, checkpoint_id: str | None = None, *, exact: bool = 
                     for c, e in entries.items() if c not in present and e.skipped_heartbeats]
     listed = known + skipped_only + [x for x in _from_manifests(store, unknown, entries) if x.checkpoints or x.skipped_heartbeats]
     return sorted(listed, key=lambda x: x.checkpoint_id)
+
+
+def as_json(x: IdListing) -> dict[str, Any]:
+    """One ID as ``cedana-airflow checkpoints --json`` prints it, and the UI's JSON API serves it."""
+    return {
+        "id": x.checkpoint_id, "skipped_heartbeats": x.skipped_heartbeats, "last_skip": x.last_skip, "source": x.source,
+        "airflow": x.airflow.model_dump() if x.airflow else None, "restores": x.restores,
+        "checkpoints": [{"seq": r.seq, "try_number": r.try_number, "node": r.node, "created_at": r.created_at.isoformat(),
+                         "image_bytes": r.image_bytes, "stored_bytes": r.stored_bytes,
+                         "freeze_seconds": round(r.freeze_seconds, 3)} for r in x.checkpoints],
+    }

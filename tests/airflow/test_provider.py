@@ -30,7 +30,12 @@ def _airflow(*args: str, tmp_path) -> str:
 
 def test_airflow_lists_the_provider_the_plugin_and_the_config_section(tmp_path):
     assert "cedana-airflow" in _airflow("providers", "list", tmp_path=tmp_path)
-    assert "cedana_airflow.airflow.plugin:CedanaPlugin" in _airflow("plugins", tmp_path=tmp_path).replace("\n", "").replace(" ", "").replace("|", "")
+    import json
+
+    [plugin] = [p for p in json.loads(_airflow("plugins", "--output", "json", tmp_path=tmp_path)) if p["name"] == "cedana"]
+    assert "cedana_airflow.airflow.plugin:CedanaPlugin" in plugin["source"]
+    assert [a["url_prefix"] for a in plugin["fastapi_apps"]] == ["/cedana"]
+    assert {v["destination"] for v in plugin["external_views"]} == {"nav", "task_instance"}
     section = _airflow("config", "list", "--section", "cedana", tmp_path=tmp_path)
     assert "[cedana]" in section and "# same_node_retry =" in section and "# store =" in section
     assert _airflow("config", "get-value", "cedana", "same_node_retry", tmp_path=tmp_path).strip() == "allow"
