@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup criu demo test test-unit bench clean
+.PHONY: setup criu browser demo test test-unit bench clean
 
 setup: $(STAMP) criu
 
@@ -16,10 +16,14 @@ $(STAMP): pyproject.toml
 criu:
 	bash scripts/install-criu.sh
 
+# The UI tests drive Debian's Chromium with Playwright (a browser download is not possible here).
+browser:
+	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; }
+
 demo: setup
 	$(BIN)/python scripts/demo.py
 
-test: setup
+test: setup browser
 	$(BIN)/python -m pytest
 
 test-unit: setup

@@ -182,19 +182,24 @@ def page_id(checkpoint_id: str, user: User) -> HTMLResponse:
 
 @app.get("/ti", response_class=HTMLResponse)
 def page_task_instance(request: Request, user: User, dag_id: str, run_id: str, task_id: str,
-                       map_index: int = -1) -> HTMLResponse:
+                       map_index: str = "-1") -> HTMLResponse:
     if not _allowed(user, dag_id):
         raise HTTPException(403, f"you may not read DAG {dag_id!r}")
+    # Airflow's UI puts the run ID into the tab's href as it is, so the '+' of '+00:00' arrives as a
+    # space; run IDs never hold spaces (allowed_run_id_pattern), so this undoes exactly that.
+    run_id = run_id.replace(" ", "+")
+    # An unmapped task's page leaves the {MAP_INDEX} token unreplaced (seen with Airflow 3.3): not mapped.
+    index = int(map_index) if map_index.lstrip("-").isdigit() else -1
     try:
         store = _store()
-        default = derive_checkpoint_id(dag_id, task_id, run_id, map_index=map_index)
+        default = derive_checkpoint_id(dag_id, task_id, run_id, map_index=index)
         mine = [x for x in _listing(store) if x.checkpoint_id == default or (
             x.airflow is not None and (x.airflow.dag_id, x.airflow.task_id, x.airflow.run_id, x.airflow.map_index)
-            == (dag_id, task_id, run_id, map_index))]
+            == (dag_id, task_id, run_id, index))]
         details = [id_detail(store, x) for x in mine]
     except CedanaError as e:
         return HTMLResponse(html.problem(_store_problem(e)), status_code=503)
-    return HTMLResponse(html.task_instance_page(dag_id, run_id, task_id, map_index, default, details))
+    return HTMLResponse(html.task_instance_page(dag_id, run_id, task_id, index, default, details))
 
 
 @app.exception_handler(HTTPException)

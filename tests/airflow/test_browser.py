@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
+from urllib.parse import quote, urlencode
 
 import pytest
 
@@ -34,15 +35,16 @@ from conftest import AIRFLOW, REPO, _free_port, cli, cli_env
 pytestmark = pytest.mark.integration
 
 PROC = ProcessInfo(pid=42, command=("python", "train.py"), cwd="/", stdout_pipe="pipe:[1]", stderr_pipe="pipe:[2]")
-A_ID = derive_checkpoint_id("dag_a", "train", "manual__1")
 B_ID = derive_checkpoint_id("dag_b", "fit", "manual__2")
 USERS = {"admin": "admin", "alice@dag_a": "viewer", "bob": "viewer"}
+A_ID = ""  # dag_a's checkpoint ID: its run ID comes from a real run (set by the server fixture)
+A_RUN = ""
 
 
 def _fill(store_dir: Path, tmp: Path) -> None:
     s = open_store(f"file://{store_dir}", load_settings(environ={}))
     cfg = s.open(create=True, chunk_avg_bytes=64 << 10)
-    owners = {A_ID: AirflowTask(dag_id="dag_a", task_id="train", run_id="manual__1"),
+    owners = {A_ID: AirflowTask(dag_id="dag_a", task_id="train", run_id=A_RUN),
               B_ID: AirflowTask(dag_id="dag_b", task_id="fit", run_id="manual__2"), "cli-job": None}
     for cid, owner in owners.items():
         for n in range(2):
@@ -63,12 +65,22 @@ def server(tmp_path_factory, airflow_db):
     home = tmp / "airflow"
     home.mkdir()
     (home / "airflow.db").write_bytes(airflow_db.read_bytes())
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CEDANA_", "AIRFLOW", "AWS_"))}
+    env.update(AIRFLOW_HOME=str(home), AIRFLOW__CORE__LOAD_EXAMPLES="False",
+               AIRFLOW__CORE__DAGS_FOLDER=str(REPO / "tests" / "dags_browser"))
+    # one real run of dag_a: a task instance page in Airflow's UI for the Checkpoints tab
+    subprocess.run([*AIRFLOW, "dags", "test", "dag_a"], env=env, check=True, capture_output=True, timeout=180)
+    import sqlite3
+
+    global A_ID, A_RUN
+    with contextlib.closing(sqlite3.connect(home / "airflow.db")) as db:
+        [(A_RUN,)] = db.execute("select run_id from dag_run where dag_id = 'dag_a'").fetchall()
+    A_ID = derive_checkpoint_id("dag_a", "train", A_RUN)
     _fill(tmp / "store", tmp)
     passwords = tmp / "passwords.json"
     passwords.write_text(json.dumps({u: f"pw-{i}" for i, u in enumerate(USERS)}))
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CEDANA_", "AIRFLOW", "AWS_"))}
-    env.update(AIRFLOW_HOME=str(home), AIRFLOW__CORE__LOAD_EXAMPLES="False", AIRFLOW__API__PORT=str(port),
+    env.update(AIRFLOW__API__PORT=str(port),
                AIRFLOW__CORE__AUTH_MANAGER="stand_in_auth.DagScopedAuthManager",
                AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS=",".join(f"{u}:{r}" for u, r in USERS.items()),
                AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE=str(passwords),
@@ -114,7 +126,7 @@ def test_every_route_needs_a_login(server):
     base, _, _ = server
     for method, path in (("GET", "/cedana/api/v1/checkpoints"), ("GET", f"/cedana/api/v1/checkpoints/{A_ID}"),
                          ("DELETE", f"/cedana/api/v1/checkpoints/{A_ID}"), ("GET", "/cedana/"),
-                         ("GET", f"/cedana/ids/{A_ID}"), ("GET", "/cedana/ti?dag_id=dag_a&run_id=manual__1&task_id=train")):
+                         ("GET", f"/cedana/ids/{A_ID}"), ("GET", "/cedana/ti?dag_id=dag_a&run_id=x&task_id=train")):
         status, _ = _call(base, method, path)
         assert status == 401, (method, path, status)
     status, _ = _call(base, "GET", "/cedana/api/v1/checkpoints", token="not-a-jwt")
@@ -148,7 +160,8 @@ def test_pages_render_the_fleet_an_id_and_a_task_instance_tab(server):
     assert status == 200 and A_ID in page and B_ID not in page and "1</b> checkpoint IDs" in page
     status, page = _call(base, "GET", f"/cedana/ids/{A_ID}", tokens["admin"])
     assert status == 200 and "node-0" in page and "Restores" in page and "4.2 s" in page and "<svg" in page
-    status, tab = _call(base, "GET", "/cedana/ti?dag_id=dag_a&run_id=manual__1&task_id=train&map_index=-1", tokens["admin"])
+    status, tab = _call(base, "GET", f"/cedana/ti?{urlencode({'dag_id': 'dag_a', 'run_id': A_RUN, 'task_id': 'train'})}"
+                                     "&map_index=-1", tokens["admin"])
     assert status == 200 and "try 1: seq 1" in tab and "try 2: seq 2" in tab and "restored" in tab
     status, empty = _call(base, "GET", "/cedana/ti?dag_id=dag_a&run_id=manual__9&task_id=other", tokens["admin"])
     assert status == 200 and "has no checkpoints in the store" in empty
@@ -194,3 +207,45 @@ def test_an_unusable_store_is_one_line_on_the_page_not_a_stack_trace(monkeypatch
     assert r.status_code == 503 and "endpoint http://***@minio:9000 is unreachable" in body and "Traceback" not in body
     api = browser_app.api_checkpoints(user=object())
     assert api.status_code == 503 and json.loads(bytes(api.body))["detail"].startswith("store s3://ckpt/x/")
+
+
+ARTIFACTS = REPO / ".artifacts" / "browser"
+
+
+def test_in_a_real_browser_log_in_open_browse_checkpoints_then_an_id(server):
+    """Debian's Chromium driven by Playwright: Airflow's own login, the nav item, an ID's page."""
+    import shutil
+
+    from playwright.sync_api import expect, sync_playwright
+
+    base, _, _ = server
+    chromium = shutil.which("chromium")
+    assert chromium, "Debian's chromium is missing: `make test` installs it (apt-get install chromium)"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 900})
+            page.goto(base + "/")
+            page.screenshot(path=ARTIFACTS / "0-login.png")
+            page.locator("input[name=username]").fill("admin")
+            page.locator("input[name=password]").fill("pw-0")
+            page.locator("button[type=submit]").click()
+            page.wait_for_url(lambda url: "login" not in url, timeout=30_000)
+            page.goto(base + "/plugin/cedana-checkpoints")
+            frame = page.frame_locator("iframe")
+            expect(frame.get_by_role("link", name=A_ID)).to_be_visible(timeout=30_000)
+            page.screenshot(path=ARTIFACTS / "1-fleet.png")
+            frame.get_by_role("link", name=A_ID).click()
+            expect(frame.get_by_role("heading", name="Restores")).to_be_visible(timeout=30_000)
+            expect(frame.get_by_text("node-0").first).to_be_visible()
+            page.screenshot(path=ARTIFACTS / "2-checkpoint-id.png", full_page=True)
+            # the task instance of the real run, and its Checkpoints tab
+            page.goto(f"{base}/dags/dag_a/runs/{quote(A_RUN, safe='')}/tasks/train")
+            page.locator("a[href$='/plugin/cedana-task-checkpoints']").click()  # the tab, next to Logs and Details
+            tab = page.frame_locator("iframe")
+            expect(tab.get_by_text("try 1: seq 1")).to_be_visible(timeout=30_000)
+            expect(tab.get_by_text("try 2: seq 2")).to_be_visible()
+            page.screenshot(path=ARTIFACTS / "3-task-instance-tab.png")
+        finally:
+            browser.close()
