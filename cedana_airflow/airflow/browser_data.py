@@ -32,6 +32,7 @@ class Fleet:
     stored_bytes: int
     checkpoints_last_hour: int
     restores: int
+    restores_last_day: int
 
 
 @dataclass(frozen=True)
@@ -84,12 +85,14 @@ class StoreCache:
 
 def fleet(listed: Sequence[IdListing], may_read: MayRead, now: datetime | None = None) -> Fleet:
     ids = visible(listed, may_read)
-    hour_ago = (now or datetime.now(timezone.utc)) - timedelta(hours=1)
+    now = now or datetime.now(timezone.utc)
+    hour_ago, day_ago = now - timedelta(hours=1), now - timedelta(days=1)
     return Fleet(
         ids=tuple(ids),
         stored_bytes=sum(r.stored_bytes for x in ids for r in x.checkpoints),
         checkpoints_last_hour=sum(1 for x in ids for r in x.checkpoints if r.created_at >= hour_ago),
         restores=sum(x.restores for x in ids),
+        restores_last_day=sum(1 for x in ids for t in x.recent_restores if t >= day_ago),
     )
 
 

@@ -99,7 +99,7 @@ def fleet_page(f: Fleet, *, store_url: str, q: str, dag: str, sort: str, page: i
         "<h1>Checkpoints</h1>"
         f"<p class='muted'>store {escape(store_url)}</p>"
         f"<p class='totals'><span><b>{len(f.ids)}</b> checkpoint IDs</span><span><b>{_mb(f.stored_bytes)}</b> stored</span>"
-        f"<span><b>{f.checkpoints_last_hour}</b> checkpoints in the last hour</span><span><b>{f.restores}</b> restores</span></p>"
+        f"<span><b>{f.checkpoints_last_hour}</b> checkpoints in the last hour</span><span><b>{f.restores_last_day}</b> restores in the last day ({f.restores} in all)</span></p>"
         "<form method='get'><input name='q' placeholder='filter: ID or task' value='" + escape(q) + "'> "
         f"<select name='dag'><option value=''>all DAGs</option>{options}</select> <button>Filter</button>"
         f" <span class='muted'>sort: {sort_links}</span></form>"

@@ -158,7 +158,7 @@ def _resume(cp: Checkpointer, result: RunResult, *, must_restore: bool, cwd: str
     def history(**fields: Any) -> None:  # best effort: what the CLI and the UI show of each resume
         record_restore(cp.store, RestoreRecord(checkpoint_id=cp.checkpoint_id, try_number=cp.try_number, node=cp.node,
                                                at=started_at, airflow=cp.airflow, **fields))
-        index.count_restore(cp.store, cp.checkpoint_id)
+        index.count_restore(cp.store, cp.checkpoint_id, started_at)
 
     try:
         restored = cp.restore(stdout, stderr, cwd=cwd)

@@ -60,6 +60,7 @@ class IndexEntry(_Model):
     last_skip: str = ""  # the estimate and the threshold of the latest skip
     airflow: AirflowTask | None = None  # the task whose checkpoints these are (newest manifest's block)
     restores: int = Field(default=0, ge=0)  # resumes recorded (store/restores.py holds each one)
+    recent_restores: tuple[datetime, ...] = ()  # when the last RECENT_RESTORES of them happened
 
     def empty(self) -> bool:
         return not self.checkpoints and not self.skipped_heartbeats and not self.restores
@@ -124,8 +125,13 @@ def record_checkpoint(store: Store, manifest: Manifest, kept: Sequence[Manifest]
     return _update_entry(store, manifest.checkpoint_id, change)
 
 
-def count_restore(store: Store, checkpoint_id: str) -> bool:
-    return _update_entry(store, checkpoint_id, lambda e: e.model_copy(update={"restores": e.restores + 1}))
+#: Restore times kept per ID in the index (what "restores in the last day" counts from).
+RECENT_RESTORES = 20
+
+
+def count_restore(store: Store, checkpoint_id: str, at: datetime) -> bool:
+    return _update_entry(store, checkpoint_id, lambda e: e.model_copy(update={
+        "restores": e.restores + 1, "recent_restores": (*e.recent_restores, at)[-RECENT_RESTORES:]}))
 
 
 def record_skip(store: Store, checkpoint_id: str, why: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from ..format.manifest import AirflowTask
@@ -32,6 +33,7 @@ class IdListing:
     source: str = "manifests"  # or "index"
     airflow: AirflowTask | None = None  # the task that wrote them, when an operator did
     restores: int = 0  # resumes recorded in the index
+    recent_restores: tuple[datetime, ...] = ()  # when the latest of them happened (index.RECENT_RESTORES)
 
 
 def _from_manifests(store: Store, ids: list[str], entries: dict[str, IndexEntry]) -> list[IdListing]:
@@ -41,7 +43,8 @@ def _from_manifests(store: Store, ids: list[str], entries: dict[str, IndexEntry]
         e = entries.get(cid, IndexEntry())
         rows = tuple(sorted((IndexRow.of(m) for m in by_id[cid]), key=lambda r: r.seq))
         owner = next((m.airflow for m in by_id[cid] if m.airflow is not None), e.airflow)
-        out.append(IdListing(cid, rows, e.skipped_heartbeats, e.last_skip, "manifests", owner, e.restores))
+        out.append(IdListing(cid, rows, e.skipped_heartbeats, e.last_skip, "manifests", owner, e.restores,
+                             e.recent_restores))
     return out
 
 
@@ -60,10 +63,10 @@ def list_store(store: Store, checkpoint_id: str | None = None, *, exact: bool = 
         known: list[IdListing] = []
     else:
         unknown = sorted(c for c in present if not entries.get(c, IndexEntry()).checkpoints)
-        known = [IdListing(c, e.checkpoints, e.skipped_heartbeats, e.last_skip, "index", e.airflow, e.restores)
-                 for c, e in entries.items() if c in present and e.checkpoints]
+        known = [IdListing(c, e.checkpoints, e.skipped_heartbeats, e.last_skip, "index", e.airflow, e.restores,
+                           e.recent_restores) for c, e in entries.items() if c in present and e.checkpoints]
     # IDs with skips but no checkpoint have no folder: the index is the only place that knows them.
-    skipped_only = [IdListing(c, (), e.skipped_heartbeats, e.last_skip, "index", e.airflow, e.restores)
+    skipped_only = [IdListing(c, (), e.skipped_heartbeats, e.last_skip, "index", e.airflow, e.restores, e.recent_restores)
                     for c, e in entries.items() if c not in present and e.skipped_heartbeats]
     listed = known + skipped_only + [x for x in _from_manifests(store, unknown, entries) if x.checkpoints or x.skipped_heartbeats]
     return sorted(listed, key=lambda x: x.checkpoint_id)

@@ -56,7 +56,7 @@ def _fill(store_dir: Path, tmp: Path) -> None:
     record_restore(s, RestoreRecord(checkpoint_id=A_ID, outcome="restored", seq=1, try_number=2, from_node="node-0",
                                     node="node-1", at=datetime.now(timezone.utc), gap_seconds=4.2, restore_seconds=1.1,
                                     airflow=owners[A_ID]))
-    index.count_restore(s, A_ID)
+    index.count_restore(s, A_ID, datetime.now(timezone.utc))
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +158,7 @@ def test_pages_render_the_fleet_an_id_and_a_task_instance_tab(server):
     base, tokens, _ = server
     status, page = _call(base, "GET", "/cedana/", tokens["alice@dag_a"])
     assert status == 200 and A_ID in page and B_ID not in page and "1</b> checkpoint IDs" in page
+    assert "<b>1</b> restores in the last day (1 in all)" in page
     status, page = _call(base, "GET", f"/cedana/ids/{A_ID}", tokens["admin"])
     assert status == 200 and "node-0" in page and "Restores" in page and "4.2 s" in page and "<svg" in page
     status, tab = _call(base, "GET", f"/cedana/ti?{urlencode({'dag_id': 'dag_a', 'run_id': A_RUN, 'task_id': 'train'})}"
