@@ -1,11 +1,12 @@
-"""The bare baseline for GPU checkpoints: NVIDIA's driver checkpoint API plus plain CRIU, no cedana-airflow.
+"""The bare baseline for GPU checkpoints: NVIDIA's driver checkpoint API plus plain CRIU.
 
 scripts/gpu-validate.sh compares cedana-airflow's checkpoint and restore of a GPU workload with this.
 It starts a fresh scripts/gpu_workload.py the way cedana-airflow does (``unshare --pid --fork setsid``,
 stdout and stderr on pipes), then times, on that one process tree:
 
 - lock + checkpoint of every CUDA process (GPU memory copied into host memory), through its own
-  ctypes binding of libcuda.so.1's ``cuCheckpointProcess*`` calls (so it shares no code with ours);
+  ctypes binding of libcuda.so.1's ``cuCheckpointProcess*`` calls (only /proc and CRIU's stats
+  are read with cedana-airflow's helpers);
 - ``criu dump --leave-running`` with the flags our engine passes (cedana_airflow/engine/criu.py) less
   our own additions (the open-file capture script, the parent-death guard): its wall time and the
   time CRIU kept the tree frozen (its stats-dump);
@@ -28,13 +29,18 @@ import os
 import re
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+# /proc and CRIU's stats are read as our engine reads them; the driver calls and the criu command
+# lines below are this script's own (that is the bare baseline).
+from cedana_airflow.engine.cuda import ns_pid, nvidia_files
+from cedana_airflow.engine.images import read_dump_stats
+from cedana_airflow.engine.procfs import tree_pids
 
 HERE = Path(__file__).resolve().parent
 _STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
@@ -109,52 +115,6 @@ class Driver:
 
 
 # -- /proc ----------------------------------------------------------------------------------------
-def tree_pids(root: int) -> list[int]:
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except FileNotFoundError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-            except FileNotFoundError:
-                pass
-    return out
-
-
-def nvidia_files(pid: int) -> set[str]:
-    found: set[str] = set()
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) == 6 and parts[5].startswith("/dev/nvidia"):
-                    found.add(parts[5].strip())
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("/dev/nvidia"):
-                found.add(target)
-    except OSError:
-        pass
-    return found
-
-
-def ns_pid(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("NSpid:"):
-                return int(line.split()[-1])
-    return pid
-
-
 def gone(pid: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
@@ -166,48 +126,8 @@ def gone(pid: int, timeout: float) -> bool:
     return not os.path.exists(f"/proc/{pid}")
 
 
-# -- CRIU's stats-dump (the time the tree was frozen), read without protobuf ----------------------
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    shift = result = 0
-    while True:
-        b = buf[i]
-        i += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, i
-        shift += 7
-
-
-def _fields(msg: bytes) -> dict[int, int | bytes]:
-    out: dict[int, int | bytes] = {}
-    i = 0
-    while i < len(msg):
-        key, i = _varint(msg, i)
-        num, wire = key >> 3, key & 7
-        if wire == 0:
-            out[num], i = _varint(msg, i)
-        elif wire == 2:
-            n, i = _varint(msg, i)
-            out[num], i = msg[i:i + n], i + n
-        elif wire in (1, 5):
-            i += 8 if wire == 1 else 4
-        else:
-            break
-    return out
-
-
 def frozen_seconds(image_dir: Path) -> float | None:
-    """stats_entry.dump (field 1) -> dump_stats_entry.frozen_time (field 2, microseconds)."""
-    try:
-        buf = (image_dir / "stats-dump").read_bytes()
-        (magic,) = struct.unpack_from("<I", buf, 0)
-        off = 8 if magic in (0x54564319, 0x55105940) else 4
-        (n,) = struct.unpack_from("<I", buf, off)
-        dump = _fields(buf[off + 4:off + 4 + n]).get(1)
-        frozen = _fields(dump).get(2) if isinstance(dump, bytes) else None
-    except (OSError, struct.error, IndexError):
-        return None
-    return frozen / 1e6 if isinstance(frozen, int) else None
+    return read_dump_stats(image_dir).get("frozen")
 
 
 # -- the workload ---------------------------------------------------------------------------------
