@@ -32,7 +32,7 @@ from ..store.base import Store
 from ..store.gc import delete_checkpoint_id
 from ..store.listing import IdListing, as_json
 from . import browser_html as html
-from .browser_data import MayRead, StoreCache, dag_of, fleet, id_detail, visible
+from .browser_data import IdDetail, MayRead, StoreCache, dag_of, fleet, id_detail, visible
 
 __all__ = ["app", "store_cache"]
 
@@ -115,14 +115,18 @@ def api_checkpoints(user: User) -> JSONResponse:
     return JSONResponse([as_json(x) for x in listed])
 
 
+def _detail(checkpoint_id: str, user: Any) -> IdDetail:
+    store = _store()
+    return id_detail(store, _one(store, checkpoint_id, user))
+
+
 @app.get("/api/v1/checkpoints/{checkpoint_id}")
 def api_checkpoint(checkpoint_id: str, user: User) -> JSONResponse:
     try:
-        store = _store()
-        x = _one(store, checkpoint_id, user)
-        detail = id_detail(store, x)
+        detail = _detail(checkpoint_id, user)
     except CedanaError as e:
         return JSONResponse({"detail": _store_problem(e)}, status_code=503)
+    x = detail.listing
     return JSONResponse({**as_json(x), "restores": [r.model_dump(mode="json") for r in detail.restores],
                          "restore_count": x.restores,
                          "manifests": [m.model_dump(mode="json", exclude=m.absent_blocks()) for m in detail.manifests]})
@@ -172,12 +176,10 @@ def page_fleet(user: User, q: str = "", dag: str = "", sort: str = "id", page: A
 @app.get("/ids/{checkpoint_id}", response_class=HTMLResponse)
 def page_id(checkpoint_id: str, user: User) -> HTMLResponse:
     try:
-        store = _store()
-        x = _one(store, checkpoint_id, user)
-        detail = id_detail(store, x)
+        detail = _detail(checkpoint_id, user)
     except CedanaError as e:
         return HTMLResponse(html.problem(_store_problem(e)), status_code=503)
-    return HTMLResponse(html.id_page(detail, may_delete=_allowed(user, dag_of(x), "PUT")))
+    return HTMLResponse(html.id_page(detail, may_delete=_allowed(user, dag_of(detail.listing), "PUT")))
 
 
 @app.get("/ti", response_class=HTMLResponse)
