@@ -90,6 +90,17 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--optin-file", help="the opt-in list (default: CEDANA_OPTIN_FILE / [cedana] optin_file)")
     ex.add_argument("--json", action="store_true")
 
+    dr = sub.add_parser("drill", help="run a fleet drill here and print its report (exit 0 pass, 1 fail)")
+    dr.add_argument("mode", choices=("verify",), help="verify: read and check the latest checkpoint of sampled IDs")
+    dr.add_argument("--ids", default="*", metavar="PATTERN", help="checkpoint IDs to sample from (a glob)")
+    dr.add_argument("--sample", type=int, default=10, metavar="N", help="how many IDs (default 10)")
+    dr.add_argument("--json", action="store_true")
+    _common(dr)
+
+    drs = sub.add_parser("drills", help="list the drill reports kept in the store")
+    drs.add_argument("--json", action="store_true")
+    _common(drs)
+
     doc = sub.add_parser("doctor", help="check that checkpointing can work here")
     doc.add_argument("--json", action="store_true")
     _common(doc)
@@ -234,6 +245,55 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if any(c.blocking for c in checks) else 0
 
 
+def _cmd_drill(args: argparse.Namespace) -> int:
+    from .drill.report import save_report
+    from .drill.verify import verify
+    from .errors import EngineUnavailable
+    from .run.runner import make_engine
+    from .store import open_store
+
+    if args.sample < 1:
+        raise ConfigError(f"--sample {args.sample} is below 1. Sample at least one checkpoint ID.")
+    settings = _settings(args)
+    store = open_store(settings.resolved_store(), settings)
+    cfg = store.open(create=False, chunk_avg_bytes=settings.chunk_avg_bytes)
+    try:
+        engine = make_engine(settings)
+    except EngineUnavailable:
+        engine = None  # the report says CRIU itself was not checked
+    report = verify(store, cfg, settings, engine, ids=args.ids, sample=args.sample)
+    save_report(store, report)
+    if args.json:
+        print(report.model_dump_json(indent=1))
+    else:
+        for c in report.checked:
+            print(f"{'OK  ' if c.ok else 'FAIL'} {c.checkpoint_id} seq {c.seq}: "
+                  + (f"{c.bytes_fetched / 1e6:.1f} MB verified in {c.fetch_seconds:.2f} s" if c.ok else c.problem))
+        per_id = {f"{c.checkpoint_id}: {c.problem}" for c in report.checked if not c.ok}
+        print(f"drill {report.drill_id}: {'passed' if report.ok else 'FAILED'}"
+              + "".join(f"\n  {p}" for p in report.problems if p not in per_id))
+    return 0 if report.ok else 1
+
+
+def _cmd_drills(args: argparse.Namespace) -> int:
+    from .drill.report import list_reports
+    from .store import open_store
+
+    settings = _settings(args)
+    store = open_store(settings.resolved_store(), settings)
+    store.open(create=False, chunk_avg_bytes=settings.chunk_avg_bytes)
+    reports = list_reports(store)
+    if args.json:
+        print(json.dumps([r.model_dump(mode="json") for r in reports], indent=1 if sys.stdout.isatty() else None))
+        return 0
+    for r in reports:
+        print(f"{r.drill_id}  {r.mode:<7} {'pass' if r.ok else 'FAIL'}  on {r.node}"
+              + (f"  {r.problems[0]}" if r.problems else ""))
+    if not reports:
+        print(f"no drill reports in {store.url}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
@@ -255,6 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_explain(args)
         if args.verb == "doctor":
             return _cmd_doctor(args)
+        if args.verb == "drill":
+            return _cmd_drill(args)
+        if args.verb == "drills":
+            return _cmd_drills(args)
     except CedanaError as e:
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return e.exit_code

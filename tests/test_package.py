@@ -22,6 +22,7 @@ LAYERS = [
     {"cedana_airflow.store", "cedana_airflow.engine"},
     {"cedana_airflow.node"},
     {"cedana_airflow.run", "cedana_airflow.scope"},
+    {"cedana_airflow.drill"},
     {"cedana_airflow.cli", "cedana_airflow.airflow"},
 ]
 

@@ -1,0 +1,5 @@
+"""Fleet drills: prove on a schedule that restore works, measure it, and keep the reports in the store.
+
+- report.py: the report model and ``drills/<drill_id>.json`` in the store;
+- verify.py: the non-disruptive drill (read, verify and check the latest checkpoints of sampled IDs).
+"""

@@ -1,0 +1,89 @@
+"""A drill's report, and where reports live: ``drills/<drill_id>.json`` in the store, create-only.
+
+The JSON is a contract (``cedana-airflow drill --json``, ``drills --json``, docs/store-format.md):
+fields are only ever added. Reports are history: no restore reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import datetime, timezone
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..errors import CedanaError
+from ..store.base import Store
+
+__all__ = ["CheckedId", "DrillReport", "list_reports", "new_drill_id", "save_report"]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "drills/"
+
+
+class CheckedId(BaseModel):
+    """One checkpoint ID a ``verify`` drill read: its latest usable checkpoint, or why none was."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    checkpoint_id: str
+    ok: bool
+    seq: int | None = None
+    node: str = ""
+    bytes_fetched: int = 0
+    fetch_seconds: float = 0.0
+    problem: str = ""
+
+
+class DrillReport(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    drill_id: str
+    mode: Literal["verify", "canary", "live"]
+    ok: bool
+    problems: tuple[str, ...] = ()
+    node: str  # where the drill ran
+    started_at: datetime
+    finished_at: datetime
+    # what was restored (canary, live) or the first ID read (verify)
+    checkpoint_id: str | None = None
+    restored_seq: int | None = None
+    from_node: str = ""
+    to_node: str = ""
+    rto_seconds: float | None = None
+    lost_work_seconds: float | None = None
+    restore_seconds: float | None = None
+    fetch_seconds: float | None = None
+    bytes_fetched: int = 0
+    digest_match: bool | None = None
+    checked: tuple[CheckedId, ...] = ()  # verify: every ID read
+
+
+def new_drill_id(mode: str, at: datetime | None = None) -> str:
+    at = at or datetime.now(timezone.utc)
+    return f"{at.strftime('%Y%m%dT%H%M%SZ')}-{mode}-{uuid.uuid4().hex[:6]}"
+
+
+def save_report(store: Store, report: DrillReport) -> bool:
+    """Keep the report in the store; a store that refuses it is logged (the drill's result stands)."""
+    try:
+        return store.put_if_absent(f"{PREFIX}{report.drill_id}.json", report.model_dump_json(indent=1).encode())
+    except CedanaError as e:
+        log.warning("drill report %s not stored: %s", report.drill_id, e)
+        return False
+
+
+def list_reports(store: Store) -> list[DrillReport]:
+    """Every readable report, oldest first; a damaged one is skipped with a warning."""
+    out = []
+    for obj in store.list_objects(PREFIX):
+        name = obj.key.rsplit("/", 1)[-1]
+        if not name.endswith(".json") or name.startswith("."):
+            continue
+        try:
+            out.append(DrillReport.model_validate_json(store.get(obj.key) or b""))
+        except (ValidationError, ValueError):
+            log.warning("drill report unreadable: %s", obj.key)
+    return sorted(out, key=lambda r: r.started_at)

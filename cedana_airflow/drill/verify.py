@@ -1,0 +1,90 @@
+"""The ``verify`` drill: can the latest checkpoint of each sampled ID be restored? Everything short of
+running it, and nothing that disturbs a workload.
+
+For each ID: its newest readable manifest (the one a restore tries first), its signature when this
+node has a signing key, every chunk fetched and verified, and the image set checked the way CRIU
+would read it (engine/image_check.py). Once per drill: ``criu check`` on this node.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import random
+import shutil
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ..config import Settings
+from ..engine.criu import CriuEngine
+from ..engine.image_check import image_set_problems
+from ..errors import CedanaError
+from ..format.chunking import MAX_CHUNK_FACTOR
+from ..format.signing import signature_problem
+from ..store.base import Store, StoreConfig
+from ..store.listing import list_store
+from ..store.transfer import fetch_checkpoint, load_manifests
+from .report import CheckedId, DrillReport, new_drill_id
+
+__all__ = ["verify"]
+
+
+def _check_one(store: Store, cfg: StoreConfig, cid: str, key: bytes | None, work: Path) -> CheckedId:
+    manifests = load_manifests(store, cid)
+    if not manifests:
+        return CheckedId(checkpoint_id=cid, ok=False, problem="no readable manifest")
+    m = manifests[0]
+    if key is not None and (why := signature_problem(m, key)):
+        return CheckedId(checkpoint_id=cid, ok=False, seq=m.seq, node=m.node, problem=f"seq {m.seq}: {why}")
+    dest = work / cid
+    t0 = time.monotonic()
+    try:
+        fetch_checkpoint(store, m, dest, max_chunk_bytes=MAX_CHUNK_FACTOR * cfg.chunk_avg_bytes)
+        seconds = time.monotonic() - t0
+        problems = image_set_problems(dest)
+    except CedanaError as e:  # a chunk missing or wrong: the message names it
+        return CheckedId(checkpoint_id=cid, ok=False, seq=m.seq, node=m.node, problem=str(e))
+    finally:
+        shutil.rmtree(dest, ignore_errors=True)
+    if problems:
+        return CheckedId(checkpoint_id=cid, ok=False, seq=m.seq, node=m.node, bytes_fetched=m.image_bytes,
+                         fetch_seconds=round(seconds, 3), problem=f"seq {m.seq}: " + "; ".join(problems))
+    return CheckedId(checkpoint_id=cid, ok=True, seq=m.seq, node=m.node, bytes_fetched=m.image_bytes,
+                     fetch_seconds=round(seconds, 3))
+
+
+def verify(store: Store, cfg: StoreConfig, settings: Settings, engine: CriuEngine | None, *, ids: str = "*",
+           sample: int = 10, seed: int | None = None) -> DrillReport:
+    """Verify the latest checkpoint of up to ``sample`` IDs matching the glob ``ids``.
+
+    ``engine``: this node's CRIU, for ``criu check`` (None: not checked, said in the report).
+    """
+    started = datetime.now(timezone.utc)
+    problems: list[str] = []
+    if engine is None:
+        problems.append("criu is not available on this node: images were checked, CRIU itself was not")
+    else:
+        ok, line = engine.check()
+        if not ok:
+            problems.append(f"criu check failed on this node: {line}")
+    candidates = sorted(x.checkpoint_id for x in list_store(store) if x.checkpoints and fnmatch.fnmatchcase(x.checkpoint_id, ids))
+    chosen = sorted(random.Random(seed).sample(candidates, min(sample, len(candidates))))
+    if not chosen:
+        problems.append(f"no checkpoint ID in {store.url} matches {ids!r}: nothing was verified")
+    key = settings.resolved_signing_key()
+    work = Path(tempfile.mkdtemp(prefix="cedana-drill-", dir=settings.work_dir))
+    try:
+        work.chmod(0o700)  # fetched images are process memory
+        checked = tuple(_check_one(store, cfg, cid, key, work) for cid in chosen)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    problems += [f"{c.checkpoint_id}: {c.problem}" for c in checked if not c.ok]
+    fetched = sum(c.bytes_fetched for c in checked)
+    return DrillReport(
+        drill_id=new_drill_id("verify", started), mode="verify", ok=not problems and bool(checked),
+        problems=tuple(problems), node=settings.resolved_node(), started_at=started,
+        finished_at=datetime.now(timezone.utc), checkpoint_id=chosen[0] if chosen else None,
+        restored_seq=checked[0].seq if checked else None, from_node=checked[0].node if checked else "",
+        bytes_fetched=fetched, fetch_seconds=round(sum(c.fetch_seconds for c in checked), 3), checked=checked,
+    )
