@@ -91,9 +91,16 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--json", action="store_true")
 
     dr = sub.add_parser("drill", help="run a fleet drill here and print its report (exit 0 pass, 1 fail)")
-    dr.add_argument("mode", choices=("verify",), help="verify: read and check the latest checkpoint of sampled IDs")
-    dr.add_argument("--ids", default="*", metavar="PATTERN", help="checkpoint IDs to sample from (a glob)")
-    dr.add_argument("--sample", type=int, default=10, metavar="N", help="how many IDs (default 10)")
+    dr.add_argument("mode", choices=("verify", "canary"),
+                    help="verify: read and check the latest checkpoint of sampled IDs; canary: kill and restore a "
+                    "canary workload here and compare its output")
+    dr.add_argument("--ids", default="*", metavar="PATTERN", help="verify: checkpoint IDs to sample from (a glob)")
+    dr.add_argument("--sample", type=int, default=10, metavar="N", help="verify: how many IDs (default 10)")
+    dr.add_argument("--mb", type=int, default=64, help="canary: memory it holds, MiB (default 64)")
+    dr.add_argument("--steps", type=int, default=60, help="canary: steps it runs (default 60)")
+    dr.add_argument("--step-seconds", type=float, default=0.1, help="canary: seconds per step (default 0.1)")
+    dr.add_argument("--heartbeat", type=float, default=1.0, help="canary: seconds between checkpoints (default 1)")
+    dr.add_argument("--heartbeats", type=int, default=2, help="canary: checkpoints before the kill (default 2)")
     dr.add_argument("--json", action="store_true")
     _common(dr)
 
@@ -246,25 +253,39 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_drill(args: argparse.Namespace) -> int:
+    from .drill.canary import canary
     from .drill.report import save_report
     from .drill.verify import verify
     from .errors import EngineUnavailable
     from .run.runner import make_engine
     from .store import open_store
 
-    if args.sample < 1:
-        raise ConfigError(f"--sample {args.sample} is below 1. Sample at least one checkpoint ID.")
+    if args.sample < 1 or args.mb < 1 or args.steps < 1 or args.heartbeats < 1:
+        raise ConfigError("--sample, --mb, --steps and --heartbeats must be 1 or more.")
+    if not (0 < args.heartbeat < 3600 and 0 <= args.step_seconds < 3600):
+        raise ConfigError("--heartbeat must be above 0 and --step-seconds 0 or more (both under an hour).")
     settings = _settings(args)
     store = open_store(settings.resolved_store(), settings)
-    cfg = store.open(create=False, chunk_avg_bytes=settings.chunk_avg_bytes)
-    try:
-        engine = make_engine(settings)
-    except EngineUnavailable:
-        engine = None  # the report says CRIU itself was not checked
-    report = verify(store, cfg, settings, engine, ids=args.ids, sample=args.sample)
+    if args.mode == "canary":
+        store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
+        make_engine(settings)  # a canary needs CRIU here: say so before anything starts
+        report = canary(store, settings, mb=args.mb, steps=args.steps, step_seconds=args.step_seconds,
+                        heartbeat=args.heartbeat, heartbeats=args.heartbeats)
+    else:
+        cfg = store.open(create=False, chunk_avg_bytes=settings.chunk_avg_bytes)
+        try:
+            engine = make_engine(settings)
+        except EngineUnavailable:
+            engine = None  # the report says CRIU itself was not checked
+        report = verify(store, cfg, settings, engine, ids=args.ids, sample=args.sample)
     save_report(store, report)
     if args.json:
         print(report.model_dump_json(indent=1))
+    elif report.mode == "canary":
+        print(f"canary {report.checkpoint_id}: killed on {report.from_node} after seq {report.restored_seq}, restored "
+              f"on {report.to_node}; lost work {report.lost_work_seconds} s, restore {report.restore_seconds} s, "
+              f"RTO {report.rto_seconds} s, output {'matches' if report.digest_match else 'DIFFERS from'} an uninterrupted run")
+        print(f"drill {report.drill_id}: {'passed' if report.ok else 'FAILED'}" + "".join(f"\n  {p}" for p in report.problems))
     else:
         for c in report.checked:
             print(f"{'OK  ' if c.ok else 'FAIL'} {c.checkpoint_id} seq {c.seq}: "

@@ -7,16 +7,19 @@ fields are only ever added. Reports are history: no restore reads them.
 from __future__ import annotations
 
 import logging
+import tempfile
 import uuid
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..errors import CedanaError
+from ..config import Settings
+from ..errors import CedanaError, ConfigError
 from ..store.base import Store
 
-__all__ = ["CheckedId", "DrillReport", "list_reports", "new_drill_id", "save_report"]
+__all__ = ["CheckedId", "DrillReport", "list_reports", "new_drill_id", "save_report", "scratch_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -87,3 +90,14 @@ def list_reports(store: Store) -> list[DrillReport]:
         except (ValidationError, ValueError):
             log.warning("drill report unreadable: %s", obj.key)
     return sorted(out, key=lambda r: r.started_at)
+
+
+def scratch_dir(settings: Settings, prefix: str) -> Path:
+    """A private temp dir for a drill's images, in the work dir when one is set (it holds process memory)."""
+    try:
+        if settings.work_dir is not None:
+            settings.work_dir.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=settings.work_dir))  # mode 0700
+    except OSError as e:
+        raise ConfigError(f"work dir {settings.work_dir} cannot be used: {e.strerror}. Point --work-dir / "
+                          "CEDANA_WORK_DIR at a writable local directory.") from None

@@ -11,7 +11,6 @@ from __future__ import annotations
 import fnmatch
 import random
 import shutil
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,7 +24,7 @@ from ..format.signing import signature_problem
 from ..store.base import Store, StoreConfig
 from ..store.listing import list_store
 from ..store.transfer import fetch_checkpoint, load_manifests
-from .report import CheckedId, DrillReport, new_drill_id
+from .report import CheckedId, DrillReport, new_drill_id, scratch_dir
 
 __all__ = ["verify"]
 
@@ -73,9 +72,8 @@ def verify(store: Store, cfg: StoreConfig, settings: Settings, engine: CriuEngin
     if not chosen:
         problems.append(f"no checkpoint ID in {store.url} matches {ids!r}: nothing was verified")
     key = settings.resolved_signing_key()
-    work = Path(tempfile.mkdtemp(prefix="cedana-drill-", dir=settings.work_dir))
+    work = scratch_dir(settings, "cedana-verify-")
     try:
-        work.chmod(0o700)  # fetched images are process memory
         checked = tuple(_check_one(store, cfg, cid, key, work) for cid in chosen)
     finally:
         shutil.rmtree(work, ignore_errors=True)
