@@ -119,11 +119,12 @@ def canary(store: Store, settings: Settings, *, mb: int = 64, steps: int = 60, s
     golden = golden_digest(store, mb, steps)
     root = scratch_dir(settings, "cedana-canary-")
     deadline = time.monotonic() + timeout
+    files = contextlib.ExitStack()
     try:
         a = subprocess.Popen([*_CLI, "run", "--id", cid, "--heartbeat", str(heartbeat), "--", *_WORKLOAD,
                               *_params(mb, steps), "--step-seconds", str(step_seconds)],
                              env=_env(settings, node_a, root / "a"), stdout=subprocess.DEVNULL,
-                             stderr=open(root / "a.err", "wb"), start_new_session=True)
+                             stderr=files.enter_context(open(root / "a.err", "wb")), start_new_session=True)
         with _killed_at_exit(a):
             while len(store.list_seqs(cid)) < heartbeats:
                 if a.poll() is not None or time.monotonic() > deadline:
@@ -142,7 +143,7 @@ def canary(store: Store, settings: Settings, *, mb: int = 64, steps: int = 60, s
         shutil.rmtree(root / "a", ignore_errors=True)  # node A is gone: node B has nothing but the store
         b = subprocess.Popen([*_CLI, "restore", "--id", cid, "--try-number", "1", "--heartbeat", "0"],
                              env=_env(settings, node_b, root / "b"), stdout=subprocess.PIPE,
-                             stderr=open(root / "b.err", "wb"), start_new_session=True)
+                             stderr=files.enter_context(open(root / "b.err", "wb")), start_new_session=True)
         with _killed_at_exit(b):
             lines = _Lines(b)
             lines.start()
@@ -168,6 +169,7 @@ def canary(store: Store, settings: Settings, *, mb: int = 64, steps: int = 60, s
     except CedanaError as e:
         problems.append(str(e))
     finally:
+        files.close()
         shutil.rmtree(root, ignore_errors=True)
         with contextlib.suppress(CedanaError):
             delete_checkpoint_id(store, cid)  # the drill's own ID: its report is what stays
