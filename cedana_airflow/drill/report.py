@@ -13,11 +13,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from ..config import Settings
 from ..errors import CedanaError, ConfigError
 from ..store.base import Store
+from ..store.records import read_records
 
 __all__ = ["CheckedId", "DrillReport", "list_reports", "new_drill_id", "save_report", "scratch_dir"]
 
@@ -80,16 +81,7 @@ def save_report(store: Store, report: DrillReport) -> bool:
 
 def list_reports(store: Store) -> list[DrillReport]:
     """Every readable report, oldest first; a damaged one is skipped with a warning."""
-    out = []
-    for obj in store.list_objects(PREFIX):
-        name = obj.key.rsplit("/", 1)[-1]
-        if not name.endswith(".json") or name.startswith("."):
-            continue
-        try:
-            out.append(DrillReport.model_validate_json(store.get(obj.key) or b""))
-        except (ValidationError, ValueError):
-            log.warning("drill report unreadable: %s", obj.key)
-    return sorted(out, key=lambda r: r.started_at)
+    return sorted(read_records(store, PREFIX, DrillReport), key=lambda r: r.started_at)
 
 
 def scratch_dir(settings: Settings, prefix: str) -> Path:

@@ -18,12 +18,13 @@ import uuid
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import CedanaError
 from ..format.manifest import AirflowTask
 from ..ids import validate_checkpoint_id
 from .base import Store
+from .records import read_records
 
 __all__ = ["RestoreRecord", "delete_restores", "list_restores", "record_restore"]
 
@@ -60,16 +61,8 @@ def record_restore(store: Store, rec: RestoreRecord) -> None:
 
 
 def list_restores(store: Store, checkpoint_id: str) -> list[RestoreRecord]:
-    """Every readable record of an ID, oldest first (a damaged one is skipped with a warning)."""
-    out = []
-    for obj in store.list_objects(_prefix(checkpoint_id)):
-        if not obj.key.endswith(".json") or obj.key.rsplit("/", 1)[-1].startswith("."):
-            continue
-        try:
-            out.append(RestoreRecord.model_validate_json(store.get(obj.key) or b""))
-        except (ValidationError, ValueError):
-            log.warning("restore record unreadable: %s", obj.key)
-    return sorted(out, key=lambda r: r.at)
+    """Every readable record of an ID, oldest first."""
+    return sorted(read_records(store, _prefix(checkpoint_id), RestoreRecord), key=lambda r: r.at)
 
 
 def delete_restores(store: Store, checkpoint_id: str) -> int:
