@@ -298,6 +298,7 @@ def _cmd_drill(args: argparse.Namespace) -> int:
 
 def _cmd_drills(args: argparse.Namespace) -> int:
     from .drill.report import list_reports
+    from .drill.trends import trends
     from .store import open_store
 
     settings = _settings(args)
@@ -305,11 +306,15 @@ def _cmd_drills(args: argparse.Namespace) -> int:
     store.open(create=False, chunk_avg_bytes=settings.chunk_avg_bytes)
     reports = list_reports(store)
     if args.json:
-        print(json.dumps([r.model_dump(mode="json") for r in reports], indent=1 if sys.stdout.isatty() else None))
+        print(json.dumps({"trends": trends(reports), "reports": [r.model_dump(mode="json") for r in reports]},
+                         indent=1 if sys.stdout.isatty() else None))
         return 0
     for r in reports:
         print(f"{r.drill_id}  {r.mode:<7} {'pass' if r.ok else 'FAIL'}  on {r.node}"
               + (f"  {r.problems[0]}" if r.problems else ""))
+    for mode, t in trends(reports).items():
+        print(f"{mode}: {t['passed']} of {t['drills']} passed; RTO p50 {t['rto_seconds']['p50']} s, "
+              f"p95 {t['rto_seconds']['p95']} s; lost work p50 {t['lost_work_seconds']['p50']} s")
     if not reports:
         print(f"no drill reports in {store.url}")
     return 0

@@ -13,6 +13,7 @@ Routes (the JSON API is a contract, README "Checkpoint browser")::
     GET    /cedana/ti?dag_id=&run_id=&task_id=&map_index=   the task-instance tab
     GET    /cedana/api/v1/checkpoints                the same shape as `checkpoints --json`
     GET    /cedana/api/v1/checkpoints/{checkpoint_id}   one ID, with its restores
+    GET    /cedana/drills, /cedana/api/v1/drills    drill reports and trends (users who may read every DAG)
     DELETE /cedana/api/v1/checkpoints/{checkpoint_id}   its manifests (chunks go at the next gc)
 """
 
@@ -26,6 +27,8 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from ..config import redact
+from ..drill.report import DrillReport, list_reports
+from ..drill.trends import trends
 from ..errors import CedanaError, CheckpointIdError
 from ..ids import derive_checkpoint_id, validate_checkpoint_id
 from ..store.base import Store
@@ -162,7 +165,33 @@ def _audit(who: str, x: IdListing, removed: int) -> None:
         log.warning("cedana: audit log not written for the deletion of %s: %s", x.checkpoint_id, e)
 
 
+def _drills(user: Any) -> tuple[list[DrillReport], dict[str, Any]]:
+    """Drill reports span the fleet (and name IDs of many DAGs): for users who may read every DAG."""
+    if not _allowed(user, None):
+        raise HTTPException(403, "drill reports are for users who may read every DAG")
+    reports = list_reports(_store())
+    return reports, trends(reports)
+
+
+@app.get("/api/v1/drills")
+def api_drills(user: User) -> JSONResponse:
+    try:
+        reports, figures = _drills(user)
+    except CedanaError as e:
+        return JSONResponse({"detail": _store_problem(e)}, status_code=503)
+    return JSONResponse({"trends": figures, "reports": [r.model_dump(mode="json") for r in reports]})
+
+
 # -- pages --------------------------------------------------------------------------------------
+@app.get("/drills", response_class=HTMLResponse)
+def page_drills(user: User) -> HTMLResponse:
+    try:
+        reports, figures = _drills(user)
+    except CedanaError as e:
+        return HTMLResponse(html.problem(_store_problem(e)), status_code=503)
+    return HTMLResponse(html.drills_page(reports, figures))
+
+
 @app.get("/", response_class=HTMLResponse)
 def page_fleet(user: User, q: str = "", dag: str = "", sort: str = "id", page: Annotated[int, Query(ge=1)] = 1) -> HTMLResponse:
     try:

@@ -13,10 +13,11 @@ from datetime import datetime, timezone
 from html import escape
 from urllib.parse import quote, urlencode
 
+from ..drill.report import DrillReport
 from ..store.listing import IdListing
 from .browser_data import Fleet, IdDetail
 
-__all__ = ["fleet_page", "id_page", "problem", "task_instance_page"]
+__all__ = ["drills_page", "fleet_page", "id_page", "problem", "task_instance_page"]
 
 PAGE_SIZE = 50
 
@@ -97,7 +98,7 @@ def fleet_page(f: Fleet, *, store_url: str, q: str, dag: str, sort: str, page: i
     sort_links = " ".join(f"<a href='{escape(nav(1, k))}'>{k}</a>" for k in ("id", "dag", "latest", "stored"))
     body = (
         "<h1>Checkpoints</h1>"
-        f"<p class='muted'>store {escape(store_url)}</p>"
+        f"<p class='muted'>store {escape(store_url)} &middot; <a href='drills'>fleet drills</a></p>"
         f"<p class='totals'><span><b>{len(f.ids)}</b> checkpoint IDs</span><span><b>{_mb(f.stored_bytes)}</b> stored</span>"
         f"<span><b>{f.checkpoints_last_hour}</b> checkpoints in the last hour</span><span><b>{f.restores_last_day}</b> restores in the last day ({f.restores} in all)</span></p>"
         "<form method='get'><input name='q' placeholder='filter: ID or task' value='" + escape(q) + "'> "
@@ -200,3 +201,36 @@ def task_instance_page(dag_id: str, run_id: str, task_id: str, map_index: int, d
         parts.append(f"<h2>{_link_id(d.listing.checkpoint_id)}</h2><ul>{tries}</ul>"
                      f"<h2>What each try resumed</h2>{_restores_table(d)}")
     return _page(title, "".join(parts))
+
+
+def _secs(v: float | None) -> str:
+    return "" if v is None else f"{v:.2f} s"
+
+
+def drills_page(reports: Sequence[DrillReport], figures: dict[str, dict[str, object]]) -> str:
+    """Every drill report, newest first, with the trend per mode on top."""
+    def pct(t: dict[str, object], name: str) -> str:
+        p = t[name]
+        assert isinstance(p, dict)
+        return f"{_secs(p['p50'])} / {_secs(p['p95'])}"
+
+    trend_rows = "".join(
+        f"<tr><td>{escape(mode)}</td><td class=n>{t['passed']} of {t['drills']}</td><td class=n>{pct(t, 'rto_seconds')}</td>"
+        f"<td class=n>{pct(t, 'restore_seconds')}</td><td class=n>{pct(t, 'lost_work_seconds')}</td></tr>"
+        for mode, t in figures.items())
+    rows = "".join(
+        f"<tr><td>{escape(r.drill_id)}</td><td>{escape(r.mode)}</td><td>{'pass' if r.ok else '<b>FAIL</b>'}</td>"
+        f"<td>{escape(r.node)}</td><td class=n>{_secs(r.rto_seconds)}</td><td class=n>{_secs(r.restore_seconds)}</td>"
+        f"<td class=n>{_secs(r.lost_work_seconds)}</td><td>{'' if r.digest_match is None else ('yes' if r.digest_match else 'NO')}</td>"
+        f"<td>{escape('; '.join(r.problems))}</td></tr>" for r in reversed(reports))
+    body = (
+        "<p><a href='./'>all checkpoints</a></p><h1>Fleet drills</h1>"
+        + ("<p class='muted'>No drill has run against this store yet: <code>cedana-airflow drill verify</code> or "
+           "<code>drill canary</code>.</p>" if not reports else
+           "<table><tr><th>mode</th><th class=n>passed</th><th class=n>RTO p50 / p95</th>"
+           "<th class=n>restore p50 / p95</th><th class=n>lost work p50 / p95</th></tr>" + trend_rows + "</table>"
+           "<h2>Reports</h2><table><tr><th>drill</th><th>mode</th><th>result</th><th>node</th><th class=n>RTO</th>"
+           "<th class=n>restore</th><th class=n>lost work</th><th>output matches</th><th>problems</th></tr>"
+           + rows + "</table>")
+    )
+    return _page("Fleet drills", body)

@@ -25,6 +25,7 @@ from urllib.parse import quote, urlencode
 import pytest
 
 from cedana_airflow.config import load_settings
+from cedana_airflow.drill.report import DrillReport, save_report
 from cedana_airflow.format.manifest import AirflowTask, ProcessInfo
 from cedana_airflow.ids import derive_checkpoint_id
 from cedana_airflow.store import index, open_store
@@ -57,6 +58,10 @@ def _fill(store_dir: Path, tmp: Path) -> None:
                                     node="node-1", at=datetime.now(timezone.utc), gap_seconds=4.2, restore_seconds=1.1,
                                     airflow=owners[A_ID]))
     index.count_restore(s, A_ID, datetime.now(timezone.utc))
+    now = datetime.now(timezone.utc)
+    save_report(s, DrillReport(drill_id="20261130T000000Z-canary-abc123", mode="canary", ok=True, node="gpu-7",
+                               started_at=now, finished_at=now, rto_seconds=0.4, restore_seconds=0.1,
+                               lost_work_seconds=0.2, digest_match=True))
 
 
 @pytest.fixture(scope="module")
@@ -250,3 +255,14 @@ def test_in_a_real_browser_log_in_open_browse_checkpoints_then_an_id(server):
             page.screenshot(path=ARTIFACTS / "3-task-instance-tab.png")
         finally:
             browser.close()
+
+
+def test_drill_reports_and_trends_for_users_who_may_read_every_dag(server):
+    base, tokens, _ = server
+    status, drills = _call(base, "GET", "/cedana/api/v1/drills", tokens["bob"])
+    assert status == 200 and [r["drill_id"] for r in drills["reports"]] == ["20261130T000000Z-canary-abc123"]
+    assert drills["trends"]["canary"]["rto_seconds"] == {"p50": 0.4, "p95": 0.4}
+    status, page = _call(base, "GET", "/cedana/drills", tokens["admin"])
+    assert status == 200 and "Fleet drills" in page and "1 of 1" in page and "0.40 s / 0.40 s" in page
+    assert _call(base, "GET", "/cedana/drills", tokens["alice@dag_a"])[0] == 403  # reports name every DAG's IDs
+    assert _call(base, "GET", "/cedana/api/v1/drills")[0] == 401

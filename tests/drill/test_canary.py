@@ -27,7 +27,8 @@ def test_canary_drill_passes_with_a_digest_match_and_plausible_figures(tmp_path,
     assert rep["restored_seq"] >= 2 and rep["bytes_fetched"] > 24 << 20
     assert 0 <= rep["lost_work_seconds"] < 5 and 0 < rep["restore_seconds"] < rep["rto_seconds"] < 60
     listed = json.loads(cli("drills", "--json", env=env).stdout)
-    assert [x["drill_id"] for x in listed] == [rep["drill_id"]]  # the report stays
+    assert [x["drill_id"] for x in listed["reports"]] == [rep["drill_id"]]  # the report stays
+    assert listed["trends"]["canary"]["rto_seconds"] == {"p50": rep["rto_seconds"], "p95": rep["rto_seconds"]}
     assert json.loads(cli("checkpoints", "--json", env=env).stdout) == []  # the drill's own ID does not
 
 

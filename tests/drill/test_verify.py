@@ -74,6 +74,23 @@ def test_verify_drill_passes_then_names_a_corrupt_chunk_and_keeps_both_reports(t
     assert "FAILED" in bad.stdout.splitlines()[-1]
 
     listed = json.loads(cli("drills", "--json", env=env).stdout)
-    assert [(r["mode"], r["ok"]) for r in listed] == [("verify", True), ("verify", False)]
+    assert [(r["mode"], r["ok"]) for r in listed["reports"]] == [("verify", True), ("verify", False)]
+    assert {k: listed["trends"]["verify"][k] for k in ("drills", "passed", "pass_rate", "last_ok")} == {
+        "drills": 2, "passed": 1, "pass_rate": 0.5, "last_ok": False}
     assert cli("drill", "verify", "--ids", "nothing-*", env=env).returncode == 1  # nothing verified is no pass
     assert cli("drill", "verify", "--sample", "0", env=env).returncode == 2
+
+
+def test_trends_use_nearest_rank_percentiles_per_mode():
+    from datetime import datetime, timezone
+
+    from cedana_airflow.drill.report import DrillReport
+    from cedana_airflow.drill.trends import trends
+
+    now = datetime.now(timezone.utc)
+    rs = [DrillReport(drill_id=f"d{i}", mode="canary", ok=i != 3, node="n", started_at=now, finished_at=now,
+                      rto_seconds=float(i), lost_work_seconds=None if i == 0 else 0.5) for i in range(1, 21)]
+    t = trends(rs)["canary"]
+    assert (t["drills"], t["passed"], t["pass_rate"]) == (20, 19, 0.95)
+    assert t["rto_seconds"] == {"p50": 10.0, "p95": 19.0} and t["restore_seconds"] == {"p50": None, "p95": None}
+    assert trends([]) == {}
