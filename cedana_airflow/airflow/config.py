@@ -54,6 +54,11 @@ class AirflowOptions(BaseModel):
     signing_conn_id: str | None = Field(
         default=None, description="Airflow connection whose password is the signing key (format/signing.py), looked "
         "up when a task runs; it wins over signing_key_file / CEDANA_SIGNING_KEY on the worker.")
+    drill_schedule: str = Field(
+        default="@daily", description="Schedule of the cedana_fleet_drill DAG (a cron expression or preset).")
+    drill_notifier: str | None = Field(
+        default=None, description="Called when a drill fails: 'module:name' of an Airflow notifier instance, a "
+        "notifier class (built without arguments) or a callable(context). Unset: the task fails, nothing else.")
 
 
 #: Where a core setting's meaning differs inside Airflow, the [cedana] description says so.

@@ -1,0 +1,87 @@
+"""Fleet drills inside Airflow: what the cedana_fleet_drill DAG's tasks call.
+
+Each task runs one drill of the core (drill/) on its worker against the task's store (``[cedana]
+store``, through ``aws_conn_id`` for S3), keeps the report in the store, writes one summary line to
+the task log, and fails the task when the drill failed, so Airflow's retries, alerting and the
+configured notifier (``[cedana] drill_notifier``) see it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ..drill.canary import canary
+from ..drill.report import DrillReport, save_report
+from ..drill.verify import verify
+from ..errors import ConfigError, EngineUnavailable
+from ..run.runner import make_engine
+from ..scope.optin import load_optin
+from .config import airflow_options, task_settings
+from .store import task_store
+
+__all__ = ["canary_queues", "drill_notifier", "drill_schedule", "run_drill"]
+
+log = logging.getLogger(__name__)
+
+
+def drill_schedule() -> str:
+    return airflow_options("drill_schedule").drill_schedule
+
+
+def drill_notifier() -> Callable[..., Any] | None:
+    """The configured notifier, ready for ``on_failure_callback``; a bad path is a DAG import error."""
+    path = airflow_options("drill_notifier").drill_notifier
+    if not path:
+        return None
+    module, _, name = path.partition(":")
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"[cedana] drill_notifier = {path!r} cannot be imported ({e}). Give 'module:name' of a "
+                          "notifier or a callable.") from None
+    notifier = obj() if isinstance(obj, type) else obj
+    if not callable(notifier):
+        raise ConfigError(f"[cedana] drill_notifier = {path!r} is not callable. Give a notifier or a callable(context).")
+    return notifier  # type: ignore[no-any-return]
+
+
+def canary_queues() -> list[str]:
+    """The queues the opt-in list admits by name (a pattern names no queue to run on): one canary each."""
+    try:
+        optin = load_optin(task_settings()[0].optin_file)
+    except ConfigError:
+        return []  # an unreadable list: the verify drill still runs, and the task log of any task says why
+    queues = optin.queue.queues if optin.queue else ()
+    return sorted(q for q in queues if not any(c in q for c in "*?["))
+
+
+def run_drill(mode: str, **params: Any) -> dict[str, Any]:
+    """Run one drill here; return its report (the task's XCom); raise when it failed."""
+    settings, options = task_settings()
+    store = task_store(settings, options.aws_conn_id)
+    cfg = store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
+    report: DrillReport
+    if mode == "canary":
+        make_engine(settings)
+        report = canary(store, settings, **params)
+    elif mode == "verify":
+        try:
+            engine = make_engine(settings)
+        except EngineUnavailable:
+            engine = None
+        report = verify(store, cfg, settings, engine, **params)
+    else:
+        raise ConfigError(f"drill mode {mode!r} is unknown; use 'verify' or 'canary'.")
+    save_report(store, report)
+    summary = (f"cedana: drill {report.drill_id} ({mode}) {'passed' if report.ok else 'FAILED'} on {report.node}"
+               + (f"; RTO {report.rto_seconds} s, restore {report.restore_seconds} s, lost work {report.lost_work_seconds} s"
+                  if mode == "canary" else f"; {len(report.checked)} ID(s) verified, {report.bytes_fetched / 1e6:.1f} MB"))
+    log.info("%s", summary)
+    if not report.ok:
+        from airflow.sdk.exceptions import AirflowException
+
+        raise AirflowException(f"{summary}: {'; '.join(report.problems)}")
+    return report.model_dump(mode="json")
