@@ -235,6 +235,6 @@ def page_task_instance(request: Request, user: User, dag_id: str, run_id: str, t
 
 @app.exception_handler(HTTPException)
 def _http_error(request: Request, e: HTTPException) -> JSONResponse | HTMLResponse:
-    if request.url.path.rstrip("/").split("/")[-3:-1] == ["api", "v1"] or "/api/v1/" in request.url.path:
+    if "/api/v1/" in request.url.path:  # the JSON API answers JSON; pages answer a page
         return JSONResponse({"detail": e.detail}, status_code=e.status_code, headers=e.headers)
     return HTMLResponse(html.problem(str(e.detail)), status_code=e.status_code, headers=e.headers)

@@ -21,7 +21,7 @@ from pathlib import Path, PurePosixPath
 
 from ..config import Settings
 from ..engine.criu import CriuEngine
-from ..errors import CorruptCheckpoint, RestoreFailed
+from ..errors import CorruptCheckpoint, RestoreFailed, WriterFenced
 from ..format.chunking import MAX_CHUNK_FACTOR
 from ..format.manifest import CAPTURED_DIR, AirflowTask, Manifest, ProcessInfo
 from ..format.selection import AgeLimit, limits_exceeded
@@ -149,6 +149,9 @@ class Checkpointer:
                                                known_digests=self._known, compression=self.settings.compression,
                                                progress_mode=self.settings.progress, signing_key=self._key,
                                                before_commit=self.lease.confirm if self.lease else None)
+            except WriterFenced:
+                shutil.rmtree(dump_dir, ignore_errors=True)
+                return None  # taken over while this one was being saved: the lease has said so, once
             except BaseException:
                 if not self.settings.keep_local:
                     _drop_all_but_logs(dump_dir)
