@@ -36,30 +36,12 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="verb", required=True)
 
     run = sub.add_parser("run", help="run COMMAND managed, checkpointing on a heartbeat")
-    run.add_argument("--id", required=True, help="checkpoint ID")
-    run.add_argument("--heartbeat", type=float, help="seconds between checkpoints (0 = none)")
     run.add_argument("--resume", action="store_true", help="restore the latest checkpoint of ID if there is one")
-    run.add_argument("--try-number", type=int, default=0,
-                     help="which try this is: a higher one takes the ID's writer lease over from a lower one")
-    run.add_argument("--max-restore-gap", type=float, metavar="SECONDS",
-                     help="never restore a checkpoint older than this; with none left, start fresh")
-    run.add_argument("--gpu", choices=("auto", "off", "require"),
-                     help="GPU state: auto (default), require (refuse to start where it cannot be checkpointed), off")
-    _airflow_task(run)
-    _common(run)
+    _supervised(run, when_none_left="start fresh")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
 
     rs = sub.add_parser("restore", help="restore the latest complete checkpoint of ID and supervise it")
-    rs.add_argument("--id", required=True)
-    rs.add_argument("--heartbeat", type=float)
-    rs.add_argument("--try-number", type=int, default=0,
-                    help="which try this is: a higher one takes the ID's writer lease over from a lower one")
-    rs.add_argument("--max-restore-gap", type=float, metavar="SECONDS",
-                    help="never restore a checkpoint older than this; with none left, exit 1")
-    rs.add_argument("--gpu", choices=("auto", "off", "require"),
-                    help="GPU state: auto (default), require (refuse to start where it cannot be checkpointed), off")
-    _airflow_task(rs)
-    _common(rs)
+    _supervised(rs, when_none_left="exit 1")
 
     ls = sub.add_parser("checkpoints", help="list checkpoints (all IDs, or one)")
     ls.add_argument("id", nargs="?")
@@ -112,6 +94,20 @@ def _parser() -> argparse.ArgumentParser:
     doc.add_argument("--json", action="store_true")
     _common(doc)
     return ap
+
+
+def _supervised(p: argparse.ArgumentParser, *, when_none_left: str) -> None:
+    """The options `run` and `restore` share: both supervise a workload under one checkpoint ID."""
+    p.add_argument("--id", required=True, help="checkpoint ID")
+    p.add_argument("--heartbeat", type=float, help="seconds between checkpoints (0 = none)")
+    p.add_argument("--try-number", type=int, default=0,
+                   help="which try this is: a higher one takes the ID's writer lease over from a lower one")
+    p.add_argument("--max-restore-gap", type=float, metavar="SECONDS",
+                   help=f"never restore a checkpoint older than this; with none left, {when_none_left}")
+    p.add_argument("--gpu", choices=("auto", "off", "require"),
+                   help="GPU state: auto (default), require (refuse to start where it cannot be checkpointed), off")
+    _airflow_task(p)
+    _common(p)
 
 
 def _airflow_task(p: argparse.ArgumentParser) -> None:
