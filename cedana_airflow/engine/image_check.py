@@ -8,10 +8,11 @@ whose size disagrees with the pagemap that indexes it. Those are checked here, f
 from __future__ import annotations
 
 import os
+import re
 import struct
 from pathlib import Path
 
-from .images import image_entries
+from .images import read_image
 
 __all__ = ["image_set_problems"]
 
@@ -19,19 +20,9 @@ __all__ = ["image_set_problems"]
 _PE_PRESENT = 1 << 2
 _REQUIRED = ("inventory.img", "pstree.img")
 _IMAGE_VERSION = 2  # inventory_entry.img_version CRIU 3.x/4.x writes
-
-
-def _entries_fit(path: Path) -> bool:
-    """Every entry's declared length stays inside the file (a truncated or padded image does not)."""
-    buf = path.read_bytes()
-    if len(buf) < 4:
-        return False
-    (magic,) = struct.unpack_from("<I", buf, 0)
-    off = 8 if magic in (0x54564319, 0x55105940) else 4
-    while off + 4 <= len(buf):
-        (n,) = struct.unpack_from("<I", buf, off)
-        off += 4 + n
-    return off == len(buf)
+#: Images made of entries only. Others carry raw bytes after their entries (pipes-data, fifo-data,
+#: sk-queues, ghost files, tmpfs and IPC dumps, pages), so "entries end at the end" says nothing there.
+_ENTRIES_ONLY = re.compile(r"(inventory|pstree|files|core-\d+|mm-\d+|pagemap-\d+|fdinfo-\d+|fs-\d+|ids-\d+)\.img")
 
 
 def image_set_problems(image_dir: Path) -> list[str]:
@@ -40,18 +31,20 @@ def image_set_problems(image_dir: Path) -> list[str]:
     problems = [f"{n} is missing" for n in _REQUIRED if n not in names]
     if problems:
         return problems
-    for name in sorted(n for n in names if n.endswith(".img") and not n.startswith("pages-")):
-        if not _entries_fit(image_dir / name):
-            problems.append(f"{name} is not a well-formed CRIU image (an entry runs past its end)")
     try:
-        inventory = image_entries(image_dir / "inventory.img")
+        images = {n: read_image(image_dir / n) for n in sorted(names) if _ENTRIES_ONLY.fullmatch(n)}
+        problems += [f"{n} is not a well-formed CRIU image (an entry runs past its end)"
+                     for n, (_, fits) in images.items() if not fits]
+        inventory = images["inventory.img"][0]
         version = inventory[0].get(1) if inventory else None
         if version != _IMAGE_VERSION:
             problems.append(f"inventory.img says image version {version!r}, not {_IMAGE_VERSION}")
-        for name in sorted(n for n in names if n.startswith("pagemap-") and n.endswith(".img")):
-            head, *entries = image_entries(image_dir / name)
+        for name, (entries, _) in images.items():
+            if not name.startswith("pagemap-") or not entries:
+                continue
+            head, *rest = entries
             pages = f"pages-{head.get(1)!s}.img"
-            present = [e for e in entries if int(e.get(4, _PE_PRESENT)) & _PE_PRESENT]
+            present = [e for e in rest if int(e.get(4, _PE_PRESENT)) & _PE_PRESENT]
             want = sum(int(e.get(2, 0)) for e in present) * os.sysconf("SC_PAGE_SIZE")
             have = (image_dir / pages).stat().st_size if pages in names else -1
             if have != want:

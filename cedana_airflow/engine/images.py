@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-__all__ = ["image_entries", "message_fields", "read_dump_stats"]
+__all__ = ["image_entries", "message_fields", "read_dump_stats", "read_image"]
 
 _IMG_COMMON = 0x54564319
 _IMG_SERVICE = 0x55105940
@@ -54,15 +54,20 @@ def _payload_start(buf: bytes) -> int:
     return 8 if magic in (_IMG_COMMON, _IMG_SERVICE) else 4
 
 
-def image_entries(path: Path) -> list[dict[int, int | bytes]]:
-    """Every entry of a CRIU image file, as :func:`message_fields` reads it."""
+def read_image(path: Path) -> tuple[list[dict[int, int | bytes]], bool]:
+    """Every entry of a CRIU image file, as :func:`message_fields` reads it, and whether the entries
+    end exactly at the end of the file (an image of entries only, not truncated, nothing after)."""
     buf = path.read_bytes()
     off, out = _payload_start(buf), []
     while off + 4 <= len(buf):
         (n,) = struct.unpack_from("<I", buf, off)
         out.append(message_fields(buf[off + 4 : off + 4 + n]))
         off += 4 + n
-    return out
+    return out, off == len(buf)
+
+
+def image_entries(path: Path) -> list[dict[int, int | bytes]]:
+    return read_image(path)[0]
 
 
 #: stats.proto, dump_stats_entry: times in microseconds, then page counts.

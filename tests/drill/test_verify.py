@@ -20,18 +20,25 @@ from conftest import cli, cli_env, manifests
 pytestmark = pytest.mark.integration
 
 
-def _dump_of_a_sleeping_process(tmp_path: Path) -> Path:
+def _dump_of_a_sleeping_process(tmp_path: Path, command: tuple[str, ...] = ("sleep", "30")) -> Path:
     images = tmp_path / "images"
     images.mkdir()
-    p = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    p = subprocess.Popen(list(command), start_new_session=True)
     try:
         time.sleep(0.2)
         subprocess.run([find_criu("", Path("/opt/cedana-airflow/criu")).path, "dump", "-t", str(p.pid), "-D", str(images),
                         "--leave-running", "--shell-job", "-o", str(tmp_path / "dump.log")], check=True, capture_output=True)
     finally:
-        os.kill(p.pid, signal.SIGKILL)
+        os.killpg(p.pid, signal.SIGKILL)
         p.wait()
     return images
+
+
+def test_an_image_set_with_raw_payloads_after_its_entries_passes(tmp_path):
+    # a pipe holding unread data: CRIU writes pipes-data.img as entries each followed by raw bytes
+    images = _dump_of_a_sleeping_process(tmp_path, ("sh", "-c", "(echo pending; sleep 30) | sleep 30"))
+    assert (images / "pipes-data.img").exists()
+    assert image_set_problems(images) == []
 
 
 def test_a_real_image_set_passes_and_what_criu_would_refuse_is_named(tmp_path):
