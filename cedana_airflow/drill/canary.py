@@ -29,6 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..config import Settings
+from ..engine.procfs import process_start
 from ..errors import CedanaError
 from ..store.base import Store
 from ..store.gc import delete_checkpoint_id
@@ -90,20 +91,12 @@ def _killed_at_exit(*procs: subprocess.Popen[bytes]) -> Iterator[None]:
                 p.wait()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
 def _kill_tree(workload_pid: int) -> None:
     """SIGKILL the init of the workload's PID namespace: everything in it dies with it."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(workload_pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while _alive(workload_pid) and time.monotonic() < deadline:
+    while process_start(workload_pid) is not None and time.monotonic() < deadline:
         time.sleep(0.05)
 
 

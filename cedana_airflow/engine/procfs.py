@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import stat
 
-__all__ = ["tree_pids", "open_for_writing"]
+__all__ = ["open_for_writing", "process_start", "tree_pids"]
 
 
 def tree_pids(root: int) -> list[int]:
@@ -30,6 +30,18 @@ def tree_pids(root: int) -> list[int]:
             except FileNotFoundError:
                 pass
     return out
+
+
+def process_start(pid: int) -> int | None:
+    """When a live process started (clock ticks since boot), or None when there is none or it is a
+    zombie: with the pid, it names one process even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state is field 3, starttime 22
+        return None if fields[0] in ("Z", "X") else int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _flags(fdinfo: str) -> int:

@@ -25,6 +25,7 @@ point; what is left is a window of one request, documented in docs/store-format.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -35,6 +36,7 @@ from collections.abc import Iterator
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ..engine.procfs import process_start
 from ..errors import CedanaError, WriterFenced, WriterLeaseHeld
 from ..ids import validate_checkpoint_id
 from .base import Store
@@ -73,38 +75,27 @@ class LeaseRecord(BaseModel):
                 f"renewed {max(0.0, now - self.renewed_at):.0f} s ago")
 
 
-def _read(path: str) -> str:
+@functools.cache
+def _machine() -> tuple[str, str]:
+    """This machine's boot and our PID namespace: a process's constants, read once."""
     try:
-        with open(path) as f:
-            return f.read().strip()
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
     except OSError:
-        return ""
-
-
-def _pid_start(pid: int) -> int | None:
-    """The start time of a live, non-zombie process, or None when there is none."""
-    stat = _read(f"/proc/{pid}/stat")
-    if not stat:
-        return None
-    fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state is field 3, starttime 22
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
-
-
-def _pid_ns() -> str:
+        boot = ""
     try:
-        return os.readlink("/proc/self/ns/pid")
+        pid_ns = os.readlink("/proc/self/ns/pid")
     except OSError:
-        return ""
+        pid_ns = ""
+    return boot, pid_ns
 
 
 def _gone_here(rec: LeaseRecord) -> bool:
     """Whether the holder ran on this machine, in our PID namespace, and that process is gone."""
-    boot = _read("/proc/sys/kernel/random/boot_id")
-    if not boot or rec.boot_id != boot or not rec.pid_ns or rec.pid_ns != _pid_ns() or not rec.pid_start:
+    boot, pid_ns = _machine()
+    if not boot or rec.boot_id != boot or not rec.pid_ns or rec.pid_ns != pid_ns or not rec.pid_start:
         return False  # another machine or namespace (its pid means nothing here), or nothing to compare
-    return _pid_start(rec.pid) != rec.pid_start
+    return process_start(rec.pid) != rec.pid_start
 
 
 def _parse(raw: bytes | None) -> LeaseRecord | None:
@@ -126,17 +117,18 @@ class WriterLease:
         self.holder = uuid.uuid4().hex
         self._acquired_at = 0.0
         self._fenced: str | None = None
+        self._host, self._pid_start = socket.gethostname(), process_start(os.getpid()) or 0
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
 
     # -- the record ---------------------------------------------------------------------------
     def _record(self) -> bytes:
         now = time.time()
+        boot, pid_ns = _machine()
         return LeaseRecord(
-            holder=self.holder, node=self.node, try_number=self.try_number, host=socket.gethostname(),
-            boot_id=_read("/proc/sys/kernel/random/boot_id"), pid_ns=_pid_ns(), pid=os.getpid(),
-            pid_start=_pid_start(os.getpid()) or 0, ttl_seconds=self.ttl, acquired_at=self._acquired_at or now,
-            renewed_at=now,
+            holder=self.holder, node=self.node, try_number=self.try_number, host=self._host, boot_id=boot,
+            pid_ns=pid_ns, pid=os.getpid(), pid_start=self._pid_start, ttl_seconds=self.ttl,
+            acquired_at=self._acquired_at or now, renewed_at=now,
         ).model_dump_json().encode()
 
     def _takeover_reason(self, cur: LeaseRecord) -> str | None:

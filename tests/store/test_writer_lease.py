@@ -14,7 +14,7 @@ import pytest
 from cedana_airflow.config import load_settings
 from cedana_airflow.errors import WriterFenced, WriterLeaseHeld
 from cedana_airflow.store import open_store
-from cedana_airflow.store.writer_lease import WriterLease, _read, lease_key
+from cedana_airflow.store.writer_lease import WriterLease, _machine, lease_key
 
 CID = "job-1"
 
@@ -90,7 +90,7 @@ def test_an_older_try_is_refused_while_a_newer_one_holds_the_lease(store):
 def test_a_dead_holder_on_this_machine_is_taken_over_at_once(store):
     p = subprocess.Popen(["sleep", "0"])
     p.wait()  # its pid now names no process
-    _plant(store, boot_id=_read("/proc/sys/kernel/random/boot_id"), pid_ns=os.readlink("/proc/self/ns/pid"),
+    _plant(store, boot_id=_machine()[0], pid_ns=os.readlink("/proc/self/ns/pid"),
            pid=p.pid, pid_start=123, ttl_seconds=600)
     t0 = time.monotonic()
     _lease(store, "node-b").acquire()
