@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--json", action="store_true")
 
     dr = sub.add_parser("drill", help="run a fleet drill here and print its report (exit 0 pass, 1 fail)")
-    dr.add_argument("mode", choices=("verify", "canary"),
+    dr.add_argument("mode", choices=("verify", "canary"),  # drill.run.MODES
                     help="verify: read and check the latest checkpoint of sampled IDs; canary: kill and restore a "
                     "canary workload here and compare its output")
     dr.add_argument("--ids", default="*", metavar="PATTERN", help="verify: checkpoint IDs to sample from (a glob)")
@@ -249,11 +249,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_drill(args: argparse.Namespace) -> int:
-    from .drill.canary import canary
-    from .drill.report import save_report
-    from .drill.verify import verify
-    from .errors import EngineUnavailable
-    from .run.runner import make_engine
+    from .drill.run import run_drill
     from .store import open_store
 
     if args.sample < 1 or args.mb < 1 or args.steps < 1 or args.heartbeats < 1:
@@ -262,19 +258,12 @@ def _cmd_drill(args: argparse.Namespace) -> int:
         raise ConfigError("--heartbeat must be above 0 and --step-seconds 0 or more (both under an hour).")
     settings = _settings(args)
     store = open_store(settings.resolved_store(), settings)
-    if args.mode == "canary":
-        store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
-        make_engine(settings)  # a canary needs CRIU here: say so before anything starts
-        report = canary(store, settings, mb=args.mb, steps=args.steps, step_seconds=args.step_seconds,
-                        heartbeat=args.heartbeat, heartbeats=args.heartbeats)
-    else:
-        cfg = store.open(create=False, chunk_avg_bytes=settings.chunk_avg_bytes)
-        try:
-            engine = make_engine(settings)
-        except EngineUnavailable:
-            engine = None  # the report says CRIU itself was not checked
-        report = verify(store, cfg, settings, engine, ids=args.ids, sample=args.sample)
-    save_report(store, report)
+    # a canary writes checkpoints (it may create the store); verify only reads one
+    cfg = store.open(create=args.mode == "canary", chunk_avg_bytes=settings.chunk_avg_bytes)
+    params: dict[str, Any] = (
+        dict(mb=args.mb, steps=args.steps, step_seconds=args.step_seconds, heartbeat=args.heartbeat,
+             heartbeats=args.heartbeats) if args.mode == "canary" else dict(ids=args.ids, sample=args.sample))
+    report = run_drill(args.mode, store, cfg, settings, **params)
     if args.json:
         print(report.model_dump_json(indent=1))
     elif report.mode == "canary":
@@ -294,6 +283,7 @@ def _cmd_drill(args: argparse.Namespace) -> int:
 
 def _cmd_drills(args: argparse.Namespace) -> int:
     from .drill.report import list_reports
+    from .drill.run import drills_json
     from .drill.trends import trends
     from .store import open_store
 
@@ -302,8 +292,7 @@ def _cmd_drills(args: argparse.Namespace) -> int:
     store.open(create=False, chunk_avg_bytes=settings.chunk_avg_bytes)
     reports = list_reports(store)
     if args.json:
-        print(json.dumps({"trends": trends(reports), "reports": [r.model_dump(mode="json") for r in reports]},
-                         indent=1 if sys.stdout.isatty() else None))
+        print(json.dumps(drills_json(reports), indent=1 if sys.stdout.isatty() else None))
         return 0
     for r in reports:
         print(f"{r.drill_id}  {r.mode:<7} {'pass' if r.ok else 'FAIL'}  on {r.node}"

@@ -28,6 +28,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 
 from ..config import redact
 from ..drill.report import DrillReport, list_reports
+from ..drill.run import drills_json
 from ..drill.trends import trends
 from ..errors import CedanaError, CheckpointIdError
 from ..ids import derive_checkpoint_id, validate_checkpoint_id
@@ -165,31 +166,29 @@ def _audit(who: str, x: IdListing, removed: int) -> None:
         log.warning("cedana: audit log not written for the deletion of %s: %s", x.checkpoint_id, e)
 
 
-def _drills(user: Any) -> tuple[list[DrillReport], dict[str, Any]]:
+def _drill_reports(user: Any) -> list[DrillReport]:
     """Drill reports span the fleet (and name IDs of many DAGs): for users who may read every DAG."""
     if not _allowed(user, None):
         raise HTTPException(403, "drill reports are for users who may read every DAG")
-    reports = list_reports(_store())
-    return reports, trends(reports)
+    return list_reports(_store())
 
 
 @app.get("/api/v1/drills")
 def api_drills(user: User) -> JSONResponse:
     try:
-        reports, figures = _drills(user)
+        return JSONResponse(drills_json(_drill_reports(user)))
     except CedanaError as e:
         return JSONResponse({"detail": _store_problem(e)}, status_code=503)
-    return JSONResponse({"trends": figures, "reports": [r.model_dump(mode="json") for r in reports]})
 
 
 # -- pages --------------------------------------------------------------------------------------
 @app.get("/drills", response_class=HTMLResponse)
 def page_drills(user: User) -> HTMLResponse:
     try:
-        reports, figures = _drills(user)
+        reports = _drill_reports(user)
     except CedanaError as e:
         return HTMLResponse(html.problem(_store_problem(e)), status_code=503)
-    return HTMLResponse(html.drills_page(reports, figures))
+    return HTMLResponse(html.drills_page(reports, trends(reports)))
 
 
 @app.get("/", response_class=HTMLResponse)

@@ -13,11 +13,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..drill.canary import canary
-from ..drill.report import DrillReport, save_report
-from ..drill.verify import verify
-from ..errors import ConfigError, EngineUnavailable
-from ..run.runner import make_engine
+from ..drill import run as drill
+from ..errors import ConfigError
 from ..scope.optin import load_optin
 from .config import airflow_options, task_settings
 from .store import task_store
@@ -63,19 +60,7 @@ def run_drill(mode: str, **params: Any) -> dict[str, Any]:
     settings, options = task_settings()
     store = task_store(settings, options.aws_conn_id)
     cfg = store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
-    report: DrillReport
-    if mode == "canary":
-        make_engine(settings)
-        report = canary(store, settings, **params)
-    elif mode == "verify":
-        try:
-            engine = make_engine(settings)
-        except EngineUnavailable:
-            engine = None
-        report = verify(store, cfg, settings, engine, **params)
-    else:
-        raise ConfigError(f"drill mode {mode!r} is unknown; use 'verify' or 'canary'.")
-    save_report(store, report)
+    report = drill.run_drill(mode, store, cfg, settings, **params)
     summary = (f"cedana: drill {report.drill_id} ({mode}) {'passed' if report.ok else 'FAILED'} on {report.node}"
                + (f"; RTO {report.rto_seconds} s, restore {report.restore_seconds} s, lost work {report.lost_work_seconds} s"
                   if mode == "canary" else f"; {len(report.checked)} ID(s) verified, {report.bytes_fetched / 1e6:.1f} MB"))

@@ -1,0 +1,41 @@
+"""One drill, whichever mode, as the CLI and the Airflow DAG both run it: pick the mode, run it on
+this node, keep its report in the store."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import Settings
+from ..errors import ConfigError, EngineUnavailable
+from ..run.runner import make_engine
+from ..store.base import Store, StoreConfig
+from .canary import canary
+from .report import DrillReport, save_report
+from .trends import trends
+from .verify import verify
+
+__all__ = ["MODES", "drills_json", "run_drill"]
+
+MODES = ("verify", "canary")
+
+
+def run_drill(mode: str, store: Store, cfg: StoreConfig, settings: Settings, **params: Any) -> DrillReport:
+    """Run a ``mode`` drill here with its ``params``; the report is kept in the store and returned."""
+    if mode == "canary":
+        make_engine(settings)  # a canary needs CRIU here: say so before anything starts
+        report = canary(store, settings, **params)
+    elif mode == "verify":
+        try:
+            engine = make_engine(settings)
+        except EngineUnavailable:
+            engine = None  # the report says CRIU itself was not checked
+        report = verify(store, cfg, settings, engine, **params)
+    else:
+        raise ConfigError(f"drill mode {mode!r} is unknown; use one of {', '.join(MODES)}.")
+    save_report(store, report)
+    return report
+
+
+def drills_json(reports: list[DrillReport]) -> dict[str, Any]:
+    """What `drills --json` prints and the browser's drills API serves."""
+    return {"trends": trends(reports), "reports": [r.model_dump(mode="json") for r in reports]}
