@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ..config import Settings
 from ..errors import CedanaError, ConfigError
+from ..run.runner import ensure_work_dir
 from ..store.base import Store
 from ..store.records import read_records
 
@@ -86,10 +87,9 @@ def list_reports(store: Store) -> list[DrillReport]:
 
 def scratch_dir(settings: Settings, prefix: str) -> Path:
     """A private temp dir for a drill's images, in the work dir when one is set (it holds process memory)."""
+    where = ensure_work_dir(settings)
     try:
-        if settings.work_dir is not None:
-            settings.work_dir.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=prefix, dir=settings.work_dir))  # mode 0700
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=where))  # mode 0700
     except OSError as e:
-        raise ConfigError(f"work dir {settings.work_dir} cannot be used: {e.strerror}. Point --work-dir / "
+        raise ConfigError(f"work dir {where or tempfile.gettempdir()} cannot be used: {e.strerror}. Point --work-dir / "
                           "CEDANA_WORK_DIR at a writable local directory.") from None

@@ -43,7 +43,7 @@ from .gpu_state import GpuGate
 from .triggers import Heartbeat, MemoryWatch
 from .workload import Sink, Workload
 
-__all__ = ["RunResult", "run_workload", "make_engine"]
+__all__ = ["RunResult", "ensure_work_dir", "make_engine", "run_workload"]
 
 log = logging.getLogger(__name__)
 
@@ -130,16 +130,22 @@ def run_workload(
         return result
 
 
-@contextlib.contextmanager
-def _work_dir(settings: Settings) -> Iterator[Path]:
-    """The configured work directory, or a temp one that is removed afterwards (unless keep_local)."""
+def ensure_work_dir(settings: Settings) -> Path | None:
+    """The configured work directory, created if needed (None: none configured, use a temp one)."""
     if settings.work_dir is not None:
         try:
             settings.work_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"work dir {settings.work_dir} cannot be used: {e.strerror}. Point --work-dir / "
                               "CEDANA_WORK_DIR at a writable local directory.") from None
-        yield settings.work_dir
+    return settings.work_dir
+
+
+@contextlib.contextmanager
+def _work_dir(settings: Settings) -> Iterator[Path]:
+    """The configured work directory, or a temp one that is removed afterwards (unless keep_local)."""
+    if (configured := ensure_work_dir(settings)) is not None:
+        yield configured
         return
     work_dir = Path(tempfile.mkdtemp(prefix="cedana-work-"))
     try:
