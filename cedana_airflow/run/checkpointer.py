@@ -112,7 +112,7 @@ class Checkpointer:
                 self.gpu.say_once(f"heartbeat skipped checkpoint_id={self.checkpoint_id}: {why_not}; the workload "
                                   "keeps running without a new checkpoint")
                 return None
-            estimate = estimate_checkpoint(pids)
+            estimate = estimate_checkpoint(pids, gpu=bool(holding))  # no /dev/nvidia* mapped: no GPU memory
             why = too_large(estimate, self.settings.max_checkpoint_bytes, self.work_dir)
             if why:
                 self.skipped += 1

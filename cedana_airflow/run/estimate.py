@@ -62,10 +62,10 @@ def _gpu(pids: list[int]) -> dict[int, int]:
         pynvml.nvmlShutdown()
 
 
-def estimate_checkpoint(pids: list[int]) -> Estimate:
+def estimate_checkpoint(pids: list[int], *, gpu: bool = True) -> Estimate:
     """Resident memory of ``pids`` (shared pages counted once per process: an overestimate) plus
-    their GPU memory."""
-    used = _gpu(pids)
+    their GPU memory (``gpu=False``: the caller knows none of them maps a GPU, so NVML is not asked)."""
+    used = _gpu(pids) if gpu else {}
     return Estimate(_rss(pids), sum(used.values()), tuple(sorted(used.items())))
 
 

@@ -42,9 +42,6 @@ class GpuGate:
         self._load, self._inventory = load, inventory
         self._said: set[str] = set()
 
-    def driver(self) -> cuda.CudaDriver:
-        return self._load()
-
     def require(self) -> None:
         """``gpu = require``: a node that cannot checkpoint GPU state is a configuration error (exit 2)."""
         if self.mode != "require":
