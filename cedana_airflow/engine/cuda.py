@@ -28,7 +28,7 @@ from typing import Protocol
 
 from ..errors import GpuCheckpointFailed, GpuUnavailable
 
-__all__ = ["CudaDriver", "GpuInventory", "GpuSuspension", "LibcudaDriver", "cuda_pids", "gpu_inventory", "load_driver",
+__all__ = ["CudaDriver", "GpuInventory", "GpuSuspension", "LibcudaDriver", "cuda_pids", "gpu_inventory", "libcuda_loadable", "load_driver",
            "ns_pid", "nvidia_files", "resume_restored", "suspended"]
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,15 @@ class LibcudaDriver:
 
 
 _driver: LibcudaDriver | None = None
+
+
+def libcuda_loadable() -> bool:
+    """Whether the driver's library is here at all (``load_driver`` also needs its checkpoint API)."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
 
 
 def load_driver() -> LibcudaDriver:

@@ -109,19 +109,23 @@ def _persistence_modes() -> list[bool] | None:
         pynvml.nvmlShutdown()
 
 
+#: What NVIDIA's driver cannot checkpoint, whatever its version (docs/gpu.md).
+_UNSUPPORTED = "UVM/managed memory, CUDA IPC memory, MIG, MPS, multi-process NCCL"
+
+
 def _gpu_state(settings: Settings) -> Check:
     """Can this node checkpoint GPU state (engine/cuda.py)? With the facts --json carries as ``gpu``."""
     inv = cuda.gpu_inventory()
     info: dict[str, Any] = {"mode": settings.gpu, "driver_version": inv.driver_version or None,
                             "gpus": list(inv.models), "libcuda": False, "cuda_api_version": None,
                             "checkpoint_api": False, "persistence_mode": _persistence_modes(), "warnings": [],
-                            "problem": None}
+                            "problem": None, "unsupported": _UNSUPPORTED}
     try:
         driver = cuda.load_driver()
         info.update(libcuda=True, cuda_api_version=driver.version(), checkpoint_api=True)
     except GpuUnavailable as e:
         info["problem"] = str(e)
-        info["libcuda"] = "no NVIDIA driver" not in str(e)
+        info["libcuda"] = cuda.libcuda_loadable()
         status = "fail" if settings.gpu == "require" else "skip"
         return Check("gpu", status, f"GPU state cannot be checkpointed here: {e}",
                      "run GPU tasks on a node with driver 570 or later" if status == "fail" else "", info)
@@ -133,10 +137,9 @@ def _gpu_state(settings: Settings) -> Check:
         warnings.append(f"driver {inv.driver_version}: restores only onto the same GPU models (580 adds a device map)")
     if info["persistence_mode"] and not all(info["persistence_mode"]):
         warnings.append("persistence mode is off on some GPUs: each checkpoint and restore pays the driver's start-up")
-    warnings.append("not supported by the driver: UVM/managed memory, CUDA IPC memory, MIG, MPS, multi-process NCCL")
     detail = (f"checkpoint API present (CUDA API {info['cuda_api_version']}, driver {inv.driver_version or '?'}, "
               f"{len(inv.models)} GPU(s))")
-    return Check("gpu", "warn" if len(warnings) > 1 else "ok", detail, "; ".join(warnings[:-1]), info)
+    return Check("gpu", "warn" if warnings else "ok", detail, "; ".join(warnings), info)
 
 
 def run_checks(settings: Settings) -> list[Check]:
