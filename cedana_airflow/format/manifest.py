@@ -166,7 +166,7 @@ class Manifest(_Frozen):
 
     @model_validator(mode="after")
     def _version_says_what_is_in_it(self) -> Manifest:
-        if (self.format_version == 3) != (self.gpu is not None or self.airflow is not None):
+        if (self.format_version == 3) != self.has_blocks():
             raise ValueError("a gpu or airflow block goes with format_version 3, and only there")
         if self.format_version == 2 and self.signature is None or self.format_version == 1 and self.signature:
             raise ValueError("a signature goes with format_version 2 (3 with a gpu block), and only there")

@@ -35,6 +35,13 @@ class IdListing:
     restores: int = 0  # resumes recorded in the index
     recent_restores: tuple[datetime, ...] = ()  # when the latest of them happened (index.RECENT_RESTORES)
 
+    @classmethod
+    def of(cls, cid: str, e: IndexEntry, source: str, rows: tuple[IndexRow, ...] | None = None,
+           airflow: AirflowTask | None = None) -> IdListing:
+        """An ID as its index entry tells it; ``rows`` and ``airflow`` when read from its manifests instead."""
+        return cls(cid, e.checkpoints if rows is None else rows, e.skipped_heartbeats, e.last_skip, source,
+                   airflow or e.airflow, e.restores, e.recent_restores)
+
 
 def _from_manifests(store: Store, ids: list[str], entries: dict[str, IndexEntry]) -> list[IdListing]:
     by_id = load_manifests_of(store, ids)
@@ -42,9 +49,8 @@ def _from_manifests(store: Store, ids: list[str], entries: dict[str, IndexEntry]
     for cid in ids:
         e = entries.get(cid, IndexEntry())
         rows = tuple(sorted((IndexRow.of(m) for m in by_id[cid]), key=lambda r: r.seq))
-        owner = next((m.airflow for m in by_id[cid] if m.airflow is not None), e.airflow)
-        out.append(IdListing(cid, rows, e.skipped_heartbeats, e.last_skip, "manifests", owner, e.restores,
-                             e.recent_restores))
+        owner = next((m.airflow for m in by_id[cid] if m.airflow is not None), None)
+        out.append(IdListing.of(cid, e, "manifests", rows, owner))
     return out
 
 
@@ -63,11 +69,9 @@ def list_store(store: Store, checkpoint_id: str | None = None, *, exact: bool = 
         known: list[IdListing] = []
     else:
         unknown = sorted(c for c in present if not entries.get(c, IndexEntry()).checkpoints)
-        known = [IdListing(c, e.checkpoints, e.skipped_heartbeats, e.last_skip, "index", e.airflow, e.restores,
-                           e.recent_restores) for c, e in entries.items() if c in present and e.checkpoints]
+        known = [IdListing.of(c, e, "index") for c, e in entries.items() if c in present and e.checkpoints]
     # IDs with skips but no checkpoint have no folder: the index is the only place that knows them.
-    skipped_only = [IdListing(c, (), e.skipped_heartbeats, e.last_skip, "index", e.airflow, e.restores, e.recent_restores)
-                    for c, e in entries.items() if c not in present and e.skipped_heartbeats]
+    skipped_only = [IdListing.of(c, e, "index", rows=()) for c, e in entries.items() if c not in present and e.skipped_heartbeats]
     listed = known + skipped_only + [x for x in _from_manifests(store, unknown, entries) if x.checkpoints or x.skipped_heartbeats]
     return sorted(listed, key=lambda x: x.checkpoint_id)
 
