@@ -20,11 +20,10 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from cedana_airflow.airflow.config import AirflowOptions, task_settings
 from cedana_airflow.airflow.logsink import LogSink
 from cedana_airflow.airflow.store import task_store, with_signing_key
-from cedana_airflow.airflow.task_state import STATE_KEY, TaskState
+from cedana_airflow.airflow.task_state import STATE_KEY, TaskState, airflow_task
 from cedana_airflow.config import Settings
 from cedana_airflow.engine.cuda import load_driver
 from cedana_airflow.errors import CedanaError, CheckpointIdError, ConfigError, GpuUnavailable
-from cedana_airflow.format.manifest import AirflowTask
 from cedana_airflow.format.selection import AgeLimit
 from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
 from cedana_airflow.run.environment import workload_env
@@ -205,8 +204,7 @@ class CheckpointedCommandOperator(BaseOperator):
             result = run_workload(settings, cid, argv, resume=self._may_resume(store, cid), try_number=ti.try_number,
                                   cwd=self.cwd, env=env,
                                   stdout=out, stderr=err, handle_signals=False, stop=self._stop, store=store,
-                                  airflow=AirflowTask(dag_id=ti.dag_id, task_id=ti.task_id, run_id=context["run_id"],
-                                                      map_index=ti.map_index if ti.map_index is not None else -1))
+                                  airflow=airflow_task(context))
         except CedanaError as e:
             raise AirflowException(f"cedana: {e}") from None
         finally:

@@ -19,9 +19,8 @@ from kubernetes.client import models as k8s
 
 from cedana_airflow.airflow.config import airflow_options
 from cedana_airflow.airflow.kube import Route, apply_route, pod_scope, uses_gpu
-from cedana_airflow.airflow.task_state import TaskState
+from cedana_airflow.airflow.task_state import TaskState, airflow_task
 from cedana_airflow.errors import ConfigError
-from cedana_airflow.format.manifest import AirflowTask
 from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
 
 if TYPE_CHECKING:
@@ -94,6 +93,5 @@ class CedanaKubernetesPodOperator(KubernetesPodOperator):
                       heartbeat_seconds=scope.heartbeat_seconds, node_label=scope.node_label,
                       avoid_nodes=earlier, runtime_class=scope.runtime_class,
                       store=scope.settings.store, store_secret=self.store_secret or "", try_number=ti.try_number,
-                      airflow=AirflowTask(dag_id=ti.dag_id, task_id=ti.task_id, run_id=context["run_id"],
-                                          map_index=ti.map_index if ti.map_index is not None else -1))
+                      airflow=airflow_task(context))
         return apply_route(pod, route)

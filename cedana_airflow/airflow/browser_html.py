@@ -14,6 +14,7 @@ from html import escape
 from urllib.parse import quote, urlencode
 
 from ..drill.report import DrillReport
+from ..format.manifest import AirflowTask
 from ..store.listing import IdListing
 from .browser_data import Fleet, IdDetail
 
@@ -125,12 +126,9 @@ def _chart(values: Sequence[float], label: str) -> str:
     return f"<div><span class='muted'>{escape(label)} (max {top:g})</span><br><svg width='{w}' height='{h}'>{bars}</svg></div>"
 
 
-def _airflow_links(a: object, prefix: str) -> str:
+def _airflow_links(a: AirflowTask | None, prefix: str) -> str:
     if a is None:
         return "<span class='muted'>taken outside Airflow (no DAG)</span>"
-    from ..format.manifest import AirflowTask
-
-    assert isinstance(a, AirflowTask)
     run = f"{prefix}dags/{quote(a.dag_id, safe='')}/runs/{quote(a.run_id, safe='')}"
     return (f"DAG <a target='_top' href='{escape(prefix)}dags/{quote(a.dag_id, safe='')}'>{escape(a.dag_id)}</a>, "
             f"run <a target='_top' href='{escape(run)}'>{escape(a.run_id)}</a>, "

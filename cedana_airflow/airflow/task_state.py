@@ -17,9 +17,10 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
+from ..format.manifest import AirflowTask
 from .logsink import TaskLog
 
-__all__ = ["STATE_KEY", "TaskState"]
+__all__ = ["STATE_KEY", "TaskState", "airflow_task"]
 
 #: Key in ``context["task_state_store"]``.
 STATE_KEY = "cedana"
@@ -73,3 +74,10 @@ class TaskState:
         except Exception as e:  # bookkeeping must never fail the workload
             self._log.warning("cedana: could not read the task state store: %s", e)
             return {}
+
+
+def airflow_task(context: Mapping[str, Any]) -> AirflowTask:
+    """The task instance a context is, as manifests and restore records name it."""
+    ti = context["ti"]
+    return AirflowTask(dag_id=ti.dag_id, task_id=ti.task_id, run_id=context["run_id"],
+                       map_index=ti.map_index if ti.map_index is not None else -1)
