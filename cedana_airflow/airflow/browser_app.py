@@ -20,6 +20,7 @@ Routes (the JSON API is a contract, README "Checkpoint browser")::
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -76,12 +77,24 @@ def _may_read(user: Any) -> MayRead:
     return lambda dag_id: _allowed(user, dag_id)
 
 
+#: Opened stores by (URL, connection): building an S3 client (its service model, a connection lookup)
+#: costs more than a page; kept for a few minutes, so a rotated connection is picked up.
+_STORE_SECONDS = 300.0
+_stores: dict[tuple[str, str | None], tuple[float, Store]] = {}
+
+
 def _store() -> Store:
     from .config import task_settings
     from .store import task_store
 
     settings, options = task_settings()
-    return task_store(settings, options.aws_conn_id)
+    key = (settings.resolved_store(), options.aws_conn_id)
+    hit = _stores.get(key)
+    if hit is not None and time.monotonic() - hit[0] < _STORE_SECONDS:
+        return hit[1]
+    store = task_store(settings, options.aws_conn_id)
+    _stores[key] = (time.monotonic(), store)
+    return store
 
 
 def _listing(store: Store) -> list[IdListing]:
