@@ -138,7 +138,7 @@ def test_every_route_needs_a_login(server):
     assert status in (401, 403)
 
 
-def test_the_json_api_has_the_cli_shape_and_is_filtered_by_dag_permission(server):
+def test_the_json_api_has_the_cli_shape_and_is_filtered_by_dag_permission_stand_in_auth_manager(server):
     base, tokens, tmp = server
     status, everything = _call(base, "GET", "/cedana/api/v1/checkpoints", tokens["admin"])
     assert status == 200
@@ -159,7 +159,7 @@ def test_the_json_api_has_the_cli_shape_and_is_filtered_by_dag_permission(server
     assert _call(base, "GET", "/cedana/api/v1/checkpoints/..%2Fetc", tokens["admin"])[0] in (400, 404)
 
 
-def test_pages_render_the_fleet_an_id_and_a_task_instance_tab(server):
+def test_pages_render_the_fleet_an_id_and_a_task_instance_tab_stand_in_auth_manager(server):
     base, tokens, _ = server
     status, page = _call(base, "GET", "/cedana/", tokens["alice@dag_a"])
     assert status == 200 and A_ID in page and B_ID not in page and "1</b> checkpoint IDs" in page
@@ -184,7 +184,7 @@ def test_the_views_are_registered_with_airflow(server):
     assert [a["url_prefix"] for a in cedana["fastapi_apps"]] == ["/cedana"]
 
 
-def test_delete_needs_edit_permission_and_is_in_the_audit_log(server):
+def test_delete_needs_edit_permission_and_is_in_the_audit_log_stand_in_auth_manager(server):
     base, tokens, tmp = server
     assert _call(base, "DELETE", f"/cedana/api/v1/checkpoints/{B_ID}", tokens["bob"])[0] == 403  # a viewer
     assert _call(base, "DELETE", f"/cedana/api/v1/checkpoints/{B_ID}", tokens["alice@dag_a"])[0] == 403
@@ -200,7 +200,7 @@ def test_delete_needs_edit_permission_and_is_in_the_audit_log(server):
     assert rows == [("admin", "dag_b", f"checkpoint_id={B_ID} checkpoints=2")]
 
 
-def test_an_unusable_store_is_one_line_on_the_page_not_a_stack_trace(monkeypatch):
+def test_an_unusable_store_is_one_line_on_the_page_not_a_stack_trace_stand_in_store(monkeypatch):
     from cedana_airflow.airflow import browser_app
     from cedana_airflow.errors import StoreUnavailable
 
@@ -257,7 +257,7 @@ def test_in_a_real_browser_log_in_open_browse_checkpoints_then_an_id(server):
             browser.close()
 
 
-def test_drill_reports_and_trends_for_users_who_may_read_every_dag(server):
+def test_drill_reports_and_trends_for_users_who_may_read_every_dag_stand_in_auth_manager(server):
     base, tokens, _ = server
     status, drills = _call(base, "GET", "/cedana/api/v1/drills", tokens["bob"])
     assert status == 200 and [r["drill_id"] for r in drills["reports"]] == ["20261130T000000Z-canary-abc123"]
