@@ -29,6 +29,16 @@ TOML, or YAML when PyYAML is installed (Airflow brings it)::
     trigger = { memory_above_bytes = 60_000_000_000 }   # or schedule_seconds = 600, or signal = "SIGTERM"
     filter = { dags = ["train_*"], queues = ["gpu"], tags = ["team:ml"] }
     action = "checkpoint"                    # or "none": switch that trigger off
+
+    [drills]                                 # the cedana_fleet_drill DAG's live mode (off unless set)
+    live = true                              # fail running checkpointed tasks on purpose and follow the retry
+    max_per_run = 1                          # blast radius: tasks failed by one drill, per DAG, per pool
+    max_per_dag = 1
+    max_per_pool = 1
+    windows = ["Sat 02:00-06:00"]            # UTC; empty: any time
+    max_checkpoint_age_seconds = 900         # only tasks whose latest checkpoint is this fresh
+    kill_switch_variable = "cedana_drills_stop"   # set this Airflow Variable (or pause the drill DAG) to stop
+    follow_seconds = 900                     # how long a drill follows a retry before reporting
 """
 
 from __future__ import annotations
@@ -43,8 +53,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..config import Settings
 from ..errors import ConfigError
+from .windows import Window, parse_window
 
-__all__ = ["DEFAULT_NODE_LABEL", "Decision", "OptInList", "Policy", "Where", "decide", "load_optin", "parse_labels"]
+__all__ = ["DEFAULT_NODE_LABEL", "Decision", "Drills", "OptInList", "Policy", "Where", "decide", "load_optin", "parse_labels"]
 
 #: The node label of the Kubernetes route (issue: the Kubernetes route) when a file names none.
 DEFAULT_NODE_LABEL = ("cedana.ai/enabled", "true")
@@ -144,6 +155,33 @@ class Rules(BaseModel):
                                      "the cluster policy has checked) may be in scope.")
 
 
+class Drills(BaseModel):
+    """What the live fleet drill may do (drill/live.py). Off unless ``live = true``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    live: bool = Field(default=False, description="Live drills fail running checkpointed tasks on purpose.")
+    max_per_run: int = Field(default=1, ge=0, description="Tasks one live drill may fail.")
+    max_per_dag: int = Field(default=1, ge=0, description="Of those, per DAG.")
+    max_per_pool: int = Field(default=1, ge=0, description="Of those, per pool.")
+    windows: tuple[str, ...] = Field(default=(), description="When live drills may act (UTC); empty: any time.")
+    max_checkpoint_age_seconds: float = Field(default=900, gt=0, description="Only tasks whose latest checkpoint "
+                                              "is younger than this: the work a drill may cost.")
+    kill_switch_variable: str = Field(default="cedana_drills_stop", min_length=1,
+                                      description="An Airflow Variable that, when set, stops every live drill.")
+    follow_seconds: float = Field(default=900, gt=0, description="How long a drill follows a retry.")
+
+    @field_validator("windows")
+    @classmethod
+    def _windows(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for w in v:
+            parse_window(w)  # a ValueError names the bad one
+        return v
+
+    def parsed_windows(self) -> tuple[Window, ...]:
+        return tuple(parse_window(w) for w in self.windows)
+
+
 class OptInList(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -152,6 +190,7 @@ class OptInList(BaseModel):
     workload: WorkloadScope | None = None
     rules: Rules = Field(default_factory=Rules)
     policies: tuple[Policy, ...] = ()
+    drills: Drills = Field(default_factory=Drills)
 
     def empty(self) -> bool:
         return self.node is None and self.queue is None and self.workload is None
