@@ -73,9 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--json", action="store_true")
 
     dr = sub.add_parser("drill", help="run a fleet drill here and print its report (exit 0 pass, 1 fail)")
-    dr.add_argument("mode", choices=("verify", "canary"),  # drill.run.MODES
+    dr.add_argument("mode", choices=("verify", "canary", "live"),  # drill.run.MODES
                     help="verify: read and check the latest checkpoint of sampled IDs; canary: kill and restore a "
-                    "canary workload here and compare its output")
+                    "canary workload here and compare its output; live: only inside Airflow (the cedana_fleet_drill DAG)")
     dr.add_argument("--ids", default="*", metavar="PATTERN", help="verify: checkpoint IDs to sample from (a glob)")
     dr.add_argument("--sample", type=int, default=10, metavar="N", help="verify: how many IDs (default 10)")
     dr.add_argument("--mb", type=int, default=64, help="canary: memory it holds, MiB (default 64)")
@@ -249,9 +249,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_drill(args: argparse.Namespace) -> int:
-    from .drill.run import run_drill
+    from .drill.run import LIVE_NEEDS_AIRFLOW, run_drill
     from .store import open_store
 
+    if args.mode == "live":
+        raise ConfigError(LIVE_NEEDS_AIRFLOW)
     if args.sample < 1 or args.mb < 1 or args.steps < 1 or args.heartbeats < 1:
         raise ConfigError("--sample, --mb, --steps and --heartbeats must be 1 or more.")
     if not (0 < args.heartbeat < 3600 and 0 <= args.step_seconds < 3600):

@@ -157,3 +157,11 @@ def test_non_finite_numbers_and_an_unusable_work_dir_are_one_line(tmp_path):
     work = cli("run", "--id", "x", "--work-dir", str(blocker / "work"), "--", "true", env=env)
     assert work.returncode == 2
     assert _one_line(work).startswith(f"ConfigError: work dir {blocker / 'work'} cannot be used: Not a directory.")
+
+
+def test_a_live_drill_from_the_cli_says_where_it_runs_and_exits_2(tmp_path):
+    r = cli("drill", "live", env=cli_env(tmp_path, "n", "w"))
+    assert r.returncode == 2
+    assert _one_line(r).startswith("ConfigError: live drills run inside Airflow, where they can fail and clear task "
+                                   "instances: enable them with live = true under [drills] in the opt-in list")
+    assert not (tmp_path / "store").exists()  # nothing was opened or created

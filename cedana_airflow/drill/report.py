@@ -21,7 +21,7 @@ from ..run.runner import ensure_work_dir
 from ..store.base import Store
 from ..store.records import read_records
 
-__all__ = ["CheckedId", "DrillReport", "list_reports", "new_drill_id", "save_report", "scratch_dir"]
+__all__ = ["CheckedId", "DrillReport", "LiveTarget", "list_reports", "new_drill_id", "save_report", "scratch_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,37 @@ class CheckedId(BaseModel):
     bytes_fetched: int = 0
     fetch_seconds: float = 0.0
     problem: str = ""
+
+
+class LiveTarget(BaseModel):
+    """One running task a ``live`` drill looked at: chosen (and, unless a dry run, failed and followed)
+    or passed over, with the reason either way."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    dag_id: str
+    task_id: str
+    run_id: str
+    map_index: int = -1
+    try_number: int
+    pool: str = ""
+    checkpoint_id: str | None = None
+    chosen: bool
+    reason: str
+    # filled once the chosen task was failed and its retry followed
+    ok: bool | None = None
+    problem: str = ""
+    retry_try_number: int | None = None
+    retry_state: str = ""  # the retry's Airflow state when the drill stopped following it
+    restored_seq: int | None = None
+    from_node: str = ""
+    to_node: str = ""
+    detect_seconds: float | None = None
+    retry_seconds: float | None = None
+    restore_seconds: float | None = None
+    rto_seconds: float | None = None
+    lost_work_seconds: float | None = None
+    bytes_fetched: int = 0
 
 
 class DrillReport(BaseModel):
@@ -64,6 +95,17 @@ class DrillReport(BaseModel):
     bytes_fetched: int = 0
     digest_match: bool | None = None
     checked: tuple[CheckedId, ...] = ()  # verify: every ID read
+    # live: the RTO's first parts (failure -> Airflow saw it; failure -> the retry ran), what was
+    # looked at, and whether the drill acted at all
+    detect_seconds: float | None = None
+    retry_seconds: float | None = None
+    targets: tuple[LiveTarget, ...] = ()
+    dry_run: bool = False
+    stopped: str = ""  # why a drill did nothing (kill switch, outside its windows, nothing eligible)
+
+    def counts(self) -> bool:
+        """Whether the report proves something about restore (trends skip dry runs and drills that stopped)."""
+        return not self.dry_run and not self.stopped
 
 
 def new_drill_id(mode: str, at: datetime | None = None) -> str:

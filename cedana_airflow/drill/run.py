@@ -8,20 +8,33 @@ from typing import Any
 from ..config import Settings
 from ..errors import ConfigError, EngineUnavailable
 from ..run.runner import make_engine
+from ..scope.optin import load_optin
 from ..store.base import Store, StoreConfig
 from .canary import canary
+from .live import Fleet, live
 from .report import DrillReport, save_report
 from .trends import trends
 from .verify import verify
 
-__all__ = ["MODES", "drills_json", "run_drill"]
+__all__ = ["LIVE_NEEDS_AIRFLOW", "MODES", "drills_json", "run_drill"]
 
-MODES = ("verify", "canary")
+MODES = ("verify", "canary", "live")
+LIVE_NEEDS_AIRFLOW = ("live drills run inside Airflow, where they can fail and clear task instances: enable them with "
+                      "live = true under [drills] in the opt-in list and run the cedana_fleet_drill DAG.")
 
 
-def run_drill(mode: str, store: Store, cfg: StoreConfig, settings: Settings, **params: Any) -> DrillReport:
-    """Run a ``mode`` drill here with its ``params``; the report is kept in the store and returned."""
-    if mode == "canary":
+def run_drill(mode: str, store: Store, cfg: StoreConfig, settings: Settings, *, fleet: Fleet | None = None,
+              **params: Any) -> DrillReport:
+    """Run a ``mode`` drill here with its ``params``; the report is kept in the store and returned.
+
+    ``fleet``: the running tasks a ``live`` drill may fail (Airflow's, through its API); its limits
+    are the ``[drills]`` section of this node's opt-in list, read now (not when the DAG was parsed).
+    """
+    if mode == "live":
+        if fleet is None:
+            raise ConfigError(LIVE_NEEDS_AIRFLOW)
+        report = live(store, fleet, load_optin(settings.optin_file).drills, node=settings.resolved_node(), **params)
+    elif mode == "canary":
         make_engine(settings)  # a canary needs CRIU here: say so before anything starts
         report = canary(store, settings, **params)
     elif mode == "verify":

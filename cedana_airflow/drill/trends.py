@@ -1,7 +1,8 @@
 """Trend figures across drills: does restore keep working, and is it getting slower?
 
 Per mode: how many drills, the pass rate, and the 50th/95th percentiles of the RTO, the restore
-time and the lost work, over the reports that measured them.
+time and the lost work, over the reports that measured them. Dry runs and drills that stopped before
+acting (kill switch, outside their windows, nothing eligible) prove nothing and are left out.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ def _percentile(values: Sequence[float], q: float) -> float | None:
 
 def trends(reports: Sequence[DrillReport]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
-    for mode in sorted({r.mode for r in reports}):
-        rs = [r for r in reports if r.mode == mode]
+    counted = [r for r in reports if r.counts()]
+    for mode in sorted({r.mode for r in counted}):
+        rs = [r for r in counted if r.mode == mode]
         figures: dict[str, Any] = {"drills": len(rs), "passed": sum(r.ok for r in rs),
                                    "pass_rate": round(sum(r.ok for r in rs) / len(rs), 3),
                                    "last": rs[-1].finished_at.isoformat(), "last_ok": rs[-1].ok}
