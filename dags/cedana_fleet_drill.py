@@ -2,7 +2,10 @@
 
 `verify` reads the latest checkpoint of a sample of IDs completely (every chunk, the signature, the
 image set as CRIU reads it); a `canary` on each queue the opt-in list names stages a node loss of a
-small deterministic workload and restores it (the default queue when the list names none). Each
+small deterministic workload and restores it (the default queue when the list names none); `live`,
+only when the opt-in list says `live = true` under `[drills]`, fails one running checkpointed task
+within the list's limits and follows its retry (trigger with `{"live_dry_run": true}` to see what it
+would pick, touching nothing; set the Variable `cedana_drills_stop` or pause this DAG to stop it). Each
 task fails when its drill fails, so retries, alerting and `[cedana] drill_notifier` see it; reports
 go to the store (`cedana-airflow drills`, Browse > Checkpoints > fleet drills).
 
@@ -11,9 +14,9 @@ Schedule: `[cedana] drill_schedule` (default daily). Paused when it first appear
 
 from datetime import datetime
 
-from airflow.sdk import DAG, task
+from airflow.sdk import DAG, Param, get_current_context, task
 
-from cedana_airflow.airflow.drills import canary_queues, drill_notifier, drill_schedule, run_drill
+from cedana_airflow.airflow.drills import canary_queues, drill_notifier, drill_schedule, live_enabled, run_drill
 
 notifier = drill_notifier()
 
@@ -27,6 +30,7 @@ with DAG(
     tags=["cedana", "drill"],
     default_args={"retries": 0, **({"on_failure_callback": notifier} if notifier else {})},
     doc_md=__doc__,
+    params={"live_dry_run": Param(False, type="boolean", description="live: say what it would fail, touch nothing")},
 ):
 
     @task(task_id="verify")
@@ -42,3 +46,11 @@ with DAG(
             return run_drill("canary", mb=64, steps=60, step_seconds=0.1, heartbeat=1.0, heartbeats=2)
 
         canary()
+
+    if live_enabled():
+
+        @task(task_id="live")
+        def live() -> dict:
+            return run_drill("live", dry_run=bool(get_current_context()["params"]["live_dry_run"]))
+
+        live()

@@ -59,6 +59,13 @@ class AirflowOptions(BaseModel):
     drill_notifier: str | None = Field(
         default=None, description="Called when a drill fails: 'module:name' of an Airflow notifier instance, a "
         "notifier class (built without arguments) or a callable(context). Unset: the task fails, nothing else.")
+    drill_api_url: str | None = Field(
+        default=None, description="Airflow's API for live drills (http://HOST:PORT). Unset: the api-server the "
+        "workers report to ([core] execution_api_server_url).")
+    drill_api_conn_id: str | None = Field(
+        default=None, description="Connection whose login and password (or extra {\"token\": ...}) live drills use "
+        "on Airflow's API; the user needs edit on the DAGs drilled. Unset: the token of the simple auth manager's "
+        "all-admins mode.")
 
 
 #: Where a core setting's meaning differs inside Airflow, the [cedana] description says so.

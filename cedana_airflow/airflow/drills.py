@@ -14,12 +14,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ..drill import run as drill
+from ..drill.report import DrillReport
 from ..errors import ConfigError
 from ..scope.optin import load_optin
 from .config import airflow_options, task_settings
+from .live_fleet import ApiFleet, api_base_url
 from .store import task_store
 
-__all__ = ["canary_queues", "drill_notifier", "drill_schedule", "run_drill"]
+__all__ = ["canary_queues", "drill_notifier", "drill_schedule", "live_enabled", "run_drill"]
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +57,45 @@ def canary_queues() -> list[str]:
     return sorted(q for q in queues if not any(c in q for c in "*?["))
 
 
+def live_enabled() -> bool:
+    """Whether the opt-in list enables live drills (the DAG gets its live task only then)."""
+    try:
+        return load_optin(task_settings()[0].optin_file).drills.live
+    except ConfigError:
+        return False
+
+
+def _summary(report: DrillReport) -> str:
+    head = f"cedana: drill {report.drill_id} ({report.mode}) "
+    if report.dry_run or report.stopped:
+        chosen = [f"{t.dag_id}.{t.task_id} ({t.run_id})" for t in report.targets if t.chosen]
+        return head + (f"dry run: would fail {', '.join(chosen) or 'nothing'}" if report.dry_run else f"did nothing: {report.stopped}")
+    head += f"{'passed' if report.ok else 'FAILED'} on {report.node}"
+    if report.mode == "verify":
+        return head + f"; {len(report.checked)} ID(s) verified, {report.bytes_fetched / 1e6:.1f} MB"
+    live = (f"; {report.checkpoint_id} taken on {report.from_node}, restored seq {report.restored_seq} on {report.to_node}; "
+            f"retry ran {report.retry_seconds} s after the failure" if report.mode == "live" else "")
+    return head + live + f"; RTO {report.rto_seconds} s, restore {report.restore_seconds} s, lost work {report.lost_work_seconds} s"
+
+
 def run_drill(mode: str, **params: Any) -> dict[str, Any]:
     """Run one drill here; return its report (the task's XCom); raise when it failed."""
     settings, options = task_settings()
     store = task_store(settings, options.aws_conn_id)
     cfg = store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
-    report = drill.run_drill(mode, store, cfg, settings, **params)
-    summary = (f"cedana: drill {report.drill_id} ({mode}) {'passed' if report.ok else 'FAILED'} on {report.node}"
-               + (f"; RTO {report.rto_seconds} s, restore {report.restore_seconds} s, lost work {report.lost_work_seconds} s"
-                  if mode == "canary" else f"; {len(report.checked)} ID(s) verified, {report.bytes_fetched / 1e6:.1f} MB"))
+    fleet = None
+    if mode == "live":
+        from airflow.sdk import get_current_context
+
+        limits = load_optin(settings.optin_file).drills
+        fleet = ApiFleet(api_base_url(options.drill_api_url), options.drill_api_conn_id,
+                         get_current_context()["dag"].dag_id, limits.kill_switch_variable)
+    report = drill.run_drill(mode, store, cfg, settings, fleet=fleet, **params)
+    summary = _summary(report)
     log.info("%s", summary)
+    for t in report.targets:
+        log.info("cedana: drill %s %s: %s.%s (%s) try %d: %s%s", report.drill_id, "CHOSE" if t.chosen else "passed over",
+                 t.dag_id, t.task_id, t.run_id, t.try_number, t.reason, f"; {t.problem}" if t.problem else "")
     if not report.ok:
         from airflow.sdk.exceptions import AirflowException
 
