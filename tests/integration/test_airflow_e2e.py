@@ -129,7 +129,7 @@ def test_a_missing_connection_fails_the_task_with_one_clear_line(tmp_path, airfl
 class Stack:
     """`airflow api-server`, `scheduler` and `dag-processor` (LocalExecutor, SQLite) for one test."""
 
-    def __init__(self, env: dict[str, str], home: Path) -> None:
+    def __init__(self, env: dict[str, str], home: Path, wait_dag: str = "cedana_e2e_clear") -> None:
         from conftest import _free_port
 
         port = _free_port()
@@ -142,7 +142,7 @@ class Stack:
                     # One secret for all three: each would otherwise make its own, and the task's
                     # token from the scheduler would be refused by the api-server.
                     "AIRFLOW__API_AUTH__JWT_SECRET": os.urandom(16).hex()}
-        self.home = home
+        self.home, self.wait_dag = home, wait_dag
         self.procs: list[subprocess.Popen[bytes]] = []
         self.token = ""
 
@@ -156,7 +156,7 @@ class Stack:
             try:
                 # all-admins simple auth manager: the token endpoint hands out an admin token
                 self.token = self.call("GET", "/auth/token")["access_token"]
-                self.call("GET", "/api/v2/dags/cedana_e2e_clear")
+                self.call("GET", f"/api/v2/dags/{self.wait_dag}")  # parsed: the stack is ready
                 return self
             except OSError:
                 assert time.monotonic() < deadline, self.logs()

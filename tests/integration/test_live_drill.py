@@ -1,0 +1,109 @@
+"""The live drill under a real scheduler (LocalExecutor, SQLite), api-server and dag processor: it
+chooses only an eligible running task, a dry run and the kill switch change nothing, and a real drill
+fails the chosen try through Airflow's API, clears it, and measures the retry that restores it."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+from test_airflow_e2e import Stack
+
+from conftest import OPTIN_ALL, REPO, airflow_env, cli, cli_env, uninterrupted_digest
+
+pytestmark = pytest.mark.integration
+
+ARGS = ["--mb", "20", "--steps", "500", "--step-seconds", "0.1"]
+
+
+def _dags_folder(tmp: Path) -> Path:
+    """The target DAG, the live drill DAG, and the shipped cedana_fleet_drill DAG (to see its live task)."""
+    d = tmp / "dags"
+    d.mkdir()
+    for src in [*(REPO / "tests" / "dags_live").glob("*.py"), REPO / "dags" / "cedana_fleet_drill.py"]:
+        (d / src.name).symlink_to(src)
+    return d
+
+
+def _drill(stack: Stack, dry_run: bool) -> dict:
+    """Trigger live_drill and return its report (the task's XCom) once the run ends."""
+    run_id = stack.call("POST", "/api/v2/dags/live_drill/dagRuns", {"logical_date": None,
+                                                                   "conf": {"live_dry_run": dry_run}})["dag_run_id"]
+    base = f"/api/v2/dags/live_drill/dagRuns/{quote(run_id)}"
+    deadline = time.monotonic() + 400
+    while (state := stack.call("GET", base)["state"]) not in ("success", "failed"):
+        assert time.monotonic() < deadline, stack.logs()
+        time.sleep(1)
+    log = "\n".join(str(e.get("event", "")) for e in stack.call("GET", f"{base}/taskInstances/live/logs/1?full_content=true")["content"])
+    assert state == "success", log[-4000:]
+    value = stack.call("GET", f"{base}/taskInstances/live/xcomEntries/return_value")["value"]
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def _tries(stack: Stack, run_id: str) -> dict[str, tuple[str, int]]:
+    tis = stack.call("GET", f"/api/v2/dags/live_target/dagRuns/{quote(run_id)}/taskInstances")["task_instances"]
+    return {t["task_id"]: (t["state"], t["try_number"]) for t in tis}
+
+
+def test_a_live_drill_fails_only_an_eligible_task_and_measures_the_retry_that_restores_it(tmp_path, airflow_db):
+    env = airflow_env(tmp_path, airflow_db, AIRFLOW__CORE__DAGS_FOLDER=str(_dags_folder(tmp_path)),
+                      CEDANA_LIVE_TRAIN_ARGS=" ".join(ARGS))
+    (tmp_path / "optin.toml").write_text(OPTIN_ALL + "[drills]\nlive = true\nfollow_seconds = 300\n")
+    store = tmp_path / "store"
+    with Stack(env, tmp_path / "airflow", wait_dag="live_drill") as stack:
+        assert "live" in [t["task_id"] for t in stack.call("GET", "/api/v2/dags/cedana_fleet_drill/tasks")["tasks"]]
+        run_id = stack.call("POST", "/api/v2/dags/live_target/dagRuns", {"logical_date": None})["dag_run_id"]
+        deadline = time.monotonic() + 180
+        while not (all(list(store.glob(f"live_target.{t}.*/*/manifest.json")) for t in ("train", "no_retries"))
+                   and _tries(stack, run_id).get("plain", ("",))[0] == "running"):
+            assert time.monotonic() < deadline, stack.logs()
+            time.sleep(0.5)
+
+        # A dry run: says what it would fail, and why the others are passed over; touches nothing.
+        dry = _drill(stack, dry_run=True)
+        assert dry["dry_run"] is True and dry["ok"] is True
+        verdicts = {t["task_id"]: t for t in dry["targets"] if t["dag_id"] == "live_target"}
+        assert verdicts["train"]["chosen"] and verdicts["train"]["reason"].startswith("eligible"), verdicts
+        assert not verdicts["no_retries"]["chosen"] and "no retries" in verdicts["no_retries"]["reason"]
+        assert not verdicts["plain"]["chosen"] and "not checkpointed" in verdicts["plain"]["reason"]
+        assert _tries(stack, run_id) == {t: ("running", 1) for t in ("train", "no_retries", "plain")}
+
+        # The kill switch: a Variable set by an operator stops the drill before it acts.
+        stack.call("POST", "/api/v2/variables", {"key": "cedana_drills_stop", "value": "maintenance window"})
+        stopped = _drill(stack, dry_run=False)
+        assert "kill switch: Airflow Variable cedana_drills_stop is set" in stopped["stopped"], stopped
+        assert stopped["targets"] == [] and stopped["ok"] is True
+        assert _tries(stack, run_id) == {t: ("running", 1) for t in ("train", "no_retries", "plain")}
+        stack.call("DELETE", "/api/v2/variables/cedana_drills_stop")
+
+        # The real thing: try 1 of train is failed through Airflow, cleared, and try 2 restores.
+        report = _drill(stack, dry_run=False)
+        assert report["ok"] is True and not report["stopped"], report
+        [acted] = [t for t in report["targets"] if t["ok"] is not None]
+        assert (acted["task_id"], acted["retry_try_number"], acted["retry_state"]) == ("train", 2, "success")
+        tries = _tries(stack, run_id)
+        assert tries["train"] == ("success", 2) and tries["no_retries"][1] == 1 and tries["plain"][1] == 1  # untouched
+
+        base = f"/api/v2/dags/live_target/dagRuns/{quote(run_id)}/taskInstances/train"
+        log2 = "\n".join(str(e.get("event", "")) for e in stack.call("GET", f"{base}/logs/2?full_content=true")["content"])
+        restored = re.search(r"cedana: restored checkpoint_id=(\S+) seq=(\d+) \(taken by try 1 on node (\S+)\) on node ([^;\s]+)", log2)
+        assert restored, log2[-3000:]
+        assert "start-up: allocating" not in log2  # try 2 did not start over
+        assert re.findall(r"done digest=\w+", log2) == [uninterrupted_digest(*ARGS)]
+        # The report's figures are this retry's
+        assert (report["checkpoint_id"], report["restored_seq"], report["from_node"], report["to_node"]) == (
+            restored[1], int(restored[2]), restored[3], restored[4])
+        assert 0 <= report["detect_seconds"] < report["retry_seconds"] < report["rto_seconds"], report
+        assert report["restore_seconds"] > 0 and report["lost_work_seconds"] >= 0 and report["bytes_fetched"] > 0
+        # The failed try carries the drill's note, so a person looking at it sees why it failed
+        assert stack.call("GET", base)["note"].startswith(f"cedana live drill {report['drill_id']}: try 1 failed on purpose")
+
+    # Every drill is kept; only the one that acted counts in the trends.
+    drills = json.loads(cli("drills", "--json", env=cli_env(tmp_path, "n", "w")).stdout)
+    assert sorted((r["mode"], r["dry_run"], bool(r["stopped"])) for r in drills["reports"]) == [
+        ("live", False, False), ("live", False, True), ("live", True, False)]
+    assert drills["trends"]["live"]["drills"] == 1 and drills["trends"]["live"]["passed"] == 1
