@@ -205,6 +205,15 @@ def _secs(v: float | None) -> str:
     return "" if v is None else f"{v:.2f} s"
 
 
+def _drill_result(r: DrillReport) -> str:
+    """Dry runs and drills that did nothing are neither a pass nor a failure (trends leave them out)."""
+    if r.dry_run:
+        return "dry run"
+    if r.stopped:
+        return "did nothing"
+    return "pass" if r.ok else "<b>FAIL</b>"
+
+
 def drills_page(reports: Sequence[DrillReport], figures: dict[str, dict[str, object]]) -> str:
     """Every drill report, newest first, with the trend per mode on top."""
     def pct(t: dict[str, object], name: str) -> str:
@@ -217,10 +226,10 @@ def drills_page(reports: Sequence[DrillReport], figures: dict[str, dict[str, obj
         f"<td class=n>{pct(t, 'restore_seconds')}</td><td class=n>{pct(t, 'lost_work_seconds')}</td></tr>"
         for mode, t in figures.items())
     rows = "".join(
-        f"<tr><td>{escape(r.drill_id)}</td><td>{escape(r.mode)}</td><td>{'pass' if r.ok else '<b>FAIL</b>'}</td>"
+        f"<tr><td>{escape(r.drill_id)}</td><td>{escape(r.mode)}</td><td>{_drill_result(r)}</td>"
         f"<td>{escape(r.node)}</td><td class=n>{_secs(r.rto_seconds)}</td><td class=n>{_secs(r.restore_seconds)}</td>"
         f"<td class=n>{_secs(r.lost_work_seconds)}</td><td>{'' if r.digest_match is None else ('yes' if r.digest_match else 'NO')}</td>"
-        f"<td>{escape('; '.join(r.problems))}</td></tr>" for r in reversed(reports))
+        f"<td>{escape('; '.join([*r.problems, *([r.stopped] if r.stopped else [])]))}</td></tr>" for r in reversed(reports))
     body = (
         "<p><a href='./'>all checkpoints</a></p><h1>Fleet drills</h1>"
         + ("<p class='muted'>No drill has run against this store yet: <code>cedana-airflow drill verify</code> or "

@@ -62,6 +62,8 @@ def _fill(store_dir: Path, tmp: Path) -> None:
     save_report(s, DrillReport(drill_id="20261130T000000Z-canary-abc123", mode="canary", ok=True, node="gpu-7",
                                started_at=now, finished_at=now, rto_seconds=0.4, restore_seconds=0.1,
                                lost_work_seconds=0.2, digest_match=True))
+    save_report(s, DrillReport(drill_id="20261130T010000Z-live-def456", mode="live", ok=True, node="gpu-7",
+                               started_at=now, finished_at=now, stopped="kill switch: the cedana_fleet_drill DAG is paused"))
 
 
 @pytest.fixture(scope="module")
@@ -260,9 +262,12 @@ def test_in_a_real_browser_log_in_open_browse_checkpoints_then_an_id(server):
 def test_drill_reports_and_trends_for_users_who_may_read_every_dag_stand_in_auth_manager(server):
     base, tokens, _ = server
     status, drills = _call(base, "GET", "/cedana/api/v1/drills", tokens["bob"])
-    assert status == 200 and [r["drill_id"] for r in drills["reports"]] == ["20261130T000000Z-canary-abc123"]
+    assert status == 200 and [r["drill_id"] for r in drills["reports"]] == ["20261130T000000Z-canary-abc123",
+                                                                            "20261130T010000Z-live-def456"]
     assert drills["trends"]["canary"]["rto_seconds"] == {"p50": 0.4, "p95": 0.4}
+    assert "live" not in drills["trends"]  # a drill that did nothing proves nothing
     status, page = _call(base, "GET", "/cedana/drills", tokens["admin"])
     assert status == 200 and "Fleet drills" in page and "1 of 1" in page and "0.40 s / 0.40 s" in page
+    assert "did nothing</td>" in page and "kill switch: the cedana_fleet_drill DAG is paused" in page
     assert _call(base, "GET", "/cedana/drills", tokens["alice@dag_a"])[0] == 403  # reports name every DAG's IDs
     assert _call(base, "GET", "/cedana/api/v1/drills")[0] == 401
