@@ -16,7 +16,7 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from ..drill.live import RunningTask, TaskNow
+from ..drill.fleet import RunningTask, TaskNow
 from ..errors import CedanaError, ConfigError
 
 __all__ = ["ApiFleet", "api_base_url"]
@@ -126,7 +126,7 @@ class ApiFleet:
     def now(self, task: RunningTask) -> TaskNow:
         r = self._call("GET", self._ti_path(task))
         start = r.get("start_date")
-        return TaskNow(state=r.get("state"), try_number=r["try_number"],
+        return TaskNow(state=r.get("state"), try_number=r["try_number"], hostname=r.get("hostname") or "",
                        start_date=datetime.fromisoformat(start) if start else None)
 
     def output(self, task: RunningTask, try_number: int) -> list[tuple[datetime, str]]:

@@ -61,6 +61,7 @@ class LiveTarget(BaseModel):
     ok: bool | None = None
     problem: str = ""
     retry_try_number: int | None = None
+    retry_host: str = ""  # the worker Airflow ran the retry on
     retry_state: str = ""  # the retry's Airflow state when the drill stopped following it
     restored_seq: int | None = None
     from_node: str = ""
@@ -68,6 +69,7 @@ class LiveTarget(BaseModel):
     detect_seconds: float | None = None
     retry_seconds: float | None = None
     restore_seconds: float | None = None
+    restore_done_seconds: float | None = None  # failure -> the restore done
     rto_seconds: float | None = None
     lost_work_seconds: float | None = None
     bytes_fetched: int = 0

@@ -11,7 +11,8 @@ from ..run.runner import make_engine
 from ..scope.optin import load_optin
 from ..store.base import Store, StoreConfig
 from .canary import canary
-from .live import Fleet, live
+from .fleet import Fleet
+from .live import live
 from .report import DrillReport, save_report
 from .trends import trends
 from .verify import verify

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from cedana_airflow.config import load_settings
-from cedana_airflow.drill.live import RunningTask, choose
+from cedana_airflow.drill.fleet import RunningTask
+from cedana_airflow.drill.live import choose
 from cedana_airflow.errors import ConfigError
 from cedana_airflow.format.manifest import AirflowTask, ProcessInfo
 from cedana_airflow.scope.optin import Drills, load_optin
