@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup criu browser demo test test-unit bench clean
+.PHONY: setup criu browser services demo demo-fleet test test-unit bench clean
 
 setup: $(STAMP) criu
 
@@ -20,10 +20,17 @@ criu:
 browser:
 	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; }
 
+# PostgreSQL and Redis for the two-worker deployment (scripts/fleet_stack.py starts throwaway ones).
+services:
+	@{ command -v redis-server >/dev/null && ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; } || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql redis-server; }
+
 demo: setup
 	$(BIN)/python scripts/demo.py
 
-test: setup browser
+demo-fleet: setup services
+	$(BIN)/python scripts/demo_fleet.py
+
+test: setup browser services
 	$(BIN)/python -m pytest
 
 test-unit: setup

@@ -1,0 +1,295 @@
+"""A local Airflow deployment with two Celery workers, for the failover test and `make demo-fleet`.
+
+Everything runs on loopback in one temp dir and is stopped on exit: PostgreSQL (Debian's package;
+CeleryExecutor needs a real database) as a throwaway cluster owned by the `postgres` user, Redis as
+the broker, moto's S3 server as the store (through an Airflow connection), `airflow api-server`,
+`scheduler`, `dag-processor`, and one `airflow celery worker` per node name, each with its own
+hostname (what Airflow records for a try), `[cedana] node`, work dir and log-server port. A part
+that does not come up is one line naming it and its log.
+
+    with FleetStack(root, dags_folder, optin) as fleet:
+        fleet.kill_worker("worker-a")     # SIGKILL the worker and everything under it: a node loss
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+AIRFLOW = [sys.executable, "-m", "airflow"]
+HERE = Path(__file__).resolve().parent
+BUCKET = "cedana-fleet"
+
+
+class FleetError(RuntimeError):
+    """One part of the deployment did not come up; the message names it."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tail(path: Path, n: int = 1) -> str:
+    try:
+        lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return "(no log)"
+    return " | ".join(lines[-n:]) or "(empty log)"
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it, read from /proc (parents before children)."""
+    children: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            text = Path(stat).read_text()
+        except OSError:
+            continue
+        ppid = int(text[text.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(stat.split("/")[2]))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+class FleetStack:
+    def __init__(self, root: Path, dags_folder: Path, optin: str, workers: tuple[str, ...] = ("worker-a", "worker-b"),
+                 heartbeat_timeout: int = 10, extra_env: dict[str, str] | None = None) -> None:
+        self.root, self.dags_folder, self.optin, self.worker_names = root, dags_folder, optin, workers
+        self.heartbeat_timeout, self.extra_env = heartbeat_timeout, extra_env or {}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.pg_dir: Path | None = None
+        self.token = ""
+        self.env: dict[str, str] = {}
+        self.store_env: dict[str, str] = {}
+
+    # -- parts ---------------------------------------------------------------------------------------
+    def _start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        log = open(self.root / f"{name}.log", "wb")
+        p = subprocess.Popen(argv, env=env or self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+        log.close()
+        self.procs[name] = p
+        return p
+
+    def _wait(self, name: str, ready: Any, timeout: float, log: Path | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if ready():
+                    return
+            except (OSError, ValueError, KeyError):
+                pass
+            p = self.procs.get(name)
+            if p is not None and p.poll() is not None:
+                raise FleetError(f"{name} exited {p.returncode} while starting: {_tail(log or self.root / f'{name}.log')} "
+                                 f"(log: {log or self.root / f'{name}.log'})")
+            if time.monotonic() > deadline:
+                raise FleetError(f"{name} did not come up within {timeout:.0f} s: {_tail(log or self.root / f'{name}.log')} "
+                                 f"(log: {log or self.root / f'{name}.log'})")
+            time.sleep(0.5)
+
+    def _postgres(self) -> str:
+        bins = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+        if not bins:
+            raise FleetError("postgresql is not installed: apt-get install postgresql (make services does it)")
+        bindir = Path(bins[-1]).parent
+        self.pg_dir = Path(tempfile.mkdtemp(prefix="cedana-pg-"))  # outside root: the postgres user must reach it
+        shutil.chown(self.pg_dir, "postgres", "postgres")
+        port = free_port()
+        as_pg = ["runuser", "-u", "postgres", "--"]
+        data, log = self.pg_dir / "data", self.pg_dir / "postgres.log"
+        r = subprocess.run([*as_pg, str(bindir / "initdb"), "-A", "trust", "-U", "airflow", "-D", str(data)],
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise FleetError(f"postgresql: initdb failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+        r = subprocess.run([*as_pg, str(bindir / "pg_ctl"), "-D", str(data), "-l", str(log), "-w", "-t", "60", "-o",
+                            f"-k {self.pg_dir} -p {port} -c listen_addresses=127.0.0.1", "start"],
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise FleetError(f"postgresql did not start: {_tail(log)} (log: {log})")
+        r = subprocess.run([*as_pg, str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "airflow", "airflow"],
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise FleetError(f"postgresql: createdb failed: {r.stderr.strip()}")
+        self._pg_ctl = [*as_pg, str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]
+        return f"postgresql+psycopg2://airflow@127.0.0.1:{port}/airflow"
+
+    def _redis(self) -> str:
+        if not shutil.which("redis-server"):
+            raise FleetError("redis-server is not installed: apt-get install redis-server (make services does it)")
+        port = free_port()
+        (self.root / "redis").mkdir()
+        self._start("redis", ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(self.root / "redis"),
+                              "--save", "", "--appendonly", "no"], env=dict(os.environ))
+
+        def pong() -> bool:
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+
+        self._wait("redis", pong, 30)
+        return f"redis://127.0.0.1:{port}/0"
+
+    def _moto(self) -> str:
+        port = free_port()
+        self._start("s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=dict(os.environ))
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                urllib.request.urlopen(url, timeout=1)
+            except urllib.error.HTTPError:
+                pass
+            return True
+
+        self._wait("s3", up, 30)
+        import boto3
+
+        boto3.client("s3", endpoint_url=url, aws_access_key_id="fleet", aws_secret_access_key="fleet",
+                     region_name="us-east-1").create_bucket(Bucket=BUCKET)
+        return url
+
+    def worker_env(self, name: str) -> dict[str, str]:
+        return {**self.env, "CEDANA_FLEET_HOSTNAME": name, "AIRFLOW__CEDANA__NODE": name,
+                "AIRFLOW__CEDANA__WORK_DIR": str(self.root / f"work-{name}"),
+                "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port())}
+
+    def start_worker(self, name: str) -> None:
+        """An `airflow celery worker` as node ``name``; returns once Celery says it is ready."""
+        log = self.root / f"{name}.log"
+        start = log.stat().st_size if log.exists() else 0
+        self._start_appending(name, [*AIRFLOW, "celery", "worker", "--celery-hostname", f"{name}@%h", "--concurrency", "2"],
+                              self.worker_env(name))
+        self._wait(name, lambda: " ready." in log.read_text(errors="replace")[start:], 120)
+
+    def _start_appending(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        log = open(self.root / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            start_new_session=True)
+        log.close()
+
+    def kill_worker(self, name: str) -> float:
+        """A node loss: freeze, then SIGKILL, the worker and everything below it (task supervisors, the
+        workload's PID namespace, the watchdog). Returns the wall-clock time of the kill."""
+        p = self.procs.pop(name)
+        tree = descendants(p.pid)
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)  # nothing below it gets to react to its parent's death
+        at = time.time()
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        p.wait()
+        return at
+
+    # -- the API -------------------------------------------------------------------------------------
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.env['AIRFLOW__API__PORT']}"
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        req = urllib.request.Request(self.base + path, method=method, data=json.dumps(body).encode() if body else None,
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": f"Bearer {self.token}"} if self.token else {})})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read() or b"null")
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}: {_tail(p, 15)}" for p in sorted(self.root.glob("*.log")))
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def __enter__(self) -> FleetStack:
+        try:
+            self._up()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _up(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        db, broker, s3 = self._postgres(), self._redis(), self._moto()
+        port = free_port()
+        optin = self.root / "optin.toml"
+        optin.write_text(self.optin)
+        conn = json.dumps({"conn_type": "aws", "login": "fleet", "password": "fleet",
+                           "extra": {"endpoint_url": s3, "region_name": "us-east-1"}})
+        self.store_env = {"AWS_ENDPOINT_URL": s3, "AWS_ACCESS_KEY_ID": "fleet", "AWS_SECRET_ACCESS_KEY": "fleet",
+                          "AWS_DEFAULT_REGION": "us-east-1", "CEDANA_STORE": f"s3://{BUCKET}/store"}
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "CEDANA_", "AWS_"))}
+        self.env = {**base,
+                    "AIRFLOW_HOME": str(self.root / "airflow"), "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+                    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": db, "AIRFLOW__CELERY__BROKER_URL": broker,
+                    "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + db,
+                    "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags_folder),
+                    "AIRFLOW__API__PORT": str(port),
+                    "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
+                    "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+                    "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+                    "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+                    # one secret for every component: a worker's task token must be accepted by the api-server
+                    "AIRFLOW__API_AUTH__JWT_SECRET": os.urandom(16).hex(),
+                    # a dead worker's task is noticed by its missing heartbeat: low, for the demo
+                    "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(self.heartbeat_timeout),
+                    "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "2",
+                    "AIRFLOW__CORE__HOSTNAME_CALLABLE": "fleet_hostname.hostname",
+                    "PYTHONPATH": os.pathsep.join([str(HERE), base.get("PYTHONPATH", "")]),
+                    "AIRFLOW_CONN_CEDANA_FLEET_S3": conn, "AIRFLOW__CEDANA__AWS_CONN_ID": "cedana_fleet_s3",
+                    "AIRFLOW__CEDANA__STORE": f"s3://{BUCKET}/store", "AIRFLOW__CEDANA__OPTIN_FILE": str(optin),
+                    "PYTHONUNBUFFERED": "1", **self.extra_env}
+        r = subprocess.run([*AIRFLOW, "db", "migrate"], env=self.env, capture_output=True, text=True, timeout=600)
+        if r.returncode:
+            raise FleetError(f"airflow db migrate failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+        self._start("api-server", [*AIRFLOW, "api-server", "--port", str(port)])
+        self._start("scheduler", [*AIRFLOW, "scheduler"])
+        self._start("dag-processor", [*AIRFLOW, "dag-processor"])
+
+        def token() -> bool:
+            self.token = self.call("GET", "/auth/token")["access_token"]
+            return True
+
+        self._wait("api-server", token, 180)
+        health = lambda: self.call("GET", "/api/v2/monitor/health")  # noqa: E731
+        self._wait("scheduler", lambda: health()["scheduler"]["status"] == "healthy", 180)
+        self._wait("dag-processor", lambda: (health().get("dag_processor") or {}).get("status") == "healthy", 180)
+        for name in self.worker_names:
+            self.start_worker(name)
+
+    def __exit__(self, *exc: object) -> None:
+        for name in [n for n in self.procs if n in self.worker_names]:
+            self.kill_worker(name)  # a polite Celery shutdown would wait for the running tasks
+        for p in self.procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        self.procs.clear()
+        if self.pg_dir is not None:
+            subprocess.run(self._pg_ctl, capture_output=True)
+            shutil.rmtree(self.pg_dir, ignore_errors=True)
+            self.pg_dir = None
