@@ -172,6 +172,8 @@ def _resume(cp: Checkpointer, result: RunResult, *, must_restore: bool, cwd: str
         if must_restore:
             raise
         log.info("no checkpoint to resume checkpoint_id=%s; starting fresh", cp.checkpoint_id)
+        if cp.try_number > 1:  # a retry that found nothing (its node died before the first checkpoint): say so
+            history(outcome="fresh", reason="no checkpoint to resume: none was complete before the previous try ended")
         return None
     except CorruptCheckpoint as e:
         if must_restore:
