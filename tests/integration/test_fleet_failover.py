@@ -1,0 +1,59 @@
+"""Failover across real workers: Airflow's CeleryExecutor with two Celery workers (PostgreSQL, Redis and
+moto's S3 started by scripts/fleet_stack.py), one killed with everything under it while it runs a
+checkpointed task; the retry runs on the other and resumes from the dead one's checkpoint."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+
+from demo_fleet import OPTIN, TRAIN_ARGS, failover, summary, uninterrupted  # noqa: E402
+from fleet_stack import FleetStack  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    with FleetStack(tmp_path_factory.mktemp("fleet"), REPO / "scripts" / "fleet_dags", OPTIN,
+                    extra_env={"CEDANA_FLEET_TRAIN_ARGS": " ".join(TRAIN_ARGS)}) as f:
+        yield f
+
+
+def test_the_retry_of_a_task_whose_node_died_resumes_on_the_other_worker(fleet):
+    expect = uninterrupted(TRAIN_ARGS)
+    out = failover(fleet, checkpoints_before_kill=3)
+    print(summary(out, expect))
+    a = out["node_a"]
+    b = ({"worker-a", "worker-b"} - {a}).pop()
+    assert not out["problem"], summary(out, expect)
+    # try 1 ran on A and died there; try 2 ran on B and restored what A took
+    assert (out["retry_try_number"], out["retry_host"], out["from_node"], out["to_node"]) == (2, b, a, b)
+    assert re.search(rf"cedana: restored checkpoint_id={re.escape(out['checkpoint_id'])} seq=\d+ \(taken by try 1 on "
+                     rf"node {a}\) on node {b}", out["log_2"]), out["log_2"][-3000:]
+    assert out["restored_seq"] >= out["last_checkpoint_seq"] >= 3
+    assert "start-up: allocating" not in out["log_2"]  # it did not start over
+    assert re.findall(r"done digest=\w+", out["log_2"]) == [expect]
+    # the figures are this run's, in the order they happened
+    assert 0 < out["detect_seconds"] <= out["retry_seconds"] <= out["restore_done_seconds"] <= out["rto_seconds"]
+    assert out["lost_work_seconds"] >= 0
+    text = summary(out, expect)
+    assert f"taken on node {a}" in text and f"restored on node {b}" in text and f"final output: {expect} == uninterrupted run" in text
+    fleet.start_worker(a)  # the node comes back for the next case
+
+
+def test_a_node_lost_before_any_checkpoint_makes_the_retry_start_fresh_and_say_why(fleet):
+    out = failover(fleet, dag_id="cedana_failover_late", checkpoints_before_kill=0)
+    a = out["node_a"]
+    assert out["last_checkpoint_seq"] is None and out["retry_host"] != a
+    assert out["problem"].startswith("try 2 started fresh instead of restoring: "), out["problem"]
+    assert re.search(r"no checkpoint to resume checkpoint_id=\S+; starting fresh", out["log_2"]), out["log_2"][-3000:]
+    assert out["state"] == "success" and out["log_2"].count("start-up: allocating") == 1 and re.findall(r"done digest=\w+", out["log_2"]) == [
+        uninterrupted(TRAIN_ARGS)]
+    fleet.start_worker(a)
