@@ -4,6 +4,7 @@ checkpointed task; the retry runs on the other and resumes from the dead one's c
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 
@@ -14,9 +15,22 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "scripts"))
 
 from demo_fleet import OPTIN, TRAIN_ARGS, failover, summary, uninterrupted  # noqa: E402
-from fleet_stack import FleetStack  # noqa: E402
+from fleet_stack import FleetError, FleetStack, descendants  # noqa: E402
 
 pytestmark = pytest.mark.integration
+
+
+def test_a_part_that_does_not_come_up_is_one_line_naming_it_and_nothing_is_left_running(tmp_path):
+    stack = FleetStack(tmp_path / "broken", REPO / "scripts" / "fleet_dags", OPTIN,
+                       extra_env={"AIRFLOW__CORE__EXECUTOR": "no_such_module.NoSuchExecutor"})
+    with pytest.raises(FleetError) as e:
+        with stack:
+            pass
+    line = str(e.value)
+    assert "\n" not in line and re.match(r"(scheduler|api-server) exited 1 while starting: .*NoSuchExecutor.*\(log: \S+\.log\)$",
+                                         line), line
+    assert stack.procs == {} and stack.pg_dir is None  # every part stopped, PostgreSQL's data dir removed
+    assert [p for p in descendants(os.getpid())[1:] if "redis" in open(f"/proc/{p}/cmdline").read()] == []
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +71,4 @@ def test_a_node_lost_before_any_checkpoint_makes_the_retry_start_fresh_and_say_w
     assert out["state"] == "success" and out["log_2"].count("start-up: allocating") == 1 and re.findall(r"done digest=\w+", out["log_2"]) == [
         uninterrupted(TRAIN_ARGS)]
     fleet.start_worker(a)
+
