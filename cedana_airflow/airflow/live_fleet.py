@@ -18,6 +18,7 @@ from urllib.parse import quote, urlencode
 
 from ..drill.fleet import RunningTask, TaskNow
 from ..errors import CedanaError, ConfigError
+from .store import named_connection
 
 __all__ = ["ApiFleet", "api_base_url"]
 
@@ -68,9 +69,7 @@ class ApiFleet:
         if not conn_id:  # the simple auth manager in all-admins mode hands out a token
             got = self._call("GET", "/auth/token", token="")
         else:
-            from .store import _connection
-
-            c = _connection(conn_id, "[cedana] drill_api_conn_id", "to use the all-admins token")
+            c = named_connection(conn_id, "[cedana] drill_api_conn_id", "to use the all-admins token")
             if tok := (c.extra_dejson or {}).get("token"):
                 return str(tok)
             got = self._call("POST", "/auth/token", {"username": c.login, "password": c.password}, token="")

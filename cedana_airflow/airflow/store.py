@@ -12,7 +12,7 @@ from ..errors import ConfigError
 from ..store import Store, open_store
 from ..store.s3 import client_config
 
-__all__ = ["task_store", "s3_client_for", "with_signing_key"]
+__all__ = ["named_connection", "task_store", "s3_client_for", "with_signing_key"]
 
 
 def s3_client_for(aws_conn_id: str, settings: Settings) -> Any:
@@ -21,11 +21,11 @@ def s3_client_for(aws_conn_id: str, settings: Settings) -> Any:
 
     # Looked up first: S3Hook on its own logs a warning for a missing connection and carries on with
     # boto3's default chain, which could write checkpoints somewhere nobody configured.
-    _connection(aws_conn_id, "aws_conn_id", "to use boto3's credential chain")
+    named_connection(aws_conn_id, "aws_conn_id", "to use boto3's credential chain")
     return S3Hook(aws_conn_id=aws_conn_id, config=client_config(settings)).get_conn()
 
 
-def _connection(conn_id: str, option: str, without: str) -> Any:
+def named_connection(conn_id: str, option: str, without: str) -> Any:
     """The Airflow connection an option names; a missing one is one line naming the option and the fix."""
     from airflow.sdk import BaseHook
     from airflow.sdk.exceptions import AirflowNotFoundException
@@ -44,7 +44,7 @@ def with_signing_key(settings: Settings, signing_conn_id: str | None) -> Setting
     up when the task runs, never when the DAG is parsed (no secrets backend calls at parse time)."""
     if not signing_conn_id:
         return settings
-    password = _connection(signing_conn_id, "signing_conn_id", "to use a key file or CEDANA_SIGNING_KEY").password
+    password = named_connection(signing_conn_id, "signing_conn_id", "to use a key file or CEDANA_SIGNING_KEY").password
     if not password:
         raise ConfigError(f"Airflow connection {signing_conn_id!r} (signing_conn_id) has no password. Put the "
                           "signing key in its password field.")

@@ -39,9 +39,6 @@ class RunningTask(BaseModel):
     def key(self) -> tuple[str, str, str, int]:
         return self.dag_id, self.task_id, self.run_id, self.map_index
 
-    def name(self) -> str:
-        return f"{self.dag_id}.{self.task_id}" + (f"[{self.map_index}]" if self.map_index >= 0 else "") + f" ({self.run_id})"
-
 
 class TaskNow(BaseModel):
     """A task instance's current try, as the fleet reports it."""
