@@ -48,10 +48,13 @@ def uninterrupted(args: list[str]) -> str:
 
 
 def fleet_store(fleet: FleetStack) -> Store:
-    import os
+    """The deployment's store, read from here with its own client (this process's environment is left alone)."""
+    import boto3
 
-    os.environ.update(fleet.store_env)  # boto3 here talks to the deployment's S3 endpoint
-    return open_store(fleet.store_env["CEDANA_STORE"], load_settings(environ={}))
+    e = fleet.store_env
+    client = boto3.client("s3", endpoint_url=e["AWS_ENDPOINT_URL"], aws_access_key_id=e["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=e["AWS_SECRET_ACCESS_KEY"], region_name=e["AWS_DEFAULT_REGION"])
+    return open_store(e["CEDANA_STORE"], load_settings(environ={}), s3_client=client)
 
 
 def _log(fleet: FleetStack, dag_id: str, run_id: str, try_number: int) -> str:
