@@ -11,7 +11,9 @@ bytes, checked on every read.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterator
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +23,8 @@ from pyfastcdc.cy import FastCDC
 
 from ..errors import CorruptCheckpoint
 
-__all__ = ["Cut", "cut_file", "digest", "encode", "decode", "CHUNKER_NAME", "MAX_CHUNK_FACTOR"]
+__all__ = ["Cut", "CutFile", "Piece", "cut_file", "digest", "encode", "decode", "CHUNKER_NAME", "MAX_CHUNK_FACTOR",
+           "SEGMENT_BYTES"]
 
 CHUNKER_NAME = "fastcdc-2020"
 #: FastCDC cuts no chunk longer than this many times the store's average: a manifest that declares a
@@ -33,6 +36,11 @@ _ZSTD = b"\x01"
 # zstd time for a 3% saving. Below this ratio on the sample the whole chunk is compressed.
 _SAMPLE = 64 << 10
 _WORTH_IT = 0.9
+#: Files are cut in segments of this many bytes, several at once: FastCDC and BLAKE3 release the GIL,
+#: so a heartbeat uses every core. A segment's end is always a cut, so the same bytes give the same
+#: chunks whichever heartbeat cuts them, and a file no larger than one segment is cut exactly as by
+#: one pass (stores written before keep deduplicating; larger files differ at segment ends only).
+SEGMENT_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,13 +49,55 @@ class Cut:
     data: memoryview
 
 
+def _cdc(avg_size: int) -> FastCDC:
+    return FastCDC(avg_size=avg_size, min_size=max(avg_size // 4, 64), max_size=avg_size * MAX_CHUNK_FACTOR)
+
+
 def cut_file(path: Path, avg_size: int) -> Iterator[Cut]:
-    """Yield the file's chunks in order; ``data`` is a view valid until the next item."""
+    """Yield the file's chunks in order, in one pass; ``data`` is a view valid until the next item."""
     if path.stat().st_size == 0:
         return
-    cdc = FastCDC(avg_size=avg_size, min_size=max(avg_size // 4, 64), max_size=avg_size * MAX_CHUNK_FACTOR)
-    for c in cdc.cut_file(str(path)):
+    for c in _cdc(avg_size).cut_file(str(path)):
         yield Cut(c.offset, c.data)
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A chunk of a file: where it is, and its digest."""
+
+    offset: int
+    size: int
+    digest: str
+
+
+class CutFile:
+    """A file's chunks, cut and digested segment by segment (several segments at once in ``pool``).
+
+    The file is mapped, not read: ``data(piece)`` is a view of the mapping, so only the chunks a
+    caller needs (those the store lacks) are ever copied. The mapping lives as long as its views.
+    """
+
+    def __init__(self, path: Path, avg_size: int, pool: Executor | None = None) -> None:
+        self.avg_size, self.pool = avg_size, pool
+        self.size = path.stat().st_size
+        if self.size == 0:
+            self._view = memoryview(b"")
+        else:
+            with open(path, "rb") as f:
+                self._view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+
+    def _segment(self, start: int) -> list[Piece]:
+        seg = self._view[start : start + SEGMENT_BYTES]
+        return [Piece(start + c.offset, len(c.data), digest(c.data)) for c in _cdc(self.avg_size).cut_buf(seg)]
+
+    def pieces(self) -> Iterator[Piece]:
+        starts = range(0, self.size, SEGMENT_BYTES)
+        cut = self.pool.map(self._segment, starts) if self.pool is not None and len(starts) > 1 else map(self._segment, starts)
+        for segment in cut:
+            yield from segment
+
+    def data(self, piece: Piece) -> memoryview:
+        return self._view[piece.offset : piece.offset + piece.size]
 
 
 def digest(data: bytes | memoryview) -> str:

@@ -68,6 +68,7 @@ class _Writer:
     known: set[str]
     progress: Progress
     pool: ThreadPoolExecutor
+    cut_pool: ThreadPoolExecutor  # cuts and digests a file's segments on every core
     check_store: bool  # False when the store held no chunk at all: nothing to find, so no HEADs
     stored_bytes: int = 0
     new_chunks: int = 0
@@ -91,15 +92,15 @@ class _Writer:
     def add_file(self, path: Path) -> tuple[int, tuple[ChunkRef, ...]]:
         refs: list[ChunkRef] = []
         size = 0
-        for cut in chunking.cut_file(path, self.cfg.chunk_avg_bytes):
-            d = chunking.digest(cut.data)
-            n = len(cut.data)
+        f = chunking.CutFile(path, self.cfg.chunk_avg_bytes, self.cut_pool)
+        for piece in f.pieces():
+            d, n = piece.digest, piece.size
             refs.append(ChunkRef(digest=d, size=n))
             size += n
-            if d not in self.known:
+            if d not in self.known:  # only new chunks are copied out of the file's mapping
                 self.known.add(d)
                 self._drain(2 * self.store.parallelism)
-                self.pending.append(self.pool.submit(self._put_if_missing, d, bytes(cut.data)))
+                self.pending.append(self.pool.submit(self._put_if_missing, d, bytes(f.data(piece))))
             self.progress.advance(n)
         return size, tuple(refs)
 
@@ -140,13 +141,14 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path,
     image_files = sorted(p for p in image_dir.iterdir() if p.is_file())
     total = sum(p.stat().st_size for p in image_files) + sum(c.copy.stat().st_size for c in captured)
     progress = Progress(f"checkpoint {meta.checkpoint_id}", total, progress_mode)
-    with ThreadPoolExecutor(store.parallelism, thread_name_prefix="cedana-put") as pool:
+    with ThreadPoolExecutor(store.parallelism, thread_name_prefix="cedana-put") as pool, \
+            ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="cedana-cut") as cut_pool:
         known = set(known_digests)
         # A first checkpoint into an empty store would ask "is it there?" once per chunk and hear
         # "no" every time: one listing answers for all. A concurrent writer of the same chunk
         # writes the same bytes, so a missed dedup costs an upload, never correctness.
         check = bool(known) or next(iter(store.list_objects("chunks/", limit=1)), None) is not None
-        w = _Writer(store, cfg, compression, known, progress, pool, check)
+        w = _Writer(store, cfg, compression, known, progress, pool, cut_pool, check)
         entries = []
         for p in image_files:
             size, refs = w.add_file(p)

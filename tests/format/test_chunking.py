@@ -63,3 +63,60 @@ def test_damaged_chunks_are_refused(damage):
         d = chunking.digest(b"something else")
     with pytest.raises(CorruptCheckpoint):
         chunking.decode(bytes(blob), d, len(data))
+
+
+def _pieces(path, avg=64 << 10, pool=None):
+    return [(p.offset, p.size, p.digest) for p in chunking.CutFile(path, avg, pool).pieces()]
+
+
+def test_a_file_within_one_segment_is_cut_as_one_pass_cuts_it(tmp_path):
+    p = tmp_path / "f"
+    p.write_bytes(os.urandom(3 << 20))
+    assert _pieces(p) == _chunks(p)  # stores written before keep deduplicating
+    p.write_bytes(b"")
+    assert _pieces(p) == []
+
+
+def test_segments_cut_in_parallel_cover_the_file_and_give_the_same_chunks_every_time(tmp_path, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(chunking, "SEGMENT_BYTES", 1 << 20)
+    data = os.urandom((5 << 20) + 12345)
+    p = tmp_path / "f"
+    p.write_bytes(data)
+    with ThreadPoolExecutor(2) as pool:
+        cut = _pieces(p, pool=pool)
+        assert _pieces(p, pool=pool) == cut == _pieces(p)  # parallel or not, the same chunks
+    assert cut[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(cut, cut[1:])) and sum(c[1] for c in cut) == len(data)
+    assert {k << 20 for k in range(6)} <= {c[0] for c in cut}  # every segment starts a chunk
+    f = chunking.CutFile(p, 64 << 10)
+    assert all(chunking.digest(f.data(piece)) == piece.digest == chunking.digest(data[piece.offset:piece.offset + piece.size])
+               for piece in f.pieces())
+    # a page changed in segment 3 changes chunks there only
+    changed = bytearray(data)
+    changed[(3 << 20) + 5000] ^= 0xFF
+    p.write_bytes(changed)
+    after = _pieces(p)
+    assert len({c[2] for c in cut} - {c[2] for c in after}) <= 2
+
+
+def test_a_checkpoint_of_files_larger_than_a_segment_restores_byte_for_byte(tmp_path, monkeypatch):
+    from cedana_airflow.config import load_settings
+    from cedana_airflow.format.manifest import ProcessInfo
+    from cedana_airflow.store import open_store
+    from cedana_airflow.store.transfer import CheckpointMeta, fetch_checkpoint, save_checkpoint
+
+    monkeypatch.setattr(chunking, "SEGMENT_BYTES", 1 << 20)
+    s = open_store(f"file://{tmp_path / 'store'}", load_settings(environ={}))
+    cfg = s.open(create=True, chunk_avg_bytes=64 << 10)
+    img = tmp_path / "img"
+    img.mkdir()
+    (img / "pages-1.img").write_bytes(os.urandom((4 << 20) + 777))
+    (img / "core-1.img").write_bytes(os.urandom(3000))
+    proc = ProcessInfo(pid=1, command=("x",), cwd="/", stdout_pipe="pipe:[1]", stderr_pipe="pipe:[2]")
+    m = save_checkpoint(s, cfg, CheckpointMeta("seg", "n", "4.1.1", proc), img)
+    again = save_checkpoint(s, cfg, CheckpointMeta("seg", "n", "4.1.1", proc), img)
+    assert again.new_chunks == 0  # the same bytes, the same chunks: nothing new stored
+    fetch_checkpoint(s, m, tmp_path / "out")
+    for f in img.iterdir():
+        assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes()
