@@ -82,15 +82,16 @@ class FleetStack:
         self.store_env: dict[str, str] = {}
 
     # -- parts ---------------------------------------------------------------------------------------
-    def _start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        log = open(self.root / f"{name}.log", "wb")
-        p = subprocess.Popen(argv, env=env or self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True)
-        log.close()
-        self.procs[name] = p
-        return p
+    def _start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        """Start a part in its own session, its output appended to ``<name>.log`` (a restarted worker
+        keeps its earlier log)."""
+        with open(self.root / f"{name}.log", "ab") as log:
+            self.procs[name] = subprocess.Popen(argv, env=env or self.env, stdout=log, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL, start_new_session=True)
 
-    def _wait(self, name: str, ready: Any, timeout: float, log: Path | None = None) -> None:
+    def _wait(self, name: str, ready: Any, timeout: float) -> None:
+        """Until ``ready()`` is true; else one line naming the part, why, and its log."""
+        log = self.root / f"{name}.log"
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -100,11 +101,9 @@ class FleetStack:
                 pass
             p = self.procs.get(name)
             if p is not None and p.poll() is not None:
-                raise FleetError(f"{name} exited {p.returncode} while starting: {_tail(log or self.root / f'{name}.log')} "
-                                 f"(log: {log or self.root / f'{name}.log'})")
+                raise FleetError(f"{name} exited {p.returncode} while starting: {_tail(log)} (log: {log})")
             if time.monotonic() > deadline:
-                raise FleetError(f"{name} did not come up within {timeout:.0f} s: {_tail(log or self.root / f'{name}.log')} "
-                                 f"(log: {log or self.root / f'{name}.log'})")
+                raise FleetError(f"{name} did not come up within {timeout:.0f} s: {_tail(log)} (log: {log})")
             time.sleep(0.5)
 
     def _postgres(self) -> str:
@@ -177,15 +176,9 @@ class FleetStack:
         """An `airflow celery worker` as node ``name``; returns once Celery says it is ready."""
         log = self.root / f"{name}.log"
         start = log.stat().st_size if log.exists() else 0
-        self._start_appending(name, [*AIRFLOW, "celery", "worker", "--celery-hostname", f"{name}@%h", "--concurrency", "2"],
-                              self.worker_env(name))
+        self._start(name, [*AIRFLOW, "celery", "worker", "--celery-hostname", f"{name}@%h", "--concurrency", "2"],
+                    self.worker_env(name))
         self._wait(name, lambda: " ready." in log.read_text(errors="replace")[start:], 120)
-
-    def _start_appending(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        log = open(self.root / f"{name}.log", "ab")
-        self.procs[name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True)
-        log.close()
 
     def kill_worker(self, name: str) -> float:
         """A node loss: freeze, then SIGKILL, the worker and everything below it (task supervisors, the
