@@ -9,9 +9,11 @@ boundary; nothing above this module reads CRIU logs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
+import select
 import shutil
 import subprocess
 import time
@@ -191,11 +193,57 @@ class CriuEngine:
         stats = read_dump_stats(image_dir)
         return DumpResult(image_dir, seconds, stats.get("frozen", seconds), tuple(cap.captured) if capture else ())
 
-    def restore(self, image_dir: Path, *, inherit: dict[int, str], pidfile: Path) -> int:
+    @functools.cached_property
+    def lazy_pages(self) -> tuple[bool, str]:
+        """Whether this kernel lets CRIU fill a restored process's memory on demand (userfaultfd,
+        with fork and exit events for a tree of processes), and CRIU's answer in words."""
+        answers = []
+        for feature in ("uffd", "uffd-noncoop"):
+            try:
+                out = subprocess.run([self.binary.path, "check", "--feature", feature], capture_output=True,
+                                     text=True, timeout=60)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                return False, f"criu check --feature {feature}: {e}"
+            text = (out.stdout + out.stderr).strip().splitlines()
+            answers.append(text[-1] if text else f"exit {out.returncode}")
+            if out.returncode != 0:
+                return False, answers[-1]
+        return True, "; ".join(answers)
+
+    def start_lazy_pages(self, image_dir: Path, page_socket: int, timeout: float = 60.0) -> subprocess.Popen[bytes]:
+        """Start CRIU's lazy-pages daemon for ``image_dir``, asking for pages over ``page_socket``
+        (see page_server.py); return it once it listens for the restore. Its log goes beside the
+        images. The OOM killer is asked to spare it: were it to die while pages stream, the kernel
+        would fill the rest of the process's memory with zeros (see lazy_restore.py)."""
+        self._require_root("restoring")
+        log_path = image_dir.with_name(image_dir.name + ".lazy-pages.log")
+        ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
+        cmd = [self.binary.path, "lazy-pages", "-D", str(image_dir), "--page-server", "--ps-socket", str(page_socket),
+               "--status-fd", str(ready_w), "-o", str(log_path)]
+        try:
+            proc = subprocess.Popen(cmd, pass_fds=(page_socket, ready_w), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            os.close(ready_w)
+        try:
+            with contextlib.suppress(OSError):
+                Path(f"/proc/{proc.pid}/oom_score_adj").write_text("-1000")
+            ready = select.select([ready_r], [], [], timeout)[0] and os.read(ready_r, 1)
+        finally:
+            os.close(ready_r)
+        if not ready:
+            proc.kill()
+            proc.wait()
+            tail = _log_tail(log_path) or "it did not say it was ready"
+            raise RestoreFailed(f"criu lazy-pages for {image_dir} did not start: {tail}. {_hint(tail)}; log: {log_path}.")
+        return proc
+
+    def restore(self, image_dir: Path, *, inherit: dict[int, str], pidfile: Path, lazy: bool = False) -> int:
         """Restore the tree detached (``-d``); return the host PID of its root.
 
         ``inherit`` maps an fd of this process to the CRIU name of the file it replaces
-        (``pipe:[1234]``): the restored workload writes into our new pipes. The caller should be a
+        (``pipe:[1234]``): the restored workload writes into our new pipes. ``lazy``: leave the lazy
+        pages to the daemon :meth:`start_lazy_pages` started (the restore returns while they stream). The caller should be a
         child subreaper (see :mod:`cedana_airflow.run.workload`) so the restored root becomes its child.
         """
         self._require_root("restoring")
@@ -204,6 +252,8 @@ class CriuEngine:
                "-o", str(log_path), "--file-locks"]
         for fd, name in inherit.items():
             cmd += ["--inherit-fd", f"fd[{fd}]:{name}"]
+        if lazy:
+            cmd.append("--lazy-pages")
         proc = subprocess.run(cmd, capture_output=True, text=True, pass_fds=tuple(inherit))
         if proc.returncode != 0:
             tail = _log_tail(log_path) or proc.stderr.strip()[-300:]
