@@ -235,8 +235,10 @@ def load_manifests_of(store: Store, checkpoint_ids: Sequence[str]) -> dict[str, 
 
 
 def fetch_checkpoint(store: Store, manifest: Manifest, dest: Path, progress_mode: str = "never", *,
-                     max_chunk_bytes: int | None = None) -> None:
+                     max_chunk_bytes: int | None = None, leave_sparse: frozenset[str] = frozenset()) -> None:
     """Download and verify every chunk of a checkpoint into ``dest`` (image files, then captured/).
+    Image files named in ``leave_sparse`` are only created at their size, holes all through (a lazy
+    restore fills what it needs of them).
 
     Raises CorruptCheckpoint, leaving nothing usable in ``dest``, if any chunk is missing or wrong,
     or (with ``max_chunk_bytes``, the store's cap) declared longer than any chunk the store can hold.
@@ -251,9 +253,11 @@ def fetch_checkpoint(store: Store, manifest: Manifest, dest: Path, progress_mode
     if dest.exists():
         shutil.rmtree(dest)
     (dest / CAPTURED_DIR).mkdir(parents=True)
-    targets: list[tuple[Path, int, tuple[ChunkRef, ...]]] = [(dest / f.name, f.size, f.chunks) for f in manifest.files]
+    targets: list[tuple[Path, int, tuple[ChunkRef, ...]]] = [
+        (dest / f.name, f.size, () if f.name in leave_sparse else f.chunks) for f in manifest.files]
     targets += [(dest / CAPTURED_DIR / str(i), c.size, c.chunks) for i, c in enumerate(manifest.captured)]
-    progress = Progress(f"restore {manifest.checkpoint_id}#{manifest.seq}", manifest.image_bytes, progress_mode)
+    total = sum(c.size for _, _, refs in targets for c in refs)
+    progress = Progress(f"restore {manifest.checkpoint_id}#{manifest.seq}", total, progress_mode)
     fds: list[int] = []
     jobs: list[tuple[int, int, ChunkRef]] = []
     try:

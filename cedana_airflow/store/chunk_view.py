@@ -1,0 +1,115 @@
+"""Random-access reads of one stored file, straight from its chunks: what a lazy restore feeds on.
+
+Each chunk is fetched once and verified (digest and length) before any byte of it is returned;
+a chunk that fails is never served, and every later read that needs it fails the same way. Reads
+wait only for the chunks they touch. A prefetcher fetches ahead in the order it is given, keeping
+at most ``window_bytes`` of fetched-but-unread data in memory; a chunk is dropped once each of its
+bytes has been read (a lazy-pages daemon asks for each page once), and fetched again if a read
+comes back for it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ..format import chunking
+from ..format.manifest import FileEntry
+from .base import Store
+
+__all__ = ["ChunkView"]
+
+
+class ChunkView:
+    def __init__(self, store: Store, entry: FileEntry, pool: ThreadPoolExecutor, *, window_bytes: int) -> None:
+        self.store, self.entry, self.pool = store, entry, pool
+        self.window_bytes = window_bytes
+        self.starts: list[int] = []
+        off = 0
+        for c in entry.chunks:
+            self.starts.append(off)
+            off += c.size
+        self.fetched_bytes = 0  # raw bytes fetched and verified, refetches included
+        self._cond = threading.Condition()
+        self._held: dict[int, Future[bytes | memoryview]] = {}
+        self._unread: dict[int, int] = {}  # chunk -> its bytes not yet read
+        self._held_bytes = 0
+        self._closed = False
+        self._prefetcher: threading.Thread | None = None
+
+    def chunks_of(self, offset: int, length: int) -> range:
+        if length <= 0:
+            return range(0)
+        first = bisect.bisect_right(self.starts, offset) - 1
+        last = bisect.bisect_right(self.starts, offset + length - 1) - 1
+        return range(first, last + 1)
+
+    def _fetch(self, i: int) -> bytes | memoryview:
+        ref = self.entry.chunks[i]
+        raw = chunking.decode(self.store.get_chunk(ref.digest), ref.digest, ref.size)
+        with self._cond:
+            self.fetched_bytes += ref.size
+        return raw
+
+    def _hold(self, i: int) -> Future[bytes | memoryview]:
+        """The chunk's fetch, started now unless it is held already. Caller holds the lock."""
+        fut = self._held.get(i)
+        if fut is None:
+            fut = self.pool.submit(self._fetch, i)
+            self._held[i] = fut
+            self._unread[i] = self.entry.chunks[i].size
+            self._held_bytes += self.entry.chunks[i].size
+        return fut
+
+    def read(self, offset: int, length: int) -> list[bytes | memoryview]:
+        """``length`` bytes from ``offset`` as pieces (views into the chunks: no copy), every chunk
+        they come from verified. Raises what the fetch raised: CorruptCheckpoint, StoreUnavailable."""
+        if offset < 0 or length < 0 or offset + length > self.entry.size:
+            raise ValueError(f"{self.entry.name}: read of {length} bytes at {offset} is outside its {self.entry.size}")
+        idxs = self.chunks_of(offset, length)
+        with self._cond:
+            futs = [(i, self._hold(i)) for i in idxs]
+        out: list[bytes | memoryview] = []
+        for i, fut in futs:
+            raw = memoryview(fut.result())
+            lo = max(offset - self.starts[i], 0)
+            hi = min(offset + length - self.starts[i], len(raw))
+            out.append(raw[lo:hi])
+            self._consumed(i, hi - lo)
+        return out
+
+    def _consumed(self, i: int, n: int) -> None:
+        with self._cond:
+            if i not in self._unread:
+                return
+            self._unread[i] -= n
+            if self._unread[i] <= 0:
+                del self._unread[i], self._held[i]
+                self._held_bytes -= self.entry.chunks[i].size
+                self._cond.notify_all()
+
+    def prefetch(self, order: Iterable[int]) -> None:
+        """Fetch these chunks ahead of the reads, in this order, within the window (background)."""
+        def run() -> None:
+            for i in order:
+                with self._cond:
+                    while not self._closed and self._held_bytes >= self.window_bytes and i not in self._held:
+                        self._cond.wait(0.5)
+                    if self._closed:
+                        return
+                    self._hold(i)
+        self._prefetcher = threading.Thread(target=run, name="cedana-prefetch", daemon=True)
+        self._prefetcher.start()
+
+    def close(self) -> None:
+        """Stop prefetching and drop what is held."""
+        with self._cond:
+            self._closed = True
+            for fut in self._held.values():
+                fut.cancel()
+            self._held.clear()
+            self._unread.clear()
+            self._held_bytes = 0
+            self._cond.notify_all()
