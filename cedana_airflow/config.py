@@ -114,6 +114,12 @@ class Settings(BaseModel):
     progress: Literal["auto", "always", "never"] = Field(
         default="auto", description="Progress display for long transfers: auto = only on a terminal."
     )
+    restore_mode: Literal["lazy", "full"] = Field(
+        default="lazy",
+        description="lazy = the restored workload runs while its memory streams in from the store (each chunk "
+        "verified first), where the kernel has userfaultfd (doctor says); elsewhere, and for GPU state, full = "
+        "fetch and verify every chunk, then restore.",
+    )
     max_restore_gap_seconds: float | None = Field(
         default=None, ge=0, allow_inf_nan=False,
         description="Never restore a checkpoint older than this (a real-time reader's data has moved on): "

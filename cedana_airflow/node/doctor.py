@@ -45,12 +45,26 @@ def _criu(settings: Settings) -> list[Check]:
     out = [Check("criu", "ok", f"{binary.path} (from {binary.source})"),
            Check("criu version", "ok", binary.version)]
     if os.geteuid() == 0:
-        ok, last = CriuEngine(binary).check()
+        engine = CriuEngine(binary)
+        ok, last = engine.check()
         out.append(Check("criu check", "ok" if ok else "fail", last,
                          "" if ok else "use CRIU >= 4 on a kernel it supports; see 'criu check --all'"))
+        out.append(_restore_mode(settings, engine))
     else:
         out.append(Check("criu check", "skip", "needs root"))
     return out
+
+
+def _restore_mode(settings: Settings, engine: CriuEngine) -> Check:
+    """Which restore this node does: lazy (runs while memory streams in) where the kernel allows."""
+    if settings.restore_mode == "full":
+        return Check("restore mode", "ok", "full (restore_mode = full)")
+    ok, why = engine.lazy_pages
+    if ok:
+        return Check("restore mode", "ok", f"lazy ({why}); GPU state is restored in full")
+    return Check("restore mode", "warn", f"full: this kernel cannot restore lazily ({why})",
+                 "a kernel with userfaultfd (CONFIG_USERFAULTFD, 4.11+ for a process tree) restores lazily; "
+                 "set restore_mode = full to silence this")
 
 
 def _store(settings: Settings) -> Check:

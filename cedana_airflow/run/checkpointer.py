@@ -35,6 +35,7 @@ from ..store.writer_lease import WriterLease
 from .captured import CapturedFilesBack, ensure_cwd, restore_roots
 from .estimate import estimate_checkpoint, too_large
 from .gpu_state import GpuGate
+from .lazy_restore import LazyFeed, lazy_files
 from .workload import Sink, Workload, become_subreaper
 
 __all__ = ["Checkpointer", "PhaseHook", "Restored"]
@@ -91,6 +92,9 @@ class Checkpointer:
         self._count = 0
         self._known: set[str] = set()
         self.parent_seq: int | None = None
+        self._feed: LazyFeed | None = None  # a lazy restore's pages, while they stream in
+        self._lazy_off = ""  # why lazy restore is off from now on ("" while it is on)
+        self._refused: dict[int, str] = {}  # seq -> why (a chunk that failed while streaming)
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -106,6 +110,8 @@ class Checkpointer:
         with self._lock:
             if self.lease is not None and self.lease.fenced:
                 return None  # no freeze either: this supervisor's checkpoints would never be used
+            if not self._pages_in(wait=not leave_running):
+                return None
             pids = workload.pids()
             holding, why_not = self.gpu.dump_refusal(pids)
             if why_not:  # the workload keeps running; said once, not every heartbeat
@@ -168,6 +174,57 @@ class Checkpointer:
                      f"gpu_resume_seconds={gpu.resume_seconds:.3f}" if gpu else "")
             return manifest
 
+    def _pages_in(self, *, wait: bool) -> bool:
+        """Whether a lazily restored tree has all its memory (CRIU cannot dump one that has not). A
+        heartbeat is skipped until then; a final checkpoint waits for it a while."""
+        feed = self._feed
+        if feed is None or not feed.streaming:
+            return True
+        if wait and feed.wait(60.0):
+            return feed.failure is None
+        log.info("heartbeat skipped checkpoint_id=%s: the restored checkpoint's memory is still streaming in",
+                 self.checkpoint_id)
+        return False
+
+    def lazy_failure(self) -> str | None:
+        """Why the lazy restore's pages stopped streaming in (its tree was killed), once; from then on
+        restores are full ones, and a checkpoint with a bad chunk is refused."""
+        feed = self._feed
+        if feed is None or feed.failure is None:
+            return None
+        feed.wait(30.0)
+        feed.close()
+        self._feed = None
+        self._lazy_off = f"a lazy restore failed before ({feed.failure})"
+        if feed.corrupt:
+            self._refused[feed.manifest.seq] = f"checkpoint {self.checkpoint_id} seq={feed.manifest.seq}: {feed.failure}"
+        return feed.failure
+
+    def pages_in_at(self, timeout: float = 600.0) -> float:
+        """Wait until a lazy restore's pages are all in; when that was (time.monotonic()). For bench/."""
+        feed = self._feed
+        if feed is None:
+            return time.monotonic()
+        feed.wait(timeout)
+        return feed.finished or time.monotonic()
+
+    def close(self) -> None:
+        """Let go of a lazy restore's daemon, page server and images (after its tree, never before)."""
+        if self._feed is not None:
+            self._feed.close()
+            self._feed = None
+
+    def restore_mode(self, m: Manifest) -> tuple[str, str]:
+        """("lazy" or "full", why) for restoring ``m`` on this node."""
+        if self.settings.restore_mode == "full":
+            return "full", "restore_mode = full"
+        if self._lazy_off:
+            return "full", self._lazy_off
+        if m.gpu is not None:
+            return "full", "the checkpoint holds GPU state, which is restored in full"
+        ok, why = self.engine.lazy_pages
+        return ("lazy", why) if ok else ("full", f"this kernel cannot restore lazily ({why})")
+
     def restore(self, stdout: Sink | None = None, stderr: Sink | None = None, *, cwd: str | None = None) -> Restored:
         """Restore the newest usable checkpoint and supervise it.
 
@@ -181,7 +238,7 @@ class Checkpointer:
         skipped: list[str] = []
         candidates = require_latest(self.store, self.checkpoint_id)
         for i, m in enumerate(candidates):
-            why_not = self._refusal(m)
+            why_not = self._refused.get(m.seq) or self._refusal(m)
             if why_not:  # each candidate, not just the newest: a fallback must not run forged or stale state
                 skipped.append(why_not)
                 log.warning("checkpoint refused checkpoint_id=%s seq=%d: %s", self.checkpoint_id, m.seq, why_not)
@@ -191,11 +248,20 @@ class Checkpointer:
             shutil.rmtree(restore_dir, ignore_errors=True)
             restore_dir.mkdir(mode=0o700, parents=True)  # the fetched images are process memory: root's eyes only
             refused = True
+            mode, why_mode = self.restore_mode(m)
+            log.debug("restore mode checkpoint_id=%s seq=%d mode=%s: %s", self.checkpoint_id, m.seq, mode, why_mode)
+            feed = None
             try:
                 with self._phase("fetch"):
                     fetch_checkpoint(self.store, m, restore_dir / "images", self.settings.progress,
-                                     max_chunk_bytes=MAX_CHUNK_FACTOR * self.store_cfg.chunk_avg_bytes)
-                workload = self._restore_from(restore_dir / "images", m, stdout, stderr, roots)
+                                     max_chunk_bytes=MAX_CHUNK_FACTOR * self.store_cfg.chunk_avg_bytes,
+                                     leave_sparse=lazy_files(m) if mode == "lazy" else frozenset())
+                    if mode == "lazy":
+                        older = candidates[i + 1].chunk_digests() if i + 1 < len(candidates) else set()
+                        feed = LazyFeed(self.engine, self.store, m, restore_dir / "images", m.chunk_digests() - older,
+                                        keep_dir=self.settings.keep_local)
+                        feed.fill()
+                workload = self._restore_from(restore_dir / "images", m, stdout, stderr, roots, feed)
                 refused = False
             except (CorruptCheckpoint, RestoreFailed, OSError, ValueError, MemoryError) as e:
                 # Whatever a fetched checkpoint makes fail here refuses it; only the store being down
@@ -208,10 +274,13 @@ class Checkpointer:
                             "falling back to the previous one" if i + 1 < len(candidates) else "no older checkpoint left")
                 continue
             finally:
+                if refused and feed is not None:
+                    feed.close(remove_dir=False)
                 if refused and not self.settings.keep_local:
                     _drop_all_but_logs(restore_dir)  # its message may name CRIU's restore log: keep that
-                elif not self.settings.keep_local:
-                    shutil.rmtree(restore_dir, ignore_errors=True)
+                elif not self.settings.keep_local and feed is None:
+                    shutil.rmtree(restore_dir, ignore_errors=True)  # a lazy restore's goes when its pages are in
+            self._feed = feed
             self.parent_seq = m.seq
             self._known = m.chunk_digests()
             return Restored(workload, m, tuple(skipped))
@@ -237,7 +306,7 @@ class Checkpointer:
         return f"seq {m.seq} is {gap:.0f} s old, beyond max_restore_gap = {limit:.0f} s" if beyond else None
 
     def _restore_from(self, dest: Path, m: Manifest, stdout: Sink | None, stderr: Sink | None,
-                      roots: Sequence[PurePosixPath]) -> Workload:
+                      roots: Sequence[PurePosixPath], feed: LazyFeed | None) -> Workload:
         with CapturedFilesBack(m, dest / CAPTURED_DIR, roots) as files_back:
             ensure_cwd(m, roots)
             become_subreaper()
@@ -245,9 +314,11 @@ class Checkpointer:
             err_r, err_w = os.pipe2(os.O_CLOEXEC)
             try:
                 with self._phase("criu_restore"):
+                    if feed is not None:  # only now: every check of the checkpoint has passed
+                        feed.start()
                     pid = self.engine.restore(
                         dest, inherit={out_w: m.process.stdout_pipe, err_w: m.process.stderr_pipe},
-                        pidfile=dest.with_name(dest.name + ".pid"),
+                        pidfile=dest.with_name(dest.name + ".pid"), lazy=feed is not None,
                     )
             except BaseException:
                 os.close(out_r)
@@ -257,7 +328,10 @@ class Checkpointer:
                 os.close(out_w)
                 os.close(err_w)
             # Supervised (watchdog on) before anything else can fail: a restored tree is never left alone.
-            workload = Workload.adopt(pid, m.process.command, m.process.cwd, out_r, err_r, stdout, stderr)
+            workload = Workload.adopt(pid, m.process.command, m.process.cwd, out_r, err_r, stdout, stderr,
+                                      watchdog_holds=(feed.page_socket,) if feed is not None else ())
+            if feed is not None:
+                feed.attach(pid)
             seconds = self.gpu.resume(workload, m)  # a failure kills the tree and refuses the checkpoint
             if m.gpu is not None:
                 log.info("gpu state restored checkpoint_id=%s seq=%d processes=%d seconds=%.3f",

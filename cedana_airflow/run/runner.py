@@ -116,15 +116,26 @@ def run_workload(
         cp = Checkpointer(engine, store, store_cfg, checkpoint_id, settings, work_dir=work_dir, try_number=try_number,
                           lease=lease, gpu=gpu, airflow=airflow)
         result = RunResult(exit_code=0, outcome="fresh")
-        workload = _resume(cp, result, must_restore=command is None, cwd=cwd, stdout=stdout, stderr=stderr) \
-            if resume or command is None else None
-        if workload is None:
-            assert command is not None
-            if env is None:  # ours, less the store's credentials: they would be in every image
-                env = workload_env(os.environ, settings.keep_env)
-            workload = Workload.start(command, cwd=cwd, env=env, stdout=stdout, stderr=stderr)
-            log.info("workload started checkpoint_id=%s pid=%d node=%s", checkpoint_id, workload.pid, cp.node)
-        result = _supervise(settings, cp, workload, result, handle_signals, stop)
+        try:
+            restore = resume or command is None
+            while True:
+                workload = _resume(cp, result, must_restore=command is None, cwd=cwd, stdout=stdout, stderr=stderr) \
+                    if restore else None
+                if workload is None:
+                    assert command is not None
+                    if env is None:  # ours, less the store's credentials: they would be in every image
+                        env = workload_env(os.environ, settings.keep_env)
+                    workload = Workload.start(command, cwd=cwd, env=env, stdout=stdout, stderr=stderr)
+                    log.info("workload started checkpoint_id=%s pid=%d node=%s", checkpoint_id, workload.pid, cp.node)
+                result = _supervise(settings, cp, workload, result, handle_signals, stop)
+                why = cp.lazy_failure()
+                if why is None or result.stopped_by_signal:
+                    break
+                # Its tree was killed before it could run on a missing page: restore again, in full.
+                log.warning("lazy restore failed checkpoint_id=%s: %s; restoring again in full", checkpoint_id, why)
+                result = RunResult(exit_code=0, outcome="fresh", skipped=(why,))
+        finally:
+            cp.close()
         if result.exit_code == 0 and settings.delete_on_success:
             delete_checkpoint_id(store, checkpoint_id)  # done: nothing left to resume
         return result

@@ -84,7 +84,8 @@ class Workload:
     """One managed process tree, started fresh (:meth:`start`) or restored (:meth:`adopt`)."""
 
     def __init__(self, pid: int, command: Sequence[str], cwd: str, out_fd: int, err_fd: int,
-                 launcher: subprocess.Popen[bytes] | None, stdout: Sink, stderr: Sink, *, ended: bool = False) -> None:
+                 launcher: subprocess.Popen[bytes] | None, stdout: Sink, stderr: Sink, *, ended: bool = False,
+                 watchdog_holds: tuple[int, ...] = ()) -> None:
         self.pid = pid  # host PID of the namespace's init: what CRIU dumps
         self.command = tuple(command)
         self.cwd = cwd
@@ -97,7 +98,7 @@ class Workload:
         self.returncode: int | None = None
         self._reap_lock = threading.Lock()
         # A tree that ended before we saw it (a short command) needs no watchdog: nothing is left to kill.
-        self._watchdog = None if ended else _watchdog(pid)
+        self._watchdog = None if ended else _watchdog(pid, watchdog_holds)
 
     @classmethod
     def start(cls, command: Sequence[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
@@ -128,9 +129,12 @@ class Workload:
 
     @classmethod
     def adopt(cls, pid: int, command: Sequence[str], cwd: str, out_r: int, err_r: int,
-              stdout: Sink | None = None, stderr: Sink | None = None) -> Workload:
-        """Supervise a restored tree whose root ``pid`` is our child (we are its subreaper)."""
-        return cls(pid, command, cwd, out_r, err_r, None, stdout or sys.stdout.buffer, stderr or sys.stderr.buffer)
+              stdout: Sink | None = None, stderr: Sink | None = None, *, watchdog_holds: tuple[int, ...] = ()) -> Workload:
+        """Supervise a restored tree whose root ``pid`` is our child (we are its subreaper).
+        ``watchdog_holds``: fds the watchdog keeps open until it has killed the tree (a lazy
+        restore's page socket: see lazy_restore.py)."""
+        return cls(pid, command, cwd, out_r, err_r, None, stdout or sys.stdout.buffer, stderr or sys.stderr.buffer,
+                   watchdog_holds=watchdog_holds)
 
     def pids(self) -> list[int]:
         """The host PIDs of the whole tree, root first."""
@@ -231,7 +235,7 @@ kill -KILL "$2" 2>/dev/null
 """
 
 
-def _watchdog(workload_pid: int) -> subprocess.Popen[bytes]:
+def _watchdog(workload_pid: int, holds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
     """A workload must not outlive its supervisor: killed with SIGKILL (OOM killer, a worker crash),
     the supervisor can no longer checkpoint or stop it, and a retry would race a headless copy.
     The workload cannot carry a parent-death signal instead: CRIU would restore it, and it would
@@ -239,6 +243,7 @@ def _watchdog(workload_pid: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         ["sh", "-c", _WATCHDOG, "cedana-watchdog", str(os.getpid()), str(workload_pid)],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        pass_fds=holds,
     )
 
 

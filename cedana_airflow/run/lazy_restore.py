@@ -1,0 +1,235 @@
+"""Lazy restore: the restored tree runs while its memory streams in from the store.
+
+A full restore fetches every chunk, writes the image set and only then runs ``criu restore``. A lazy
+one fetches the small images and the pages a restore reads itself (the stack, file-backed memory:
+what the pagemap does not mark lazy), writes them into a sparse ``pages-N.img``, and starts
+``criu restore --lazy-pages`` beside CRIU's lazy-pages daemon. The daemon asks our page server
+(engine/page_server.py) for the rest: first the pages the process faults on, then all others in
+the background. The server answers from :class:`~cedana_airflow.store.chunk_view.ChunkView`, so
+every byte comes from a verified chunk; a prefetcher fetches ahead, the chunks this checkpoint
+wrote anew (recently written memory, likely touched first) before the others in address order.
+
+The one rule that matters: the process must never run on a page it did not get. If a chunk turns
+out corrupt or the store goes away, the tree is killed before the daemon is let go (its faults stay
+blocked until then), and the caller restores again in full (the next older checkpoint for a corrupt
+one). A heartbeat waits until every page is in: CRIU cannot dump a tree with pages still missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..engine.criu import CriuEngine
+from ..engine.page_server import PageServer, wire_for
+from ..engine.pagemap import PAGE_SIZE, Pagemap, read_pagemaps
+from ..errors import CorruptCheckpoint, StoreUnavailable
+from ..format.manifest import Manifest
+from ..store.base import Store
+from ..store.chunk_view import ChunkView
+
+__all__ = ["LazyFeed", "PREFETCH_WINDOW_BYTES", "lazy_files"]
+
+log = logging.getLogger(__name__)
+
+#: Fetched-but-unread memory held at most per pages file: enough to keep every fetch thread busy
+#: ahead of the daemon's 4 MiB background reads, small beside the image.
+PREFETCH_WINDOW_BYTES = 256 << 20
+
+
+def lazy_files(m: Manifest) -> frozenset[str]:
+    """The image files a lazy restore does not fetch whole: the pages images."""
+    return frozenset(f.name for f in m.files if f.name.startswith("pages-") and f.name.endswith(".img"))
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie (its namespace's processes are gone with it once it is)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, IndexError, ProcessLookupError):
+        return True
+
+
+class LazyFeed:
+    """Pages for one lazily restored tree: :meth:`fill` and :meth:`start` before ``criu restore``,
+    :meth:`attach` the restored root, then :meth:`wait` for :attr:`failure` or not; :meth:`close` always."""
+
+    def __init__(self, engine: CriuEngine, store: Store, manifest: Manifest, image_dir: Path,
+                 hot_digests: set[str], *, keep_dir: bool = False) -> None:
+        self.engine, self.store, self.manifest, self.image_dir = engine, store, manifest, image_dir
+        self.hot = hot_digests
+        self.keep_dir = keep_dir
+        self.failure: str | None = None
+        self.corrupt = False  # the failure was the checkpoint's (a bad chunk), not the store's
+        self.started = time.monotonic()
+        self.finished: float | None = None
+        self._pid: int | None = None
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._pool = ThreadPoolExecutor(store.parallelism, thread_name_prefix="cedana-lazy")
+        self._views: dict[str, ChunkView] = {}
+        self._pagemaps: dict[int, Pagemap] = {}
+        self._server: PageServer | None = None
+        self._daemon: subprocess.Popen[bytes] | None = None
+        self._watch: threading.Thread | None = None
+        self._page_fd = -1
+
+    # -- before criu restore ---------------------------------------------------------------------
+    def fill(self) -> None:
+        """Fill the sparse pages images with what the restore reads itself, and start fetching the
+        rest ahead. Raises CorruptCheckpoint (a bad chunk or pagemap), StoreUnavailable."""
+        try:
+            self._pagemaps = read_pagemaps(self.image_dir)
+        except ValueError as e:
+            raise CorruptCheckpoint(f"checkpoint {self.manifest.checkpoint_id} seq={self.manifest.seq}: {e}") from None
+        entries = {f.name: f for f in self.manifest.files}
+        for pm in self._pagemaps.values():
+            entry = entries.get(pm.pages_file)
+            if entry is None or entry.size != pm.pages_bytes:
+                raise CorruptCheckpoint(f"checkpoint {self.manifest.checkpoint_id} seq={self.manifest.seq}: "
+                                        f"{pm.pages_file} does not match its pagemap")
+            view = self._views.setdefault(pm.pages_file, ChunkView(self.store, entry, self._pool,
+                                                                   window_bytes=PREFETCH_WINDOW_BYTES))
+            fd = os.open(self.image_dir / pm.pages_file, os.O_WRONLY)
+            try:
+                for off, n in pm.ranges(lazy=False):
+                    os.pwritev(fd, view.read(off, n), off)
+            finally:
+                os.close(fd)
+        for view in self._views.values():
+            order = range(len(view.entry.chunks))
+            view.prefetch([i for i in order if view.entry.chunks[i].digest in self.hot]
+                          + [i for i in order if view.entry.chunks[i].digest not in self.hot])
+
+    def start(self) -> None:
+        """Start the page server and CRIU's lazy-pages daemon (right before ``criu restore``, once
+        every check of the checkpoint passed). Raises RestoreFailed when the daemon does not start."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._daemon = self.engine.start_lazy_pages(self.image_dir, theirs.fileno())
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._page_fd = ours.fileno()
+        self._server = PageServer(ours, self._pages, self._failed, wire=wire_for(self.engine.version))
+        self._server.start()
+        self._watch = threading.Thread(target=self._watch_daemon, name="cedana-lazy-watch", daemon=True)
+        self._watch.start()
+
+    @property
+    def page_socket(self) -> int:
+        """Our end of the page socket: whoever must outlive a dead supervisor holds a copy (the
+        workload's watchdog), so the daemon keeps waiting until the tree is killed."""
+        return self._page_fd
+
+    def attach(self, pid: int) -> None:
+        """The restored root: killed on any failure from now on (at once if one came first)."""
+        with self._lock:
+            self._pid = pid
+            failed = self.failure is not None
+        if failed:
+            self._kill_tree()
+            if self._server is not None:
+                self._server.release()
+
+    # -- while pages stream -------------------------------------------------------------------------
+    def _pages(self, pid: int, vaddr: int, nr_pages: int) -> list[bytes | memoryview]:
+        pm = self._pagemaps.get(pid)
+        if pm is None:
+            raise ValueError(f"the lazy-pages daemon asked for pages of pid {pid}, which this checkpoint has not")
+        off, n = pm.locate(vaddr, nr_pages)
+        return self._views[pm.pages_file].read(off, n * PAGE_SIZE)
+
+    def _failed(self, e: BaseException) -> None:
+        """The page server cannot answer: kill the tree (its faults are still blocked), then let go."""
+        what = f"{type(e).__name__}: {e}" if not isinstance(e, (CorruptCheckpoint, StoreUnavailable)) else str(e)
+        with self._lock:
+            if self.failure is None:
+                self.failure = f"pages stopped streaming in ({what})"
+                self.corrupt = isinstance(e, (CorruptCheckpoint, ValueError))
+        log.error("lazy restore failed checkpoint_id=%s seq=%d: %s; the restored tree is killed before it can run on "
+                  "a missing page", self.manifest.checkpoint_id, self.manifest.seq, self.failure)
+        if self._kill_tree() and self._server is not None:
+            self._server.release()
+
+    def _kill_tree(self) -> bool:
+        """Kill the attached tree and wait until it is dead; False when none is attached yet."""
+        with self._lock:
+            pid = self._pid
+        if pid is None:
+            return False  # attach() kills it, then lets the server go
+        try:
+            os.kill(pid, signal.SIGKILL)  # the namespace's init: the kernel ends everyone in it
+        except ProcessLookupError:
+            return True
+        while not _dead(pid):
+            time.sleep(0.01)
+        return True
+
+    def _watch_daemon(self) -> None:
+        """The daemon ends when every page is in or the tree is gone; ending otherwise is a failure."""
+        assert self._daemon is not None and self._server is not None
+        rc = self._daemon.wait()
+        self._server.join(timeout=5)
+        with self._lock:
+            ok = rc == 0 and self._server.closed_cleanly and self.failure is None
+            if not ok and self.failure is None:
+                self.failure = f"criu lazy-pages exited with {rc} while pages were streaming in " \
+                               f"(log: {self.image_dir.with_name(self.image_dir.name + '.lazy-pages.log')})"
+        if not ok:
+            self._kill_tree()
+        self.finished = time.monotonic()
+        if ok:
+            log.info("lazy restore complete checkpoint_id=%s seq=%d pages_bytes=%d fetched_bytes=%d requests=%d "
+                     "serving_seconds=%.3f seconds=%.3f", self.manifest.checkpoint_id, self.manifest.seq,
+                     self._server.served_bytes, self.fetched_bytes, self._server.requests, self._server.busy_seconds,
+                     self.finished - self.started)
+        self._done.set()
+
+    @property
+    def fetched_bytes(self) -> int:
+        return sum(v.fetched_bytes for v in self._views.values())
+
+    @property
+    def streaming(self) -> bool:
+        return self._daemon is not None and not self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until pages stopped streaming (all in, or failed); False on timeout."""
+        return self._daemon is None or self._done.wait(timeout)
+
+    def close(self, *, remove_dir: bool = True) -> None:
+        """End it all: a daemon still running is let go only after the tree is dead, and the restore
+        folder goes (unless kept, or ``remove_dir`` is False: the caller keeps CRIU's logs)."""
+        if self.streaming:
+            self._kill_tree()
+            with self._lock:
+                never_attached = self._pid is None
+            if never_attached and self._daemon is not None:
+                self._daemon.kill()  # the restore failed: no tree has its pages to protect
+            if self._server is not None:
+                self._server.release()
+            assert self._daemon is not None
+            try:
+                self._daemon.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._daemon.kill()
+                self._daemon.wait()
+        if self._server is not None:
+            self._server.release()
+        for view in self._views.values():
+            view.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if remove_dir and not self.keep_dir:
+            shutil.rmtree(self.image_dir.parent, ignore_errors=True)

@@ -1,0 +1,179 @@
+"""Lazy restore with real CRIU: the restored process runs while its pages stream in from the store,
+every page from a verified chunk; a failure mid-stream kills it before it can run on a missing page."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cedana_airflow.config import Settings
+from cedana_airflow.errors import StoreUnavailable
+from cedana_airflow.run.runner import run_workload
+from cedana_airflow.store import open_store
+from conftest import TRAIN, cli, cli_env, kill_node, manifests, moto_server, start_cli, uninterrupted_digest, wait_for_checkpoints
+
+pytestmark = pytest.mark.integration
+
+
+def _train(*extra: str) -> list[str]:
+    return [sys.executable, str(TRAIN), *extra]
+
+
+def _ours(pattern: str) -> list[int]:
+    """PIDs whose command line holds ``pattern`` (a stray restored workload, a lazy-pages daemon)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if pattern in cmd:
+                found.append(int(d.name))
+    return found
+
+
+def _checkpointed_and_lost(tmp_path: Path, cid: str, args: list[str], n: int, **env: str) -> list[dict]:
+    proc = start_cli("run", "--id", cid, "--heartbeat", "1", "--", *_train(*args),
+                     env=cli_env(tmp_path, "node-a", "work-a", **env), out=tmp_path / "a")
+    ms = wait_for_checkpoints(tmp_path / "store", cid, n, proc)
+    kill_node(proc, ms[0]["process"]["pid"])
+    shutil.rmtree(tmp_path / "work-a")
+    return manifests(tmp_path / "store", cid)
+
+
+def test_lazy_restore_on_another_node_ends_with_the_uninterrupted_digest(tmp_path):
+    args = ["--mb", "200", "--steps", "40", "--step-seconds", "0.1"]
+    _checkpointed_and_lost(tmp_path, "lazy-1", args, 1)
+    r = cli("restore", "--id", "lazy-1", "--heartbeat", "1", env=cli_env(tmp_path, "node-b", "work-b"))
+    assert r.returncode == 0, r.stderr
+    assert "lazy restore complete checkpoint_id=lazy-1" in r.stderr  # it did stream, and every page came in
+    assert "from_node=node-a node=node-b" in r.stderr
+    assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
+    # after the pages were in, heartbeats went on from the restored tree
+    assert any(m["node"] == "node-b" for m in manifests(tmp_path / "store", "lazy-1"))
+
+    full = cli("restore", "--id", "lazy-1", env=cli_env(tmp_path, "node-c", "work-c", CEDANA_RESTORE_MODE="full"))
+    assert full.returncode == 0 and "lazy restore" not in full.stderr, full.stderr
+
+
+def test_a_corrupt_chunk_met_mid_stream_kills_the_tree_and_restores_the_previous_checkpoint_in_full(tmp_path):
+    args = ["--mb", "120", "--steps", "60", "--step-seconds", "0.1"]
+    ms = _checkpointed_and_lost(tmp_path, "lazy-bad", args, 2)
+    newest, older = ms[-1], ms[-2]
+    older_digests = {c["digest"] for f in older["files"] for c in f["chunks"]}
+    [pages] = [f for f in newest["files"] if f["name"].startswith("pages-")]
+    new_ones = [c["digest"] for c in pages["chunks"] if c["digest"] not in older_digests]
+    victim = new_ones[len(new_ones) // 2]  # in the array the steps rewrite: memory streamed in lazily
+    path = tmp_path / "store" / "chunks" / victim[:2] / victim
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    path.write_bytes(bytes(blob))
+
+    r = cli("restore", "--id", "lazy-bad", env=cli_env(tmp_path, "node-b", "work-b"))
+    assert r.returncode == 0, r.stderr
+    assert f"lazy restore failed checkpoint_id=lazy-bad seq={newest['seq']}" in r.stderr
+    assert f"chunk {victim}" in r.stderr and "restoring again in full" in r.stderr
+    assert f"restored checkpoint_id=lazy-bad seq={older['seq']}" in r.stderr
+    assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
+    assert not _ours("criu lazy-pages") and not _ours(str(TRAIN))
+
+
+class _StoreThatGoesAway:
+    """The real S3 store, with one test hook: once CRIU's lazy-pages daemon runs (the restored tree
+    is up, its pages not yet in), chunk reads wait at a gate; the test stops the S3 server and opens it."""
+
+    def __init__(self, store):
+        self._store = store
+        self.gate = threading.Event()
+        self.waiting = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def get_chunk(self, digest: str) -> bytes:
+        if not self.gate.is_set() and _ours("criu lazy-pages"):
+            self.waiting.set()
+            self.gate.wait(60)
+        return self._store.get_chunk(digest)
+
+
+def test_the_store_going_away_mid_stream_kills_the_tree_and_says_why(tmp_path, monkeypatch):
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    args = ["--mb", "120", "--steps", "400", "--step-seconds", "0.05"]
+    with moto_server() as url:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+        import boto3
+
+        boto3.client("s3").create_bucket(Bucket="lazy")
+        settings = Settings(store="s3://lazy/ckpt", node="node-a", work_dir=tmp_path / "work-a", heartbeat_seconds=1)
+        proc = start_cli("run", "--id", "gone", "--heartbeat", "1", "--", *_train(*args),
+                         env={**os.environ, "CEDANA_STORE": "s3://lazy/ckpt", "CEDANA_NODE": "node-a",
+                              "CEDANA_WORK_DIR": str(tmp_path / "work-a")}, out=tmp_path / "a")
+        deadline = time.monotonic() + 120
+        s3 = boto3.client("s3")
+        while s3.list_objects_v2(Bucket="lazy", Prefix="ckpt/gone/").get("KeyCount", 0) < 1:
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was taken"
+            time.sleep(0.2)
+        time.sleep(1.5)  # its manifest lands after its chunks
+        wpid = [p for p in _ours(str(TRAIN))]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        for p in wpid:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        store = _StoreThatGoesAway(open_store("s3://lazy/ckpt", settings))
+        out = tmp_path / "b.out"
+        failed: list[BaseException] = []
+
+        def restore() -> None:
+            try:
+                with open(out, "wb") as sink:
+                    run_workload(settings.model_copy(update={"node": "node-b", "work_dir": tmp_path / "work-b"}),
+                                 "gone", None, resume=True, store=store, handle_signals=False, stdout=sink)
+            except BaseException as e:
+                failed.append(e)
+
+        t = threading.Thread(target=restore)
+        t.start()
+        assert store.waiting.wait(120), "the lazy restore never started streaming"
+    # the S3 server is gone now; let the chunk reads through
+    store.gate.set()
+    t.join(180)
+    assert not t.is_alive()
+    assert len(failed) == 1 and isinstance(failed[0], StoreUnavailable), failed
+    assert "\n" not in str(failed[0]) and "s3://lazy/ckpt" in str(failed[0])
+    assert not _ours("criu lazy-pages") and not _ours(str(TRAIN))  # nothing left running
+
+
+def test_ten_rounds_of_checkpoint_kill_lazy_restore_end_with_the_uninterrupted_digest(tmp_path):
+    args = ["--mb", "40", "--steps", "200", "--step-seconds", "0.1"]
+    proc = start_cli("run", "--id", "rounds", "--heartbeat", "0.5", "--", *_train(*args),
+                     env=cli_env(tmp_path, "node-0", "work-0"), out=tmp_path / "r0")
+    seen = len(wait_for_checkpoints(tmp_path / "store", "rounds", 1, proc))
+    for i in range(1, 11):
+        kill_node(proc, manifests(tmp_path / "store", "rounds")[-1]["process"]["pid"])
+        proc = start_cli("restore", "--id", "rounds", "--heartbeat", "0.5",
+                         env=cli_env(tmp_path, f"node-{i}", f"work-{i}"), out=tmp_path / f"r{i}")
+        # a checkpoint of the restored tree: taken only once every page streamed in
+        deadline = time.monotonic() + 60
+        while not any(m["node"] == f"node-{i}" for m in manifests(tmp_path / "store", "rounds")):
+            assert proc.poll() is None, (tmp_path / f"r{i}.err").read_text()[-2000:]
+            assert time.monotonic() < deadline, f"round {i}: the restored tree took no checkpoint"
+            time.sleep(0.1)
+        assert "lazy restore complete" in (tmp_path / f"r{i}.err").read_text()
+        seen += 1
+    assert proc.wait(timeout=120) == 0, (tmp_path / "r10.err").read_text()[-2000:]
+    assert (tmp_path / "r10.out").read_text().splitlines()[-1] == uninterrupted_digest(*args)
