@@ -56,6 +56,7 @@ class StepSink:
     def __init__(self) -> None:
         self.step = 0
         self.lines = 0
+        self.first_at = 0.0  # time.monotonic() of the first step line
         self._buf = b""
         self._cond = threading.Condition()
 
@@ -68,6 +69,7 @@ class StepSink:
                 m = self._STEP.match(line)
                 if m:
                     self.step = int(m.group(1))
+                    self.first_at = self.first_at or time.monotonic()
             self._cond.notify_all()
         return len(data)
 

@@ -50,7 +50,9 @@ class _Restores:
         sink = StepSink()
         rw = self.work / f"ours-restore-{rep}"
         s = self.stored
-        c = make_checkpointer(self.engine, s.store, s.cfg, s.checkpoint_id, self.settings, rw, self.phases)
+        # the full path (what this figure has always measured); lazy restore has its own: lazy_restore.py
+        settings = self.settings.model_copy(update={"restore_mode": "full"})
+        c = make_checkpointer(self.engine, s.store, s.cfg, s.checkpoint_id, settings, rw, self.phases)
         self.phases.reset()
         t0 = time.monotonic()
         restored = c.restore(sink, TailSink())

@@ -11,7 +11,7 @@ from typing import Any
 
 from harness import BENCH, MB
 
-PARTS = ("local", "s3-transfer", "s3-listing")
+PARTS = ("local", "lazy", "s3-transfer", "s3-listing")
 PART_TITLES = {"local": "local (freeze, stored bytes, restore from file://)",
                "s3-transfer": "S3 first checkpoint, heartbeats, restore",
                "s3-listing": "S3 listing"}
@@ -36,6 +36,8 @@ def _ok(passed: bool) -> str:
 # --------------------------------------------------------------------------------------------
 def table_rows(res: dict[str, Any]) -> list[list[str]]:
     rows = _local_rows(res) if "freeze" in res else []
+    if "lazy" in res:
+        rows += _lazy_rows(res["lazy"])
     if res.get("s3"):
         rows += _s3_rows(res["s3"])
     return rows
@@ -53,6 +55,18 @@ def _local_rows(res: dict[str, Any]) -> list[list[str]]:
          _ok(s["pass"])],
         ["restore (fetch+verify+criu restore)", f"{r['baseline_seconds']:.2f} s", f"{r['ours_seconds']:.2f} s",
          f"{r['ratio']:.2f}x", f"<= {r['target']:.2f}x", _ok(r["pass"])],
+    ]
+
+
+def _lazy_rows(lz: dict[str, Any]) -> list[list[str]]:
+    f, a, r, t, ok = lz["first_progress_seconds"], lz["all_pages_in_seconds"], lz["ratios"], lz["targets"], lz["pass"]
+    return [
+        ["lazy restore: first progress vs full path", f"{f['full']:.2f} s", f"{f['lazy']:.2f} s",
+         f"{r['first_vs_full']:.2f}x", f"<= {t['first_vs_full']:.2f}x", _ok(ok["first_vs_full"])],
+        ["lazy restore: first progress vs bare criu", f"{f['bare']:.2f} s", f"{f['lazy']:.2f} s",
+         f"{r['first_vs_bare']:.2f}x", f"<= {t['first_vs_bare']:.2f}x", _ok(ok["first_vs_bare"])],
+        ["lazy restore: every page in vs full path", f"{a['full']:.2f} s", f"{a['lazy']:.2f} s",
+         f"{r['all_in_vs_full']:.2f}x", f"<= {t['all_in_vs_full']:.2f}x", _ok(ok["all_in_vs_full"])],
     ]
 
 

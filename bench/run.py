@@ -118,6 +118,10 @@ def run_parts(parts: Parts, engine: CriuEngine, settings: Settings, work: Path) 
     new: dict[str, Any] = {}
     if "local" in args.only:
         new.update(parts.run("local", lambda: run_local(engine, settings, args, work)))
+    if "lazy" in args.only:
+        from lazy_restore import bench_lazy
+
+        new.update(parts.run("lazy", lambda: bench_lazy(engine, args.mb, args.reps, work, settings)))
     s3_new: dict[str, Any] = {}
     if "s3-transfer" in args.only:
         from s3_transfer import bench_transfer
@@ -135,7 +139,7 @@ def run_parts(parts: Parts, engine: CriuEngine, settings: Settings, work: Path) 
 
 def main() -> int:
     args = parse_args()
-    if os.geteuid() != 0 and ("local" in args.only or "s3-transfer" in args.only):
+    if os.geteuid() != 0 and ({"local", "lazy", "s3-transfer"} & set(args.only)):
         print("bench/run.py needs root (CRIU uses CAP_SYS_ADMIN and ptrace); run it with sudo.", file=sys.stderr)
         return 2
     t_start = time.monotonic()

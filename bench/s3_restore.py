@@ -77,7 +77,8 @@ class _Restores:
         store = open_store(f"s3://{BUCKET}/{self.prefix}", self.settings)  # a fresh client, as on another node
         cfg = store.open(create=False, chunk_avg_bytes=self.settings.chunk_avg_bytes)  # setup, as the runner does
         phases = PhaseTimes()
-        c = make_checkpointer(self.engine, store, cfg, self.final.checkpoint_id, self.settings, rw, phases)
+        settings = self.settings.model_copy(update={"restore_mode": "full"})  # the full path; lazy: lazy_restore.py
+        c = make_checkpointer(self.engine, store, cfg, self.final.checkpoint_id, settings, rw, phases)
         sink = StepSink()
         mark = self.moto.mark()
         cpu0 = time.process_time()
