@@ -120,6 +120,12 @@ class Settings(BaseModel):
         "verified first), where the kernel has userfaultfd (doctor says); elsewhere, and for GPU state, full = "
         "fetch and verify every chunk, then restore.",
     )
+    lazy_pages_via: Literal["auto", "file", "socket"] = Field(
+        default="auto",
+        description="How a lazy restore hands pages to CRIU's lazy-pages daemon: file = page files over /dev/fuse "
+        "(kernel readahead, no busy-waiting), socket = CRIU's page-server protocol over a socketpair; auto = "
+        "file where /dev/fuse is usable, else socket.",
+    )
     max_restore_gap_seconds: float | None = Field(
         default=None, ge=0, allow_inf_nan=False,
         description="Never restore a checkpoint older than this (a real-time reader's data has moved on): "

@@ -210,18 +210,24 @@ class CriuEngine:
                 return False, answers[-1]
         return True, "; ".join(answers)
 
-    def start_lazy_pages(self, image_dir: Path, page_socket: int, timeout: float = 60.0) -> subprocess.Popen[bytes]:
-        """Start CRIU's lazy-pages daemon for ``image_dir``, asking for pages over ``page_socket``
-        (see page_server.py); return it once it listens for the restore. Its log goes beside the
-        images. The OOM killer is asked to spare it: were it to die while pages stream, the kernel
-        would fill the rest of the process's memory with zeros (see lazy_restore.py)."""
+    def start_lazy_pages(self, image_dir: Path, page_socket: int | None, *, work_dir: Path | None = None,
+                         timeout: float = 60.0) -> subprocess.Popen[bytes]:
+        """Start CRIU's lazy-pages daemon for ``image_dir``, reading its pages images (page files:
+        page_file.py) or, with ``page_socket``, asking for pages over it (page_server.py); return it
+        once it listens for the restore, in ``work_dir`` (the restore's image directory: default
+        ``image_dir``), where its log goes too. The OOM killer is asked to spare it: were it to die
+        while pages stream, the kernel would fill the rest of the process's memory with zeros."""
         self._require_root("restoring")
-        log_path = image_dir.with_name(image_dir.name + ".lazy-pages.log")
+        work = work_dir or image_dir
+        log_path = work.with_name(work.name + ".lazy-pages.log")
         ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
-        cmd = [self.binary.path, "lazy-pages", "-D", str(image_dir), "--page-server", "--ps-socket", str(page_socket),
-               "--status-fd", str(ready_w), "-o", str(log_path)]
+        cmd = [self.binary.path, "lazy-pages", "-D", str(image_dir), "-W", str(work), "--status-fd", str(ready_w),
+               "-o", str(log_path)]
+        if page_socket is not None:
+            cmd += ["--page-server", "--ps-socket", str(page_socket)]
         try:
-            proc = subprocess.Popen(cmd, pass_fds=(page_socket, ready_w), stdin=subprocess.DEVNULL,
+            passed = (ready_w,) if page_socket is None else (page_socket, ready_w)
+            proc = subprocess.Popen(cmd, pass_fds=passed, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         finally:
             os.close(ready_w)

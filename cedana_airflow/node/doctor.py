@@ -12,11 +12,11 @@ from typing import Any
 from ..config import Settings
 from ..engine import cuda
 from ..engine.criu import CriuEngine, find_criu
+from ..engine.page_file import fuse_available
 from ..errors import CedanaError, GpuUnavailable
 from ..store import open_store
 
 __all__ = ["Check", "run_checks"]
-
 
 @dataclass(frozen=True)
 class Check:
@@ -30,12 +30,10 @@ class Check:
     def blocking(self) -> bool:
         return self.status == "fail"
 
-
 def _cause_and_fix(message: str) -> tuple[str, str]:
     """Split "<what failed>: <cause>. <fix>." into its cause and its fix sentence."""
     head, sep, fix = message.rstrip(".").rpartition(". ")
     return (head + ".", fix) if sep else (message, "")
-
 
 def _criu(settings: Settings) -> list[Check]:
     try:
@@ -54,18 +52,18 @@ def _criu(settings: Settings) -> list[Check]:
         out.append(Check("criu check", "skip", "needs root"))
     return out
 
-
 def _restore_mode(settings: Settings, engine: CriuEngine) -> Check:
     """Which restore this node does: lazy (runs while memory streams in) where the kernel allows."""
     if settings.restore_mode == "full":
         return Check("restore mode", "ok", "full (restore_mode = full)")
     ok, why = engine.lazy_pages
     if ok:
-        return Check("restore mode", "ok", f"lazy ({why}); GPU state is restored in full")
+        fuse, how = fuse_available()
+        via = "page files over /dev/fuse" if fuse else f"CRIU's page-server protocol (no page files: {how})"
+        return Check("restore mode", "ok", f"lazy ({why}); pages via {via}; GPU state is restored in full")
     return Check("restore mode", "warn", f"full: this kernel cannot restore lazily ({why})",
                  "a kernel with userfaultfd (CONFIG_USERFAULTFD, 4.11+ for a process tree) restores lazily; "
                  "set restore_mode = full to silence this")
-
 
 def _store(settings: Settings) -> Check:
     url = settings.resolved_store()
@@ -81,7 +79,6 @@ def _store(settings: Settings) -> Check:
     if url.startswith("file://"):
         return Check("store", "ok", f"{url} reachable and writable")
     return Check("store", "ok", f"{url} reachable, bucket present, store.json readable")
-
 
 def _gpu() -> list[Check]:
     try:
@@ -106,7 +103,6 @@ def _gpu() -> list[Check]:
                      "checkpoint API is called directly (see the gpu check)"))
     return out
 
-
 def _persistence_modes() -> list[bool] | None:
     try:
         import pynvml
@@ -122,10 +118,8 @@ def _persistence_modes() -> list[bool] | None:
     finally:
         pynvml.nvmlShutdown()
 
-
 #: What NVIDIA's driver cannot checkpoint, whatever its version (docs/gpu.md).
 _UNSUPPORTED = "UVM/managed memory, CUDA IPC memory, MIG, MPS, multi-process NCCL"
-
 
 def _gpu_state(settings: Settings) -> Check:
     """Can this node checkpoint GPU state (engine/cuda.py)? With the facts --json carries as ``gpu``."""
@@ -154,7 +148,6 @@ def _gpu_state(settings: Settings) -> Check:
     detail = (f"checkpoint API present (CUDA API {info['cuda_api_version']}, driver {inv.driver_version or '?'}, "
               f"{len(inv.models)} GPU(s))")
     return Check("gpu", "warn" if warnings else "ok", detail, "; ".join(warnings), info)
-
 
 def run_checks(settings: Settings) -> list[Check]:
     checks = _criu(settings)

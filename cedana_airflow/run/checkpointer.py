@@ -21,6 +21,7 @@ from pathlib import Path, PurePosixPath
 
 from ..config import Settings
 from ..engine.criu import CriuEngine
+from ..engine.page_file import sweep
 from ..errors import CorruptCheckpoint, RestoreFailed, WriterFenced
 from ..format.chunking import MAX_CHUNK_FACTOR
 from ..format.manifest import CAPTURED_DIR, AirflowTask, Manifest, ProcessInfo
@@ -235,6 +236,8 @@ class Checkpointer:
         could be restored.
         """
         roots = restore_roots(self.settings.restore_roots, cwd)
+        if stale := sweep(self.work_dir):
+            log.warning("unmounted %d page file(s) a killed supervisor left under %s", stale, self.work_dir)
         skipped: list[str] = []
         candidates = require_latest(self.store, self.checkpoint_id)
         for i, m in enumerate(candidates):
@@ -259,7 +262,7 @@ class Checkpointer:
                     if mode == "lazy":
                         older = candidates[i + 1].chunk_digests() if i + 1 < len(candidates) else set()
                         feed = LazyFeed(self.engine, self.store, m, restore_dir / "images", m.chunk_digests() - older,
-                                        keep_dir=self.settings.keep_local)
+                                        keep_dir=self.settings.keep_local, via=self.settings.lazy_pages_via)
                         feed.fill()
                 workload = self._restore_from(restore_dir / "images", m, stdout, stderr, roots, feed)
                 refused = False
@@ -329,7 +332,7 @@ class Checkpointer:
                 os.close(err_w)
             # Supervised (watchdog on) before anything else can fail: a restored tree is never left alone.
             workload = Workload.adopt(pid, m.process.command, m.process.cwd, out_r, err_r, stdout, stderr,
-                                      watchdog_holds=(feed.page_socket,) if feed is not None else ())
+                                      watchdog_holds=feed.holds if feed is not None else ())
             if feed is not None:
                 feed.attach(pid)
             seconds = self.gpu.resume(workload, m)  # a failure kills the tree and refuses the checkpoint

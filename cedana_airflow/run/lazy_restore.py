@@ -3,11 +3,18 @@
 A full restore fetches every chunk, writes the image set and only then runs ``criu restore``. A lazy
 one fetches the small images and the pages a restore reads itself (the stack, file-backed memory:
 what the pagemap does not mark lazy), writes them into a sparse ``pages-N.img``, and starts
-``criu restore --lazy-pages`` beside CRIU's lazy-pages daemon. The daemon asks our page server
-(engine/page_server.py) for the rest: first the pages the process faults on, then all others in
-the background. The server answers from :class:`~cedana_airflow.store.chunk_view.ChunkView`, so
-every byte comes from a verified chunk; a prefetcher fetches ahead, the chunks this checkpoint
-wrote anew (recently written memory, likely touched first) before the others in address order.
+``criu restore --lazy-pages`` beside CRIU's lazy-pages daemon, which fetches the rest: first the
+pages the process faults on, then all others in the background. It gets them one of two ways:
+
+- ``file`` (where /dev/fuse exists): the daemon reads its own copy of the image directory, whose
+  pages images are page files (engine/page_file.py) that fill themselves on demand: the kernel's
+  readahead brings neighbouring pages in with a faulting one, and the daemon blocks in ``pread``;
+- ``socket``: the daemon asks our page server (engine/page_server.py) over a socketpair; each
+  fault is a round trip, and the daemon busy-polls while it waits.
+
+Both answer from :class:`~cedana_airflow.store.chunk_view.ChunkView`, so every byte comes from a
+verified chunk; a prefetcher fetches ahead, the chunks this checkpoint wrote anew (recently written
+memory, likely touched first) before the others in address order.
 
 The one rule that matters: the process must never run on a page it did not get. If a chunk turns
 out corrupt or the store goes away, the tree is killed before the daemon is let go (its faults stay
@@ -29,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..engine.criu import CriuEngine
+from ..engine.page_file import PageFile, fuse_available
 from ..engine.page_server import PageServer, wire_for
 from ..engine.pagemap import PAGE_SIZE, Pagemap, read_pagemaps
 from ..errors import CorruptCheckpoint, StoreUnavailable
@@ -36,7 +44,7 @@ from ..format.manifest import Manifest
 from ..store.base import Store
 from ..store.chunk_view import ChunkView
 
-__all__ = ["LazyFeed", "PREFETCH_WINDOW_BYTES", "lazy_files"]
+__all__ = ["LazyFeed", "PREFETCH_WINDOW_BYTES", "lazy_files", "transport"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +56,13 @@ PREFETCH_WINDOW_BYTES = 256 << 20
 def lazy_files(m: Manifest) -> frozenset[str]:
     """The image files a lazy restore does not fetch whole: the pages images."""
     return frozenset(f.name for f in m.files if f.name.startswith("pages-") and f.name.endswith(".img"))
+
+
+def transport(wanted: str = "auto") -> str:
+    """How pages reach CRIU's lazy-pages daemon here: "file" or "socket" (``lazy_pages_via``)."""
+    if wanted != "auto":
+        return wanted
+    return "file" if fuse_available()[0] else "socket"
 
 
 def _dead(pid: int) -> bool:
@@ -64,7 +79,7 @@ class LazyFeed:
     :meth:`attach` the restored root, then :meth:`wait` for :attr:`failure` or not; :meth:`close` always."""
 
     def __init__(self, engine: CriuEngine, store: Store, manifest: Manifest, image_dir: Path,
-                 hot_digests: set[str], *, keep_dir: bool = False) -> None:
+                 hot_digests: set[str], *, keep_dir: bool = False, via: str = "auto") -> None:
         self.engine, self.store, self.manifest, self.image_dir = engine, store, manifest, image_dir
         self.hot = hot_digests
         self.keep_dir = keep_dir
@@ -78,10 +93,12 @@ class LazyFeed:
         self._pool = ThreadPoolExecutor(store.parallelism, thread_name_prefix="cedana-lazy")
         self._views: dict[str, ChunkView] = {}
         self._pagemaps: dict[int, Pagemap] = {}
+        self.transport = transport(via)
         self._server: PageServer | None = None
+        self._files: list[PageFile] = []
         self._daemon: subprocess.Popen[bytes] | None = None
         self._watch: threading.Thread | None = None
-        self._page_fd = -1
+        self._holds: tuple[int, ...] = ()
 
     # -- before criu restore ---------------------------------------------------------------------
     def fill(self) -> None:
@@ -111,8 +128,17 @@ class LazyFeed:
                           + [i for i in order if view.entry.chunks[i].digest not in self.hot])
 
     def start(self) -> None:
-        """Start the page server and CRIU's lazy-pages daemon (right before ``criu restore``, once
-        every check of the checkpoint passed). Raises RestoreFailed when the daemon does not start."""
+        """Start the page source and CRIU's lazy-pages daemon (right before ``criu restore``, once
+        every check of the checkpoint passed). Raises RestoreFailed when the daemon does not start,
+        OSError when a page file cannot be mounted."""
+        if self.transport == "file":
+            self._start_files()
+        else:
+            self._start_socket()
+        self._watch = threading.Thread(target=self._watch_daemon, name="cedana-lazy-watch", daemon=True)
+        self._watch.start()
+
+    def _start_socket(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._daemon = self.engine.start_lazy_pages(self.image_dir, theirs.fileno())
@@ -121,17 +147,39 @@ class LazyFeed:
             raise
         finally:
             theirs.close()
-        self._page_fd = ours.fileno()
+        self._holds = (ours.fileno(),)
         self._server = PageServer(ours, self._pages, self._failed, wire=wire_for(self.engine.version))
         self._server.start()
-        self._watch = threading.Thread(target=self._watch_daemon, name="cedana-lazy-watch", daemon=True)
-        self._watch.start()
+
+    def _start_files(self) -> None:
+        """The daemon's own image directory: the same images (hard links), with page files for pages."""
+        lazy_dir = self.image_dir.with_name(self.image_dir.name + ".lazy")
+        lazy_dir.mkdir(mode=0o700)
+        pages = {pm.pages_file for pm in self._pagemaps.values()}
+        for p in self.image_dir.iterdir():
+            if p.is_file() and p.name not in pages:
+                os.link(p, lazy_dir / p.name)
+        for name in sorted(pages):
+            (lazy_dir / name).touch(mode=0o400)
+            view = self._views[name]
+            f = PageFile(lazy_dir / name, view.entry.size, view.read, self._failed)
+            self._files.append(f)
+            f.start()
+        self._daemon = self.engine.start_lazy_pages(lazy_dir, None, work_dir=self.image_dir)
+        self._holds = tuple(f.fd for f in self._files)
 
     @property
-    def page_socket(self) -> int:
-        """Our end of the page socket: whoever must outlive a dead supervisor holds a copy (the
-        workload's watchdog), so the daemon keeps waiting until the tree is killed."""
-        return self._page_fd
+    def holds(self) -> tuple[int, ...]:
+        """What the daemon's pages come through (the socket, the page files' device): whoever must
+        outlive a dead supervisor holds a copy (the workload's watchdog), so the daemon keeps waiting
+        until the tree is killed instead of giving up and leaving it to run on zero-filled pages."""
+        return self._holds
+
+    def _release(self) -> None:
+        if self._server is not None:
+            self._server.release()
+        for f in self._files:
+            f.release()
 
     def attach(self, pid: int) -> None:
         """The restored root: killed on any failure from now on (at once if one came first)."""
@@ -140,8 +188,7 @@ class LazyFeed:
             failed = self.failure is not None
         if failed:
             self._kill_tree()
-            if self._server is not None:
-                self._server.release()
+            self._release()
 
     # -- while pages stream -------------------------------------------------------------------------
     def _pages(self, pid: int, vaddr: int, nr_pages: int) -> list[bytes | memoryview]:
@@ -160,8 +207,8 @@ class LazyFeed:
                 self.corrupt = isinstance(e, (CorruptCheckpoint, ValueError))
         log.error("lazy restore failed checkpoint_id=%s seq=%d: %s; the restored tree is killed before it can run on "
                   "a missing page", self.manifest.checkpoint_id, self.manifest.seq, self.failure)
-        if self._kill_tree() and self._server is not None:
-            self._server.release()
+        if self._kill_tree():
+            self._release()
 
     def _kill_tree(self) -> bool:
         """Kill the attached tree and wait until it is dead; False when none is attached yet."""
@@ -179,11 +226,12 @@ class LazyFeed:
 
     def _watch_daemon(self) -> None:
         """The daemon ends when every page is in or the tree is gone; ending otherwise is a failure."""
-        assert self._daemon is not None and self._server is not None
+        assert self._daemon is not None
         rc = self._daemon.wait()
-        self._server.join(timeout=5)
+        if self._server is not None:
+            self._server.join(timeout=5)
         with self._lock:
-            ok = rc == 0 and self._server.closed_cleanly and self.failure is None
+            ok = rc == 0 and (self._server is None or self._server.closed_cleanly) and self.failure is None
             if not ok and self.failure is None:
                 self.failure = f"criu lazy-pages exited with {rc} while pages were streaming in " \
                                f"(log: {self.image_dir.with_name(self.image_dir.name + '.lazy-pages.log')})"
@@ -191,10 +239,11 @@ class LazyFeed:
             self._kill_tree()
         self.finished = time.monotonic()
         if ok:
-            log.info("lazy restore complete checkpoint_id=%s seq=%d pages_bytes=%d fetched_bytes=%d requests=%d "
-                     "serving_seconds=%.3f seconds=%.3f", self.manifest.checkpoint_id, self.manifest.seq,
-                     self._server.served_bytes, self.fetched_bytes, self._server.requests, self._server.busy_seconds,
-                     self.finished - self.started)
+            parts = [self._server] if self._server is not None else self._files
+            log.info("lazy restore complete checkpoint_id=%s seq=%d via=%s pages_bytes=%d fetched_bytes=%d requests=%d "
+                     "serving_seconds=%.3f seconds=%.3f", self.manifest.checkpoint_id, self.manifest.seq, self.transport,
+                     sum(p.served_bytes for p in parts), self.fetched_bytes, sum(p.requests for p in parts),
+                     sum(p.busy_seconds for p in parts), self.finished - self.started)
         self._done.set()
 
     @property
@@ -218,16 +267,16 @@ class LazyFeed:
                 never_attached = self._pid is None
             if never_attached and self._daemon is not None:
                 self._daemon.kill()  # the restore failed: no tree has its pages to protect
-            if self._server is not None:
-                self._server.release()
+            self._release()
             assert self._daemon is not None
             try:
                 self._daemon.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self._daemon.kill()
                 self._daemon.wait()
-        if self._server is not None:
-            self._server.release()
+        self._release()
+        for f in self._files:  # the tree is dead and the daemon gone: nothing reads them any more
+            f.close()
         for view in self._views.values():
             view.close()
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -49,12 +49,14 @@ def _checkpointed_and_lost(tmp_path: Path, cid: str, args: list[str], n: int, **
     return manifests(tmp_path / "store", cid)
 
 
-def test_lazy_restore_on_another_node_ends_with_the_uninterrupted_digest(tmp_path):
+@pytest.mark.parametrize("via", ["file", "socket"])
+def test_lazy_restore_on_another_node_ends_with_the_uninterrupted_digest(tmp_path, via):
     args = ["--mb", "200", "--steps", "40", "--step-seconds", "0.1"]
     _checkpointed_and_lost(tmp_path, "lazy-1", args, 1)
-    r = cli("restore", "--id", "lazy-1", "--heartbeat", "1", env=cli_env(tmp_path, "node-b", "work-b"))
+    r = cli("restore", "--id", "lazy-1", "--heartbeat", "1",
+            env=cli_env(tmp_path, "node-b", "work-b", CEDANA_LAZY_PAGES_VIA=via))
     assert r.returncode == 0, r.stderr
-    assert "lazy restore complete checkpoint_id=lazy-1" in r.stderr  # it did stream, and every page came in
+    assert f"lazy restore complete checkpoint_id=lazy-1 seq=1 via={via}" in r.stderr  # every page came in
     assert "from_node=node-a node=node-b" in r.stderr
     assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
     # after the pages were in, heartbeats went on from the restored tree
@@ -64,7 +66,8 @@ def test_lazy_restore_on_another_node_ends_with_the_uninterrupted_digest(tmp_pat
     assert full.returncode == 0 and "lazy restore" not in full.stderr, full.stderr
 
 
-def test_a_corrupt_chunk_met_mid_stream_kills_the_tree_and_restores_the_previous_checkpoint_in_full(tmp_path):
+@pytest.mark.parametrize("via", ["file", "socket"])
+def test_a_corrupt_chunk_met_mid_stream_kills_the_tree_and_restores_the_previous_checkpoint_in_full(tmp_path, via):
     args = ["--mb", "120", "--steps", "60", "--step-seconds", "0.1"]
     ms = _checkpointed_and_lost(tmp_path, "lazy-bad", args, 2)
     newest, older = ms[-1], ms[-2]
@@ -77,7 +80,7 @@ def test_a_corrupt_chunk_met_mid_stream_kills_the_tree_and_restores_the_previous
     blob[len(blob) // 2] ^= 0x01
     path.write_bytes(bytes(blob))
 
-    r = cli("restore", "--id", "lazy-bad", env=cli_env(tmp_path, "node-b", "work-b"))
+    r = cli("restore", "--id", "lazy-bad", env=cli_env(tmp_path, "node-b", "work-b", CEDANA_LAZY_PAGES_VIA=via))
     assert r.returncode == 0, r.stderr
     assert f"lazy restore failed checkpoint_id=lazy-bad seq={newest['seq']}" in r.stderr
     assert f"chunk {victim}" in r.stderr and "restoring again in full" in r.stderr
