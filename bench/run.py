@@ -121,7 +121,7 @@ def run_parts(parts: Parts, engine: CriuEngine, settings: Settings, work: Path) 
     if "lazy" in args.only:
         from lazy_restore import bench_lazy
 
-        new.update(parts.run("lazy", lambda: bench_lazy(engine, args.mb, args.reps, work, settings)))
+        new.update(parts.run("lazy", lambda: bench_lazy(engine, args.mb, args.reps, work, settings, args.prewarm)))
     s3_new: dict[str, Any] = {}
     if "s3-transfer" in args.only:
         from s3_transfer import bench_transfer
