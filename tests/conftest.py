@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,11 @@ def _reap_orphans():
     """This machine's init does not reap orphans; killed supervisors leave some behind."""
     become_subreaper()
     yield
+    # A supervisor killed while a lazy restore streamed leaves its page file mounted (a restore in the
+    # same work dir would unmount it); nothing of ours may stay mounted under /tmp after the tests.
+    from cedana_airflow.engine.page_file import sweep
+
+    sweep(Path(tempfile.gettempdir()))
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)

@@ -88,12 +88,18 @@ def sweep(root: Path) -> int:
     return gone
 
 
-class PageFile(threading.Thread):
-    """``target`` (an existing file) reads as ``size`` bytes from ``source`` until :meth:`close`."""
+class PageFile:
+    """``target`` (an existing file) reads as ``size`` bytes from ``source`` until :meth:`close`.
+    ``threads`` > 1 serve requests side by side, so that a fault's read need not wait behind a 1 MiB
+    background read; measured on 2 cores it only adds GIL contention (1 GB: every page in 1.5 s
+    with one thread, 1.8-2.2 s with two or four), hence one."""
 
-    def __init__(self, target: Path, size: int, source: ReadSource, on_failure: Callable[[BaseException], None]) -> None:
-        super().__init__(name="cedana-page-file", daemon=True)
+    def __init__(self, target: Path, size: int, source: ReadSource, on_failure: Callable[[BaseException], None],
+                 *, threads: int = 1) -> None:
         self.target, self.size, self.source, self.on_failure = target, size, source, on_failure
+        self._threads = [threading.Thread(target=self.run, name=f"cedana-page-file-{i}", daemon=True)
+                         for i in range(threads)]
+        self._count = threading.Lock()
         self.error: BaseException | None = None
         self.requests = 0
         self.served_bytes = 0
@@ -107,6 +113,10 @@ class PageFile(threading.Thread):
             os.close(self.fd)
             raise OSError(err, f"mounting a page file over {target}: {os.strerror(err)}")
         self._mounted = True
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
 
     def release(self) -> None:
         """Let failed reads be answered (with EIO): the process they were for is dead by now."""
@@ -163,13 +173,16 @@ class PageFile(threading.Thread):
             try:
                 pieces = self.source(off, size) if size else []
             except Exception as e:
-                self.error = e
-                self.on_failure(e)
+                with self._count:
+                    first, self.error = self.error is None, self.error or e
+                if first:
+                    self.on_failure(e)
             else:
                 self._reply(unique, 0, pieces)
-                self.requests += 1
-                self.served_bytes += size
-                self.busy_seconds += time.perf_counter() - t0
+                with self._count:
+                    self.requests += 1
+                    self.served_bytes += size
+                    self.busy_seconds += time.perf_counter() - t0
                 return
         self._release.wait()  # see the module docstring: never before the tree is dead
         self._reply(unique, errno.EIO)
@@ -180,6 +193,7 @@ class PageFile(threading.Thread):
         if self._mounted:
             _libc().umount2(str(self.target).encode(), _MNT_DETACH)
             self._mounted = False
-        if self.is_alive():
-            self.join(timeout=5)  # the unmount ends its read of the device
+        for t in self._threads:
+            if t.is_alive():
+                t.join(timeout=5)  # the unmount ends their reads of the device
         os.close(self.fd)

@@ -260,8 +260,9 @@ class Checkpointer:
                                      max_chunk_bytes=MAX_CHUNK_FACTOR * self.store_cfg.chunk_avg_bytes,
                                      leave_sparse=lazy_files(m) if mode == "lazy" else frozenset())
                     if mode == "lazy":
-                        older = candidates[i + 1].chunk_digests() if i + 1 < len(candidates) else set()
-                        feed = LazyFeed(self.engine, self.store, m, restore_dir / "images", m.chunk_digests() - older,
+                        # what this checkpoint wrote anew: recently written memory (nothing known without an older one)
+                        hot = m.chunk_digests() - candidates[i + 1].chunk_digests() if i + 1 < len(candidates) else set()
+                        feed = LazyFeed(self.engine, self.store, m, restore_dir / "images", hot,
                                         keep_dir=self.settings.keep_local, via=self.settings.lazy_pages_via)
                         feed.fill()
                 workload = self._restore_from(restore_dir / "images", m, stdout, stderr, roots, feed)

@@ -67,26 +67,34 @@ def test_lazy_restore_on_another_node_ends_with_the_uninterrupted_digest(tmp_pat
 
 
 @pytest.mark.parametrize("via", ["file", "socket"])
-def test_a_corrupt_chunk_met_mid_stream_kills_the_tree_and_restores_the_previous_checkpoint_in_full(tmp_path, via):
+def test_a_corrupt_chunk_met_mid_stream_kills_the_tree_and_the_fallback_says_why(tmp_path, via):
     args = ["--mb", "120", "--steps", "60", "--step-seconds", "0.1"]
     ms = _checkpointed_and_lost(tmp_path, "lazy-bad", args, 2)
     newest, older = ms[-1], ms[-2]
-    older_digests = {c["digest"] for f in older["files"] for c in f["chunks"]}
+    # A chunk both checkpoints share, as far as can be from what the newest wrote anew: memory that
+    # streams in behind the running process (what it wrote last is restored up front, and checked then).
     [pages] = [f for f in newest["files"] if f["name"].startswith("pages-")]
-    new_ones = [c["digest"] for c in pages["chunks"] if c["digest"] not in older_digests]
-    victim = new_ones[len(new_ones) // 2]  # in the array the steps rewrite: memory streamed in lazily
+    older_digests = {c["digest"] for f in older["files"] for c in f["chunks"]}
+    new_at = [i for i, c in enumerate(pages["chunks"]) if c["digest"] not in older_digests]
+    shared = [i for i, c in enumerate(pages["chunks"]) if c["digest"] in older_digests]
+    at = max(shared, key=lambda i: min(abs(i - j) for j in new_at))
+    victim = pages["chunks"][at]["digest"]
     path = tmp_path / "store" / "chunks" / victim[:2] / victim
     blob = bytearray(path.read_bytes())
     blob[len(blob) // 2] ^= 0x01
     path.write_bytes(bytes(blob))
 
-    r = cli("restore", "--id", "lazy-bad", env=cli_env(tmp_path, "node-b", "work-b", CEDANA_LAZY_PAGES_VIA=via))
+    r = cli("run", "--id", "lazy-bad", "--resume", "--", *_train(*args),
+            env=cli_env(tmp_path, "node-b", "work-b", CEDANA_LAZY_PAGES_VIA=via))
     assert r.returncode == 0, r.stderr
+    # the stream met it: the tree was killed, and the run restored again in full ...
     assert f"lazy restore failed checkpoint_id=lazy-bad seq={newest['seq']}" in r.stderr
     assert f"chunk {victim}" in r.stderr and "restoring again in full" in r.stderr
-    assert f"restored checkpoint_id=lazy-bad seq={older['seq']}" in r.stderr
+    # ... where the older checkpoint, holding the same chunk, was refused too: the command started fresh
+    assert f"checkpoint refused checkpoint_id=lazy-bad seq={older['seq']}" in r.stderr
+    assert "starting fresh" in r.stderr
     assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
-    assert not _ours("criu lazy-pages") and not _ours(str(TRAIN))
+    assert not _ours("criu lazy-pages") and not _ours(str(TRAIN)) and str(tmp_path) not in Path("/proc/self/mountinfo").read_text()
 
 
 class _StoreThatGoesAway:
@@ -180,3 +188,5 @@ def test_ten_rounds_of_checkpoint_kill_lazy_restore_end_with_the_uninterrupted_d
         seen += 1
     assert proc.wait(timeout=120) == 0, (tmp_path / "r10.err").read_text()[-2000:]
     assert (tmp_path / "r10.out").read_text().splitlines()[-1] == uninterrupted_digest(*args)
+    # each killed supervisor had every page in: its page files were unmounted then, none is left behind
+    assert str(tmp_path) not in Path("/proc/self/mountinfo").read_text()
