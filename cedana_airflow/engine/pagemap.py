@@ -18,10 +18,9 @@ from pathlib import Path
 
 from .images import read_image
 
-__all__ = ["PAGE_SIZE", "PageRun", "Pagemap", "read_pagemaps", "write_pagemap"]
+__all__ = ["PAGE_SIZE", "PageRun", "Pagemap", "read_pagemaps"]
 
 PAGE_SIZE = 4096
-_IMG_COMMON, _PAGEMAP_MAGIC = 0x54564319, 0x56084025
 PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
 _NAME = re.compile(r"pagemap-(\d+)\.img$")
 
@@ -89,50 +88,6 @@ class Pagemap:  # not slotted: locate() caches its run starts
         r = self.runs[i]
         first = (vaddr - r.vaddr) // PAGE_SIZE
         return r.offset + first * PAGE_SIZE, min(nr_pages, r.nr_pages - first)
-
-
-    def with_eager(self, ranges: list[tuple[int, int]]) -> Pagemap:
-        """The same pages, with the lazy ones inside ``ranges`` ((offset, length) in the pages image,
-        page-aligned) made eager: runs are split where a range begins or ends. Offsets do not move,
-        so the pages image stays as it is."""
-        cuts = sorted(ranges)
-        runs: list[PageRun] = []
-        for r in self.runs:
-            if not r.lazy:
-                runs.append(r)
-                continue
-            lo, hi = r.offset, r.offset + r.nr_pages * PAGE_SIZE
-            edges = sorted({lo, hi, *(max(lo, min(hi, x)) for a, n in cuts for x in (a, a + n))})
-            for a, b in zip(edges, edges[1:]):
-                eager = any(c <= a and b <= c + n for c, n in cuts)
-                runs.append(PageRun(r.vaddr + (a - lo), (b - a) // PAGE_SIZE, PE_PRESENT if eager else r.flags, a))
-        return Pagemap(self.vpid, self.pages_id, tuple(runs))
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _entry(*fields: tuple[int, int]) -> bytes:
-    body = b"".join(_varint(num << 3) + _varint(v) for num, v in fields)
-    return struct.pack("<I", len(body)) + body
-
-
-def write_pagemap(path: Path, pm: Pagemap) -> None:
-    """Write ``pm`` as CRIU's pagemap image (head, then vaddr, compat_nr_pages and flags of each
-    run), replacing ``path`` atomically. Runs in a parent image are not written by us: ValueError."""
-    if any(r.flags & PE_PARENT for r in pm.runs) or any(r.nr_pages >= 1 << 32 for r in pm.runs):
-        raise ValueError(f"{path.name}: runs in a parent image, or of 16 TiB, are not rewritten")
-    data = struct.pack("<II", _IMG_COMMON, _PAGEMAP_MAGIC) + _entry((1, pm.pages_id))
-    data += b"".join(_entry((1, r.vaddr), (2, r.nr_pages), (4, r.flags)) for r in pm.runs)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
 
 
 def read_pagemap(path: Path, vpid: int) -> Pagemap:

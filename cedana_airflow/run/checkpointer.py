@@ -260,7 +260,7 @@ class Checkpointer:
                                      max_chunk_bytes=MAX_CHUNK_FACTOR * self.store_cfg.chunk_avg_bytes,
                                      leave_sparse=lazy_files(m) if mode == "lazy" else frozenset())
                     if mode == "lazy":
-                        # what this checkpoint wrote anew: recently written memory (nothing known without an older one)
+                        # what this checkpoint wrote anew: recently written memory, fetched ahead first
                         hot = m.chunk_digests() - candidates[i + 1].chunk_digests() if i + 1 < len(candidates) else set()
                         feed = LazyFeed(self.engine, self.store, m, restore_dir / "images", hot,
                                         keep_dir=self.settings.keep_local, via=self.settings.lazy_pages_via)

@@ -38,7 +38,7 @@ from pathlib import Path
 from ..engine.criu import CriuEngine
 from ..engine.page_file import PageFile, fuse_available
 from ..engine.page_server import PageServer, wire_for
-from ..engine.pagemap import PAGE_SIZE, Pagemap, read_pagemaps, write_pagemap
+from ..engine.pagemap import PAGE_SIZE, Pagemap, read_pagemaps
 from ..errors import CorruptCheckpoint, StoreUnavailable
 from ..format.manifest import Manifest
 from ..store.base import Store
@@ -52,46 +52,10 @@ log = logging.getLogger(__name__)
 #: ahead of the daemon's 4 MiB background reads, small beside the image.
 PREFETCH_WINDOW_BYTES = 256 << 20
 
-#: Lazy pages restored up front at most, near what the checkpoint wrote anew: what a sweeping
-#: workload's first steps after the restore touch, fetched at stream speed instead of a fault each.
-EAGER_BUDGET_BYTES = 64 << 20
-
 
 def lazy_files(m: Manifest) -> frozenset[str]:
     """The image files a lazy restore does not fetch whole: the pages images."""
     return frozenset(f.name for f in m.files if f.name.startswith("pages-") and f.name.endswith(".img"))
-
-
-def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for a, n in sorted(spans):
-        if out and a <= out[-1][0] + out[-1][1]:
-            end = max(out[-1][0] + out[-1][1], a + n)
-            out[-1] = (out[-1][0], end - out[-1][0])
-        elif n > 0:
-            out.append((a, n))
-    return out
-
-
-def _near_recent_writes(view: ChunkView, hot: set[str], lazy: list[tuple[int, int]], budget: int) -> list[tuple[int, int]]:
-    """Lazy pages of the pages image to restore up front: those the checkpoint wrote anew (memory the
-    process wrote since its previous checkpoint) and as much again after each (a process that sweeps
-    through memory touches next what follows what it wrote last), within ``budget`` bytes. Each is a
-    page fault saved after the restore, at the price of fetching it before. Page-aligned."""
-    chunks = view.entry.chunks
-    spans = _merged([(view.starts[i], c.size) for i, c in enumerate(chunks) if c.digest in hot])
-    grown = _merged([(a, min(view.entry.size, a + 2 * n) - a) for a, n in spans])
-    out: list[tuple[int, int]] = []
-    for a, n in grown:
-        lo, hi = a - a % PAGE_SIZE, -(-(a + n) // PAGE_SIZE) * PAGE_SIZE
-        for la, ln in lazy:
-            x, y = max(lo, la), min(hi, la + ln)
-            if x < y and budget > 0:
-                y = min(y, x + budget - budget % PAGE_SIZE)
-                if x < y:
-                    out.append((x, y - x))
-                    budget -= y - x
-    return _merged(out)
 
 
 def transport(wanted: str = "auto") -> str:
@@ -119,7 +83,6 @@ class LazyFeed:
         self.engine, self.store, self.manifest, self.image_dir = engine, store, manifest, image_dir
         self.hot = hot_digests
         self.keep_dir = keep_dir
-        self.warm_bytes = 0  # lazy pages restored up front (near recent writes)
         self.failure: str | None = None
         self.corrupt = False  # the failure was the checkpoint's (a bad chunk), not the store's
         self.started = time.monotonic()
@@ -127,7 +90,9 @@ class LazyFeed:
         self._pid: int | None = None
         self._lock = threading.Lock()
         self._done = threading.Event()
+        # reads the daemon waits for never queue behind prefetches: each has its own pool
         self._pool = ThreadPoolExecutor(store.parallelism, thread_name_prefix="cedana-lazy")
+        self._prefetch_pool = ThreadPoolExecutor(store.parallelism, thread_name_prefix="cedana-prefetch")
         self._views: dict[str, ChunkView] = {}
         self._pagemaps: dict[int, Pagemap] = {}
         self.transport = transport(via)
@@ -146,20 +111,14 @@ class LazyFeed:
         except ValueError as e:
             raise CorruptCheckpoint(f"checkpoint {self.manifest.checkpoint_id} seq={self.manifest.seq}: {e}") from None
         entries = {f.name: f for f in self.manifest.files}
-        budget = EAGER_BUDGET_BYTES
-        for vpid, pm in sorted(self._pagemaps.items()):
+        for pm in self._pagemaps.values():
             entry = entries.get(pm.pages_file)
             if entry is None or entry.size != pm.pages_bytes:
                 raise CorruptCheckpoint(f"checkpoint {self.manifest.checkpoint_id} seq={self.manifest.seq}: "
                                         f"{pm.pages_file} does not match its pagemap")
-            view = self._views.setdefault(pm.pages_file, ChunkView(self.store, entry, self._pool,
-                                                                   window_bytes=PREFETCH_WINDOW_BYTES))
-            warm = _near_recent_writes(view, self.hot, pm.ranges(lazy=True), budget)
-            if warm:  # restored with the rest of what the restore reads itself, before the process runs
-                budget -= sum(n for _, n in warm)
-                pm = self._pagemaps[vpid] = pm.with_eager(warm)
-                write_pagemap(self.image_dir / f"pagemap-{vpid}.img", pm)
-                self.warm_bytes += sum(n for _, n in warm)
+            view = self._views.setdefault(pm.pages_file, ChunkView(
+                self.store, entry, self._pool, window_bytes=PREFETCH_WINDOW_BYTES, prefetch_pool=self._prefetch_pool,
+                prefetch_width=self.store.parallelism))
             fd = os.open(self.image_dir / pm.pages_file, os.O_WRONLY)
             try:
                 for off, n in pm.ranges(lazy=False):
@@ -286,9 +245,9 @@ class LazyFeed:
         self.finished = time.monotonic()
         if ok:
             parts: list[PageServer] | list[PageFile] = [self._server] if self._server is not None else self._files
-            log.info("lazy restore complete checkpoint_id=%s seq=%d via=%s pages_bytes=%d warm_bytes=%d fetched_bytes=%d "
+            log.info("lazy restore complete checkpoint_id=%s seq=%d via=%s pages_bytes=%d fetched_bytes=%d "
                      "requests=%d serving_seconds=%.3f seconds=%.3f", self.manifest.checkpoint_id, self.manifest.seq,
-                     self.transport, sum(p.served_bytes for p in parts), self.warm_bytes, self.fetched_bytes,
+                     self.transport, sum(p.served_bytes for p in parts), self.fetched_bytes,
                      sum(p.requests for p in parts), sum(p.busy_seconds for p in parts), self.finished - self.started)
             self._let_go()  # nothing reads the page files any more: a supervisor killed later leaves no mount
         self._done.set()
@@ -335,3 +294,4 @@ class LazyFeed:
         for view in self._views.values():
             view.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._prefetch_pool.shutdown(wait=False, cancel_futures=True)

@@ -62,38 +62,3 @@ def test_a_truncated_or_foreign_pagemap_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unordered"):
         read_pagemaps(tmp_path)
 
-
-def test_pages_made_eager_split_their_run_and_the_image_written_back_reads_the_same(tmp_path):
-    from cedana_airflow.engine.pagemap import write_pagemap
-
-    raw = _pagemap(2, [(0x10000, 2, EAGER), (0x20000, 8, LAZY)])
-    (tmp_path / "pagemap-1.img").write_bytes(raw)
-    pm = read_pagemaps(tmp_path)[1]
-    write_pagemap(tmp_path / "pagemap-1.img", pm)
-    assert (tmp_path / "pagemap-1.img").read_bytes() == raw  # byte for byte what CRIU wrote
-    warm = pm.with_eager([(4 * PAGE_SIZE, 3 * PAGE_SIZE)])  # pages 2..4 of the lazy run
-    assert [(r.vaddr, r.nr_pages, r.lazy, r.offset) for r in warm.runs] == [
-        (0x10000, 2, False, 0), (0x20000, 2, True, 2 * PAGE_SIZE), (0x22000, 3, False, 4 * PAGE_SIZE),
-        (0x25000, 3, True, 7 * PAGE_SIZE)]
-    assert warm.pages_bytes == pm.pages_bytes  # nothing moved in the pages image
-    write_pagemap(tmp_path / "pagemap-1.img", warm)
-    assert read_pagemaps(tmp_path)[1] == warm
-
-
-def test_what_is_restored_up_front_is_what_was_written_last_and_what_follows_it_within_the_budget():
-    from concurrent.futures import ThreadPoolExecutor
-
-    from cedana_airflow.format.manifest import ChunkRef, FileEntry
-    from cedana_airflow.run.lazy_restore import _near_recent_writes
-    from cedana_airflow.store.chunk_view import ChunkView
-
-    size = 10 * 8192
-    chunks = tuple(ChunkRef(digest=f"{i:064x}", size=8192) for i in range(10))
-    view = ChunkView(None, FileEntry(name="pages-1.img", size=size, chunks=chunks), ThreadPoolExecutor(1),  # type: ignore[arg-type]
-                     window_bytes=1)
-    hot = {chunks[3].digest}
-    lazy = [(0, size)]
-    assert _near_recent_writes(view, hot, lazy, 1 << 20) == [(3 * 8192, 2 * 8192)]  # chunk 3, and as much after
-    assert _near_recent_writes(view, hot, lazy, 4096) == [(3 * 8192, 4096)]  # the budget holds
-    assert _near_recent_writes(view, hot, [(0, 3 * 8192 + 4096)], 1 << 20) == [(3 * 8192, 4096)]  # lazy pages only
-    assert _near_recent_writes(view, set(), lazy, 1 << 20) == []
