@@ -23,8 +23,15 @@ __all__ = ["ChunkView"]
 
 
 class ChunkView:
-    def __init__(self, store: Store, entry: FileEntry, pool: ThreadPoolExecutor, *, window_bytes: int) -> None:
+    """``pool`` fetches what reads wait for; ``prefetch_pool`` (default: the same) what is fetched
+    ahead. With a pool of their own, reads never queue behind prefetches: the prefetcher keeps at
+    most one fetch per worker of its pool in flight."""
+
+    def __init__(self, store: Store, entry: FileEntry, pool: ThreadPoolExecutor, *, window_bytes: int,
+                 prefetch_pool: ThreadPoolExecutor | None = None, prefetch_width: int = 4) -> None:
         self.store, self.entry, self.pool = store, entry, pool
+        self.prefetch_pool, self.prefetch_width = prefetch_pool or pool, prefetch_width
+        self._inflight = 0  # prefetches submitted and not done
         self.window_bytes = window_bytes
         self.starts: list[int] = []
         off = 0
@@ -53,11 +60,11 @@ class ChunkView:
             self.fetched_bytes += ref.size
         return raw
 
-    def _hold(self, i: int) -> Future[bytes | memoryview]:
+    def _hold(self, i: int, pool: ThreadPoolExecutor | None = None) -> Future[bytes | memoryview]:
         """The chunk's fetch, started now unless it is held already. Caller holds the lock."""
         fut = self._held.get(i)
         if fut is None:
-            fut = self.pool.submit(self._fetch, i)
+            fut = (pool or self.pool).submit(self._fetch, i)
             self._held[i] = fut
             self._unread[i] = self.entry.chunks[i].size
             self._held_bytes += self.entry.chunks[i].size
@@ -95,13 +102,22 @@ class ChunkView:
         def run() -> None:
             for i in order:
                 with self._cond:
-                    while not self._closed and self._held_bytes >= self.window_bytes and i not in self._held:
+                    while not self._closed and i not in self._held and (
+                            self._held_bytes >= self.window_bytes or self._inflight >= self.prefetch_width):
                         self._cond.wait(0.5)
                     if self._closed:
                         return
-                    self._hold(i)
+                    if i in self._held:
+                        continue
+                    self._inflight += 1
+                    self._hold(i, self.prefetch_pool).add_done_callback(self._prefetched)
         self._prefetcher = threading.Thread(target=run, name="cedana-prefetch", daemon=True)
         self._prefetcher.start()
+
+    def _prefetched(self, _: Future[bytes | memoryview]) -> None:
+        with self._cond:
+            self._inflight -= 1
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Stop prefetching and drop what is held."""
