@@ -18,6 +18,7 @@ from ..store import open_store
 
 __all__ = ["Check", "run_checks"]
 
+
 @dataclass(frozen=True)
 class Check:
     name: str
@@ -30,10 +31,12 @@ class Check:
     def blocking(self) -> bool:
         return self.status == "fail"
 
+
 def _cause_and_fix(message: str) -> tuple[str, str]:
     """Split "<what failed>: <cause>. <fix>." into its cause and its fix sentence."""
     head, sep, fix = message.rstrip(".").rpartition(". ")
     return (head + ".", fix) if sep else (message, "")
+
 
 def _criu(settings: Settings) -> list[Check]:
     try:
@@ -52,6 +55,7 @@ def _criu(settings: Settings) -> list[Check]:
         out.append(Check("criu check", "skip", "needs root"))
     return out
 
+
 def _restore_mode(settings: Settings, engine: CriuEngine) -> Check:
     """Which restore this node does: lazy (runs while memory streams in) where the kernel allows."""
     if settings.restore_mode == "full":
@@ -64,6 +68,7 @@ def _restore_mode(settings: Settings, engine: CriuEngine) -> Check:
     return Check("restore mode", "warn", f"full: this kernel cannot restore lazily ({why})",
                  "a kernel with userfaultfd (CONFIG_USERFAULTFD, 4.11+ for a process tree) restores lazily; "
                  "set restore_mode = full to silence this")
+
 
 def _store(settings: Settings) -> Check:
     url = settings.resolved_store()
@@ -79,6 +84,7 @@ def _store(settings: Settings) -> Check:
     if url.startswith("file://"):
         return Check("store", "ok", f"{url} reachable and writable")
     return Check("store", "ok", f"{url} reachable, bucket present, store.json readable")
+
 
 def _gpu() -> list[Check]:
     try:
@@ -103,6 +109,7 @@ def _gpu() -> list[Check]:
                      "checkpoint API is called directly (see the gpu check)"))
     return out
 
+
 def _persistence_modes() -> list[bool] | None:
     try:
         import pynvml
@@ -118,8 +125,10 @@ def _persistence_modes() -> list[bool] | None:
     finally:
         pynvml.nvmlShutdown()
 
+
 #: What NVIDIA's driver cannot checkpoint, whatever its version (docs/gpu.md).
 _UNSUPPORTED = "UVM/managed memory, CUDA IPC memory, MIG, MPS, multi-process NCCL"
+
 
 def _gpu_state(settings: Settings) -> Check:
     """Can this node checkpoint GPU state (engine/cuda.py)? With the facts --json carries as ``gpu``."""
@@ -148,6 +157,7 @@ def _gpu_state(settings: Settings) -> Check:
     detail = (f"checkpoint API present (CUDA API {info['cuda_api_version']}, driver {inv.driver_version or '?'}, "
               f"{len(inv.models)} GPU(s))")
     return Check("gpu", "warn" if warnings else "ok", detail, "; ".join(warnings), info)
+
 
 def run_checks(settings: Settings) -> list[Check]:
     checks = _criu(settings)
