@@ -146,15 +146,19 @@ class CriuEngine:
     def version(self) -> str:
         return self.binary.version
 
+    def _check(self, *args: str, timeout: float = 120) -> tuple[bool, list[str]]:
+        """Run ``criu check ARGS``: (it exited 0, the lines it printed, or why it did not run)."""
+        try:
+            out = subprocess.run([self.binary.path, "check", *args], capture_output=True, text=True, timeout=timeout)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return False, [f"{' '.join(['criu check', *args])}: {e}"]
+        text = (out.stdout + out.stderr).strip().splitlines()
+        return out.returncode == 0, text or [f"exit {out.returncode}"]
+
     def check(self) -> tuple[bool, str]:
         """Run ``criu check``; return (passed, the last line it printed)."""
-        try:
-            out = subprocess.run([self.binary.path, "check"], capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return False, str(e)
-        text = (out.stdout + out.stderr).strip().splitlines()
-        ok = out.returncode == 0 and any("Looks good" in ln for ln in text)
-        return ok, (text[-1] if text else f"exit {out.returncode}")
+        ok, text = self._check()
+        return ok and any("Looks good" in ln for ln in text), text[-1]
 
     @staticmethod
     def _require_root(what: str) -> None:
@@ -199,14 +203,9 @@ class CriuEngine:
         with fork and exit events for a tree of processes), and CRIU's answer in words."""
         answers = []
         for feature in ("uffd", "uffd-noncoop"):
-            try:
-                out = subprocess.run([self.binary.path, "check", "--feature", feature], capture_output=True,
-                                     text=True, timeout=60)
-            except (OSError, subprocess.TimeoutExpired) as e:
-                return False, f"criu check --feature {feature}: {e}"
-            text = (out.stdout + out.stderr).strip().splitlines()
-            answers.append(text[-1] if text else f"exit {out.returncode}")
-            if out.returncode != 0:
+            ok, text = self._check("--feature", feature, timeout=60)
+            answers.append(text[-1])
+            if not ok:
                 return False, answers[-1]
         return True, "; ".join(answers)
 
