@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import logging
 import os
 import stat
 import struct
@@ -33,8 +32,6 @@ from pathlib import Path
 
 __all__ = ["FSTYPE", "PageFile", "fuse_available", "sweep"]
 
-log = logging.getLogger(__name__)
-
 FSTYPE = "fuse.cedana-pages"
 _IN = struct.Struct("=IIQQIIIHH")  # fuse_in_header
 _OUT = struct.Struct("=IiQ")  # fuse_out_header
@@ -43,7 +40,7 @@ _INIT_OUT = struct.Struct("=IIIIHHIIHHI7I")  # protocol 7.28+, 64 bytes
 _ATTR_OUT = struct.Struct("=QII" + "Q" * 6 + "I" * 10)
 _OPEN_OUT = struct.Struct("=QII")
 _READ_IN = struct.Struct("=QQIIQII")
-_LOOKUP, _FORGET, _GETATTR, _OPEN, _READ, _RELEASE, _FLUSH, _INIT = 1, 2, 3, 14, 15, 18, 25, 26
+_FORGET, _GETATTR, _OPEN, _READ, _RELEASE, _FLUSH, _INIT = 2, 3, 14, 15, 18, 25, 26
 _INTERRUPT, _DESTROY, _BATCH_FORGET = 36, 38, 42
 _FUSE_ASYNC_READ, _FUSE_MAX_PAGES = 1, 1 << 22
 _FOPEN_KEEP_CACHE = 1 << 1

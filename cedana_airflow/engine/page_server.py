@@ -19,7 +19,6 @@ zero-filled pages instead of its memory.
 
 from __future__ import annotations
 
-import logging
 import socket
 import struct
 import threading
@@ -29,8 +28,6 @@ from collections.abc import Callable, Sequence
 from .pagemap import PAGE_SIZE
 
 __all__ = ["PageServer", "PageSource", "wire_for"]
-
-log = logging.getLogger(__name__)
 
 _IOV_41 = struct.Struct("=IIQQ")  # CRIU <= 4.1
 _IOV_42 = struct.Struct("=I4xQQQ")  # CRIU >= 4.2

@@ -39,6 +39,7 @@ from ..engine.criu import CriuEngine
 from ..engine.page_file import PageFile, fuse_available
 from ..engine.page_server import PageServer, wire_for
 from ..engine.pagemap import PAGE_SIZE, Pagemap, read_pagemaps
+from ..engine.procfs import process_start
 from ..errors import CorruptCheckpoint, StoreUnavailable
 from ..format.manifest import Manifest
 from ..store.base import Store
@@ -63,15 +64,6 @@ def transport(wanted: str = "auto") -> str:
     if wanted != "auto":
         return wanted
     return "file" if fuse_available()[0] else "socket"
-
-
-def _dead(pid: int) -> bool:
-    """Gone, or a zombie (its namespace's processes are gone with it once it is)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (FileNotFoundError, IndexError, ProcessLookupError):
-        return True
 
 
 class LazyFeed:
@@ -225,7 +217,7 @@ class LazyFeed:
             os.kill(pid, signal.SIGKILL)  # the namespace's init: the kernel ends everyone in it
         except ProcessLookupError:
             return True
-        while not _dead(pid):
+        while process_start(pid) is not None:  # gone or a zombie: its namespace's processes are gone too
             time.sleep(0.01)
         return True
 

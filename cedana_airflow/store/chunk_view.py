@@ -44,7 +44,6 @@ class ChunkView:
         self._unread: dict[int, int] = {}  # chunk -> its bytes not yet read
         self._held_bytes = 0
         self._closed = False
-        self._prefetcher: threading.Thread | None = None
 
     def chunks_of(self, offset: int, length: int) -> range:
         if length <= 0:
@@ -111,8 +110,7 @@ class ChunkView:
                         continue
                     self._inflight += 1
                     self._hold(i, self.prefetch_pool).add_done_callback(self._prefetched)
-        self._prefetcher = threading.Thread(target=run, name="cedana-prefetch", daemon=True)
-        self._prefetcher.start()
+        threading.Thread(target=run, name="cedana-prefetch", daemon=True).start()
 
     def _prefetched(self, _: Future[bytes | memoryview]) -> None:
         with self._cond:
