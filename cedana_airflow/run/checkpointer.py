@@ -23,7 +23,7 @@ from ..config import Settings
 from ..engine.criu import CriuEngine
 from ..engine.page_file import sweep
 from ..errors import CorruptCheckpoint, RestoreFailed, WriterFenced
-from ..format.chunking import MAX_CHUNK_FACTOR
+from ..format.chunking import MAX_CHUNK_FACTOR, SegmentMemo
 from ..format.manifest import CAPTURED_DIR, AirflowTask, Manifest, ProcessInfo
 from ..format.selection import AgeLimit, limits_exceeded
 from ..format.signing import signature_problem
@@ -92,6 +92,7 @@ class Checkpointer:
         self._lock = threading.Lock()
         self._count = 0
         self._known: set[str] = set()
+        self._memo = SegmentMemo()  # heartbeats cut only the segments that changed
         self.parent_seq: int | None = None
         self._feed: LazyFeed | None = None  # a lazy restore's pages, while they stream in
         self._lazy_off = ""  # why lazy restore is off from now on ("" while it is on)
@@ -155,7 +156,8 @@ class Checkpointer:
                     manifest = save_checkpoint(self.store, self.store_cfg, meta, dump.image_dir, captured,
                                                known_digests=self._known, compression=self.settings.compression,
                                                progress_mode=self.settings.progress, signing_key=self._key,
-                                               before_commit=self.lease.confirm if self.lease else None)
+                                               before_commit=self.lease.confirm if self.lease else None,
+                                               memo=self._memo)
             except WriterFenced:
                 shutil.rmtree(dump_dir, ignore_errors=True)
                 return None  # taken over while this one was being saved: the lease has said so, once

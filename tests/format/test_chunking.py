@@ -120,3 +120,59 @@ def test_a_checkpoint_of_files_larger_than_a_segment_restores_byte_for_byte(tmp_
     fetch_checkpoint(s, m, tmp_path / "out")
     for f in img.iterdir():
         assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes()
+
+
+def test_a_segment_memo_recalls_unchanged_segments_and_cuts_changed_ones_exactly_as_without_it(tmp_path, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(chunking, "SEGMENT_BYTES", 1 << 20)
+    data = bytearray(os.urandom((6 << 20) + 999))
+    p = tmp_path / "pages-1.img"
+    p.write_bytes(data)
+    memo = chunking.SegmentMemo()
+
+    def cut(avg=64 << 10):
+        with ThreadPoolExecutor(2) as pool:
+            f = chunking.CutFile(p, avg, pool, memo)
+            got = [(x.offset, x.size, x.digest) for x in f.pieces()]
+        memo.roll()
+        assert got == _pieces(p, avg)  # with or without the memo, the same chunks
+        return f.segments, f.recalled
+
+    assert cut() == (7, 0)  # nothing seen yet
+    assert cut() == (7, 7)  # the same bytes: no segment cut again
+    data[(3 << 20) + 5000] ^= 0xFF  # one byte changed in segment 3
+    data[-1] ^= 0xFF  # and one in the short last segment
+    p.write_bytes(data)
+    assert cut() == (7, 5)
+    assert cut(avg=32 << 10) == (7, 0)  # another chunk size cuts differently: the memo does not answer
+    memo.roll()
+    memo.roll()  # only what the last cut saw is kept
+    assert cut() == (7, 0)
+
+
+def test_heartbeats_with_a_memo_store_the_same_manifest_as_without_and_restore_byte_for_byte(tmp_path, monkeypatch):
+    from cedana_airflow.config import load_settings
+    from cedana_airflow.format.manifest import ProcessInfo
+    from cedana_airflow.store import open_store
+    from cedana_airflow.store.transfer import CheckpointMeta, fetch_checkpoint, save_checkpoint
+
+    monkeypatch.setattr(chunking, "SEGMENT_BYTES", 1 << 20)
+    s = open_store(f"file://{tmp_path / 'store'}", load_settings(environ={}))
+    cfg = s.open(create=True, chunk_avg_bytes=64 << 10)
+    img = tmp_path / "img"
+    img.mkdir()
+    data = bytearray(os.urandom(5 << 20))
+    proc = ProcessInfo(pid=1, command=("x",), cwd="/", stdout_pipe="pipe:[1]", stderr_pipe="pipe:[2]")
+    memo = chunking.SegmentMemo()
+    known: set[str] = set()
+    for beat in range(3):
+        data[(beat << 20) + 100 : (beat << 20) + 200] = os.urandom(100)
+        (img / "pages-1.img").write_bytes(data)
+        with_memo = save_checkpoint(s, cfg, CheckpointMeta("memo", "n", "4.1.1", proc), img, known_digests=known, memo=memo)
+        without = save_checkpoint(s, cfg, CheckpointMeta("plain", "n", "4.1.1", proc), img)
+        assert with_memo.files == without.files
+        known = with_memo.chunk_digests()
+        out = tmp_path / f"out-{beat}"
+        fetch_checkpoint(s, with_memo, out)
+        assert (out / "pages-1.img").read_bytes() == bytes(data)
