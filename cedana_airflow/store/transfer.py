@@ -69,9 +69,12 @@ class _Writer:
     progress: Progress
     pool: ThreadPoolExecutor
     cut_pool: ThreadPoolExecutor  # cuts and digests a file's segments on every core
-    check_store: bool  # False when the store held no chunk at all: nothing to find, so no HEADs
+    check_store: bool  # ask before each upload (a first checkpoint into a store that holds chunks)
+    memo: chunking.SegmentMemo | None  # segments cut at the previous heartbeat of the same writer
     stored_bytes: int = 0
     new_chunks: int = 0
+    segments: int = 0
+    recalled: int = 0  # segments the memo answered without cutting them again
     pending: deque[Future[int]] = field(default_factory=deque)
 
     def _put_if_missing(self, d: str, data: bytes) -> int:
@@ -92,7 +95,7 @@ class _Writer:
     def add_file(self, path: Path) -> tuple[int, tuple[ChunkRef, ...]]:
         refs: list[ChunkRef] = []
         size = 0
-        f = chunking.CutFile(path, self.cfg.chunk_avg_bytes, self.cut_pool)
+        f = chunking.CutFile(path, self.cfg.chunk_avg_bytes, self.cut_pool, self.memo)
         for piece in f.pieces():
             d, n = piece.digest, piece.size
             refs.append(ChunkRef(digest=d, size=n))
@@ -102,6 +105,8 @@ class _Writer:
                 self._drain(2 * self.store.parallelism)
                 self.pending.append(self.pool.submit(self._put_if_missing, d, bytes(f.data(piece))))
             self.progress.advance(n)
+        self.segments += f.segments
+        self.recalled += f.recalled
         return size, tuple(refs)
 
 
@@ -117,6 +122,7 @@ def save_checkpoint(
     progress_mode: str = "never",  # a library call is quiet unless its caller asks
     signing_key: bytes | None = None,
     before_commit: Callable[[], None] | None = None,
+    memo: chunking.SegmentMemo | None = None,
 ) -> Manifest:
     """Store an image directory (and captured files) as a new checkpoint; return its manifest.
 
@@ -124,19 +130,20 @@ def save_checkpoint(
     this checkpoint ID), which saves an existence check per chunk. ``signing_key``: sign the
     manifest (format/signing.py). ``before_commit``: called right before the manifest is written;
     raising there abandons the checkpoint (the writer lease's last check, store/writer_lease.py).
+    ``memo``: the same writer's memo at every heartbeat, so unchanged segments are not cut again.
     """
     validate_checkpoint_id(meta.checkpoint_id)
     lock = acquire_writer(store)  # garbage collection waits while any checkpoint is being written
     try:
         return _save(store, cfg, meta, image_dir, captured, known_digests, compression, progress_mode, signing_key,
-                     before_commit)
+                     before_commit, memo)
     finally:
         lock.release(store)
 
 
 def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path, captured: Sequence[CapturedSource],
           known_digests: Iterable[str], compression: str, progress_mode: str, signing_key: bytes | None,
-          before_commit: Callable[[], None] | None) -> Manifest:
+          before_commit: Callable[[], None] | None, memo: chunking.SegmentMemo | None) -> Manifest:
     t0 = time.monotonic()
     image_files = sorted(p for p in image_dir.iterdir() if p.is_file())
     total = sum(p.stat().st_size for p in image_files) + sum(c.copy.stat().st_size for c in captured)
@@ -144,11 +151,15 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path,
     with ThreadPoolExecutor(store.parallelism, thread_name_prefix="cedana-put") as pool, \
             ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="cedana-cut") as cut_pool:
         known = set(known_digests)
-        # A first checkpoint into an empty store would ask "is it there?" once per chunk and hear
-        # "no" every time: one listing answers for all. A concurrent writer of the same chunk
-        # writes the same bytes, so a missed dedup costs an upload, never correctness.
-        check = bool(known) or next(iter(store.list_objects("chunks/", limit=1)), None) is not None
-        w = _Writer(store, cfg, compression, known, progress, pool, cut_pool, check)
+        # Only a first checkpoint asks "is it there?" per chunk (another checkpoint ID may share its
+        # chunks), and into an empty store not even that: one listing answers for all. A heartbeat
+        # knows the previous checkpoint's chunks; one it does not know is new bytes the workload just
+        # wrote, so asking first would be a wasted request per chunk. A chunk stored twice, or by a
+        # concurrent writer, is the same bytes: a missed dedup costs an upload, never correctness.
+        check = not known and next(iter(store.list_objects("chunks/", limit=1)), None) is not None
+        if memo is not None:
+            memo.roll()  # what the previous save saw (a failed one too: cuts depend on bytes, not on the store)
+        w = _Writer(store, cfg, compression, known, progress, pool, cut_pool, check, memo)
         entries = []
         for p in image_files:
             size, refs = w.add_file(p)
@@ -190,9 +201,10 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path,
             break
         seq += 1  # another writer took this seq first; ours goes after it
     log.info(
-        "checkpoint saved checkpoint_id=%s seq=%d chunks=%d new=%d image_bytes=%d stored_bytes=%d seconds=%.2f",
+        "checkpoint saved checkpoint_id=%s seq=%d chunks=%d new=%d image_bytes=%d stored_bytes=%d seconds=%.2f "
+        "segments=%d recalled=%d",
         meta.checkpoint_id, seq, sum(len(e.chunks) for e in entries) + sum(len(c.chunks) for c in caps),
-        w.new_chunks, total, w.stored_bytes, time.monotonic() - t0,
+        w.new_chunks, total, w.stored_bytes, time.monotonic() - t0, w.segments, w.recalled,
     )
     return manifest
 

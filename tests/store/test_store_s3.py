@@ -65,6 +65,13 @@ def test_a_first_checkpoint_into_an_empty_store_asks_no_per_chunk_questions(buck
     # A new writer (no chunks known from its own previous checkpoint) into a store that has chunks: it asks.
     second = save_checkpoint(s, cfg, META, src)
     assert len(heads) == len(second.chunk_digests()) and second.new_chunks == 0 and second.stored_bytes == 0
+    # A heartbeat knows its previous checkpoint's chunks: what it does not know is new, uploaded without asking.
+    heads.clear()
+    (src / "core-1.img").write_bytes(os.urandom(5000))
+    third = save_checkpoint(s, cfg, META, src, known_digests=second.chunk_digests())
+    assert heads == [] and third.new_chunks == 1
+    fetch_checkpoint(s, third, tmp_path / "out")
+    assert (tmp_path / "out" / "core-1.img").read_bytes() == (src / "core-1.img").read_bytes()
 
 
 def test_manifests_are_create_only(bucket, tmp_path):
