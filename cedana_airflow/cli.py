@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -43,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
     rs = sub.add_parser("restore", help="restore the latest complete checkpoint of ID and supervise it")
     _supervised(rs, when_none_left="exit 1")
 
+    sj = sub.add_parser("slurm-job", help="inside a Slurm batch job: `run --resume` when the job is protected "
+                        "(checkpoint partition and CEDANA_ENABLE=1), else the command unchanged")
+    _supervised(sj, when_none_left="start fresh")
+    sj.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+
     ls = sub.add_parser("checkpoints", help="list checkpoints (all IDs, or one)")
     ls.add_argument("id", nargs="?")
     ls.add_argument("--json", action="store_true", help="print a JSON array, one object per checkpoint ID")
@@ -62,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="a Kubernetes node label (repeatable)")
     ex.add_argument("--queue", help="the task's Airflow queue (default: from the DAG, else default)")
     ex.add_argument("--pool", help="the task's Airflow pool (default: from the DAG, else default_pool)")
+    ex.add_argument("--partition", help="the Slurm partition the task's job goes to (the Slurm route)")
     ex.add_argument("--tag", action="append", default=None, help="a DAG tag (repeatable; default: from the DAG)")
     ex.add_argument("--expected-seconds", type=float, help="the task's expected duration (rule short-task)")
     ex.add_argument("--job-server", action="store_true", default=None, help="the task drives a third-party job server")
@@ -157,6 +164,34 @@ def _cmd_run(args: argparse.Namespace, restore_only: bool) -> int:
     return result.exit_code
 
 
+def _cmd_slurm_job(args: argparse.Namespace) -> int:
+    """The command of a Slurm route job (slurm/batch.py writes it into the batch script)."""
+    from .run.runner import run_workload
+    from .scope.optin import load_optin
+    from .slurm.in_job import protection
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print("usage: cedana-airflow slurm-job --id ID [...] -- COMMAND [ARGS...]", file=sys.stderr)
+        return 2
+    node = os.environ.get("SLURMD_NODENAME")
+    if node and not args.node:
+        args.node = node  # the Slurm node's name, not the host's: two slurmd may share a host
+    settings = _settings(args)
+    optin = load_optin(settings.optin_file)
+    protected, why = protection(os.environ, optin.node.partitions if optin.node else ())
+    print(f"cedana: {why}", flush=True)
+    if not protected:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CEDANA_")}
+        try:
+            os.execvpe(command[0], command, env)
+        except OSError as e:
+            print(f"cedana: cannot run {command[0]!r}: {e.strerror or e}", file=sys.stderr)
+            return 127
+    result = run_workload(settings, args.id, command, resume=True, try_number=args.try_number, airflow=_task_of(args))
+    return result.exit_code
+
+
 def _cmd_checkpoints(args: argparse.Namespace) -> int:
     from .store import open_store
     from .store.listing import as_json, list_store
@@ -217,7 +252,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         facts.update(task_facts(args.dag_id, args.task_id, args.dags_folder))
         if not facts.pop("checkpointed"):
             print(f"note: {args.dag_id}.{args.task_id} is not a checkpointed operator; the list would not be asked")
-    given = {"queue": args.queue, "pool": args.pool, "tags": tuple(args.tag) if args.tag else None,
+    given = {"queue": args.queue, "pool": args.pool, "partition": args.partition, "tags": tuple(args.tag) if args.tag else None,
              "expected_seconds": args.expected_seconds, "job_server": args.job_server, "gpu": args.gpu}
     facts.update({k: v for k, v in given.items() if v is not None})
     where = Where(args.dag_id, args.task_id, settings.resolved_node(), parse_labels(",".join(args.label)),
@@ -320,6 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_run(args, restore_only=False)
         if args.verb == "restore":
             return _cmd_run(args, restore_only=True)
+        if args.verb == "slurm-job":
+            return _cmd_slurm_job(args)
         if args.verb == "checkpoints":
             return _cmd_checkpoints(args)
         if args.verb == "gc":

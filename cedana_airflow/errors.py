@@ -18,6 +18,8 @@
         ├── DumpFailed               `criu dump` failed; the workload keeps running
         │   └── GpuCheckpointFailed  the driver could not move GPU state out (or back); rolled back
         └── RestoreFailed            `criu restore` failed
+    └── SlurmError                   a Slurm job could not be submitted or followed
+        └── SlurmRefused             sbatch refused it (unknown partition, bad resources): retrying cannot help
 
 Messages are one line: "<what failed>: <cause>. <fix>." and name the key, path or value involved.
 """
@@ -37,6 +39,8 @@ __all__ = [
     "EngineUnavailable",
     "GpuCheckpointFailed",
     "RestoreFailed",
+    "SlurmError",
+    "SlurmRefused",
     "StoreBusy",
     "StoreError",
     "StoreUnavailable",
@@ -120,3 +124,14 @@ class RestoreFailed(EngineError):
 
 class GpuUnavailable(CedanaError):
     """No NVIDIA driver (or no pynvml) on this node: GPU state cannot be read here."""
+
+
+class SlurmError(CedanaError):
+    """A Slurm command failed or is missing, or a job could not be followed (slurm/client.py)."""
+
+
+class SlurmRefused(SlurmError):
+    """sbatch refused the job as asked (an unknown partition, impossible resources): the same
+    submission fails again, so a retry cannot help."""
+
+    exit_code = 2

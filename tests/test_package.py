@@ -21,7 +21,7 @@ LAYERS = [
     {"cedana_airflow.format"},
     {"cedana_airflow.store", "cedana_airflow.engine"},
     {"cedana_airflow.node"},
-    {"cedana_airflow.run", "cedana_airflow.scope"},
+    {"cedana_airflow.run", "cedana_airflow.scope", "cedana_airflow.slurm"},
     {"cedana_airflow.drill"},
     {"cedana_airflow.cli", "cedana_airflow.airflow"},
 ]

@@ -7,9 +7,10 @@ task can say why it is (not) in scope (``cedana-airflow explain``).
 
 TOML, or YAML when PyYAML is installed (Airflow brings it)::
 
-    [node]                                   # worker hostnames (fnmatch patterns) or Kubernetes node labels
-    hostnames = ["gpu-test-01"]
+    [node]                                   # worker hostnames (fnmatch patterns), Kubernetes node labels,
+    hostnames = ["gpu-test-01"]              # or Slurm partitions
     labels = { "cedana.ai/enabled" = "true" }   # the default; labels = {} admits by hostname only
+    partitions = ["cedana"]                  # Slurm checkpoint partitions (jobs there opt in with CEDANA_ENABLE)
     [queue]                                  # Airflow queues and/or pools
     queues = ["cedana"]
     [workload]                               # DAG IDs, or DAG_ID.TASK_ID, as patterns
@@ -79,6 +80,8 @@ class NodeScope(_Scope):
     hostnames: tuple[str, ...] = ()
     labels: dict[str, str] = Field(default_factory=lambda: dict([DEFAULT_NODE_LABEL]),
                                    description="All of these labels, on a Kubernetes node (CEDANA_NODE_LABELS there).")
+    partitions: tuple[str, ...] = Field(default=(), description="Slurm checkpoint partitions (patterns): the nodes of "
+                                        "these partitions are in scope for jobs that carry CEDANA_ENABLE=1.")
 
 
 class QueueScope(_Scope):
@@ -211,6 +214,7 @@ class Where:
     job_server: bool = False  # the task drives a third-party job server (EMR, Databricks, Slurm...)
     gpu: bool = False  # the task uses a GPU
     nvidia: bool | None = None  # this node has an NVIDIA driver (None: not asked)
+    partition: str = ""  # the Slurm partition a job goes to (the Slurm route)
 
 
 @dataclass(frozen=True)
@@ -267,6 +271,12 @@ def _first_match(value: str, patterns: tuple[str, ...]) -> str | None:
 def _node(s: NodeScope | None, w: Where) -> tuple[bool, str]:
     if s is None:
         return False, "node: refused: the list has no [node] scope (hostnames = [\"*\"] admits every node)"
+    if w.partition:  # a Slurm job: its nodes are the partition's
+        if pat := _first_match(w.partition, s.partitions):
+            return True, (f"node: Slurm partition {w.partition} admitted by partition pattern {pat!r} (inside it, "
+                          "the job is checkpointed only with CEDANA_ENABLE=1, which the operator sets when in scope)")
+        return False, (f"node: Slurm partition {w.partition} refused: not in partitions {list(s.partitions)} (a job "
+                       "there runs unprotected, CEDANA_ENABLE or not)")
     if pat := _first_match(w.node, s.hostnames):
         return True, f"node: {w.node} admitted by hostname pattern {pat!r}"
     if s.labels and w.node_labels and all(w.node_labels.get(k) == v for k, v in s.labels.items()):

@@ -218,3 +218,18 @@ def test_require_dag_opt_in_admits_only_dags_whose_author_declared_them(tmp_path
     assert tagged.in_scope and "rule dag-opt-in: the DAG is tagged cedana:opt-in" in tagged.reasons
     untagged = decide(optin, Where("d", "t", "n", {}, "q"))
     assert not untagged.in_scope and any("not tagged cedana:opt-in" in r for r in untagged.reasons)
+
+
+def test_slurm_partitions_are_a_node_scope_and_explain_says_what_the_job_needs(tmp_path):
+    p = tmp_path / "optin.toml"
+    p.write_text(FIRST_WEEK.replace('hostnames = ["gpu-test-01"]', 'hostnames = ["gpu-test-01"]\npartitions = ["cedana*"]'))
+    optin = load_optin(p)
+    inside = decide(optin, Where("train_llm", "fit", queue="cedana", partition="cedana-a100"))
+    assert inside.in_scope and "Slurm partition cedana-a100 admitted by partition pattern 'cedana*'" in inside.reasons[0]
+    assert "CEDANA_ENABLE=1" in inside.reasons[0]
+    other = decide(optin, Where("train_llm", "fit", "gpu-test-01", queue="cedana", partition="batch"))
+    assert not other.in_scope and "Slurm partition batch refused" in other.reasons[0]  # a partition, not the host
+    env = cli_env(tmp_path, "login-1", "w", CEDANA_OPTIN_FILE=str(p))
+    r = cli("explain", "train_llm", "fit", "--queue", "cedana", "--partition", "batch", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["reasons"][0].startswith("node: Slurm partition batch refused: not in partitions ['cedana*']")

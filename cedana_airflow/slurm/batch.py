@@ -1,0 +1,109 @@
+"""A batch job for the Slurm route: the sbatch options and the script that runs the command.
+
+The script does not run the command itself: it execs ``cedana-airflow slurm-job``, which decides
+inside the job whether it is protected (slurm/in_job.py) and then supervises the command, or
+execs it unchanged. The script goes to sbatch on its standard input, so nothing needs copying to
+a login node.
+
+Environment: sbatch would copy the submitting worker's whole environment into the job (Airflow's
+settings and connections among it, and a checkpoint holds the job's memory). Jobs are submitted
+with ``--export=NONE`` plus only ``CEDANA_ENABLE`` when the task is in scope; the script sets the
+rest (PATH, the store URL, the opt-in file) explicitly. Store credentials are the compute node's
+own configuration (``store_credentials_dir``), never part of the job.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+from ..ids import validate_checkpoint_id
+
+__all__ = ["ENABLE_ENV", "JobSpec", "batch_script", "sbatch_argv", "shell_command"]
+
+#: The per-job opt-in, as Cedana documents it: only jobs carrying it are checkpointed.
+ENABLE_ENV = "CEDANA_ENABLE"
+_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One submission. ``command`` is an argv; a shell line is ``("bash", "-c", line)``."""
+
+    name: str
+    command: tuple[str, ...]
+    partition: str
+    checkpoint_id: str
+    output: str  # a path the login node and the compute nodes both see; %j is the job ID
+    enable: bool  # in scope: the job carries CEDANA_ENABLE=1
+    try_number: int = 0
+    heartbeat_seconds: float = 0
+    nodes: int = 1
+    gres: str = ""  # e.g. gpu:1
+    time_limit: str = ""  # sbatch --time, e.g. 02:00:00
+    cpus_per_task: int = 0
+    mem: str = ""
+    signal_seconds: int = 120  # SIGTERM to our supervisor this long before the time limit: a final checkpoint
+    extra_args: tuple[str, ...] = ()  # more sbatch options, passed as given
+    cli: tuple[str, ...] = ("cedana-airflow",)  # how a compute node runs our CLI
+    store: str = ""  # the store URL (no credentials)
+    optin_file: str = ""  # the opt-in list the job reads to judge its partition
+    work_dir: str = ""
+    env: Mapping[str, str] = field(default_factory=dict)  # the workload's own variables
+    airflow_task: tuple[str, str, str, int] | None = None  # dag_id, task_id, run_id, map_index
+
+    def __post_init__(self) -> None:
+        validate_checkpoint_id(self.checkpoint_id)
+        if not self.command:
+            raise ConfigError("the Slurm job has no command. Pass command= (a shell line or an argv list).")
+        if not self.partition:
+            raise ConfigError("the Slurm job has no partition. Pass partition= (e.g. 'cedana').")
+        bad = [k for k in self.env if not _ENV_NAME.fullmatch(k)]
+        if bad:
+            raise ConfigError(f"environment variable name(s) {', '.join(map(repr, bad))} are not valid. Fix env=.")
+
+
+def sbatch_argv(spec: JobSpec) -> list[str]:
+    """``sbatch`` and its options; the script comes on standard input."""
+    argv = ["sbatch", "--parsable", f"--job-name={spec.name}", f"--partition={spec.partition}",
+            f"--nodes={spec.nodes}", f"--output={spec.output}", "--open-mode=append",
+            # a requeued job (node failure, preemption) runs the same script again: it resumes
+            "--requeue", f"--signal=B:TERM@{spec.signal_seconds}",
+            f"--export={ENABLE_ENV}=1" if spec.enable else "--export=NONE"]
+    if spec.gres:
+        argv.append(f"--gres={spec.gres}")
+    if spec.time_limit:
+        argv.append(f"--time={spec.time_limit}")
+    if spec.cpus_per_task:
+        argv.append(f"--cpus-per-task={spec.cpus_per_task}")
+    if spec.mem:
+        argv.append(f"--mem={spec.mem}")
+    return [*argv, *spec.extra_args]
+
+
+def batch_script(spec: JobSpec) -> str:
+    q = shlex.quote
+    env = {"PATH": _DEFAULT_PATH, **spec.env}
+    cedana = {"CEDANA_CHECKPOINT_ID": spec.checkpoint_id, "CEDANA_STORE": spec.store,
+              "CEDANA_OPTIN_FILE": spec.optin_file, "CEDANA_WORK_DIR": spec.work_dir}
+    lines = ["#!/bin/bash", f"# cedana-airflow Slurm route: checkpoint ID {spec.checkpoint_id}, try {spec.try_number}"]
+    lines += [f"export {k}={q(v)}" for k, v in {**env, **cedana}.items() if v]
+    task: list[str] = []
+    if spec.airflow_task:
+        dag_id, task_id, run_id, map_index = spec.airflow_task
+        task = ["--dag-id", dag_id, "--task-id", task_id, "--run-id", run_id, "--map-index", str(map_index)]
+    argv = [*spec.cli, "slurm-job", "--id", spec.checkpoint_id, "--try-number", str(spec.try_number),
+            "--heartbeat", f"{spec.heartbeat_seconds:g}", *task, "--", *spec.command]
+    lines.append("exec " + " ".join(q(a) for a in argv))
+    return "\n".join(lines) + "\n"
+
+
+def shell_command(command: str | Sequence[str]) -> tuple[str, ...]:
+    """A shell line runs under bash; a list is the argv itself."""
+    if isinstance(command, str):
+        return ("bash", "-c", command)
+    return tuple(command)
