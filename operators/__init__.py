@@ -2,7 +2,7 @@
 
 from .checkpointed import CheckpointedCommandOperator
 
-__all__ = ["CheckpointedCommandOperator", "CedanaKubernetesPodOperator"]
+__all__ = ["CheckpointedCommandOperator", "CedanaKubernetesPodOperator", "CedanaSlurmOperator"]
 
 
 def __getattr__(name: str) -> object:
@@ -11,4 +11,8 @@ def __getattr__(name: str) -> object:
         from .kubernetes import CedanaKubernetesPodOperator
 
         return CedanaKubernetesPodOperator
+    if name == "CedanaSlurmOperator":
+        from .slurm import CedanaSlurmOperator
+
+        return CedanaSlurmOperator
     raise AttributeError(name)

@@ -1,0 +1,208 @@
+"""CedanaSlurmOperator: submit a batch job to Slurm and follow it to the end; a job in a checkpoint
+partition that the opt-in list admits runs under our supervisor and resumes from its latest
+checkpoint when Slurm requeues it (a node failure, a preemption) or an Airflow retry submits it again.
+
+Thin by design: the opt-in list's decision, a JobSpec (cedana_airflow.slurm.batch), one sbatch, then
+the SlurmJobTrigger (or a polling loop) and the outcome. What runs inside the job is
+``cedana-airflow slurm-job`` (cedana_airflow.slurm.in_job decides there whether it is protected).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+from cedana_airflow.airflow.config import task_settings
+from cedana_airflow.airflow.slurm import SlurmJobTrigger, slurm_client
+from cedana_airflow.airflow.task_state import airflow_task
+from cedana_airflow.errors import CedanaError, CheckpointIdError, ConfigError, SlurmRefused
+from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
+from cedana_airflow.scope.optin import Decision, Where, decide, load_optin
+from cedana_airflow.slurm.batch import JobSpec, shell_command
+from cedana_airflow.slurm.client import SlurmClient
+from cedana_airflow.slurm.jobs import JobEnd, JobInfo
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+__all__ = ["CedanaSlurmOperator"]
+
+#: XCom key of the submitted job's ID.
+XCOM_JOB_KEY = "slurm_job_id"
+
+
+class CedanaSlurmOperator(BaseOperator):
+    """Run ``command`` as a Slurm batch job; checkpointed when its partition and task are in scope.
+
+    :param command: a shell line (run by bash) or an argv list. Templated.
+    :param partition: the Slurm partition. Jobs in a checkpoint partition of the opt-in list
+        (``[node] partitions``) whose task the list admits carry ``CEDANA_ENABLE=1`` and are
+        checkpointed; any other job runs unprotected and says why. Templated.
+    :param nodes: / :param gpus: / :param gres: / :param time_limit: / :param cpus_per_task: /
+        :param mem: the usual sbatch resources (``gpus=N`` is ``--gres=gpu:N``).
+    :param sbatch_args: more sbatch options, passed as given.
+    :param env: the job's own environment variables (the worker's are not passed on). Templated.
+    :param checkpoint_id: templated; default derived from dag_id, task_id, map_index and run_id.
+    :param heartbeat: time between checkpoints (default [cedana] heartbeat_seconds).
+    :param store: store URL as the compute nodes see it (default [cedana] store); its credentials
+        are the nodes' own configuration, never part of the job.
+    :param job_dir: a directory the submit side and the compute nodes share, for the job's output.
+    :param cli: how a compute node runs cedana-airflow (default ``cedana-airflow`` on its PATH).
+    :param ssh_conn_id: submit on the login node of this SSH connection instead of this worker.
+    :param deferrable: follow the job in the triggerer, holding no worker slot (default True).
+    :param poll_interval: how often Slurm is asked about the job.
+    :param signal_before_end: SIGTERM to the job's supervisor this long before its time limit,
+        so it takes a final checkpoint before Slurm kills it.
+    """
+
+    template_fields: Sequence[str] = ("command", "partition", "env", "checkpoint_id", "store", "job_dir")
+
+    def __init__(self, *, command: str | Sequence[str], partition: str, nodes: int = 1, gpus: int = 0,
+                 gres: str | None = None, time_limit: str | timedelta | None = None, cpus_per_task: int = 0,
+                 mem: str | None = None, sbatch_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 checkpoint_id: str | None = None, heartbeat: timedelta | None = None, store: str | None = None,
+                 job_dir: str | None = None, cli: Sequence[str] = ("cedana-airflow",), ssh_conn_id: str | None = None,
+                 deferrable: bool = True, poll_interval: timedelta = timedelta(seconds=10),
+                 requeue_settle: timedelta = timedelta(seconds=30),
+                 signal_before_end: timedelta = timedelta(minutes=2), **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if gpus and gres:
+            raise ValueError(f"{self.task_id}: give gpus= or gres=, not both.")
+        self.command, self.partition, self.nodes = command, partition, nodes
+        self.gres = gres or (f"gpu:{gpus}" if gpus else "")
+        self.time_limit = _sbatch_time(time_limit)
+        self.cpus_per_task, self.mem, self.sbatch_args = cpus_per_task, mem or "", tuple(sbatch_args)
+        self.env = dict(env or {})
+        self.checkpoint_id, self.heartbeat, self.store, self.job_dir = checkpoint_id, heartbeat, store, job_dir
+        self.cli, self.ssh_conn_id, self.deferrable = tuple(cli), ssh_conn_id, deferrable
+        self.poll_seconds = poll_interval.total_seconds()
+        self.settle_seconds = requeue_settle.total_seconds()
+        self.signal_seconds = int(signal_before_end.total_seconds())
+
+    # -- submission ----------------------------------------------------------------------------------
+    def _scope(self, context: Context, settings_overrides: dict[str, Any]) -> tuple[Decision, Any]:
+        ti, dag = context["ti"], context.get("dag")
+        settings, _ = task_settings(settings_overrides)
+        try:
+            where = Where(ti.dag_id, ti.task_id, f"(a node of Slurm partition {self.partition})",
+                          queue=getattr(ti, "queue", "") or self.queue, pool=self.pool or "",
+                          tags=tuple(getattr(dag, "tags", None) or ()), partition=self.partition,
+                          gpu=bool(self.gres.startswith("gpu")))
+            decision = decide(load_optin(settings.optin_file), where)
+        except ConfigError as e:  # a broken list never fails a task: it runs unprotected and says why
+            decision = Decision(False, (f"the opt-in list cannot be used: {e}",))
+        for line in decision.explain().splitlines():
+            self.log.info("cedana: %s", line.strip())
+        if decision.in_scope:
+            settings, _ = task_settings(settings_overrides, decision.defaults)
+        return decision, settings
+
+    def _spec(self, context: Context) -> JobSpec:
+        ti = context["ti"]
+        overrides: dict[str, Any] = {}
+        if self.heartbeat is not None:
+            overrides["heartbeat_seconds"] = self.heartbeat.total_seconds()
+        if self.store:
+            overrides["store"] = self.store
+        decision, settings = self._scope(context, overrides)
+        cid = (validate_checkpoint_id(self.checkpoint_id) if self.checkpoint_id
+               else derive_checkpoint_id(ti.dag_id, ti.task_id, context["run_id"], map_index=ti.map_index))
+        job_dir = self.job_dir or str(Path(settings.work_dir or tempfile.gettempdir()) / "cedana-slurm-jobs")
+        task = airflow_task(context)
+        return JobSpec(
+            name=f"airflow.{ti.dag_id}.{ti.task_id}"[:120], command=shell_command(self.command),
+            partition=self.partition, checkpoint_id=cid,
+            output=f"{job_dir}/{cid}.try{ti.try_number}.%j.out", enable=decision.in_scope,
+            try_number=ti.try_number, heartbeat_seconds=settings.heartbeat_seconds or 0, nodes=self.nodes,
+            gres=self.gres, time_limit=self.time_limit, cpus_per_task=self.cpus_per_task, mem=self.mem,
+            signal_seconds=self.signal_seconds, extra_args=self.sbatch_args, cli=self.cli, store=settings.store,
+            optin_file=str(settings.optin_file or ""), work_dir=str(settings.work_dir or ""), env=self.env,
+            airflow_task=(task.dag_id, task.task_id, task.run_id, task.map_index))
+
+    def execute(self, context: Context) -> Any:
+        try:
+            spec = self._spec(context)
+            client = slurm_client(self.ssh_conn_id)
+            client.mkdir(spec.output.rsplit("/", 1)[0])
+            job_id = client.submit(spec)
+        except (ConfigError, CheckpointIdError, SlurmRefused) as e:
+            raise AirflowFailException(f"cedana: {e}") from None  # the same submission would fail the same way
+        except CedanaError as e:
+            raise AirflowException(f"cedana: {e}") from None
+        output = spec.output.replace("%j", job_id)
+        self.log.info("cedana: submitted Slurm job %s to partition %s (%s); checkpoint_id=%s output %s", job_id,
+                      spec.partition, "CEDANA_ENABLE=1" if spec.enable else "without CEDANA_ENABLE: unprotected",
+                      spec.checkpoint_id, output)
+        context["ti"].xcom_push(key=XCOM_JOB_KEY, value=job_id)
+        self._job_id = job_id
+        if self.deferrable:
+            self.defer(trigger=SlurmJobTrigger(job_id, self.ssh_conn_id, self.poll_seconds, self.settle_seconds, output),
+                       method_name="execute_complete")
+        return self._follow(client, job_id, output)
+
+    # -- following -----------------------------------------------------------------------------------
+    def _follow(self, client: SlurmClient, job_id: str, output: str) -> Any:
+        """Not deferrable: poll here, printing the job's new output lines as they come."""
+        end, shown, seen = JobEnd(self.settle_seconds), 0, None
+        while True:
+            try:
+                info = client.job(job_id)
+            except CedanaError as e:
+                raise AirflowException(f"cedana: {e}") from None
+            if (info.state, info.restarts) != seen:
+                seen = (info.state, info.restarts)
+                self.log.info("cedana: %s", info.describe())
+            text = client.read(output)
+            for line in text[shown:].splitlines():
+                self.log.info("slurm job %s: %s", job_id, line)
+            shown = max(shown, len(text))
+            if end.over(info, time.monotonic()):
+                return self._outcome(info, None)
+            time.sleep(self.poll_seconds)
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
+        if event.get("status") != "done":
+            cls = AirflowException if event.get("retryable", True) else AirflowFailException
+            raise cls(f"cedana: {event.get('message', event)}")
+        info, output = JobInfo(**event["job"]), event.get("output", "")
+        text = ""
+        try:
+            text = slurm_client(self.ssh_conn_id).read(output) if output else ""
+        except CedanaError as e:
+            self.log.warning("cedana: the job's output %s cannot be read: %s", output, e)
+        return self._outcome(info, text)
+
+    def _outcome(self, info: JobInfo, text: str | None) -> Any:
+        if text is not None:
+            for line in text.splitlines():
+                self.log.info("slurm job %s: %s", info.job_id, line)
+        if info.succeeded:
+            self.log.info("cedana: %s", info.describe())
+            return {"job_id": info.job_id, "state": info.state, "exit_code": info.exit_code, "nodes": info.nodes,
+                    "restarts": info.restarts}
+        raise AirflowException(f"cedana: {info.describe()}")
+
+    def on_kill(self) -> None:
+        job_id = getattr(self, "_job_id", None)
+        if job_id:  # the job's supervisor takes a final checkpoint on the SIGTERM Slurm sends first
+            try:
+                slurm_client(self.ssh_conn_id).cancel(job_id)
+                self.log.info("cedana: cancelled Slurm job %s", job_id)
+            except CedanaError as e:
+                self.log.warning("cedana: could not cancel Slurm job %s: %s", job_id, e)
+
+
+def _sbatch_time(t: str | timedelta | None) -> str:
+    if t is None:
+        return ""
+    if isinstance(t, str):
+        return t
+    minutes = max(1, int(t.total_seconds() + 59) // 60)  # sbatch's unit is a minute
+    return f"{minutes // 60:02d}:{minutes % 60:02d}:00"
