@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup criu browser services demo demo-fleet test test-unit bench clean
+.PHONY: setup criu browser services slurm demo demo-fleet demo-slurm test test-unit bench clean
 
 setup: $(STAMP) criu
 
@@ -24,13 +24,21 @@ browser:
 services:
 	@{ command -v redis-server >/dev/null && ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; } || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql redis-server; }
 
+# munge, slurmctld and slurmd for the Slurm route (scripts/slurm_cluster.py starts throwaway ones; no
+# systemd unit is enabled or started).
+slurm:
+	@{ command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null && command -v munged >/dev/null; } || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge; }
+
 demo: setup
 	$(BIN)/python scripts/demo.py
 
 demo-fleet: setup services
 	$(BIN)/python scripts/demo_fleet.py
 
-test: setup browser services
+demo-slurm: setup slurm
+	$(BIN)/python scripts/demo_slurm.py
+
+test: setup browser services slurm
 	$(BIN)/python -m pytest
 
 test-unit: setup

@@ -1,0 +1,97 @@
+"""The Slurm route against a real Slurm (munge, slurmctld and two slurmd from Debian's packages, started by
+scripts/slurm_cluster.py in a temp dir on loopback): CedanaSlurmOperator under `airflow dags test`,
+real CRIU inside the jobs, a node loss that Slurm answers with a requeue, and the jobs that must stay
+unprotected."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import AIRFLOW, REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+
+from demo_slurm import TRAIN_ARGS, airflow_env, node_loss, summary, uninterrupted  # noqa: E402
+from slurm_cluster import SlurmCluster  # noqa: E402
+
+from cedana_airflow.config import load_settings  # noqa: E402
+from cedana_airflow.store import open_store  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with SlurmCluster(tmp_path_factory.mktemp("slurm")) as c:
+        yield c
+
+
+def _dags_test(env: dict[str, str], dag_id: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*AIRFLOW, "dags", "test", dag_id], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_job_whose_node_dies_is_requeued_by_slurm_and_resumes_on_the_other_node(cluster, tmp_path, airflow_db):
+    expect = uninterrupted(TRAIN_ARGS)
+    env = airflow_env(tmp_path, cluster, airflow_db)
+    out = node_loss(cluster, env, tmp_path)
+    text = summary(out, expect)
+    print(text)
+    log = out["log"]
+    a, b = out["node_a"], out["node_b"]
+    assert out["exit_code"] == 0 and {a, b} == {"node1", "node2"}, text + log[-4000:]
+    # the requeued job (same Slurm job, same Airflow try) restored what the dead node took, on the other node
+    restored = re.search(rf"slurm job {out['job_id']}: cedana: restored checkpoint_id={re.escape(out['checkpoint_id'])} "
+                         rf"seq=(\d+) from_node={a} node={b}", log)
+    assert restored and int(restored.group(1)) >= out["last_seq"] >= 3, log[-4000:]
+    assert f"protected: checkpoint partition cedana, CEDANA_ENABLE=1; node {b}, Slurm restart 1" in log
+    assert log.count("start-up: allocating") == 1  # the requeued run did not start over
+    assert re.findall(r"done digest=\w+", log) == [expect]
+    # checkpoints are named by SLURMD_NODENAME: the dead node's before the kill, the other's after (the
+    # retention of 3 has pruned the older ones by the end)
+    assert out["taken_on"] == a and out["nodes_in_store"] == [b]
+    assert "Marking task as UP_FOR_RETRY" not in log  # Slurm's requeue, not an Airflow retry, did it
+
+
+def test_jobs_outside_a_checkpoint_partition_or_without_cedana_enable_run_unprotected_and_say_why(
+        cluster, tmp_path, airflow_db):
+    env = airflow_env(tmp_path, cluster, airflow_db)
+    r = _dags_test(env, "cedana_slurm_unprotected")
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-4000:]
+    # in the list's workload scope, but partition batch is not a checkpoint partition: no CEDANA_ENABLE either
+    assert "node: Slurm partition batch refused: not in partitions ['cedana']" in log
+    assert re.search(r"slurm job \d+: cedana: partition batch is not a checkpoint partition \(the opt-in list's "
+                     r"\[node\] partitions: cedana\): this job runs unprotected", log), log[-4000:]
+    # a checkpoint partition, but the task is out of the workload scope: the job carries no CEDANA_ENABLE
+    assert "workload: cedana_slurm_unprotected.no_enable refused" in log
+    assert re.search(r"slurm job \d+: cedana: CEDANA_ENABLE is not set for this job: in checkpoint partition cedana "
+                     r"only jobs carrying CEDANA_ENABLE=1 are checkpointed; this one runs unprotected", log), log[-4000:]
+    assert len(re.findall(r"slurm job \d+: done digest=\w+", log)) == 2  # both ran, unchanged
+    store = open_store(env["AIRFLOW__CEDANA__STORE"], load_settings(environ={}))
+    assert [i for i in store.list_ids() if i.startswith("cedana_slurm_unprotected")] == []  # nothing written
+
+
+def test_bad_input_is_one_line_each_and_fails_the_task_without_retries(cluster, tmp_path, airflow_db):
+    env = airflow_env(tmp_path, cluster, airflow_db)
+    r = _dags_test(env, "cedana_slurm_bad")
+    log = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert re.search(r"cedana: sbatch refused the job on this worker: sbatch: error: Batch job submission failed: "
+                     r"Invalid partition name specified\. Fix the operator's arguments \(partition 'nosuch'", log), log[-4000:]
+    assert "cedana: the SSH connection 'nosuch_login' does not exist" in log
+    assert re.search(r"cedana: Slurm job \d+ FAILED \(exit code 3:0\) on node\d", log), log[-4000:]
+    assert re.search(r"slurm job \d+: about to fail", log)  # the job's output reached the task log
+    # retries=2 on the first two, but retrying cannot help: each ran once
+    for task in ("unknown_partition", "no_ssh_connection"):
+        assert len(re.findall(rf"running task <TaskInstance: cedana_slurm_bad\.{task} ", log)) == 1, task
+    # sbatch missing on the worker: one line, and no retry either
+    bare = {**env, "PATH": str(REPO / ".venv" / "bin") if (REPO / ".venv" / "bin").is_dir() else os.path.dirname(sys.executable)}
+    r = subprocess.run([*AIRFLOW, "tasks", "test", "cedana_slurm_bad", "unknown_partition"], env=bare,
+                       capture_output=True, text=True, timeout=300)  # `tasks test` exits 0 whatever the task did
+    said = r.stdout + r.stderr
+    assert "AirflowFailException: cedana: sbatch is not installed on this worker (not on PATH)" in said, said[-3000:]
