@@ -3,19 +3,23 @@ a real store: try 1's workload is killed after a heartbeat, try 2 resumes from t
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
 
-from conftest import AIRFLOW, TRAIN_ARGS, airflow_env, uninterrupted_digest, wait_gone
+from conftest import AIRFLOW, REPO, TRAIN_ARGS, airflow_env, uninterrupted_digest, wait_gone
+
+sys.path.insert(0, str(REPO / "scripts"))
+
+from airflow_stack import AirflowStack  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -126,65 +130,12 @@ def test_a_missing_connection_fails_the_task_with_one_clear_line(tmp_path, airfl
 
 
 # -- a Clear through the REST API with a real scheduler, dag processor and api-server ----------------
-class Stack:
-    """`airflow api-server`, `scheduler` and `dag-processor` (LocalExecutor, SQLite) for one test."""
+class Stack(AirflowStack):
+    """`airflow api-server`, `scheduler` and `dag-processor` (LocalExecutor, SQLite) for one test, with the
+    cedana_e2e_clear DAG's moves."""
 
     def __init__(self, env: dict[str, str], home: Path, wait_dag: str = "cedana_e2e_clear") -> None:
-        from conftest import _free_port
-
-        port = _free_port()
-        self.base = f"http://127.0.0.1:{port}"
-        self.env = {**env, "AIRFLOW__CORE__EXECUTOR": "LocalExecutor", "AIRFLOW__API__PORT": str(port),
-                    "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.base}/execution/",
-                    "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
-                    "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
-                    "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
-                    # One secret for all three: each would otherwise make its own, and the task's
-                    # token from the scheduler would be refused by the api-server.
-                    "AIRFLOW__API_AUTH__JWT_SECRET": os.urandom(16).hex()}
-        self.home, self.wait_dag = home, wait_dag
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.token = ""
-
-    def __enter__(self) -> Stack:
-        for what in (["api-server", "--port", self.env["AIRFLOW__API__PORT"]], ["scheduler"], ["dag-processor"]):
-            out = open(self.home / f"{what[0]}.log", "wb")
-            self.procs.append(subprocess.Popen([*AIRFLOW, *what], env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                               start_new_session=True))
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                # all-admins simple auth manager: the token endpoint hands out an admin token
-                self.token = self.call("GET", "/auth/token")["access_token"]
-                self.call("GET", f"/api/v2/dags/{self.wait_dag}")  # parsed: the stack is ready
-                return self
-            except OSError:
-                assert time.monotonic() < deadline, self.logs()
-                assert all(p.poll() is None for p in self.procs), self.logs()
-                time.sleep(1)
-
-    def __exit__(self, *exc: object) -> None:
-        for p in self.procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in self.home.glob("*.log"))
-
-    def call(self, method: str, path: str, body: dict | None = None) -> dict:
-        import urllib.request
-
-        req = urllib.request.Request(self.base + path, method=method, data=json.dumps(body).encode() if body else None,
-                                     headers={"Content-Type": "application/json",
-                                              **({"Authorization": f"Bearer {self.token}"} if self.token else {})})
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return json.loads(r.read() or b"{}")
+        super().__init__(env, home, wait_dag)
 
     def start_run_until_first_checkpoint(self, store: Path) -> tuple[str, dict]:
         """Trigger cedana_e2e_clear; return its run ID and first manifest once that exists."""
@@ -192,7 +143,7 @@ class Stack:
         look = file_manifest(store, "cedana_e2e_clear.train.")
         deadline = time.monotonic() + 180
         while not (m := look()):
-            assert time.monotonic() < deadline and self.task_instance(run_id)["state"] != "failed", self.logs()
+            assert time.monotonic() < deadline and self.ti(run_id)["state"] != "failed", self.logs()
             time.sleep(0.2)
         return run_id, m
 
@@ -211,17 +162,17 @@ class Stack:
                          {"dry_run": False, "dag_run_id": run_id, "task_ids": ["train"], "only_failed": True,
                           "reset_dag_runs": True})
 
-    def task_instance(self, run_id: str) -> dict:
-        return self.call("GET", f"/api/v2/dags/cedana_e2e_clear/dagRuns/{quote(run_id)}/taskInstances/train")
+    def ti(self, run_id: str) -> dict:
+        return self.task_instance("cedana_e2e_clear", run_id, "train")
 
     def wait_state(self, run_id: str, states: set[str], timeout: float = 240) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            ti = self.task_instance(run_id)
+            ti = self.ti(run_id)
             if ti["state"] in states:
                 return ti
             time.sleep(1)
-        raise AssertionError(f"task never reached {states}: {self.task_instance(run_id)}\n{self.logs()}")
+        raise AssertionError(f"task never reached {states}: {self.ti(run_id)}\n{self.logs()}")
 
 
 def test_a_clear_through_the_rest_api_resumes_the_failed_task_from_its_checkpoint(tmp_path, airflow_db):

@@ -1,0 +1,150 @@
+"""Airflow's own components on this machine (LocalExecutor, SQLite): `airflow api-server`, and unless
+``api_only``, `scheduler` and `dag-processor`. For `make demo`, `make ui` and the end-to-end tests.
+
+The simple auth manager makes everyone an admin here (a local demo needs no login), and the three
+share one JWT secret, or the api-server would refuse the task tokens the scheduler hands out. A part
+that does not come up is one line naming it and its log; every part is stopped on exit.
+
+    with AirflowStack(env, home, wait_dag="cedana_demo_training") as stack:
+        run_id = stack.call("POST", "/api/v2/dags/cedana_demo_training/dagRuns", {"logical_date": None})["dag_run_id"]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+AIRFLOW = [sys.executable, "-m", "airflow"]
+
+
+class StackError(RuntimeError):
+    """A part of the deployment did not come up; the message names it and its log."""
+
+
+def free_port(preferred: int = 0) -> int:
+    for port in (preferred, 0) if preferred else (0,):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise StackError("no free TCP port on 127.0.0.1")
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return "(no log)"
+    return lines[-1][-300:] if lines else "(empty log)"
+
+
+class AirflowStack:
+    def __init__(self, env: dict[str, str], home: Path, wait_dag: str, *, port: int = 0, api_only: bool = False,
+                 start_timeout: float = 180) -> None:
+        self.port = free_port(port)
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.env = {**env, "AIRFLOW__CORE__EXECUTOR": "LocalExecutor", "AIRFLOW__API__PORT": str(self.port),
+                    "AIRFLOW__API__BASE_URL": self.base,
+                    "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.base}/execution/",
+                    "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+                    "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+                    "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+                    "AIRFLOW__API_AUTH__JWT_SECRET": env.get("AIRFLOW__API_AUTH__JWT_SECRET") or os.urandom(16).hex()}
+        self.home, self.wait_dag, self.api_only, self.start_timeout = home, wait_dag, api_only, start_timeout
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.token = ""
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def __enter__(self) -> AirflowStack:
+        try:
+            self._up()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _up(self) -> None:
+        parts = [["api-server", "--port", str(self.port)]] + ([] if self.api_only else [["scheduler"], ["dag-processor"]])
+        for what in parts:
+            with open(self.home / f"{what[0]}.log", "wb") as out:
+                self.procs[what[0]] = subprocess.Popen([*AIRFLOW, *what], env=self.env, stdout=out,
+                                                       stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            for name, p in self.procs.items():
+                if p.poll() is not None:
+                    log = self.home / f"{name}.log"
+                    raise StackError(f"airflow {name} exited {p.returncode} while starting: {_last_line(log)} (log: {log})")
+            try:
+                self.token = self.call("GET", "/auth/token")["access_token"]  # all admins: handed out
+                self.call("GET", f"/api/v2/dags/{self.wait_dag}")  # parsed: the stack is ready
+                return
+            except (OSError, KeyError):
+                if time.monotonic() > deadline:
+                    raise StackError(f"Airflow did not serve DAG {self.wait_dag} within {self.start_timeout:.0f} s "
+                                     f"(logs: {self.home}/{{api-server,scheduler,dag-processor}}.log)") from None
+                time.sleep(1)
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        self.procs.clear()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in self.home.glob("*.log"))
+
+    # -- the REST API --------------------------------------------------------------------------------
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        req = urllib.request.Request(self.base + path, method=method, data=json.dumps(body).encode() if body else None,
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": f"Bearer {self.token}"} if self.token else {})})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read() or b"{}")
+
+    def trigger(self, dag_id: str) -> str:
+        """Unpause the DAG (a home that `airflow dags test` used first has it paused) and start a run."""
+        self.call("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False})
+        return str(self.call("POST", f"/api/v2/dags/{dag_id}/dagRuns", {"logical_date": None})["dag_run_id"])
+
+    def task_instance(self, dag_id: str, run_id: str, task_id: str) -> dict[str, Any]:
+        ti: dict[str, Any] = self.call("GET", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id)}/taskInstances/{task_id}")
+        return ti
+
+    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int) -> str:
+        """A try's log as the UI shows it (the REST API reads it from where the worker wrote it)."""
+        got = self.call("GET", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id)}/taskInstances/{task_id}/logs/"
+                               f"{try_number}?full_content=true")
+        return "\n".join(str(e.get("event", "")) for e in got.get("content") or [] if isinstance(e, dict))
+
+    def xcom(self, dag_id: str, run_id: str, task_id: str, key: str) -> Any:
+        try:
+            return self.call("GET", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id)}/taskInstances/{task_id}/"
+                                    f"xcomEntries/{key}")["value"]
+        except urllib.error.HTTPError:
+            return None
+
+    def ti_url(self, dag_id: str, run_id: str, task_id: str, try_number: int | None = None) -> str:
+        """The task instance's page in Airflow's UI (its Logs tab, at ``try_number``)."""
+        url = f"{self.base}/dags/{dag_id}/runs/{quote(run_id, safe='')}/tasks/{task_id}"
+        return url + (f"?try_number={try_number}" if try_number else "")
