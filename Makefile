@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup criu browser services slurm demo demo-fleet demo-slurm test test-unit bench clean
+.PHONY: setup criu browser services slurm demo ui demo-fleet demo-slurm test test-unit bench clean
 
 setup: $(STAMP) criu
 
@@ -31,6 +31,10 @@ slurm:
 
 demo: setup
 	$(BIN)/python scripts/demo.py
+
+# The demo's Airflow home in Airflow's UI (api-server only, no login), until Ctrl-C.
+ui: setup
+	$(BIN)/python scripts/ui.py
 
 demo-fleet: setup services
 	$(BIN)/python scripts/demo_fleet.py

@@ -1,10 +1,11 @@
 """The demo: a training-style job checkpointed every few seconds; its retry resumes instead of starting over.
 
-`make demo` runs it with `airflow dags test`, kills the workload of try 1 after a few heartbeats
-(as a lost spot node or a GPU Xid would), and try 2 restores from the latest checkpoint.
+`make demo` runs it through Airflow's scheduler and workers, kills the workload of try 1 after a few
+heartbeats (as a lost spot node or a GPU Xid would), and try 2 restores from the latest checkpoint.
 The store and heartbeat come from [cedana] (AIRFLOW__CEDANA__*), as on a real cluster.
 """
 
+import os
 import sys
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -15,6 +16,7 @@ from cedana_airflow.operators import CheckpointedCommandOperator
 
 # The test suite's workload: numpy state, deterministic steps, printed progress and a final digest.
 TRAIN = Path(__file__).resolve().parent.parent / "tests" / "workloads" / "train.py"
+ARGS = os.environ.get("CEDANA_DEMO_TRAIN_ARGS", "--mb 300 --steps 90 --step-seconds 0.5 --change-fraction 0.004").split()
 
 with DAG(
     "cedana_demo_training",
@@ -27,7 +29,6 @@ with DAG(
 ):
     CheckpointedCommandOperator(
         task_id="train",
-        command=[sys.executable, str(TRAIN), "--mb", "300", "--steps", "90", "--step-seconds", "0.5",
-                 "--change-fraction", "0.004"],
+        command=[sys.executable, str(TRAIN), *ARGS],
         heartbeat=timedelta(seconds=5),
     )
