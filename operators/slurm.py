@@ -25,7 +25,7 @@ from cedana_airflow.airflow.task_state import airflow_task
 from cedana_airflow.errors import CedanaError, CheckpointIdError, ConfigError, SlurmRefused
 from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
 from cedana_airflow.scope.optin import Decision, Where, decide, load_optin
-from cedana_airflow.slurm.batch import JobSpec, shell_command
+from cedana_airflow.slurm.batch import JobSpec, job_settings_env, shell_command
 from cedana_airflow.slurm.client import SlurmClient
 from cedana_airflow.slurm.jobs import JobEnd, JobInfo
 
@@ -55,6 +55,9 @@ class CedanaSlurmOperator(BaseOperator):
         are the nodes' own configuration, never part of the job.
     :param job_dir: a directory the submit side and the compute nodes share, for the job's output.
     :param cli: how a compute node runs cedana-airflow (default ``cedana-airflow`` on its PATH).
+    :param node_config: a cedana-airflow config file on the compute nodes (``CEDANA_CONFIG`` in the job):
+        the nodes' own settings, e.g. ``store_credentials_dir`` or ``signing_key_file``. The task's
+        settings that differ from the defaults are carried into the job as well (never a secret).
     :param ssh_conn_id: submit on the login node of this SSH connection instead of this worker.
     :param deferrable: follow the job in the triggerer, holding no worker slot (default True).
     :param poll_interval: how often Slurm is asked about the job.
@@ -68,7 +71,8 @@ class CedanaSlurmOperator(BaseOperator):
                  gres: str | None = None, time_limit: str | timedelta | None = None, cpus_per_task: int = 0,
                  mem: str | None = None, sbatch_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                  checkpoint_id: str | None = None, heartbeat: timedelta | None = None, store: str | None = None,
-                 job_dir: str | None = None, cli: Sequence[str] = ("cedana-airflow",), ssh_conn_id: str | None = None,
+                 job_dir: str | None = None, cli: Sequence[str] = ("cedana-airflow",), node_config: str | None = None,
+                 ssh_conn_id: str | None = None,
                  deferrable: bool = True, poll_interval: timedelta = timedelta(seconds=10),
                  requeue_settle: timedelta = timedelta(seconds=30),
                  signal_before_end: timedelta = timedelta(minutes=2), **kwargs: Any) -> None:
@@ -82,6 +86,7 @@ class CedanaSlurmOperator(BaseOperator):
         self.env = dict(env or {})
         self.checkpoint_id, self.heartbeat, self.store, self.job_dir = checkpoint_id, heartbeat, store, job_dir
         self.cli, self.ssh_conn_id, self.deferrable = tuple(cli), ssh_conn_id, deferrable
+        self.node_config = node_config or ""
         self.poll_seconds = poll_interval.total_seconds()
         self.settle_seconds = requeue_settle.total_seconds()
         self.signal_seconds = int(signal_before_end.total_seconds())
@@ -89,7 +94,11 @@ class CedanaSlurmOperator(BaseOperator):
     # -- submission ----------------------------------------------------------------------------------
     def _scope(self, context: Context, settings_overrides: dict[str, Any]) -> tuple[Decision, Any]:
         ti, dag = context["ti"], context.get("dag")
-        settings, _ = task_settings(settings_overrides)
+        settings, options = task_settings(settings_overrides)
+        if options.signing_conn_id and not self.node_config:
+            raise ConfigError(f"manifest signing takes its key from Airflow connection {options.signing_conn_id!r}, "
+                              "which the Slurm route does not put into a job. Give the compute nodes the key as a "
+                              "file in a node_config= (signing_key_file).")
         try:
             where = Where(ti.dag_id, ti.task_id, f"(a node of Slurm partition {self.partition})",
                           queue=getattr(ti, "queue", "") or self.queue, pool=self.pool or "",
@@ -112,8 +121,15 @@ class CedanaSlurmOperator(BaseOperator):
         if self.store:
             overrides["store"] = self.store
         decision, settings = self._scope(context, overrides)
+        if decision.in_scope and self.nodes > 1:
+            self.log.info("cedana: a job on %d nodes runs unprotected: only the batch host's processes could be "
+                          "checkpointed, not the other nodes' steps", self.nodes)
+            decision = Decision(False, (*decision.reasons, f"nodes={self.nodes}: multi-node jobs are not checkpointed"))
         cid = (validate_checkpoint_id(self.checkpoint_id) if self.checkpoint_id
                else derive_checkpoint_id(ti.dag_id, ti.task_id, context["run_id"], map_index=ti.map_index))
+        if not self.job_dir and self.ssh_conn_id:
+            raise ConfigError("submitting through a login node needs job_dir=: a directory the login node and the "
+                              "compute nodes share, for the job's output")
         job_dir = self.job_dir or str(Path(settings.work_dir or tempfile.gettempdir()) / "cedana-slurm-jobs")
         task = airflow_task(context)
         return JobSpec(
@@ -124,6 +140,7 @@ class CedanaSlurmOperator(BaseOperator):
             gres=self.gres, time_limit=self.time_limit, cpus_per_task=self.cpus_per_task, mem=self.mem,
             signal_seconds=self.signal_seconds, extra_args=self.sbatch_args, cli=self.cli, store=settings.store,
             optin_file=str(settings.optin_file or ""), work_dir=str(settings.work_dir or ""), env=self.env,
+            settings_env=job_settings_env(settings, self.node_config) if decision.in_scope else {},
             airflow_task=(task.dag_id, task.task_id, task.run_id, task.map_index))
 
     def execute(self, context: Context) -> Any:
@@ -169,6 +186,9 @@ class CedanaSlurmOperator(BaseOperator):
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
         if event.get("status") != "done":
+            if event.get("job_id"):  # no longer followed: it must not run on beside the retry's job
+                self._job_id = str(event["job_id"])
+                self.on_kill()
             cls = AirflowException if event.get("retryable", True) else AirflowFailException
             raise cls(f"cedana: {event.get('message', event)}")
         info, output = JobInfo(**event["job"]), event.get("output", "")

@@ -17,6 +17,10 @@ from ..slurm.jobs import JobEnd
 
 __all__ = ["SlurmJobTrigger", "slurm_client"]
 
+#: How long Slurm may fail to answer about a job before following it is given up (the job is then
+#: cancelled, so that a retry does not run a second copy beside it).
+_GIVE_UP_SECONDS = 600
+
 
 def _ssh_runner(ssh_conn_id: str) -> Runner:
     try:
@@ -28,7 +32,7 @@ def _ssh_runner(ssh_conn_id: str) -> Runner:
         from airflow.sdk import Connection
 
         Connection.get(ssh_conn_id)  # a missing connection is one line, before any socket is opened
-    except Exception as e:  # the SDK raises its own not-found error type
+    except Exception as e:  # noqa: BLE001  the SDK's not-found error type differs between Airflow versions
         raise SlurmRefused(f"the SSH connection {ssh_conn_id!r} does not exist ({type(e).__name__}). Create it "
                            "(Admin > Connections, type ssh) or fix ssh_conn_id.") from None
     hook = SSHHook(ssh_conn_id=ssh_conn_id)
@@ -70,12 +74,24 @@ class SlurmJobTrigger(BaseTrigger):
                  "settle_seconds": self.settle_seconds, "output": self.output})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        failures = 0
         try:
             client = slurm_client(self.ssh_conn_id)
             end = JobEnd(self.settle_seconds)
             seen: tuple[str, int] | None = None
             while True:
-                info = await asyncio.to_thread(client.job, self.job_id)
+                try:
+                    info = await asyncio.to_thread(client.job, self.job_id)
+                except SlurmRefused:
+                    raise
+                except SlurmError as e:  # a controller restart or a slow answer: the job may well be fine
+                    failures += 1
+                    if failures * self.poll_seconds >= _GIVE_UP_SECONDS:
+                        raise
+                    self.log.warning("cedana: Slurm did not answer about job %s (%s); asking again", self.job_id, e)
+                    await asyncio.sleep(self.poll_seconds)
+                    continue
+                failures = 0
                 if (info.state, info.restarts) != seen:
                     seen = (info.state, info.restarts)
                     self.log.info("cedana: %s", info.describe())
@@ -87,6 +103,7 @@ class SlurmJobTrigger(BaseTrigger):
                 await asyncio.sleep(self.poll_seconds)
         except SlurmError as e:
             yield TriggerEvent({"status": "error", "message": str(e),  # type: ignore[no-untyped-call]
-                                "retryable": not isinstance(e, SlurmRefused)})
+                                "retryable": not isinstance(e, SlurmRefused), "job_id": self.job_id})
         except CedanaError as e:
-            yield TriggerEvent({"status": "error", "message": str(e), "retryable": True})  # type: ignore[no-untyped-call]
+            yield TriggerEvent({"status": "error", "message": str(e), "retryable": True,  # type: ignore[no-untyped-call]
+                                "job_id": self.job_id})

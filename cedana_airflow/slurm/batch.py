@@ -19,15 +19,21 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ..config import Settings
 from ..errors import ConfigError
 from ..ids import validate_checkpoint_id
 
-__all__ = ["ENABLE_ENV", "JobSpec", "batch_script", "sbatch_argv", "shell_command"]
+__all__ = ["ENABLE_ENV", "JobSpec", "batch_script", "job_settings_env", "sbatch_argv", "shell_command"]
 
 #: The per-job opt-in, as Cedana documents it: only jobs carrying it are checkpointed.
 ENABLE_ENV = "CEDANA_ENABLE"
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: sbatch options the route sets itself: given again in extra_args they would undo the opt-in
+#: (--export=ALL brings the worker's environment, Airflow's connections among it, into the job and its
+#: checkpoints), the resume (--no-requeue), or where the task log reads the job's output.
+_OURS = ("--export", "--get-user-env", "--output", "-o", "--error", "-e", "--open-mode", "--no-requeue", "--requeue",
+         "--signal", "--partition", "-p", "--parsable", "--wrap")
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class JobSpec:
     store: str = ""  # the store URL (no credentials)
     optin_file: str = ""  # the opt-in list the job reads to judge its partition
     work_dir: str = ""
+    settings_env: Mapping[str, str] = field(default_factory=dict)  # the task's other settings, as CEDANA_* (no secrets)
     env: Mapping[str, str] = field(default_factory=dict)  # the workload's own variables
     airflow_task: tuple[str, str, str, int] | None = None  # dag_id, task_id, run_id, map_index
 
@@ -65,6 +72,14 @@ class JobSpec:
         bad = [k for k in self.env if not _ENV_NAME.fullmatch(k)]
         if bad:
             raise ConfigError(f"environment variable name(s) {', '.join(map(repr, bad))} are not valid. Fix env=.")
+        ours = [k for k in self.env if k.startswith("CEDANA_")]
+        if ours:
+            raise ConfigError(f"env= sets {', '.join(ours)}: the route sets CEDANA_* itself (CEDANA_ENABLE only when the "
+                              "opt-in list admits the task). Remove them; opt a task in through the list.")
+        taken = [a for a in self.extra_args if a.split("=", 1)[0] in _OURS]
+        if taken:
+            raise ConfigError(f"sbatch_args {', '.join(taken)}: the Slurm route sets these itself. Use the operator's "
+                              "arguments (partition=, job_dir=) or remove them.")
 
 
 def sbatch_argv(spec: JobSpec) -> list[str]:
@@ -72,8 +87,9 @@ def sbatch_argv(spec: JobSpec) -> list[str]:
     argv = ["sbatch", "--parsable", f"--job-name={spec.name}", f"--partition={spec.partition}",
             f"--nodes={spec.nodes}", f"--output={spec.output}", "--open-mode=append",
             # a requeued job (node failure, preemption) runs the same script again: it resumes
-            "--requeue", f"--signal=B:TERM@{spec.signal_seconds}",
-            f"--export={ENABLE_ENV}=1" if spec.enable else "--export=NONE"]
+            "--requeue", f"--export={ENABLE_ENV}=1" if spec.enable else "--export=NONE"]
+    if spec.enable:  # the supervisor's final checkpoint before the time limit; an unprotected job runs unchanged
+        argv.append(f"--signal=B:TERM@{spec.signal_seconds}")
     if spec.gres:
         argv.append(f"--gres={spec.gres}")
     if spec.time_limit:
@@ -88,10 +104,11 @@ def sbatch_argv(spec: JobSpec) -> list[str]:
 def batch_script(spec: JobSpec) -> str:
     q = shlex.quote
     env = {"PATH": _DEFAULT_PATH, **spec.env}
-    cedana = {"CEDANA_CHECKPOINT_ID": spec.checkpoint_id, "CEDANA_STORE": spec.store,
+    cedana = {**spec.settings_env, "CEDANA_CHECKPOINT_ID": spec.checkpoint_id, "CEDANA_STORE": spec.store,
               "CEDANA_OPTIN_FILE": spec.optin_file, "CEDANA_WORK_DIR": spec.work_dir}
     lines = ["#!/bin/bash", f"# cedana-airflow Slurm route: checkpoint ID {spec.checkpoint_id}, try {spec.try_number}"]
-    lines += [f"export {k}={q(v)}" for k, v in {**env, **cedana}.items() if v]
+    lines += [f"export {k}={q(v)}" for k, v in env.items()]  # an empty value is a value (CUDA_VISIBLE_DEVICES=)
+    lines += [f"export {k}={q(v)}" for k, v in cedana.items() if v]
     task: list[str] = []
     if spec.airflow_task:
         dag_id, task_id, run_id, map_index = spec.airflow_task
@@ -107,3 +124,31 @@ def shell_command(command: str | Sequence[str]) -> tuple[str, ...]:
     if isinstance(command, str):
         return ("bash", "-c", command)
     return tuple(command)
+
+
+#: Set by the script itself, or meaningless on another machine.
+_NOT_CARRIED = frozenset({"store", "node", "work_dir", "optin_file", "heartbeat_seconds", "signing_key", "progress"})
+
+
+def job_settings_env(settings: Settings, node_config: str = "") -> dict[str, str]:
+    """The task's settings that differ from the defaults, as the CEDANA_* variables a compute node's CLI
+    reads, plus ``CEDANA_CONFIG`` (a config file on the compute nodes) when given. Paths are carried as
+    paths (signing_key_file, store_credentials_dir: the nodes hold those files); a secret never is."""
+    if settings.signing_key is not None and settings.signing_key_file is None and not node_config:
+        raise ConfigError("manifest signing is on with an inline key ([cedana] signing_key or CEDANA_SIGNING_KEY), "
+                          "which the Slurm route does not put into a job (its environment is in every checkpoint). "
+                          "Give the compute nodes the key as a file (signing_key_file, carried as a path) or a "
+                          "node_config= that names one.")
+    out = {"CEDANA_CONFIG": node_config} if node_config else {}
+    defaults = Settings()
+    for name in Settings.model_fields:
+        value = getattr(settings, name)
+        if name in _NOT_CARRIED or value == getattr(defaults, name) or value is None:
+            continue
+        if isinstance(value, (tuple, list)):  # restore_roots reads like PATH, keep_env like a list
+            out[f"CEDANA_{name.upper()}"] = (":" if name == "restore_roots" else ",").join(str(v) for v in value)
+        elif isinstance(value, bool):
+            out[f"CEDANA_{name.upper()}"] = "true" if value else "false"
+        else:
+            out[f"CEDANA_{name.upper()}"] = str(value)
+    return out

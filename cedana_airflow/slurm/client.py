@@ -97,8 +97,12 @@ class SlurmClient:
         """The job's output directory: slurmd opens the output file before the script runs."""
         if self.local:
             try:
-                Path(path).mkdir(parents=True, exist_ok=True)
-                return
+                Path(path).mkdir(mode=0o700, parents=True, exist_ok=True)
+                st = os.lstat(path)
+                if st.st_uid != os.getuid() or not os.path.isdir(path) or os.path.islink(path):
+                    said = "it is not a directory of ours (another user's, or a link)"
+                else:
+                    return
             except OSError as e:
                 said = e.strerror or str(e)
         else:
@@ -112,12 +116,13 @@ class SlurmClient:
     def read(self, path: str, limit: int = 1 << 20) -> str:
         """The last ``limit`` bytes of a file the job wrote (its output), or '' when there is none."""
         if self.local:
-            try:
-                with open(path, "rb") as f:
-                    f.seek(max(0, os.fstat(f.fileno()).st_size - limit))
-                    return f.read().decode(errors="replace")
+            try:  # never through a link: the task log must show the job's output, not a file it points at
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
             except OSError:
                 return ""
+            with os.fdopen(fd, "rb") as f:
+                f.seek(max(0, os.fstat(fd).st_size - limit))
+                return f.read().decode(errors="replace")
         rc, out, _ = self._run(["tail", "-c", str(limit), path])
         return out if rc == 0 else ""
 

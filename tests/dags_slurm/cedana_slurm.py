@@ -38,6 +38,6 @@ with DAG("cedana_slurm_bad", schedule=None, start_date=START, catchup=False,
          default_args={"retries": 2, "retry_delay": timedelta(seconds=1)}):
     CedanaSlurmOperator(task_id="unknown_partition", command="true", partition="nosuch", **FAST)
     CedanaSlurmOperator(task_id="no_ssh_connection", command="true", partition="cedana", ssh_conn_id="nosuch_login",
-                        **FAST)
+                        job_dir="/shared/cedana-jobs", **FAST)
     CedanaSlurmOperator(task_id="failing_job", command="echo about to fail; exit 3", partition="batch",
                         retries=0, **FAST)

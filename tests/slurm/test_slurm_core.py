@@ -103,3 +103,34 @@ ENV = {"SLURM_JOB_PARTITION": "cedana", "CEDANA_ENABLE": "1", "SLURMD_NODENAME":
 def test_inside_the_job_only_a_checkpoint_partition_with_cedana_enable_is_protected(env, partitions, protected, why):
     got, reason = protection(env, partitions)
     assert got is protected and why in reason
+
+
+def test_env_and_sbatch_args_cannot_go_around_the_opt_in_or_bring_the_workers_environment():
+    with pytest.raises(ConfigError, match="env= sets CEDANA_ENABLE: the route sets CEDANA_\\* itself"):
+        JobSpec(**{**SPEC, "env": {"CEDANA_ENABLE": "1"}})
+    for args in (["--export=ALL"], ["--get-user-env"], ["-p", "other"], ["--no-requeue"], ["--output=/tmp/x"]):
+        with pytest.raises(ConfigError, match="the Slurm route sets these itself"):
+            JobSpec(**{**SPEC, "extra_args": tuple(args)})
+    assert "--exclusive" in sbatch_argv(JobSpec(**{**SPEC, "extra_args": ("--exclusive",)}))
+    assert "export CUDA_VISIBLE_DEVICES=''" in batch_script(JobSpec(**{**SPEC, "env": {"CUDA_VISIBLE_DEVICES": ""}}))
+    assert not any(a.startswith("--signal") for a in sbatch_argv(JobSpec(**{**SPEC, "enable": False})))
+
+
+def test_the_tasks_settings_reach_the_job_as_cedana_variables_but_never_a_secret(tmp_path):
+    from cedana_airflow.config import load_settings
+    from cedana_airflow.slurm.batch import job_settings_env
+
+    key = tmp_path / "key"
+    settings = load_settings({"keep_checkpoints": 5, "compression": "none", "signing_key_file": str(key),
+                              "restore_roots": f"{tmp_path}:/data", "store": "s3://b/p", "node": "worker-1"})
+    env = job_settings_env(settings, node_config="/etc/cedana/node.toml")
+    assert env == {"CEDANA_CONFIG": "/etc/cedana/node.toml", "CEDANA_KEEP_CHECKPOINTS": "5", "CEDANA_COMPRESSION": "none",
+                   "CEDANA_SIGNING_KEY_FILE": str(key), "CEDANA_RESTORE_ROOTS": f"{tmp_path}:/data"}
+    node = tmp_path / "node.toml"
+    node.write_text("[cedana]\nwork_dir = '/scratch/cedana'\n")
+    back = load_settings(environ={**env, "CEDANA_CONFIG": str(node)})  # what the job's CLI reads
+    assert (back.keep_checkpoints, back.compression, str(back.work_dir)) == (5, "none", "/scratch/cedana")
+    with pytest.raises(ConfigError, match="signing is on with an inline key"):
+        job_settings_env(load_settings({"signing_key": "s3cret"}))
+    script = batch_script(JobSpec(**{**SPEC, "settings_env": env}))
+    assert "export CEDANA_KEEP_CHECKPOINTS=5" in script and "s3cret" not in script
