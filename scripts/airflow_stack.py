@@ -77,7 +77,8 @@ class AirflowStack:
         return self
 
     def _up(self) -> None:
-        parts = [["api-server", "--port", str(self.port)]] + ([] if self.api_only else [["scheduler"], ["dag-processor"]])
+        # loopback only: everyone is an admin here, so nothing off this machine may reach it
+        parts = [["api-server", "--host", "127.0.0.1", "--port", str(self.port)]] + ([] if self.api_only else [["scheduler"], ["dag-processor"]])
         for what in parts:
             with open(self.home / f"{what[0]}.log", "wb") as out:
                 self.procs[what[0]] = subprocess.Popen([*AIRFLOW, *what], env=self.env, stdout=out,
