@@ -61,6 +61,15 @@ def _parser() -> argparse.ArgumentParser:
     gc.add_argument("--json", action="store_true")
     _common(gc)
 
+    ck = sub.add_parser("check", help="is every checkpoint restorable? (exit 0 clean, 1 problems found, 2 bad input)")
+    reading = ck.add_mutually_exclusive_group()
+    reading.add_argument("--read-data", action="store_true", help="also read and verify every chunk")
+    reading.add_argument("--read-data-subset", metavar="N%", help="read and verify a random N%% of the chunks")
+    ck.add_argument("--repair", action="store_true", help="set missing and bad chunks aside, so that the next "
+                    "heartbeat of a writer that has them uploads them again")
+    ck.add_argument("--json", action="store_true")
+    _common(ck)
+
     ex = sub.add_parser("explain", help="is a task in scope of the opt-in list, and why (not)?")
     ex.add_argument("dag_id")
     ex.add_argument("task_id")
@@ -178,8 +187,11 @@ def _cmd_slurm_job(args: argparse.Namespace) -> int:
     if node and not args.node:
         args.node = node  # the Slurm node's name, not the host's: two slurmd may share a host
     settings = _settings(args)
-    optin = load_optin(settings.optin_file)
-    protected, why = protection(os.environ, optin.node.partitions if optin.node else ())
+    try:
+        optin = load_optin(settings.optin_file)
+        protected, why = protection(os.environ, optin.node.partitions if optin.node else ())
+    except ConfigError as e:  # a broken list never fails a job: it runs unprotected and says why
+        protected, why = False, f"the opt-in list cannot be used here: {e} This job runs unprotected"
     print(f"cedana: {why}", flush=True)
     if not protected:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CEDANA_")}
@@ -238,6 +250,44 @@ def _cmd_gc(args: argparse.Namespace) -> int:
               f"{report.temp_removed} temporary file(s); kept {report.chunks_kept} chunk(s) named by "
               f"{report.manifests} checkpoint(s), {report.young_unreferenced} younger than {grace:g} s")
     return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from .store import open_store
+    from .store.check import check_store
+
+    fraction = 1.0 if args.read_data else 0.0
+    if args.read_data_subset is not None:
+        text = args.read_data_subset.strip().rstrip("%")
+        try:
+            fraction = float(text) / 100
+        except ValueError:
+            fraction = -1.0
+        if not 0 < fraction <= 1:
+            print(f"usage: --read-data-subset {args.read_data_subset} is not a share; give e.g. --read-data-subset 10%",
+                  file=sys.stderr)
+            return 2
+    settings = _settings(args)
+    store = open_store(settings.resolved_store(), settings)
+    store.open(create=False, chunk_avg_bytes=settings.chunk_avg_bytes)
+    report = check_store(store, read_fraction=fraction, repair=args.repair, reader=settings.resolved_node())
+    if args.json:
+        print(json.dumps(report.to_json(), default=str))
+        return 0 if report.clean else 1
+    print(f"store {report.store}: {report.ids} checkpoint ID(s), {report.checkpoints} checkpoint(s), {report.chunks} "
+          f"chunk(s) named; {report.read} read and verified")
+    for d, why in {**report.missing, **report.bad}.items():
+        print(f"chunk {d}: {why}" + ("; set aside: the next heartbeat of a writer that has it uploads it again"
+                                     if d in report.set_aside else ""))
+    for cid, seqs in sorted(report.unusable.items()):
+        print(f"unusable{' until a writer uploads its chunks again' if args.repair else ''}: {cid} seq "
+              + ", ".join(map(str, seqs)))
+    if report.clean:
+        print("clean")
+    else:
+        print(f"problems: {len(report.missing)} missing chunk(s), {len(report.bad)} bad chunk(s)"
+              + ("" if args.repair else "; --repair sets them aside so that writers upload them again"))
+    return 0 if report.clean else 1
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
@@ -361,6 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_checkpoints(args)
         if args.verb == "gc":
             return _cmd_gc(args)
+        if args.verb == "check":
+            return _cmd_check(args)
         if args.verb == "explain":
             return _cmd_explain(args)
         if args.verb == "doctor":

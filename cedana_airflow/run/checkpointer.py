@@ -260,7 +260,7 @@ class Checkpointer:
                 with self._phase("fetch"):
                     fetch_checkpoint(self.store, m, restore_dir / "images", self.settings.progress,
                                      max_chunk_bytes=MAX_CHUNK_FACTOR * self.store_cfg.chunk_avg_bytes,
-                                     leave_sparse=lazy_files(m) if mode == "lazy" else frozenset())
+                                     leave_sparse=lazy_files(m) if mode == "lazy" else frozenset(), reader=self.node)
                     if mode == "lazy":
                         # what this checkpoint wrote anew: recently written memory, fetched ahead first
                         hot = m.chunk_digests() - candidates[i + 1].chunk_digests() if i + 1 < len(candidates) else set()

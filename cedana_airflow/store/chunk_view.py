@@ -15,9 +15,9 @@ import threading
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ..format import chunking
 from ..format.manifest import FileEntry
 from .base import Store
+from .quarantine import read_chunk
 
 __all__ = ["ChunkView"]
 
@@ -28,8 +28,8 @@ class ChunkView:
     most one fetch per worker of its pool in flight."""
 
     def __init__(self, store: Store, entry: FileEntry, pool: ThreadPoolExecutor, *, window_bytes: int,
-                 prefetch_pool: ThreadPoolExecutor | None = None, prefetch_width: int = 4) -> None:
-        self.store, self.entry, self.pool = store, entry, pool
+                 prefetch_pool: ThreadPoolExecutor | None = None, prefetch_width: int = 4, reader: str = "") -> None:
+        self.store, self.entry, self.pool, self.reader = store, entry, pool, reader  # reader: our node (quarantine)
         self.prefetch_pool, self.prefetch_width = prefetch_pool or pool, prefetch_width
         self._inflight = 0  # prefetches submitted and not done
         self.window_bytes = window_bytes
@@ -54,7 +54,7 @@ class ChunkView:
 
     def _fetch(self, i: int) -> bytes | memoryview:
         ref = self.entry.chunks[i]
-        raw = chunking.decode(self.store.get_chunk(ref.digest), ref.digest, ref.size)
+        raw = read_chunk(self.store, ref.digest, ref.size, self.reader)
         with self._cond:
             self.fetched_bytes += ref.size
         return raw

@@ -30,6 +30,7 @@ from ..ids import validate_checkpoint_id
 from .base import Store, StoreConfig
 from .locks import acquire_writer
 from .progress import Progress
+from .quarantine import heal_known, read_chunk
 
 __all__ = ["CAPTURED_DIR", "CapturedSource", "CheckpointMeta", "fetch_checkpoint", "load_manifests", "load_manifests_of",
            "require_latest", "save_checkpoint"]
@@ -151,6 +152,10 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path,
     with ThreadPoolExecutor(store.parallelism, thread_name_prefix="cedana-put") as pool, \
             ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="cedana-cut") as cut_pool:
         known = set(known_digests)
+        healed = heal_known(store, known) if known else set()
+        if healed:  # set aside as bad by a reader: this checkpoint uploads them again from the workload's memory
+            log.warning("re-uploading %d chunk(s) set aside as bad checkpoint_id=%s: %s", len(healed),
+                        meta.checkpoint_id, ", ".join(sorted(healed)))
         # Only a first checkpoint asks "is it there?" per chunk (another checkpoint ID may share its
         # chunks), and into an empty store not even that: one listing answers for all. A heartbeat
         # knows the previous checkpoint's chunks; one it does not know is new bytes the workload just
@@ -247,10 +252,12 @@ def load_manifests_of(store: Store, checkpoint_ids: Sequence[str]) -> dict[str, 
 
 
 def fetch_checkpoint(store: Store, manifest: Manifest, dest: Path, progress_mode: str = "never", *,
-                     max_chunk_bytes: int | None = None, leave_sparse: frozenset[str] = frozenset()) -> None:
+                     max_chunk_bytes: int | None = None, leave_sparse: frozenset[str] = frozenset(),
+                     reader: str = "") -> None:
     """Download and verify every chunk of a checkpoint into ``dest`` (image files, then captured/).
     Image files named in ``leave_sparse`` are only created at their size, holes all through (a lazy
-    restore fills what it needs of them).
+    restore fills what it needs of them). A bad chunk is set aside (store/quarantine.py) in the name
+    of node ``reader``.
 
     Raises CorruptCheckpoint, leaving nothing usable in ``dest``, if any chunk is missing or wrong,
     or (with ``max_chunk_bytes``, the store's cap) declared longer than any chunk the store can hold.
@@ -284,7 +291,7 @@ def fetch_checkpoint(store: Store, manifest: Manifest, dest: Path, progress_mode
 
         def get(job: tuple[int, int, ChunkRef]) -> None:
             fd, off, ref = job
-            raw = chunking.decode(store.get_chunk(ref.digest), ref.digest, ref.size)
+            raw = read_chunk(store, ref.digest, ref.size, reader)
             os.pwrite(fd, raw, off)
             progress.advance(ref.size)
 

@@ -1,0 +1,91 @@
+"""Bad chunks are set aside, so that the next heartbeat of any writer uploads them again.
+
+Writers skip a chunk the previous checkpoint already stored, so a chunk that went bad in the store
+(bit rot, a truncated upload, a deleted object) would poison every later checkpoint that shares it.
+A reader that finds one (a restore, a drill's verify, ``cedana-airflow check --repair``) writes a
+record ``quarantine/<digest>.json`` (when, which node, why) and removes the bad object from
+``chunks/``; a writer lists ``quarantine/`` before each checkpoint, and a recorded chunk that is
+absent from ``chunks/`` is uploaded again from the workload's memory, which heals every checkpoint
+that names it. Order and races (docs/store-format.md, "Quarantine"):
+
+- the record is written before the chunk is removed, so a writer that sees the chunk gone also sees
+  why, and never takes its absence for "nothing to do";
+- right before removing, the reader reads the chunk once more and removes it only if it is still
+  bad: a writer may have uploaded a good copy meanwhile. What remains is a window of one request, in
+  which a good copy can be removed; the record stays, so the next heartbeat uploads it again;
+- garbage collection never touches ``quarantine/``; records are history (``check`` lists them).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+from collections.abc import Iterable
+
+from ..errors import CorruptCheckpoint
+from ..format import chunking
+from .base import Store, chunk_key
+
+__all__ = ["QUARANTINE_PREFIX", "heal_known", "quarantined", "read_chunk", "set_aside"]
+
+log = logging.getLogger(__name__)
+
+QUARANTINE_PREFIX = "quarantine/"
+
+
+def _record_key(digest: str) -> str:
+    return f"{QUARANTINE_PREFIX}{digest}.json"
+
+
+def set_aside(store: Store, digest: str, size: int, reader: str, why: str) -> bool:
+    """Record ``digest`` as bad and remove it from ``chunks/`` if it is still bad; True when removed."""
+    record = {"digest": digest, "at": time.time(), "node": reader or socket.gethostname(), "why": why}
+    store.delete(_record_key(digest))  # the newest finding replaces an older one
+    store.put_if_absent(_record_key(digest), json.dumps(record).encode())
+    try:
+        chunking.decode(store.get_chunk(digest), digest, size)
+        log.warning("chunk %s was bad but a good copy is in the store now; kept", digest)
+        return False
+    except CorruptCheckpoint:
+        store.delete(chunk_key(digest))
+    log.warning("chunk set aside digest=%s reason=%s: the next heartbeat of a writer that has it uploads it "
+                "again", digest, why)
+    return True
+
+
+def read_chunk(store: Store, digest: str, size: int, reader: str = "") -> bytes | memoryview:
+    """A chunk's raw bytes, verified; a bad or missing one is set aside, then CorruptCheckpoint raised."""
+    try:
+        return chunking.decode(store.get_chunk(digest), digest, size)
+    except CorruptCheckpoint as e:
+        set_aside(store, digest, size, reader, str(e))
+        raise
+
+
+def quarantined(store: Store) -> set[str]:
+    """Digests with a quarantine record."""
+    return {o.key[len(QUARANTINE_PREFIX):-len(".json")] for o in store.list_objects(QUARANTINE_PREFIX)
+            if o.key.endswith(".json")}
+
+
+def heal_known(store: Store, known: set[str]) -> set[str]:
+    """Drop from ``known`` (chunks a writer would skip) those set aside and absent from the store, so they
+    are uploaded again; returns them. One listing per checkpoint, one existence check per recorded chunk."""
+    gone = {d for d in quarantined(store) & known if not store.has_chunk(d)}
+    known.difference_update(gone)
+    return gone
+
+
+def records(store: Store, digests: Iterable[str] | None = None) -> list[dict[str, object]]:
+    """The quarantine records (all, or of ``digests``), oldest first."""
+    out = []
+    for d in sorted(quarantined(store) if digests is None else set(digests)):
+        raw = store.get(_record_key(d))
+        if raw:
+            try:
+                out.append(json.loads(raw))
+            except ValueError:
+                continue
+    return sorted(out, key=lambda r: float(str(r.get("at", 0))))
