@@ -30,7 +30,10 @@ class FileStore(RequiredReads):
     # -- helpers --------------------------------------------------------------------------------
     def _write_atomic(self, key: str, data: bytes, *, exclusive: bool) -> bool:
         try:
-            return self._write(key, data, exclusive=exclusive)
+            try:
+                return self._write(key, data, exclusive=exclusive)
+            except FileNotFoundError:  # a delete pruned the folder between our mkdir and our write: once more
+                return self._write(key, data, exclusive=exclusive)
         except OSError as e:  # disk full, read-only, permissions: one line, the previous checkpoint stays latest
             raise StoreUnavailable(
                 f"store {self.url}: writing {key} failed: {e.strerror or e}. Free space or fix permissions on {self.root}."

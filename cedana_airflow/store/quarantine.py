@@ -42,8 +42,7 @@ def _record_key(digest: str) -> str:
 def set_aside(store: Store, digest: str, size: int, reader: str, why: str) -> bool:
     """Record ``digest`` as bad and remove it from ``chunks/`` if it is still bad; True when removed."""
     record = {"digest": digest, "at": time.time(), "node": reader or socket.gethostname(), "why": why}
-    store.delete(_record_key(digest))  # the newest finding replaces an older one
-    store.put_if_absent(_record_key(digest), json.dumps(record).encode())
+    store.put_if_absent(_record_key(digest), json.dumps(record).encode())  # the first finding is kept
     try:
         chunking.decode(store.get_chunk(digest), digest, size)
         log.warning("chunk %s was bad but a good copy is in the store now; kept", digest)

@@ -92,7 +92,8 @@ def test_missing_and_flipped_chunks_are_refused(store, tmp_path):
     with pytest.raises(CorruptCheckpoint, match="seq=1"):
         fetch_checkpoint(s, m, tmp_path / "out")
     assert not (tmp_path / "out").exists()  # nothing half-verified is left to use
-    victim.unlink()
+    assert not victim.exists()  # set aside, so that a writer uploads it again (store/quarantine.py)
+    assert (s.root / "quarantine" / f"{victim.name}.json").exists()
     with pytest.raises(CorruptCheckpoint, match="missing"):
         fetch_checkpoint(s, m, tmp_path / "out")
 
