@@ -94,6 +94,17 @@ class Settings(BaseModel):
         description="Skip a heartbeat whose estimated size (RSS + GPU memory) is above this; 0 = no limit. "
         "64 GiB freezes for about 40 s at the 0.6 s/GB measured here.",
     )
+    max_captured_bytes: int = Field(
+        default=256 << 20, ge=0,
+        description="Files the tree holds open for writing are copied while it is frozen; above this many bytes "
+        "in all, a heartbeat is skipped, naming the largest file. 0 = no limit.",
+    )
+    stop_window_seconds: float = Field(
+        default=0.0, ge=0, allow_inf_nan=False,
+        description="How long a stop leaves for the final checkpoint (Airflow: 5 s from SIGTERM to SIGKILL; its "
+        "operators set that when this is 0). A checkpoint that took longer is said once: a stop will fall back "
+        "to the last heartbeat. 0 = not checked.",
+    )
     checkpoint_above_bytes: int = Field(
         default=0, ge=0, description="Checkpoint at once when the tree's memory crosses this (a policy trigger); 0 = off."
     )

@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 
 __all__ = ["CheckpointedCommandOperator", "STATE_KEY", "XCOM_RESTORE_KEY"]
 
+#: Airflow 3.3's task supervisor sends SIGKILL this long after its SIGTERM (a fixed escalation): what a
+#: stop leaves for the final checkpoint.
+AIRFLOW_STOP_WINDOW_SECONDS = 5.0
+
 #: XCom key of the restore record (also in the task log and the state store).
 XCOM_RESTORE_KEY = "cedana_restore"
 
@@ -144,7 +148,10 @@ class CheckpointedCommandOperator(BaseOperator):
             overrides["max_restore_gap_seconds"] = self.max_restore_gap.total_seconds()
         if self.store and "{{" not in self.store:
             overrides["store"] = self.store
-        return task_settings(overrides, scope_defaults)
+        settings, options = task_settings(overrides, scope_defaults)
+        if not settings.stop_window_seconds:  # Airflow's task supervisor SIGKILLs a task 5 s after its SIGTERM
+            settings = settings.model_copy(update={"stop_window_seconds": AIRFLOW_STOP_WINDOW_SECONDS})
+        return settings, options
 
     def _in_scope(self, context: Context, settings: Settings) -> Decision:
         """The opt-in list's decision for this task on this worker, written into the task log."""

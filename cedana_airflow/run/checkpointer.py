@@ -34,7 +34,7 @@ from ..store.gc import prune_checkpoints
 from ..store.transfer import CapturedSource, CheckpointMeta, fetch_checkpoint, require_latest, save_checkpoint
 from ..store.writer_lease import WriterLease
 from .captured import CapturedFilesBack, ensure_cwd, restore_roots
-from .estimate import estimate_checkpoint, too_large
+from .estimate import captured_too_large, estimate_checkpoint, too_large
 from .gpu_state import GpuGate
 from .lazy_restore import LazyFeed, lazy_files
 from .workload import Sink, Workload, become_subreaper
@@ -97,6 +97,7 @@ class Checkpointer:
         self._feed: LazyFeed | None = None  # a lazy restore's pages, while they stream in
         self._lazy_off = ""  # why lazy restore is off from now on ("" while it is on)
         self._refused: dict[int, str] = {}  # seq -> why (a chunk that failed while streaming)
+        self._window_said = False  # the stop-window warning, once per supervisor
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -105,6 +106,16 @@ class Checkpointer:
         yield
         if self._on_phase is not None:
             self._on_phase(name, time.monotonic() - t0)
+
+    def _check_stop_window(self, manifest: Manifest, took: float, freeze: float) -> None:
+        """Say once when a checkpoint takes longer than a stop leaves for the final one."""
+        window = self.settings.stop_window_seconds
+        if window and took > window and not self._window_said:
+            self._window_said = True
+            log.warning("a stop will fall back to the last heartbeat checkpoint_id=%s: this checkpoint (seq %d, %d bytes) "
+                        "took %.1f s (frozen %.2f s), more than the %.1f s a stop leaves for the final one "
+                        "(stop_window_seconds); the work since the last heartbeat is redone after a stop",
+                        self.checkpoint_id, manifest.seq, manifest.image_bytes, took, freeze, window)
 
     def checkpoint(self, workload: Workload, *, leave_running: bool = True) -> Manifest | None:
         """Take a checkpoint and store it; None when it was skipped as too large (see estimate.py), or
@@ -121,7 +132,8 @@ class Checkpointer:
                                   "keeps running without a new checkpoint")
                 return None
             estimate = estimate_checkpoint(pids, gpu=bool(holding))  # no /dev/nvidia* mapped: no GPU memory
-            why = too_large(estimate, self.settings.max_checkpoint_bytes, self.work_dir)
+            why = (too_large(estimate, self.settings.max_checkpoint_bytes, self.work_dir)
+                   or captured_too_large(pids, self.settings.max_captured_bytes))
             if why:
                 self.skipped += 1
                 # Once per checkpoint ID at WARNING; a heartbeat every minute must not flood the log.
@@ -135,6 +147,7 @@ class Checkpointer:
             dump_dir = self.work_dir / f"dump-{os.getpid()}-{self._count}"
             dump_dir.mkdir(mode=0o700, parents=True)  # images and captured copies are process memory: root's eyes only
             rss = estimate.rss_bytes
+            started = time.monotonic()
             try:
                 with self._phase("dump"):
                     # CUDA state first moves into host memory (engine/cuda.py), then CRIU dumps it with the rest.
@@ -169,6 +182,7 @@ class Checkpointer:
                 if not self.settings.keep_local:
                     shutil.rmtree(dump_dir, ignore_errors=True)
             self._known = manifest.chunk_digests()
+            self._check_stop_window(manifest, time.monotonic() - started, freeze)
             kept = prune_checkpoints(self.store, self.checkpoint_id, self.settings.keep_checkpoints)[0]
             index.record_checkpoint(self.store, manifest, kept)
             log.info("freeze checkpoint_id=%s seq=%d freeze_seconds=%.3f rss_bytes=%d%s",

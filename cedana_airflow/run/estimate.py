@@ -14,7 +14,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Estimate", "estimate_checkpoint", "too_large"]
+from ..engine.procfs import open_for_writing
+
+__all__ = ["Estimate", "captured_too_large", "estimate_checkpoint", "too_large"]
 
 
 @dataclass(frozen=True)
@@ -78,3 +80,22 @@ def too_large(estimate: Estimate, max_bytes: int, work_dir: Path) -> str | None:
     if estimate.total > free:
         return f"estimate {estimate.total} bytes would not fit in the work directory {work_dir} ({free} bytes free)"
     return None
+
+
+def captured_too_large(pids: list[int], max_bytes: int) -> str | None:
+    """Why the files the tree holds open for writing are too big to copy while it is frozen, or None."""
+    if not max_bytes:
+        return None
+    sizes = {}
+    for path in open_for_writing(pids):
+        try:
+            sizes[path] = os.stat(path).st_size
+        except OSError:
+            continue
+    total = sum(sizes.values())
+    if total <= max_bytes:
+        return None
+    biggest = max(sizes, key=lambda p: sizes[p])
+    return (f"files it holds open for writing total {total} bytes, above max_captured_bytes {max_bytes} (the largest: "
+            f"{biggest}, {sizes[biggest]} bytes); they would be copied while it is frozen. Keep big outputs out of "
+            "the checkpoint: close and reopen them, write a new file per step, or raise max_captured_bytes")
