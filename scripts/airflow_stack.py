@@ -11,11 +11,8 @@ that does not come up is one line naming it and its log; every part is stopped o
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,30 +22,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from local_parts import free_port, stop_parts, tail  # (scripts/ is on sys.path)
+
 AIRFLOW = [sys.executable, "-m", "airflow"]
 
 
 class StackError(RuntimeError):
     """A part of the deployment did not come up; the message names it and its log."""
-
-
-def free_port(preferred: int = 0) -> int:
-    for port in (preferred, 0) if preferred else (0,):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return int(s.getsockname()[1])
-    raise StackError("no free TCP port on 127.0.0.1")
-
-
-def _last_line(path: Path) -> str:
-    try:
-        lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
-    except OSError:
-        return "(no log)"
-    return lines[-1][-300:] if lines else "(empty log)"
 
 
 class AirflowStack:
@@ -88,7 +68,7 @@ class AirflowStack:
             for name, p in self.procs.items():
                 if p.poll() is not None:
                     log = self.home / f"{name}.log"
-                    raise StackError(f"airflow {name} exited {p.returncode} while starting: {_last_line(log)} (log: {log})")
+                    raise StackError(f"airflow {name} exited {p.returncode} while starting: {tail(log)} (log: {log})")
             try:
                 self.token = self.call("GET", "/auth/token")["access_token"]  # all admins: handed out
                 self.call("GET", f"/api/v2/dags/{self.wait_dag}")  # parsed: the stack is ready
@@ -100,16 +80,7 @@ class AirflowStack:
                 time.sleep(1)
 
     def __exit__(self, *exc: object) -> None:
-        for p in self.procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_parts(self.procs.values(), timeout=30)
         self.procs.clear()
 
     def logs(self) -> str:

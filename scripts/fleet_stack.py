@@ -29,6 +29,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from local_parts import descendants, free_port, stop_parts, tail  # noqa: E402  (scripts/ is on sys.path)
+
 AIRFLOW = [sys.executable, "-m", "airflow"]
 HERE = Path(__file__).resolve().parent
 BUCKET = "cedana-fleet"
@@ -36,38 +38,6 @@ BUCKET = "cedana-fleet"
 
 class FleetError(RuntimeError):
     """One part of the deployment did not come up; the message names it."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _tail(path: Path, n: int = 1) -> str:
-    try:
-        lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
-    except OSError:
-        return "(no log)"
-    return " | ".join(lines[-n:]) or "(empty log)"
-
-
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it, read from /proc (parents before children)."""
-    children: dict[int, list[int]] = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            text = Path(stat).read_text()
-        except OSError:
-            continue
-        ppid = int(text[text.rindex(")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(stat.split("/")[2]))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop(0)
-        out.append(p)
-        todo += children.get(p, [])
-    return out
 
 
 class FleetStack:
@@ -101,9 +71,9 @@ class FleetStack:
                 pass
             p = self.procs.get(name)
             if p is not None and p.poll() is not None:
-                raise FleetError(f"{name} exited {p.returncode} while starting: {_tail(log)} (log: {log})")
+                raise FleetError(f"{name} exited {p.returncode} while starting: {tail(log)} (log: {log})")
             if time.monotonic() > deadline:
-                raise FleetError(f"{name} did not come up within {timeout:.0f} s: {_tail(log)} (log: {log})")
+                raise FleetError(f"{name} did not come up within {timeout:.0f} s: {tail(log)} (log: {log})")
             time.sleep(0.5)
 
     def _postgres(self) -> str:
@@ -124,7 +94,7 @@ class FleetStack:
                             f"-k {self.pg_dir} -p {port} -c listen_addresses=127.0.0.1", "start"],
                            capture_output=True, text=True)
         if r.returncode:
-            raise FleetError(f"postgresql did not start: {_tail(log)} (log: {log})")
+            raise FleetError(f"postgresql did not start: {tail(log)} (log: {log})")
         r = subprocess.run([*as_pg, str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "airflow", "airflow"],
                            capture_output=True, text=True)
         if r.returncode:
@@ -208,7 +178,7 @@ class FleetStack:
             return json.loads(r.read() or b"null")
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}: {_tail(p, 15)}" for p in sorted(self.root.glob("*.log")))
+        return "\n".join(f"--- {p.name}: {tail(p, 15)}" for p in sorted(self.root.glob("*.log")))
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def __enter__(self) -> FleetStack:
@@ -271,16 +241,7 @@ class FleetStack:
     def __exit__(self, *exc: object) -> None:
         for name in [n for n in self.procs if n in self.worker_names]:
             self.kill_worker(name)  # a polite Celery shutdown would wait for the running tasks
-        for p in self.procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_parts(self.procs.values())
         self.procs.clear()
         if self.pg_dir is not None:
             subprocess.run(self._pg_ctl, capture_output=True)

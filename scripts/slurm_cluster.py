@@ -33,46 +33,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Collection
 
+from local_parts import descendants, free_port, stop_parts, tail  # (scripts/ is on sys.path)
+
 
 class SlurmError(RuntimeError):
     """One part of the cluster did not come up, or a Slurm command failed; the message names it."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _tail(path: Path, n: int = 1) -> str:
-    try:
-        lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
-    except OSError:
-        return "(no log)"
-    return " | ".join(lines[-n:]) or "(empty log)"
-
-
-def _children() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            text = Path(stat).read_text()
-        except OSError:
-            continue
-        ppid = int(text[text.rindex(")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(stat.split("/")[2]))
-    return children
-
-
-def descendants(pids: list[int]) -> list[int]:
-    """``pids`` and every process below them, read from /proc (parents before children)."""
-    children, out, todo = _children(), [], list(pids)
-    while todo:
-        p = todo.pop(0)
-        if p not in out:
-            out.append(p)
-            todo += children.get(p, [])
-    return out
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -190,9 +155,9 @@ class SlurmCluster:
                 pass
             p = self.procs.get(name)
             if p is not None and p.poll() is not None:
-                raise SlurmError(f"{name} exited {p.returncode} while starting: {_tail(out)} (log: {out})")
+                raise SlurmError(f"{name} exited {p.returncode} while starting: {tail(out)} (log: {out})")
             if time.monotonic() > deadline:
-                raise SlurmError(f"{name} did not come up within {timeout:.0f} s: {_tail(out)} (log: {out})")
+                raise SlurmError(f"{name} did not come up within {timeout:.0f} s: {tail(out)} (log: {out})")
             time.sleep(0.3)
 
     def _munge(self) -> None:
@@ -319,7 +284,7 @@ class SlurmCluster:
     def logs(self) -> str:
         """The last lines of every part's log (munged has only its stderr), for a failing test's report."""
         files = [*sorted(self.root.glob("*.log")), self.root / "munged.out"]
-        return "\n".join(f"--- {p.name}: {_tail(p, 15)}" for p in files)
+        return "\n".join(f"--- {p.name}: {tail(p, 15)}" for p in files)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def __enter__(self) -> SlurmCluster:
@@ -358,16 +323,7 @@ class SlurmCluster:
         # a slurmstepd outlives its slurmd by design: sweep every node's jobs, like a node loss
         for name in self.nodes:
             self.kill_node(name)
-        for p in self.procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_parts(self.procs.values())
         self.procs.clear()
         # the slurmstepds were init's children (or ours, see reap): give init a moment to reap them, so
         # that nothing is listed after us

@@ -1,0 +1,72 @@
+"""What the throwaway local deployments share (fleet_stack.py, slurm_cluster.py, airflow_stack.py): a free
+loopback port, a log's last lines for a one-line failure, a process tree read from /proc, and stopping
+every part."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import signal
+import socket
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+
+__all__ = ["descendants", "free_port", "stop_parts", "tail"]
+
+
+def free_port(preferred: int = 0) -> int:
+    """``preferred`` when it is free on 127.0.0.1, else any free port."""
+    for port in (preferred, 0) if preferred else (0,):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise OSError("no free TCP port on 127.0.0.1")
+
+
+def tail(path: Path, n: int = 1) -> str:
+    """The last ``n`` non-blank lines of a log, joined with " | " (a failure's one line)."""
+    try:
+        lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return "(no log)"
+    return " | ".join(line[-300:] for line in lines[-n:]) or "(empty log)"
+
+
+def descendants(pids: int | Iterable[int]) -> list[int]:
+    """``pids`` and every process below them, read from /proc (parents before children)."""
+    children: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            text = Path(stat).read_text()
+        except OSError:
+            continue
+        ppid = int(text[text.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(stat.split("/")[2]))
+    out: list[int] = []
+    todo = [pids] if isinstance(pids, int) else list(pids)
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def stop_parts(procs: Iterable[subprocess.Popen[bytes]], timeout: float = 20) -> None:
+    """SIGTERM each part's process group (each was started in a session of its own), then SIGKILL what
+    is still there after ``timeout``."""
+    procs = list(procs)
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
