@@ -107,15 +107,16 @@ class Checkpointer:
         if self._on_phase is not None:
             self._on_phase(name, time.monotonic() - t0)
 
-    def _check_stop_window(self, manifest: Manifest, took: float, freeze: float) -> None:
-        """Say once when a checkpoint takes longer than a stop leaves for the final one."""
+    def _check_stop_window(self, manifest: Manifest, took: float, freeze: float, what: str = "this checkpoint") -> None:
+        """Say once when a checkpoint takes longer than a stop leaves for the final one: at start from the
+        restored checkpoint's freeze (all that is known of it then), after each heartbeat from its own time."""
         window = self.settings.stop_window_seconds
         if window and took > window and not self._window_said:
             self._window_said = True
-            log.warning("a stop will fall back to the last heartbeat checkpoint_id=%s: this checkpoint (seq %d, %d bytes) "
+            log.warning("a stop will fall back to the last heartbeat checkpoint_id=%s: %s (seq %d, %d bytes) "
                         "took %.1f s (frozen %.2f s), more than the %.1f s a stop leaves for the final one "
                         "(stop_window_seconds); the work since the last heartbeat is redone after a stop",
-                        self.checkpoint_id, manifest.seq, manifest.image_bytes, took, freeze, window)
+                        self.checkpoint_id, what, manifest.seq, manifest.image_bytes, took, freeze, window)
 
     def checkpoint(self, workload: Workload, *, leave_running: bool = True) -> Manifest | None:
         """Take a checkpoint and store it; None when it was skipped as too large (see estimate.py), or
@@ -303,6 +304,7 @@ class Checkpointer:
             self._feed = feed
             self.parent_seq = m.seq
             self._known = m.chunk_digests()
+            self._check_stop_window(m, m.freeze_seconds, m.freeze_seconds, "the restored checkpoint, when it was taken,")
             return Restored(workload, m, tuple(skipped))
         raise CorruptCheckpoint(
             f"no checkpoint under checkpoint ID {self.checkpoint_id!r} could be restored "

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import TRAIN, cli, cli_env, manifests
+from conftest import TRAIN, cli, cli_env, kill_node, manifests, start_cli, wait_for_checkpoints
 
 pytestmark = pytest.mark.integration
 
@@ -53,3 +53,17 @@ def test_a_checkpoint_longer_than_the_stop_window_is_said_once(tmp_path):
     quiet = cli("run", "--id", "window2", "--heartbeat", "0.5", "--", sys.executable, str(TRAIN),
                 "--mb", "20", "--steps", "10", "--step-seconds", "0.1", env=cli_env(tmp_path, "node-a", "work-a"))
     assert quiet.returncode == 0 and "a stop will fall back" not in quiet.stderr  # 0: not checked (the CLI's default)
+
+
+def test_at_start_a_restored_checkpoint_that_froze_longer_than_the_stop_window_is_said(tmp_path):
+    args = ["--mb", "20", "--steps", "40", "--step-seconds", "0.1"]
+    proc = start_cli("run", "--id", "start", "--heartbeat", "0.5", "--", sys.executable, str(TRAIN), *args,
+                     env=cli_env(tmp_path, "node-a", "work-a"), out=tmp_path / "a")
+    ms = wait_for_checkpoints(tmp_path / "store", "start", 1, proc)
+    kill_node(proc, ms[0]["process"]["pid"])
+    env = cli_env(tmp_path, "node-b", "work-b", CEDANA_STOP_WINDOW_SECONDS="0.0001")
+    r = cli("restore", "--id", "start", env=env)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"a stop will fall back to the last heartbeat checkpoint_id=start: the restored checkpoint, when "
+                     r"it was taken, \(seq \d+, \d+ bytes\) took [\d.]+ s", r.stderr), r.stderr[-3000:]
+    assert r.stderr.count("a stop will fall back") == 1
