@@ -28,7 +28,7 @@ from ..errors import CorruptCheckpoint
 from ..format import chunking
 from .base import Store, chunk_key
 
-__all__ = ["QUARANTINE_PREFIX", "heal_known", "quarantined", "read_chunk", "set_aside"]
+__all__ = ["QUARANTINE_PREFIX", "heal_known", "quarantined", "read_chunk", "records", "set_aside"]
 
 log = logging.getLogger(__name__)
 
