@@ -13,11 +13,14 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .config import Settings, load_settings
 from .errors import CedanaError, ConfigError
+
+if TYPE_CHECKING:
+    from .store.base import Store
 
 __all__ = ["main"]
 
@@ -159,6 +162,15 @@ def _settings(args: argparse.Namespace) -> Settings:
     })
 
 
+def _existing_store(settings: Settings) -> Store:
+    """The store the settings name, which must exist already (the commands that only read or tidy it)."""
+    from .store import open_store
+
+    store = open_store(settings.resolved_store(), settings)
+    store.open(create=False, chunk_avg_bytes=settings.chunk_avg_bytes)
+    return store
+
+
 def _cmd_run(args: argparse.Namespace, restore_only: bool) -> int:
     from .run.runner import run_workload
 
@@ -205,12 +217,10 @@ def _cmd_slurm_job(args: argparse.Namespace) -> int:
 
 
 def _cmd_checkpoints(args: argparse.Namespace) -> int:
-    from .store import open_store
     from .store.listing import as_json, list_store
 
     settings = _settings(args)
-    store = open_store(settings.resolved_store(), settings)
-    store.open(create=False, chunk_avg_bytes=settings.chunk_avg_bytes)
+    store = _existing_store(settings)
     listed = list_store(store, args.id, exact=args.exact)
     if args.json:
         # Indented only for a person: with indent, json falls back to its pure-Python encoder (0.8 s for 10,000 rows).
@@ -231,7 +241,6 @@ def _cmd_checkpoints(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from .store import open_store
     from .store.gc import DEFAULT_GRACE_SECONDS, collect_garbage
 
     grace = DEFAULT_GRACE_SECONDS if args.grace is None else args.grace
@@ -239,8 +248,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         print(f"usage: --grace {grace:g} is not a number of seconds >= 0; give e.g. --grace 3600", file=sys.stderr)
         return 2
     settings = _settings(args)
-    store = open_store(settings.resolved_store(), settings)
-    store.open(create=False, chunk_avg_bytes=settings.chunk_avg_bytes)
+    store = _existing_store(settings)
     report = collect_garbage(store, grace_seconds=grace, dry_run=args.dry_run)
     if args.json:
         print(json.dumps(report.__dict__))
@@ -253,7 +261,6 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from .store import open_store
     from .store.check import check_store
 
     fraction = 1.0 if args.read_data else 0.0
@@ -268,8 +275,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
     settings = _settings(args)
-    store = open_store(settings.resolved_store(), settings)
-    store.open(create=False, chunk_avg_bytes=settings.chunk_avg_bytes)
+    store = _existing_store(settings)
     report = check_store(store, read_fraction=fraction, repair=args.repair, reader=settings.resolved_node())
     if args.json:
         print(json.dumps(report.to_json(), default=str))
@@ -372,11 +378,9 @@ def _cmd_drills(args: argparse.Namespace) -> int:
     from .drill.report import list_reports
     from .drill.run import drills_json
     from .drill.trends import trends
-    from .store import open_store
 
     settings = _settings(args)
-    store = open_store(settings.resolved_store(), settings)
-    store.open(create=False, chunk_avg_bytes=settings.chunk_avg_bytes)
+    store = _existing_store(settings)
     reports = list_reports(store)
     if args.json:
         print(json.dumps(drills_json(reports), indent=1 if sys.stdout.isatty() else None))
