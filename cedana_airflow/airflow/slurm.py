@@ -4,6 +4,7 @@ SSH provider's connection), and the trigger that follows a job without holding a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shlex
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -12,7 +13,7 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from ..errors import CedanaError, SlurmError, SlurmRefused
-from ..slurm.client import Runner, SlurmClient, local_runner, to_dict
+from ..slurm.client import Runner, SlurmClient, local_runner
 from ..slurm.jobs import JobEnd
 
 __all__ = ["SlurmJobTrigger", "slurm_client"]
@@ -97,7 +98,7 @@ class SlurmJobTrigger(BaseTrigger):
                     self.log.info("cedana: %s", info.describe())
                 if end.over(info, time.monotonic()):
                     # the output's path rides in the event: `dags test` resumes with the event alone
-                    yield TriggerEvent({"status": "done", "job": to_dict(info),  # type: ignore[no-untyped-call]
+                    yield TriggerEvent({"status": "done", "job": dataclasses.asdict(info),  # type: ignore[no-untyped-call]
                                         "output": self.output})
                     return
                 await asyncio.sleep(self.poll_seconds)

@@ -12,7 +12,6 @@ import os
 import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from ..errors import SlurmError, SlurmRefused
 from .batch import JobSpec, batch_script, sbatch_argv
@@ -126,8 +125,3 @@ class SlurmClient:
         rc, out, _ = self._run(["tail", "-c", str(limit), path])
         return out if rc == 0 else ""
 
-
-def to_dict(info: JobInfo) -> dict[str, Any]:
-    """For a trigger event (plain JSON types)."""
-    return {"job_id": info.job_id, "state": info.state, "reason": info.reason, "exit_code": info.exit_code,
-            "nodes": info.nodes, "restarts": info.restarts, "requeue": info.requeue}
