@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from local_parts import free_port, stop_parts, tail  # (scripts/ is on sys.path)
+from local_parts import Deployment, free_port, stop_parts, tail  # (scripts/ is on sys.path)
 
 AIRFLOW = [sys.executable, "-m", "airflow"]
 
@@ -31,7 +31,7 @@ class StackError(RuntimeError):
     """A part of the deployment did not come up; the message names it and its log."""
 
 
-class AirflowStack:
+class AirflowStack(Deployment):
     def __init__(self, env: dict[str, str], home: Path, wait_dag: str, *, port: int = 0, api_only: bool = False,
                  start_timeout: float = 180) -> None:
         self.port = free_port(port)
@@ -48,17 +48,10 @@ class AirflowStack:
         self.token = ""
 
     # -- lifecycle -----------------------------------------------------------------------------------
-    def __enter__(self) -> AirflowStack:
-        try:
-            self._up()
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
-
     def _up(self) -> None:
         # loopback only: everyone is an admin here, so nothing off this machine may reach it
-        parts = [["api-server", "--host", "127.0.0.1", "--port", str(self.port)]] + ([] if self.api_only else [["scheduler"], ["dag-processor"]])
+        parts = [["api-server", "--host", "127.0.0.1", "--port", str(self.port)]]
+        parts += [] if self.api_only else [["scheduler"], ["dag-processor"]]
         for what in parts:
             with open(self.home / f"{what[0]}.log", "wb") as out:
                 self.procs[what[0]] = subprocess.Popen([*AIRFLOW, *what], env=self.env, stdout=out,

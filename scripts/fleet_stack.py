@@ -29,7 +29,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from local_parts import descendants, free_port, stop_parts, tail  # noqa: E402  (scripts/ is on sys.path)
+from local_parts import Deployment, descendants, free_port, stop_parts, tail  # noqa: E402  (scripts/ is on sys.path)
 
 AIRFLOW = [sys.executable, "-m", "airflow"]
 HERE = Path(__file__).resolve().parent
@@ -40,7 +40,7 @@ class FleetError(RuntimeError):
     """One part of the deployment did not come up; the message names it."""
 
 
-class FleetStack:
+class FleetStack(Deployment):
     def __init__(self, root: Path, dags_folder: Path, optin: str, workers: tuple[str, ...] = ("worker-a", "worker-b"),
                  heartbeat_timeout: int = 10, extra_env: dict[str, str] | None = None) -> None:
         self.root, self.dags_folder, self.optin, self.worker_names = root, dags_folder, optin, workers
@@ -181,14 +181,6 @@ class FleetStack:
         return "\n".join(f"--- {p.name}: {tail(p, 15)}" for p in sorted(self.root.glob("*.log")))
 
     # -- lifecycle -----------------------------------------------------------------------------------
-    def __enter__(self) -> FleetStack:
-        try:
-            self._up()
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
-
     def _up(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         db, broker, s3 = self._postgres(), self._redis(), self._moto()

@@ -12,8 +12,9 @@ import socket
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Self
 
-__all__ = ["descendants", "free_port", "stop_parts", "tail"]
+__all__ = ["Deployment", "descendants", "free_port", "stop_parts", "tail"]
 
 
 def free_port(preferred: int = 0) -> int:
@@ -70,3 +71,22 @@ def stop_parts(procs: Iterable[subprocess.Popen[bytes]], timeout: float = 20) ->
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+
+
+class Deployment:
+    """A context manager for parts started by ``_up()`` and stopped by ``__exit__``: when ``_up()`` fails
+    half-way, what did come up is stopped before the error goes on."""
+
+    def _up(self) -> None:
+        raise NotImplementedError
+
+    def __exit__(self, *exc: object) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        try:
+            self._up()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Collection
 
-from local_parts import descendants, free_port, stop_parts, tail  # (scripts/ is on sys.path)
+from local_parts import Deployment, descendants, free_port, stop_parts, tail  # (scripts/ is on sys.path)
 
 
 class SlurmError(RuntimeError):
@@ -82,7 +82,7 @@ def parse_fields(line: str) -> dict[str, str]:
     return dict(re.findall(r"([A-Za-z][\w/:]*)=(.*?)(?=\s+[A-Za-z][\w/:]*=|\s*$)", line.strip()))
 
 
-class SlurmCluster:
+class SlurmCluster(Deployment):
     def __init__(self, root: Path, nodes: tuple[str, ...] = ("node1", "node2"),
                  partitions: dict[str, tuple[str, ...]] | None = None, slurmd_timeout: int = 10) -> None:
         self.root, self.nodes, self.slurmd_timeout = Path(root).resolve(), tuple(nodes), slurmd_timeout
@@ -287,14 +287,6 @@ class SlurmCluster:
         return "\n".join(f"--- {p.name}: {tail(p, 15)}" for p in files)
 
     # -- lifecycle -----------------------------------------------------------------------------------
-    def __enter__(self) -> SlurmCluster:
-        try:
-            self._up()
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
-
     def _up(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         if len(str(self.socket)) > 100:
