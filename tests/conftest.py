@@ -14,6 +14,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,24 @@ from cedana_airflow.run.workload import become_subreaper
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "tests" / "workloads" / "train.py"
+#: Screenshots the browser tests leave for people to look at (CI keeps them).
+ARTIFACTS = REPO / ".artifacts" / "browser"
+
+
+@contextlib.contextmanager
+def browser_page() -> Iterator[Any]:
+    """A page of Debian's Chromium driven by Playwright (no browser download is possible here)."""
+    from playwright.sync_api import sync_playwright
+
+    chromium = shutil.which("chromium")
+    assert chromium, "Debian's chromium is missing: `make test` installs it (apt-get install chromium)"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            yield browser.new_page(viewport={"width": 1440, "height": 900})
+        finally:
+            browser.close()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -31,7 +31,7 @@ from cedana_airflow.ids import derive_checkpoint_id
 from cedana_airflow.store import index, open_store
 from cedana_airflow.store.restores import RestoreRecord, record_restore
 from cedana_airflow.store.transfer import CheckpointMeta, save_checkpoint
-from conftest import AIRFLOW, REPO, _free_port, cli, cli_env
+from conftest import AIRFLOW, ARTIFACTS, REPO, _free_port, browser_page, cli, cli_env
 
 pytestmark = pytest.mark.integration
 
@@ -217,9 +217,6 @@ def test_an_unusable_store_is_one_line_on_the_page_not_a_stack_trace_stand_in_st
     assert api.status_code == 503 and json.loads(bytes(api.body))["detail"].startswith("store s3://ckpt/x/")
 
 
-ARTIFACTS = REPO / ".artifacts" / "browser"
-
-
 def _shot(page, name: str, **kw) -> None:
     """A screenshot for people to look at, not an assertion. Under load headless Chromium sometimes
     answers "Unable to capture screenshot" (CI saw it on the login page): try again, then go on."""
@@ -238,41 +235,31 @@ def _shot(page, name: str, **kw) -> None:
 
 def test_in_a_real_browser_log_in_open_browse_checkpoints_then_an_id(server):
     """Debian's Chromium driven by Playwright: Airflow's own login, the nav item, an ID's page."""
-    import shutil
-
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     base, _, _ = server
-    chromium = shutil.which("chromium")
-    assert chromium, "Debian's chromium is missing: `make test` installs it (apt-get install chromium)"
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-        try:
-            page = browser.new_page(viewport={"width": 1440, "height": 900})
-            page.goto(base + "/")
-            _shot(page, "0-login.png")
-            page.locator("input[name=username]").fill("admin")
-            page.locator("input[name=password]").fill("pw-0")
-            page.locator("button[type=submit]").click()
-            page.wait_for_url(lambda url: "login" not in url, timeout=30_000)
-            page.goto(base + "/plugin/cedana-checkpoints")
-            frame = page.frame_locator("iframe")
-            expect(frame.get_by_role("link", name=A_ID)).to_be_visible(timeout=30_000)
-            _shot(page, "1-fleet.png")
-            frame.get_by_role("link", name=A_ID).click()
-            expect(frame.get_by_role("heading", name="Restores")).to_be_visible(timeout=30_000)
-            expect(frame.get_by_text("node-0").first).to_be_visible()
-            _shot(page, "2-checkpoint-id.png", full_page=True)
-            # the task instance of the real run, and its Checkpoints tab
-            page.goto(f"{base}/dags/dag_a/runs/{quote(A_RUN, safe='')}/tasks/train")
-            page.locator("a[href$='/plugin/cedana-task-checkpoints']").click()  # the tab, next to Logs and Details
-            tab = page.frame_locator("iframe")
-            expect(tab.get_by_text("try 1: seq 1")).to_be_visible(timeout=30_000)
-            expect(tab.get_by_text("try 2: seq 2")).to_be_visible()
-            _shot(page, "3-task-instance-tab.png")
-        finally:
-            browser.close()
+    with browser_page() as page:
+        page.goto(base + "/")
+        _shot(page, "0-login.png")
+        page.locator("input[name=username]").fill("admin")
+        page.locator("input[name=password]").fill("pw-0")
+        page.locator("button[type=submit]").click()
+        page.wait_for_url(lambda url: "login" not in url, timeout=30_000)
+        page.goto(base + "/plugin/cedana-checkpoints")
+        frame = page.frame_locator("iframe")
+        expect(frame.get_by_role("link", name=A_ID)).to_be_visible(timeout=30_000)
+        _shot(page, "1-fleet.png")
+        frame.get_by_role("link", name=A_ID).click()
+        expect(frame.get_by_role("heading", name="Restores")).to_be_visible(timeout=30_000)
+        expect(frame.get_by_text("node-0").first).to_be_visible()
+        _shot(page, "2-checkpoint-id.png", full_page=True)
+        # the task instance of the real run, and its Checkpoints tab
+        page.goto(f"{base}/dags/dag_a/runs/{quote(A_RUN, safe='')}/tasks/train")
+        page.locator("a[href$='/plugin/cedana-task-checkpoints']").click()  # the tab, next to Logs and Details
+        tab = page.frame_locator("iframe")
+        expect(tab.get_by_text("try 1: seq 1")).to_be_visible(timeout=30_000)
+        expect(tab.get_by_text("try 2: seq 2")).to_be_visible()
+        _shot(page, "3-task-instance-tab.png")
 
 
 def test_drill_reports_and_trends_for_users_who_may_read_every_dag_stand_in_auth_manager(server):

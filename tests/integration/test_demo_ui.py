@@ -5,12 +5,11 @@ and in Airflow's UI (Debian's Chromium driven by Playwright), shows the restore.
 from __future__ import annotations
 
 import re
-import shutil
 import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import ARTIFACTS, REPO, browser_page
 
 sys.path.insert(0, str(REPO / "scripts"))
 
@@ -23,7 +22,6 @@ pytestmark = pytest.mark.integration
 
 #: Smaller than the demo's own (300 MB, 90 steps of 0.5 s); the DAG's 5 s heartbeat is kept.
 ARGS = ("--mb", "60", "--steps", "60", "--step-seconds", "0.25", "--change-fraction", "0.01")
-ARTIFACTS = REPO / ".artifacts" / "browser"
 
 
 @pytest.fixture(scope="module")
@@ -55,25 +53,17 @@ def test_try_2s_log_through_the_rest_api_names_the_checkpoint_it_restored(demo_r
 
 
 def test_in_airflows_ui_try_2s_logs_tab_shows_the_restore_line(demo_run):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     stack, out = demo_run
-    chromium = shutil.which("chromium")
-    assert chromium, "Debian's chromium is missing: `make test` installs it (apt-get install chromium)"
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-        try:
-            page = browser.new_page(viewport={"width": 1440, "height": 900})
-            page.goto(stack.ti_url(DAG_ID, out["run_id"], TASK_ID))  # the task instance page, no login (a local demo)
-            expect(page.get_by_role("button", name=re.compile(r"^1"))).to_be_visible(timeout=60_000)
-            page.get_by_role("button", name=re.compile(r"^2")).first.click()  # Task Tries: 2
-            page.get_by_placeholder("Search logs...").fill("restored")
-            line = page.get_by_text(re.compile(r"cedana: restored checkpoint_id=\S+ seq=\d+ \(taken by try 1"))
-            expect(line.first).to_be_visible(timeout=60_000)
-            page.screenshot(path=ARTIFACTS / "demo-try-2-log.png")
-        finally:
-            browser.close()
+    with browser_page() as page:
+        page.goto(stack.ti_url(DAG_ID, out["run_id"], TASK_ID))  # the task instance page, no login (a local demo)
+        expect(page.get_by_role("button", name=re.compile(r"^1"))).to_be_visible(timeout=60_000)
+        page.get_by_role("button", name=re.compile(r"^2")).first.click()  # Task Tries: 2
+        page.get_by_placeholder("Search logs...").fill("restored")
+        line = page.get_by_text(re.compile(r"cedana: restored checkpoint_id=\S+ seq=\d+ \(taken by try 1"))
+        expect(line.first).to_be_visible(timeout=60_000)
+        page.screenshot(path=ARTIFACTS / "demo-try-2-log.png")
 
 
 def test_a_part_that_does_not_come_up_is_one_line_naming_it(tmp_path, airflow_db):
