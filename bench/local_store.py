@@ -77,11 +77,10 @@ class _Dumps:
         return dumps[0] / "images"
 
     def newest(self) -> Path:
-        dumps = [d for d in self.cp_work.glob("dump-*") if d.is_dir() and d not in self.kept]
-        if len(dumps) != 1:
-            raise SystemExit(f"expected one new dump directory in {self.cp_work}, found {dumps}")
-        self.kept.append(dumps[0])
-        return dumps[0] / "images"
+        """The images of the dump that appeared last, taken: the next one is a later dump."""
+        images = self.peek()
+        self.kept.append(images.parent)
+        return images
 
 
 def _heartbeats(cp: Checkpointer, w: Workload, out: StepSink, dumps: _Dumps, phases: PhaseTimes, store: Store,
