@@ -26,7 +26,7 @@ from cedana_airflow.errors import CedanaError, CheckpointIdError, ConfigError, S
 from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
 from cedana_airflow.scope.optin import Decision, Where, decide, load_optin
 from cedana_airflow.slurm.batch import JobSpec, job_settings_env, shell_command
-from cedana_airflow.slurm.client import SlurmClient
+from cedana_airflow.slurm.client import OUTPUT_READ_BYTES, SlurmClient
 from cedana_airflow.slurm.jobs import JobEnd, JobInfo
 
 if TYPE_CHECKING:
@@ -167,7 +167,7 @@ class CedanaSlurmOperator(BaseOperator):
     # -- following -----------------------------------------------------------------------------------
     def _follow(self, client: SlurmClient, job_id: str, output: str) -> Any:
         """Not deferrable: poll here, printing the job's new output lines as they come."""
-        end, shown, seen = JobEnd(self.settle_seconds), 0, None
+        end, pos, seen = JobEnd(self.settle_seconds), 0, None
         while True:
             try:
                 info = client.job(job_id)
@@ -176,11 +176,16 @@ class CedanaSlurmOperator(BaseOperator):
             if (info.state, info.restarts) != seen:
                 seen = (info.state, info.restarts)
                 self.log.info("cedana: %s", info.describe())
-            text = client.read(output)
-            for line in text[shown:].splitlines():
-                self.log.info("slurm job %s: %s", job_id, line)
-            shown = max(shown, len(text))
-            if end.over(info, time.monotonic()):
+            over = end.over(info, time.monotonic())
+            while True:  # whole lines only while it runs; at the end, the rest
+                data = client.read_from(output, pos)
+                taken = data if over else data[: data.rfind(b"\n") + 1]
+                for line in taken.decode(errors="replace").splitlines():
+                    self.log.info("slurm job %s: %s", job_id, line)
+                pos += len(taken)
+                if not taken or len(data) < OUTPUT_READ_BYTES:
+                    break
+            if over:
                 return self._outcome(info, None)
             time.sleep(self.poll_seconds)
 

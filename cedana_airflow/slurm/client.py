@@ -17,7 +17,10 @@ from ..errors import SlurmError, SlurmRefused
 from .batch import JobSpec, batch_script, sbatch_argv
 from .jobs import JobInfo, parse_sacct, parse_show_job
 
-__all__ = ["Runner", "SlurmClient", "local_runner"]
+__all__ = ["OUTPUT_READ_BYTES", "Runner", "SlurmClient", "local_runner"]
+
+#: The most of a job's output read at once.
+OUTPUT_READ_BYTES = 1 << 20
 
 #: (argv, standard input, timeout seconds) -> (exit code, stdout, stderr). Raises FileNotFoundError
 #: when the command does not exist.
@@ -112,7 +115,21 @@ class SlurmClient:
         raise SlurmError(f"cannot create the job directory {path} on {self.where}: {said}. Choose a job_dir that the "
                          "submit side and the compute nodes share.")
 
-    def read(self, path: str, limit: int = 1 << 20) -> str:
+    def read_from(self, path: str, offset: int, limit: int = OUTPUT_READ_BYTES) -> bytes:
+        """Up to ``limit`` bytes of a file the job is writing, from byte ``offset`` (b'' when there are none
+        yet). Over SSH the runner hands text back: re-encoded, the offsets hold for UTF-8 output."""
+        if self.local:
+            try:  # never through a link, as read()
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                return b""
+            with os.fdopen(fd, "rb") as f:
+                f.seek(offset)
+                return f.read(limit)
+        rc, out, _ = self._run(["tail", "-c", f"+{offset + 1}", path])
+        return out.encode()[:limit] if rc == 0 else b""
+
+    def read(self, path: str, limit: int = OUTPUT_READ_BYTES) -> str:
         """The last ``limit`` bytes of a file the job wrote (its output), or '' when there is none."""
         if self.local:
             try:  # never through a link: the task log must show the job's output, not a file it points at

@@ -32,6 +32,9 @@ with DAG("cedana_slurm_unprotected", schedule=None, start_date=START, catchup=Fa
                         partition="batch", **FAST)
     CedanaSlurmOperator(task_id="no_enable", command=[sys.executable, TRAIN, "--mb", "8", "--steps", "5"],
                         partition="cedana", **FAST)
+    # followed in the worker instead of the triggerer: the job's lines reach the task log as they come
+    CedanaSlurmOperator(task_id="followed_in_the_worker", command=[sys.executable, TRAIN, "--mb", "8", "--steps", "5"],
+                        partition="batch", deferrable=False, **FAST)
 
 # Bad input: each is one line, and the task fails without using its retries.
 with DAG("cedana_slurm_bad", schedule=None, start_date=START, catchup=False,

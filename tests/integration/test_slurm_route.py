@@ -71,7 +71,13 @@ def test_jobs_outside_a_checkpoint_partition_or_without_cedana_enable_run_unprot
     assert "workload: cedana_slurm_unprotected.no_enable refused" in log
     assert re.search(r"slurm job \d+: cedana: CEDANA_ENABLE is not set for this job: in checkpoint partition cedana "
                      r"only jobs carrying CEDANA_ENABLE=1 are checkpointed; this one runs unprotected", log), log[-4000:]
-    assert len(re.findall(r"slurm job \d+: done digest=\w+", log)) == 2  # both ran, unchanged
+    assert len(re.findall(r"slurm job \d+: done digest=\w+", log)) == 3  # all ran, unchanged
+    # each job's lines reach the task log once, in order: at the end when deferred, as they come when the
+    # worker follows the job (deferrable=False)
+    steps: dict[str, list[int]] = {}
+    for job, n in re.findall(r"slurm job (\d+): step (\d+)/5", log):
+        steps.setdefault(job, []).append(int(n))
+    assert list(steps.values()) == [[1, 2, 3, 4, 5]] * 3, steps
     store = open_store(env["AIRFLOW__CEDANA__STORE"], load_settings(environ={}))
     assert [i for i in store.list_ids() if i.startswith("cedana_slurm_unprotected")] == []  # nothing written
 
