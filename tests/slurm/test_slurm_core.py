@@ -1,5 +1,7 @@
 """The Slurm route's core without a cluster: the job's options and script, Slurm's answers, and the
-in-job decision. The real cluster runs in tests/integration/test_slurm_route.py."""
+in-job decision. The tests ending in _recorded_answers feed it answers as Slurm 22.05 gave them (a
+controller that cannot be reached, a requeued job's states), which the local cluster does not produce
+on demand; the real cluster runs in tests/integration/test_slurm_route.py."""
 
 import subprocess
 
@@ -52,7 +54,7 @@ SHOW = ("JobId=42 JobName=airflow.d.t UserId=root(0) JobState={state} Reason={re
         "Requeue=1 Restarts={restarts} BatchFlag=1 ExitCode={code} RunTime=00:00:05 Partition=cedana NodeList={nodes}")
 
 
-def test_scontrol_answers_are_read_and_a_requeued_job_is_not_over_until_it_stays_failed():
+def test_scontrol_answers_are_read_and_a_requeued_job_is_not_over_until_it_stays_failed_recorded_answers():
     info = parse_show_job(SHOW.format(state="COMPLETED", reason="None", restarts=1, code="0:0", nodes="node2"))
     assert info and info.done and info.succeeded and info.restarts == 1 and info.nodes == "node2"
     failed = parse_show_job(SHOW.format(state="FAILED", reason="NonZeroExitCode", restarts=0, code="3:0", nodes="node1"))
@@ -76,7 +78,7 @@ def _client(rc, out="", err=""):
     return SlurmClient(run)
 
 
-def test_sbatch_answers_become_a_job_id_or_one_line_that_says_whether_a_retry_can_help():
+def test_sbatch_answers_become_a_job_id_or_one_line_that_says_whether_a_retry_can_help_recorded_answers():
     spec = JobSpec(**SPEC)
     assert _client(0, "1234\n").submit(spec) == "1234"
     assert _client(0, "1234;cluster\n").submit(spec) == "1234"
