@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from .iov import within_iov_max
+
 __all__ = ["FSTYPE", "PageFile", "fuse_available", "sweep"]
 
 FSTYPE = "fuse.cedana-pages"
@@ -121,8 +123,8 @@ class PageFile:
 
     def _reply(self, unique: int, err: int = 0, data: Sequence[bytes | memoryview] = ()) -> None:
         n = _OUT.size + sum(len(d) for d in data)
-        try:
-            os.writev(self.fd, [_OUT.pack(n, -err, unique), *data])
+        try:  # a reply is one write, and one write takes at most IOV_MAX buffers
+            os.writev(self.fd, [_OUT.pack(n, -err, unique), *within_iov_max(data, reserved=1)])
         except OSError as e:
             if e.errno not in (errno.ENOENT, errno.ENODEV):  # the request was interrupted, or unmounted
                 raise
