@@ -2,7 +2,8 @@
 
 A full restore fetches every chunk, writes the image set and only then runs ``criu restore``. A lazy
 one fetches the small images and the pages a restore reads itself (the stack, file-backed memory:
-what the pagemap does not mark lazy), writes them into a sparse ``pages-N.img``, and starts
+what the pagemap does not mark lazy; shared memory and memfds whole, in their own pages images,
+which the daemon never serves), writes them into sparse ``pages-N.img`` files, and starts
 ``criu restore --lazy-pages`` beside CRIU's lazy-pages daemon, which fetches the rest: first the
 pages the process faults on, then all others in the background. It gets them one of two ways:
 
@@ -19,7 +20,8 @@ memory, likely touched first) before the others in address order.
 The one rule that matters: the process must never run on a page it did not get. If a chunk turns
 out corrupt or the store goes away, the tree is killed before the daemon is let go (its faults stay
 blocked until then), and the caller restores again in full (the next older checkpoint for a corrupt
-one). A heartbeat waits until every page is in: CRIU cannot dump a tree with pages still missing.
+one). A failure before the tree runs that is not a verified corruption (the lazy machinery's, not
+the checkpoint's) makes the caller retry the same checkpoint in full. A heartbeat waits until every page is in: CRIU cannot dump a tree with pages still missing.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..engine.criu import CriuEngine
+from ..engine.iov import pwritev_all
 from ..engine.page_file import PageFile, fuse_available
 from ..engine.page_server import PageServer, wire_for
 from ..engine.pagemap import PAGE_SIZE, Pagemap, read_pagemaps
@@ -52,6 +55,8 @@ log = logging.getLogger(__name__)
 #: Fetched-but-unread memory held at most per pages file: enough to keep every fetch thread busy
 #: ahead of the daemon's 4 MiB background reads, small beside the image.
 PREFETCH_WINDOW_BYTES = 256 << 20
+#: What :meth:`LazyFeed.fill` holds in memory at most while it writes a range (fetched in parallel).
+_FILL_STEP_BYTES = 64 << 20
 
 
 def lazy_files(m: Manifest) -> frozenset[str]:
@@ -97,7 +102,11 @@ class LazyFeed:
     # -- before criu restore ---------------------------------------------------------------------
     def fill(self) -> None:
         """Fill the sparse pages images with what the restore reads itself, and start fetching the
-        rest ahead. Raises CorruptCheckpoint (a bad chunk or pagemap), StoreUnavailable."""
+        rest ahead. That is, in a process's pages image, the runs its pagemap does not mark lazy;
+        and every other pages image (shared memory, memfd) whole: CRIU's lazy-pages daemon serves
+        private anonymous memory only, and ``criu restore`` reads the rest from the images itself,
+        so a hole left there would come back as zeros. Raises CorruptCheckpoint (a bad chunk or
+        pagemap), StoreUnavailable."""
         try:
             self._pagemaps = read_pagemaps(self.image_dir)
         except ValueError as e:
@@ -108,21 +117,35 @@ class LazyFeed:
             if entry is None or entry.size != pm.pages_bytes:
                 raise CorruptCheckpoint(f"checkpoint {self.manifest.checkpoint_id} seq={self.manifest.seq}: "
                                         f"{pm.pages_file} does not match its pagemap")
-            view = self._views.setdefault(pm.pages_file, ChunkView(
+            self._views.setdefault(pm.pages_file, ChunkView(
                 self.store, entry, self._pool, window_bytes=PREFETCH_WINDOW_BYTES, prefetch_pool=self._prefetch_pool,
                 prefetch_width=self.store.parallelism))
-            fd = os.open(self.image_dir / pm.pages_file, os.O_WRONLY)
-            try:
-                for off, n in pm.ranges(lazy=False):
-                    os.pwritev(fd, view.read(off, n), off)
-            finally:
-                os.close(fd)
+        for name in sorted(lazy_files(self.manifest)):
+            if name in self._views:
+                ranges = [r for pm in self._pagemaps.values() if pm.pages_file == name for r in pm.ranges(lazy=False)]
+                self._write(name, self._views[name], ranges)
+            else:  # no process's pagemap: not lazy at all
+                view = ChunkView(self.store, entries[name], self._pool, window_bytes=_FILL_STEP_BYTES)
+                try:
+                    self._write(name, view, [(0, entries[name].size)])
+                finally:
+                    view.close()
         for name, view in self._views.items():  # only chunks with lazy pages in them are still to come
             lazy = {i for pm in self._pagemaps.values() if pm.pages_file == name
                     for off, n in pm.ranges(lazy=True) for i in view.chunks_of(off, n)}
             order = sorted(lazy)
             view.prefetch([i for i in order if view.entry.chunks[i].digest in self.hot]
                           + [i for i in order if view.entry.chunks[i].digest not in self.hot])
+
+    def _write(self, name: str, view: ChunkView, ranges: list[tuple[int, int]]) -> None:
+        """Write these ranges of one pages image from its chunks, a bounded step at a time."""
+        fd = os.open(self.image_dir / name, os.O_WRONLY)
+        try:
+            for off, n in ranges:
+                for at in range(off, off + n, _FILL_STEP_BYTES):
+                    pwritev_all(fd, view.read(at, min(_FILL_STEP_BYTES, off + n - at)), at)
+        finally:
+            os.close(fd)
 
     def start(self) -> None:
         """Start the page source and CRIU's lazy-pages daemon (right before ``criu restore``, once
