@@ -49,6 +49,7 @@ class Restored:
     workload: Workload
     manifest: Manifest
     skipped: tuple[str, ...]  # why newer checkpoints were refused, newest first
+    mode: str = "full"  # how its memory came back: "lazy" (streaming in) or "full"
 
 
 #: Called with a phase's name and its seconds, after each phase that completes: ``dump`` (frozen,
@@ -56,6 +57,11 @@ class Restored:
 #: store, each verified), ``criu_restore`` (the engine's restore). An explicit hook for whoever
 #: measures (bench/), so nobody has to wrap this module's functions to time them.
 PhaseHook = Callable[[str, float], None]
+
+
+def _what(e: BaseException) -> str:
+    """An error in one line: its type, unless our own errors (whose message says it all)."""
+    return str(e) if isinstance(e, (CorruptCheckpoint, RestoreFailed)) else f"{type(e).__name__}: {e}"
 
 
 def _drop_all_but_logs(folder: Path) -> None:
@@ -263,53 +269,70 @@ class Checkpointer:
                 skipped.append(why_not)
                 log.warning("checkpoint refused checkpoint_id=%s seq=%d: %s", self.checkpoint_id, m.seq, why_not)
                 continue
-            # images/ (with captured/ inside) plus CRIU's log and pidfile, removed together.
-            restore_dir = self.work_dir / f"restore-{os.getpid()}-{m.seq}"
-            shutil.rmtree(restore_dir, ignore_errors=True)
-            restore_dir.mkdir(mode=0o700, parents=True)  # the fetched images are process memory: root's eyes only
-            refused = True
             mode, why_mode = self.restore_mode(m)
             log.debug("restore mode checkpoint_id=%s seq=%d mode=%s: %s", self.checkpoint_id, m.seq, mode, why_mode)
-            feed = None
+            # what this checkpoint wrote anew: recently written memory, fetched ahead first when lazy
+            hot = m.chunk_digests() - candidates[i + 1].chunk_digests() if i + 1 < len(candidates) else set()
             try:
-                with self._phase("fetch"):
-                    fetch_checkpoint(self.store, m, restore_dir / "images", self.settings.progress,
-                                     max_chunk_bytes=MAX_CHUNK_FACTOR * self.store_cfg.chunk_avg_bytes,
-                                     leave_sparse=lazy_files(m) if mode == "lazy" else frozenset(), reader=self.node)
-                    if mode == "lazy":
-                        # what this checkpoint wrote anew: recently written memory, fetched ahead first
-                        hot = m.chunk_digests() - candidates[i + 1].chunk_digests() if i + 1 < len(candidates) else set()
-                        feed = LazyFeed(self.engine, self.store, m, restore_dir / "images", hot,
-                                        keep_dir=self.settings.keep_local, via=self.settings.lazy_pages_via)
-                        feed.fill()
-                workload = self._restore_from(restore_dir / "images", m, stdout, stderr, roots, feed)
-                refused = False
+                try:
+                    workload, feed = self._attempt(m, mode, hot, stdout, stderr, roots)
+                except (CorruptCheckpoint, RestoreFailed, OSError, ValueError, MemoryError) as e:
+                    if mode != "lazy" or isinstance(e, CorruptCheckpoint):
+                        raise
+                    # The lazy machinery failed (a page file, the daemon, a write), not the checkpoint,
+                    # whose chunks all verified: the same checkpoint in full, before any older one.
+                    log.warning("lazy restore failed checkpoint_id=%s seq=%d: %s; retried in full",
+                                self.checkpoint_id, m.seq, _what(e))
+                    mode = "full"
+                    workload, feed = self._attempt(m, mode, hot, stdout, stderr, roots)
             except (CorruptCheckpoint, RestoreFailed, OSError, ValueError, MemoryError) as e:
                 # Whatever a fetched checkpoint makes fail here refuses it; only the store being down
                 # (StoreUnavailable) is not the checkpoint's fault, and goes up.
                 if not isinstance(e, (CorruptCheckpoint, RestoreFailed)):
-                    e = CorruptCheckpoint(f"checkpoint {self.checkpoint_id} seq={m.seq} could not be prepared: "
-                                          f"{type(e).__name__}: {e}")
+                    e = CorruptCheckpoint(f"checkpoint {self.checkpoint_id} seq={m.seq} could not be prepared "
+                                          f"({mode} restore): {_what(e)}")
                 skipped.append(str(e))
                 log.warning("checkpoint refused checkpoint_id=%s seq=%d: %s; %s", self.checkpoint_id, m.seq, e,
                             "falling back to the previous one" if i + 1 < len(candidates) else "no older checkpoint left")
                 continue
-            finally:
-                if refused and feed is not None:
-                    feed.close(remove_dir=False)
-                if refused and not self.settings.keep_local:
-                    _drop_all_but_logs(restore_dir)  # its message may name CRIU's restore log: keep that
-                elif not self.settings.keep_local and feed is None:
-                    shutil.rmtree(restore_dir, ignore_errors=True)  # a lazy restore's goes when its pages are in
             self._feed = feed
             self.parent_seq = m.seq
             self._known = m.chunk_digests()
             self._check_stop_window(m, m.freeze_seconds, m.freeze_seconds, "the restored checkpoint, when it was taken,")
-            return Restored(workload, m, tuple(skipped))
+            return Restored(workload, m, tuple(skipped), mode)
         raise CorruptCheckpoint(
             f"no checkpoint under checkpoint ID {self.checkpoint_id!r} could be restored "
             f"({'; '.join(skipped)}). Nothing was restored; start the workload fresh (run without --resume)."
         )
+
+    def _attempt(self, m: Manifest, mode: str, hot: set[str], stdout: Sink | None, stderr: Sink | None,
+                 roots: Sequence[PurePosixPath]) -> tuple[Workload, LazyFeed | None]:
+        """Fetch ``m`` and restore it, lazily or in full: the workload, and its lazy feed if any.
+        Whatever fails leaves only CRIU's logs behind (the error may name them)."""
+        # images/ (with captured/ inside) plus CRIU's log and pidfile, removed together.
+        restore_dir = self.work_dir / f"restore-{os.getpid()}-{m.seq}-{mode}"
+        shutil.rmtree(restore_dir, ignore_errors=True)
+        restore_dir.mkdir(mode=0o700, parents=True)  # the fetched images are process memory: root's eyes only
+        feed = None
+        try:
+            with self._phase("fetch"):
+                fetch_checkpoint(self.store, m, restore_dir / "images", self.settings.progress,
+                                 max_chunk_bytes=MAX_CHUNK_FACTOR * self.store_cfg.chunk_avg_bytes,
+                                 leave_sparse=lazy_files(m) if mode == "lazy" else frozenset(), reader=self.node)
+                if mode == "lazy":
+                    feed = LazyFeed(self.engine, self.store, m, restore_dir / "images", hot,
+                                    keep_dir=self.settings.keep_local, via=self.settings.lazy_pages_via)
+                    feed.fill()
+            workload = self._restore_from(restore_dir / "images", m, stdout, stderr, roots, feed)
+        except BaseException:
+            if feed is not None:
+                feed.close(remove_dir=False)
+            if not self.settings.keep_local:
+                _drop_all_but_logs(restore_dir)  # its message may name CRIU's restore log: keep that
+            raise
+        if not self.settings.keep_local and feed is None:
+            shutil.rmtree(restore_dir, ignore_errors=True)  # a lazy restore's goes when its pages are in
+        return workload, feed
 
     def _refusal(self, m: Manifest) -> str | None:
         """Why a candidate is refused before any chunk is fetched: a bad signature, too old, or GPU

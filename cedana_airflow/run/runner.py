@@ -199,8 +199,8 @@ def _resume(cp: Checkpointer, result: RunResult, *, must_restore: bool, cwd: str
     result.restore_gap_seconds = max(0.0, (started_at - m.created_at).total_seconds())
     history(outcome="restored", seq=m.seq, from_node=m.node, gap_seconds=round(result.restore_gap_seconds, 3),
             restore_seconds=round(result.restore_seconds, 3), refused=restored.skipped)
-    log.info("restored checkpoint_id=%s seq=%d from_node=%s node=%s gap_seconds=%.1f restore_seconds=%.2f",
-             cp.checkpoint_id, m.seq, m.node, cp.node, result.restore_gap_seconds, result.restore_seconds)
+    log.info("restored checkpoint_id=%s seq=%d from_node=%s node=%s gap_seconds=%.1f restore_seconds=%.2f mode=%s",
+             cp.checkpoint_id, m.seq, m.node, cp.node, result.restore_gap_seconds, result.restore_seconds, restored.mode)
     return restored.workload
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -99,6 +100,53 @@ def test_a_corrupt_chunk_met_mid_stream_kills_the_tree_and_the_fallback_says_why
     assert "starting fresh" in r.stderr
     assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
     assert not _ours("criu lazy-pages") and not _ours(str(TRAIN)) and str(tmp_path) not in Path("/proc/self/mountinfo").read_text()
+
+
+POOL = Path(__file__).resolve().parent.parent / "workloads" / "pool_sum.py"
+
+
+@pytest.mark.parametrize("via", VIAS)
+def test_shared_memory_comes_back_whole_from_a_lazy_restore(tmp_path, via):
+    """A parent and its forked pool share seeded bytes in shared anonymous memory (mmap(-1)). CRIU's
+    lazy-pages daemon serves private memory only: the shared memory's pages image must be filled
+    before ``criu restore`` reads it (it came back as zeros, and the run diverged without a word)."""
+    args = ["--seed", "11", "--steps", "60", "--step-seconds", "0.05"]
+    proc = start_cli("run", "--id", "lazy-shm", "--heartbeat", "1", "--", sys.executable, str(POOL), *args,
+                     env=cli_env(tmp_path, "node-a", "work-a"), out=tmp_path / "a")
+    ms = wait_for_checkpoints(tmp_path / "store", "lazy-shm", 1, proc)
+    kill_node(proc, ms[0]["process"]["pid"])
+    assert any(f["name"].startswith("pagemap-shmem-") for f in ms[0]["files"])  # the shared memory's own image
+    r = cli("restore", "--id", "lazy-shm", env=cli_env(tmp_path, "node-b", "work-b", CEDANA_LAZY_PAGES_VIA=via))
+    assert r.returncode == 0, r.stderr
+    assert "mode=lazy" in r.stderr and "start-up" not in r.stdout
+    expected = subprocess.run([sys.executable, str(POOL), *args[:-1], "0"], capture_output=True, text=True, check=True)
+    assert r.stdout.splitlines()[-1] == expected.stdout.splitlines()[-1]
+
+
+def test_a_lazy_path_failure_retries_the_same_checkpoint_in_full(tmp_path, monkeypatch, caplog):
+    """An OSError of the lazy machinery (here: the EINVAL a write of more than IOV_MAX buffers got)
+    is not the checkpoint's fault: the same checkpoint is restored in full, saying why, and no older
+    one is tried."""
+    from cedana_airflow.run import lazy_restore
+
+    args = ["--mb", "60", "--steps", "40", "--step-seconds", "0.1"]
+    ms = _checkpointed_and_lost(tmp_path, "lazy-retry", args, 2)
+
+    def fill(self):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(lazy_restore.LazyFeed, "fill", fill)
+    settings = Settings(store=f"file://{tmp_path / 'store'}", node="node-b", work_dir=tmp_path / "work-b",
+                        heartbeat_seconds=0)
+    out = tmp_path / "b.out"
+    with caplog.at_level("WARNING", logger="cedana_airflow"), open(out, "wb") as sink:
+        result = run_workload(settings, "lazy-retry", None, resume=True, handle_signals=False, stdout=sink)
+    assert result.exit_code == 0
+    assert result.restored_from is not None and result.restored_from.seq == ms[-1]["seq"]  # the newest, not an older one
+    assert f"lazy restore failed checkpoint_id=lazy-retry seq={ms[-1]['seq']}: OSError: [Errno 22] Invalid argument; " \
+           "retried in full" in caplog.text
+    assert "checkpoint refused" not in caplog.text
+    assert out.read_text().splitlines()[-1] == uninterrupted_digest(*args)
 
 
 class _StoreThatGoesAway:
