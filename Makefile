@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup criu browser services slurm demo ui demo-fleet demo-slurm test test-unit bench clean
+.PHONY: setup criu torch browser services slurm demo ui demo-fleet demo-slurm test test-unit soak bench clean
 
 setup: $(STAMP) criu
 
@@ -15,6 +15,14 @@ $(STAMP): pyproject.toml
 
 criu:
 	bash scripts/install-criu.sh
+
+# PyTorch's CPU build (about 200 MB) for the real training jobs of the tests and the soak; not a
+# dependency of the package.
+TORCH := $(VENV)/.torch
+torch: $(TORCH)
+$(TORCH): $(STAMP)
+	$(BIN)/python -m pip install -q --disable-pip-version-check 'torch==2.13.0+cpu'
+	touch $(TORCH)
 
 # The UI tests drive Debian's Chromium with Playwright (a browser download is not possible here).
 browser:
@@ -42,11 +50,16 @@ demo-fleet: setup services
 demo-slurm: setup slurm
 	$(BIN)/python scripts/demo_slurm.py
 
-test: setup browser services slurm
+test: setup torch browser services slurm
 	$(BIN)/python -m pytest
 
 test-unit: setup
 	$(BIN)/python -m pytest -m "not integration"
+
+# Checkpoint -> kill -> restore cycles compared with uninterrupted runs (scripts/soak.py):
+# `make soak` runs each shape x mode x store once; ROUNDS=N or MINUTES=M for a long one.
+soak: setup torch
+	$(BIN)/python scripts/soak.py $(if $(MINUTES),--minutes $(MINUTES),--rounds $(or $(ROUNDS),16)) $(SOAK_ARGS)
 
 bench: setup
 	$(BIN)/python bench/run.py

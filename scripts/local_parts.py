@@ -1,6 +1,6 @@
 """What the throwaway local deployments share (fleet_stack.py, slurm_cluster.py, airflow_stack.py): a free
 loopback port, a log's last lines for a one-line failure, a process tree read from /proc, and stopping
-every part."""
+every part, and moto's S3 server."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import os
 import signal
 import socket
 import subprocess
-from collections.abc import Iterable
+import sys
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Self
 
-__all__ = ["Deployment", "descendants", "free_port", "stop_parts", "tail"]
+__all__ = ["Deployment", "descendants", "free_port", "moto_server", "stop_parts", "tail"]
 
 
 def free_port(preferred: int = 0) -> int:
@@ -90,3 +92,30 @@ class Deployment:
             self.__exit__(None, None, None)
             raise
         return self
+
+
+@contextlib.contextmanager
+def moto_server(**env: str) -> Iterator[str]:
+    """moto's S3 server as a subprocess on a free loopback port, for the length of a ``with``."""
+    import urllib.error
+    import urllib.request
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=1)
+                break
+            except urllib.error.HTTPError:
+                break  # it answered (an auth-checking server answers with an error)
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "moto's S3 server did not start"
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait()

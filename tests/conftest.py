@@ -21,6 +21,9 @@ import pytest
 from cedana_airflow.run.workload import become_subreaper
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+from local_parts import free_port as _free_port, moto_server  # noqa: E402  (re-exported: tests import them from here)
+
 TRAIN = REPO / "tests" / "workloads" / "train.py"
 #: Screenshots the browser tests leave for people to look at (CI keeps them).
 ARTIFACTS = REPO / ".artifacts" / "browser"
@@ -126,41 +129,6 @@ def uninterrupted_digest(*train_args: str) -> str:
     out = subprocess.run([sys.executable, str(TRAIN), *train_args, "--step-seconds", "0"],
                          capture_output=True, text=True, check=True).stdout
     return out.strip().splitlines()[-1]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def moto_server(**env: str) -> Iterator[str]:
-    """moto's S3 server as a subprocess on a free loopback port, for the length of a ``with``."""
-    import urllib.error
-    import urllib.request
-
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(url, timeout=1)
-                break
-            except urllib.error.HTTPError:
-                break  # it answered (an auth-checking server answers with an error)
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "moto's S3 server did not start"
-                time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait()
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,383 @@
+"""The soak: checkpoint -> kill -> restore cycles, round after round, each compared with an
+uninterrupted run of the same workload.
+
+    python scripts/soak.py [--rounds N | --minutes M] [--shapes numpy,torch,pool,files]
+                           [--modes lazy,full] [--stores file,s3] [--seed S] [--keep DIR]
+
+A round runs one workload shape under ``cedana-airflow run`` on node-a, kills the supervisor and
+the workload's whole tree at a random point after a checkpoint (between heartbeats or in the middle
+of one), throws node-a's work dir away (and the workload's output folder: another node has none of
+it), restores under node-b (and, in some rounds, kills that one too and restores under node-c), in
+the round's restore mode, on file:// or on moto's S3 server. It passes when:
+
+- the last restore exits 0 and prints the digest an uninterrupted run of the same arguments prints;
+- the start-up code ran once (a restore that starts over is not a restore);
+- each restored run goes on from where the checkpoint was (no step before it, none skipped);
+- the restore used the mode the round asked for, or said why not.
+
+Rounds go through every shape x mode x store in turn, so a short soak covers them all. A failing
+round keeps its folder (logs, store) under ``--keep``; passing ones are removed. It prints a line
+per round and a table at the end; exit 1 when any round failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+from local_parts import descendants, moto_server  # noqa: E402
+
+WORKLOADS = REPO / "tests" / "workloads"
+PY = sys.executable
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A workload: its command (``{out}`` is the folder it writes, when it writes one), how long a
+    heartbeat is, and the arguments an uninterrupted reference run adds."""
+
+    name: str
+    argv: tuple[str, ...]
+    heartbeat: float
+    quick: tuple[str, ...] = ()  # for the reference run: no pauses (the digest does not depend on them)
+    writes_files: bool = False
+
+    def command(self, out: Path, quick: bool = False) -> list[str]:
+        return [a.replace("{out}", str(out)) for a in self.argv + (self.quick if quick else ())]
+
+
+def shapes(big_mb: int, s3_mb: int) -> dict[tuple[str, str], Shape]:
+    """(shape, store) -> Shape. The numpy one holds ``big_mb`` on file:// and ``s3_mb`` on S3, where
+    moto (one Python process) moves about 30 MB/s down: a protocol double, not a storage system."""
+    def numpy(mb: int) -> Shape:
+        return Shape("numpy", (PY, str(WORKLOADS / "train.py"), "--mb", str(mb), "--steps", "60",
+                               "--step-seconds", "0.1", "--change-fraction", "0.002"), 2.0, ("--step-seconds", "0"))
+    torch = Shape("torch", (PY, str(WORKLOADS / "loader_train.py"), "--seed", "7", "--epochs", "3", "--batches", "40",
+                            "--step-seconds", "0.04"), 1.0, ("--step-seconds", "0"))
+    pool = Shape("pool", (PY, str(WORKLOADS / "pool_sum.py"), "--seed", "3", "--steps", "80", "--step-seconds", "0.05"),
+                 1.0, ("--step-seconds", "0"))
+    files = Shape("files", (PY, str(WORKLOADS / "open_files.py"), "--dir", "{out}", "--seed", "5", "--steps", "100",
+                            "--step-seconds", "0.05"), 1.0, ("--step-seconds", "0"), writes_files=True)
+    out: dict[tuple[str, str], Shape] = {}
+    for store in ("file", "s3"):
+        for s in (numpy(big_mb if store == "file" else s3_mb), torch, pool, files):
+            out[(s.name, store)] = s
+    return out
+
+
+@dataclass
+class Round:
+    n: int
+    shape: str
+    mode: str
+    store: str
+    kills: int
+    seconds: float = 0.0
+    problems: list[str] = field(default_factory=list)
+    modes_used: list[str] = field(default_factory=list)
+    skipped: bool = False  # the workload ended before the kill: nothing was restored (sizing, not a failure)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and not self.skipped
+
+
+_STEP = re.compile(rb"^step (\d+)/\d+", re.M)
+_MODE = re.compile(r"restored checkpoint_id=\S+ seq=\d+ .* mode=(\w+)")
+
+
+class Soak:
+    def __init__(self, root: Path, rng: random.Random, s3_url: str | None, big_mb: int, s3_mb: int) -> None:
+        self.root, self.rng, self.s3_url = root, rng, s3_url
+        self.shapes = shapes(big_mb, s3_mb)
+        self._reference: dict[tuple[str, ...], str] = {}
+
+    # -- the uninterrupted run ----------------------------------------------------------------
+    def reference(self, shape: Shape) -> str:
+        key = tuple(shape.command(Path("OUT"), quick=True))
+        if key not in self._reference:
+            out = self.root / "reference"
+            shutil.rmtree(out, ignore_errors=True)
+            r = subprocess.run(shape.command(out, quick=True), capture_output=True, text=True, cwd=self.root, timeout=600)
+            if r.returncode != 0:
+                raise SystemExit(f"soak: the uninterrupted {shape.name} run failed: {r.stderr.strip()[-500:]}")
+            self._reference[key] = r.stdout.strip().splitlines()[-1]
+            shutil.rmtree(out, ignore_errors=True)
+        return self._reference[key]
+
+    # -- one round ------------------------------------------------------------------------------
+    def env(self, d: Path, node: str, mode: str, store: str, cid: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CEDANA_")}
+        env.update(CEDANA_NODE=node, CEDANA_WORK_DIR=str(d / f"work-{node}"), CEDANA_RESTORE_MODE=mode,
+                   PYTHONUNBUFFERED="1")
+        if store == "file":
+            env["CEDANA_STORE"] = f"file://{d / 'store'}"
+        else:
+            assert self.s3_url
+            env.update(CEDANA_STORE=f"s3://soak/{cid}", AWS_ENDPOINT_URL=self.s3_url, AWS_ACCESS_KEY_ID="soak",
+                       AWS_SECRET_ACCESS_KEY="soak", AWS_DEFAULT_REGION="us-east-1")
+        return env
+
+    def run_round(self, r: Round) -> None:
+        shape = self.shapes[(r.shape, r.store)]
+        d = self.root / f"round-{r.n:04d}-{r.shape}-{r.mode}-{r.store}"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        cid = f"soak-{r.n}-{r.shape}"
+        expected = self.reference(shape)
+        out_dir = d / "out"
+        t0 = time.monotonic()
+        phases: list[tuple[str, Path]] = []
+        nodes = ["node-a", "node-b", "node-c", "node-d"]
+        for k in range(r.kills + 1):
+            node = nodes[k]
+            env = self.env(d, node, r.mode, r.store, cid)
+            args = (["run", "--id", cid, "--heartbeat", str(shape.heartbeat), "--", *shape.command(out_dir)] if k == 0
+                    else ["restore", "--id", cid, "--heartbeat", str(shape.heartbeat)])
+            log = d / f"{k}-{node}"
+            with open(log.with_suffix(".out"), "wb") as o, open(log.with_suffix(".err"), "wb") as e:
+                proc = subprocess.Popen([PY, "-m", "cedana_airflow", *args], env=env, cwd=d, stdout=o, stderr=e)
+            phases.append((node, log))
+            if k == r.kills:  # the last one runs to the end
+                try:
+                    rc = proc.wait(timeout=600)
+                except subprocess.TimeoutExpired:
+                    kill_tree(proc)
+                    rc = None
+                if rc != 0:
+                    r.problems.append(f"{node}: exited {rc}: {last_line(log.with_suffix('.err'))}")
+                break
+            if not self.wait_for_checkpoint(env, cid, node, proc):
+                if proc.poll() is not None:
+                    r.skipped = proc.returncode == 0
+                    if not r.skipped:
+                        r.problems.append(f"{node}: exited {proc.returncode} before its first checkpoint: "
+                                          f"{last_line(log.with_suffix('.err'))}")
+                else:
+                    r.problems.append(f"{node}: no checkpoint within 180 s")
+                    kill_tree(proc)
+                break
+            time.sleep(self.rng.uniform(0, 1.5 * shape.heartbeat))  # between heartbeats, or in the middle of one
+            if proc.poll() is not None:
+                r.skipped = True  # it finished first: make the shape longer
+                break
+            kill_tree(proc)
+            shutil.rmtree(d / f"work-{node}", ignore_errors=True)  # the lost node's disk goes with it
+            shutil.rmtree(out_dir, ignore_errors=True)
+        r.seconds = time.monotonic() - t0
+        if not r.problems and not r.skipped:
+            self.judge(r, phases, expected, out_dir, shape)
+        if r.ok:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def wait_for_checkpoint(self, env: dict[str, str], cid: str, node: str, proc: subprocess.Popen[bytes]) -> bool:
+        """Until a complete checkpoint taken on ``node`` exists (False when the run ends first)."""
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            if any(m["node"] == node for m in list_manifests(env, cid)):
+                return True
+            time.sleep(0.2)
+        return False
+
+    def judge(self, r: Round, phases: list[tuple[str, Path]], expected: str, out_dir: Path, shape: Shape) -> None:
+        outs = [log.with_suffix(".out").read_bytes() for _, log in phases]
+        errs = [log.with_suffix(".err").read_text(errors="replace") for _, log in phases]
+        last = outs[-1].decode(errors="replace").strip().splitlines()
+        if not last or last[-1] != expected:
+            r.problems.append(f"digest: {last[-1] if last else '(no output)'!r}, uninterrupted run: {expected!r}")
+        starts = [o.count(b"start-up:") for o in outs]
+        if starts[0] != 1 or any(starts[1:]):
+            r.problems.append(f"start-up ran {sum(starts)} times (per run: {starts})")
+        for k in range(1, len(outs)):
+            before = [int(s) for s in _STEP.findall(outs[k - 1])]
+            after = [int(s) for s in _STEP.findall(outs[k])]
+            if before and after and after[0] > before[-1] + 1:
+                r.problems.append(f"{phases[k][0]} went on at step {after[0]}, after step {before[-1]}: steps lost")
+            if after != list(range(after[0], after[0] + len(after))) if after else False:
+                r.problems.append(f"{phases[k][0]} skipped or repeated steps")
+            m = _MODE.search(errs[k])
+            r.modes_used.append(m.group(1) if m else "?")
+            if m is None:
+                r.problems.append(f"{phases[k][0]} did not say it restored: {last_line(phases[k][1].with_suffix('.err'))}")
+            elif m.group(1) != r.mode:
+                why = next((x for x in errs[k].splitlines() if "retried in full" in x), "")
+                if not why:
+                    r.problems.append(f"{phases[k][0]} restored {m.group(1)}, not {r.mode}, without saying why")
+        if shape.writes_files and not r.problems:
+            lines = (out_dir / "steps.log").read_text().splitlines() if (out_dir / "steps.log").exists() else []
+            steps = [int(x.split()[1]) for x in lines]
+            if steps != list(range(len(steps))):
+                r.problems.append(f"steps.log is not every step once, in order ({len(steps)} lines)")
+
+
+def list_manifests(env: dict[str, str], cid: str) -> list[dict[str, object]]:
+    """The complete checkpoints of ``cid`` in the round's store, as JSON (read as a user would)."""
+    url = env["CEDANA_STORE"]
+    if url.startswith("file://"):
+        d = Path(url[len("file://"):]) / cid
+        out = []
+        for p in sorted(d.glob("*/manifest.json")) if d.is_dir() else []:
+            with contextlib.suppress(OSError, ValueError):
+                out.append(json.loads(p.read_text()))
+        return out
+    import boto3
+
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="soak",
+                      aws_secret_access_key="soak", region_name="us-east-1")
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/{cid}/").get("Contents", [])
+            if o["Key"].endswith("/manifest.json")]
+    return [json.loads(s3.get_object(Bucket=bucket, Key=k)["Body"].read()) for k in keys]
+
+
+def kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """Lose the node: SIGKILL the supervisor and everything below it (the workload's namespace, a
+    lazy-pages daemon), all at once, then reap."""
+    pids = descendants(proc.pid)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while any(os.path.exists(f"/proc/{p}") and not _zombie(p) for p in pids) and time.monotonic() < deadline:
+        reap()
+        time.sleep(0.05)
+    reap()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def reap() -> None:
+    """We are a subreaper: collect the orphans the killed trees left us."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def last_line(p: Path) -> str:
+    try:
+        lines = [x for x in p.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return "(no log)"
+    return lines[-1][-400:] if lines else "(empty)"
+
+
+def plan(n_rounds: int | None, minutes: float | None, shape_names: list[str], modes: list[str], stores: list[str],
+         rng: random.Random) -> Iterator[Round]:
+    """Rounds through every combination, each with 1 or 2 kills, until the count or the time is up.
+    Every block of len(shapes) rounds holds each shape once, and the (mode, store) pairs turn under
+    them, so that a short slice covers every shape, mode and store, and a long one every combination."""
+    pairs = list(itertools.product(modes, stores))
+    deadline = time.monotonic() + minutes * 60 if minutes else None
+    for n in itertools.count(1):
+        if n_rounds is not None and n > n_rounds:
+            return
+        if deadline is not None and time.monotonic() >= deadline:
+            return
+        i, block = (n - 1) % len(shape_names), (n - 1) // len(shape_names)
+        mode, store = pairs[(i + block) % len(pairs)]
+        yield Round(n, shape_names[i], mode, store, kills=rng.choice((1, 1, 2)))
+
+
+def table(rounds: list[Round]) -> str:
+    rows = {}
+    for r in rounds:
+        row = rows.setdefault((r.shape, r.mode, r.store), [0, 0, 0, 0.0, {}])
+        row[0] += 1
+        row[1] += bool(r.problems)
+        row[2] += r.skipped
+        row[3] += r.seconds
+        for m in r.modes_used:
+            row[4][m] = row[4].get(m, 0) + 1
+    lines = [f"{'shape':<7} {'mode':<5} {'store':<5} {'rounds':>6} {'failed':>6} {'skipped':>7} {'restores':<22} {'s/round':>7}"]
+    for (shape, mode, store), (n, failed, skipped, secs, used) in sorted(rows.items()):
+        used_s = " ".join(f"{k}={v}" for k, v in sorted(used.items())) or "-"
+        lines.append(f"{shape:<7} {mode:<5} {store:<5} {n:>6} {failed:>6} {skipped:>7} {used_s:<22} {secs / n:>7.1f}")
+    passed, failed = sum(r.ok for r in rounds), sum(bool(r.problems) for r in rounds)
+    restores = sum(len(r.modes_used) for r in rounds)
+    lines.append(f"soak: {passed} passed, {failed} failed ({restores} restores, "
+                 f"{sum(r.skipped for r in rounds)} rounds ended before their kill)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--rounds", type=int, help="how many rounds (default 16: each combination once)")
+    g.add_argument("--minutes", type=float, help="rounds until this many minutes have passed")
+    ap.add_argument("--shapes", default="numpy,torch,pool,files")
+    ap.add_argument("--modes", default="lazy,full")
+    ap.add_argument("--stores", default="file,s3")
+    ap.add_argument("--seed", type=int, default=None, help="kill points and kill counts (default: random, printed)")
+    ap.add_argument("--big-mb", type=int, default=1024, help="the numpy shape's memory on file:// (MiB)")
+    ap.add_argument("--s3-mb", type=int, default=256, help="the numpy shape's memory on S3 (MiB)")
+    ap.add_argument("--keep", type=Path, default=REPO / ".artifacts" / "soak", help="where failing rounds are kept")
+    ap.add_argument("--json", type=Path, help="also write every round to this file")
+    a = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        print("soak: CRIU needs root; run it as root (make soak)", file=sys.stderr)
+        return 2
+    seed = a.seed if a.seed is not None else random.SystemRandom().randrange(1 << 31)
+    rng = random.Random(seed)
+    names, modes, stores = a.shapes.split(","), a.modes.split(","), a.stores.split(",")
+    n_rounds = a.rounds if a.rounds is not None or a.minutes is not None else len(names) * len(modes) * len(stores)
+    from cedana_airflow.run.workload import become_subreaper
+
+    become_subreaper()  # killed supervisors' trees come to us, and we reap them
+    a.keep.mkdir(parents=True, exist_ok=True)
+    root = a.keep / time.strftime("%Y%m%d-%H%M%S")
+    root.mkdir()
+    print(f"soak: seed {seed}; rounds kept (when failing) under {root}", flush=True)
+    rounds: list[Round] = []
+    with contextlib.ExitStack() as stack:
+        s3_url = None
+        if "s3" in stores:
+            s3_url = stack.enter_context(moto_server())
+            import boto3
+
+            boto3.client("s3", endpoint_url=s3_url, aws_access_key_id="soak", aws_secret_access_key="soak",
+                         region_name="us-east-1").create_bucket(Bucket="soak")
+        soak = Soak(root, rng, s3_url, a.big_mb, a.s3_mb)
+        for r in plan(n_rounds, a.minutes, names, modes, stores, rng):
+            soak.run_round(r)
+            rounds.append(r)
+            verdict = "skipped (ended before the kill)" if r.skipped else ("ok" if r.ok else "FAILED: " + "; ".join(r.problems))
+            print(f"round {r.n:4d} {r.shape:<6} {r.mode:<5} {r.store:<5} kills={r.kills} "
+                  f"restored={','.join(r.modes_used) or '-':<10} {r.seconds:5.1f}s {verdict}", flush=True)
+    print(table(rounds), flush=True)
+    if a.json:
+        a.json.write_text(json.dumps([r.__dict__ | {"ok": r.ok} for r in rounds], indent=1))
+    if all(r.ok or r.skipped for r in rounds) and not any(r.ok for r in rounds) and rounds:
+        print("soak: no round got to a restore; make the shapes longer", file=sys.stderr)
+        return 1
+    if not any(r.problems for r in rounds):
+        shutil.rmtree(root, ignore_errors=True)
+    return 1 if any(r.problems for r in rounds) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
