@@ -65,13 +65,13 @@ def shapes(big_mb: int, s3_mb: int) -> dict[tuple[str, str], Shape]:
     """(shape, store) -> Shape. The numpy one holds ``big_mb`` on file:// and ``s3_mb`` on S3, where
     moto (one Python process) moves about 30 MB/s down: a protocol double, not a storage system."""
     def numpy(mb: int) -> Shape:
-        return Shape("numpy", (PY, str(WORKLOADS / "train.py"), "--mb", str(mb), "--steps", "60",
+        return Shape("numpy", (PY, str(WORKLOADS / "train.py"), "--mb", str(mb), "--steps", "150",
                                "--step-seconds", "0.1", "--change-fraction", "0.002"), 2.0, ("--step-seconds", "0"))
-    torch = Shape("torch", (PY, str(WORKLOADS / "loader_train.py"), "--seed", "7", "--epochs", "3", "--batches", "40",
+    torch = Shape("torch", (PY, str(WORKLOADS / "loader_train.py"), "--seed", "7", "--epochs", "4", "--batches", "40",
                             "--step-seconds", "0.04"), 1.0, ("--step-seconds", "0"))
-    pool = Shape("pool", (PY, str(WORKLOADS / "pool_sum.py"), "--seed", "3", "--steps", "80", "--step-seconds", "0.05"),
+    pool = Shape("pool", (PY, str(WORKLOADS / "pool_sum.py"), "--seed", "3", "--steps", "140", "--step-seconds", "0.05"),
                  1.0, ("--step-seconds", "0"))
-    files = Shape("files", (PY, str(WORKLOADS / "open_files.py"), "--dir", "{out}", "--seed", "5", "--steps", "100",
+    files = Shape("files", (PY, str(WORKLOADS / "open_files.py"), "--dir", "{out}", "--seed", "5", "--steps", "200",
                             "--step-seconds", "0.05"), 1.0, ("--step-seconds", "0"), writes_files=True)
     out: dict[tuple[str, str], Shape] = {}
     for store in ("file", "s3"):
@@ -162,7 +162,7 @@ class Soak:
                 if rc != 0:
                     r.problems.append(f"{node}: exited {rc}: {last_line(log.with_suffix('.err'))}")
                 break
-            if not self.wait_for_checkpoint(env, cid, node, proc):
+            if not self.wait_for_checkpoint(env, cid, node, proc, log.with_suffix(".out")):
                 if proc.poll() is not None:
                     r.skipped = proc.returncode == 0
                     if not r.skipped:
@@ -185,11 +185,18 @@ class Soak:
         if r.ok:
             shutil.rmtree(d, ignore_errors=True)
 
-    def wait_for_checkpoint(self, env: dict[str, str], cid: str, node: str, proc: subprocess.Popen[bytes]) -> bool:
-        """Until a complete checkpoint taken on ``node`` exists (False when the run ends first)."""
+    def wait_for_checkpoint(self, env: dict[str, str], cid: str, node: str, proc: subprocess.Popen[bytes],
+                            out: Path) -> bool:
+        """Until ``node`` took a complete checkpoint after the workload printed its first step (in its
+        loop, with its workers and files open, not still starting up); False when the run ends first."""
         deadline = time.monotonic() + 180
+        while b"step " not in out.read_bytes():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        before = max((int(m["seq"]) for m in list_manifests(env, cid)), default=0)  # type: ignore[call-overload]
         while time.monotonic() < deadline and proc.poll() is None:
-            if any(m["node"] == node for m in list_manifests(env, cid)):
+            if any(m["node"] == node and int(m["seq"]) > before for m in list_manifests(env, cid)):  # type: ignore[call-overload]
                 return True
             time.sleep(0.2)
         return False
