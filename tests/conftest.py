@@ -77,10 +77,10 @@ def cli(*args: str, env: dict[str, str], timeout: float = 300, **kw) -> subproce
                           capture_output=True, timeout=timeout, **kw)
 
 
-def start_cli(*args: str, env: dict[str, str], out: Path) -> subprocess.Popen[bytes]:
+def start_cli(*args: str, env: dict[str, str], out: Path, **kw: Any) -> subprocess.Popen[bytes]:
     """Start the CLI in the background, stdout and stderr to files (read them after it ends)."""
     return subprocess.Popen([sys.executable, "-m", "cedana_airflow", *args], env=env,
-                            stdout=open(out.with_suffix(".out"), "wb"), stderr=open(out.with_suffix(".err"), "wb"))
+                            stdout=open(out.with_suffix(".out"), "wb"), stderr=open(out.with_suffix(".err"), "wb"), **kw)
 
 
 def manifests(store: Path, checkpoint_id: str) -> list[dict]:

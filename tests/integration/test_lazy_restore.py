@@ -123,6 +123,33 @@ def test_shared_memory_comes_back_whole_from_a_lazy_restore(tmp_path, via):
     assert r.stdout.splitlines()[-1] == expected.stdout.splitlines()[-1]
 
 
+COW = Path(__file__).resolve().parent.parent / "workloads" / "cow_mapped.py"
+
+
+def test_a_non_lazy_run_of_more_chunks_than_one_write_takes_is_restored_lazily(tmp_path):
+    """Copy-on-write pages of a private file mapping are never lazy: a lazy restore writes them all
+    first. With 64 KiB chunks, 96 MiB of them is about 1,500 chunks, more than the 1,024 buffers one
+    pwritev takes: that write failed with EINVAL, and the checkpoint was refused."""
+    args = ["--mb", "96", "--steps", "200", "--step-seconds", "0.05"]
+    env = cli_env(tmp_path, "node-a", "work-a", CEDANA_CHUNK_AVG_BYTES=str(64 << 10))
+    proc = start_cli("run", "--id", "cow", "--heartbeat", "1", "--", sys.executable, str(COW), *args, env=env,
+                     out=tmp_path / "a", cwd=tmp_path)  # the mapped file lies in tmp_path
+    deadline = time.monotonic() + 120
+    while b"step 2/" not in (tmp_path / "a.out").read_bytes():  # in its loop: every page written
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "a.err").read_text()[-2000:]
+        time.sleep(0.1)
+    n = len(manifests(tmp_path / "store", "cow"))
+    ms = wait_for_checkpoints(tmp_path / "store", "cow", n + 1, proc)
+    kill_node(proc, ms[0]["process"]["pid"])
+    r = cli("restore", "--id", "cow", env=cli_env(tmp_path, "node-b", "work-b"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"restored checkpoint_id=cow seq={ms[-1]['seq']} " in r.stderr and "mode=lazy" in r.stderr, r.stderr
+    (tmp_path / "ref").mkdir()
+    expected = subprocess.run([sys.executable, str(COW), *args[:-1], "0"], capture_output=True, text=True,
+                              check=True, cwd=tmp_path / "ref")
+    assert r.stdout.splitlines()[-1] == expected.stdout.splitlines()[-1]
+
+
 def test_a_lazy_path_failure_retries_the_same_checkpoint_in_full(tmp_path, monkeypatch, caplog):
     """An OSError of the lazy machinery (here: the EINVAL a write of more than IOV_MAX buffers got)
     is not the checkpoint's fault: the same checkpoint is restored in full, saying why, and no older
