@@ -37,6 +37,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -194,9 +195,9 @@ class Soak:
             if proc.poll() is not None or time.monotonic() > deadline:
                 return False
             time.sleep(0.1)
-        before = max((int(m["seq"]) for m in list_manifests(env, cid)), default=0)  # type: ignore[call-overload]
+        before = max((int(m["seq"]) for m in list_manifests(env, cid)), default=0)
         while time.monotonic() < deadline and proc.poll() is None:
-            if any(m["node"] == node and int(m["seq"]) > before for m in list_manifests(env, cid)):  # type: ignore[call-overload]
+            if any(m["node"] == node and int(m["seq"]) > before for m in list_manifests(env, cid)):
                 return True
             time.sleep(0.2)
         return False
@@ -232,7 +233,7 @@ class Soak:
                 r.problems.append(f"steps.log is not every step once, in order ({len(steps)} lines)")
 
 
-def list_manifests(env: dict[str, str], cid: str) -> list[dict[str, object]]:
+def list_manifests(env: dict[str, str], cid: str) -> list[dict[str, Any]]:
     """The complete checkpoints of ``cid`` in the round's store, as JSON (read as a user would)."""
     url = env["CEDANA_STORE"]
     if url.startswith("file://"):
@@ -311,7 +312,7 @@ def plan(n_rounds: int | None, minutes: float | None, shape_names: list[str], mo
 
 
 def table(rounds: list[Round]) -> str:
-    rows = {}
+    rows: dict[tuple[str, str, str], list[Any]] = {}
     for r in rounds:
         row = rows.setdefault((r.shape, r.mode, r.store), [0, 0, 0, 0.0, {}])
         row[0] += 1
