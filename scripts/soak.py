@@ -13,7 +13,8 @@ the round's restore mode, on file:// or on moto's S3 server. It passes when:
 - the last restore exits 0 and prints the digest an uninterrupted run of the same arguments prints;
 - the start-up code ran once (a restore that starts over is not a restore);
 - each restored run goes on from where the checkpoint was (no step before it, none skipped);
-- the restore used the mode the round asked for, or said why not.
+- the restore used the mode the round asked for, or said why not;
+- nothing of the round is left running or mounted afterwards.
 
 Rounds go through every shape x mode x store in turn, so a short soak covers them all. A failing
 round keeps its folder (logs, store) under ``--keep``; passing ones are removed. It prints a line
@@ -183,6 +184,8 @@ class Soak:
         r.seconds = time.monotonic() - t0
         if not r.problems and not r.skipped:
             self.judge(r, phases, expected, out_dir, shape)
+        if left := left_behind(d):  # what the next round (or test) would meet: a process, a mount
+            r.problems.append(f"left behind: {'; '.join(left)}")
         if r.ok:
             shutil.rmtree(d, ignore_errors=True)
 
@@ -266,6 +269,45 @@ def kill_tree(proc: subprocess.Popen[bytes]) -> None:
         reap()
         time.sleep(0.05)
     reap()
+
+
+def left_behind(d: Path) -> list[str]:
+    """Processes that run in the round's folder or name it, and mounts under it, once the round
+    is over; each is named, then killed or unmounted so that the next round starts clean."""
+    found: list[str] = []
+    pids = _in(d)
+    deadline = time.monotonic() + 3  # what is on its way out (a killed shell's last `sleep 1`) may go first
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.2)
+        reap()
+        pids = _in(d)
+    for pid, cmd in pids.items():
+        found.append(f"pid {pid} ({cmd[:120]})")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
+              if line.split()[4].startswith(str(d))]
+    if mounts:
+        from cedana_airflow.engine.page_file import sweep
+
+        sweep(d)
+        found += [f"mount {m}" for m in mounts]
+    reap()
+    return found
+
+
+def _in(d: Path) -> dict[int, str]:
+    """{pid: command line} of the live processes that run in ``d`` or name it."""
+    found = {}
+    for pid in [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and int(p.name) != os.getpid()]:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            continue
+        if (str(d) in cmd or cwd.startswith(str(d))) and not _zombie(pid):
+            found[pid] = cmd
+    return found
 
 
 def _zombie(pid: int) -> bool:

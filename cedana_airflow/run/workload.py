@@ -15,6 +15,7 @@ namespace and no CRIU, with the same output pump and the same way to stop it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -170,7 +171,8 @@ class Workload:
         for p in self._pumps:
             p.join(timeout=5)  # a grandchild that keeps the pipe open must not hang us
         if self._watchdog is not None and self._watchdog.poll() is None:
-            self._watchdog.kill()
+            with contextlib.suppress(ProcessLookupError):  # its session: the shell and its `sleep`, not left behind
+                os.killpg(self._watchdog.pid, signal.SIGKILL)
             self._watchdog.wait()
         return self.returncode
 
