@@ -254,7 +254,9 @@ class Checkpointer:
 
         A checkpoint that fails verification, that would write outside this node's restore roots
         (``settings.restore_roots`` and ``cwd``, default ours: see captured.py), or that CRIU cannot
-        restore here, is refused with a warning and the next older one is tried. Raises
+        restore here, is refused with a warning and the next older one is tried. A lazy restore that
+        fails for any other reason (the lazy machinery's, not the checkpoint's) is first retried in
+        full, with a warning. Raises
         CheckpointNotFound when there is none, and CorruptCheckpoint (with every reason) when none
         could be restored.
         """
