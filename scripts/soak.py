@@ -108,6 +108,12 @@ class Soak:
         self.root, self.rng, self.s3_url = root, rng, s3_url
         self.shapes = shapes(big_mb, s3_mb)
         self._reference: dict[tuple[str, ...], str] = {}
+        self.active: subprocess.Popen[bytes] | None = None  # the supervisor of the round under way
+
+    def stop(self) -> None:
+        """Kill the round under way, if any."""
+        if self.active is not None and self.active.poll() is None:
+            kill_tree(self.active)
 
     # -- the uninterrupted run ----------------------------------------------------------------
     def reference(self, shape: Shape) -> str:
@@ -154,6 +160,7 @@ class Soak:
             log = d / f"{k}-{node}"
             with open(log.with_suffix(".out"), "wb") as o, open(log.with_suffix(".err"), "wb") as e:
                 proc = subprocess.Popen([PY, "-m", "cedana_airflow", *args], env=env, cwd=d, stdout=o, stderr=e)
+            self.active = proc
             phases.append((node, log))
             if k == r.kills:  # the last one runs to the end
                 try:
@@ -412,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
             boto3.client("s3", endpoint_url=s3_url, aws_access_key_id="soak", aws_secret_access_key="soak",
                          region_name="us-east-1").create_bucket(Bucket="soak")
         soak = Soak(root, rng, s3_url, a.big_mb, a.s3_mb)
+        # Ctrl-C or a SIGTERM ends the soak: the round under way is killed, and moto stops.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        stack.callback(soak.stop)
         for r in plan(n_rounds, a.minutes, names, modes, stores, rng):
             soak.run_round(r)
             rounds.append(r)
