@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Self
 
-__all__ = ["Deployment", "descendants", "free_port", "moto_server", "stop_parts", "tail"]
+__all__ = ["Deployment", "descendants", "free_port", "moto_server", "reap", "stop_parts", "tail"]
 
 
 def free_port(preferred: int = 0) -> int:
@@ -57,6 +57,18 @@ def descendants(pids: int | Iterable[int]) -> list[int]:
         out.append(p)
         todo += children.get(p, [])
     return out
+
+
+def reap() -> None:
+    """Collect every child that has ended, without waiting: a subreaper's orphans (this machine's init
+    does not reap them, and killed supervisors leave their trees to us)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 def stop_parts(procs: Iterable[subprocess.Popen[bytes]], timeout: float = 20) -> None:

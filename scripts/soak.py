@@ -42,7 +42,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
-from local_parts import descendants, moto_server  # noqa: E402
+from local_parts import descendants, moto_server, reap  # noqa: E402
 
 WORKLOADS = REPO / "tests" / "workloads"
 PY = sys.executable
@@ -322,17 +322,6 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except (OSError, IndexError):
         return True
-
-
-def reap() -> None:
-    """We are a subreaper: collect the orphans the killed trees left us."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
 
 
 def last_line(p: Path) -> str:

@@ -22,7 +22,7 @@ from cedana_airflow.run.workload import become_subreaper
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
-from local_parts import free_port as _free_port, moto_server  # noqa: E402  (re-exported: tests import them from here)
+from local_parts import free_port as _free_port, moto_server, reap  # noqa: E402  (re-exported: tests import them from here)
 
 TRAIN = REPO / "tests" / "workloads" / "train.py"
 #: Screenshots the browser tests leave for people to look at (CI keeps them).
@@ -55,13 +55,7 @@ def _reap_orphans():
     from cedana_airflow.engine.page_file import sweep
 
     sweep(Path(tempfile.gettempdir()))
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            break
-        if pid == 0:
-            break
+    reap()
 
 
 def cli_env(tmp_path: Path, node: str, work: str, **extra: str) -> dict[str, str]:
