@@ -28,8 +28,6 @@ import torch  # noqa: E402  (after the start-up line: importing takes seconds)
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-torch.set_num_threads(1)  # the same reduction order every run, whatever the machine does meanwhile
-
 
 class Synthetic(Dataset):
     """Seeded inputs and targets made in the main process before the workers fork: each worker
