@@ -383,7 +383,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--s3-mb", type=int, default=256, help="the numpy shape's memory on S3 (MiB)")
     ap.add_argument("--keep", type=Path, default=REPO / ".artifacts" / "soak", help="where failing rounds are kept")
     ap.add_argument("--json", type=Path, help="also write every round to this file")
+    ap.add_argument("--table", type=Path, nargs="+", metavar="JSON", help="print the table of earlier soaks' --json files, together, and exit")
     a = ap.parse_args(argv)
+    if a.table:
+        fields = {f for f in Round.__dataclass_fields__}
+        print(table([Round(**{k: v for k, v in x.items() if k in fields}) for f in a.table for x in json.loads(f.read_text())]))
+        return 0
     if os.geteuid() != 0:
         print("soak: CRIU needs root; run it as root (make soak)", file=sys.stderr)
         return 2
