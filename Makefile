@@ -57,9 +57,11 @@ test-unit: setup
 	$(BIN)/python -m pytest -m "not integration"
 
 # Checkpoint -> kill -> restore cycles compared with uninterrupted runs (scripts/soak.py):
-# `make soak` runs each shape x mode x store once; ROUNDS=N or MINUTES=M for a long one.
+# `make soak` runs each shape x mode x store once; ROUNDS=N or MINUTES=M for a long one; ALONGSIDE=1
+# runs the end-to-end tests beside it all the while (they need `make test`'s services installed).
 soak: setup torch
-	$(BIN)/python scripts/soak.py $(if $(MINUTES),--minutes $(MINUTES),--rounds $(or $(ROUNDS),16)) $(SOAK_ARGS)
+	$(BIN)/python scripts/soak.py $(if $(MINUTES),--minutes $(MINUTES),--rounds $(or $(ROUNDS),16)) \
+	  $(if $(ALONGSIDE),--alongside '$(BIN)/python -m pytest -q -m integration -k "not soak" -p no:cacheprovider') $(SOAK_ARGS)
 
 bench: setup
 	$(BIN)/python bench/run.py

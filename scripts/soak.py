@@ -243,6 +243,34 @@ class Soak:
                 r.problems.append(f"steps.log is not every step once, in order ({len(steps)} lines)")
 
 
+class Alongside:
+    """A command kept running beside the rounds, in a session of its own; its output to a log."""
+
+    def __init__(self, command: str, log: Path) -> None:
+        self.command, self.log, self.runs = command, log, 0
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def keep_running(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            self.runs += 1
+            with open(self.log, "ab") as out:
+                self.proc = subprocess.Popen(["sh", "-c", self.command], cwd=REPO, stdout=out, stderr=out,
+                                             start_new_session=True)
+            print(f"soak: alongside, run {self.runs}: {self.command}", flush=True)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        reap()
+
+
 def list_manifests(env: dict[str, str], cid: str) -> list[dict[str, Any]]:
     """The complete checkpoints of ``cid`` in the round's store, as JSON (read as a user would)."""
     url = env["CEDANA_STORE"]
@@ -382,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--big-mb", type=int, default=1024, help="the numpy shape's memory on file:// (MiB)")
     ap.add_argument("--s3-mb", type=int, default=256, help="the numpy shape's memory on S3 (MiB)")
     ap.add_argument("--keep", type=Path, default=REPO / ".artifacts" / "soak", help="where failing rounds are kept")
+    ap.add_argument("--alongside", metavar="CMD", help="a shell command kept running beside the rounds, started again "
+                    "whenever it ends, stopped at the end: e.g. the end-to-end tests, so that rounds meet what other "
+                    "runs start and leave behind (make soak ALONGSIDE=1 runs `pytest -m integration`)")
     ap.add_argument("--json", type=Path, help="also write every round to this file")
     ap.add_argument("--table", type=Path, nargs="+", metavar="JSON", help="print the table of earlier soaks' --json files, together, and exit")
     a = ap.parse_args(argv)
@@ -416,7 +447,12 @@ def main(argv: list[str] | None = None) -> int:
         # Ctrl-C or a SIGTERM ends the soak: the round under way is killed, and moto stops.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         stack.callback(soak.stop)
+        beside = Alongside(a.alongside, root / "alongside.log") if a.alongside else None
+        if beside is not None:
+            stack.callback(beside.stop)
         for r in plan(n_rounds, a.minutes, names, modes, stores, rng):
+            if beside is not None:
+                beside.keep_running()
             soak.run_round(r)
             rounds.append(r)
             verdict = "skipped (ended before the kill)" if r.skipped else ("ok" if r.ok else "FAILED: " + "; ".join(r.problems))
