@@ -195,6 +195,8 @@ class Soak:
             r.problems.append(f"left behind: {'; '.join(left)}")
         if r.ok:
             shutil.rmtree(d, ignore_errors=True)
+        elif r.problems:
+            (d / "problems.txt").write_text("".join(f"{p}\n" for p in r.problems))
 
     def wait_for_checkpoint(self, env: dict[str, str], cid: str, node: str, proc: subprocess.Popen[bytes],
                             out: Path) -> bool:
