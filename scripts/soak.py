@@ -295,7 +295,10 @@ def list_manifests(env: dict[str, str], cid: str) -> list[dict[str, Any]]:
 
 def kill_tree(proc: subprocess.Popen[bytes]) -> None:
     """Lose the node: SIGKILL the supervisor and everything below it (the workload's namespace, a
-    lazy-pages daemon), all at once, then reap."""
+    lazy-pages daemon), all at once, then reap. The supervisor is stopped first, so that it starts
+    nothing (a heartbeat's criu) between the listing and the kill."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGSTOP)
     pids = descendants(proc.pid)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -319,7 +322,7 @@ def left_behind(d: Path) -> list[str]:
         reap()
         pids = _in(d)
     for pid, cmd in pids.items():
-        found.append(f"pid {pid} ({cmd[:120]})")
+        found.append(f"pid {pid} ({cmd if len(cmd) < 200 else cmd[:60] + ' ... ' + cmd[-140:]})")
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()

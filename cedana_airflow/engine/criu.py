@@ -97,9 +97,15 @@ def find_criu(configured: str = "", prefix: Path | None = None) -> CriuBinary:
 def _dies_with_us() -> list[str]:
     """A prefix that makes ``criu dump`` die with its supervisor (a parent-death signal, set by
     util-linux's setpriv): a dump left running by a dead supervisor would keep the workload frozen.
-    When criu dies its ptrace hold ends and the tree runs on, until the watchdog ends it too."""
+    When criu dies its ptrace hold ends and the tree runs on, until the watchdog ends it too.
+
+    A supervisor that dies before setpriv has set the signal sends none (the soak caught such an
+    orphaned dump still there 40 s later), so a shell between them checks that its parent is still
+    the supervisor, after the signal is set, before it becomes criu."""
     setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
+    if not setpriv:
+        return []
+    return [setpriv, "--pdeathsig", "KILL", "--", "sh", "-c", '[ "$PPID" = "$0" ] && exec "$@"', str(os.getpid())]
 
 
 #: Error lines CRIU logs on its way that do not stop it (it carries on after each).
