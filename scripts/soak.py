@@ -295,11 +295,9 @@ def list_manifests(env: dict[str, str], cid: str) -> list[dict[str, Any]]:
 
 def kill_tree(proc: subprocess.Popen[bytes]) -> None:
     """Lose the node: SIGKILL the supervisor and everything below it (the workload's namespace, a
-    lazy-pages daemon), all at once, then reap. The supervisor is stopped first, so that it starts
-    nothing (a heartbeat's criu) between the listing and the kill."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(proc.pid, signal.SIGSTOP)
-    pids = descendants(proc.pid)
+    lazy-pages daemon), all at once, then reap. The tree is stopped first, so that nothing in it
+    starts a process (a heartbeat's criu, a helper criu forks) between the listing and the kill."""
+    pids = freeze(proc.pid)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -309,6 +307,19 @@ def kill_tree(proc: subprocess.Popen[bytes]) -> None:
         reap()
         time.sleep(0.05)
     reap()
+
+
+def freeze(root: int) -> list[int]:
+    """SIGSTOP ``root`` and everything below it, again until no process appeared meanwhile; the pids."""
+    stopped: list[int] = []
+    while True:
+        new = [p for p in descendants(root) if p not in stopped]
+        if not new:
+            return stopped
+        for pid in new:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        stopped += new
 
 
 def left_behind(d: Path) -> list[str]:
@@ -455,17 +466,19 @@ def main(argv: list[str] | None = None) -> int:
         beside = Alongside(a.alongside, root / "alongside.log") if a.alongside else None
         if beside is not None:
             stack.callback(beside.stop)
-        for r in plan(n_rounds, a.minutes, names, modes, stores, rng):
-            if beside is not None:
-                beside.keep_running()
-            soak.run_round(r)
-            rounds.append(r)
-            verdict = "skipped (ended before the kill)" if r.skipped else ("ok" if r.ok else "FAILED: " + "; ".join(r.problems))
-            print(f"round {r.n:4d} {r.shape:<6} {r.mode:<5} {r.store:<5} kills={r.kills} "
-                  f"restored={','.join(r.modes_used) or '-':<10} {r.seconds:5.1f}s {verdict}", flush=True)
-    print(table(rounds), flush=True)
-    if a.json:
-        a.json.write_text(json.dumps([r.__dict__ | {"ok": r.ok} for r in rounds], indent=1))
+        try:
+            for r in plan(n_rounds, a.minutes, names, modes, stores, rng):
+                if beside is not None:
+                    beside.keep_running()
+                soak.run_round(r)
+                rounds.append(r)
+                verdict = "skipped (ended before the kill)" if r.skipped else ("ok" if r.ok else "FAILED: " + "; ".join(r.problems))
+                print(f"round {r.n:4d} {r.shape:<6} {r.mode:<5} {r.store:<5} kills={r.kills} "
+                      f"restored={','.join(r.modes_used) or '-':<10} {r.seconds:5.1f}s {verdict}", flush=True)
+        finally:  # interrupted too: the rounds that ended are counted
+            print(table(rounds), flush=True)
+            if a.json:
+                a.json.write_text(json.dumps([r.__dict__ | {"ok": r.ok} for r in rounds], indent=1))
     if all(r.ok or r.skipped for r in rounds) and not any(r.ok for r in rounds) and rounds:
         print("soak: no round got to a restore; make the shapes longer", file=sys.stderr)
         return 1
