@@ -195,8 +195,21 @@ class Soak:
             r.problems.append(f"left behind: {'; '.join(left)}")
         if r.ok:
             shutil.rmtree(d, ignore_errors=True)
+            if r.store == "s3":  # moto keeps every object in memory: 169 rounds' worth got it OOM-killed
+                self.drop_s3(cid)
         elif r.problems:
             (d / "problems.txt").write_text("".join(f"{p}\n" for p in r.problems))
+
+    def drop_s3(self, cid: str) -> None:
+        """Delete a passing round's objects (its store is the prefix ``cid/`` of the soak's bucket)."""
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=self.s3_url, aws_access_key_id="soak", aws_secret_access_key="soak",
+                          region_name="us-east-1")
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket="soak", Prefix=f"{cid}/"):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                s3.delete_objects(Bucket="soak", Delete={"Objects": keys})
 
     def wait_for_checkpoint(self, env: dict[str, str], cid: str, node: str, proc: subprocess.Popen[bytes],
                             out: Path) -> bool:
