@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from .iov import IOV_MAX
+from .iov import IOV_MAX, advance
 from .pagemap import PAGE_SIZE
 
 __all__ = ["PageServer", "PageSource", "wire_for"]
@@ -115,9 +115,4 @@ class PageServer(threading.Thread):
         """One sendmsg for header and pages where the socket takes it all (it mostly does)."""
         left = [memoryview(p).cast("B") for p in pieces]
         while left:
-            sent = self.sock.sendmsg(left[:IOV_MAX])  # more buffers than that is EMSGSIZE
-            while left and sent >= len(left[0]):
-                sent -= len(left[0])
-                left.pop(0)
-            if left and sent:
-                left[0] = left[0][sent:]
+            advance(left, self.sock.sendmsg(left[:IOV_MAX]))  # more buffers than that is EMSGSIZE

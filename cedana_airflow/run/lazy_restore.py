@@ -21,7 +21,8 @@ The one rule that matters: the process must never run on a page it did not get. 
 out corrupt or the store goes away, the tree is killed before the daemon is let go (its faults stay
 blocked until then), and the caller restores again in full (the next older checkpoint for a corrupt
 one). A failure before the tree runs that is not a verified corruption (the lazy machinery's, not
-the checkpoint's) makes the caller retry the same checkpoint in full. A heartbeat waits until every page is in: CRIU cannot dump a tree with pages still missing.
+the checkpoint's) makes the caller retry the same checkpoint in full. A heartbeat waits until every
+page is in: CRIU cannot dump a tree with pages still missing.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from cedana_airflow.engine.iov import IOV_MAX, batches, pwritev_all, within_iov_max
+from cedana_airflow.engine.iov import IOV_MAX, advance, pwritev_all, within_iov_max
 
 
 def test_the_kernel_refuses_more_than_iov_max_buffers_in_one_call(tmp_path):
@@ -31,9 +31,11 @@ def test_pwritev_all_writes_every_piece_in_order_however_many(tmp_path):
         os.close(fd)
 
 
-def test_batches_and_one_write_messages_stay_within_the_limit():
+def test_advance_and_one_write_messages_stay_within_the_limit():
+    left = [memoryview(b"abc"), memoryview(b"de"), memoryview(b"f")]
+    advance(left, 4)  # all of the first, one byte of the second
+    assert [bytes(b) for b in left] == [b"e", b"f"]
     pieces = [b"ab"] * (IOV_MAX + 3)
-    assert [len(b) for b in batches(pieces)] == [IOV_MAX, 3]
     assert within_iov_max(pieces[:10], reserved=1) == pieces[:10]
     joined = within_iov_max(pieces, reserved=1)
     assert len(joined) == 1 and joined[0] == b"ab" * (IOV_MAX + 3)
