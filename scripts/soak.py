@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -202,10 +203,8 @@ class Soak:
 
     def drop_s3(self, cid: str) -> None:
         """Delete a passing round's objects (its store is the prefix ``cid/`` of the soak's bucket)."""
-        import boto3
-
-        s3 = boto3.client("s3", endpoint_url=self.s3_url, aws_access_key_id="soak", aws_secret_access_key="soak",
-                          region_name="us-east-1")
+        assert self.s3_url
+        s3 = s3_client(self.s3_url)
         for page in s3.get_paginator("list_objects_v2").paginate(Bucket="soak", Prefix=f"{cid}/"):
             keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
             if keys:
@@ -286,6 +285,15 @@ class Alongside:
         reap()
 
 
+@functools.cache
+def s3_client(endpoint: str) -> Any:
+    """One boto3 client for moto's server (made once: the soak polls it every 0.2 s)."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="soak", aws_secret_access_key="soak",
+                        region_name="us-east-1")
+
+
 def list_manifests(env: dict[str, str], cid: str) -> list[dict[str, Any]]:
     """The complete checkpoints of ``cid`` in the round's store, as JSON (read as a user would)."""
     url = env["CEDANA_STORE"]
@@ -296,11 +304,8 @@ def list_manifests(env: dict[str, str], cid: str) -> list[dict[str, Any]]:
             with contextlib.suppress(OSError, ValueError):
                 out.append(json.loads(p.read_text()))
         return out
-    import boto3
-
     bucket, _, prefix = url[len("s3://"):].partition("/")
-    s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="soak",
-                      aws_secret_access_key="soak", region_name="us-east-1")
+    s3 = s3_client(env["AWS_ENDPOINT_URL"])
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/{cid}/").get("Contents", [])
             if o["Key"].endswith("/manifest.json")]
     return [json.loads(s3.get_object(Bucket=bucket, Key=k)["Body"].read()) for k in keys]
@@ -468,10 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         s3_url = None
         if "s3" in stores:
             s3_url = stack.enter_context(moto_server())
-            import boto3
-
-            boto3.client("s3", endpoint_url=s3_url, aws_access_key_id="soak", aws_secret_access_key="soak",
-                         region_name="us-east-1").create_bucket(Bucket="soak")
+            s3_client(s3_url).create_bucket(Bucket="soak")
         soak = Soak(root, rng, s3_url, a.big_mb, a.s3_mb)
         # Ctrl-C or a SIGTERM ends the soak: the round under way is killed, and moto stops.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from cedana_airflow.engine import criu
+from conftest import wait_gone
 
 pytestmark = pytest.mark.skipif(criu.shutil.which("setpriv") is None, reason="util-linux's setpriv is missing")
 
@@ -38,12 +39,6 @@ def test_the_command_dies_when_its_supervisor_is_killed(tmp_path):
     pid = int(marker.read_text())
     sup.kill()
     sup.wait()
-    deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
-        try:
-            os.waitpid(-1, os.WNOHANG)  # the tests' session may be its subreaper
-        except ChildProcessError:
-            pass
-        time.sleep(0.05)
+    wait_gone(pid, 10)  # reaping it, where the tests' session is its subreaper
     state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] if os.path.exists(f"/proc/{pid}") else "gone"
     assert state in ("gone", "Z")
