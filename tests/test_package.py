@@ -14,15 +14,18 @@ import cedana_airflow
 
 PKG = Path(cedana_airflow.__file__).parent
 #: The Airflow side of the package; everything else is core and must import without Airflow.
-ADAPTERS = ("cedana_airflow.airflow", "cedana_airflow.operators", "cedana_airflow.sensors")
+ADAPTERS = ("cedana_airflow.airflow", "cedana_airflow.hooks", "cedana_airflow.triggers", "cedana_airflow.operators",
+            "cedana_airflow.sensors")
 #: Subpackages from the bottom up: a module may import only from its own layer or one below it.
 LAYERS = [
-    {"cedana_airflow.errors", "cedana_airflow.ids", "cedana_airflow.config"},
+    {"cedana_airflow.errors", "cedana_airflow.ids", "cedana_airflow.config", "cedana_airflow.units"},
     {"cedana_airflow.format"},
     {"cedana_airflow.store", "cedana_airflow.engine"},
     {"cedana_airflow.node"},
     {"cedana_airflow.run", "cedana_airflow.scope", "cedana_airflow.slurm"},
     {"cedana_airflow.drill"},
+    {"cedana_airflow.hooks"},
+    {"cedana_airflow.triggers"},
     {"cedana_airflow.cli", "cedana_airflow.airflow"},
 ]
 
