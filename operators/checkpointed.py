@@ -7,31 +7,29 @@ Thin by design (DESIGN.md, layers): Airflow context in, one ``run_workload`` cal
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import shlex
+import signal
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow.sdk.exceptions import AirflowException
 
-from cedana_airflow.airflow.config import AirflowOptions, task_settings
 from cedana_airflow.airflow.logsink import LogSink
-from cedana_airflow.airflow.store import task_store, with_signing_key
+from cedana_airflow.airflow.task import (CEDANA_TEMPLATE_FIELDS, CedanaTask, Placement, TaskSetup, airflow_errors,
+                                         command_argv)
 from cedana_airflow.airflow.task_state import STATE_KEY, TaskState, airflow_task
 from cedana_airflow.config import Settings
 from cedana_airflow.engine.cuda import load_driver
-from cedana_airflow.errors import CedanaError, CheckpointIdError, ConfigError, GpuUnavailable
-from cedana_airflow.format.selection import AgeLimit
-from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
+from cedana_airflow.errors import ConfigError, GpuUnavailable
 from cedana_airflow.run.environment import workload_env
-from cedana_airflow.run.restore_gap import judge_restore_gap
 from cedana_airflow.run.runner import RunResult, run_workload
+from cedana_airflow.run.stop import UNPROTECTED_GRACE_SECONDS
 from cedana_airflow.run.workload import run_unprotected
-from cedana_airflow.scope.optin import Decision, Where, decide, load_optin, parse_labels
-from cedana_airflow.store import Store
+from cedana_airflow.scope.optin import OptInList, parse_labels
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -50,40 +48,25 @@ XCOM_RESTORE_KEY = "cedana_restore"
 _PRIVATE_ENV_PREFIXES = ("AIRFLOW__", "AIRFLOW_CONN_", "AIRFLOW_VAR_", "_AIRFLOW")
 
 
-class CheckpointedCommandOperator(BaseOperator):
+class CheckpointedCommandOperator(CedanaTask, BaseOperator):
     """Run ``command`` under cedana-airflow: heartbeat checkpoints, and resume on retry or Clear.
 
     :param command: argv list, or a string split with shell rules (no shell runs it). Templated.
     :param env: extra environment for the workload (on top of the task's, minus Airflow's own
         settings and connections and the store's credentials; see ``keep_env``). Templated.
     :param cwd: working directory of the workload. Templated.
-    :param checkpoint_id: label of this workload's checkpoints. Default: derived from dag_id,
-        task_id, map_index and run_id, so a new DAG run starts fresh and a retry or Clear of the
-        same run resumes. Templated.
-    :param heartbeat: time between checkpoints (default: [cedana] heartbeat_seconds; none if unset).
-    :param store: store URL (default: [cedana] store).
-    :param aws_conn_id: Airflow connection for an s3:// store (default: [cedana] aws_conn_id). A
-        connection that does not exist fails the task; it never falls back silently.
     :param checkpoint_on_kill: take a final checkpoint when Airflow stops the task (drain, preemption,
         a Clear or mark-failed of the running task). Default: [cedana] checkpoint_on_term (True).
-    :param settings: further core settings by name (e.g. ``{"max_checkpoint_bytes": 8 << 30}``).
-    :param idempotency_key: required when the DAG declares ``cedana:effects=external`` (the cluster
-        policy refuses the DAG otherwise); the workload reads it as CEDANA_IDEMPOTENCY_KEY. Templated.
-    :param max_restore_gap: a checkpoint older than this is not restored; the workload starts fresh
-        and the log says so (required under ``cedana:realtime``).
-    :param lease: the license lease length of license-bound software (``cedana:license=NAME``): a
-        checkpoint older than the lease is not restored either, since its license is dead.
-    :param lease_renew_command: run before restoring a checkpoint older than ``lease`` (with
-        CEDANA_CHECKPOINT_ID and CEDANA_RESTORE_GAP_SECONDS in its environment), e.g. to re-check-out
-        the license the restored process holds; exit 0 restores, anything else starts fresh.
-    :param expected_duration: / :param job_server: / :param gpu: what the opt-in list's rules judge
-        (short tasks re-run; job-server tasks only on marked queues; GPU tasks only with NVIDIA).
+    The arguments every route takes (checkpoint_id, heartbeat, store, aws_conn_id, settings,
+    idempotency_key, max_restore_gap, lease, lease_renew_command, expected_duration, job_server, gpu)
+    are :class:`~cedana_airflow.airflow.task.CedanaTask`'s.
 
     ================================  =================================================================
     what happened                      the task
     ================================  =================================================================
     the workload exited 0              success; the summary (fresh or restored, checkpoints) is its XCom
     the workload exited N != 0         failed, retries apply; a retry or Clear resumes the latest checkpoint
+    the workload was killed            the same; the log names the signal (SIGKILL: a lost node, the OOM killer)
     Airflow stopped the task           final checkpoint (``checkpoint_on_kill``), then failed
     bad configuration or ID            failed without retries (``AirflowFailException``): one line
     the store or the engine failed     failed, retries apply: one ``cedana:`` line naming the cause
@@ -92,128 +75,59 @@ class CheckpointedCommandOperator(BaseOperator):
     ================================  =================================================================
     """
 
-    template_fields: Sequence[str] = ("command", "env", "cwd", "checkpoint_id", "store", "idempotency_key",
-                                      "lease_renew_command")
-    #: The cluster policy (cedana_airflow/airflow/policy.py) checks the DAG-tag rules on tasks that carry this.
-    cedana_checkpointed = True
+    template_fields: Sequence[str] = ("command", "env", "cwd", *CEDANA_TEMPLATE_FIELDS)
     template_fields_renderers = {"command": "bash", "env": "json"}
     ui_color = "#d7ecf9"
 
-    def __init__(
-        self,
-        *,
-        command: str | Sequence[str],
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        checkpoint_id: str | None = None,
-        heartbeat: timedelta | None = None,
-        store: str | None = None,
-        aws_conn_id: str | None = None,
-        checkpoint_on_kill: bool | None = None,
-        settings: dict[str, Any] | None = None,
-        idempotency_key: str | None = None,
-        max_restore_gap: timedelta | None = None,
-        lease: timedelta | None = None,
-        expected_duration: timedelta | None = None,
-        job_server: bool = False,
-        gpu: bool = False,
-        lease_renew_command: str | Sequence[str] | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *, command: str | Sequence[str], env: dict[str, str] | None = None, cwd: str | None = None,
+                 checkpoint_on_kill: bool | None = None, checkpoint_id: str | None = None,
+                 heartbeat: timedelta | None = None, store: str | None = None, aws_conn_id: str | None = None,
+                 settings: dict[str, Any] | None = None, idempotency_key: str | None = None,
+                 max_restore_gap: timedelta | None = None, lease: timedelta | None = None,
+                 lease_renew_command: str | Sequence[str] | None = None, expected_duration: timedelta | None = None,
+                 job_server: bool = False, gpu: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.lease_renew_command = lease_renew_command
-        self.idempotency_key, self.max_restore_gap, self.lease = idempotency_key, max_restore_gap, lease
-        self.expected_duration, self.job_server, self.gpu = expected_duration, job_server, gpu
-        self.command = command
-        self.env = env
-        self.cwd = cwd
-        self.checkpoint_id = checkpoint_id
-        self.heartbeat = heartbeat
-        self.store = store
-        self.aws_conn_id = aws_conn_id
-        self.checkpoint_on_kill = checkpoint_on_kill
-        self.settings = dict(settings or {})
+        self.command, self.env, self.cwd, self.checkpoint_on_kill = command, env, cwd, checkpoint_on_kill
         self._stop = threading.Event()
-        try:  # a bad value is a DAG import error here, not a stack trace in a worker later
-            self._resolve()
-        except CedanaError as e:
-            raise AirflowException(f"{self.task_id}: {e}") from None
+        self.init_cedana(checkpoint_id=checkpoint_id, heartbeat=heartbeat, store=store, aws_conn_id=aws_conn_id,
+                         settings=settings, idempotency_key=idempotency_key, max_restore_gap=max_restore_gap,
+                         lease=lease, lease_renew_command=lease_renew_command, expected_duration=expected_duration,
+                         job_server=job_server, gpu=gpu, route_settings={"checkpoint_on_term": checkpoint_on_kill})
 
-    def _resolve(self, scope_defaults: dict[str, Any] | None = None) -> tuple[Settings, AirflowOptions]:
-        overrides: dict[str, Any] = {**self.settings, "aws_conn_id": self.aws_conn_id,
-                                     "checkpoint_on_term": self.checkpoint_on_kill}
-        if self.heartbeat is not None:
-            overrides["heartbeat_seconds"] = self.heartbeat.total_seconds()
-        if self.max_restore_gap is not None:  # the core refuses each too-old candidate, fallbacks included
-            overrides["max_restore_gap_seconds"] = self.max_restore_gap.total_seconds()
-        if self.store and "{{" not in self.store:
-            overrides["store"] = self.store
-        settings, options = task_settings(overrides, scope_defaults)
-        if not settings.stop_window_seconds:  # Airflow's task supervisor SIGKILLs a task 5 s after its SIGTERM
-            settings = settings.model_copy(update={"stop_window_seconds": AIRFLOW_STOP_WINDOW_SECONDS})
-        return settings, options
-
-    def _in_scope(self, context: Context, settings: Settings) -> Decision:
-        """The opt-in list's decision for this task on this worker, written into the task log."""
-        ti = context["ti"]
-        dag = context.get("dag")
-        try:
-            where = Where(ti.dag_id, ti.task_id, settings.resolved_node(),
-                          parse_labels(os.environ.get("CEDANA_NODE_LABELS", "")), getattr(ti, "queue", "") or self.queue,
-                          self.pool or "", tuple(getattr(dag, "tags", None) or ()),
-                          self.expected_duration.total_seconds() if self.expected_duration else None,
-                          self.job_server, self.gpu, _has_nvidia() if self.gpu else None)
-            decision = decide(load_optin(settings.optin_file), where)
-        except ConfigError as e:  # a broken list never fails a task: it runs unprotected and says why
-            decision = Decision(False, (f"the opt-in list cannot be used: {e}",))
-        for line in decision.explain().splitlines():
-            self.log.info("cedana: %s", line.strip())
-        return decision
+    def _placement(self, optin: OptInList | None, settings: Settings) -> Placement:
+        """This worker: its node name and CEDANA_NODE_LABELS; for a GPU task, whether it has NVIDIA's driver."""
+        return Placement(settings.resolved_node(), parse_labels(os.environ.get("CEDANA_NODE_LABELS", "")),
+                         gpu=self.gpu, nvidia=_has_nvidia() if self.gpu else None)
 
     # -- execution ---------------------------------------------------------------------------------
-    def checkpoint_id_for(self, context: Context) -> str:
-        """The (validated) checkpoint ID of this task instance: the argument, else the derived default."""
-        ti = context["ti"]
-        if self.checkpoint_id:
-            return validate_checkpoint_id(self.checkpoint_id)
-        return derive_checkpoint_id(ti.dag_id, ti.task_id, context["run_id"], map_index=ti.map_index)
-
     def execute(self, context: Context) -> dict[str, Any]:
         ti = context["ti"]
-        try:
-            settings, options = self._resolve()  # the templated fields are rendered by now
-            argv = _argv(self.command)
+        with airflow_errors():
+            argv = command_argv(self.command)  # the templated fields are rendered by now
             if not argv:
                 raise ConfigError("command is empty. Give the command to run as a list or a string.")
-            decision = self._in_scope(context, settings)
-            if not decision.in_scope:
-                return self._run_unprotected(argv, self._workload_env(context, None, settings), settings)
-            settings, options = self._resolve(decision.defaults)
-            cid = self.checkpoint_id_for(context)
-            settings = with_signing_key(settings, options.signing_conn_id)
-            store = task_store(settings, options.aws_conn_id)
-        except (ConfigError, CheckpointIdError) as e:
-            raise AirflowFailException(f"cedana: {e}") from None  # configuration: a retry would fail the same way
-        except CedanaError as e:
-            raise AirflowException(f"cedana: {e}") from None
+            setup = self.cedana_setup(context, self._placement)
+            if not setup.in_scope:
+                return self._run_unprotected(argv, self._workload_env(context, None, setup.settings), setup.settings)
+            setup = _with_stop_window(setup.signed())
+            store = setup.store()
 
+        cid, settings = setup.checkpoint_id, setup.settings
         node = settings.resolved_node()
         state = TaskState.of(context, self.log)
         previous = state.previous_try(ti.try_number)
         self.log.info("cedana: checkpoint_id=%s node=%s try=%d store=%s heartbeat=%ss",
                       cid, node, ti.try_number, store.url, settings.heartbeat_seconds or "off")
-        self._check_same_node(previous, node, options.same_node_retry)
+        self._check_same_node(previous, node, setup.options.same_node_retry)
         state.add_try(ti.try_number, node, checkpoint_id=cid)
 
-        env = self._workload_env(context, cid, settings)
         out, err = LogSink(self.log, "stdout"), LogSink(self.log, "stderr")
         try:
-            result = run_workload(settings, cid, argv, resume=self._may_resume(store, cid), try_number=ti.try_number,
-                                  cwd=self.cwd, env=env,
-                                  stdout=out, stderr=err, handle_signals=False, stop=self._stop, store=store,
-                                  airflow=airflow_task(context))
-        except CedanaError as e:
-            raise AirflowException(f"cedana: {e}") from None
+            with airflow_errors():
+                result = run_workload(settings, cid, argv, resume=True, try_number=ti.try_number, cwd=self.cwd,
+                                      env=self._workload_env(context, cid, settings), stdout=out, stderr=err,
+                                      handle_signals=False, stop=self._stop, store=store, airflow=airflow_task(context),
+                                      on_restore=lambda r: self._log_restore(cid, node, r))
         finally:
             out.close()
             err.close()
@@ -242,7 +156,12 @@ class CheckpointedCommandOperator(BaseOperator):
             context["ti"].xcom_push(key=XCOM_RESTORE_KEY, value=summary["restore"])
         state.update(**record)
         if result.exit_code != 0:
-            how = f"was stopped (signal {result.stopped_by_signal})" if result.stopped_by_signal else f"exited {result.exit_code}"
+            if result.stopped_by_signal:
+                how = f"was stopped (signal {result.stopped_by_signal})"
+            elif result.killed_by_signal:  # not by us: the OOM killer, a lost node, someone's kill -9
+                how = f"was killed by {_signal_name(result.killed_by_signal)}"
+            else:
+                how = f"exited {result.exit_code}"
             raise AirflowException(
                 f"cedana: the workload {how}; {len(result.checkpoints)} checkpoint(s) taken this try"
                 + (f", the latest is seq {result.checkpoints[-1].seq}: a retry or Clear resumes from it"
@@ -256,10 +175,7 @@ class CheckpointedCommandOperator(BaseOperator):
         env = workload_env({k: v for k, v in os.environ.items() if not k.startswith(_PRIVATE_ENV_PREFIXES)},
                            settings.keep_env)
         env.update(self.env or {})
-        if self.idempotency_key:
-            env["CEDANA_IDEMPOTENCY_KEY"] = self.idempotency_key
-        if cid:
-            env["CEDANA_CHECKPOINT_ID"] = cid
+        env.update(self.cedana_env(cid))
         env.update(AIRFLOW_CTX_DAG_ID=ti.dag_id, AIRFLOW_CTX_TASK_ID=ti.task_id,
                    AIRFLOW_CTX_DAG_RUN_ID=context["run_id"], AIRFLOW_CTX_TRY_NUMBER=str(ti.try_number))
         return env
@@ -269,21 +185,12 @@ class CheckpointedCommandOperator(BaseOperator):
         sink = LogSink(self.log, "stdout")
         try:
             rc = run_unprotected(argv, cwd=self.cwd, env=env, sink=sink, stop=self._stop,
-                                 grace=settings.stop_grace_seconds)
+                                 grace=settings.stop_grace_seconds or UNPROTECTED_GRACE_SECONDS)
         finally:
             sink.close()
         if rc != 0:
             raise AirflowException(f"cedana: the workload (unprotected: not in scope) exited {rc}")
         return {"outcome": "unprotected", "exit_code": 0, "checkpoints_taken": 0}
-
-    def _may_resume(self, store: Store, cid: str) -> bool:
-        """False when the latest checkpoint is older than the license lease (unless lease_renew_command
-        renews it): start fresh, and say so. max_restore_gap is the core's, checked on every candidate."""
-        limits = [AgeLimit("lease", self.lease.total_seconds())] if self.lease is not None else []
-        verdict = judge_restore_gap(store, cid, limits, _argv(self.lease_renew_command))
-        for level, note in verdict.notes:
-            self.log.log(level, "cedana: %s", note)
-        return verdict.resume
 
     def _summary(self, cid: str, node: str, result: RunResult, previous: dict[str, Any] | None) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -300,23 +207,31 @@ class CheckpointedCommandOperator(BaseOperator):
                 "restore_seconds": round(result.restore_seconds, 2), "image_bytes": m.image_bytes,
                 "refused": list(result.skipped),
             }
-            self.log.info("cedana: restored checkpoint_id=%s seq=%d (taken by try %d on node %s) on node %s; "
-                          "gap %.1f s, restore %.2f s", cid, m.seq, m.try_number, m.node, node,
-                          out["restore"]["gap_seconds"], result.restore_seconds)
         return out
+
+    def _log_restore(self, cid: str, node: str, result: RunResult) -> None:
+        """The restore, in the task log when it happens (before the workload's next output): what a reader
+        looks for first, the long checkpoint ID last."""
+        m = result.restored_from
+        if m is not None:
+            self.log.info("cedana: restored seq %d of try %d (node %s) on node %s: gap %.1f s, restore %.2f s, "
+                          "checkpoint_id=%s", m.seq, m.try_number, m.node, node, result.restore_gap_seconds,
+                          result.restore_seconds, cid)
 
     def on_kill(self) -> None:
         # Called from Airflow's SIGTERM handler in the task process: the supervision loop sees the
         # event, takes the final checkpoint (unless checkpoint_on_kill=False) and stops the workload.
-        self.log.info("cedana: the task is being stopped; final checkpoint, then SIGTERM to the workload")
+        self.log.info("cedana: the task is being stopped; final checkpoint, then the workload tree ends")
         self._stop.set()
 
 
-def _argv(command: str | Sequence[str] | None) -> list[str]:
-    """A command as an argv list: a string is split with shell rules (no shell runs it)."""
-    if command is None:
-        return []
-    return shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
+def _with_stop_window(setup: TaskSetup) -> TaskSetup:
+    """Airflow's task supervisor SIGKILLs a task AIRFLOW_STOP_WINDOW_SECONDS after its SIGTERM: unless
+    stop_window_seconds says otherwise, that is what the final checkpoint has."""
+    if setup.settings.stop_window_seconds:
+        return setup
+    return dataclasses.replace(setup, settings=setup.settings.model_copy(
+        update={"stop_window_seconds": AIRFLOW_STOP_WINDOW_SECONDS}))
 
 
 def _has_nvidia() -> bool:
@@ -327,3 +242,11 @@ def _has_nvidia() -> bool:
         return True
     except GpuUnavailable:
         return False
+
+
+def _signal_name(n: int) -> str:
+    """SIGKILL, SIGSEGV ...; a real-time signal has no name in the signal module: "signal 35"."""
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"

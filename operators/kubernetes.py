@@ -14,14 +14,15 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.providers.cncf.kubernetes.callbacks import KubernetesPodOperatorCallback
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
-from airflow.sdk.exceptions import AirflowFailException
 from kubernetes.client import models as k8s
 
 from cedana_airflow.airflow.config import airflow_options
-from cedana_airflow.airflow.kube import Route, apply_route, pod_scope, uses_gpu
+from cedana_airflow.airflow.kube import Route, apply_route, node_label_of, restore_rules_env, uses_gpu, with_env
+from cedana_airflow.airflow.task import CEDANA_TEMPLATE_FIELDS, CedanaTask, Placement, TaskSetup, airflow_errors
 from cedana_airflow.airflow.task_state import TaskState, airflow_task
-from cedana_airflow.errors import ConfigError
-from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
+from cedana_airflow.config import Settings
+from cedana_airflow.run.restore_gap import judge_settings
+from cedana_airflow.scope.optin import OptInList
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -40,58 +41,86 @@ class _RecordNode(KubernetesPodOperatorCallback):
         TaskState.of(context, operator.log).add_try(context["ti"].try_number, node)
 
 
-class CedanaKubernetesPodOperator(KubernetesPodOperator):
-    """``KubernetesPodOperator`` plus checkpointing: everything it takes, and
+class CedanaKubernetesPodOperator(CedanaTask, KubernetesPodOperator):
+    """``KubernetesPodOperator`` plus checkpointing: everything it takes, the arguments every route takes
+    (:class:`~cedana_airflow.airflow.task.CedanaTask`: checkpoint_id, heartbeat, store, idempotency_key,
+    max_restore_gap, lease, ...), and
 
-    :param checkpoint_id: templated; default derived from dag_id, task_id, map_index and run_id.
-    :param heartbeat: time between checkpoints (default [cedana] heartbeat_seconds, else 10 minutes:
-        ``POD_HEARTBEAT_FALLBACK_SECONDS``).
     :param route: ``cedana`` or ``wrap`` (default [cedana] k8s_route, else ``cedana``).
     :param store_secret: wrap route: a Secret with the store's credentials (keys AWS_ACCESS_KEY_ID,
         AWS_SECRET_ACCESS_KEY; optional AWS_SESSION_TOKEN, AWS_ENDPOINT_URL, AWS_REGION), mounted
         read-only as files that only cedana-airflow reads: never in the workload's environment.
+
+    A pod needs a heartbeat: without ``heartbeat`` or [cedana] heartbeat_seconds it is [cedana]
+    k8s_heartbeat_seconds. The pod goes to a node with the opt-in list's node label; a task out of
+    scope (or with a broken list) gets its pod unchanged but for CEDANA_IDEMPOTENCY_KEY, and runs
+    unprotected, as on every route. The wrap route's in-pod CLI applies max_restore_gap and the lease
+    where it restores; on the ``cedana`` route Cedana's runtime restores, so a checkpoint beyond either
+    limit is judged here, and the pod then starts fresh.
     """
 
-    template_fields: Sequence[str] = (*KubernetesPodOperator.template_fields, "checkpoint_id")
+    template_fields: Sequence[str] = (*KubernetesPodOperator.template_fields, *CEDANA_TEMPLATE_FIELDS)
 
-    def __init__(self, *, checkpoint_id: str | None = None, heartbeat: timedelta | None = None,
-                 route: str | None = None, store_secret: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *, route: str | None = None, store_secret: str | None = None, checkpoint_id: str | None = None,
+                 heartbeat: timedelta | None = None, store: str | None = None, aws_conn_id: str | None = None,
+                 settings: dict[str, Any] | None = None, idempotency_key: str | None = None,
+                 max_restore_gap: timedelta | None = None, lease: timedelta | None = None,
+                 lease_renew_command: str | Sequence[str] | None = None, expected_duration: timedelta | None = None,
+                 job_server: bool = False, gpu: bool = False, **kwargs: Any) -> None:
         callbacks = kwargs.pop("callbacks", None) or []
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
         kwargs["durable"] = False  # a retry gets a new pod on another node, never the failed one
         super().__init__(callbacks=[*callbacks, _RecordNode], **kwargs)
-        self.checkpoint_id, self.heartbeat, self.store_secret = checkpoint_id, heartbeat, store_secret
+        self.store_secret = store_secret
         if route and route not in ("cedana", "wrap"):
             raise ValueError(f"{self.task_id}: route {route!r} is unknown; use 'cedana' or 'wrap'.")
         self.route = route or airflow_options("k8s_route").k8s_route
+        self.init_cedana(checkpoint_id=checkpoint_id, heartbeat=heartbeat, store=store, aws_conn_id=aws_conn_id,
+                         settings=settings, idempotency_key=idempotency_key, max_restore_gap=max_restore_gap,
+                         lease=lease, lease_renew_command=lease_renew_command, expected_duration=expected_duration,
+                         job_server=job_server, gpu=gpu)
 
     def build_pod_request_obj(self, context: Context | None = None, *, dry_run: bool = False) -> k8s.V1Pod:
         pod = super().build_pod_request_obj(context, dry_run=dry_run)
         if context is None:
             return pod
-        try:
+        with airflow_errors():
             return self._checkpointed(pod, context)
-        except ConfigError as e:
-            raise AirflowFailException(f"cedana: {e}") from None
 
     def _checkpointed(self, pod: k8s.V1Pod, context: Context) -> k8s.V1Pod:
         ti = context["ti"]
-        overrides = {"heartbeat_seconds": self.heartbeat.total_seconds()} if self.heartbeat else {}
-        scope = pod_scope(ti.dag_id, ti.task_id, self.queue, self.pool or "", overrides)
-        for line in scope.decision.explain().splitlines():
-            self.log.info("cedana: %s", line.strip())
-        if not scope.decision.in_scope:
+
+        def placement(optin: OptInList | None, settings: Settings) -> Placement:
+            """The scheduler picks the node later: the node scope is met by pinning the pod to the list's label."""
+            label = node_label_of(optin)
+            return Placement(f"(a node labelled {label[0]}={label[1]})", dict([label]), gpu=self.gpu or uses_gpu(pod))
+
+        setup = self.cedana_setup(context, placement)
+        if not setup.in_scope:
             if uses_gpu(pod):
                 self.log.warning("cedana: this pod asks for a GPU but is out of scope: it runs unprotected")
-            return pod
-        cid = (validate_checkpoint_id(self.checkpoint_id) if self.checkpoint_id
-               else derive_checkpoint_id(ti.dag_id, ti.task_id, context["run_id"], map_index=ti.map_index))
+            return with_env(pod, self.cedana_env(None))  # the key holds for an unprotected run too
         earlier = TaskState.of(context, self.log).earlier_nodes(ti.try_number)
         if earlier:
             self.log.info("cedana: this retry's pod avoids node(s) %s, where earlier tries ran", ", ".join(earlier))
-        route = Route(kind=self.route, checkpoint_id=cid,  # type: ignore[arg-type]
-                      heartbeat_seconds=scope.heartbeat_seconds, node_label=scope.node_label,
-                      avoid_nodes=earlier, runtime_class=scope.runtime_class,
-                      store=scope.settings.store, store_secret=self.store_secret or "", try_number=ti.try_number,
-                      airflow=airflow_task(context))
+        options = airflow_options("k8s_runtime_class", "k8s_heartbeat_seconds")
+        settings = setup.settings
+        route = Route(kind=self.route, checkpoint_id=setup.checkpoint_id,  # type: ignore[arg-type]
+                      heartbeat_seconds=int(settings.heartbeat_seconds or options.k8s_heartbeat_seconds),
+                      node_label=next(iter(setup.placement.node_labels.items())), avoid_nodes=earlier,
+                      runtime_class=options.k8s_runtime_class, store=settings.store or "",
+                      store_secret=self.store_secret or "", try_number=ti.try_number, airflow=airflow_task(context),
+                      env={**self.cedana_env(None), **restore_rules_env(settings)},
+                      resume=self.route == "wrap" or self._may_resume(setup))
         return apply_route(pod, route)
+
+    def _may_resume(self, setup: TaskSetup) -> bool:
+        """The ``cedana`` route: Cedana's runtime restores whatever CEDANA_CHECKPOINT names, so the restore
+        gap and the lease are judged here, against the store, before the pod exists."""
+        s = setup.settings
+        if s.max_restore_gap_seconds is None and s.lease_seconds is None:
+            return True  # no limit: the store is not read
+        verdict = judge_settings(setup.store(), setup.checkpoint_id, s, include_gap=True)  # ages: no key needed
+        for level, note in verdict.notes:
+            self.log.log(level, "cedana: %s", note)
+        return verdict.resume

@@ -19,15 +19,16 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from cedana_airflow.airflow.config import task_settings
-from cedana_airflow.airflow.slurm import SlurmJobTrigger, slurm_client
+from cedana_airflow.airflow.task import CEDANA_TEMPLATE_FIELDS, CedanaTask, Placement, airflow_errors
 from cedana_airflow.airflow.task_state import airflow_task
-from cedana_airflow.errors import CedanaError, CheckpointIdError, ConfigError, SlurmRefused
-from cedana_airflow.ids import derive_checkpoint_id, validate_checkpoint_id
-from cedana_airflow.scope.optin import Decision, Where, decide, load_optin
+from cedana_airflow.config import Settings
+from cedana_airflow.errors import CedanaError, ConfigError
+from cedana_airflow.hooks.slurm import slurm_client
+from cedana_airflow.scope.optin import Decision, OptInList
 from cedana_airflow.slurm.batch import JobSpec, job_settings_env, shell_command
 from cedana_airflow.slurm.client import OUTPUT_READ_BYTES, SlurmClient
 from cedana_airflow.slurm.jobs import JobEnd, JobInfo
+from cedana_airflow.triggers.slurm import SlurmJobTrigger
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -38,7 +39,7 @@ __all__ = ["CedanaSlurmOperator"]
 XCOM_JOB_KEY = "slurm_job_id"
 
 
-class CedanaSlurmOperator(BaseOperator):
+class CedanaSlurmOperator(CedanaTask, BaseOperator):
     """Run ``command`` as a Slurm batch job; checkpointed when its partition and task are in scope.
 
     :param command: a shell line (run by bash) or an argv list. Templated.
@@ -49,8 +50,6 @@ class CedanaSlurmOperator(BaseOperator):
         :param mem: the usual sbatch resources (``gpus=N`` is ``--gres=gpu:N``).
     :param sbatch_args: more sbatch options, passed as given.
     :param env: the job's own environment variables (the worker's are not passed on). Templated.
-    :param checkpoint_id: templated; default derived from dag_id, task_id, map_index and run_id.
-    :param heartbeat: time between checkpoints (default [cedana] heartbeat_seconds).
     :param store: store URL as the compute nodes see it (default [cedana] store); its credentials
         are the nodes' own configuration, never part of the job.
     :param job_dir: a directory the submit side and the compute nodes share, for the job's output.
@@ -65,17 +64,21 @@ class CedanaSlurmOperator(BaseOperator):
         so it takes a final checkpoint before Slurm kills it.
     """
 
-    template_fields: Sequence[str] = ("command", "partition", "env", "checkpoint_id", "store", "job_dir")
+    template_fields: Sequence[str] = ("command", "partition", "env", "job_dir", *CEDANA_TEMPLATE_FIELDS)
 
     def __init__(self, *, command: str | Sequence[str], partition: str, nodes: int = 1, gpus: int = 0,
                  gres: str | None = None, time_limit: str | timedelta | None = None, cpus_per_task: int = 0,
                  mem: str | None = None, sbatch_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                 checkpoint_id: str | None = None, heartbeat: timedelta | None = None, store: str | None = None,
                  job_dir: str | None = None, cli: Sequence[str] = ("cedana-airflow",), node_config: str | None = None,
                  ssh_conn_id: str | None = None,
                  deferrable: bool = True, poll_interval: timedelta = timedelta(seconds=10),
                  requeue_settle: timedelta = timedelta(seconds=30),
-                 signal_before_end: timedelta = timedelta(minutes=2), **kwargs: Any) -> None:
+                 signal_before_end: timedelta = timedelta(minutes=2), checkpoint_id: str | None = None,
+                 heartbeat: timedelta | None = None, store: str | None = None, settings: dict[str, Any] | None = None,
+                 idempotency_key: str | None = None, max_restore_gap: timedelta | None = None,
+                 lease: timedelta | None = None, lease_renew_command: str | Sequence[str] | None = None,
+                 expected_duration: timedelta | None = None, job_server: bool = False, gpu: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if gpus and gres:
             raise ValueError(f"{self.task_id}: give gpus= or gres=, not both.")
@@ -84,52 +87,39 @@ class CedanaSlurmOperator(BaseOperator):
         self.time_limit = _sbatch_time(time_limit)
         self.cpus_per_task, self.mem, self.sbatch_args = cpus_per_task, mem or "", tuple(sbatch_args)
         self.env = dict(env or {})
-        self.checkpoint_id, self.heartbeat, self.store, self.job_dir = checkpoint_id, heartbeat, store, job_dir
+        self.job_dir = job_dir
         self.cli, self.ssh_conn_id, self.deferrable = tuple(cli), ssh_conn_id, deferrable
         self.node_config = node_config or ""
         self.poll_seconds = poll_interval.total_seconds()
         self.settle_seconds = requeue_settle.total_seconds()
         self.signal_seconds = int(signal_before_end.total_seconds())
+        # aws_conn_id is not taken: the compute nodes reach the store with their own credentials
+        self.init_cedana(checkpoint_id=checkpoint_id, heartbeat=heartbeat, store=store, settings=settings,
+                         idempotency_key=idempotency_key, max_restore_gap=max_restore_gap, lease=lease,
+                         lease_renew_command=lease_renew_command, expected_duration=expected_duration,
+                         job_server=job_server, gpu=gpu or bool(self.gres.startswith("gpu")))
 
     # -- submission ----------------------------------------------------------------------------------
-    def _scope(self, context: Context, settings_overrides: dict[str, Any]) -> tuple[Decision, Any]:
-        ti, dag = context["ti"], context.get("dag")
-        settings, options = task_settings(settings_overrides)
-        if options.signing_conn_id and not self.node_config:
-            raise ConfigError(f"manifest signing takes its key from Airflow connection {options.signing_conn_id!r}, "
-                              "which the Slurm route does not put into a job. Give the compute nodes the key as a "
-                              "file in a node_config= (signing_key_file).")
-        try:
-            where = Where(ti.dag_id, ti.task_id, f"(a node of Slurm partition {self.partition})",
-                          queue=getattr(ti, "queue", "") or self.queue, pool=self.pool or "",
-                          tags=tuple(getattr(dag, "tags", None) or ()), partition=self.partition,
-                          gpu=bool(self.gres.startswith("gpu")))
-            decision = decide(load_optin(settings.optin_file), where)
-        except ConfigError as e:  # a broken list never fails a task: it runs unprotected and says why
-            decision = Decision(False, (f"the opt-in list cannot be used: {e}",))
-        for line in decision.explain().splitlines():
-            self.log.info("cedana: %s", line.strip())
-        if decision.in_scope:
-            settings, _ = task_settings(settings_overrides, decision.defaults)
-        return decision, settings
+    def _placement(self, optin: OptInList | None, settings: Settings) -> Placement:
+        """A node of the partition: the list's [node] partitions judge it."""
+        return Placement(f"(a node of Slurm partition {self.partition})", partition=self.partition, gpu=self.gpu)
 
     def _spec(self, context: Context) -> JobSpec:
         ti = context["ti"]
-        overrides: dict[str, Any] = {}
-        if self.heartbeat is not None:
-            overrides["heartbeat_seconds"] = self.heartbeat.total_seconds()
-        if self.store:
-            overrides["store"] = self.store
-        decision, settings = self._scope(context, overrides)
+        setup = self.cedana_setup(context, self._placement)
+        if setup.options.signing_conn_id and not self.node_config:
+            raise ConfigError(f"manifest signing takes its key from Airflow connection {setup.options.signing_conn_id!r}, "
+                              "which the Slurm route does not put into a job. Give the compute nodes the key as a "
+                              "file in a node_config= (signing_key_file).")
+        decision, settings = setup.decision, setup.settings
         if decision.in_scope and self.nodes > 1:
             self.log.info("cedana: a job on %d nodes runs unprotected: only the batch host's processes could be "
                           "checkpointed, not the other nodes' steps", self.nodes)
             decision = Decision(False, (*decision.reasons, f"nodes={self.nodes}: multi-node jobs are not checkpointed"))
-        cid = (validate_checkpoint_id(self.checkpoint_id) if self.checkpoint_id
-               else derive_checkpoint_id(ti.dag_id, ti.task_id, context["run_id"], map_index=ti.map_index))
         if not self.job_dir and self.ssh_conn_id:
             raise ConfigError("submitting through a login node needs job_dir=: a directory the login node and the "
                               "compute nodes share, for the job's output")
+        cid = setup.checkpoint_id
         job_dir = self.job_dir or str(Path(settings.work_dir or tempfile.gettempdir()) / "cedana-slurm-jobs")
         task = airflow_task(context)
         return JobSpec(
@@ -141,18 +131,14 @@ class CedanaSlurmOperator(BaseOperator):
             signal_seconds=self.signal_seconds, extra_args=self.sbatch_args, cli=self.cli, store=settings.store,
             optin_file=str(settings.optin_file or ""), work_dir=str(settings.work_dir or ""), env=self.env,
             settings_env=job_settings_env(settings, self.node_config) if decision.in_scope else {},
-            airflow_task=(task.dag_id, task.task_id, task.run_id, task.map_index))
+            cedana_env=self.cedana_env(None), airflow_task=(task.dag_id, task.task_id, task.run_id, task.map_index))
 
     def execute(self, context: Context) -> Any:
-        try:
+        with airflow_errors():
             spec = self._spec(context)
             client = slurm_client(self.ssh_conn_id)
             client.mkdir(spec.output.rsplit("/", 1)[0])
             job_id = client.submit(spec)
-        except (ConfigError, CheckpointIdError, SlurmRefused) as e:
-            raise AirflowFailException(f"cedana: {e}") from None  # the same submission would fail the same way
-        except CedanaError as e:
-            raise AirflowException(f"cedana: {e}") from None
         output = spec.output.replace("%j", job_id)
         self.log.info("cedana: submitted Slurm job %s to partition %s (%s); checkpoint_id=%s output %s", job_id,
                       spec.partition, "CEDANA_ENABLE=1" if spec.enable else "without CEDANA_ENABLE: unprotected",
@@ -169,10 +155,8 @@ class CedanaSlurmOperator(BaseOperator):
         """Not deferrable: poll here, printing the job's new output lines as they come."""
         end, pos, seen = JobEnd(self.settle_seconds), 0, None
         while True:
-            try:
+            with airflow_errors():
                 info = client.job(job_id)
-            except CedanaError as e:
-                raise AirflowException(f"cedana: {e}") from None
             if (info.state, info.restarts) != seen:
                 seen = (info.state, info.restarts)
                 self.log.info("cedana: %s", info.describe())

@@ -13,7 +13,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from cedana_airflow.airflow.config import task_settings
-from cedana_airflow.airflow.store import task_store
+from cedana_airflow.hooks.store import task_store
 from cedana_airflow.errors import CedanaError, CheckpointIdError, ConfigError
 from cedana_airflow.ids import validate_checkpoint_id
 from cedana_airflow.store import FileStore

@@ -1,8 +1,9 @@
 """Settings inside Airflow: the core Settings, with airflow.cfg's [cedana] (AIRFLOW__CEDANA__*) on top.
 
-Precedence, rising: core defaults < CEDANA_CONFIG < CEDANA_* < [cedana] < operator arguments. A bad
-value is one ConfigError naming the option and where it came from, raised when the operator is
-built (so the DAG shows an import error) or when the task starts, never deep inside a worker.
+Precedence, rising: core defaults < CEDANA_CONFIG < CEDANA_* < [cedana] < the opt-in list's defaults
+for the scopes that admitted the task < operator arguments. A bad value is one ConfigError naming the
+option and where it came from, raised when the operator is built (so the DAG shows an import error)
+or when the task starts, never deep inside a worker.
 
 The [cedana] section declared to Airflow (provider info) is generated from the two models here:
 every core :class:`~cedana_airflow.config.Settings` field, plus :class:`AirflowOptions`, the options
@@ -29,7 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..config import Settings, load_settings, redact
 from ..errors import ConfigError
 
-__all__ = ["AirflowOptions", "ConfigOption", "airflow_options", "config_options", "task_settings"]
+__all__ = ["AirflowOptions", "ConfigOption", "airflow_options", "config_options", "task_settings",
+           "with_scope_defaults"]
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +53,17 @@ class AirflowOptions(BaseModel):
         default="cedana", description="CedanaKubernetesPodOperator: 'cedana' (runtime class on a Cedana cluster) or "
         "'wrap' (our CLI wrapped around the container's command).")
     k8s_runtime_class: str = Field(default="cedana", description="The runtime class of the 'cedana' route.")
+    k8s_heartbeat_seconds: int = Field(
+        default=600, gt=0, description="A pod's heartbeat when neither its operator's heartbeat nor heartbeat_seconds "
+        "gives one: both Kubernetes routes need an interval.")
     signing_conn_id: str | None = Field(
         default=None, description="Airflow connection whose password is the signing key (format/signing.py), looked "
         "up when a task runs; it wins over signing_key_file / CEDANA_SIGNING_KEY on the worker.")
+    signing_variable: str = Field(
+        default="cedana_signing_secret", description="Airflow Variable holding the signing key when neither "
+        "signing_conn_id nor a worker's signing_key_file / CEDANA_SIGNING_KEY gives one: created with a random key "
+        "on a task's first use, so manifests are signed (and captured files restored where the workload had them) "
+        "with no set-up. Empty: manifests are unsigned unless a key is configured.")
     drill_schedule: str = Field(
         default="@daily", description="Schedule of the cedana_fleet_drill DAG (a cron expression or preset).")
     drill_notifier: str | None = Field(
@@ -174,16 +184,13 @@ def _default_store() -> str:
     return f"file://{Path(AIRFLOW_HOME) / 'cedana' / 'store'}"
 
 
-def task_settings(overrides: Mapping[str, Any] | None = None,
-                  scope_defaults: Mapping[str, Any] | None = None) -> tuple[Settings, AirflowOptions]:
-    """A task's core settings and the options its operator reads (aws_conn_id, same_node_retry,
-    signing_conn_id).
-
-    ``scope_defaults``: what the opt-in list sets for the scopes that admitted the task (above
-    [cedana], below operator arguments)."""
+def task_settings(overrides: Mapping[str, Any] | None = None) -> tuple[Settings, AirflowOptions]:
+    """A task's core settings and the options every route reads (aws_conn_id, same_node_retry,
+    signing_conn_id). The opt-in list's defaults come on top later (:func:`with_scope_defaults`), once
+    the list has admitted the task."""
     _warn_unknown_options(os.environ)
     section = _section(tuple(Settings.model_fields))
-    layers = [(_where, section), (lambda k: f"the opt-in list's defaults ({k})", dict(scope_defaults or {}))]
+    layers = [(_where, section)]
     # Every override but the Airflow-only options goes to the core, so a misspelt setting is an
     # "unknown setting" error when the DAG is parsed, never silently ignored.
     core = {k: v for k, v in (overrides or {}).items() if k not in AirflowOptions.model_fields}
@@ -191,5 +198,20 @@ def task_settings(overrides: Mapping[str, Any] | None = None,
     if not settings.store:
         settings = settings.model_copy(update={"store": _default_store()})
     # aws_conn_id is an operator argument; same_node_retry only a deployment's choice ([cedana]).
-    return settings, airflow_options("aws_conn_id", "same_node_retry", "signing_conn_id",
+    return settings, airflow_options("aws_conn_id", "same_node_retry", "signing_conn_id", "signing_variable",
                                      overrides={"aws_conn_id": (overrides or {}).get("aws_conn_id")})
+
+
+def with_scope_defaults(settings: Settings, defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> Settings:
+    """``settings`` narrowed by what the opt-in list sets for the scopes that admitted the task: above
+    [cedana] and the environment, below the operator's arguments (``overrides``, which keep their values)."""
+    update = {k: v for k, v in defaults.items() if overrides.get(k) is None}
+    if not update:
+        return settings
+    try:
+        return Settings(**{**settings.model_dump(), **update})
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][0]) if err["loc"] else "?"
+        raise ConfigError(f"setting {field} = {redact(update.get(field))!r} (from the opt-in list's defaults) is "
+                          f"invalid: {err['msg']}. Fix the list.") from None

@@ -16,10 +16,11 @@ from typing import Any
 from ..drill import run as drill
 from ..drill.report import DrillReport
 from ..errors import ConfigError
+from ..hooks.store import task_store, with_signing_key
 from ..scope.optin import load_optin
 from .config import airflow_options, task_settings
 from .live_fleet import ApiFleet, api_base_url
-from .store import task_store
+from .task import airflow_errors
 
 __all__ = ["canary_queues", "drill_notifier", "drill_schedule", "live_enabled", "run_drill"]
 
@@ -80,17 +81,20 @@ def _summary(report: DrillReport) -> str:
 
 def run_drill(mode: str, **params: Any) -> dict[str, Any]:
     """Run one drill here; return its report (the task's XCom); raise when it failed."""
-    settings, options = task_settings()
-    store = task_store(settings, options.aws_conn_id)
-    cfg = store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
-    fleet = None
-    if mode == "live":
-        from airflow.sdk import get_current_context
+    with airflow_errors():
+        settings, options = task_settings()
+        settings = with_signing_key(settings, options.signing_conn_id, options.signing_variable)  # verify checks them
+        store = task_store(settings, options.aws_conn_id)
+        cfg = store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
+        fleet = None
+        if mode == "live":
+            from airflow.sdk import get_current_context
 
-        limits = load_optin(settings.optin_file).drills
-        fleet = ApiFleet(api_base_url(options.drill_api_url), options.drill_api_conn_id,
-                         get_current_context()["dag"].dag_id, limits.kill_switch_variable)
-    report = drill.run_drill(mode, store, cfg, settings, fleet=fleet, **params)
+            limits = load_optin(settings.optin_file).drills
+            api = airflow_options("drill_api_url", "drill_api_conn_id")
+            fleet = ApiFleet(api_base_url(api.drill_api_url), api.drill_api_conn_id,
+                             get_current_context()["dag"].dag_id, limits.kill_switch_variable)
+        report = drill.run_drill(mode, store, cfg, settings, fleet=fleet, **params)
     summary = _summary(report)
     log.info("%s", summary)
     for t in report.targets:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kubernetes.client import models as k8s
@@ -27,10 +27,10 @@ from kubernetes.client import models as k8s
 from ..config import Settings
 from ..format.manifest import AirflowTask
 from ..ids import validate_checkpoint_id
-from ..scope.optin import DEFAULT_NODE_LABEL, Decision
+from ..scope.optin import DEFAULT_NODE_LABEL, OptInList
 
-__all__ = ["HEARTBEAT_LABEL", "CHECKPOINT_ENV", "CREDENTIALS_MOUNT", "NOT_READY_TAINT", "PodScope", "Route", "apply_route",
-           "POD_HEARTBEAT_FALLBACK_SECONDS", "kubernetes_executor_route", "pod_scope", "uses_gpu"]
+__all__ = ["HEARTBEAT_LABEL", "CHECKPOINT_ENV", "CREDENTIALS_MOUNT", "NOT_READY_TAINT", "Route", "apply_route",
+           "kubernetes_executor_route", "node_label_of", "restore_rules_env", "uses_gpu", "with_env"]
 
 HEARTBEAT_LABEL = "cedana.ai/heartbeat-checkpoint"
 CHECKPOINT_ENV = "CEDANA_CHECKPOINT"
@@ -39,8 +39,8 @@ HOSTNAME_LABEL = "kubernetes.io/hostname"
 #: Where the wrap route mounts the store Secret (read-only, root only) for the CLI's store_credentials_dir.
 CREDENTIALS_MOUNT = "/var/run/secrets/cedana/store"
 _CREDENTIALS_VOLUME = "cedana-store-credentials"
-#: A pod's heartbeat when neither the operator nor the settings give one: both routes need an interval.
-POD_HEARTBEAT_FALLBACK_SECONDS = 600
+#: The settings the wrap route's in-pod CLI needs to judge a restore as the worker would.
+_RESTORE_RULES = ("max_restore_gap_seconds", "lease_seconds", "lease_renew_command")
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,8 @@ class Route:
     try_number: int = 0
     cli: Sequence[str] = ("cedana-airflow",)
     airflow: AirflowTask | None = None  # wrap: the task instance, recorded in its manifests
+    env: Mapping[str, str] = field(default_factory=dict)  # more for the workload's container (ours: CEDANA_*)
+    resume: bool = True  # False: the pod starts fresh (cedana route: no CEDANA_CHECKPOINT to restore from)
 
 
 def uses_gpu(pod: k8s.V1Pod) -> bool:
@@ -89,14 +91,29 @@ def _env(container: k8s.V1Container, name: str, value: str | None = None,
     container.env.append(k8s.V1EnvVar(name=name, value=value, value_from=source))
 
 
+def with_env(pod: k8s.V1Pod, env: Mapping[str, str]) -> k8s.V1Pod:
+    """A copy of ``pod`` whose workload container (the first) has ``env`` too; ``pod`` itself when empty."""
+    if not env:
+        return pod
+    pod = copy.deepcopy(pod)
+    for name, value in env.items():
+        _env(pod.spec.containers[0], name, value)
+    return pod
+
+
+#: Kubernetes' default terminationGracePeriodSeconds: SIGTERM, then SIGKILL this long after.
+POD_GRACE_SECONDS = 30
+
+
 def apply_route(pod: k8s.V1Pod, route: Route) -> k8s.V1Pod:
     """Return a copy of ``pod`` that takes the route (the first container is the workload)."""
     validate_checkpoint_id(route.checkpoint_id)
-    pod = copy.deepcopy(pod)
+    pod = with_env(copy.deepcopy(pod), route.env)
     pod.metadata.labels = {**(pod.metadata.labels or {}), HEARTBEAT_LABEL: str(route.heartbeat_seconds)}
     _affinity(pod, route)
     main = pod.spec.containers[0]
-    _env(main, CHECKPOINT_ENV, route.checkpoint_id)
+    if route.resume or route.kind == "wrap":  # wrap: the in-pod CLI judges the restore itself
+        _env(main, CHECKPOINT_ENV, route.checkpoint_id)
     if route.kind == "cedana":
         pod.spec.runtime_class_name = route.runtime_class
         return pod
@@ -113,6 +130,10 @@ def apply_route(pod: k8s.V1Pod, route: Route) -> k8s.V1Pod:
     if route.store:
         _env(main, "CEDANA_STORE", route.store)
     _env(main, "CEDANA_NODE", source=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path="spec.nodeName")))
+    if not any(e.name == "CEDANA_STOP_WINDOW_SECONDS" for e in main.env or []):
+        # What a pod deletion leaves the final checkpoint: its grace period, then the kubelet's SIGKILL.
+        grace = pod.spec.termination_grace_period_seconds
+        _env(main, "CEDANA_STOP_WINDOW_SECONDS", str(POD_GRACE_SECONDS if grace is None else grace))
     if route.store_secret:
         # Files for the CLI, not envFrom: the workload's environment is in every image it is checkpointed into.
         pod.spec.volumes = [*(v for v in pod.spec.volumes or [] if v.name != _CREDENTIALS_VOLUME), k8s.V1Volume(
@@ -125,34 +146,15 @@ def apply_route(pod: k8s.V1Pod, route: Route) -> k8s.V1Pod:
     return pod
 
 
-@dataclass(frozen=True)
-class PodScope:
-    """The opt-in list's answer for a task's pod, and what follows from it."""
-
-    decision: Decision
-    settings: Settings  # with the list's defaults when in scope
-    node_label: tuple[str, str]
-    runtime_class: str
-
-    @property
-    def heartbeat_seconds(self) -> int:
-        return int(self.settings.heartbeat_seconds or POD_HEARTBEAT_FALLBACK_SECONDS)
+def node_label_of(optin: OptInList | None) -> tuple[str, str]:
+    """The node label a pod is pinned to: the opt-in list's first node label, else ``cedana.ai/enabled=true``."""
+    return next(iter(optin.node.labels.items()), DEFAULT_NODE_LABEL) if optin and optin.node else DEFAULT_NODE_LABEL
 
 
-def pod_scope(dag_id: str, task_id: str, queue: str, pool: str, overrides: Mapping[str, Any]) -> PodScope:
-    """Judge a pod's task against the opt-in list. The scheduler picks the pod's node later, so the node
-    scope is met by pinning the pod to the list's node label; queue and workload are judged here."""
-    from ..scope.optin import Where, decide, load_optin
-    from .config import airflow_options, task_settings
-
-    settings, _ = task_settings(overrides)
-    optin = load_optin(settings.optin_file)
-    label = next(iter(optin.node.labels.items()), DEFAULT_NODE_LABEL) if optin.node else DEFAULT_NODE_LABEL
-    where = Where(dag_id, task_id, f"(a node labelled {label[0]}={label[1]})", dict([label]), queue, pool)
-    decision = decide(optin, where)
-    if decision.in_scope:
-        settings, _ = task_settings(overrides, decision.defaults)
-    return PodScope(decision, settings, label, airflow_options("k8s_runtime_class").k8s_runtime_class)
+def restore_rules_env(settings: Settings) -> dict[str, str]:
+    """max_restore_gap and the lease as the CEDANA_* variables the in-pod CLI reads (it restores there)."""
+    return {f"CEDANA_{name.upper()}": str(getattr(settings, name)) for name in _RESTORE_RULES
+            if getattr(settings, name) is not None}
 
 
 def kubernetes_executor_route(pod: k8s.V1Pod, annotations: dict[str, str]) -> k8s.V1Pod | None:
@@ -162,14 +164,28 @@ def kubernetes_executor_route(pod: k8s.V1Pod, annotations: dict[str, str]) -> k8
     runner along with the workload, and restore a process that talks to the API server of another time.
     """
     from ..ids import derive_checkpoint_id
+    from ..scope.optin import Where
+    from .config import airflow_options, task_settings, with_scope_defaults
+    from .task import scope_decision
 
-    scope = pod_scope(annotations["dag_id"], annotations["task_id"], annotations.get("queue") or "kubernetes",
-                      annotations.get("pool", ""), {})
-    if not scope.decision.in_scope:
+    dag_id, task_id = annotations["dag_id"], annotations["task_id"]
+    settings, _ = task_settings()
+    labels: list[tuple[str, str]] = []
+
+    def where(optin: OptInList | None) -> Where:
+        labels.append(node_label_of(optin))
+        return Where(dag_id, task_id, f"(a node labelled {labels[-1][0]}={labels[-1][1]})", dict(labels[-1:]),
+                     annotations.get("queue") or "kubernetes", annotations.get("pool", ""))
+
+    decision = scope_decision(settings.optin_file, where)
+    if not decision.in_scope:
         return None
+    settings = with_scope_defaults(settings, decision.defaults, {})
+    options = airflow_options("k8s_runtime_class", "k8s_heartbeat_seconds")
     map_index = int(annotations.get("map_index", "-1") or -1)
-    cid = derive_checkpoint_id(annotations["dag_id"], annotations["task_id"], annotations["run_id"], map_index=map_index)
-    route = Route(kind="cedana", checkpoint_id=cid, heartbeat_seconds=scope.heartbeat_seconds,
-                  node_label=scope.node_label, runtime_class=scope.runtime_class,
+    cid = derive_checkpoint_id(dag_id, task_id, annotations["run_id"], map_index=map_index)
+    route = Route(kind="cedana", checkpoint_id=cid,
+                  heartbeat_seconds=int(settings.heartbeat_seconds or options.k8s_heartbeat_seconds),
+                  node_label=labels[-1], runtime_class=options.k8s_runtime_class,
                   try_number=int(annotations.get("try_number", "0") or 0))
     return apply_route(pod, route)

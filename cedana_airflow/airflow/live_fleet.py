@@ -18,7 +18,7 @@ from urllib.parse import quote, urlencode
 
 from ..drill.fleet import RunningTask, TaskNow
 from ..errors import CedanaError, ConfigError
-from .store import named_connection
+from ..hooks.store import named_connection
 
 __all__ = ["ApiFleet", "api_base_url"]
 

@@ -137,7 +137,7 @@ class Policy(BaseModel):
                 and (not f.tags or any(_first_match(t, f.tags) for t in w.tags)))
 
     def settings(self) -> dict[str, Any]:
-        """The core settings this policy stands for (run/runner.py and run/triggers.py act on them)."""
+        """The core settings this policy stands for (run/runner.py and run/checkpoint_triggers.py act on them)."""
         t, on = self.trigger, self.action == "checkpoint"
         if t.memory_above_bytes is not None:
             return {"checkpoint_above_bytes": t.memory_above_bytes if on else 0}

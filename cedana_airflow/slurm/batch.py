@@ -60,6 +60,7 @@ class JobSpec:
     optin_file: str = ""  # the opt-in list the job reads to judge its partition
     work_dir: str = ""
     settings_env: Mapping[str, str] = field(default_factory=dict)  # the task's other settings, as CEDANA_* (no secrets)
+    cedana_env: Mapping[str, str] = field(default_factory=dict)  # what the workload reads of ours (CEDANA_IDEMPOTENCY_KEY)
     env: Mapping[str, str] = field(default_factory=dict)  # the workload's own variables
     airflow_task: tuple[str, str, str, int] | None = None  # dag_id, task_id, run_id, map_index
 
@@ -80,6 +81,10 @@ class JobSpec:
         if taken:
             raise ConfigError(f"sbatch_args {', '.join(taken)}: the Slurm route sets these itself. Use the operator's "
                               "arguments (partition=, job_dir=) or remove them.")
+
+
+#: slurm.conf's KillWait default: a cancelled or preempted job gets SIGTERM, then SIGKILL this long after.
+SLURM_KILL_WAIT_SECONDS = 30
 
 
 def sbatch_argv(spec: JobSpec) -> list[str]:
@@ -104,7 +109,9 @@ def sbatch_argv(spec: JobSpec) -> list[str]:
 def batch_script(spec: JobSpec) -> str:
     q = shlex.quote
     env = {"PATH": _DEFAULT_PATH, **spec.env}
-    cedana = {**spec.settings_env, "CEDANA_CHECKPOINT_ID": spec.checkpoint_id, "CEDANA_STORE": spec.store,
+    # The stop window: --signal's lead before the time limit, and at most Slurm's KillWait after a scancel.
+    window = {"CEDANA_STOP_WINDOW_SECONDS": str(min(spec.signal_seconds, SLURM_KILL_WAIT_SECONDS))}
+    cedana = {**window, **spec.settings_env, **spec.cedana_env, "CEDANA_CHECKPOINT_ID": spec.checkpoint_id, "CEDANA_STORE": spec.store,
               "CEDANA_OPTIN_FILE": spec.optin_file, "CEDANA_WORK_DIR": spec.work_dir}
     lines = ["#!/bin/bash", f"# cedana-airflow Slurm route: checkpoint ID {spec.checkpoint_id}, try {spec.try_number}"]
     lines += [f"export {k}={q(v)}" for k, v in env.items()]  # an empty value is a value (CUDA_VISIBLE_DEVICES=)

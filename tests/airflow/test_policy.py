@@ -33,7 +33,7 @@ def parsed(tmp_path_factory):
 
 
 def test_compliant_and_untagged_dags_load(parsed):
-    assert parsed["dags"] == ["compliant", "realtime_ok", "untagged"]
+    assert parsed["dags"] == ["compliant", "every_route_ok", "realtime_ok", "untagged"]
 
 
 @pytest.mark.parametrize("file, says", [
@@ -46,4 +46,13 @@ def test_compliant_and_untagged_dags_load(parsed):
 ])
 def test_each_broken_rule_is_the_dags_import_error(parsed, file, says):
     assert says in parsed["errors"][file], parsed["errors"]
-    assert len(parsed["errors"]) == 4
+    assert len(parsed["errors"]) == 5
+
+
+@pytest.mark.parametrize("task_id", ["on_a_worker", "in_a_pod", "as_a_slurm_job", "as_a_function"])
+@pytest.mark.parametrize("rule", ["cedana:effects=external, so a restored task may repeat an effect",
+                                  "cedana:realtime, so state restored after a long gap is stale",
+                                  "cedana:license=matlab, so a restore after the lease expired holds a dead license"])
+def test_every_route_is_held_to_the_dag_tag_rules(parsed, task_id, rule):
+    """The command operator, the Kubernetes pod operator, the Slurm operator and @task.checkpointed alike."""
+    assert f"task every_route.{task_id}: the DAG declares {rule}" in parsed["errors"]["every_route.py"]

@@ -1,5 +1,6 @@
-"""The Airflow provider: registration (providers, plugins, config), [cedana] settings and their errors,
-and the operator's checks at DAG parse time."""
+"""The Airflow provider: its info, [cedana] settings and their errors, and the operator's checks at DAG
+parse time. Registration (providers list, plugins, config list) is proven on the installed wheel:
+tests/integration/test_wheel.py."""
 
 from __future__ import annotations
 
@@ -26,23 +27,6 @@ def _airflow(*args: str, tmp_path) -> str:
     r = subprocess.run([sys.executable, "-m", "airflow", *args], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
-
-
-def test_airflow_lists_the_provider_the_plugin_and_the_config_section(tmp_path):
-    assert "cedana-airflow" in _airflow("providers", "list", tmp_path=tmp_path)
-    import json
-
-    [plugin] = [p for p in json.loads(_airflow("plugins", "--output", "json", tmp_path=tmp_path)) if p["name"] == "cedana"]
-    assert "cedana_airflow.airflow.plugin:CedanaPlugin" in plugin["source"]
-    assert [a["url_prefix"] for a in plugin["fastapi_apps"]] == ["/cedana"]
-    assert {v["destination"] for v in plugin["external_views"]} == {"nav", "task_instance"}
-    section = _airflow("config", "list", "--section", "cedana", tmp_path=tmp_path)
-    assert "[cedana]" in section and "# same_node_retry =" in section and "# store =" in section
-    assert _airflow("config", "get-value", "cedana", "same_node_retry", tmp_path=tmp_path).strip() == "allow"
-    # each core option says its real default (from Settings) without declaring it as a value
-    described = _airflow("config", "list", "--section", "cedana", "--include-descriptions", tmp_path=tmp_path)
-    assert "Complete checkpoints kept per checkpoint ID. Default: 3." in described
-    assert f"Default: {64 << 30}." in described and "# keep_checkpoints = \n" in described
 
 
 def test_the_cedana_section_is_generated_from_the_settings_models():
@@ -110,7 +94,7 @@ def test_an_unknown_cedana_variable_is_a_warning_naming_the_closest_option(monke
 
 
 def test_the_signing_key_can_come_from_an_airflow_connection_when_the_task_runs(monkeypatch):
-    from cedana_airflow.airflow.store import with_signing_key
+    from cedana_airflow.hooks.store import with_signing_key
 
     monkeypatch.setenv("AIRFLOW__CEDANA__SIGNING_CONN_ID", "signkey")
     monkeypatch.setenv("AIRFLOW_CONN_SIGNKEY", '{"conn_type": "generic", "password": "0123456789abcdef0123456789abcdef"}')
@@ -155,3 +139,74 @@ def test_log_sink_logs_whole_lines_and_the_rest_at_close():
     assert rec.lines == ["step 1", "step 2"]
     sink.close()
     assert rec.lines == ["step 1", "step 2", "no newline"]
+
+
+def test_the_provider_info_declares_every_operator_sensor_hook_and_trigger_and_fits_airflows_schema():
+    import importlib
+    import json
+    from pathlib import Path
+
+    import airflow
+    import jsonschema
+
+    info = get_provider_info()
+    schema = json.loads((Path(airflow.__file__).parent / "provider_info.schema.json").read_text())
+    jsonschema.validate(info, schema)
+    integrations = {i["integration-name"] for i in info["integrations"]}
+    declared = {}
+    for kind in ("operators", "sensors", "hooks", "triggers"):
+        [entry] = info[kind]
+        assert entry["integration-name"] in integrations
+        declared[kind] = entry["python-modules"]
+        for module in entry["python-modules"]:
+            importlib.import_module(module)
+    assert "cedana_airflow.operators.slurm" in declared["operators"]
+    assert "cedana_airflow.sensors.node_ready" in declared["sensors"]
+    assert declared["hooks"] == ["cedana_airflow.hooks.slurm", "cedana_airflow.hooks.store"]
+    assert declared["triggers"] == ["cedana_airflow.triggers.slurm"]
+
+
+def test_what_airflow_config_list_shows_is_what_the_code_uses(tmp_path):
+    """Each default is declared once, in its model: `airflow config list` shows the Airflow-only options'
+    values and states each core option's default in its description, and a task resolves exactly those."""
+    import re
+
+    from cedana_airflow.airflow.config import AirflowOptions
+    from cedana_airflow.config import Settings
+
+    shown = _airflow("config", "list", "--section", "cedana", "--show-values", "--include-descriptions",
+                     tmp_path=tmp_path)
+    said, values, unset = {}, {}, set()
+    description, names = "", {*Settings.model_fields, *AirflowOptions.model_fields}
+    for line in shown.splitlines():
+        if (m := re.fullmatch(r"(#\s*)?(\w+) = (.*)", line)) and m.group(2) in names:
+            said[m.group(2)] = description
+            (unset.add(m.group(2)) if m.group(1) else values.__setitem__(m.group(2), m.group(3)))
+        elif line.startswith("# "):
+            description = line[2:]
+    assert set(said) == names
+    # the Airflow-only options: the values shown are the model's defaults
+    shown_options = AirflowOptions(**{k: v for k, v in values.items() if k in AirflowOptions.model_fields})
+    assert shown_options == AirflowOptions()
+    # the core options: unset in [cedana], and each stated default is the one a task resolves
+    assert unset >= set(Settings.model_fields)
+    code = ("from cedana_airflow.airflow.config import task_settings, airflow_options\n"
+            "s, _ = task_settings({})\nprint(s.model_dump_json())\nprint(airflow_options().model_dump_json())")
+    out = _airflow_python(code, tmp_path=tmp_path).splitlines()
+    resolved, options = Settings.model_validate_json(out[-2]), AirflowOptions.model_validate_json(out[-1])
+    assert options == AirflowOptions()
+    assert said["store"].endswith("Unset: file://$AIRFLOW_HOME/cedana/store.")
+    assert resolved.store == f"file://{tmp_path}/cedana/store"
+    for name, field in Settings.model_fields.items():
+        if name == "store" or "Default: " not in said[name]:
+            continue
+        stated = said[name].rsplit("Default: ", 1)[1].rstrip(".")
+        assert Settings.model_validate({name: stated}).model_dump()[name] == getattr(resolved, name), name
+
+
+def _airflow_python(code: str, *, tmp_path) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "CEDANA_"))}
+    env.update(AIRFLOW_HOME=str(tmp_path), AIRFLOW__CORE__LOAD_EXAMPLES="False")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout

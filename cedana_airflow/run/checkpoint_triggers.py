@@ -1,4 +1,4 @@
-"""Triggers: what makes a running workload checkpoint now, without stopping it.
+"""Checkpoint triggers: what makes a running workload checkpoint now, without stopping it.
 
 - :class:`Heartbeat`: a checkpoint on a schedule. Heartbeats never overlap: the next interval starts
   when the previous checkpoint is stored.
@@ -71,7 +71,7 @@ class MemoryWatch(threading.Thread):
             elif not armed and used < 0.9 * self.threshold:
                 armed = True
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
         self._halt.set()
-        if self.is_alive() and threading.current_thread() is not self:
+        if wait and self.is_alive() and threading.current_thread() is not self:
             self.join()

@@ -1,59 +1,24 @@
-"""The Slurm route's Airflow side: where Slurm's commands run (this worker, or a login node over the
-SSH provider's connection), and the trigger that follows a job without holding a worker slot."""
+"""SlurmJobTrigger: follows a Slurm job in the triggerer, holding no worker slot."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import shlex
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from ..errors import CedanaError, SlurmError, SlurmRefused
-from ..slurm.client import Runner, SlurmClient, local_runner
+from ..hooks.slurm import slurm_client
 from ..slurm.jobs import JobEnd
 
-__all__ = ["SlurmJobTrigger", "slurm_client"]
+__all__ = ["SlurmJobTrigger"]
 
 #: How long Slurm may fail to answer about a job before following it is given up (the job is then
 #: cancelled, so that a retry does not run a second copy beside it).
 _GIVE_UP_SECONDS = 600
-
-
-def _ssh_runner(ssh_conn_id: str) -> Runner:
-    try:
-        from airflow.providers.ssh.hooks.ssh import SSHHook
-    except ImportError:
-        raise SlurmRefused(f"ssh_conn_id={ssh_conn_id!r} needs the SSH provider, which is not installed. "
-                           "pip install apache-airflow-providers-ssh.") from None
-    try:
-        from airflow.sdk import Connection
-
-        Connection.get(ssh_conn_id)  # a missing connection is one line, before any socket is opened
-    except Exception as e:  # noqa: BLE001  the SDK's not-found error type differs between Airflow versions
-        raise SlurmRefused(f"the SSH connection {ssh_conn_id!r} does not exist ({type(e).__name__}). Create it "
-                           "(Admin > Connections, type ssh) or fix ssh_conn_id.") from None
-    hook = SSHHook(ssh_conn_id=ssh_conn_id)
-
-    def run(argv: Sequence[str], stdin: str | None, timeout: float) -> tuple[int, str, str]:
-        with hook.get_conn() as client:
-            i, o, e = client.exec_command(shlex.join(argv), timeout=timeout)
-            if stdin is not None:
-                i.write(stdin)
-            i.channel.shutdown_write()
-            out, err = o.read().decode(errors="replace"), e.read().decode(errors="replace")
-            return o.channel.recv_exit_status(), out, err
-
-    return run
-
-
-def slurm_client(ssh_conn_id: str | None) -> SlurmClient:
-    if ssh_conn_id:
-        return SlurmClient(_ssh_runner(ssh_conn_id), where=f"the login node of SSH connection {ssh_conn_id!r}")
-    return SlurmClient(local_runner(), where="this worker", local=True)
 
 
 class SlurmJobTrigger(BaseTrigger):

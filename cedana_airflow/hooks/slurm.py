@@ -1,0 +1,44 @@
+"""Where the Slurm route's commands run: this worker, or a login node over the SSH provider's connection."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+
+from ..errors import SlurmRefused
+from ..slurm.client import Runner, SlurmClient, local_runner
+
+__all__ = ["slurm_client"]
+
+
+def _ssh_runner(ssh_conn_id: str) -> Runner:
+    try:
+        from airflow.providers.ssh.hooks.ssh import SSHHook
+    except ImportError:
+        raise SlurmRefused(f"ssh_conn_id={ssh_conn_id!r} needs the SSH provider, which is not installed. "
+                           "pip install apache-airflow-providers-ssh.") from None
+    try:
+        from airflow.sdk import Connection
+
+        Connection.get(ssh_conn_id)  # a missing connection is one line, before any socket is opened
+    except Exception as e:  # noqa: BLE001  the SDK's not-found error type differs between Airflow versions
+        raise SlurmRefused(f"the SSH connection {ssh_conn_id!r} does not exist ({type(e).__name__}). Create it "
+                           "(Admin > Connections, type ssh) or fix ssh_conn_id.") from None
+    hook = SSHHook(ssh_conn_id=ssh_conn_id)
+
+    def run(argv: Sequence[str], stdin: str | None, timeout: float) -> tuple[int, str, str]:
+        with hook.get_conn() as client:
+            i, o, e = client.exec_command(shlex.join(argv), timeout=timeout)
+            if stdin is not None:
+                i.write(stdin)
+            i.channel.shutdown_write()
+            out, err = o.read().decode(errors="replace"), e.read().decode(errors="replace")
+            return o.channel.recv_exit_status(), out, err
+
+    return run
+
+
+def slurm_client(ssh_conn_id: str | None) -> SlurmClient:
+    if ssh_conn_id:
+        return SlurmClient(_ssh_runner(ssh_conn_id), where=f"the login node of SSH connection {ssh_conn_id!r}")
+    return SlurmClient(local_runner(), where="this worker", local=True)
