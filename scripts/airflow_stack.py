@@ -1,9 +1,11 @@
-"""Airflow's own components on this machine (LocalExecutor, SQLite): `airflow api-server`, and unless
-``api_only``, `scheduler` and `dag-processor`. For `make demo`, `make ui` and the end-to-end tests.
+"""Airflow's own components on this machine (LocalExecutor, SQLite): `airflow api-server`, `scheduler`,
+`dag-processor` and `triggerer`. For `make demo`, `make ui` and the end-to-end tests.
 
-The simple auth manager makes everyone an admin here (a local demo needs no login), and the three
-share one JWT secret, or the api-server would refuse the task tokens the scheduler hands out. A part
-that does not come up is one line naming it and its log; every part is stopped on exit.
+All four run, so Airflow's health (the UI's header, /api/v2/monitor/health) is green: a part that is
+not running shows red there, with nothing saying why. The simple auth manager makes everyone an admin
+here (a local demo needs no login), and the parts share one JWT secret, or the api-server would refuse
+the task tokens the scheduler hands out. The stack is ready once every part is healthy and the DAG is
+served. A part that does not come up is one line naming it and its log; every part is stopped on exit.
 
     with AirflowStack(env, home, wait_dag="cedana_demo_training") as stack:
         run_id = stack.call("POST", "/api/v2/dags/cedana_demo_training/dagRuns", {"logical_date": None})["dag_run_id"]
@@ -22,17 +24,19 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from local_parts import Deployment, free_port, stop_parts, tail  # (scripts/ is on sys.path)
-
-AIRFLOW = [sys.executable, "-m", "airflow"]
+from local_parts import AIRFLOW, Deployment, free_port, stop_parts, tail  # (scripts/ is on sys.path)
 
 
 class StackError(RuntimeError):
     """A part of the deployment did not come up; the message names it and its log."""
 
 
+#: The parts, each `airflow <part>` with its log at HOME/<part>.log.
+PARTS = ("api-server", "scheduler", "dag-processor", "triggerer")
+
+
 class AirflowStack(Deployment):
-    def __init__(self, env: dict[str, str], home: Path, wait_dag: str, *, port: int = 0, api_only: bool = False,
+    def __init__(self, env: dict[str, str], home: Path, wait_dag: str, *, port: int = 0,
                  start_timeout: float = 180) -> None:
         self.port = free_port(port)
         self.base = f"http://127.0.0.1:{self.port}"
@@ -43,15 +47,14 @@ class AirflowStack(Deployment):
                     "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
                     "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
                     "AIRFLOW__API_AUTH__JWT_SECRET": env.get("AIRFLOW__API_AUTH__JWT_SECRET") or os.urandom(16).hex()}
-        self.home, self.wait_dag, self.api_only, self.start_timeout = home, wait_dag, api_only, start_timeout
+        self.home, self.wait_dag, self.start_timeout = home, wait_dag, start_timeout
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.token = ""
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def _up(self) -> None:
         # loopback only: everyone is an admin here, so nothing off this machine may reach it
-        parts = [["api-server", "--host", "127.0.0.1", "--port", str(self.port)]]
-        parts += [] if self.api_only else [["scheduler"], ["dag-processor"]]
+        parts = [["api-server", "--host", "127.0.0.1", "--port", str(self.port)], *([p] for p in PARTS[1:])]
         for what in parts:
             with open(self.home / f"{what[0]}.log", "wb") as out:
                 self.procs[what[0]] = subprocess.Popen([*AIRFLOW, *what], env=self.env, stdout=out,
@@ -62,15 +65,20 @@ class AirflowStack(Deployment):
                 if p.poll() is not None:
                     log = self.home / f"{name}.log"
                     raise StackError(f"airflow {name} exited {p.returncode} while starting: {tail(log)} (log: {log})")
+            unhealthy: list[str] = []
             try:
                 self.token = self.call("GET", "/auth/token")["access_token"]  # all admins: handed out
-                self.call("GET", f"/api/v2/dags/{self.wait_dag}")  # parsed: the stack is ready
-                return
+                unhealthy = self.unhealthy()
+                if not unhealthy:
+                    self.call("GET", f"/api/v2/dags/{self.wait_dag}")  # parsed: the stack is ready
+                    return
             except (OSError, KeyError):
-                if time.monotonic() > deadline:
-                    raise StackError(f"Airflow did not serve DAG {self.wait_dag} within {self.start_timeout:.0f} s "
-                                     f"(logs: {self.home}/{{api-server,scheduler,dag-processor}}.log)") from None
-                time.sleep(1)
+                pass
+            if time.monotonic() > deadline:
+                why = f"not healthy: {', '.join(unhealthy)}" if unhealthy else f"DAG {self.wait_dag} not served"
+                raise StackError(f"Airflow was not ready within {self.start_timeout:.0f} s ({why}; "
+                                 f"logs: {self.home}/{{{','.join(PARTS)}}}.log)")
+            time.sleep(1)
 
     def __exit__(self, *exc: object) -> None:
         stop_parts(self.procs.values(), timeout=30)
@@ -87,20 +95,36 @@ class AirflowStack(Deployment):
         with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read() or b"{}")
 
+    def unhealthy(self) -> list[str]:
+        """The parts Airflow's health reports as not healthy (what its UI shows red)."""
+        health = self.call("GET", "/api/v2/monitor/health")
+        return [part for part, v in health.items() if (v or {}).get("status") != "healthy"]
+
     def trigger(self, dag_id: str) -> str:
         """Unpause the DAG (a home that `airflow dags test` used first has it paused) and start a run."""
         self.call("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False})
         return str(self.call("POST", f"/api/v2/dags/{dag_id}/dagRuns", {"logical_date": None})["dag_run_id"])
+
+    def dag_run(self, dag_id: str, run_id: str) -> dict[str, Any]:
+        run: dict[str, Any] = self.call("GET", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id)}")
+        return run
 
     def task_instance(self, dag_id: str, run_id: str, task_id: str) -> dict[str, Any]:
         ti: dict[str, Any] = self.call("GET", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id)}/taskInstances/{task_id}")
         return ti
 
     def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int) -> str:
-        """A try's log as the UI shows it (the REST API reads it from where the worker wrote it)."""
+        """A try's log as the UI shows it (the REST API reads it from where the worker wrote it): each
+        line's event, and under "Task failed with exception" the exception (``ExcType: message``)."""
         got = self.call("GET", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id)}/taskInstances/{task_id}/logs/"
                                f"{try_number}?full_content=true")
-        return "\n".join(str(e.get("event", "")) for e in got.get("content") or [] if isinstance(e, dict))
+        lines: list[str] = []
+        for e in got.get("content") or []:
+            if isinstance(e, dict):
+                lines.append(str(e.get("event", "")))
+                lines += [f"{x.get('exc_type')}: {x.get('exc_value')}" for x in e.get("error_detail") or []
+                          if isinstance(x, dict)]
+        return "\n".join(lines)
 
     def xcom(self, dag_id: str, run_id: str, task_id: str, key: str) -> Any:
         try:

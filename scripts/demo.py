@@ -2,15 +2,16 @@
 
 Embedded defaults: an Airflow home with SQLite in .cedana/airflow and a file:// store in .cedana/demo,
 both inside this repo. Airflow's own components run it (airflow_stack.py: api-server, scheduler,
-dag-processor; LocalExecutor), so every try has its task log and the run looks in the UI as it
-would in production. Steps:
+dag-processor, triggerer; LocalExecutor), so every try has its task log and the run looks in the UI
+as it would in production. Steps:
   1. the cedana_demo_training DAG (dags/) is triggered through the REST API: its task runs a
      training-style job under CheckpointedCommandOperator with a 5 s heartbeat;
   2. after three checkpoints the workload is SIGKILLed (a lost node, an OOM kill, a GPU Xid) and the
      task's work directory is deleted: try 1 fails;
   3. Airflow retries; try 2 restores from the latest checkpoint in the store and finishes the job;
-  4. the final digest is compared with an uninterrupted run's, a summary is printed with the page to
-     open (`make ui` serves the same Airflow home afterwards), and every process started is stopped.
+  4. once the scheduler has closed the DAG run (success), the final digest is compared with an
+     uninterrupted run's, a summary is printed with the page to open (`make ui` serves the same
+     Airflow home afterwards), and every process started is stopped.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ sys.path.insert(0, str(HERE))
 from airflow_stack import AIRFLOW, AirflowStack, StackError  # noqa: E402
 
 from cedana_airflow.ids import derive_checkpoint_id  # noqa: E402
+from cedana_airflow.units import binary_size  # noqa: E402
 
 DAG_ID, TASK_ID = "cedana_demo_training", "train"
 TRAIN = [sys.executable, str(REPO / "tests" / "workloads" / "train.py")]
@@ -122,7 +124,9 @@ class _Tail:
 def lose_the_node(stack: AirflowStack, demo: Demo, *, checkpoints: int = 3, timeout: float = 600,
                   echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Trigger the DAG; after ``checkpoints`` checkpoints kill the workload and delete its work directory,
-    as a lost node would; follow the retry to the end. Returns what happened, both tries' logs included."""
+    as a lost node would; follow the retry to the end, and the DAG run until the scheduler has closed it
+    (stopping the scheduler sooner leaves the run "running" in the UI for good). Returns what happened,
+    both tries' logs and the run's state included."""
     t0 = time.monotonic()
     # an earlier demo stopped half-way may have left a run queued in this home: it must not run alongside
     for old in stack.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns?state=queued&state=running")["dag_runs"]:
@@ -148,8 +152,13 @@ def lose_the_node(stack: AirflowStack, demo: Demo, *, checkpoints: int = 3, time
             raise StackError(f"the demo run did not finish within {timeout:.0f} s (task {ti['state']}); "
                              f"logs: {demo.home / 'logs'}")
         time.sleep(0.5)
+    while (run_state := stack.dag_run(DAG_ID, run_id)["state"]) not in ("success", "failed"):
+        if time.monotonic() > deadline:
+            raise StackError(f"the scheduler did not close the demo's DAG run within {timeout:.0f} s (task "
+                             f"{ti['state']}, run {run_state}); log: {demo.home / 'scheduler.log'}")
+        time.sleep(0.5)
     tries = int(ti["try_number"])
-    return {"run_id": run_id, "state": ti["state"], "tries": tries, "hostname": ti.get("hostname"),
+    return {"run_id": run_id, "state": ti["state"], "run_state": run_state, "tries": tries, "hostname": ti.get("hostname"),
             "logs": {n: stack.task_log(DAG_ID, run_id, TASK_ID, n) for n in range(1, tries + 1)},
             "restore": stack.xcom(DAG_ID, run_id, TASK_ID, "cedana_restore"),
             "manifests": demo.manifests(run_id), "seconds": round(time.monotonic() - t0, 1)}
@@ -165,22 +174,23 @@ def summarize(out: dict[str, Any], expect: str, steps: int) -> tuple[str, bool]:
     restored and finished with the uninterrupted run's output."""
     last = out["logs"].get(out["tries"], "")
     digests = re.findall(r"done digest=\w+", last)
-    restored = re.search(r"cedana: restored checkpoint_id=(\S+) seq=(\d+) \(taken by try (\d+) on node (\S+)\) on node "
-                         r"(\S+); gap ([\d.]+) s, restore ([\d.]+) s", last)
-    # the runner's own restore line comes first, the operator's summary of it at the end of the try
-    after = last[last.index("restored checkpoint_id="):] if "restored checkpoint_id=" in last else ""
+    restored = re.search(r"cedana: restored seq (\d+) of try (\d+) \(node (\S+)\) on node (\S+): gap ([\d.]+) s, "
+                         r"restore ([\d.]+) s, checkpoint_id=(\S+)", last)
+    # the restore is logged when it happens: the steps after it are the ones try 2 ran
+    after = last[restored.end():] if restored else ""
     first_step = re.search(rf"step (\d+)/{steps}", after)
     ms = out["manifests"]
     lines = ["== summary"]
-    lines.append(f"tries:               {out['tries']} (try 1 lost its workload; try {out['tries']} {out['state']})")
+    lines.append(f"tries:               {out['tries']} (try 1 lost its workload; try {out['tries']} {out['state']}; "
+                 f"DAG run {out.get('run_state', '-')})")
     if ms:
-        lines.append(f"checkpoints taken:   {len(ms)}; image {ms[-1]['image_bytes'] / 1e6:,.0f} MB each")
-        lines.append(f"bytes stored:        {sum(m['stored_bytes'] for m in ms) / 1e6:,.0f} MB in all (first "
-                     f"{ms[0]['stored_bytes'] / 1e6:,.0f} MB, then "
-                     f"{sum(m['stored_bytes'] for m in ms[1:]) / max(1, len(ms) - 1) / 1e6:,.1f} MB each)")
+        stored = [m["stored_bytes"] for m in ms]
+        lines.append(f"checkpoints taken:   {len(ms)}; image {image_sizes(ms)}")
+        lines.append(f"bytes stored:        {binary_size(sum(stored))} in all (first {binary_size(stored[0])}"
+                     + (f", then {binary_size(sum(stored[1:]) / (len(ms) - 1))} each on average)" if len(ms) > 1 else ")"))
         lines.append(f"freeze per heartbeat: {sum(m['freeze_seconds'] for m in ms) / len(ms):.2f} s on average")
     if restored:
-        _, seq, by_try, from_node, node, gap, secs = restored.groups()
+        seq, by_try, from_node, node, gap, secs, _ = restored.groups()
         lines.append(f"restore:             seq {seq} (taken by try {by_try} on {from_node}) restored on {node} in {secs} s; "
                      f"gap since that checkpoint {gap} s")
     if first_step:
@@ -188,8 +198,27 @@ def summarize(out: dict[str, Any], expect: str, steps: int) -> tuple[str, bool]:
                      "redo all of them)")
     lines.append(f"final output:        {digests[-1] if digests else '-'}  "
                  f"{'== uninterrupted run' if digests == [expect] else '!= uninterrupted run: ' + expect}")
-    ok = out["state"] == "success" and restored is not None and digests == [expect]
+    ok = (out["state"] == "success" and out.get("run_state") == "success" and restored is not None
+          and digests == [expect])
     return "\n".join(lines), ok
+
+
+def image_sizes(manifests: list[dict[str, Any]]) -> str:
+    """Each checkpoint's image size, as the browser shows sizes: runs of seqs with one size together
+    ("318 MiB (seq 1-7), 617 MiB (seq 8)"); more than three different runs as a range."""
+    runs: list[tuple[str, int, int]] = []  # (size, first seq, last seq)
+    for m in manifests:
+        size = binary_size(m["image_bytes"])
+        if runs and runs[-1][0] == size:
+            runs[-1] = (size, runs[-1][1], m["seq"])
+        else:
+            runs.append((size, m["seq"], m["seq"]))
+    if len(runs) == 1:
+        return f"{runs[0][0]} each"
+    if len(runs) > 3:
+        sizes = [m["image_bytes"] for m in manifests]
+        return f"{binary_size(min(sizes))} to {binary_size(max(sizes))}"
+    return ", ".join(f"{size} (seq {a}{f'-{b}' if b != a else ''})" for size, a, b in runs)
 
 
 def stop_on_sigterm() -> None:
@@ -206,7 +235,7 @@ def main() -> int:
     print(f"== Airflow home {demo.home} (SQLite), store file://{demo.store}, opt-in list {demo.root / 'optin.toml'}")
     try:
         demo.prepare()
-        print("== starting Airflow: api-server, scheduler, dag-processor (LocalExecutor)")
+        print("== starting Airflow: api-server, scheduler, dag-processor, triggerer (LocalExecutor)")
         with AirflowStack(demo.env(), demo.home, DAG_ID) as stack:
             print(f"== triggering {DAG_ID} (try 1: a 5 s heartbeat)")
             out = lose_the_node(stack, demo)

@@ -1,6 +1,6 @@
 """What the throwaway local deployments share (fleet_stack.py, slurm_cluster.py, airflow_stack.py): a free
 loopback port, a log's last lines for a one-line failure, a process tree read from /proc, and stopping
-every part, and moto's S3 server."""
+every part, and moto's S3 server; and how to run Airflow's CLI."""
 
 from __future__ import annotations
 
@@ -16,7 +16,13 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Self
 
-__all__ = ["Deployment", "descendants", "free_port", "moto_server", "reap", "stop_parts", "tail"]
+__all__ = ["AIRFLOW", "Deployment", "descendants", "free_port", "moto_server", "reap", "stop_parts", "tail"]
+
+#: Airflow's CLI in this interpreter. ``-P``: the working directory stays off sys.path. Run from a
+#: checkout's root, ``-m`` would put it first, and with it the ``cedana_airflow.egg-info`` that
+#: ``pip install -e`` leaves there: Airflow then finds our plugin's entry point twice and its UI shows
+#: "Plugin 'cedana' already registered, skipping" as a plugin import error.
+AIRFLOW = [sys.executable, "-P", "-m", "airflow"]
 
 
 def free_port(preferred: int = 0) -> int:

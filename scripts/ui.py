@@ -1,9 +1,10 @@
 """`make ui`: serve the demo's Airflow home in Airflow's own UI until Ctrl-C.
 
-Only the api-server (the run is over; nothing needs scheduling), with the simple auth manager making
-everyone an admin: a local demo needs no login. It prints the address of the demo's latest task
-instance (its Logs tab at the last try) and of the checkpoint browser. Port 8080, or a free one when
-8080 is taken (CEDANA_UI_PORT chooses another).
+The same four parts as the demo (airflow_stack.py: api-server, scheduler, dag-processor, triggerer),
+so Airflow's health is green and a run triggered from the UI runs; the demo DAG has no schedule, so
+nothing starts by itself. The simple auth manager makes everyone an admin: a local demo needs no
+login. It prints the address of the demo's latest task instance (its Logs tab at the last try) and of
+the checkpoint browser. Port 8080, or a free one when 8080 is taken (CEDANA_UI_PORT chooses another).
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ def main() -> int:
         return 2
     stop_on_sigterm()
     try:
-        with AirflowStack(demo.env(), demo.home, DAG_ID, port=int(os.environ.get("CEDANA_UI_PORT", "8080")),
-                          api_only=True) as stack:
+        with AirflowStack(demo.env(), demo.home, DAG_ID, port=int(os.environ.get("CEDANA_UI_PORT", "8080"))) as stack:
             runs = stack.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns?order_by=-start_date&limit=1")["dag_runs"]
             print(f"Airflow UI: {stack.base}/   (no login needed: a local demo)")
             if runs:
@@ -40,7 +40,8 @@ def main() -> int:
             print("Ctrl-C stops it.", flush=True)
             while all(p.poll() is None for p in stack.procs.values()):
                 time.sleep(1)
-            print("the api-server stopped: see " + str(demo.home / "api-server.log"), file=sys.stderr)
+            gone = next(name for name, p in stack.procs.items() if p.poll() is not None)
+            print(f"airflow {gone} stopped: see {demo.home / (gone + '.log')}", file=sys.stderr)
             return 1
     except StackError as e:
         print(f"ui failed: {e}", file=sys.stderr)

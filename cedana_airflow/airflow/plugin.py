@@ -2,7 +2,7 @@
 
 - the macro that names a task's default checkpoint ID, so a DAG can pass the same ID to a
   CheckpointSensor: ``{{ macros.cedana.checkpoint_id(ti, run_id) }}``;
-- the checkpoint browser (browser_app.py) mounted at ``/cedana`` in the api-server, with a nav item
+- the checkpoint browser (browser/) mounted at ``/cedana`` in the api-server, with a nav item
   (Browse > Checkpoints) and a tab on every task instance. Hrefs are built on ``[api] base_url``
   when it has a path, so a deployment under a prefix keeps working.
 """
@@ -35,9 +35,9 @@ def _href(path: str) -> str:
 
 
 def _fastapi_apps() -> list[dict[str, Any]]:
-    from .browser_app import app
+    from .browser import fastapi_app
 
-    return [{"app": app, "url_prefix": "/cedana", "name": "cedana checkpoint browser"}]
+    return [{"app": fastapi_app(), "url_prefix": "/cedana", "name": "cedana checkpoint browser"}]
 
 
 class CedanaPlugin(AirflowPlugin):

@@ -1,7 +1,8 @@
 """The checkpoint browser behind Airflow's auth, in a real `airflow api-server` (SQLite home in a temp
-dir): 401 without a login, IDs filtered by DAG permission, 403 on another DAG's ID, delete only with
-edit permission (and in Airflow's audit log), the views in /api/v2/plugins, and the JSON API in the
-same shape as `cedana-airflow checkpoints --json`.
+dir): 401 without a login or with a bad token, IDs filtered by DAG permission, 404 alike for another
+DAG's ID and a missing one, delete only with edit permission (and in Airflow's audit log), the views
+in /api/v2/plugins, the JSON API in the same shape as `cedana-airflow checkpoints --json` (less on
+request, with ETags), and every page in Debian's Chromium at 1440 x 900 inside Airflow's UI.
 
 Per-DAG permissions come from a stand-in auth manager (tests/airflow/stand_in_auth.py: Airflow's
 SimpleAuthManager with users scoped to named DAGs), because no auth manager with per-DAG roles is
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -20,6 +22,7 @@ import urllib.error
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote, urlencode
 
 import pytest
@@ -37,16 +40,24 @@ pytestmark = pytest.mark.integration
 
 PROC = ProcessInfo(pid=42, command=("python", "train.py"), cwd="/", stdout_pipe="pipe:[1]", stderr_pipe="pipe:[2]")
 B_ID = derive_checkpoint_id("dag_b", "fit", "manual__2")
+#: As long as real IDs get (a scheduled run of a long-named task): the fleet page must still fit 1440 px.
+LONG_OWNER = AirflowTask(dag_id="dag_b", task_id="fine_tune_the_sentiment_classifier_on_reviews",
+                         run_id="scheduled__2026-11-30T00:00:00+00:00")
+LONG_ID = derive_checkpoint_id(LONG_OWNER.dag_id, LONG_OWNER.task_id, LONG_OWNER.run_id)
 USERS = {"admin": "admin", "alice@dag_a": "viewer", "bob": "viewer"}
 A_ID = ""  # dag_a's checkpoint ID: its run ID comes from a real run (set by the server fixture)
 A_RUN = ""
+#: Named as dag_a's task "spoof" would name it in that run, but written by dag_b's task (an author may
+#: set any ID): its own DAG decides who sees it, not the URL that finds it.
+SPOOF_ID = ""
 
 
 def _fill(store_dir: Path, tmp: Path) -> None:
     s = open_store(f"file://{store_dir}", load_settings(environ={}))
     cfg = s.open(create=True, chunk_avg_bytes=64 << 10)
     owners = {A_ID: AirflowTask(dag_id="dag_a", task_id="train", run_id=A_RUN),
-              B_ID: AirflowTask(dag_id="dag_b", task_id="fit", run_id="manual__2"), "cli-job": None}
+              B_ID: AirflowTask(dag_id="dag_b", task_id="fit", run_id="manual__2"), "cli-job": None,
+              LONG_ID: LONG_OWNER, SPOOF_ID: AirflowTask(dag_id="dag_b", task_id="fit", run_id="manual__3")}
     for cid, owner in owners.items():
         for n in range(2):
             d = tmp / f"img-{cid}-{n}"
@@ -80,10 +91,11 @@ def server(tmp_path_factory, airflow_db):
     subprocess.run([*AIRFLOW, "dags", "test", "dag_a"], env=env, check=True, capture_output=True, timeout=180)
     import sqlite3
 
-    global A_ID, A_RUN
+    global A_ID, A_RUN, SPOOF_ID
     with contextlib.closing(sqlite3.connect(home / "airflow.db")) as db:
         [(A_RUN,)] = db.execute("select run_id from dag_run where dag_id = 'dag_a'").fetchall()
     A_ID = derive_checkpoint_id("dag_a", "train", A_RUN)
+    SPOOF_ID = derive_checkpoint_id("dag_a", "spoof", A_RUN)
     _fill(tmp / "store", tmp)
     passwords = tmp / "passwords.json"
     passwords.write_text(json.dumps({u: f"pw-{i}" for i, u in enumerate(USERS)}))
@@ -136,8 +148,9 @@ def test_every_route_needs_a_login(server):
                          ("GET", f"/cedana/ids/{A_ID}"), ("GET", "/cedana/ti?dag_id=dag_a&run_id=x&task_id=train")):
         status, _ = _call(base, method, path)
         assert status == 401, (method, path, status)
-    status, _ = _call(base, "GET", "/cedana/api/v1/checkpoints", token="not-a-jwt")
-    assert status in (401, 403)
+    for path in ("/cedana/api/v1/checkpoints", "/cedana/"):  # a token that is not valid: log in again
+        status, body = _call(base, "GET", path, token="not-a-jwt")
+        assert status == 401 and "invalid token: log in again" in str(body), (path, status, body)
 
 
 def test_the_json_api_has_the_cli_shape_and_is_filtered_by_dag_permission_stand_in_auth_manager(server):
@@ -146,14 +159,19 @@ def test_the_json_api_has_the_cli_shape_and_is_filtered_by_dag_permission_stand_
     assert status == 200
     env = cli_env(tmp, "n", "w", CEDANA_STORE=f"file://{tmp / 'store'}")
     assert everything == json.loads(cli("checkpoints", "--json", env=env).stdout)  # one contract for both
-    assert {x["id"] for x in everything} == {A_ID, B_ID, "cli-job"}
+    assert {x["id"] for x in everything} == {A_ID, B_ID, "cli-job", LONG_ID, SPOOF_ID}
     a = next(x for x in everything if x["id"] == A_ID)
     assert a["airflow"]["dag_id"] == "dag_a" and a["restores"] == 1 and [c["seq"] for c in a["checkpoints"]] == [1, 2]
 
     status, alices = _call(base, "GET", "/cedana/api/v1/checkpoints", tokens["alice@dag_a"])
     assert status == 200 and [x["id"] for x in alices] == [A_ID]  # not dag_b's, not the CLI's (no DAG)
-    assert _call(base, "GET", f"/cedana/api/v1/checkpoints/{B_ID}", tokens["alice@dag_a"])[0] == 403
-    assert _call(base, "GET", "/cedana/api/v1/checkpoints/cli-job", tokens["alice@dag_a"])[0] == 403
+    # another DAG's ID answers as a missing one does: no telling which unreadable DAGs have checkpoints
+    missing = _call(base, "GET", f"/cedana/api/v1/checkpoints/{B_ID[:-1]}x", tokens["alice@dag_a"])
+    assert missing[0] == 404
+    for other in (B_ID, "cli-job"):
+        status, body = _call(base, "GET", f"/cedana/api/v1/checkpoints/{other}", tokens["alice@dag_a"])
+        assert (status, body["detail"].replace(other, "ID")) == (404, missing[1]["detail"].replace(B_ID[:-1] + "x", "ID"))
+        assert _call(base, "GET", f"/cedana/ids/{other}", tokens["alice@dag_a"])[0] == 404
     status, one = _call(base, "GET", f"/cedana/api/v1/checkpoints/{A_ID}", tokens["alice@dag_a"])
     assert status == 200 and one["restores"][0]["outcome"] == "restored" and one["restores"][0]["gap_seconds"] == 4.2
     assert [m["seq"] for m in one["manifests"]] == [1, 2] and one["manifests"][0]["airflow"]["task_id"] == "train"
@@ -166,14 +184,25 @@ def test_pages_render_the_fleet_an_id_and_a_task_instance_tab_stand_in_auth_mana
     status, page = _call(base, "GET", "/cedana/", tokens["alice@dag_a"])
     assert status == 200 and A_ID in page and B_ID not in page and "1</b> checkpoint IDs" in page
     assert "<b>1</b> restores in the last day (1 in all)" in page
+    assert "fleet drills" not in page  # the drills are for users who may read every DAG: no link that answers 403
+    assert "<a href='drills'>fleet drills</a>" in _call(base, "GET", "/cedana/", tokens["admin"])[1]
     status, page = _call(base, "GET", f"/cedana/ids/{A_ID}", tokens["admin"])
     assert status == 200 and "node-0" in page and "Restores" in page and "4.2 s" in page and "<svg" in page
     status, tab = _call(base, "GET", f"/cedana/ti?{urlencode({'dag_id': 'dag_a', 'run_id': A_RUN, 'task_id': 'train'})}"
                                      "&map_index=-1", tokens["admin"])
-    assert status == 200 and "try 1: seq 1" in tab and "try 2: seq 2" in tab and "restored" in tab
+    assert status == 200 and "fresh: the first try: nothing to resume yet" in tab
+    assert "restored seq 1 from node-0: gap 4.2 s, restore 1.10 s" in tab
+    assert "<td>success</td>" in tab  # try 1's state, from Airflow's own table
     status, empty = _call(base, "GET", "/cedana/ti?dag_id=dag_a&run_id=manual__9&task_id=other", tokens["admin"])
     assert status == 200 and "has no checkpoints in the store" in empty
     assert _call(base, "GET", "/cedana/ti?dag_id=dag_b&run_id=manual__2&task_id=fit", tokens["alice@dag_a"])[0] == 403
+    spoof = f"/cedana/ti?{urlencode({'dag_id': 'dag_a', 'run_id': A_RUN, 'task_id': 'spoof'})}"
+    assert "has no checkpoints in the store" in _call(base, "GET", spoof, tokens["alice@dag_a"])[1]  # dag_b's ID
+    assert SPOOF_ID in _call(base, "GET", spoof, tokens["admin"])[1]
+    # a malformed query is one line on a page, not FastAPI's validation JSON
+    status, bad = _call(base, "GET", "/cedana/?page=abc", tokens["admin"])
+    assert status == 400 and "<p class='problem'>bad request: page: " in bad and "(got &#39;abc&#39;)" in bad, bad
+    assert _call(base, "GET", "/cedana/?page=0", tokens["admin"])[0] == 400
 
 
 def test_the_views_are_registered_with_airflow(server):
@@ -189,7 +218,7 @@ def test_the_views_are_registered_with_airflow(server):
 def test_delete_needs_edit_permission_and_is_in_the_audit_log_stand_in_auth_manager(server):
     base, tokens, tmp = server
     assert _call(base, "DELETE", f"/cedana/api/v1/checkpoints/{B_ID}", tokens["bob"])[0] == 403  # a viewer
-    assert _call(base, "DELETE", f"/cedana/api/v1/checkpoints/{B_ID}", tokens["alice@dag_a"])[0] == 403
+    assert _call(base, "DELETE", f"/cedana/api/v1/checkpoints/{B_ID}", tokens["alice@dag_a"])[0] == 404  # unreadable
     status, done = _call(base, "DELETE", f"/cedana/api/v1/checkpoints/{B_ID}", tokens["admin"])
     assert status == 200 and done == {"id": B_ID, "deleted_checkpoints": 2}
     assert not list((tmp / "store").glob(f"{B_ID}/*/manifest.json"))
@@ -203,63 +232,198 @@ def test_delete_needs_edit_permission_and_is_in_the_audit_log_stand_in_auth_mana
 
 
 def test_an_unusable_store_is_one_line_on_the_page_not_a_stack_trace_stand_in_store(monkeypatch):
-    from cedana_airflow.airflow import browser_app
+    from cedana_airflow.airflow.browser import app as browser_app
     from cedana_airflow.errors import StoreUnavailable
 
     def down() -> None:
         raise StoreUnavailable("store s3://ckpt/x/: endpoint http://***@minio:9000 is unreachable. Check AWS_ENDPOINT_URL.")
 
+    from starlette.requests import Request
+
     monkeypatch.setattr(browser_app, "_store", down)
-    r = browser_app.page_fleet(user=object(), q="", dag="", sort="id", page=1)
+    request = Request({"type": "http", "method": "GET", "path": "/cedana/", "headers": [], "query_string": b""})
+    r = browser_app.page_fleet(request, user=object(), q="", dag="", sort="id", page=1)
     body = bytes(r.body).decode()
     assert r.status_code == 503 and "endpoint http://***@minio:9000 is unreachable" in body and "Traceback" not in body
-    api = browser_app.api_checkpoints(user=object())
+    api = browser_app.api_checkpoints(request, user=object())
     assert api.status_code == 503 and json.loads(bytes(api.body))["detail"].startswith("store s3://ckpt/x/")
 
 
-def _shot(page, name: str, **kw) -> None:
-    """A screenshot for people to look at, not an assertion. Under load headless Chromium sometimes
-    answers "Unable to capture screenshot" (CI saw it on the login page): try again, then go on."""
+def test_the_json_api_leaves_out_what_a_caller_asks_and_answers_304_to_its_etag(server):
+    base, tokens, _ = server
+    path = f"/cedana/api/v1/checkpoints/{A_ID}"
+    full = _call(base, "GET", path, tokens["admin"])[1]
+    lean = _call(base, "GET", path + "?files=false", tokens["admin"])[1]
+    assert all("files" in m for m in full["manifests"]) and not any("files" in m for m in lean["manifests"])
+    assert lean == {**full, "manifests": [{k: v for k, v in m.items() if k != "files"} for m in full["manifests"]]}
+    assert _call(base, "GET", path + "?manifests=false", tokens["admin"])[1] == \
+        {k: v for k, v in full.items() if k != "manifests"}
+    for route in (path, "/cedana/api/v1/checkpoints"):
+        status, headers, body = _raw(base, route, tokens["admin"])
+        assert status == 200 and headers["ETag"].startswith('"') and headers["Cache-Control"] == "private, no-cache"
+        again = _raw(base, route, tokens["admin"], {"If-None-Match": headers["ETag"]})
+        assert (again[0], again[2], again[1]["ETag"]) == (304, b"", headers["ETag"])  # unchanged: no body
+        assert _raw(base, route, tokens["admin"], {"If-None-Match": '"stale"'})[0] == 200
+    # alice's answer is hers: a different body, a different tag
+    assert _raw(base, "/cedana/api/v1/checkpoints", tokens["alice@dag_a"])[1]["ETag"] != \
+        _raw(base, "/cedana/api/v1/checkpoints", tokens["admin"])[1]["ETag"]
+
+
+def _raw(base: str, path: str, token: str, headers: dict[str, str] | None = None) -> tuple[int, Any, bytes]:
+    """(status, headers: looked up by any case, body)."""
+    req = urllib.request.Request(base + path, headers={"Authorization": f"Bearer {token}", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.headers, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read()
+
+
+def _shot(page, name: str, docs: str | None = None, **kw) -> None:
+    """A screenshot for people to look at, not an assertion; with CEDANA_DOCS_SCREENSHOTS=1 it also
+    replaces docs/img/<docs> (the README's and docs' pictures come from these tests). Under load headless
+    Chromium sometimes answers "Unable to capture screenshot" (CI saw it on the login page): try again,
+    then go on."""
     import warnings
 
     for attempt in range(3):
         try:
             page.screenshot(path=ARTIFACTS / name, **kw)
-            return
+            break
         except Exception as e:  # playwright's Error
             if attempt == 2:
                 warnings.warn(f"screenshot {name} not taken: {e}", stacklevel=2)
-            else:
-                page.wait_for_timeout(1000)
+                return
+            page.wait_for_timeout(1000)
+    if docs and os.environ.get("CEDANA_DOCS_SCREENSHOTS") == "1":
+        import shutil
+
+        shutil.copyfile(ARTIFACTS / name, REPO / "docs" / "img" / docs)
 
 
-def test_in_a_real_browser_log_in_open_browse_checkpoints_then_an_id(server):
-    """Debian's Chromium driven by Playwright: Airflow's own login, the nav item, an ID's page."""
-    from playwright.sync_api import expect
-
+@pytest.fixture(scope="module")
+def airflow_ui(server):
+    """Debian's Chromium at 1440 x 900, logged in to Airflow as admin through its own login page."""
     base, _, _ = server
     with browser_page() as page:
+        errors: list[str] = []
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
         page.goto(base + "/")
         _shot(page, "0-login.png")
         page.locator("input[name=username]").fill("admin")
         page.locator("input[name=password]").fill("pw-0")
         page.locator("button[type=submit]").click()
         page.wait_for_url(lambda url: "login" not in url, timeout=30_000)
-        page.goto(base + "/plugin/cedana-checkpoints")
-        frame = page.frame_locator("iframe")
-        expect(frame.get_by_role("link", name=A_ID)).to_be_visible(timeout=30_000)
-        _shot(page, "1-fleet.png")
-        frame.get_by_role("link", name=A_ID).click()
+        yield page, base, errors
+
+
+def _plugin_frame(page):
+    """Our page inside Airflow's: the iframe's frame (the only child frame)."""
+    page.wait_for_selector("iframe", timeout=30_000)
+    for _ in range(100):
+        frames = [f for f in page.frames if f.parent_frame is not None and "/cedana/" in f.url]
+        if frames:
+            # the page's script reloads it once when it was rendered in another timezone: wait for the one that stays
+            frames[0].wait_for_selector("html[data-ready]", state="attached", timeout=30_000)
+            return frames[0]
+        page.wait_for_timeout(100)
+    raise AssertionError(f"no plugin frame in {[f.url for f in page.frames]}")
+
+
+def _fits(frame) -> None:
+    """Nothing on the page reaches past the frame's right edge, and nothing scrolls sideways."""
+    frame.wait_for_selector("html[data-ready]", state="attached", timeout=30_000)
+    width, scroll, widest = frame.evaluate("""() => {
+        const right = Math.max(...[...document.querySelectorAll('body *')].map(e => e.getBoundingClientRect().right));
+        return [document.documentElement.clientWidth, document.documentElement.scrollWidth, right];
+    }""")
+    assert scroll <= width and widest <= width + 1, (frame.url, width, scroll, widest)
+
+
+def test_in_a_real_browser_every_plugin_page_fits_a_1440_px_laptop(airflow_ui):
+    """Debian's Chromium driven by Playwright: the nav item, the fleet page and an ID's page in
+    Airflow's frame, the task instance tab and the drills, none wider than the frame."""
+    from playwright.sync_api import expect
+
+    page, base, _ = airflow_ui
+    page.goto(base + "/plugin/cedana-checkpoints")
+    frame = _plugin_frame(page)
+    expect(frame.get_by_role("link", name=LONG_ID)).to_be_visible(timeout=30_000)
+    expect(frame.get_by_role("columnheader", name="restores")).to_be_in_viewport()  # the columns a user came for
+    _fits(frame)
+    _shot(page, "1-fleet.png", docs="checkpoint-browser.png")
+    for cid in (A_ID, LONG_ID, "cli-job"):
+        frame.goto(f"{base}/cedana/ids/{quote(cid, safe='')}")
         expect(frame.get_by_role("heading", name="Restores")).to_be_visible(timeout=30_000)
-        expect(frame.get_by_text("node-0").first).to_be_visible()
-        _shot(page, "2-checkpoint-id.png", full_page=True)
-        # the task instance of the real run, and its Checkpoints tab
-        page.goto(f"{base}/dags/dag_a/runs/{quote(A_RUN, safe='')}/tasks/train")
-        page.locator("a[href$='/plugin/cedana-task-checkpoints']").click()  # the tab, next to Logs and Details
-        tab = page.frame_locator("iframe")
-        expect(tab.get_by_text("try 1: seq 1")).to_be_visible(timeout=30_000)
-        expect(tab.get_by_text("try 2: seq 2")).to_be_visible()
-        _shot(page, "3-task-instance-tab.png")
+        expect(frame.get_by_role("img", name=re.compile(r"^2 checkpoints, "))).to_be_visible()  # the chart
+        _fits(frame)
+    page.goto(base + "/plugin/cedana-checkpoints")
+    frame = _plugin_frame(page)
+    frame.get_by_role("link", name=A_ID).click()
+    expect(frame.get_by_role("heading", name="Restores")).to_be_visible(timeout=30_000)
+    assert page.url.endswith(f"/plugin/cedana-checkpoints/cedana/ids/{quote(A_ID, safe='+')}") or \
+        A_ID.replace("+", "%2B") in page.url, page.url  # Airflow keeps a link to this page in its address bar
+    _shot(page, "2-checkpoint-id.png", full_page=True)  # the docs' picture is the demo's (test_demo_ui.py)
+    frame.goto(base + "/cedana/drills")
+    expect(frame.get_by_role("heading", name="Fleet drills")).to_be_visible(timeout=30_000)
+    _fits(frame)
+    # the task instance of the real run, and its Checkpoints tab (narrower: Airflow's grid is beside it)
+    page.goto(f"{base}/dags/dag_a/runs/{quote(A_RUN, safe='')}/tasks/train")
+    page.locator("a[href$='/plugin/cedana-task-checkpoints']").click()  # the tab, next to Logs and Details
+    tab = _plugin_frame(page)
+    expect(tab.get_by_text("fresh: the first try: nothing to resume yet")).to_be_visible(timeout=30_000)
+    expect(tab.get_by_text("restored seq 1 from node-0: gap 4.2 s, restore 1.10 s")).to_be_visible()
+    expect(tab.get_by_role("columnheader", name="work lost")).to_be_in_viewport()
+    _fits(tab)
+    _shot(page, "3-task-instance-tab.png")
+
+
+def test_in_a_real_browser_links_on_an_id_page_open_airflows_own_pages(airflow_ui):
+    """The sandboxed frame may not navigate Airflow's window (target=_top is blocked there): each link
+    to the DAG, the run and the task instance lands on that page of Airflow's UI."""
+    from playwright.sync_api import expect
+
+    page, base, errors = airflow_ui
+    run_path = f"/dags/dag_a/runs/{quote(A_RUN, safe='')}"
+    for name, path, shows in (("dag_a", "/dags/dag_a", "dag_a"), (A_RUN, run_path, A_RUN),
+                              ("train", run_path + "/tasks/train", "train")):
+        page.goto(f"{base}/plugin/cedana-checkpoints/cedana/ids/{quote(A_ID, safe='')}")
+        frame = _plugin_frame(page)
+        expect(frame.get_by_role("heading", name="Restores")).to_be_visible(timeout=30_000)
+        frame.get_by_role("link", name=name, exact=True).click()
+        page.wait_for_url(lambda url: url.split("?")[0].endswith(path), timeout=30_000)
+        expect(page.get_by_text(shows, exact=True).first).to_be_visible(timeout=30_000)
+    assert not [e for e in errors if "sandboxed" in e or "Unsafe attempt" in e], errors
+
+
+def _brightness(frame) -> float:
+    """The page background's mean RGB, 0-255 (Airflow's colours are oklch(): a canvas turns them into RGB)."""
+    return frame.evaluate("""() => { const c = document.createElement('canvas'); c.width = c.height = 1;
+        const x = c.getContext('2d'); x.fillStyle = getComputedStyle(document.body).backgroundColor;
+        x.fillRect(0, 0, 1, 1); const [r, g, b] = x.getImageData(0, 0, 1, 1).data; return (r + g + b) / 3; }""")
+
+
+def test_in_a_real_browser_the_pages_follow_airflows_theme_and_timezone(airflow_ui):
+    from playwright.sync_api import expect
+
+    page, base, _ = airflow_ui
+    page.goto(base + "/")
+    page.evaluate("""() => { localStorage.setItem('theme', 'dark');
+                             localStorage.setItem('timezone', JSON.stringify('Asia/Kolkata')); }""")
+    try:
+        page.goto(f"{base}/plugin/cedana-checkpoints/cedana/ids/{quote(A_ID, safe='')}")
+        frame = _plugin_frame(page)
+        expect(frame.get_by_role("heading", name="Restores")).to_be_visible(timeout=30_000)
+        expect(frame.locator("td", has_text=re.compile(r"^2\d{3}-\d\d-\d\d \d\d:\d\d:\d\d IST$")).first).to_be_visible(
+            timeout=30_000)  # rendered again in the user's timezone, once
+        expect(frame.locator("html")).to_have_attribute("data-theme", "dark")
+        assert _brightness(frame) < 60  # Airflow's dark background (its own colour, copied from its page)
+        _shot(page, "4-checkpoint-id-dark.png")
+        page.evaluate("document.documentElement.classList.replace('dark', 'light')")  # the user switches back
+        expect(frame.locator("html")).to_have_attribute("data-theme", "light")
+        assert _brightness(frame) > 200
+    finally:
+        page.evaluate("() => { localStorage.removeItem('theme'); localStorage.removeItem('timezone'); }")
 
 
 def test_drill_reports_and_trends_for_users_who_may_read_every_dag_stand_in_auth_manager(server):
