@@ -237,6 +237,8 @@ def _cmd_checkpoints(args: argparse.Namespace) -> int:
     for x in listed:
         if x.skipped_heartbeats:
             print(f"{x.checkpoint_id}: {x.skipped_heartbeats} heartbeat(s) skipped as too large; last: {x.last_skip}")
+        if x.restore_warning:
+            print(f"{x.checkpoint_id}: {x.restore_warning}")
     return 0
 
 
@@ -314,16 +316,36 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     where = Where(args.dag_id, args.task_id, settings.resolved_node(), parse_labels(",".join(args.label)),
                   nvidia=False if args.no_nvidia else None, **facts)
     decision = decide(load_optin(settings.optin_file), where)
+    warnings = _restore_warnings(settings, where.dag_id, where.task_id)
     if args.json:
         print(json.dumps({"dag_id": where.dag_id, "task_id": where.task_id, "node": where.node, "queue": where.queue,
                           "pool": where.pool, "in_scope": decision.in_scope, "reasons": list(decision.reasons),
-                          "defaults": decision.defaults}, default=str))
+                          "defaults": decision.defaults, "restore_warnings": warnings}, default=str))
     else:
         print(f"{where.dag_id}.{where.task_id} on node {where.node}, queue {where.queue}, pool {where.pool}: "
               + decision.explain())
         if decision.defaults:
             print("  settings from the list: " + ", ".join(f"{k}={v}" for k, v in sorted(decision.defaults.items())))
+        for w in warnings:
+            print(f"  its checkpoints: {w}")
     return 0
+
+
+def _restore_warnings(settings: Settings, dag_id: str, task_id: str) -> list[str]:
+    """What the store says a restore would refuse of this task's checkpoints (their first heartbeats
+    recorded it); none when no store is configured or it cannot be read: explain must answer anyway."""
+    from .store import open_store
+    from .store.listing import list_store
+
+    if not settings.store:
+        return []
+    try:
+        store = open_store(settings.resolved_store(), settings)
+        listed = list_store(store)
+    except CedanaError:
+        return []
+    return [f"{x.checkpoint_id}: {x.restore_warning}" for x in listed if x.restore_warning and x.airflow is not None
+            and (x.airflow.dag_id, x.airflow.task_id) == (dag_id, task_id)]
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:

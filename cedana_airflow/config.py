@@ -78,7 +78,11 @@ class Settings(BaseModel):
         default=True, description="On SIGTERM to the supervisor, take a final checkpoint before stopping."
     )
     stop_grace_seconds: float = Field(
-        default=10.0, ge=0, allow_inf_nan=False, description="After forwarding SIGTERM, seconds before the workload is killed."
+        default=0.0, ge=0, allow_inf_nan=False,
+        description="A stop ends the workload tree right after its final checkpoint (SIGKILL: nothing it does after "
+        "the checkpoint survives, since the retry redoes it). Above 0: for a workload that needs its own shutdown, "
+        "SIGTERM goes to it after the final checkpoint, then SIGKILL this many seconds later (capped to fit the "
+        "stop window). Unprotected workloads get SIGTERM and 3 s when this is 0."
     )
     chunk_avg_bytes: int = Field(
         default=1 << 20, ge=64 << 10, le=64 << 20, description="Average chunk size for new stores."
@@ -91,8 +95,9 @@ class Settings(BaseModel):
     )
     max_checkpoint_bytes: int = Field(
         default=64 << 30, ge=0,
-        description="Skip a heartbeat whose estimated size (RSS + GPU memory) is above this; 0 = no limit. "
-        "64 GiB freezes for about 40 s at the 0.6 s/GB measured here.",
+        description="Skip a heartbeat whose estimated size (RSS + memfds + GPU memory) is above this, or whose "
+        "dump came out above it (the tree grew after the estimate: the dump is dropped, a final checkpoint at a "
+        "stop is stored anyway); 0 = no limit. 64 GiB freezes for about 40 s at the 0.6 s/GB measured here.",
     )
     max_captured_bytes: int = Field(
         default=256 << 20, ge=0,
@@ -142,6 +147,18 @@ class Settings(BaseModel):
         description="Never restore a checkpoint older than this (a real-time reader's data has moved on): "
         "older ones are refused one by one, and with none left the workload starts fresh. Unset: no limit."
     )
+    lease_seconds: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False,
+        description="License lease length of license-bound software (cedana:license=NAME): a checkpoint older than "
+        "this holds a dead license checkout, so it is not restored and the workload starts fresh, unless "
+        "lease_renew_command renews the lease first. Unset: no lease."
+    )
+    lease_renew_command: str | None = Field(
+        default=None,
+        description="Run (split with shell rules, no shell) before restoring a checkpoint older than lease_seconds, "
+        "with CEDANA_CHECKPOINT_ID and CEDANA_RESTORE_GAP_SECONDS in its environment, e.g. to check the license out "
+        "again: exit 0 restores, anything else starts fresh."
+    )
     signing_key: SecretStr | None = Field(
         default=None, description="Key that signs every manifest written and that every restore requires "
         "(HMAC-SHA256). Prefer signing_key_file, or CEDANA_SIGNING_KEY; never in a config file others read."
@@ -160,9 +177,12 @@ class Settings(BaseModel):
         "checkpoint image holds. Several: separated by ','."
     )
     restore_roots: tuple[Path, ...] = Field(
-        default=(), description="Directories under which a restore may put back captured files and create the "
-        "workload's working directory, besides the restoring command's own working directory (e.g. a shared "
-        "output volume). System trees are never written. Several: separated by ':' (CEDANA_RESTORE_ROOTS)."
+        default=(), description="Where a restore may put back captured files (files the workload held open for "
+        "writing) and create its working directory. Signed checkpoints (a signing key; under Airflow, by default): "
+        "anywhere but a system tree when unset, only under these (and the working directory) when set. Unsigned: "
+        "only under these and the restoring command's working directory, and the first checkpoint says which "
+        "files a restore would refuse. Never a system tree, never through a symlink. Several: separated by ':' "
+        "(CEDANA_RESTORE_ROOTS)."
     )
 
     @field_validator("store")

@@ -122,6 +122,13 @@ class RestoreFailed(EngineError):
     """`criu restore` failed."""
 
 
+class NotRestorableHere(RestoreFailed):
+    """The checkpoint is sound, but this node lacks what it needs from the filesystem (a file the
+    workload reads is missing or changed, a socket directory cannot be created safely). Older
+    checkpoints of the same workload need the same, so none is tried: the run starts fresh, or the
+    operator makes the node match (run/preflight.py)."""
+
+
 class GpuUnavailable(CedanaError):
     """No NVIDIA driver (or no pynvml) on this node: GPU state cannot be read here."""
 

@@ -27,13 +27,12 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
+from local_parts import AIRFLOW  # noqa: E402
 from slurm_cluster import SlurmCluster  # noqa: E402
 
 from cedana_airflow.config import load_settings  # noqa: E402
 from cedana_airflow.store import open_store  # noqa: E402
 from cedana_airflow.store.transfer import load_manifests  # noqa: E402
-
-AIRFLOW = [sys.executable, "-m", "airflow"]
 TRAIN = REPO / "tests" / "workloads" / "train.py"
 TRAIN_ARGS = ["--mb", "32", "--steps", "150", "--step-seconds", "0.2"]
 #: Slurm partitions are the node scope; the workload scope admits the node-loss DAG and one unprotected

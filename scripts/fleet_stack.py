@@ -29,9 +29,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from local_parts import Deployment, descendants, free_port, stop_parts, tail  # noqa: E402  (scripts/ is on sys.path)
-
-AIRFLOW = [sys.executable, "-m", "airflow"]
+from local_parts import AIRFLOW, Deployment, descendants, free_port, stop_parts, tail  # noqa: E402  (scripts/ is on sys.path)
 HERE = Path(__file__).resolve().parent
 BUCKET = "cedana-fleet"
 

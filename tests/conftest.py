@@ -22,7 +22,7 @@ from cedana_airflow.run.workload import become_subreaper
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
-from local_parts import free_port as _free_port, moto_server, reap  # noqa: E402  (re-exported: tests import them from here)
+from local_parts import AIRFLOW, free_port as _free_port, moto_server, reap  # noqa: E402  (re-exported: tests import them from here)
 
 TRAIN = REPO / "tests" / "workloads" / "train.py"
 #: Screenshots the browser tests leave for people to look at (CI keeps them).
@@ -119,6 +119,16 @@ def wait_gone(pid: int, timeout: float) -> bool:
     return not os.path.exists(f"/proc/{pid}")
 
 
+def varint(n: int) -> bytes:
+    """Protobuf's varint, for image files written by hand (CRIU's images are protobuf entries)."""
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
 def uninterrupted_digest(*train_args: str) -> str:
     out = subprocess.run([sys.executable, str(TRAIN), *train_args, "--step-seconds", "0"],
                          capture_output=True, text=True, check=True).stdout
@@ -155,7 +165,6 @@ def bucket(s3_env, request):
 # -- an Airflow home: shared by the Airflow end-to-end tests and the sensor tests -----------------------
 #: The e2e DAG's workload (tests/dags/cedana_e2e.py reads CEDANA_E2E_TRAIN_ARGS).
 TRAIN_ARGS = ["--mb", "60", "--steps", "50", "--step-seconds", "0.1"]
-AIRFLOW = [sys.executable, "-m", "airflow"]
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,7 @@ from pathlib import Path
 from ..config import Settings
 from ..engine.procfs import process_start
 from ..errors import CedanaError
+from ..format.layout import golden_digest_key
 from ..store.base import Store
 from ..store.gc import delete_checkpoint_id
 from ..store.restores import list_restores
@@ -50,7 +51,7 @@ def _params(mb: int, steps: int) -> list[str]:
 def golden_digest(store: Store, mb: int, steps: int) -> str:
     """The digest of an uninterrupted run (step time 0: the digest does not depend on it), from the
     store when some drill computed it before."""
-    key = f"drills/golden-{hashlib.sha256(repr(('canary-v1', mb, steps)).encode()).hexdigest()[:16]}.txt"
+    key = golden_digest_key(hashlib.sha256(repr(('canary-v1', mb, steps)).encode()).hexdigest()[:16])
     cached = store.get(key)
     if cached:
         return cached.decode().strip()

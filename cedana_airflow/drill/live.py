@@ -20,11 +20,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
+from ..format.layout import lease_key
 from ..scope.optin import Drills
 from ..scope.windows import in_any_window
 from ..store.base import Store
 from ..store.listing import list_store
-from ..store.writer_lease import LeaseRecord, lease_key
+from ..store.writer_lease import LeaseRecord
 from .fleet import Fleet, RunningTask, utc, wait
 from .follow import follow_retry, seen_failed
 from .report import DrillReport, LiveTarget, new_drill_id

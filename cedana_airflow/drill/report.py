@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ..config import Settings
 from ..errors import CedanaError, ConfigError
+from ..format.layout import DRILLS, drill_report_key
 from ..run.runner import ensure_work_dir
 from ..store.base import Store
 from ..store.records import read_records
@@ -24,9 +25,6 @@ from ..store.records import read_records
 __all__ = ["CheckedId", "DrillReport", "LiveTarget", "list_reports", "new_drill_id", "save_report", "scratch_dir"]
 
 log = logging.getLogger(__name__)
-
-PREFIX = "drills/"
-
 
 class CheckedId(BaseModel):
     """One checkpoint ID a ``verify`` drill read: its latest usable checkpoint, or why none was."""
@@ -118,7 +116,7 @@ def new_drill_id(mode: str, at: datetime | None = None) -> str:
 def save_report(store: Store, report: DrillReport) -> bool:
     """Keep the report in the store; a store that refuses it is logged (the drill's result stands)."""
     try:
-        return store.put_if_absent(f"{PREFIX}{report.drill_id}.json", report.model_dump_json(indent=1).encode())
+        return store.put_if_absent(drill_report_key(report.drill_id), report.model_dump_json(indent=1).encode())
     except CedanaError as e:
         log.warning("drill report %s not stored: %s", report.drill_id, e)
         return False
@@ -126,7 +124,7 @@ def save_report(store: Store, report: DrillReport) -> bool:
 
 def list_reports(store: Store) -> list[DrillReport]:
     """Every readable report, oldest first; a damaged one is skipped with a warning."""
-    return sorted(read_records(store, PREFIX, DrillReport), key=lambda r: r.started_at)
+    return sorted(read_records(store, DRILLS, DrillReport), key=lambda r: r.started_at)
 
 
 def scratch_dir(settings: Settings, prefix: str) -> Path:

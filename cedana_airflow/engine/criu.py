@@ -125,6 +125,9 @@ def _log_tail(log_path: Path) -> str:
 
 
 _HINTS = [
+    ("Can't get 1:16 opt", "CRIU before 4.2 cannot dump a TCP or UDP socket on Linux 6.16 and later (the kernel refuses "
+     "SO_PASSCRED on inet sockets: checkpoint-restore/criu#2718); run CRIU 4.2 or later, or hold no socket at "
+     "heartbeats"),
     ("Can't fork for", "a PID of the checkpoint is in use here; run workloads through 'cedana-airflow run' (own PID namespace)"),
     ("bad size", "a file the workload had open changed size since the checkpoint; it must be captured (open it for writing) or left unchanged"),
     ("Operation not permitted", "CRIU needs root (CAP_SYS_ADMIN); run as root"),
@@ -147,6 +150,7 @@ class CriuEngine:
 
     def __init__(self, binary: CriuBinary) -> None:
         self.binary = binary
+        self._dumping: subprocess.Popen[str] | None = None  # the dump in progress, for abort_dump()
 
     @property
     def version(self) -> str:
@@ -190,7 +194,14 @@ class CriuEngine:
                 cap = stack.enter_context(CaptureOnFreeze(side))
                 cmd += ["--action-script", str(cap.script)]
             t0 = time.monotonic()
-            proc = subprocess.run([*_dies_with_us(), *cmd], capture_output=True, text=True)
+            with subprocess.Popen([*_dies_with_us(), *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) as running:
+                self._dumping = running
+                try:
+                    _, stderr = running.communicate()
+                finally:
+                    self._dumping = None
+            proc = subprocess.CompletedProcess(cmd, running.returncode, "", stderr)
             seconds = time.monotonic() - t0
         if proc.returncode != 0:
             tail = _log_tail(log_path) or proc.stderr.strip()[-300:]
@@ -202,6 +213,15 @@ class CriuEngine:
             )
         stats = read_dump_stats(image_dir)
         return DumpResult(image_dir, seconds, stats.get("frozen", seconds), tuple(cap.captured) if capture else ())
+
+    def abort_dump(self) -> None:
+        """Kill a ``criu dump`` in progress (a stop that cannot wait for it). Its tree must be killed
+        first: a traced process that dies is reaped only once its tracer lets go, and criu, its parasite
+        gone, would otherwise wait for it forever."""
+        running = self._dumping
+        if running is not None and running.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                running.kill()
 
     @functools.cached_property
     def lazy_pages(self) -> tuple[bool, str]:

@@ -2,15 +2,32 @@
 
 A CRIU image is ``u32 magic`` (plus a second ``u32`` for common/service images), then entries of
 ``u32 length`` + a protobuf message. We read varints and nested messages: all that ``stats-dump``
-and ``pagemap`` need.
+and ``pagemap`` need, and, for a restore's preflight (run/preflight.py), the open files of
+``files.img`` (regular files and unix sockets) and the ones CRIU remaps itself (``remap-fpath.img``).
+
+Field numbers come from CRIU's ``images/*.proto`` (checked against 4.1.1): ``file_entry`` in
+fdinfo.proto, ``reg_file_entry`` in regfile.proto, ``unix_sk_entry`` in sk-unix.proto,
+``remap_file_path_entry`` in remap-file-path.proto.
 """
 
 from __future__ import annotations
 
+import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["image_entries", "message_fields", "read_dump_stats", "read_image"]
+__all__ = [
+    "OpenFiles",
+    "RegFile",
+    "UnixSocket",
+    "image_entries",
+    "message_fields",
+    "message_values",
+    "read_dump_stats",
+    "read_image",
+    "read_open_files",
+]
 
 _IMG_COMMON = 0x54564319
 _IMG_SERVICE = 0x55105940
@@ -28,24 +45,34 @@ def _varint(buf: bytes, i: int) -> tuple[int, int]:
 
 
 def message_fields(msg: bytes) -> dict[int, int | bytes]:
-    """Varint fields as ints, length-delimited fields (nested messages) as bytes."""
-    out: dict[int, int | bytes] = {}
+    """Varint fields as ints, length-delimited fields (nested messages) as bytes; of a repeated field, its last value."""
+    return {num: values[-1] for num, values in message_values(msg).items()}
+
+
+def message_values(msg: bytes) -> dict[int, list[int | bytes]]:
+    """Every value of every field, in order: a repeated field keeps all of its values (where
+    :func:`message_fields` keeps the last). Varints as ints, length-delimited fields as bytes
+    (strings, bytes and nested messages alike: decode them with :func:`message_values` again)."""
+    out: dict[int, list[int | bytes]] = {}
     i = 0
     while i < len(msg):
         key, i = _varint(msg, i)
         num, wire = key >> 3, key & 7
         if wire == 0:
-            out[num], i = _varint(msg, i)
+            v, i = _varint(msg, i)
+            out.setdefault(num, []).append(v)
         elif wire == 1:
             i += 8
         elif wire == 5:
             i += 4
         elif wire == 2:
             n, i = _varint(msg, i)
-            out[num] = msg[i : i + n]
+            if i + n > len(msg):
+                raise ValueError(f"field {num} runs {i + n - len(msg)} bytes past the end of its message")
+            out.setdefault(num, []).append(msg[i : i + n])
             i += n
         else:
-            break
+            raise ValueError(f"field {num} has wire type {wire}, which CRIU images do not use")
     return out
 
 
@@ -88,3 +115,116 @@ def read_dump_stats(image_dir: Path) -> dict[str, float]:
         return {}
     return {name: (v / 1e6 if num <= 4 else float(v)) for num, name in _DUMP_STATS.items()
             if isinstance(v := f.get(num), int)}
+
+
+# fdinfo.proto, enum fd_types; file_entry: type = 1, id = 2, reg = 3, usk = 16.
+_FD_REG, _FD_UNIXSK = 1, 5
+_FE_TYPE, _FE_REG, _FE_USK = 1, 3, 16
+# remap-file-path.proto, remap_file_path_entry: orig_id = 1.
+_REMAP_ORIG_ID = 1
+
+
+@dataclass(frozen=True)
+class RegFile:
+    """A regular file (or directory) the tree had open or mapped: regfile.proto, reg_file_entry.
+
+    ``name`` is the path CRIU reopens, absolute, as seen from the tree's mount namespace root (with
+    no mount namespace of its own: the node's ``/``). ``size`` is what CRIU checks on restore ("has
+    bad size"); CRIU leaves it out for directories and for files opened O_WRONLY|O_APPEND.
+    ``mnt_id`` is set only when the tree had a mount namespace of its own."""
+
+    id: int
+    name: str
+    flags: int
+    size: int | None
+    mode: int | None
+    ext: bool
+    mnt_id: int | None
+
+
+@dataclass(frozen=True)
+class UnixSocket:
+    """A unix socket: sk-unix.proto, unix_sk_entry. ``name`` is the raw address (abstract ones start
+    with a NUL byte; a path name may end with one, as Python binds them); ``deleted``: its path was
+    gone at dump time (CRIU rebuilds it as a ghost and removes it again)."""
+
+    id: int
+    ino: int
+    type: int
+    state: int
+    uflags: int
+    name: bytes
+    name_dir: str | None
+    deleted: bool
+    uid: int | None
+    gid: int | None
+    mnt_id: int | None
+
+
+@dataclass(frozen=True)
+class OpenFiles:
+    """What ``files.img`` holds that a restore needs from the node's filesystem."""
+
+    regular: tuple[RegFile, ...]
+    unix_sockets: tuple[UnixSocket, ...]
+    remapped: frozenset[int]  # ids of regular files CRIU remaps itself (ghost or linked: deleted while open)
+
+
+def _int(f: dict[int, list[int | bytes]], num: int) -> int | None:
+    v = f.get(num)
+    return v[-1] if v and isinstance(v[-1], int) else None
+
+
+def _bytes(f: dict[int, list[int | bytes]], num: int) -> bytes | None:
+    v = f.get(num)
+    return v[-1] if v and isinstance(v[-1], bytes) else None
+
+
+def _sint(v: int | None) -> int | None:
+    return None if v is None else (v >> 1) ^ -(v & 1)  # zigzag (sint32)
+
+
+def _reg(msg: bytes) -> RegFile:
+    f = message_values(msg)
+    name = _bytes(f, 6)
+    return RegFile(id=_int(f, 1) or 0, name=os.fsdecode(name or b""), flags=_int(f, 2) or 0, size=_int(f, 8),
+                   mode=_int(f, 10), ext=bool(_int(f, 9)), mnt_id=_sint(_int(f, 7)))
+
+
+def _usk(msg: bytes) -> UnixSocket:
+    f = message_values(msg)
+    perms = message_values(p) if (p := _bytes(f, 13)) is not None else {}
+    name_dir = _bytes(f, 14)
+    return UnixSocket(id=_int(f, 1) or 0, ino=_int(f, 2) or 0, type=_int(f, 3) or 0, state=_int(f, 4) or 0,
+                      uflags=_int(f, 6) or 0, name=_bytes(f, 11) or b"",
+                      name_dir=None if name_dir is None else os.fsdecode(name_dir), deleted=bool(_int(f, 15)),
+                      uid=_int(perms, 2), gid=_int(perms, 3), mnt_id=_sint(_int(f, 17)))
+
+
+def read_open_files(image_dir: Path) -> OpenFiles | None:
+    """The regular files and unix sockets of an image set's ``files.img``, and which regular files
+    ``remap-fpath.img`` says CRIU remaps itself; None when there is no files.img.
+
+    Raises ValueError when either image is malformed (truncated, or not protobuf where it should be).
+    """
+    try:
+        entries, _ = read_image(image_dir / "files.img")
+    except FileNotFoundError:
+        return None
+    except (IndexError, struct.error) as e:
+        raise ValueError(f"{image_dir / 'files.img'} is malformed ({e})") from None
+    regular: list[RegFile] = []
+    sockets: list[UnixSocket] = []
+    try:
+        for entry in entries:
+            kind, reg, usk = entry.get(_FE_TYPE), entry.get(_FE_REG), entry.get(_FE_USK)
+            if kind == _FD_REG and isinstance(reg, bytes):
+                regular.append(_reg(reg))
+            elif kind == _FD_UNIXSK and isinstance(usk, bytes):
+                sockets.append(_usk(usk))
+        remap_path = image_dir / "remap-fpath.img"
+        remaps = image_entries(remap_path) if remap_path.exists() else []
+    except (IndexError, struct.error, ValueError) as e:
+        raise ValueError(f"{image_dir / 'files.img'} or remap-fpath.img is malformed ({e})") from None
+    remapped = frozenset(v for r in remaps if isinstance(v := r.get(_REMAP_ORIG_ID), int))
+    return OpenFiles(tuple(regular), tuple(sockets), remapped)

@@ -1,4 +1,4 @@
-"""Facts about a live process tree, read from /proc: its PIDs and the files it holds open for writing.
+"""Facts about a live process tree, read from /proc: its PIDs and the files it holds open.
 
 The engine reads them around a dump (which files to capture), the supervisor and the size estimate
 read the tree's PIDs. Read-only, no signals sent: looking never disturbs the workload.
@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterator
 
-__all__ = ["open_for_writing", "process_start", "tree_pids"]
+__all__ = ["open_fds", "open_for_writing", "process_start", "tree_pids"]
 
 
 def tree_pids(root: int) -> list[int]:
@@ -51,9 +52,9 @@ def _flags(fdinfo: str) -> int:
     return 0
 
 
-def open_for_writing(pids: list[int]) -> dict[str, int]:
-    """{path: mode bits} of regular files some process in ``pids`` has open with O_WRONLY or O_RDWR."""
-    found: dict[str, int] = {}
+def open_fds(pids: list[int]) -> Iterator[tuple[int, str, str]]:
+    """(pid, fd, what it points at) for every descriptor the processes ``pids`` hold open; a process
+    or a descriptor gone while looking is skipped."""
     for pid in pids:
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
@@ -61,15 +62,24 @@ def open_for_writing(pids: list[int]) -> dict[str, int]:
             continue
         for fd in fds:
             try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if not target.startswith("/") or target.endswith(" (deleted)"):
-                    continue  # pipes, sockets, anon inodes; deleted files travel inside the CRIU image
-                with open(f"/proc/{pid}/fdinfo/{fd}") as f:
-                    if _flags(f.read()) & (os.O_WRONLY | os.O_RDWR) == 0:
-                        continue
-                st = os.stat(f"/proc/{pid}/fd/{fd}")
-                if stat.S_ISREG(st.st_mode):
-                    found[target] = stat.S_IMODE(st.st_mode)
-            except (FileNotFoundError, PermissionError, ValueError):
+                yield pid, fd, os.readlink(f"/proc/{pid}/fd/{fd}")
+            except (FileNotFoundError, PermissionError):
                 continue
+
+
+def open_for_writing(pids: list[int]) -> dict[str, int]:
+    """{path: mode bits} of regular files some process in ``pids`` has open with O_WRONLY or O_RDWR."""
+    found: dict[str, int] = {}
+    for pid, fd, target in open_fds(pids):
+        if not target.startswith("/") or target.endswith(" (deleted)"):
+            continue  # pipes, sockets, anon inodes; deleted files travel inside the CRIU image
+        try:
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                if _flags(f.read()) & (os.O_WRONLY | os.O_RDWR) == 0:
+                    continue
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+            if stat.S_ISREG(st.st_mode):
+                found[target] = stat.S_IMODE(st.st_mode)
+        except (FileNotFoundError, PermissionError, ValueError):
+            continue
     return found

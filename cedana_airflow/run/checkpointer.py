@@ -22,7 +22,7 @@ from pathlib import Path, PurePosixPath
 from ..config import Settings
 from ..engine.criu import CriuEngine
 from ..engine.page_file import sweep
-from ..errors import CorruptCheckpoint, RestoreFailed, WriterFenced
+from ..errors import CorruptCheckpoint, NotRestorableHere, RestoreFailed, WriterFenced
 from ..format.chunking import MAX_CHUNK_FACTOR, SegmentMemo
 from ..format.manifest import CAPTURED_DIR, AirflowTask, Manifest, ProcessInfo
 from ..format.selection import AgeLimit, limits_exceeded
@@ -33,10 +33,11 @@ from ..store.base import Store, StoreConfig
 from ..store.gc import prune_checkpoints
 from ..store.transfer import CapturedSource, CheckpointMeta, fetch_checkpoint, require_latest, save_checkpoint
 from ..store.writer_lease import WriterLease
-from .captured import CapturedFilesBack, ensure_cwd, restore_roots
-from .estimate import captured_too_large, estimate_checkpoint, too_large
+from .captured import CapturedFilesBack, ensure_cwd, refusal, restore_roots
+from .estimate import captured_too_large, dump_too_large, estimate_checkpoint, too_large
 from .gpu_state import GpuGate
 from .lazy_restore import LazyFeed, lazy_files
+from .preflight import preflight
 from .workload import Sink, Workload, become_subreaper
 
 __all__ = ["Checkpointer", "PhaseHook", "Restored"]
@@ -104,6 +105,7 @@ class Checkpointer:
         self._lazy_off = ""  # why lazy restore is off from now on ("" while it is on)
         self._refused: dict[int, str] = {}  # seq -> why (a chunk that failed while streaming)
         self._window_said = False  # the stop-window warning, once per supervisor
+        self._restorable_said = False  # the would-be-refused warning, once per supervisor
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -142,12 +144,7 @@ class Checkpointer:
             why = (too_large(estimate, self.settings.max_checkpoint_bytes, self.work_dir)
                    or captured_too_large(pids, self.settings.max_captured_bytes))
             if why:
-                self.skipped += 1
-                # Once per checkpoint ID at WARNING; a heartbeat every minute must not flood the log.
-                (log.debug if self.skipped > 1 else log.warning)(
-                    "heartbeat skipped checkpoint_id=%s: %s; the workload keeps running without a new checkpoint "
-                    "(skipped=%d)", self.checkpoint_id, why, self.skipped)
-                index.record_skip(self.store, self.checkpoint_id, why)  # so `checkpoints` can show it
+                self._skip(why)
                 return None
             self._count += 1
             # Each dump gets its own folder: images, CRIU's log and the captured files, removed together.
@@ -160,6 +157,14 @@ class Checkpointer:
                     # CUDA state first moves into host memory (engine/cuda.py), then CRIU dumps it with the rest.
                     with self.gpu.suspended(holding, leave_running=leave_running) as suspension:
                         dump = self.engine.dump(workload.pid, dump_dir / "images", leave_running=leave_running)
+                grew = dump_too_large(dump, self.settings.max_checkpoint_bytes)
+                if grew and leave_running:  # the tree grew after its estimate: the limit still holds for the store
+                    shutil.rmtree(dump_dir, ignore_errors=True)
+                    self._skip(grew)
+                    return None
+                if grew:  # a final checkpoint: the tree is gone, these images are all that is left of its work
+                    log.warning("final checkpoint checkpoint_id=%s: %s; stored anyway, the workload has stopped",
+                                self.checkpoint_id, grew)
                 gpu = self.gpu.state(suspension, estimate) if suspension is not None else None
                 # The workload's CUDA work stops for the copy-out and the copy-back too: part of its freeze.
                 freeze = dump.freeze_seconds + (gpu.checkpoint_seconds + gpu.resume_seconds if gpu else 0.0)
@@ -192,11 +197,44 @@ class Checkpointer:
             self._check_stop_window(manifest, time.monotonic() - started, freeze)
             kept = prune_checkpoints(self.store, self.checkpoint_id, self.settings.keep_checkpoints)[0]
             index.record_checkpoint(self.store, manifest, kept)
+            self._check_restorable(manifest)  # after the row: an index entry without checkpoints is dropped
             log.info("freeze checkpoint_id=%s seq=%d freeze_seconds=%.3f rss_bytes=%d%s",
                      self.checkpoint_id, manifest.seq, freeze, rss,
                      f" gpu_bytes={estimate.gpu_bytes} gpu_checkpoint_seconds={gpu.checkpoint_seconds:.3f} "
                      f"gpu_resume_seconds={gpu.resume_seconds:.3f}" if gpu else "")
             return manifest
+
+    def _check_restorable(self, m: Manifest) -> None:
+        """Say at the first checkpoint, not at the first restore, when a restore would refuse it: an
+        unsigned checkpoint's captured files must lie under restore_roots or the working directory
+        (captured.py). Once per supervisor, and recorded for `checkpoints`/`explain`."""
+        if self._restorable_said:
+            return
+        self._restorable_said = True
+        roots = restore_roots(self.settings.restore_roots, m.process.cwd, signed=self._key is not None)
+        # The working directory is the restoring command's own on a retry (the same task), so only the
+        # captured files are judged.
+        refused = {c.path: why for c in m.captured if (why := refusal(c.path, roots)) is not None}
+        if not refused:
+            if index.read_entry(self.store, self.checkpoint_id).restore_warning:  # fixed since: say no more
+                index.record_restore_warning(self.store, self.checkpoint_id, "")
+            return
+        dirs = sorted({os.path.dirname(path) for path in refused})
+        files = "; ".join(f"captured file {why}" for why in refused.values())
+        why = (f"a restore would refuse this checkpoint: {files}. Sign manifests (signing_key_file or "
+               f"CEDANA_SIGNING_KEY on every node; under Airflow they are signed by default) or set restore_roots "
+               f"(CEDANA_RESTORE_ROOTS={':'.join(dirs) or m.process.cwd}) on the restoring nodes")
+        log.warning("checkpoint_id=%s seq=%d: %s", self.checkpoint_id, m.seq, why)
+        index.record_restore_warning(self.store, self.checkpoint_id, why)
+
+    def _skip(self, why: str) -> None:
+        """A heartbeat skipped as too large: counted, said once per checkpoint ID at WARNING (a heartbeat
+        every minute must not flood the log), and recorded so that `checkpoints` can show it."""
+        self.skipped += 1
+        (log.debug if self.skipped > 1 else log.warning)(
+            "heartbeat skipped checkpoint_id=%s: %s; the workload keeps running without a new checkpoint "
+            "(skipped=%d)", self.checkpoint_id, why, self.skipped)
+        index.record_skip(self.store, self.checkpoint_id, why)
 
     def _pages_in(self, *, wait: bool) -> bool:
         """Whether a lazily restored tree has all its memory (CRIU cannot dump one that has not). A
@@ -260,7 +298,8 @@ class Checkpointer:
         CheckpointNotFound when there is none, and CorruptCheckpoint (with every reason) when none
         could be restored.
         """
-        roots = restore_roots(self.settings.restore_roots, cwd)
+        # With a key every candidate is verified below (an unsigned one is refused), so "signed" holds for all.
+        roots = restore_roots(self.settings.restore_roots, cwd, signed=self._key is not None)
         if stale := sweep(self.work_dir):
             log.warning("unmounted %d page file(s) a killed supervisor left under %s", stale, self.work_dir)
         skipped: list[str] = []
@@ -279,7 +318,7 @@ class Checkpointer:
                 try:
                     workload, feed = self._attempt(m, mode, hot, stdout, stderr, roots)
                 except (CorruptCheckpoint, RestoreFailed, OSError, ValueError, MemoryError) as e:
-                    if mode != "lazy" or isinstance(e, CorruptCheckpoint):
+                    if mode != "lazy" or isinstance(e, (CorruptCheckpoint, NotRestorableHere)):
                         raise
                     # The lazy machinery failed (a page file, the daemon, a write), not the checkpoint,
                     # whose chunks all verified: the same checkpoint in full, before any older one.
@@ -294,6 +333,10 @@ class Checkpointer:
                     e = CorruptCheckpoint(f"checkpoint {self.checkpoint_id} seq={m.seq} could not be prepared "
                                           f"({mode} restore): {_what(e)}")
                 skipped.append(str(e))
+                if isinstance(e, NotRestorableHere):  # older checkpoints need the same files: start fresh
+                    log.warning("checkpoint not restorable on this node checkpoint_id=%s seq=%d: %s; no older "
+                                "checkpoint is tried", self.checkpoint_id, m.seq, e)
+                    break
                 log.warning("checkpoint refused checkpoint_id=%s seq=%d: %s; %s", self.checkpoint_id, m.seq, e,
                             "falling back to the previous one" if i + 1 < len(candidates) else "no older checkpoint left")
                 continue
@@ -354,7 +397,7 @@ class Checkpointer:
 
     def _restore_from(self, dest: Path, m: Manifest, stdout: Sink | None, stderr: Sink | None,
                       roots: Sequence[PurePosixPath], feed: LazyFeed | None) -> Workload:
-        with CapturedFilesBack(m, dest / CAPTURED_DIR, roots) as files_back:
+        with CapturedFilesBack(m, dest / CAPTURED_DIR, roots) as files_back, preflight(dest, m, roots):
             ensure_cwd(m, roots)
             become_subreaper()
             out_r, out_w = os.pipe2(os.O_CLOEXEC)

@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from ..config import Settings
 from ..errors import CedanaError
 from ..format.selection import AgeLimit, limits_exceeded
 from ..store.base import Store
 from ..store.transfer import load_manifests
 
-__all__ = ["GapVerdict", "judge_restore_gap"]
+__all__ = ["GapVerdict", "judge_restore_gap", "judge_settings"]
 
 #: A renew command that hangs must not hold the task forever.
 _RENEW_TIMEOUT_SECONDS = 300
@@ -56,6 +58,16 @@ def judge_restore_gap(store: Store, checkpoint_id: str, limits: Sequence[AgeLimi
                                        f"{limit.name} = {limit.seconds:.0f} s: starting fresh instead of restoring it"))
         return GapVerdict(False, tuple(notes))
     return GapVerdict(True, tuple(notes))
+
+
+def judge_settings(store: Store, checkpoint_id: str, settings: Settings, *, include_gap: bool) -> GapVerdict:
+    """The verdict of the limits ``settings`` set: the lease (``lease_renew_command`` may renew it), and
+    ``max_restore_gap_seconds`` when the caller's restore does not refuse each candidate itself
+    (run_workload's does; Cedana's runtime, on the Kubernetes ``cedana`` route, does not)."""
+    gap = settings.max_restore_gap_seconds if include_gap else None
+    limits = [AgeLimit(name, float(v)) for name, v in (("max_restore_gap", gap), ("lease", settings.lease_seconds))
+              if v is not None]
+    return judge_restore_gap(store, checkpoint_id, limits, shlex.split(settings.lease_renew_command or ""))
 
 
 def _renew_lease(argv: Sequence[str], checkpoint_id: str, gap: float, notes: list[tuple[int, str]]) -> bool:

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -36,11 +37,13 @@ from ..store import Store, index, open_store
 from ..store.gc import delete_checkpoint_id
 from ..store.restores import RestoreRecord, record_restore
 from ..store.writer_lease import WriterLease
+from .checkpoint_triggers import Heartbeat, MemoryWatch
 from .checkpointer import Checkpointer
 from .environment import workload_env
 from .estimate import estimate_checkpoint
 from .gpu_state import GpuGate
-from .triggers import Heartbeat, MemoryWatch
+from .restore_gap import judge_settings
+from .stop import StopReport, clean_cut
 from .workload import Sink, Workload
 
 __all__ = ["RunResult", "ensure_work_dir", "make_engine", "run_workload"]
@@ -58,7 +61,9 @@ class RunResult:
     restore_seconds: float = 0.0
     restore_gap_seconds: float = 0.0  # from the restored checkpoint's creation to the restore's start
     stopped_by_signal: int | None = None
+    killed_by_signal: int | None = None  # the signal that ended the workload, when not one we sent to stop it
     skipped_heartbeats: int = 0  # too large to take (max_checkpoint_bytes, or no room in the work dir)
+    stop: StopReport | None = None  # how a stop went (final checkpoint, the tree's end), when there was one
 
 
 #: Signals that stop a managed run (final checkpoint first) and those passed straight to the workload.
@@ -87,6 +92,7 @@ def run_workload(
     stop: threading.Event | None = None,
     store: Store | None = None,
     airflow: AirflowTask | None = None,
+    on_restore: Callable[[RunResult], None] | None = None,
 ) -> RunResult:
     """Run ``command`` managed (or, with ``command=None``, only restore) and return how it ended.
 
@@ -100,6 +106,9 @@ def run_workload(
     ``stop``: setting it does what SIGTERM does (final checkpoint, then stop), for callers that own
     the signal handlers (Airflow's task runner calls ``on_kill`` from its own SIGTERM handler).
     ``airflow``: the task instance this run is (written into every manifest and restore record).
+    ``on_restore``: called once a checkpoint is restored (``restored_from`` and the timings set), before
+    any output of the restored workload reaches ``stdout``/``stderr``: a log can say what was restored
+    ahead of what the workload prints next.
     """
     validate_checkpoint_id(checkpoint_id)
     if try_number < 0:
@@ -112,22 +121,23 @@ def run_workload(
     lease = (WriterLease(store, checkpoint_id, node=settings.resolved_node(), try_number=try_number,
                          ttl_seconds=settings.writer_lease_seconds) if settings.writer_lease_seconds > 0 else None)
     # The lease comes first: a second supervisor of this ID must neither restore nor start anything.
-    with lease.held() if lease is not None else contextlib.nullcontext(), _work_dir(settings) as work_dir:
+    with _stop_line(checkpoint_id, lease) as stopped, \
+            lease.held() if lease is not None else contextlib.nullcontext(), _work_dir(settings) as work_dir:
         cp = Checkpointer(engine, store, store_cfg, checkpoint_id, settings, work_dir=work_dir, try_number=try_number,
                           lease=lease, gpu=gpu, airflow=airflow)
         result = RunResult(exit_code=0, outcome="fresh")
         try:
-            restore = resume or command is None
+            restore = command is None or (resume and _lease_allows(settings, store, checkpoint_id))
             while True:
-                workload = _resume(cp, result, must_restore=command is None, cwd=cwd, stdout=stdout, stderr=stderr) \
-                    if restore else None
+                workload = _resume(cp, result, must_restore=command is None, cwd=cwd, stdout=stdout, stderr=stderr,
+                                   on_restore=on_restore) if restore else None
                 if workload is None:
                     assert command is not None
                     if env is None:  # ours, less the store's credentials: they would be in every image
                         env = workload_env(os.environ, settings.keep_env)
                     workload = Workload.start(command, cwd=cwd, env=env, stdout=stdout, stderr=stderr)
                     log.info("workload started checkpoint_id=%s pid=%d node=%s", checkpoint_id, workload.pid, cp.node)
-                result = _supervise(settings, cp, workload, result, handle_signals, stop)
+                result = _supervise(settings, cp, workload, result, handle_signals, stop, stopped)
                 why = cp.lazy_failure()
                 if why is None or result.stopped_by_signal:
                     break
@@ -139,6 +149,16 @@ def run_workload(
         if result.exit_code == 0 and settings.delete_on_success:
             delete_checkpoint_id(store, checkpoint_id)  # done: nothing left to resume
         return result
+
+
+def _lease_allows(settings: Settings, store: Store, checkpoint_id: str) -> bool:
+    """The license lease (cedana:license=NAME): a checkpoint older than ``lease_seconds`` holds a dead
+    license, so the workload starts fresh unless ``lease_renew_command`` renews it. Judged here, where
+    every route's restore happens (a worker, a pod, a Slurm job), so it is one rule on all of them."""
+    verdict = judge_settings(store, checkpoint_id, settings, include_gap=False)  # the gap: per candidate, below
+    for level, note in verdict.notes:
+        log.log(level, "%s", note)
+    return verdict.resume
 
 
 def ensure_work_dir(settings: Settings) -> Path | None:
@@ -167,10 +187,26 @@ def _work_dir(settings: Settings) -> Iterator[Path]:
 
 
 def _resume(cp: Checkpointer, result: RunResult, *, must_restore: bool, cwd: str | None, stdout: Sink | None,
-            stderr: Sink | None) -> Workload | None:
+            stderr: Sink | None, on_restore: Callable[[RunResult], None] | None = None) -> Workload | None:
     """Restore the newest usable checkpoint into ``result``; None (start fresh) when there is none,
     unless ``must_restore`` (restore without a command), where that is the caller's error."""
     t0, started_at = time.monotonic(), datetime.now(timezone.utc)
+    # The restored tree runs (and prints) as soon as CRIU has restored it; its output waits here until
+    # the restore has been announced, so a log reads "restored ..." before what the workload printed next.
+    held = _Held()
+    try:
+        return _restore_into(cp, result, must_restore=must_restore, cwd=cwd,
+                             stdout=held.sink(stdout if stdout is not None else sys.stdout.buffer),
+                             stderr=held.sink(stderr if stderr is not None else sys.stderr.buffer),
+                             on_restore=on_restore, held=held, t0=t0, started_at=started_at)
+    finally:
+        held.release()  # (already released after a restore; a failed one printed nothing)
+
+
+def _restore_into(cp: Checkpointer, result: RunResult, *, must_restore: bool, cwd: str | None, stdout: Sink,
+                  stderr: Sink, on_restore: Callable[[RunResult], None] | None, held: _Held, t0: float,
+                  started_at: datetime) -> Workload | None:
+    """_resume's work, with the restored tree's output in ``held`` until the restore is announced."""
 
     def history(**fields: Any) -> None:  # best effort: what the CLI and the UI show of each resume
         record_restore(cp.store, RestoreRecord(checkpoint_id=cp.checkpoint_id, try_number=cp.try_number, node=cp.node,
@@ -197,16 +233,81 @@ def _resume(cp: Checkpointer, result: RunResult, *, must_restore: bool, cwd: str
     result.outcome, result.restored_from, result.skipped = "restored", m, restored.skipped
     result.restore_seconds = time.monotonic() - t0
     result.restore_gap_seconds = max(0.0, (started_at - m.created_at).total_seconds())
-    history(outcome="restored", seq=m.seq, from_node=m.node, gap_seconds=round(result.restore_gap_seconds, 3),
-            restore_seconds=round(result.restore_seconds, 3), refused=restored.skipped)
     log.info("restored checkpoint_id=%s seq=%d from_node=%s node=%s gap_seconds=%.1f restore_seconds=%.2f mode=%s",
              cp.checkpoint_id, m.seq, m.node, cp.node, result.restore_gap_seconds, result.restore_seconds, restored.mode)
+    if on_restore is not None:
+        try:
+            on_restore(result)
+        except Exception:  # the restored tree runs: it must stay supervised whatever a caller's hook does
+            log.warning("on_restore failed checkpoint_id=%s", cp.checkpoint_id, exc_info=True)
+    held.release()  # before the store writes below: the log must not stall on them
+    history(outcome="restored", seq=m.seq, from_node=m.node, gap_seconds=round(result.restore_gap_seconds, 3),
+            restore_seconds=round(result.restore_seconds, 3), refused=restored.skipped)
     return restored.workload
 
 
+class _Held:
+    """The restored tree's stdout and stderr, kept in one queue until :meth:`release` (so the two
+    streams keep their order), then passed straight through."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: list[tuple[Sink, bytes]] | None = []
+
+    def sink(self, target: Sink) -> Sink:
+        return _HeldSink(self, target)
+
+    def hold(self, target: Sink, data: bytes) -> bool:
+        """Queue ``data`` for ``target``; False once released (the caller writes it itself)."""
+        with self._lock:
+            if self._queue is None:
+                return False
+            self._queue.append((target, bytes(data)))
+            return True
+
+    def release(self) -> None:
+        with self._lock:  # writes wait meanwhile, so nothing overtakes what was held
+            queue, self._queue = self._queue or [], None
+            targets = []
+            for target, data in queue:
+                try:
+                    target.write(data)
+                except (OSError, ValueError) as e:  # a closed log: what follows still goes where it can
+                    log.debug("held output not written: %s", e)
+                if target not in targets:
+                    targets.append(target)
+            for target in targets:
+                with contextlib.suppress(OSError, ValueError):
+                    target.flush()
+
+
+class _HeldSink:
+    def __init__(self, held: _Held, target: Sink) -> None:
+        self.held, self.target = held, target
+
+    def write(self, data: bytes, /) -> int:
+        return len(data) if self.held.hold(self.target, data) else self.target.write(data)
+
+    def flush(self) -> None:
+        self.target.flush()
+
+
+@contextlib.contextmanager
+def _stop_line(checkpoint_id: str, lease: WriterLease | None) -> Iterator[list[StopReport]]:
+    """One line for a stop, once the writer lease is released (the next try, on any node, starts at once)."""
+    stopped: list[StopReport] = []
+    try:
+        yield stopped
+    finally:
+        if stopped:
+            r = stopped[0]
+            log.warning("%s (%.2f s in all)", r.line(checkpoint_id, lease_released=lease is not None and not lease.fenced),
+                        time.monotonic() - r.started)
+
+
 def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result: RunResult,
-               handle_signals: bool, stop: threading.Event | None) -> RunResult:
-    """Run the triggers while the workload runs; on a stop request take the final checkpoint and stop it."""
+               handle_signals: bool, stop: threading.Event | None, stopped: list[StopReport]) -> RunResult:
+    """Run the triggers while the workload runs; a stop is a clean cut (run/stop.py)."""
     stop_requested = stop or threading.Event()
     got: list[int] = []
 
@@ -220,6 +321,17 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
             take()
 
     triggers = _Triggers(settings, workload, beat)
+
+    def cut(cause: str) -> None:
+        # The triggers are told to halt, not waited for: a heartbeat's upload must not eat the stop window
+        # (the final checkpoint waits for its lock, within the window's budget: run/stop.py).
+        triggers.stop(wait=False)
+        if workload.poll() is None:
+            result.stop = clean_cut(settings, cp, workload, cause)
+            stopped.append(result.stop)
+            if result.stop.final is not None:
+                result.checkpoints.append(result.stop.final)
+
     with _signals(handle_signals, workload, got, stop_requested):
         triggers.start()
         try:
@@ -227,30 +339,23 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
                 if stop_requested.wait(0.1):
                     sig = signal.Signals(got[0] if got else signal.SIGTERM)
                     log.info("stop requested signal=%s checkpoint_on_term=%s", sig.name, settings.checkpoint_on_term)
-                    triggers.stop()
-                    if workload.poll() is None:
-                        _final_checkpoint(settings, take)
-                        result.stopped_by_signal = sig
-                        workload.stop(settings.stop_grace_seconds, sig)
+                    result.stopped_by_signal = sig
+                    cut(sig.name)
                     break
+        except BaseException as e:  # execution_timeout's AirflowTaskTimeout, a KeyboardInterrupt: the same cut
+            result.stopped_by_signal = signal.SIGTERM
+            cut(type(e).__name__)
+            raise
         finally:
             triggers.stop()
         rc = workload.wait()
     # Stopped by us: 128 + the signal we were sent, as a shell reports it. Otherwise its own code.
     result.exit_code = 128 + result.stopped_by_signal if result.stopped_by_signal else (rc if rc is not None else 1)
+    result.killed_by_signal = None if result.stopped_by_signal else workload.signal
     result.skipped_heartbeats = cp.skipped
     log.info("workload exited checkpoint_id=%s exit_code=%d checkpoints=%d skipped_heartbeats=%d",
              cp.checkpoint_id, result.exit_code, len(result.checkpoints), cp.skipped)
     return result
-
-
-def _final_checkpoint(settings: Settings, take: Callable[[], None]) -> None:
-    if not settings.checkpoint_on_term:
-        return
-    try:
-        take()
-    except Exception as e:  # stopping matters more than the final checkpoint
-        log.warning("final checkpoint failed: %s", e)
 
 
 class _Triggers:
@@ -266,10 +371,10 @@ class _Triggers:
             if t is not None:
                 t.start()
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
         for t in (self.heartbeat, self.watch):
             if t is not None and t.is_alive():
-                t.stop()
+                t.stop(wait)
 
 
 @contextlib.contextmanager

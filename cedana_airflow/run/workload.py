@@ -3,6 +3,8 @@
 A workload runs as ``unshare --pid --fork setsid COMMAND``: COMMAND is the init of its own PID
 namespace and leads its own session. That is what makes it restorable anywhere: CRIU restores a
 PID namespace with the same PIDs inside it, so no PID on the target node can be "in use".
+How the workload ended is reported as a shell would (the exit code, or 128 + the signal that killed
+it), and :attr:`Workload.signal` names the signal.
 
 stdout and stderr are pipes whose read ends the supervisor owns; it copies them to its own output.
 After a restore, CRIU hands fresh pipes to the restored process (``--inherit-fd``), so the output
@@ -45,6 +47,14 @@ def become_subreaper() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
 
 
+#: util-linux before 2.40 (Debian 12 has 2.38) cannot pass on a SIGKILL that ended the child of
+#: ``unshare --fork``: it tries to reset SIGKILL's disposition before re-raising it, which fails, so it
+#: prints this line and exits 1 instead (util-linux PR #2617, fixed in 2.40). That line on the launcher's
+#: stderr with exit status 1 means the namespace's init was killed by SIGKILL; the user's log gets the
+#: signal, not the line (the workload's own stderr is the same pipe, so it is held back there).
+_UNSHARE_SIGKILL_LINE = b"unshare: sigprocmask unblock failed: Invalid argument"
+
+
 def exit_code_of(status: int) -> int:
     """A wait status as a shell would report it: the exit code, or 128 + signal number."""
     if os.WIFSIGNALED(status):
@@ -61,6 +71,40 @@ class Sink(Protocol):
 
 def _pipe_name(fd: int) -> str:
     return f"pipe:[{os.fstat(fd).st_ino}]"
+
+
+class _UnshareNoise:
+    """The stderr sink of a fresh start, less util-linux's line about a SIGKILLed init (see
+    _UNSHARE_SIGKILL_LINE). unshare writes it last, wherever the workload's own output left off (after a
+    progress bar's ``\r`` with no newline, say), and it may arrive in pieces: so it is looked for
+    anywhere, and only a tail that could still become it is held back until the next write or EOF."""
+
+    _LINE = _UNSHARE_SIGKILL_LINE + b"\n"
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+        self.seen = False
+        self._held = b""
+
+    def write(self, data: bytes, /) -> int:
+        buf = self._held + data
+        if self._LINE in buf:
+            buf, self.seen = buf.replace(self._LINE, b"", 1), True
+        keep = next((k for k in range(min(len(buf), len(self._LINE) - 1), 0, -1) if buf.endswith(self._LINE[:k])), 0)
+        out, self._held = buf[:len(buf) - keep], buf[len(buf) - keep:]
+        if out:
+            self.sink.write(out)
+        return len(data)
+
+    def flush(self) -> None:
+        self.sink.flush()
+
+    def finish(self) -> None:
+        """At EOF: a held tail was the workload's own after all."""
+        if self._held:
+            self.sink.write(self._held)
+            self._held = b""
+            self.sink.flush()
 
 
 class _Pump(threading.Thread):
@@ -93,10 +137,12 @@ class Workload:
         self.stdout_pipe = _pipe_name(out_fd)
         self.stderr_pipe = _pipe_name(err_fd)
         self._launcher = launcher
-        self._pumps = [_Pump(out_fd, stdout, "cedana-stdout"), _Pump(err_fd, stderr, "cedana-stderr")]
+        self._noise = _UnshareNoise(stderr) if launcher is not None else None
+        self._pumps = [_Pump(out_fd, stdout, "cedana-stdout"), _Pump(err_fd, self._noise or stderr, "cedana-stderr")]
         for p in self._pumps:
             p.start()
         self.returncode: int | None = None
+        self.signal: int | None = None  # the signal that ended the workload, when one did
         self._reap_lock = threading.Lock()
         # A tree that ended before we saw it (a short command) needs no watchdog: nothing is left to kill.
         self._watchdog = None if ended else _watchdog(pid, watchdog_holds)
@@ -149,8 +195,8 @@ class Workload:
         if self.returncode is None:
             if self._launcher is not None:
                 rc = self._launcher.poll()
-                if rc is not None:
-                    self.returncode = 128 - rc if rc < 0 else rc
+                if rc is not None:  # unshare re-raises the signal that ended its child
+                    self.returncode, self.signal = (128 - rc, -rc) if rc < 0 else (rc, None)
             else:
                 try:
                     pid, status = os.waitpid(self.pid, os.WNOHANG)
@@ -160,6 +206,7 @@ class Workload:
                 else:
                     if pid:
                         self.returncode = exit_code_of(status)
+                        self.signal = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int | None:
@@ -170,6 +217,10 @@ class Workload:
             time.sleep(0.05)
         for p in self._pumps:
             p.join(timeout=5)  # a grandchild that keeps the pipe open must not hang us
+        if self._noise is not None and not self._pumps[1].is_alive():
+            self._noise.finish()
+            if self._noise.seen and self.returncode == 1:  # util-linux < 2.40 and a SIGKILLed init
+                self.returncode, self.signal = 128 + signal.SIGKILL, signal.SIGKILL
         if self._watchdog is not None and self._watchdog.poll() is None:
             with contextlib.suppress(ProcessLookupError):  # its session: the shell and its `sleep`, not left behind
                 os.killpg(self._watchdog.pid, signal.SIGKILL)
@@ -182,6 +233,12 @@ class Workload:
             os.killpg(self.pid, sig)
         except ProcessLookupError:
             pass
+
+    def kill(self) -> None:
+        """SIGKILL the session and the namespace's init (the kernel then ends every process in it); not waited for."""
+        self.send_signal(signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
 
     def stop(self, grace: float, sig: int = signal.SIGTERM) -> int | None:
         """Send ``sig`` to the tree, wait ``grace`` seconds, then SIGKILL its init (ending the namespace)."""

@@ -2,11 +2,7 @@
 
 Backends move bytes under keys; everything about checkpoints (chunking, manifests, verification,
 choosing the latest) lives above them in :mod:`cedana_airflow.store.transfer`, so a new backend is a
-small class, not a rewrite. Layout (docs/store-format.md)::
-
-    <root>/store.json                          format version and chunker parameters
-    <root>/chunks/ab/ab12...ef                 content-addressed chunks (BLAKE3 hex of raw bytes)
-    <root>/<checkpoint id>/0000000007/manifest.json   one complete checkpoint (written last)
+small class, not a rewrite. The keys they share are spelt in :mod:`cedana_airflow.format.layout`.
 """
 
 from __future__ import annotations
@@ -21,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ..config import default
 from ..errors import CorruptCheckpoint, StoreUnavailable
 from ..format.chunking import CHUNKER_NAME
+from ..format.layout import chunk_key, manifest_key
 from ..ids import RESERVED_NAMES
 
 __all__ = ["RequiredReads", "Store", "StoreConfig", "StoredObject", "STORE_FORMAT_VERSION", "RESERVED_NAMES", "chunk_key", "manifest_key", "parse_store_config"]
@@ -50,14 +47,6 @@ def parse_store_config(raw: bytes, where: str) -> StoreConfig:
             f"is not the format this cedana-airflow writes (version {STORE_FORMAT_VERSION}). Upgrade cedana-airflow."
         )
     return cfg
-
-
-def chunk_key(digest: str) -> str:
-    return f"chunks/{digest[:2]}/{digest}"
-
-
-def manifest_key(checkpoint_id: str, seq: int) -> str:
-    return f"{checkpoint_id}/{seq:010d}/manifest.json"
 
 
 @dataclass(frozen=True)

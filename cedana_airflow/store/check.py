@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..errors import CorruptCheckpoint
-from ..format import chunking
+from ..format import chunking, layout
 from .base import Store
 from .quarantine import records, set_aside
 from .transfer import load_manifests_of
@@ -60,7 +60,7 @@ def check_store(store: Store, *, read_fraction: float = 0.0, repair: bool = Fals
                 sizes[c.digest] = c.size
                 users.setdefault(c.digest, []).append((cid, m.seq))
     report.ids, report.chunks = len(ids), len(sizes)
-    present = {o.key.rsplit("/", 1)[-1] for o in store.list_objects("chunks/")}
+    present = {layout.chunk_digest(o.key) for o in store.list_objects(layout.CHUNKS)}
     for d in sizes:
         if d not in present:
             report.missing[d] = "missing from the store"

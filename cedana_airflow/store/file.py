@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import StoreUnavailable
-from .base import RESERVED_NAMES, RequiredReads, StoreConfig, StoredObject, chunk_key, manifest_key, parse_store_config
+from ..format import layout
+from .base import RequiredReads, StoreConfig, StoredObject, parse_store_config
 
 __all__ = ["FileStore"]
 
@@ -42,7 +43,7 @@ class FileStore(RequiredReads):
     def _write(self, key: str, data: bytes, *, exclusive: bool) -> bool:
         dest = self.root / key
         dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=dest.parent)
+        fd, tmp = tempfile.mkstemp(prefix=layout.TEMP_PREFIX, dir=dest.parent)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -62,13 +63,13 @@ class FileStore(RequiredReads):
 
     # -- Store ----------------------------------------------------------------------------------
     def open(self, *, create: bool, chunk_avg_bytes: int) -> StoreConfig:
-        cfg_path = self.root / "store.json"
+        cfg_path = self.root / layout.STORE_CONFIG_KEY
         try:
             if cfg_path.exists():
                 cfg = parse_store_config(cfg_path.read_bytes(), self.url)
             elif create:
                 cfg = StoreConfig(chunk_avg_bytes=chunk_avg_bytes)
-                self._write("store.json", cfg.model_dump_json(indent=2).encode(), exclusive=True)
+                self._write(layout.STORE_CONFIG_KEY, cfg.model_dump_json(indent=2).encode(), exclusive=True)
                 cfg = parse_store_config(cfg_path.read_bytes(), self.url)  # a concurrent creator may have won
             else:
                 if not self.root.exists():
@@ -84,24 +85,24 @@ class FileStore(RequiredReads):
         return cfg
 
     def has_chunk(self, digest: str) -> bool:
-        return (self.root / chunk_key(digest)).exists()
+        return (self.root / layout.chunk_key(digest)).exists()
 
     def put_chunk(self, digest: str, blob: bytes) -> None:
-        self._write_atomic(chunk_key(digest), blob, exclusive=False)
+        self._write_atomic(layout.chunk_key(digest), blob, exclusive=False)
 
     def put_manifest(self, checkpoint_id: str, seq: int, data: bytes) -> bool:
-        return self._write_atomic(manifest_key(checkpoint_id, seq), data, exclusive=True)
+        return self._write_atomic(layout.manifest_key(checkpoint_id, seq), data, exclusive=True)
 
     def list_ids(self) -> list[str]:
         if not self.root.is_dir():
             return []
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and p.name not in RESERVED_NAMES)
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and p.name not in layout.TOP_LEVEL_NAMES)
 
     def list_seqs(self, checkpoint_id: str) -> list[int]:
         d = self.root / checkpoint_id
         if not d.is_dir():
             return []
-        return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and (p / "manifest.json").is_file())
+        return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and (p / layout.MANIFEST_NAME).is_file())
 
     def get(self, key: str) -> bytes | None:
         try:
@@ -132,8 +133,7 @@ class FileStore(RequiredReads):
     def put_if_version(self, key: str, data: bytes, token: str) -> bool:
         # Readers never lock (the write is a rename); writers of one key queue on a sidecar lock,
         # the file-store equivalent of S3's If-Match / If-None-Match.
-        lock_path = self.root / key
-        lock_path = lock_path.with_name(f".lock-{lock_path.name}")
+        lock_path = self.root / layout.cas_lock_key(key)
         try:
             lock_path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)

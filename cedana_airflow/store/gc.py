@@ -13,10 +13,11 @@ import logging
 import time
 from dataclasses import dataclass
 
+from ..format.layout import CHUNKS, checkpoint_prefix, chunk_digest, is_temp, manifest_key
 from ..format.manifest import Manifest
 from ..ids import validate_checkpoint_id
 from . import index
-from .base import Store, manifest_key
+from .base import Store
 from .locks import acquire_gc
 from .restores import delete_restores
 from .transfer import load_manifests, load_manifests_of
@@ -76,15 +77,14 @@ def collect_garbage(store: Store, *, grace_seconds: float = DEFAULT_GRACE_SECOND
         referenced = set().union(*(m.chunk_digests() for m in manifests))
         cutoff = time.time() - grace_seconds
         kept = removed = freed = young = temps = 0
-        for obj in list(store.list_objects("chunks/")):
-            name = obj.key.rsplit("/", 1)[-1]
-            if name.startswith(".tmp-"):
+        for obj in list(store.list_objects(CHUNKS)):
+            if is_temp(obj.key):
                 if obj.mtime < cutoff:
                     temps += 1
                     if not dry_run:
                         store.delete(obj.key)
                 continue
-            if name in referenced:
+            if chunk_digest(obj.key) in referenced:
                 kept += 1
             elif obj.mtime >= cutoff:
                 young += 1
@@ -94,8 +94,8 @@ def collect_garbage(store: Store, *, grace_seconds: float = DEFAULT_GRACE_SECOND
                 if not dry_run:
                     store.delete(obj.key)
         for cid in ids:  # temporary manifests of writers killed before their commit point
-            for obj in list(store.list_objects(f"{cid}/")):
-                if obj.key.rsplit("/", 1)[-1].startswith(".tmp-") and obj.mtime < cutoff:
+            for obj in list(store.list_objects(checkpoint_prefix(cid))):
+                if is_temp(obj.key) and obj.mtime < cutoff:
                     temps += 1
                     if not dry_run:
                         store.delete(obj.key)

@@ -10,7 +10,6 @@ It also holds what no manifest can: heartbeats skipped as too large (run/estimat
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 import time
@@ -21,6 +20,7 @@ from datetime import datetime
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import CedanaError
+from ..format.layout import INDEX_SHARDS, index_shard_key, index_shard_keys
 from ..format.manifest import AirflowTask, Manifest
 from .base import Store
 
@@ -29,7 +29,7 @@ __all__ = ["IndexEntry", "IndexRow", "SHARDS", "count_restore", "forget", "read_
 
 log = logging.getLogger(__name__)
 
-SHARDS = 16
+SHARDS = INDEX_SHARDS
 _ATTEMPTS = 12
 
 
@@ -58,6 +58,7 @@ class IndexEntry(_Model):
     checkpoints: tuple[IndexRow, ...] = ()
     skipped_heartbeats: int = Field(default=0, ge=0)
     last_skip: str = ""  # the estimate and the threshold of the latest skip
+    restore_warning: str = ""  # why a restore would refuse the ID's checkpoints, said at its first (unsigned) one
     airflow: AirflowTask | None = None  # the task whose checkpoints these are (newest manifest's block)
     restores: int = Field(default=0, ge=0)  # resumes recorded (store/restores.py holds each one)
     recent_restores: tuple[datetime, ...] = ()  # when the last RECENT_RESTORES of them happened
@@ -71,8 +72,7 @@ class _Shard(_Model):
     ids: dict[str, IndexEntry] = {}
 
 
-def shard_key(checkpoint_id: str) -> str:
-    return f"index/{hashlib.sha256(checkpoint_id.encode()).hexdigest()[0]}.json"
+shard_key = index_shard_key  # the name this module's callers know
 
 
 def _parse(raw: bytes | None, key: str) -> _Shard:
@@ -139,6 +139,10 @@ def record_skip(store: Store, checkpoint_id: str, why: str) -> bool:
         "skipped_heartbeats": e.skipped_heartbeats + 1, "last_skip": why}))
 
 
+def record_restore_warning(store: Store, checkpoint_id: str, why: str) -> bool:
+    return _update_entry(store, checkpoint_id, lambda e: e.model_copy(update={"restore_warning": why}))
+
+
 def forget(store: Store, checkpoint_id: str) -> bool:
     """Drop an ID's rows (its checkpoints were deleted); its skip count goes with them."""
     return _update_entry(store, checkpoint_id, lambda e: IndexEntry())
@@ -151,7 +155,7 @@ def read_entry(store: Store, checkpoint_id: str) -> IndexEntry:
 
 def read_index(store: Store) -> dict[str, IndexEntry]:
     """Every entry of every shard: 16 reads, in parallel."""
-    keys = [f"index/{i:x}.json" for i in range(SHARDS)]
+    keys = index_shard_keys()
     with ThreadPoolExecutor(min(SHARDS, store.parallelism), thread_name_prefix="cedana-index") as pool:
         shards = list(pool.map(lambda k: _parse(store.get(k), k), keys))
     return {cid: e for s in shards for cid, e in s.ids.items()}
@@ -159,7 +163,7 @@ def read_index(store: Store) -> dict[str, IndexEntry]:
 
 def rebuild_index(store: Store, manifests: Mapping[str, Sequence[Manifest]]) -> None:
     """Make every shard agree with the manifests (the truth), keeping the skip counts."""
-    by_shard: dict[str, dict[str, tuple[IndexRow, ...]]] = {f"index/{i:x}.json": {} for i in range(SHARDS)}
+    by_shard: dict[str, dict[str, tuple[IndexRow, ...]]] = {k: {} for k in index_shard_keys()}
     owners = {cid: next((m.airflow for m in ms if m.airflow is not None), None) for cid, ms in manifests.items()}
     for cid, ms in manifests.items():
         by_shard[shard_key(cid)][cid] = tuple(sorted((IndexRow.of(m) for m in ms), key=lambda r: r.seq))

@@ -34,13 +34,14 @@ class IdListing:
     airflow: AirflowTask | None = None  # the task that wrote them, when an operator did
     restores: int = 0  # resumes recorded in the index
     recent_restores: tuple[datetime, ...] = ()  # when the latest of them happened (index.RECENT_RESTORES)
+    restore_warning: str = ""  # why a restore would refuse these checkpoints (said at the first one)
 
     @classmethod
     def of(cls, cid: str, e: IndexEntry, source: str, rows: tuple[IndexRow, ...] | None = None,
            airflow: AirflowTask | None = None) -> IdListing:
         """An ID as its index entry tells it; ``rows`` and ``airflow`` when read from its manifests instead."""
         return cls(cid, e.checkpoints if rows is None else rows, e.skipped_heartbeats, e.last_skip, source,
-                   airflow or e.airflow, e.restores, e.recent_restores)
+                   airflow or e.airflow, e.restores, e.recent_restores, e.restore_warning)
 
 
 def _from_manifests(store: Store, ids: list[str], entries: dict[str, IndexEntry]) -> list[IdListing]:
@@ -81,6 +82,7 @@ def as_json(x: IdListing) -> dict[str, Any]:
     return {
         "id": x.checkpoint_id, "skipped_heartbeats": x.skipped_heartbeats, "last_skip": x.last_skip, "source": x.source,
         "airflow": x.airflow.model_dump() if x.airflow else None, "restores": x.restores,
+        "restore_warning": x.restore_warning,
         "checkpoints": [{"seq": r.seq, "try_number": r.try_number, "node": r.node, "created_at": r.created_at.isoformat(),
                          "image_bytes": r.image_bytes, "stored_bytes": r.stored_bytes,
                          "freeze_seconds": round(r.freeze_seconds, 3)} for r in x.checkpoints],

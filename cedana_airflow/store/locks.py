@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..errors import StoreBusy
+from ..format.layout import GC_LOCK_KEY, LOCKS, writer_lock_key
 from .base import Store
 
 __all__ = ["Lock", "STALE_AFTER_SECONDS", "acquire_gc", "acquire_writer", "live_locks"]
@@ -28,7 +29,6 @@ __all__ = ["Lock", "STALE_AFTER_SECONDS", "acquire_gc", "acquire_writer", "live_
 log = logging.getLogger(__name__)
 
 STALE_AFTER_SECONDS = 30 * 60
-_GC_KEY = "locks/gc"
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def _parse(key: str, raw: bytes | None) -> Lock | None:
 def live_locks(store: Store, kind: str) -> list[Lock]:
     """Locks of ``kind`` that are not stale; stale ones found on the way are removed."""
     now, out = time.time(), []
-    for obj in store.list_objects("locks/"):
+    for obj in store.list_objects(LOCKS):
         lock = _parse(obj.key, store.get(obj.key))
         if lock is None or lock.kind != kind:
             continue
@@ -81,7 +81,7 @@ def _mine(key: str, kind: str) -> Lock:
 
 def acquire_writer(store: Store) -> Lock:
     """A writer's shared lock; StoreBusy while a garbage collection runs."""
-    key = f"locks/writer-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    key = writer_lock_key(socket.gethostname(), os.getpid(), uuid.uuid4().hex[:12])
     store.put_if_absent(key, _body("writer"))
     mine = _mine(key, "writer")
     gc = live_locks(store, "gc")
@@ -97,7 +97,7 @@ def acquire_writer(store: Store) -> Lock:
 def acquire_gc(store: Store) -> Lock:
     """The exclusive lock for garbage collection; StoreBusy while another gc or any writer runs."""
     for _ in range(2):
-        if store.put_if_absent(_GC_KEY, _body("gc")):
+        if store.put_if_absent(GC_LOCK_KEY, _body("gc")):
             break
         held = live_locks(store, "gc")
         if held:
@@ -106,8 +106,8 @@ def acquire_gc(store: Store) -> Lock:
                 "Wait for it to finish."
             )
     else:
-        raise StoreBusy(f"store {store.url}: could not take {_GC_KEY}. Retry.")
-    mine = _mine(_GC_KEY, "gc")
+        raise StoreBusy(f"store {store.url}: could not take {GC_LOCK_KEY}. Retry.")
+    mine = _mine(GC_LOCK_KEY, "gc")
     writers = live_locks(store, "writer")
     if writers:
         mine.release(store)

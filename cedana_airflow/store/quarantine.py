@@ -26,23 +26,17 @@ from collections.abc import Iterable
 
 from ..errors import CorruptCheckpoint
 from ..format import chunking
-from .base import Store, chunk_key
+from ..format.layout import QUARANTINE, chunk_key, quarantine_digest, quarantine_key
+from .base import Store
 
-__all__ = ["QUARANTINE_PREFIX", "heal_known", "quarantined", "read_chunk", "records", "set_aside"]
+__all__ = ["heal_known", "quarantined", "read_chunk", "records", "set_aside"]
 
 log = logging.getLogger(__name__)
-
-QUARANTINE_PREFIX = "quarantine/"
-
-
-def _record_key(digest: str) -> str:
-    return f"{QUARANTINE_PREFIX}{digest}.json"
-
 
 def set_aside(store: Store, digest: str, size: int, reader: str, why: str) -> bool:
     """Record ``digest`` as bad and remove it from ``chunks/`` if it is still bad; True when removed."""
     record = {"digest": digest, "at": time.time(), "node": reader or socket.gethostname(), "why": why}
-    store.put_if_absent(_record_key(digest), json.dumps(record).encode())  # the first finding is kept
+    store.put_if_absent(quarantine_key(digest), json.dumps(record).encode())  # the first finding is kept
     try:
         chunking.decode(store.get_chunk(digest), digest, size)
         log.warning("chunk %s was bad but a good copy is in the store now; kept", digest)
@@ -65,8 +59,7 @@ def read_chunk(store: Store, digest: str, size: int, reader: str = "") -> bytes 
 
 def quarantined(store: Store) -> set[str]:
     """Digests with a quarantine record."""
-    return {o.key[len(QUARANTINE_PREFIX):-len(".json")] for o in store.list_objects(QUARANTINE_PREFIX)
-            if o.key.endswith(".json")}
+    return {d for o in store.list_objects(QUARANTINE) if (d := quarantine_digest(o.key)) is not None}
 
 
 def heal_known(store: Store, known: set[str]) -> set[str]:
@@ -81,7 +74,7 @@ def records(store: Store, digests: Iterable[str] | None = None) -> list[dict[str
     """The quarantine records (all, or of ``digests``), oldest first."""
     out = []
     for d in sorted(quarantined(store) if digests is None else set(digests)):
-        raw = store.get(_record_key(d))
+        raw = store.get(quarantine_key(d))
         if raw:
             try:
                 out.append(json.loads(raw))

@@ -21,8 +21,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import CedanaError
+from ..format.layout import restore_record_key, restores_prefix
 from ..format.manifest import AirflowTask
-from ..ids import validate_checkpoint_id
 from .base import Store
 from .records import read_records
 
@@ -48,12 +48,8 @@ class RestoreRecord(BaseModel):
     airflow: AirflowTask | None = None
 
 
-def _prefix(checkpoint_id: str) -> str:
-    return f"{validate_checkpoint_id(checkpoint_id)}/restores/"
-
-
 def record_restore(store: Store, rec: RestoreRecord) -> None:
-    key = f"{_prefix(rec.checkpoint_id)}{rec.at.strftime('%Y%m%dT%H%M%S.%fZ')}-{rec.try_number}-{uuid.uuid4().hex[:8]}.json"
+    key = restore_record_key(rec.checkpoint_id, rec.at, rec.try_number, uuid.uuid4().hex[:8])
     try:
         store.put_if_absent(key, rec.model_dump_json().encode())
     except CedanaError as e:
@@ -62,11 +58,11 @@ def record_restore(store: Store, rec: RestoreRecord) -> None:
 
 def list_restores(store: Store, checkpoint_id: str) -> list[RestoreRecord]:
     """Every readable record of an ID, oldest first."""
-    return sorted(read_records(store, _prefix(checkpoint_id), RestoreRecord), key=lambda r: r.at)
+    return sorted(read_records(store, restores_prefix(checkpoint_id), RestoreRecord), key=lambda r: r.at)
 
 
 def delete_restores(store: Store, checkpoint_id: str) -> int:
-    keys = [o.key for o in store.list_objects(_prefix(checkpoint_id))]
+    keys = [o.key for o in store.list_objects(restores_prefix(checkpoint_id))]
     for k in keys:
         store.delete(k)
     return len(keys)

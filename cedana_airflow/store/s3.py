@@ -13,19 +13,17 @@ same raw bytes.
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ..config import Settings, redact
 from ..errors import StoreUnavailable
-from ..ids import RESERVED_NAMES
-from .base import RequiredReads, StoreConfig, StoredObject, chunk_key, manifest_key, parse_store_config
+from ..format import layout
+from .base import RequiredReads, StoreConfig, StoredObject, parse_store_config
 
 __all__ = ["S3Store", "client_config", "make_s3_client"]
 
-_SEQ_KEY = re.compile(r"(\d{10})/manifest\.json")
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken",
            "AllAccessDisabled", "403"}
 _MISSING = {"NoSuchKey", "404", "NotFound"}
@@ -183,13 +181,13 @@ class S3Store(RequiredReads):
     def open(self, *, create: bool, chunk_avg_bytes: int) -> StoreConfig:
         with self._errors(_HEAD_BUCKET):
             self.client.head_bucket(Bucket=self.bucket)
-        raw = self._get("store.json")
+        raw = self._get(layout.STORE_CONFIG_KEY)
         if raw is None:
             if not create:
                 return StoreConfig(chunk_avg_bytes=chunk_avg_bytes)
             cfg = StoreConfig(chunk_avg_bytes=chunk_avg_bytes)
-            self._put("store.json", cfg.model_dump_json(indent=2).encode(), create_only=True)
-            raw = self._get("store.json")  # a concurrent creator may have won
+            self._put(layout.STORE_CONFIG_KEY, cfg.model_dump_json(indent=2).encode(), create_only=True)
+            raw = self._get(layout.STORE_CONFIG_KEY)  # a concurrent creator may have won
             if raw is None:
                 raise StoreUnavailable(f"store {self.url}: store.json vanished right after it was written. Check the bucket's lifecycle rules.")
         return parse_store_config(raw, self.url)
@@ -199,7 +197,7 @@ class S3Store(RequiredReads):
 
         with self._errors(f"checking chunk {digest}"):
             try:
-                self.client.head_object(Bucket=self.bucket, Key=self._key(chunk_key(digest)))
+                self.client.head_object(Bucket=self.bucket, Key=self._key(layout.chunk_key(digest)))
                 return True
             except ClientError as e:
                 if str(e.response.get("Error", {}).get("Code")) in _MISSING:
@@ -207,20 +205,20 @@ class S3Store(RequiredReads):
                 raise
 
     def put_chunk(self, digest: str, blob: bytes) -> None:
-        self._put(chunk_key(digest), blob)
+        self._put(layout.chunk_key(digest), blob)
 
     def put_manifest(self, checkpoint_id: str, seq: int, data: bytes) -> bool:
-        return self._put(manifest_key(checkpoint_id, seq), data, create_only=True)
+        return self._put(layout.manifest_key(checkpoint_id, seq), data, create_only=True)
 
     def list_ids(self) -> list[str]:
-        return sorted(p.rstrip("/") for p in self._keys("", "/") if p.endswith("/") and p.rstrip("/") not in RESERVED_NAMES)
+        return sorted(p.rstrip("/") for p in self._keys("", "/") if p.endswith("/") and p.rstrip("/") not in layout.TOP_LEVEL_NAMES)
 
     def list_seqs(self, checkpoint_id: str) -> list[int]:
         out = []
-        for key in self._keys(f"{checkpoint_id}/"):
-            m = _SEQ_KEY.fullmatch(key[len(checkpoint_id) + 1:])
-            if m:
-                out.append(int(m.group(1)))
+        for key in self._keys(layout.checkpoint_prefix(checkpoint_id)):
+            found = layout.parse_manifest_key(key)
+            if found and found[0] == checkpoint_id:
+                out.append(found[1])
         return sorted(out)
 
     def get(self, key: str) -> bytes | None:

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from ..config import default
 from ..errors import CheckpointNotFound, CorruptCheckpoint
-from ..format import chunking
+from ..format import chunking, layout
 from ..format.manifest import CAPTURED_DIR, AirflowTask, CapturedFile, ChunkRef, FileEntry, GpuState, Manifest, ProcessInfo
 from ..format.selection import restore_order
 from ..format.signing import sign
@@ -161,7 +161,7 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path,
         # knows the previous checkpoint's chunks; one it does not know is new bytes the workload just
         # wrote, so asking first would be a wasted request per chunk. A chunk stored twice, or by a
         # concurrent writer, is the same bytes: a missed dedup costs an upload, never correctness.
-        check = not known and next(iter(store.list_objects("chunks/", limit=1)), None) is not None
+        check = not known and next(iter(store.list_objects(layout.CHUNKS, limit=1)), None) is not None
         if memo is not None:
             memo.roll()  # what the previous save saw (a failed one too: cuts depend on bytes, not on the store)
         w = _Writer(store, cfg, compression, known, progress, pool, cut_pool, check, memo)

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..engine.procfs import process_start
 from ..errors import CedanaError, WriterFenced, WriterLeaseHeld
-from ..ids import validate_checkpoint_id
+from ..format.layout import lease_key
 from .base import Store
 
 __all__ = ["LeaseRecord", "WriterLease", "lease_key"]
@@ -46,10 +46,6 @@ __all__ = ["LeaseRecord", "WriterLease", "lease_key"]
 log = logging.getLogger(__name__)
 
 _POLL_SECONDS = 0.5
-
-
-def lease_key(checkpoint_id: str) -> str:
-    return f"leases/{validate_checkpoint_id(checkpoint_id)}.json"
 
 
 class LeaseRecord(BaseModel):

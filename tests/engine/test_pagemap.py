@@ -6,20 +6,15 @@ import struct
 
 import pytest
 
+from conftest import varint
+
 from cedana_airflow.engine.pagemap import PAGE_SIZE, PE_LAZY, PE_PRESENT, read_pagemaps
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 def _msg(*fields: tuple[int, int]) -> bytes:
-    body = b"".join(_varint(num << 3) + _varint(v) for num, v in fields)
+    body = b"".join(varint(num << 3) + varint(v) for num, v in fields)
     return struct.pack("<I", len(body)) + body
 
 

@@ -66,9 +66,11 @@ def run_dag_killing_try_1(env: dict[str, str], tmp_path: Path, list_manifest, da
 
 def assert_resumed(text: str) -> None:
     assert text.count("start-up: allocating") == 1, "the retry ran the workload's start-up code again"
-    assert re.search(r"cedana: restored checkpoint_id=cedana_e2e\.train\.manual__\S+ seq=\d+ \(taken by try 1 on node ", text), text[-5000:]
-    assert re.search(r"cedana: the workload exited \d+; 1 checkpoint\(s\) taken this try, the latest is seq 1: a "
-                     r"retry or Clear resumes from it", text)  # try 1 failed because its workload died
+    assert re.search(r"cedana: restored seq \d+ of try 1 \(node \S+\) on node \S+: gap [\d.]+ s, restore [\d.]+ s, "
+                     r"checkpoint_id=cedana_e2e\.train\.manual__\S+", text), text[-5000:]
+    assert re.search(r"cedana: the workload was killed by SIGKILL; 1 checkpoint\(s\) taken this try, the latest is seq 1: "
+                     r"a retry or Clear resumes from it", text)  # try 1 failed because its workload was killed
+    assert "sigprocmask" not in text  # util-linux's line about that kill stays out of the task log
     assert "where try 1 ran and failed" in text  # the retry noticed it is on the same node
     digests = re.findall(r"done digest=\w+", text)
     assert digests == [uninterrupted_digest(*TRAIN_ARGS)], digests
@@ -191,7 +193,16 @@ def test_a_clear_through_the_rest_api_resumes_the_failed_task_from_its_checkpoin
         base = f"/api/v2/dags/cedana_e2e_clear/dagRuns/{quote(run_id)}/taskInstances/train"
         log = "\n".join(str(e.get("event", "")) for e in stack.call("GET", f"{base}/logs/2?full_content=true")["content"])
         assert "start-up: allocating" not in log  # try 2 did not start over
-        assert re.search(r"cedana: restored checkpoint_id=cedana_e2e_clear\.train\.\S+ seq=\d+ \(taken by try 1", log), log
+        # Signed with no set-up: the key is the Airflow Variable try 1 created, said (by its key ID only) in the log.
+        assert re.search(r"manifests are signed and verified with key [0-9a-f]{16} from Airflow Variable "
+                         r"'cedana_signing_secret'", log), log[-3000:]
+        assert stack.call("GET", "/api/v2/variables/cedana_signing_secret")["value"] == "***"  # masked by its name
+        variable = subprocess.run([*AIRFLOW, "variables", "get", "cedana_signing_secret"], env=env, capture_output=True,
+                                  text=True, check=True).stdout.strip()
+        assert len(variable) == 64 and variable not in log and variable not in stack.logs()
+        signed = [json.loads(p.read_text()) for p in (tmp_path / "store").glob("cedana_e2e_clear.train.*/*/manifest.json")]
+        assert signed and all(m["signature"]["key_id"] for m in signed)
+        assert re.search(r"cedana: restored seq \d+ of try 1 .*checkpoint_id=cedana_e2e_clear\.train\.\S+", log), log
         assert re.findall(r"done digest=\w+", log) == [uninterrupted_digest(*TRAIN_ARGS)]
         restore = stack.call("GET", f"{base}/xcomEntries/cedana_restore")["value"]
         assert restore["from_try"] == 1 and restore["seq"] == m["seq"] and restore["gap_seconds"] >= 0
@@ -202,7 +213,7 @@ def test_task_checkpointed_resumes_a_python_function_and_returns_its_value(tmp_p
     text = run_dag_killing_try_1(env, tmp_path, file_manifest(tmp_path / "store", "cedana_taskflow.train."),
                                  dag_id="cedana_taskflow")
     assert text.count("start-up: 40 MB") == 1, text[-5000:]
-    assert re.search(r"cedana: restored checkpoint_id=cedana_taskflow\.train\.\S+ seq=\d+ \(taken by try 1", text)
+    assert re.search(r"cedana: restored seq \d+ of try 1 .*checkpoint_id=cedana_taskflow\.train\.\S+", text)
     # The same arithmetic, uninterrupted (numpy is deterministic here): the function's value came through.
     import numpy as np
 
@@ -233,12 +244,25 @@ def test_stopping_a_running_task_takes_a_final_checkpoint_that_the_clear_resumes
         final = re.findall(r"checkpoint saved checkpoint_id=\S+ seq=(\d+)", log1[log1.index("the task is being stopped"):])
         assert final, "no final checkpoint was taken when the task was stopped"
         assert int(final[-1]) > first["seq"]
+        # A clean cut, said in one line, within Airflow's 5 s (the log has it: Airflow's SIGKILL came later, if at all)
+        deadline = time.monotonic() + 30
+        while "stopped by SIGTERM" not in log1 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            log1 = "".join(p.read_text() for p in (tmp_path / "airflow" / "logs").rglob("attempt=1.log"))
+        stop_line = re.search(rf"stopped by SIGTERM checkpoint_id=\S+: final checkpoint seq {final[-1]} in [\d.]+ s; workload "
+                              r"tree ended \(SIGKILL\) ([\d.]+) s after the stop began; writer lease released", log1)
+        assert stop_line and float(stop_line.group(1)) < 5.0, log1[-3000:]
+        before = [int(n) for n in re.findall(r"step (\d+)/300", log1)]
 
         stack.clear(run_id)
         done = stack.wait_state(run_id, {"success", "failed"})
         assert done["state"] == "success", stack.logs()
         log2 = "\n".join(str(e.get("event", "")) for e in stack.call("GET", f"{base}/logs/2?full_content=true")["content"])
-        assert re.search(rf"cedana: restored checkpoint_id=\S+ seq={final[-1]} \(taken by try 1", log2), log2[-3000:]
+        assert re.search(rf"cedana: restored seq {final[-1]} of try 1 ", log2), log2[-3000:]
+        assert "writer lease of checkpoint ID" not in log2  # released: try 2 did not wait for it
+        # Nothing the workload printed after its final checkpoint: try 2 goes on from the step after try 1's last.
+        after = [int(n) for n in re.findall(r"step (\d+)/300", log2)]
+        assert after[0] == before[-1] + 1, (before[-3:], after[:3])
         assert re.findall(r"done digest=\w+", log2) == [uninterrupted_digest(*args)]
 
 

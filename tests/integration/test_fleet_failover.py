@@ -49,8 +49,8 @@ def test_the_retry_of_a_task_whose_node_died_resumes_on_the_other_worker(fleet):
     assert not out["problem"], summary(out, expect)
     # try 1 ran on A and died there; try 2 ran on B and restored what A took
     assert (out["retry_try_number"], out["retry_host"], out["from_node"], out["to_node"]) == (2, b, a, b)
-    assert re.search(rf"cedana: restored checkpoint_id={re.escape(out['checkpoint_id'])} seq=\d+ \(taken by try 1 on "
-                     rf"node {a}\) on node {b}", out["log_2"]), out["log_2"][-3000:]
+    assert re.search(rf"cedana: restored seq \d+ of try 1 \(node {a}\) on node {b}: .*checkpoint_id="
+                     rf"{re.escape(out['checkpoint_id'])}", out["log_2"]), out["log_2"][-3000:]
     assert out["restored_seq"] >= out["last_checkpoint_seq"] >= 3
     assert "start-up: allocating" not in out["log_2"]  # it did not start over
     assert re.findall(r"done digest=\w+", out["log_2"]) == [expect]

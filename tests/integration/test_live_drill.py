@@ -90,13 +90,14 @@ def test_a_live_drill_fails_only_an_eligible_task_and_measures_the_retry_that_re
 
         base = f"/api/v2/dags/live_target/dagRuns/{quote(run_id)}/taskInstances/train"
         log2 = "\n".join(str(e.get("event", "")) for e in stack.call("GET", f"{base}/logs/2?full_content=true")["content"])
-        restored = re.search(r"cedana: restored checkpoint_id=(\S+) seq=(\d+) \(taken by try 1 on node (\S+)\) on node ([^;\s]+)", log2)
+        restored = re.search(r"cedana: restored seq (\d+) of try 1 \(node (\S+)\) on node ([^:\s]+): .*checkpoint_id=(\S+)",
+                             log2)
         assert restored, log2[-3000:]
         assert "start-up: allocating" not in log2  # try 2 did not start over
         assert re.findall(r"done digest=\w+", log2) == [uninterrupted_digest(*ARGS)]
         # The report's figures are this retry's
         assert (report["checkpoint_id"], report["restored_seq"], report["from_node"], report["to_node"]) == (
-            restored[1], int(restored[2]), restored[3], restored[4])
+            restored[4], int(restored[1]), restored[2], restored[3])
         assert 0 <= report["detect_seconds"] < report["retry_seconds"] < report["rto_seconds"], report
         assert report["restore_seconds"] > 0 and report["lost_work_seconds"] >= 0 and report["bytes_fetched"] > 0
         # The failed try carries the drill's note, so a person looking at it sees why it failed

@@ -50,12 +50,21 @@ def test_numpy_workload_survives_node_loss_and_resumes_on_another_node(tmp_path)
 def test_threads_child_process_and_appended_file_are_restored(tmp_path):
     log = tmp_path / "steps.log"
     args = ["--mb", "20", "--steps", "30", "--step-seconds", "0.1", "--threads", "2", "--child", "--log", str(log)]
-    proc = start_cli("run", "--id", "tree", "--heartbeat", "1", "--", *_train(*args),
-                     env=cli_env(tmp_path, "node-a", "work-a"), out=tmp_path / "a")
+    proc = start_cli("run", "--id", "tree", "--heartbeat", "1", "--dag-id", "nightly", "--task-id", "train",
+                     "--run-id", "manual__1", "--", *_train(*args), env=cli_env(tmp_path, "node-a", "work-a"),
+                     out=tmp_path / "a")
     ms = wait_for_checkpoints(tmp_path / "store", "tree", 1, proc)
     kill_node(proc, ms[0]["process"]["pid"])
     assert [c["path"] for c in ms[0]["captured"]] == [str(log)]
     log.write_text("garbage written after the checkpoint\n" * 3)  # the restore must put back the captured state
+    # Unsigned: the first checkpoint already said that a restore would refuse it, and what fixes it.
+    said = [ln for ln in (tmp_path / "a.err").read_text().splitlines() if "a restore would refuse this checkpoint" in ln]
+    assert len(said) == 1 and f"captured file {log} is outside the restore roots" in said[0], said
+    assert f"CEDANA_RESTORE_ROOTS={tmp_path}" in said[0] and "CEDANA_SIGNING_KEY" in said[0]
+    listed = cli("checkpoints", env=cli_env(tmp_path, "node-b", "work-b")).stdout
+    assert f"tree: a restore would refuse this checkpoint: captured file {log}" in listed
+    explained = cli("explain", "nightly", "train", env=cli_env(tmp_path, "node-b", "work-b")).stdout
+    assert f"its checkpoints: tree: a restore would refuse this checkpoint: captured file {log}" in explained
 
     # the log lies outside the restoring command's working directory: refused until this node allows it
     refused = cli("restore", "--id", "tree", env=cli_env(tmp_path, "node-b", "work-b"))
@@ -116,14 +125,41 @@ def test_sigterm_takes_a_final_checkpoint_then_the_restore_heartbeats_on(tmp_pat
     proc.send_signal(signal.SIGTERM)  # a drain / preemption notice: no heartbeat was configured
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     ms = manifests(tmp_path / "store", "drain")
-    assert len(ms) == 1 and "stop requested signal=SIGTERM" in (tmp_path / "a.err").read_text()
+    err = (tmp_path / "a.err").read_text()
+    assert len(ms) == 1 and "stop requested signal=SIGTERM" in err
     assert not os.path.exists(f"/proc/{ms[0]['process']['pid']}")  # the workload was stopped
+    # A clean cut: one line saying so, the lease released, and nothing the workload did after its final
+    # checkpoint (a step printed then would be printed again by the restored workload).
+    assert ("stopped by SIGTERM checkpoint_id=drain: final checkpoint seq 1 in" in err
+            and "workload tree ended (SIGKILL)" in err and "writer lease released" in err), err
+    before = [int(ln.split()[1].split("/")[0]) for ln in (tmp_path / "a.out").read_text().splitlines() if ln.startswith("step ")]
 
     r = cli("restore", "--id", "drain", "--heartbeat", "0.5", env=cli_env(tmp_path, "node-b", "work-b"))
     assert r.returncode == 0, r.stderr
+    assert "writer lease of checkpoint ID drain is held" not in r.stderr  # the same try number: no wait
+    after = [int(ln.split()[1].split("/")[0]) for ln in r.stdout.splitlines() if ln.startswith("step ")]
+    assert after[0] == before[-1] + 1, (before[-3:], after[:3])
     assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
     later = manifests(tmp_path / "store", "drain")[1:]
     assert later and all(m["node"] == "node-b" and m["parent_seq"] == 1 for m in later)
+
+
+def test_a_final_checkpoint_that_cannot_fit_the_stop_window_is_abandoned_and_the_tree_ends_anyway(tmp_path):
+    # 1.1 s of window less the 1 s a stop keeps for itself: 0.1 s for dumping and storing 200 MB.
+    args = ["--mb", "200", "--steps", "400", "--step-seconds", "0.05"]
+    proc = start_cli("run", "--id", "late", "--", *_train(*args), out=tmp_path / "a",
+                     env=cli_env(tmp_path, "node-a", "work-a", CEDANA_STOP_WINDOW_SECONDS="1.1"))
+    deadline = time.monotonic() + 60
+    while "step 3/" not in (tmp_path / "a.out").read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int((tmp_path / "a.out").read_text().split("(pid ")[1].split(")")[0])  # its pid in its own namespace
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    err = (tmp_path / "a.err").read_text()
+    assert "final checkpoint abandoned checkpoint_id=late: it did not finish within the 0.1 s the stop window" in err
+    assert "stopped by SIGTERM checkpoint_id=late: no final checkpoint (it did not finish" in err
+    assert "workload tree ended (SIGKILL)" in err, err
+    assert pid == 1 and manifests(tmp_path / "store", "late") == []  # nothing half-done became a checkpoint
 
 
 def test_a_few_gigabytes_of_numpy_state_checkpoint_and_restore(tmp_path):
@@ -219,12 +255,13 @@ def test_a_checkpoint_above_max_checkpoint_bytes_is_skipped_once_logged_and_the_
     env = cli_env(tmp_path, "node-a", "work-a", CEDANA_MAX_CHECKPOINT_BYTES=str(150 << 20))
     r = cli("run", "--id", "grow", "--heartbeat", "0.5", "--", sys.executable, "-c", grow, env=env)
     assert r.returncode == 0 and r.stdout.split() == ["small", "big", "done"], r.stderr
-    assert r.stderr.count("heartbeat skipped checkpoint_id=grow: estimate") == 1  # logged once per ID
+    assert r.stderr.count("heartbeat skipped checkpoint_id=grow: ") == 1  # logged once per ID (estimate or dump)
     assert "is above max_checkpoint_bytes 157286400; the workload keeps running" in r.stderr
     skipped = int(r.stderr.split("skipped_heartbeats=")[1].split()[0])
     assert skipped >= 3
     ms = manifests(tmp_path / "store", "grow")
-    assert ms and all(m["image_bytes"] < 150 << 20 for m in ms)  # only the small phase was checkpointed
+    # Only the small phase was stored: a heartbeat whose dump grew past the limit after its estimate is not either.
+    assert ms and all(m["image_bytes"] < 150 << 20 for m in ms)
     listed = json.loads(cli("checkpoints", "--json", env=env).stdout)  # the listing counts the skips
     assert listed[0]["id"] == "grow" and listed[0]["skipped_heartbeats"] == skipped
     assert "above max_checkpoint_bytes 157286400" in listed[0]["last_skip"]

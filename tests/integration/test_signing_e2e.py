@@ -27,3 +27,25 @@ def test_a_signed_checkpoint_resumes_with_the_key_and_is_refused_with_another(tm
     r = cli("restore", "--id", "signed", env=cli_env(tmp_path, "node-b", "work-c", **key))
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
+
+
+def test_a_signed_checkpoint_puts_its_files_back_where_the_workload_had_them_with_default_roots(tmp_path):
+    """Signed by our own supervisor: the log outside the working directory goes back without restore_roots."""
+    log = tmp_path / "elsewhere" / "steps.log"
+    log.parent.mkdir()
+    (tmp_path / "node-a-cwd").mkdir()
+    args = ["--mb", "10", "--steps", "30", "--step-seconds", "0.1", "--log", str(log)]
+    key = {"CEDANA_SIGNING_KEY": "0123456789abcdef0123456789abcdef"}
+    proc = start_cli("run", "--id", "signed-files", "--heartbeat", "1", "--", sys.executable, str(TRAIN), *args,
+                     env=cli_env(tmp_path, "node-a", "work-a", **key), out=tmp_path / "a", cwd=tmp_path / "node-a-cwd")
+    ms = wait_for_checkpoints(tmp_path / "store", "signed-files", 1, proc)
+    kill_node(proc, ms[0]["process"]["pid"])
+    assert [c["path"] for c in ms[0]["captured"]] == [str(log)]
+    assert "a restore would refuse" not in (tmp_path / "a.err").read_text()  # signed: nothing to warn about
+    log.write_text("garbage written after the checkpoint\n")
+    cwd = tmp_path / "node-b-cwd"  # another working directory: the log is outside it
+    cwd.mkdir()
+    r = cli("restore", "--id", "signed-files", env=cli_env(tmp_path, "node-b", "work-b", **key), cwd=cwd)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == uninterrupted_digest("--mb", "10", "--steps", "30")
+    assert log.read_text().splitlines() == [f"step {i}" for i in range(30)]

@@ -67,11 +67,17 @@ def test_a_captured_file_outside_the_restore_roots_is_refused_and_nothing_is_cre
     assert not (tmp_path / "elsewhere").exists()
 
 
-def test_a_symlink_on_the_way_refuses_the_file_instead_of_redirecting_it(tmp_path):
+def _linked_outputs(tmp_path: Path) -> tuple[Path, Path]:
+    """An outputs directory whose ``link`` leads to a victim directory: what a store writer would aim at."""
     outputs, victim = tmp_path / "outputs", tmp_path / "victim"
     outputs.mkdir()
     victim.mkdir()
     (outputs / "link").symlink_to(victim)
+    return outputs, victim
+
+
+def test_a_symlink_on_the_way_refuses_the_file_instead_of_redirecting_it(tmp_path):
+    outputs, victim = _linked_outputs(tmp_path)
     store, cfg, _ = _stored(tmp_path, {str(outputs / "link" / "file"): b"payload"})
     msg = _restore(tmp_path, store, cfg, roots=(outputs,))
     assert "cannot be reached safely" in msg
@@ -137,6 +143,29 @@ def test_roots_never_include_slash_or_a_system_tree():
     assert refusal("/data/out/a/b", roots) is None
 
 
+def test_a_signed_checkpoint_may_write_anywhere_but_a_system_tree_and_restore_roots_narrow_it():
+    anywhere = restore_roots([], "/srv/job", signed=True)
+    assert refusal("/data/runs/7/train.log", anywhere) is None  # where the workload had it, no setting needed
+    assert refusal("/home/me/.cache/x", anywhere) is None
+    for system in ("/etc/passwd", "/usr/lib/x.so", "/lib64/ld.so", "/proc/1/mem", "/dev/sda", "/boot/vmlinuz"):
+        assert "which a restore never writes" in refusal(system, anywhere), system
+    narrowed = restore_roots([Path("/data/out")], "/srv/job", signed=True)  # listed: only there (and the cwd)
+    assert narrowed == (PurePosixPath("/data/out"), PurePosixPath("/srv/job"))
+    assert "outside the restore roots" in refusal("/data/runs/7/train.log", narrowed)
+    assert restore_roots([], "/srv/job") == (PurePosixPath("/srv/job"),)  # unsigned: the working directory only
+
+
+def test_a_signed_checkpoint_still_never_writes_through_a_symlink(tmp_path):
+    outputs, victim = _linked_outputs(tmp_path)
+    store, cfg, m = _stored(tmp_path, {str(outputs / "link" / "file"): b"payload"})
+    fetched = tmp_path / "fetched"
+    fetch_checkpoint(store, m, fetched)
+    with pytest.raises(CorruptCheckpoint, match="cannot be reached safely"):
+        with CapturedFilesBack(m, fetched / "captured", restore_roots([], str(tmp_path), signed=True)):
+            pass
+    assert list(victim.iterdir()) == []
+
+
 def test_restore_roots_come_from_the_environment_as_a_path_list(monkeypatch):
     from cedana_airflow.config import load_settings
     from cedana_airflow.errors import ConfigError
@@ -145,3 +174,33 @@ def test_restore_roots_come_from_the_environment_as_a_path_list(monkeypatch):
     assert s.restore_roots == (Path("/data/out"), Path("/scratch"))
     with pytest.raises(ConfigError, match="restore root 'relative/dir' is not an absolute path"):
         load_settings(environ={"CEDANA_RESTORE_ROOTS": "relative/dir"})
+
+
+def test_an_existing_file_keeps_its_inode_a_hard_linked_one_is_not_written_through_and_a_stale_journal_goes(tmp_path):
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    db, linked, other = outputs / "steps.db", outputs / "linked.bin", tmp_path / "other-link"
+    db.write_bytes(b"rows written after the checkpoint")
+    linked.write_bytes(b"the node's own")
+    os.link(linked, other)  # another name for the same inode, outside the roots
+    (outputs / "steps.db-journal").write_bytes(b"a transaction after the checkpoint")
+    store, cfg, m = _stored(tmp_path, {str(db): b"rows at the checkpoint", str(linked): b"captured"})
+    fetched = tmp_path / "fetched"
+    fetch_checkpoint(store, m, fetched)
+    roots = restore_roots([outputs], str(tmp_path / "job-cwd"))
+    ino = db.stat().st_ino
+    with CapturedFilesBack(m, fetched / "captured", roots) as back:
+        # SQLite checks that its file is the inode it opened: the bytes go into that inode
+        assert db.read_bytes() == b"rows at the checkpoint" and db.stat().st_ino == ino
+        assert linked.read_bytes() == b"captured" and other.read_bytes() == b"the node's own"
+        assert not (outputs / "steps.db-journal").exists()  # it would be rolled back into the restored file
+        back.keep()
+    assert sorted(p.name for p in outputs.iterdir()) == ["linked.bin", "steps.db"]
+    # A restore that fails afterwards puts everything back as the node had it, journal included.
+    db.write_bytes(b"rows written after the checkpoint")
+    (outputs / "steps.db-journal").write_bytes(b"a transaction after the checkpoint")
+    with pytest.raises(RuntimeError), CapturedFilesBack(m, fetched / "captured", roots):
+        raise RuntimeError("criu restore failed")
+    assert db.read_bytes() == b"rows written after the checkpoint" and db.stat().st_ino == ino
+    assert (outputs / "steps.db-journal").read_bytes() == b"a transaction after the checkpoint"
+    assert sorted(p.name for p in outputs.iterdir()) == ["linked.bin", "steps.db", "steps.db-journal"]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import re
 import logging
 import os
 import time
+from datetime import datetime, timedelta, timezone
 
 from cedana_airflow.config import load_settings
 from cedana_airflow.format.manifest import ProcessInfo
@@ -47,8 +50,11 @@ def _two_checkpoints_the_newest_corrupt(tmp_path):
         images.mkdir()
         (images / "pages-1.img").write_bytes(os.urandom(5000))
         m = save_checkpoint(store, cfg, CheckpointMeta("rt", "n", "4.1.1", proc), images)
-        if n == 1:
-            time.sleep(1.5)
+        if n == 1:  # an hour old (written back unsigned, as a store writer could): no sleep, no race with load
+            path = tmp_path / "store" / "rt" / f"{m.seq:010d}" / "manifest.json"
+            doc = json.loads(path.read_text())
+            doc["created_at"] = (datetime.now(timezone.utc) - timedelta(hours=1)).isoformat()
+            path.write_text(json.dumps(doc))
     chunk = tmp_path / "store" / "chunks" / m.files[0].chunks[0].digest[:2] / m.files[0].chunks[0].digest
     data = bytearray(chunk.read_bytes())
     data[-1] ^= 0xFF
@@ -61,10 +67,10 @@ def test_a_fallback_never_restores_a_checkpoint_older_than_max_restore_gap(tmp_p
     _two_checkpoints_the_newest_corrupt(tmp_path)
     # full: its corrupt chunk is in pages-1.img, which a lazy restore would meet only while streaming
     env = cli_env(tmp_path, "node-b", "work", CEDANA_RESTORE_MODE="full")
-    r = cli("restore", "--id", "rt", "--max-restore-gap", "1", env=env)
+    r = cli("restore", "--id", "rt", "--max-restore-gap", "600", env=env)
     last = r.stderr.strip().splitlines()[-1]  # each refusal is logged as it happens; the error is the last line
     assert r.returncode == 1 and last.startswith("CorruptCheckpoint: no checkpoint under checkpoint ID 'rt'"), r.stderr
-    assert "does not match its digest" in last and "seq 1 is" in last and "beyond max_restore_gap = 1 s" in last
+    assert "does not match its digest" in last and re.search(r"seq 1 is 36\d\d s old, beyond max_restore_gap = 600 s", last)
     # 0 is a limit too (nothing is young enough), not "no limit"
     never = cli("restore", "--id", "rt", "--max-restore-gap", "0", env=env)
     assert never.returncode == 1 and "beyond max_restore_gap = 0 s" in never.stderr.strip().splitlines()[-1]

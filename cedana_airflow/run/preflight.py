@@ -1,0 +1,256 @@
+"""Before CRIU restores a checkpoint on this node: what its image set needs from this node's files.
+
+CRIU reopens every file the tree had open or mapped by its path, and binds every named unix socket
+to its path again. On another node either can fail, deep in CRIU's log: "File /data/train.bin has
+bad size 2048 (expect 1048576)", "Can't open file ...: No such file or directory", "Can't bind ...
+addr /tmp/pymp-k2x9/listener-3w1q: No such file or directory". :func:`preflight` reads the image
+set's ``files.img`` (engine/images.py) first and either fixes what it safely can or explains it in
+one line:
+
+- **Files the tree only reads** (opened or mapped ``O_RDONLY``: a dataset on node-local disk, a
+  config file, the interpreter and its libraries) that are missing here, or whose size differs from
+  the one CRIU recorded, raise :class:`NotRestorableHere`, naming the path and the remedy. Nothing
+  is fixed: the content is not in the checkpoint. Older checkpoints of the same workload need the
+  same files, so the caller should not try them; the run starts fresh instead (see the class).
+  Not judged: files the tree held open for writing (the product captures and puts them back:
+  run/captured.py), files deleted while open (CRIU rebuilds them: ``remap-fpath.img``), ``/dev``,
+  ``/proc`` and ``/sys``, external files (``--external``), directories, and trees with a mount
+  namespace of their own (their paths are not this node's). Only the size is compared, as CRIU
+  does by default: a file rewritten at the same size passes here and in CRIU.
+- **Unix sockets bound to a path whose directory is missing here** (Python's multiprocessing binds
+  listeners in ``/tmp/pymp-XXXX/``, and a fresh node's ``/tmp`` has none) get that directory, mode
+  0700, owned like the socket was. Only for absolute socket paths (abstract and relative names are
+  skipped), only under the restore roots (run/captured.py) or this node's temp directories (``/tmp``,
+  ``/var/tmp``, ``$TMPDIR``), never in a system tree, and each component below the root is opened
+  with ``O_NOFOLLOW``, so a symlink on the way refuses the directory instead of redirecting it. A
+  directory that cannot be created that way raises :class:`NotRestorableHere` before anything is
+  created. Sockets CRIU does not bind (connected streams, external peers, deleted paths, which CRIU
+  rebuilds and removes itself) are skipped.
+
+Everything is judged before anything is created. :class:`Prepared` says what was created, and
+removes it again (with any socket CRIU bound there) when the restore fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+from collections.abc import Sequence
+from pathlib import Path, PurePosixPath
+
+from ..engine.images import OpenFiles, RegFile, UnixSocket, read_open_files
+from ..errors import NotRestorableHere
+from ..format.manifest import Manifest
+from .captured import open_dir, refusal, root_of, system_tree
+
+__all__ = ["Prepared", "preflight"]
+
+log = logging.getLogger(__name__)
+
+#: Paths CRIU reopens that are not files a node can be asked to provide.
+_NOT_JUDGED = ("/dev", "/proc", "/sys")
+#: Where multiprocessing and most programs put their sockets: socket directories may be created here.
+_TEMP_DIRS = ("/tmp", "/var/tmp")
+#: sk-unix.c: a peer outside the dumped tree, dumped only to name it.
+_USK_EXTERN = 1
+_TCP_ESTABLISHED = 1
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: How many further paths a message names after the first.
+_MORE = 3
+
+
+class Prepared:
+    """What :func:`preflight` created on this node (socket directories, outermost first).
+
+    :meth:`undo` removes them again (deepest first, with the sockets a failed ``criu restore`` bound
+    there, nothing else); :meth:`keep` lets them be. As a context manager: undone when the block
+    raises, kept otherwise."""
+
+    def __init__(self) -> None:
+        self._made: list[tuple[int, str, str]] = []  # (descriptor of the parent, name, path)
+
+    @property
+    def created(self) -> tuple[str, ...]:
+        return tuple(path for _, _, path in self._made)
+
+    def __enter__(self) -> Prepared:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.keep()
+        else:
+            self.undo()
+
+    def keep(self) -> None:
+        for pfd, _, _ in self._made:
+            os.close(pfd)
+        self._made.clear()
+
+    def undo(self) -> None:
+        """Never raises: a directory that is not empty after its sockets went stays, with a warning."""
+        for pfd, name, path in reversed(self._made):
+            try:
+                fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
+                try:
+                    for entry in os.listdir(fd):
+                        if stat.S_ISSOCK(os.stat(entry, dir_fd=fd, follow_symlinks=False).st_mode):
+                            os.unlink(entry, dir_fd=fd)
+                finally:
+                    os.close(fd)
+                os.rmdir(name, dir_fd=pfd)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("socket directory %s created for a restore is left behind: %s", path, e.strerror)
+            finally:
+                os.close(pfd)
+        self._made.clear()
+
+
+def preflight(image_dir: Path, m: Manifest, roots: Sequence[PurePosixPath]) -> Prepared:
+    """Check what the image set in ``image_dir`` (checkpoint ``m``) needs from this node before
+    ``criu restore`` runs, and create the missing directories of its unix sockets.
+
+    ``roots``: this node's restore roots (:func:`cedana_airflow.run.captured.restore_roots`); socket
+    directories may also be created under the temp directories. Raises NotRestorableHere (one line:
+    the path, what differs, the remedy) before creating anything, and ValueError when files.img is
+    malformed. An image set without files.img (not a CRIU dump) needs nothing.
+    """
+    files = read_open_files(image_dir)
+    prepared = Prepared()
+    if files is None:
+        return prepared
+    _check_read_only(files, m)
+    allowed = _socket_roots(roots)
+    wanted = _socket_dirs(files, m, allowed)
+    try:
+        for directory, uid, gid in wanted:
+            _make_dir(directory, allowed, uid, gid, prepared, m)
+    except BaseException:
+        prepared.undo()
+        raise
+    if prepared.created:
+        log.info("socket directories created checkpoint_id=%s seq=%d dirs=%s", m.checkpoint_id, m.seq,
+                 ",".join(prepared.created))
+    return prepared
+
+
+def _what(m: Manifest) -> str:
+    return f"checkpoint {m.checkpoint_id} seq {m.seq}"
+
+
+def _judged(f: RegFile, captured: set[str]) -> bool:
+    """Whether ``f`` is a file the tree only reads, that a node must provide and CRIU checks."""
+    if (f.flags & os.O_ACCMODE) != os.O_RDONLY or f.size is None or f.ext or f.mnt_id is not None:
+        return False
+    if f.mode is not None and not stat.S_ISREG(f.mode):
+        return False
+    p = PurePosixPath(f.name)
+    if not p.is_absolute() or f.name in captured:
+        return False
+    return not any(f.name == t or f.name.startswith(t + "/") for t in _NOT_JUDGED)
+
+
+def _remedy(f: RegFile) -> str:
+    software = system_tree(PurePosixPath(f.name)) is not None or bool((f.mode or 0) & 0o111)
+    if software:
+        return "install the same software at the same path on every node (the same image)"
+    return "make the same file available at the same path on every node (a shared volume)"
+
+
+def _check_read_only(files: OpenFiles, m: Manifest) -> None:
+    captured = {c.path for c in m.captured}
+    problems: list[tuple[RegFile, str]] = []
+    seen: set[str] = set()
+    for f in files.regular:
+        if f.id in files.remapped or f.name in seen or not _judged(f, captured):
+            continue
+        seen.add(f.name)
+        try:
+            st = os.stat(f.name)
+        except FileNotFoundError:
+            problems.append((f, "is missing on this node"))
+            continue
+        except OSError as e:
+            problems.append((f, f"cannot be read on this node ({e.strerror})"))
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            problems.append((f, "is not a regular file on this node"))
+        elif st.st_size != f.size:
+            problems.append((f, f"is {st.st_size} bytes on this node"))
+    if not problems:
+        return
+    (first, why), rest = problems[0], problems[1:]
+    more = ""
+    if rest:
+        names = ", ".join(f.name for f, _ in rest[:_MORE]) + (", ..." if len(rest) > _MORE else "")
+        more = f" ({len(rest)} more file{'s' if len(rest) > 1 else ''} too: {names})"
+    raise NotRestorableHere(
+        f"{_what(m)} needs {first.name} (read-only, {first.size} bytes), which {why}{more}: "
+        f"{_remedy(first)}, or start fresh")
+
+
+def _bound_path(s: UnixSocket) -> str | None:
+    """The path CRIU binds ``s`` to on restore, when it is an absolute one; else None."""
+    if s.deleted or s.uflags & _USK_EXTERN or s.mnt_id is not None:
+        return None  # CRIU rebuilds a deleted path itself; an external peer is not bound
+    if s.type != socket.SOCK_DGRAM and s.state == _TCP_ESTABLISHED:
+        return None  # a connected stream (an accepted one carries the listener's name): never bound
+    if not s.name or s.name[0] == 0:
+        return None  # unnamed or abstract: nothing on the filesystem
+    path = s.name.split(b"\0", 1)[0]  # Python binds path names with their terminating NUL
+    return os.fsdecode(path) if path.startswith(b"/") else None
+
+
+def _socket_roots(roots: Sequence[PurePosixPath]) -> tuple[PurePosixPath, ...]:
+    temp = [*_TEMP_DIRS, os.environ.get("TMPDIR", "")]
+    extra = [PurePosixPath(os.path.normpath(t)) for t in temp if t.startswith("/")]
+    return tuple(dict.fromkeys(r for r in [*roots, *extra] if system_tree(r) is None))
+
+
+def _socket_dirs(files: OpenFiles, m: Manifest, allowed: Sequence[PurePosixPath]) -> list[tuple[PurePosixPath, int, int]]:
+    """The missing directories of bound sockets (under ``allowed``: _socket_roots), each with the owner
+    its socket had; raises when one may not be created here."""
+    out: dict[PurePosixPath, tuple[int, int]] = {}
+    for s in files.unix_sockets:
+        path = _bound_path(s)
+        if path is None:
+            continue
+        directory = PurePosixPath(path).parent
+        if directory in out or os.path.isdir(directory):
+            continue  # there already (through whatever links the original bind went through too)
+        why = refusal(path, allowed)
+        if why is not None:
+            fix = ("" if system_tree(PurePosixPath(path)) is not None
+                   else ", add a directory above it to restore_roots (CEDANA_RESTORE_ROOTS)")
+            raise NotRestorableHere(
+                f"{_what(m)} binds a unix socket at {path}, whose directory {directory} is missing on this node "
+                f"and is not created: {why}. Create it on this node{fix}, or start fresh")
+        out[directory] = (s.uid or 0, s.gid or 0)
+    return [(d, uid, gid) for d, (uid, gid) in out.items()]
+
+
+def _make_dir(directory: PurePosixPath, roots: Sequence[PurePosixPath], uid: int, gid: int, prepared: Prepared,
+              m: Manifest) -> None:
+    """Create ``directory``'s missing components below its root (0700, owned ``uid``:``gid``) through
+    captured.py's guarded walk (the root is the node's own setting, as /tmp may be a symlink; nothing
+    below it may be); what was created goes into ``prepared``."""
+    root = root_of(directory, roots)
+
+    def made(parent_fd: int, name: str, path: PurePosixPath) -> None:
+        prepared._made.append((os.dup(parent_fd), name, str(path)))
+
+    try:
+        os.close(open_dir(directory, roots, create=True, mode=0o700, owner=(uid, gid), created=made))
+    except OSError as e:
+        if str(e.filename) == str(root):  # the walk never started
+            raise NotRestorableHere(f"{_what(m)} binds a unix socket in {directory}, which is missing on this node, "
+                                    f"and its root {root} cannot be opened ({e.strerror}). Create {directory}, or "
+                                    "start fresh") from None
+        raise NotRestorableHere(
+            f"{_what(m)} binds a unix socket in {directory}, which is missing on this node and cannot be created "
+            f"safely: {e.filename} gives {e.strerror} (a symlink or a file on the way). Create {directory} on this "
+            "node, or start fresh") from None

@@ -1,0 +1,455 @@
+"""Common workload shapes, each checkpointed by the real CLI on node-a, killed as if the node died, and
+restored by ``run --resume`` on node-b with default settings. docs/compatibility.md is the table of
+what these tests observed: one row per test id of ``test_workload_shape``.
+
+A shape that works must continue where it was (no second start-up line, a first step above 1) and
+end with the digest an uninterrupted run prints. A shape that cannot work asserts the one line a
+user sees. Files outside the workload's working directory are written back by a restore only from
+a signed checkpoint (the default under Airflow; the plain CLI signs when CEDANA_SIGNING_KEY is set),
+so the cases that keep such files open run signed, and say so in their id.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from conftest import _free_port, cli, cli_env, kill_node, manifests, start_cli
+
+pytestmark = pytest.mark.integration
+
+SHAPES = Path(__file__).resolve().parent / "shapes"
+HEARTBEAT = "0.4"
+#: Processes a case started; whatever is still running when it ends is killed (a failed case leaves none).
+_STARTED: list[subprocess.Popen] = []
+
+
+def _py(script: str, *args: object) -> list[str]:
+    return [sys.executable, str(SHAPES / script), *map(str, args)]
+
+
+def _env(tmp_path: Path, node: str, *, key: str | None = None, **extra: str) -> dict[str, str]:
+    if key:
+        extra["CEDANA_SIGNING_KEY"] = key
+    return cli_env(tmp_path, node, f"work-{node}", **extra)
+
+
+def _reference(cmd: list[str], cwd: Path) -> str:
+    """The digest of an uninterrupted run (no pauses between steps)."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    out = subprocess.run([*cmd, "--step-seconds", "0"], cwd=cwd, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=120).stdout
+    return out.strip().splitlines()[-1]
+
+
+class Node:
+    """The run on node-a: started, checkpointed, then lost."""
+
+    def __init__(self, tmp_path: Path, cid: str, cmd: list[str], env: dict[str, str], cwd: Path) -> None:
+        self.tmp_path, self.cid, self.cwd = tmp_path, cid, cwd
+        cwd.mkdir(parents=True, exist_ok=True)
+        self.pymp_before, self.pymp_seen = _pymp_dirs(), set[str]()
+        self.proc = start_cli("run", "--id", cid, "--heartbeat", HEARTBEAT, "--", *cmd, env=env, out=tmp_path / "a",
+                              cwd=cwd)
+        _STARTED.append(self.proc)
+
+    @property
+    def out(self) -> str:
+        return (self.tmp_path / "a.out").read_text()
+
+    @property
+    def err(self) -> str:
+        return (self.tmp_path / "a.err").read_text(errors="replace")
+
+    def wait_for(self, predicate: Callable[[], bool], what: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            self.pymp_seen |= _pymp_dirs() - self.pymp_before
+            assert self.proc.poll() is None, f"supervisor exited early ({what}): {self.err[-2000:]}"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: {self.err[-2000:]}"
+            time.sleep(0.05)
+
+    def seqs(self) -> list[int]:
+        return [m["seq"] for m in manifests(self.tmp_path / "store", self.cid)]
+
+    def checkpoints_after_first_step(self, n: int = 2, holds: Callable[[dict], bool] = lambda m: True) -> list[dict]:
+        """Wait for ``n`` checkpoints begun once the workload was in its loop (not during its start-up;
+        older ones are pruned: keep_checkpoints), and at least two in all, the newest of which ``holds``;
+        return the manifests, that one last."""
+        self.wait_for(lambda: "step 1/" in self.out, "the first step", 120)
+        base = max(self.seqs(), default=0) + 1  # one may be under way: it began before the first step
+
+        def ready() -> list[dict]:
+            ms = manifests(self.tmp_path / "store", self.cid)
+            while ms and not holds(ms[-1]):
+                ms.pop()
+            return ms if ms and ms[-1]["seq"] >= max(base + n, 2) else []
+
+        self.wait_for(lambda: bool(ready()), f"{n} checkpoint(s) in the loop", 120)
+        return ready()
+
+    def lose(self, ms: list[dict]) -> None:
+        """The node dies: the supervisor and the workload's PID namespace are SIGKILLed, and its work
+        directory is gone with it."""
+        kill_node(self.proc, ms[-1]["process"]["pid"])
+        shutil.rmtree(self.tmp_path / "work-node-a", ignore_errors=True)
+        assert "done digest" not in self.out, "the workload ended before the node was lost: make it longer"
+
+
+def _resume(tmp_path: Path, cid: str, cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return cli("run", "--resume", "--id", cid, "--heartbeat", "0", "--", *cmd, env=env, cwd=cwd, timeout=120)
+
+
+def _assert_continued(r: subprocess.CompletedProcess[str], cid: str, reference: str) -> list[str]:
+    """It restored node-a's checkpoint on node-b, went on from a later step, and ended as an
+    uninterrupted run does."""
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = "\n".join(ln for ln in r.stderr.splitlines() if ln.startswith("cedana:"))
+    assert f"restored checkpoint_id={cid} seq=" in said and "from_node=node-a node=node-b" in said, said
+    assert "checkpoint refused" not in said, said  # the newest one, not a fallback to an older one
+    out = r.stdout.splitlines()
+    assert not any(ln.startswith("start-up") for ln in out), out[:3]
+    first = next(ln for ln in out if ln.startswith("step "))
+    assert int(first.split()[1].split("/")[0]) > 1, (out[:3], said)
+    assert out[-1] == reference, (out[-3:], reference)
+    return out
+
+
+def _image_bytes(tmp_path: Path, manifest: dict) -> bytes:
+    """Every byte of a stored checkpoint's images (each chunk fetched, decoded and verified)."""
+    from cedana_airflow.config import load_settings
+    from cedana_airflow.format.manifest import Manifest
+    from cedana_airflow.store import open_store
+    from cedana_airflow.store.transfer import fetch_checkpoint
+
+    store = open_store(f"file://{tmp_path / 'store'}", load_settings(environ={}))
+    store.open(create=False, chunk_avg_bytes=1 << 20)
+    dest = tmp_path / f"images-{manifest['seq']}"
+    fetch_checkpoint(store, Manifest.model_validate(manifest), dest)
+    return b"".join(p.read_bytes() for p in sorted(dest.rglob("*")) if p.is_file())
+
+
+def _processes(m: dict) -> int:
+    """How many processes a checkpoint holds (CRIU writes one mm-<pid>.img per process)."""
+    return sum(1 for f in m["files"] if re.fullmatch(r"mm-\d+\.img", f["name"]))
+
+
+def _pymp_dirs() -> set[str]:
+    return {p for p in os.listdir("/tmp") if p.startswith("pymp-")}
+
+
+def _bound_unix_paths() -> set[str]:
+    """Paths of the unix sockets alive on this machine (a live process's /tmp/pymp-*/listener-*)."""
+    rows = (ln.split() for ln in Path("/proc/net/unix").read_text().splitlines()[1:])
+    return {r[7] for r in rows if len(r) >= 8}
+
+
+def _drop_workload_pymp(node: Node) -> tuple[list[str], list[str]]:
+    """Another node's /tmp has none of the workload's /tmp/pymp-* directories (multiprocessing's
+    temp dirs, where a process that passes file descriptors listens). Ours: those that appeared while
+    it ran (``ls /tmp`` before and during the run) and that no live process listens in any more
+    (other tests may run beside this one). Returns (removed, those already gone with their process)."""
+    live = _bound_unix_paths()
+    ours = sorted(d for d in node.pymp_seen | (_pymp_dirs() - node.pymp_before)
+                  if not any(p.startswith(f"/tmp/{d}/") for p in live))
+    removed = [d for d in ours if os.path.isdir(f"/tmp/{d}")]
+    for d in removed:
+        shutil.rmtree(f"/tmp/{d}", ignore_errors=True)
+    return removed, sorted(set(ours) - set(removed))
+
+
+# -- the shapes ---------------------------------------------------------------------------------------------
+
+def torch_dataloader(tmp_path: Path) -> None:
+    """PyTorch CPU training: DataLoader(num_workers=2), dataset, log and checkpoint directories
+    outside the cwd, a progress bar on stderr. Signed (captured log outside the cwd)."""
+    import numpy as np
+
+    key = secrets.token_hex(16)
+    (tmp_path / "data").mkdir()
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 1))
+    for i in range(256):  # the dataset: one file per sample
+        x = rng.standard_normal(16).astype(np.float32)
+        np.save(tmp_path / "data" / f"{i:05d}.npy", np.concatenate([x, np.tanh(x @ w).astype(np.float32)]))
+    (tmp_path / "logs").mkdir()
+    job = ["--data", tmp_path / "data", "--epochs", 2, "--step-seconds", 0.4]
+    cmd = _py("torch_loader.py", *job, "--log", tmp_path / "logs" / "train.log", "--ckpt", tmp_path / "ckpt")
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    # the uninterrupted run, beside node-a's (it waits on checkpoints most of the time)
+    ref = subprocess.Popen(_py("torch_loader.py", *job, "--log", ref_dir / "train.log", "--ckpt", ref_dir / "ckpt",
+                               "--step-seconds", 0), cwd=ref_dir, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    _STARTED.append(ref)
+    node = Node(tmp_path, "torch", cmd, _env(tmp_path, "node-a", key=key), tmp_path / "job")
+    # a checkpoint that holds the DataLoader's workers (each takes seconds here: 800 MB of RSS) and was
+    # begun in the loop: the workers start before the first batch, so one begun before "step 1" is
+    # rightly restored to print "step 1" again, which would not show that it went on
+    ms = node.checkpoints_after_first_step(1, lambda m: _processes(m) >= 3)
+    node.lose(ms)
+    reference = ref.communicate(timeout=120)[0].strip().splitlines()[-1]
+    assert ref.returncode == 0
+    assert str(tmp_path / "logs" / "train.log") in [c["path"] for c in ms[-1]["captured"]]
+    # their workers' listener directories: those of an ended epoch's workers are gone already (removed at
+    # their exit), the live ones die with the node; before run/preflight.py created them again, CRIU
+    # refused every checkpoint with workers in it ("Can't bind ... /tmp/pymp-*/listener-*")
+    removed, gone = _drop_workload_pymp(node)
+    assert removed or gone
+    print(f"torch: the workload's /tmp/pymp-* removed before the restore: {removed}; already gone: {gone}")
+    r = _resume(tmp_path, "torch", cmd, _env(tmp_path, "node-b", key=key), tmp_path / "job")
+    _assert_continued(r, "torch", reference)
+    # the log went on from the checkpoint: every step once, in order, as in the uninterrupted run
+    assert [ln.split()[3] for ln in (tmp_path / "logs" / "train.log").read_text().splitlines()] == \
+        [ln.split()[3] for ln in (ref_dir / "train.log").read_text().splitlines()]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch-0.pt", "epoch-1.pt"]
+    assert "train |" in r.stderr and "| 32/32" in r.stderr  # the progress bar went on on the new node
+
+
+def mp_pool_fork(tmp_path: Path) -> None:
+    cmd = _py("pool_map.py", "--steps", 40, "--step-seconds", 0.1)
+    reference = _reference(cmd, tmp_path / "ref")
+    node = Node(tmp_path, "pool", cmd, _env(tmp_path, "node-a"), tmp_path / "job")
+    ms = node.checkpoints_after_first_step(2)
+    node.lose(ms)
+    removed, gone = _drop_workload_pymp(node)
+    print(f"pool: the workload's /tmp/pymp-* removed before the restore: {removed}; already gone: {gone}")
+    _assert_continued(_resume(tmp_path, "pool", cmd, _env(tmp_path, "node-b"), tmp_path / "job"), "pool", reference)
+
+
+def posix_shm(tmp_path: Path) -> None:
+    """A SharedMemory segment is a file in /dev/shm that the workload holds open for writing: it is
+    captured and, signed, put back in /dev/shm (a tmpfs like /tmp, the one place under /dev a restore
+    writes) on a node whose /dev/shm does not have it."""
+    key = secrets.token_hex(16)
+    cmd = _py("shm.py", "--steps", 40, "--step-seconds", 0.1)
+    reference = _reference(cmd, tmp_path / "ref")
+    node = Node(tmp_path, "shm", cmd, _env(tmp_path, "node-a", key=key), tmp_path / "job")
+    ms = node.checkpoints_after_first_step(2)
+    node.lose(ms)
+    [segment] = re.findall(r"^segment (\S+)$", node.out, re.M)
+    assert [c["path"] for c in ms[-1]["captured"]] == [segment]
+    Path(segment).unlink(missing_ok=True)  # another node's /dev/shm does not have it (and the dead run's leaks)
+    try:
+        _assert_continued(_resume(tmp_path, "shm", cmd, _env(tmp_path, "node-b", key=key), tmp_path / "job"), "shm",
+                          reference)
+    finally:
+        Path(segment).unlink(missing_ok=True)
+
+
+def np_memmap(tmp_path: Path) -> None:
+    """np.memmap outside the cwd: Python's mmap keeps a duplicate of the file's descriptor, so the file
+    is captured (signed: outside the cwd) and put back as it was at the checkpoint."""
+    key = secrets.token_hex(16)
+    data = tmp_path / "data"
+    data.mkdir()
+    cmd = _py("memmap.py", "--steps", 40, "--step-seconds", 0.1, "--file", data / "state.dat")
+    reference = _reference(_py("memmap.py", "--steps", 40, "--file", tmp_path / "ref-state.dat"), tmp_path / "ref")
+    node = Node(tmp_path, "memmap", cmd, _env(tmp_path, "node-a", key=key), tmp_path / "job")
+    ms = node.checkpoints_after_first_step(2)
+    node.lose(ms)
+    assert [c["path"] for c in ms[-1]["captured"]] == [str(data / "state.dat")]
+    # the file on the shared volume went on changing after the checkpoint: a replayed step would show
+    r = _resume(tmp_path, "memmap", cmd, _env(tmp_path, "node-b", key=key), tmp_path / "job")
+    _assert_continued(r, "memmap", reference)
+
+
+def sqlite_signed(tmp_path: Path) -> None:
+    key = secrets.token_hex(16)
+    (tmp_path / "data").mkdir()
+    db = tmp_path / "data" / "steps.db"
+    cmd = _py("sqlite_loop.py", "--steps", 40, "--step-seconds", 0.1, "--db", db)
+    reference = _reference(_py("sqlite_loop.py", "--steps", 40, "--db", tmp_path / "ref.db"), tmp_path / "ref")
+    node = Node(tmp_path, "sqlite", cmd, _env(tmp_path, "node-a", key=key), tmp_path / "job")
+    ms = node.checkpoints_after_first_step(2)
+    node.lose(ms)
+    assert str(db) in [c["path"] for c in ms[-1]["captured"]]
+    # the database on the shared volume has rows from after the checkpoint: the restore puts back its copy
+    _assert_continued(_resume(tmp_path, "sqlite", cmd, _env(tmp_path, "node-b", key=key), tmp_path / "job"), "sqlite",
+                      reference)
+    import sqlite3
+
+    assert [n for (n,) in sqlite3.connect(db).execute("SELECT n FROM steps ORDER BY n")] == list(range(1, 41))
+
+
+def shell_pipeline(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    line = f"{sys.executable} {SHAPES / 'step.py'} --steps 40 --step-seconds 0.1 | tee steps.log"
+    reference = _reference(_py("step.py", "--steps", 40), tmp_path / "ref")
+    node = Node(tmp_path, "pipe", ["sh", "-c", line], _env(tmp_path, "node-a"), job)
+    ms = node.checkpoints_after_first_step(2)
+    node.lose(ms)
+    assert [c["path"] for c in ms[-1]["captured"]] == [str(job / "steps.log")]
+    (job / "steps.log").unlink()  # another node's disk: only the checkpoint has it
+    _assert_continued(_resume(tmp_path, "pipe", ["sh", "-c", line], _env(tmp_path, "node-b"), job), "pipe", reference)
+    steps = [ln for ln in (job / "steps.log").read_text().splitlines() if ln.startswith("step ")]
+    assert steps == [f"step {i}/40" for i in range(1, 41)]
+
+
+def tcp_listen(tmp_path: Path) -> None:
+    port = _free_port()
+    cmd = _py("tcp_listen.py", "--steps", 40, "--step-seconds", 0.1, "--port", port)
+    node = Node(tmp_path, "listen", cmd, _env(tmp_path, "node-a"), tmp_path / "job")
+    node.wait_for(lambda: "step 1/" in node.out, "the first step")
+    node.wait_for(lambda: "heartbeat failed" in node.err or max(node.seqs(), default=0) >= 2, "a heartbeat")
+    if "heartbeat failed" in node.err:
+        # CRIU 4.1.1 reads SO_PASSCRED from every socket; kernels >= 6.16 refuse it on inet sockets
+        [line] = [ln for ln in node.err.splitlines() if "heartbeat failed" in ln][:1]
+        kill_node(node.proc, int(re.search(r"criu dump of pid (\d+)", line).group(1)))
+        assert manifests(tmp_path / "store", "listen") == []
+        assert "heartbeat failed; the workload keeps running: criu dump of pid" in line, line
+        assert "Can't get 1:16 opt: Operation not supported. CRIU before 4.2 cannot dump a TCP or UDP socket" in line, line
+        pytest.xfail("CRIU 4.1.1 cannot dump a TCP socket on kernel >= 6.16 (SO_PASSCRED: criu#2718, fixed in "
+                     "CRIU 4.2): no checkpoint is ever taken")
+    reference = _reference(_py("tcp_listen.py", "--steps", 40, "--port", _free_port()), tmp_path / "ref")
+    ms = node.checkpoints_after_first_step(2)
+    node.lose(ms)
+    proc = start_cli("run", "--resume", "--id", "listen", "--heartbeat", "0", "--", *cmd,
+                     env=_env(tmp_path, "node-b"), out=tmp_path / "b", cwd=tmp_path / "job")
+    _STARTED.append(proc)
+    deadline = time.monotonic() + 60
+    while "step " not in (tmp_path / "b.out").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "b.err").read_text()[-3000:]
+        time.sleep(0.05)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as c:  # the restored listener answers
+        answer = c.makefile().readline()
+    assert re.fullmatch(r"at step \d+\n", answer), answer
+    assert proc.wait(timeout=60) == 0
+    r = subprocess.CompletedProcess(proc.args, 0, (tmp_path / "b.out").read_text(), (tmp_path / "b.err").read_text())
+    _assert_continued(r, "listen", reference)
+
+
+class _Echo:
+    """A tiny local TCP echo service (one thread per connection)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _echo(conn: socket.socket) -> None:
+        with conn:
+            while data := conn.recv(4096):
+                conn.sendall(data)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def tcp_established(tmp_path: Path) -> None:
+    """An established connection: CRIU refuses to dump it without --tcp-established, which the product
+    does not pass, so no heartbeat succeeds and a restore on another node starts over."""
+    echo = _Echo()
+    try:
+        cmd = _py("tcp_client.py", "--steps", 30, "--step-seconds", 0.1, "--port", echo.port)
+        reference = _reference(cmd, tmp_path / "ref")
+        node = Node(tmp_path, "conn", cmd, _env(tmp_path, "node-a"), tmp_path / "job")
+        node.wait_for(lambda: node.err.count("heartbeat failed") >= 2, "two failed heartbeats")
+        assert manifests(tmp_path / "store", "conn") == []
+        [line] = [ln for ln in node.err.splitlines() if "heartbeat failed" in ln][:1]
+        assert "heartbeat failed; the workload keeps running: criu dump of pid" in line, line
+        assert "Connected TCP socket, consider using --tcp-established option" in line, line
+        assert "The workload holds an established TCP connection, which CRIU refuses to dump by default" in line, line
+        pid = int(re.search(r"criu dump of pid (\d+)", line).group(1))
+        kill_node(node.proc, pid)
+        r = _resume(tmp_path, "conn", cmd, _env(tmp_path, "node-b"), tmp_path / "job")
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "no checkpoint to resume checkpoint_id=conn; starting fresh" in r.stderr
+        assert r.stdout.splitlines()[0].startswith("start-up") and r.stdout.splitlines()[-1] == reference
+    finally:
+        echo.close()
+
+
+def env_credential(tmp_path: Path) -> None:
+    """A credential the job was given in its environment is still there after the restore; the store's
+    own credential never reaches the workload (nor its checkpoint images)."""
+    token, store_secret = f"tok-{secrets.token_hex(12)}", f"store-{secrets.token_hex(12)}"
+    creds = {"MY_API_TOKEN": token, "AWS_SECRET_ACCESS_KEY": store_secret, "AWS_ACCESS_KEY_ID": "AKIDSHAPES"}
+    cmd = _py("env_token.py", "--steps", 40, "--step-seconds", 0.1)
+    reference = subprocess.run([*cmd, "--step-seconds", "0"], capture_output=True, text=True, check=True,
+                               env={**os.environ, "MY_API_TOKEN": token}).stdout.splitlines()
+    node = Node(tmp_path, "envtok", cmd, _env(tmp_path, "node-a", **creds), tmp_path / "job")
+    ms = node.checkpoints_after_first_step(2)
+    environ = Path(f"/proc/{ms[-1]['process']['pid']}/environ").read_bytes().split(b"\0")
+    assert f"MY_API_TOKEN={token}".encode() in environ
+    assert not any(v.startswith((b"AWS_SECRET_ACCESS_KEY=", b"AWS_ACCESS_KEY_ID=")) for v in environ)
+    node.lose(ms)
+    assert "store secret visible: False" in node.out
+    images = _image_bytes(tmp_path, ms[-1])
+    assert token.encode() in images and store_secret.encode() not in images  # the job's token is in the store
+    # node-b's supervisor has the store's credentials too, but not the job's token: the job keeps its own
+    env_b = _env(tmp_path, "node-b", AWS_SECRET_ACCESS_KEY=store_secret, AWS_ACCESS_KEY_ID="AKIDSHAPES")
+    r = _resume(tmp_path, "envtok", cmd, env_b, tmp_path / "job")
+    out = _assert_continued(r, "envtok", reference[-1])
+    assert out[-3:-1] == reference[-3:-1]  # the same token, and the store secret still not visible
+    assert out[-2] == "store secret visible: False"
+
+
+SHAPE_CASES = [
+    pytest.param(torch_dataloader, id="torch-dataloader-signed"),
+    pytest.param(mp_pool_fork, id="mp-pool-fork"),
+    pytest.param(posix_shm, id="posix-shm-signed"),
+    pytest.param(np_memmap, id="np-memmap-signed"),
+    pytest.param(sqlite_signed, id="sqlite-signed"),
+    pytest.param(shell_pipeline, id="shell-pipeline"),
+    pytest.param(tcp_listen, id="tcp-listen"),
+    pytest.param(tcp_established, id="tcp-established"),
+    pytest.param(env_credential, id="env-credential"),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPE_CASES)
+def test_workload_shape(shape: Callable[[Path], None], tmp_path: Path) -> None:
+    try:
+        shape(tmp_path)
+    finally:
+        _stop_started()
+
+
+def _stop_started() -> None:
+    """A supervisor killed here takes its workload with it (its watchdog)."""
+    while _STARTED:
+        p = _STARTED.pop()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_unsigned_first_heartbeat_names_what_a_restore_would_refuse(tmp_path: Path) -> None:
+    try:
+        _unsigned_first_heartbeat(tmp_path)
+    finally:
+        _stop_started()
+
+
+def _unsigned_first_heartbeat(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    db = tmp_path / "data" / "steps.db"
+    cmd = _py("sqlite_loop.py", "--steps", 40, "--step-seconds", 0.1, "--db", db)
+    node = Node(tmp_path, "unsigned", cmd, _env(tmp_path, "node-a"), tmp_path / "job")
+    ms = node.checkpoints_after_first_step(1)
+    # the heartbeat's last line: everything it had to say about this checkpoint is said by then
+    node.wait_for(lambda: f"freeze checkpoint_id=unsigned seq={ms[-1]['seq']}" in node.err, "the heartbeat's log")
+    node.lose(ms)
+    assert str(db) in [c["path"] for c in ms[-1]["captured"]]
+    first = node.err
+    assert "would refuse" in first and str(db) in first and "restore_roots" in first, first[-3000:]

@@ -1,0 +1,110 @@
+"""How a workload's end is reported: a real process under real ``unshare --pid --fork``, killed the way
+a lost node or the OOM killer kills it. Debian 12's util-linux (2.38) answers a SIGKILLed child with
+"unshare: sigprocmask unblock failed: Invalid argument" and exit 1; the user must see neither."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import sys
+import threading
+import time
+
+from cedana_airflow.run.workload import Workload, _UnshareNoise
+
+NOISE = b"unshare: sigprocmask unblock failed: Invalid argument\n"
+
+
+class _Collect(io.BytesIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def write(self, data: bytes, /) -> int:  # type: ignore[override]
+        with self.lock:
+            return super().write(data)
+
+
+def _start(source: str) -> tuple[Workload, _Collect, _Collect]:
+    out, err = _Collect(), _Collect()
+    w = Workload.start([sys.executable, "-c", source], stdout=out, stderr=err)
+    return w, out, err
+
+
+def test_a_workload_killed_by_sigkill_is_reported_as_killed_by_sigkill_without_unshares_line():
+    w, out, err = _start("import sys, time\nprint('step 1', flush=True)\nprint('warming up', file=sys.stderr, "
+                         "flush=True)\ntime.sleep(60)")
+    deadline = time.monotonic() + 10
+    while b"warming up" not in err.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(w.pid, signal.SIGKILL)  # the namespace's init, from outside: what the demo's lost node does
+    assert w.wait(timeout=30) == 128 + signal.SIGKILL
+    assert w.signal == signal.SIGKILL
+    assert err.getvalue() == b"warming up\n"  # its own stderr, and nothing of unshare's
+    assert out.getvalue() == b"step 1\n"
+
+
+def test_a_workload_that_exits_1_is_not_taken_for_a_kill():
+    w, _, err = _start("import sys\nprint('bad input', file=sys.stderr)\nsys.exit(1)")
+    assert w.wait(timeout=30) == 1 and w.signal is None
+    assert err.getvalue() == b"bad input\n"
+
+
+def test_unshares_line_is_dropped_even_in_pieces_and_a_look_alike_passes():
+    got = io.BytesIO()
+    f = _UnshareNoise(got)
+    for piece in (b"loss 0.1\nunshare: ", b"sigprocmask unblock failed", b": Invalid argument", b"\n"):
+        f.write(piece)
+    f.finish()
+    assert got.getvalue() == b"loss 0.1\n" and f.seen
+    got = io.BytesIO()
+    f = _UnshareNoise(got)
+    f.write(b"unshare: sigprocmask unblock failed: Invalid argument, says my own script\nunsh")
+    f.finish()  # EOF: the held "unsh" was the workload's own
+    assert got.getvalue() == b"unshare: sigprocmask unblock failed: Invalid argument, says my own script\nunsh"
+    assert not f.seen
+    got = io.BytesIO()
+    f = _UnshareNoise(got)
+    f.write(NOISE[:10] + b"X\n")  # a prefix that turns out different is passed on whole
+    assert got.getvalue() == NOISE[:10] + b"X\n"
+
+
+def test_unshares_line_is_found_after_a_progress_bar_that_left_no_newline():
+    got = io.BytesIO()
+    f = _UnshareNoise(got)
+    f.write(b"\rtrain |#####     | 5/10" + NOISE)  # one read: the bar's last state, then unshare's line
+    f.finish()
+    assert got.getvalue() == b"\rtrain |#####     | 5/10" and f.seen
+
+
+def test_the_restored_trees_output_waits_for_the_announcement_and_keeps_its_order():
+    from cedana_airflow.run.runner import _Held
+
+    log: list[tuple[str, bytes]] = []
+
+    class Sink:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def write(self, data: bytes, /) -> int:
+            if data == b"boom":
+                raise OSError("the log is closed")
+            log.append((self.name, data))
+            return len(data)
+
+        def flush(self) -> None:
+            pass
+
+    held = _Held()
+    out, err = held.sink(Sink("out")), held.sink(Sink("err"))
+    for sink, data in ((out, b"step 8"), (err, b"warn"), (out, b"boom"), (out, b"step 9")):
+        sink.write(data)
+    assert log == []  # nothing before the restore is announced
+    log.append(("log", b"cedana: restored seq 7"))
+    held.release()
+    out.write(b"step 10")
+    # the announcement first, then both streams in the order they were written; a failed write loses
+    # only itself
+    assert log == [("log", b"cedana: restored seq 7"), ("out", b"step 8"), ("err", b"warn"), ("out", b"step 9"),
+                   ("out", b"step 10")]
