@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 
 setup: $(STAMP) criu
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev,airflow]'
 	touch $(STAMP)
@@ -40,7 +40,7 @@ slurm:
 demo: setup
 	$(BIN)/python scripts/demo.py
 
-# The demo's Airflow home in Airflow's UI (api-server only, no login), until Ctrl-C.
+# The demo's Airflow home in Airflow's UI (the demo's four Airflow parts, no login), until Ctrl-C.
 ui: setup
 	$(BIN)/python scripts/ui.py
 
