@@ -61,7 +61,8 @@ def follow_retry(store: Store, fleet: Fleet, task: RunningTask, checkpoint_id: s
     if not isinstance(rec, RestoreRecord):
         return done(f"try {retry.try_number} wrote no restore record (it is {state() or 'not running'})", retry_state=state())
     if rec.outcome != "restored":
-        return done(f"try {retry.try_number} started fresh instead of restoring: {rec.reason}", retry_state=state(),
+        refused = "".join(f"; refused: {r}" for r in rec.refused)  # the cause a drill exists to find
+        return done(f"try {retry.try_number} started fresh instead of restoring: {rec.reason}{refused}", retry_state=state(),
                     to_node=rec.node)
     restored = next((m for m in load_manifests(store, checkpoint_id) if m.seq == rec.seq), None)
     resumed_at = rec.at.timestamp() + rec.restore_seconds
