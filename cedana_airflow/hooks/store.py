@@ -4,8 +4,15 @@ Variable created on first use."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
+import os
 import secrets
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from pydantic import SecretStr
@@ -75,20 +82,61 @@ def with_signing_key(settings: Settings, signing_conn_id: str | None, signing_va
     return _said(settings, f"Airflow Variable {signing_variable!r} (signing_variable)" + (", created now" if created else ""))
 
 
-def _variable_key(name: str) -> tuple[str, bool]:
+#: A Variable this task created is signed with only once it has held this long (see _variable_key).
+SETTLE_SECONDS = 2.0
+
+#: First tasks on one node create the Variable one at a time (see _variable_key).
+NODE_LOCK = Path(tempfile.gettempdir()) / "cedana-airflow-signing-variable.lock"
+
+
+def _variable_key(name: str, *, variables: Any = None, lock: Path = NODE_LOCK,
+                  settle: float = SETTLE_SECONDS) -> tuple[str, bool]:
     """The key in Airflow Variable ``name``, created with 32 random bytes when it is missing. Every worker
     reaches Variables through the API server (Airflow 3: workers need no database, fernet key or JWT
     secret of their own), and the metadata database keeps them fernet-encrypted; a secrets backend
-    (AIRFLOW_VAR_*, Vault, ...) that holds it wins, as for any Variable. Read back after the write: of
-    two first tasks racing, both go on with the value that stayed."""
-    from airflow.sdk import Variable
+    (AIRFLOW_VAR_*, Vault, ...) that holds it wins, as for any Variable.
 
-    value = Variable.get(name, default=None)
-    if value:
-        return str(value), False
-    Variable.set(name, secrets.token_hex(32), description="cedana-airflow: the key that signs checkpoint manifests "
-                 "(created on first use). Changing it makes every existing checkpoint unrestorable.")
-    return str(Variable.get(name)), True
+    The first tasks of a deployment race to create it, and the execution API only upserts: the last
+    write stays, and a task that signed with an earlier one made checkpoints no retry can verify (a
+    DAG's parallel tasks on its first run did). So tasks on one node create it under a node lock, and
+    a task that created it goes on only with a value that has held for ``settle`` seconds: a racer on
+    another node writes within its read-and-write, two API calls, far sooner."""
+    if variables is None:
+        from airflow.sdk import Variable
+
+        variables = Variable
+
+    with _node_lock(lock):
+        value = variables.get(name, default=None)
+        if value:
+            return str(value), False
+        variables.set(name, secrets.token_hex(32), description="cedana-airflow: the key that signs checkpoint "
+                      "manifests (created on first use). Changing it makes every existing checkpoint unrestorable.")
+    seen = variables.get(name)
+    for _ in range(5):
+        time.sleep(settle)
+        again = variables.get(name)
+        if again == seen:
+            break
+        seen = again
+    return str(seen), True
+
+
+@contextlib.contextmanager
+def _node_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` (never through a symlink); none where it cannot be had, the settle
+    still covers that case."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        log.debug("signing variable lock %s not taken: %s", path, e)
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _said(settings: Settings, where: str) -> Settings:

@@ -11,9 +11,11 @@ server here (pods are spec-checked) and these build Slurm jobs without submittin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import threading
 import time
 import types
 from datetime import timedelta
@@ -282,3 +284,59 @@ def test_a_workers_own_key_and_a_named_connection_win_over_the_variable_and_only
     monkeypatch.setenv("AIRFLOW_CONN_CKPT_SIGNING", f'{{"conn_type": "generic", "password": "{conn}"}}')
     s = with_signing_key(load_settings(environ={"CEDANA_SIGNING_KEY": own}), "ckpt_signing", "cedana_signing_secret")
     assert s.resolved_signing_key() == conn.encode()
+
+
+class _StandInVariables:
+    """Airflow's Variables as the execution API serves them (get, and a set that upserts), with every
+    first read held until ``racers`` tasks have read and the writes landing 50 ms apart: the
+    interleaving a real deployment's parallel first tasks produce now and then, made certain."""
+
+    def __init__(self, racers: int) -> None:
+        self.values: dict[str, str] = {}
+        self.lock = threading.Lock()
+        self.read_first = threading.Barrier(racers, timeout=10)
+        self.first = threading.local()
+        self.writes = 0
+
+    def get(self, key, default=None):
+        with self.lock:
+            value = self.values.get(key, default)
+        if not getattr(self.first, "done", False):
+            self.first.done = True
+            with contextlib.suppress(threading.BrokenBarrierError):  # a racer held behind the node lock
+                self.read_first.wait(timeout=0.5)
+        return value
+
+    def set(self, key, value, description=None):
+        with self.lock:
+            self.writes += 1
+            delay = 0.05 * (self.writes - 1)
+        time.sleep(delay)
+        with self.lock:
+            self.values[key] = value
+
+
+@pytest.mark.parametrize("one_node", [True, False], ids=["one-node", "two-nodes"])
+def test_first_tasks_racing_to_create_the_signing_variable_all_sign_with_the_key_that_stays_stand_in_variables(
+        tmp_path, one_node):
+    """A DAG's parallel tasks on a fresh deployment: each found no Variable and wrote its own key, the
+    last write stayed, and a task that signed with an earlier one made checkpoints its retry refused
+    ("every checkpoint was refused", a live drill in CI). Every task must sign with the key that stays."""
+    from cedana_airflow.hooks.store import _variable_key
+
+    racers = 4
+    variables = _StandInVariables(racers)
+    got: list[tuple[str, bool]] = []
+
+    def task(i: int) -> None:
+        lock = tmp_path / ("node.lock" if one_node else f"node-{i}.lock")
+        got.append(_variable_key("cedana_signing_secret", variables=variables, lock=lock, settle=0.2))
+
+    threads = [threading.Thread(target=task, args=(i,)) for i in range(racers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {key for key, _ in got} == {variables.values["cedana_signing_secret"]}
+    created = sum(c for _, c in got)
+    assert created == 1 if one_node else created == racers  # on one node the lock lets only the first write
