@@ -58,6 +58,19 @@ def _reap_orphans():
     reap()
 
 
+def has_nvidia_driver() -> bool:
+    """Whether this machine has an NVIDIA driver (its kernel module or libcuda): tests that check what a
+    node without one is told skip there, and say so."""
+    from cedana_airflow.engine.cuda import libcuda_loadable
+
+    return os.path.exists("/proc/driver/nvidia/version") or libcuda_loadable()
+
+
+#: For a test that checks what a node *without* an NVIDIA driver does or says.
+no_nvidia_driver = pytest.mark.skipif(has_nvidia_driver(), reason="this machine has an NVIDIA driver; this test "
+                                      "checks a node without one (scripts/gpu-validate.sh covers the GPU path)")
+
+
 def cli_env(tmp_path: Path, node: str, work: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CEDANA_")}
     env.update(CEDANA_STORE=f"file://{tmp_path / 'store'}", CEDANA_NODE=node,

@@ -6,8 +6,12 @@ and back, driven from another process by pid: lock (its CUDA calls block), check
 copied out, every device mapping released), then, after CRIU, restore (memory back at the same
 device addresses) and unlock. docs/gpu.md has the sources and the limits.
 
-:func:`suspended` is that sequence around a dump, with a rollback at every step: a workload is never
-left locked, or without its GPU state, because something failed half-way.
+Which processes hold CUDA state is the driver's answer (``cuCheckpointProcessGetState``), not a guess
+from open ``/dev/nvidia*`` files: a process already locked or checkpointed holds none, and one that
+holds them only through NVML, or a child forked from a CUDA process, has no CUDA state to lock.
+
+:func:`suspended` is that sequence around a dump. Whatever fails, every process is brought back to
+running from the state the driver reports for it, never from a guess about how far the sequence got.
 
 The binding is ctypes over ``libcuda.so.1``: no package to install, and no import of it on a node
 without a GPU. :class:`CudaDriver` is the protocol, so tests drive the state machine with a stand-in.
@@ -28,14 +32,21 @@ from typing import Protocol
 
 from ..errors import GpuCheckpointFailed, GpuUnavailable
 
-__all__ = ["CudaDriver", "GpuInventory", "GpuSuspension", "LibcudaDriver", "cuda_pids", "gpu_inventory", "libcuda_loadable", "load_driver",
-           "ns_pid", "nvidia_files", "resume_restored", "suspended"]
+__all__ = ["NO_CUDA", "CudaDriver", "GpuInventory", "GpuSuspension", "LibcudaDriver", "bring_back", "cuda_processes",
+           "device_holders", "gpu_inventory", "libcuda_loadable", "load_driver", "lock_timeout_ms", "ns_pid",
+           "nvidia_files", "resume_restored", "suspended"]
 
 log = logging.getLogger(__name__)
 
 #: The driver API version (cuDriverGetVersion: 1000 * major + 10 * minor) that has the checkpoint API.
 MIN_API_VERSION = 12080
 _STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
+#: cuCheckpointProcessGetState's errors for a pid without CUDA state. NVIDIA documents no code for that
+#: case; CRIU's driver-API CUDA plugin (PR #3076) and NVIDIA Dynamo's snapshot agent read these two so,
+#: and treat any other error as a failure. docs/gpu.md.
+NO_CUDA_ERRORS = {1: "CUDA_ERROR_INVALID_VALUE", 3: "CUDA_ERROR_NOT_INITIALIZED"}
+#: What state() says of a pid the driver holds no CUDA state for.
+NO_CUDA = "none"
 
 
 class CudaDriver(Protocol):
@@ -44,7 +55,11 @@ class CudaDriver(Protocol):
     def checkpoint(self, pid: int) -> None: ...
     def restore(self, pid: int) -> None: ...
     def unlock(self, pid: int) -> None: ...
-    def state(self, pid: int) -> str: ...
+
+    def state(self, pid: int) -> str:
+        """"running", "locked", "checkpointed", "failed", "unknown (N)", or NO_CUDA; GpuCheckpointFailed
+        when the driver cannot answer."""
+        ...
 
 
 class _LockArgs(ctypes.Structure):
@@ -73,7 +88,7 @@ class LibcudaDriver:
         return self._version
 
     def lock(self, pid: int, timeout_ms: int) -> None:
-        args = _LockArgs(timeoutMs=timeout_ms)
+        args = _LockArgs(timeoutMs=max(1, timeout_ms))  # 0 would be "no timeout" to the driver
         self._call("cuCheckpointProcessLock", pid, self._lib.cuCheckpointProcessLock(pid, ctypes.byref(args)))
 
     def checkpoint(self, pid: int) -> None:
@@ -87,8 +102,17 @@ class LibcudaDriver:
 
     def state(self, pid: int) -> str:
         s = ctypes.c_int()
-        self._call("cuCheckpointProcessGetState", pid, self._lib.cuCheckpointProcessGetState(pid, ctypes.byref(s)))
-        return _STATES.get(s.value, f"unknown ({s.value})")
+        rc = self._lib.cuCheckpointProcessGetState(pid, ctypes.byref(s))
+        if rc in NO_CUDA_ERRORS:
+            return NO_CUDA
+        self._call("cuCheckpointProcessGetState", pid, rc)
+        return _STATES.get(s.value, f"unknown ({s.value})")  # CUDA 13.4 adds 4 and 5 (checkpointing, restoring)
+
+
+def lock_timeout_ms(seconds: float) -> int:
+    """The lock's timeoutMs for ``seconds``: at least 1, since the driver reads 0 as "no timeout" (a
+    workload whose CUDA work never finishes would hold the heartbeat, and the stop, forever)."""
+    return max(1, round(seconds * 1000))
 
 
 _driver: LibcudaDriver | None = None
@@ -172,9 +196,20 @@ def nvidia_files(pid: int) -> list[str]:
     return sorted(found)
 
 
-def cuda_pids(pids: Sequence[int]) -> list[int]:
-    """Those of ``pids`` that hold ``/dev/nvidia*`` open or mapped."""
+def device_holders(pids: Sequence[int]) -> list[int]:
+    """Those of ``pids`` that hold ``/dev/nvidia*`` open or mapped: what a node without the driver's
+    checkpoint API can still see (and must not hand to CRIU)."""
     return [p for p in pids if nvidia_files(p)]
+
+
+def cuda_processes(driver: CudaDriver, pids: Sequence[int]) -> dict[int, str]:
+    """Those of ``pids`` the driver holds CUDA state for, with that state, in ``pids``' order."""
+    out = {}
+    for pid in pids:
+        state = driver.state(pid)
+        if state != NO_CUDA:
+            out[pid] = state
+    return out
 
 
 def ns_pid(pid: int) -> int:
@@ -190,90 +225,102 @@ def ns_pid(pid: int) -> int:
 # -- the sequence ---------------------------------------------------------------------------------
 @dataclass
 class GpuSuspension:
-    """What :func:`suspended` did: per pid, and how long the copy-out and the copy-back took."""
+    """What :func:`suspended` did: which processes, and how long the copy-out and the copy-back took."""
 
     pids: tuple[int, ...]
     checkpoint_seconds: float = 0.0
     resume_seconds: float = 0.0
-    locked: list[int] = field(default_factory=list)
-    checkpointed: list[int] = field(default_factory=list)
 
 
-def _roll_back(driver: CudaDriver, s: GpuSuspension) -> list[str]:
-    """Restore what was checkpointed, unlock what was locked, newest first; the problems, if any."""
-    problems, stuck = [], set()
-    for pid in reversed(s.checkpointed):
-        try:
-            driver.restore(pid)
-        except GpuCheckpointFailed as e:
-            problems.append(str(e))
-            stuck.add(pid)  # still checkpointed: the driver refuses to unlock it, so do not ask
-    s.checkpointed.clear()
-    for pid in reversed(s.locked):
-        if pid in stuck:
-            continue
-        try:
-            driver.unlock(pid)
-        except GpuCheckpointFailed as e:
-            problems.append(str(e))
-    s.locked.clear()
-    return problems
+def bring_back(driver: CudaDriver, pids: Sequence[int]) -> list[str]:
+    """Every one of ``pids`` back to running, from the state the driver reports for each: every
+    checkpointed one restored before any is unlocked (as every one is locked before any is copied
+    out), newest first; the problems, if any. Never raises."""
+    problems: dict[int, str] = {}
+
+    def step(action: str) -> None:
+        for pid in reversed(pids):
+            if pid in problems:
+                continue
+            try:
+                state = driver.state(pid)
+                if action == "restore" and state == "checkpointed":
+                    driver.restore(pid)
+                elif action == "unlock" and state == "locked":
+                    driver.unlock(pid)
+                elif action == "check" and state != "running":
+                    problems[pid] = f"pid {pid} is {state if state != NO_CUDA else 'unknown to the driver'}, not running"
+            except GpuCheckpointFailed as e:
+                problems[pid] = str(e)
+
+    for action in ("restore", "unlock", "check"):
+        step(action)
+    return list(problems.values())
 
 
 @contextlib.contextmanager
 def suspended(driver: CudaDriver, pids: Sequence[int], *, lock_timeout_ms: int,
               resume: bool = True) -> Iterator[GpuSuspension]:
-    """Lock and checkpoint every CUDA process of a tree, for a dump; restore and unlock them afterwards.
+    """Lock and checkpoint every CUDA process of a tree, for a dump; bring them back afterwards.
 
+    Each process is taken from the state the driver reports: a running one is locked, a locked one
+    checkpointed, a checkpointed one left as it is (CRIU's plugin or another tool got there first).
     Every process is locked before any is checkpointed (a process sharing work with another must not
     run on while its peer is copied out). Before yielding, no ``/dev/nvidia*`` mapping may remain.
-    Any failure, here or in the body, rolls back what was done and raises GpuCheckpointFailed with
-    one line. ``resume=False``: a body that succeeds ended the processes (a final dump): nothing to put back.
+    Any failure, here or in the body, brings every process back to running and raises
+    GpuCheckpointFailed with one line. ``resume=False``: a body that succeeds ended the processes (a
+    final dump): nothing to bring back.
     """
     s = GpuSuspension(tuple(pids))
     t0 = time.monotonic()
     try:
         for pid in s.pids:
-            driver.lock(pid, lock_timeout_ms)
-            s.locked.append(pid)
+            state = driver.state(pid)
+            if state == "running":
+                driver.lock(pid, lock_timeout_ms)
+            elif state not in ("locked", "checkpointed"):
+                raise GpuCheckpointFailed(f"pid {pid}'s CUDA state is {state}: the driver cannot checkpoint it")
         for pid in s.pids:
-            driver.checkpoint(pid)
-            s.checkpointed.append(pid)
-        left = {pid: nvidia_files(pid) for pid in s.pids}
-        left = {pid: files for pid, files in left.items() if files}
+            if driver.state(pid) == "locked":
+                try:
+                    driver.checkpoint(pid)
+                except GpuCheckpointFailed as e:
+                    raise GpuCheckpointFailed(f"{e} (UVM/managed memory, CUDA IPC memory, MIG or MPS make the "
+                                              "driver's checkpoint fail: docs/gpu.md)") from None
+        left = {pid: files for pid in s.pids if (files := nvidia_files(pid))}
         if left:
             pid, files = next(iter(left.items()))
-            raise GpuCheckpointFailed(f"pid {pid} still maps {', '.join(files)} after its CUDA checkpoint "
-                                      "(UVM/managed or IPC memory cannot be checkpointed by the driver)")
+            raise GpuCheckpointFailed(f"pid {pid} still maps {', '.join(files)} after its CUDA checkpoint, which "
+                                      "CRIU cannot dump")
     except GpuCheckpointFailed as e:
-        problems = _roll_back(driver, s)
-        raise GpuCheckpointFailed(_rolled_back(str(e), problems)) from None
+        raise GpuCheckpointFailed(_brought_back(str(e), bring_back(driver, s.pids))) from None
     s.checkpoint_seconds = time.monotonic() - t0
     try:
         yield s
     except BaseException as e:
-        problems = _roll_back(driver, s)  # the dump failed: its processes are still there, even for a final one
+        problems = bring_back(driver, s.pids)  # the dump failed: its processes are still there, even for a final one
         if problems:
             log.error("GPU state not put back after a failed dump: %s", "; ".join(problems))
         raise e
     if resume:
         t1 = time.monotonic()
-        problems = _roll_back(driver, s)
+        problems = bring_back(driver, s.pids)
         s.resume_seconds = time.monotonic() - t1
         if problems:
             raise GpuCheckpointFailed(f"the dump succeeded, but putting GPU state back failed: {'; '.join(problems)}")
 
 
-def _rolled_back(why: str, problems: list[str]) -> str:
+def _brought_back(why: str, problems: list[str]) -> str:
     if problems:
-        return f"{why}; rolling back also failed ({'; '.join(problems)}): the workload may be stuck"
-    return f"{why}; every process was put back as it was and runs on"
+        return f"{why}; bringing the processes back also failed ({'; '.join(problems)}): the workload may be stuck"
+    return f"{why}; every process was brought back to running and runs on"
 
 
 def resume_restored(driver: CudaDriver, pids: Sequence[int]) -> float:
-    """After ``criu restore``: put each process's GPU state back and unlock it; the seconds it took."""
+    """After ``criu restore``: put each process's GPU state back and unlock it; the seconds it took.
+    GpuCheckpointFailed (one line) when any process is not running after that."""
     t0 = time.monotonic()
-    for pid in pids:
-        driver.restore(pid)
-        driver.unlock(pid)
+    problems = bring_back(driver, pids)
+    if problems:
+        raise GpuCheckpointFailed("; ".join(problems))
     return time.monotonic() - t0

@@ -112,7 +112,7 @@ class GpuProcess(_Frozen):
 
 class GpuState(_Frozen):
     """CUDA state moved into host memory by the driver before the dump (engine/cuda.py, docs/gpu.md).
-    A restore needs the driver's checkpoint API and the same GPU models, in the same number."""
+    A restore needs the driver's checkpoint API and the same GPU models, in the same order."""
 
     driver_version: str = Field(description="The kernel module's version, e.g. '580.65.06'.")
     cuda_api_version: int = Field(ge=0, description="cuDriverGetVersion, e.g. 13000.")

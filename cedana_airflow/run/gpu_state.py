@@ -2,14 +2,15 @@
 
 The ``gpu`` setting decides (docs/gpu.md):
 
-- ``auto``: a tree that holds ``/dev/nvidia*`` is checkpointed through the driver's checkpoint API
-  (engine/cuda.py) when this node has it; when it does not, its heartbeats are skipped, said once,
-  and the workload keeps running.
+- ``auto``: a tree with CUDA state (the driver says which processes have it) is checkpointed through
+  the driver's checkpoint API (engine/cuda.py) when this node has it; where it does not, a tree that
+  holds ``/dev/nvidia*`` has its heartbeats skipped, said once, and the workload keeps running.
 - ``require``: the run refuses to start where GPU state cannot be checkpointed (exit 2).
 - ``off``: the GPU is never touched; a tree holding CUDA state is not checkpointed, said once.
 
 A checkpoint holding GPU state is restored only where the driver has the API and the node's GPU
-models are the ones it was taken on, in the same number; otherwise it is refused like a corrupt one.
+models are the ones it was taken on, in the same order (the driver restores by device index);
+otherwise it is refused like a corrupt one.
 """
 
 from __future__ import annotations
@@ -38,9 +39,21 @@ class GpuGate:
     def __init__(self, settings: Settings, load: Callable[[], cuda.CudaDriver] = cuda.load_driver,
                  inventory: Callable[[], cuda.GpuInventory] = cuda.gpu_inventory) -> None:
         self.mode = settings.gpu
-        self.lock_timeout_ms = int(settings.gpu_lock_timeout_seconds * 1000)
+        self.lock_timeout_ms = cuda.lock_timeout_ms(settings.gpu_lock_timeout_seconds)
         self._load, self._inventory = load, inventory
         self._said: set[str] = set()
+        self._unavailable: str | None = None  # why the driver cannot be used here, once known
+
+    def _driver(self) -> cuda.CudaDriver | None:
+        """The driver, or None (the reason in ``_unavailable``) on a node that cannot checkpoint GPU
+        state; asked once per run, not at every heartbeat."""
+        if self._unavailable is not None:
+            return None
+        try:
+            return self._load()
+        except GpuUnavailable as e:
+            self._unavailable = str(e)
+            return None
 
     def require(self) -> None:
         """``gpu = require``: a node that cannot checkpoint GPU state is a configuration error (exit 2)."""
@@ -53,18 +66,26 @@ class GpuGate:
 
     # -- checkpoint ---------------------------------------------------------------------------
     def dump_refusal(self, pids: Sequence[int]) -> tuple[list[int], str | None]:
-        """The tree's CUDA processes, and why it must not be dumped now (None: go ahead)."""
-        holding = cuda.cuda_pids(pids)
-        if not holding:
-            return [], None
-        what = f"the tree holds CUDA state (pid {holding[0]}: {', '.join(cuda.nvidia_files(holding[0]))})"
-        if self.mode == "off":
-            return holding, f"{what} and gpu = off, so it is not checkpointed"
-        try:
-            self._load()
-        except GpuUnavailable as e:
-            return holding, f"{what}, but {e}"
-        return holding, None
+        """The tree's CUDA processes (the driver's answer), and why it must not be dumped now (None: go ahead)."""
+        holders = cuda.device_holders(pids)  # what CRIU cannot dump, whatever the driver says
+        driver = None if self.mode == "off" else self._driver()  # off: the GPU is never touched
+        if driver is None:
+            if not holders:
+                return [], None
+            what = f"the tree holds GPU devices (pid {holders[0]}: {', '.join(cuda.nvidia_files(holders[0]))})"
+            if self.mode == "off":
+                return holders, f"{what} and gpu = off, so it is not checkpointed"
+            return holders, f"{what}, but {self._unavailable}"
+        try:  # also finds a process already locked or checkpointed, which holds no device file
+            found = cuda.cuda_processes(driver, pids)
+        except GpuCheckpointFailed as e:
+            return [], f"the driver could not say which processes hold CUDA state ({e})"
+        strays = [p for p in holders if p not in found]
+        if strays:
+            return list(found), (f"pid {strays[0]} holds {', '.join(cuda.nvidia_files(strays[0]))} but has no CUDA state "
+                                 "the driver can checkpoint (it reaches the GPU through NVML only, or it was forked from "
+                                 "a CUDA process without exec), and CRIU cannot dump a device file")
+        return list(found), None
 
     def say_once(self, why: str) -> None:
         (log.debug if why in self._said else log.warning)("%s", why)
@@ -88,7 +109,7 @@ class GpuGate:
     def restore_refusal(self, m: Manifest) -> str | None:
         if m.gpu is None:
             return None
-        held = f"seq {m.seq} holds GPU state ({len(m.gpu.gpus)} x {', '.join(sorted(set(m.gpu.gpus))) or '?'})"
+        held = f"seq {m.seq} holds GPU state (GPUs {_models(m.gpu.gpus)})"
         if self.mode == "off":
             return f"{held} and gpu = off on this node"
         try:
@@ -96,9 +117,9 @@ class GpuGate:
         except GpuUnavailable as e:
             return f"{held}, but {e}"
         here = self._inventory().models
-        if sorted(here) != sorted(m.gpu.gpus):
-            return (f"{held}; this node has {len(here)} x {', '.join(sorted(set(here))) or 'none'}: the driver restores "
-                    "GPU state only onto the same GPU models, in the same number")
+        if tuple(here) != tuple(m.gpu.gpus):  # by index: GPU 0's memory goes back to GPU 0
+            return (f"{held}; this node has GPUs {_models(here)}: the driver restores GPU state only onto the same "
+                    "GPU models in the same order (device index)")
         return None
 
     def resume(self, workload: Workload, m: Manifest) -> float:
@@ -116,3 +137,8 @@ class GpuGate:
             workload.stop(0, signal.SIGKILL)
             raise RestoreFailed(f"checkpoint {m.checkpoint_id} seq={m.seq}: GPU state could not be put back ({e}); "
                                 "the restored tree was killed") from None
+
+
+def _models(models: Sequence[str]) -> str:
+    """GPU models by device index: "0: NVIDIA H200, 1: NVIDIA H100", or "none"."""
+    return ", ".join(f"{i}: {name}" for i, name in enumerate(models)) or "none"

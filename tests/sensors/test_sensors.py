@@ -20,7 +20,7 @@ from cedana_airflow.config import load_settings
 from cedana_airflow.format.manifest import ProcessInfo
 from cedana_airflow.store import open_store
 from cedana_airflow.store.transfer import CheckpointMeta, save_checkpoint
-from conftest import AIRFLOW, airflow_env, cli_env
+from conftest import AIRFLOW, airflow_env, cli_env, no_nvidia_driver
 
 pytest.importorskip("airflow")
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException  # noqa: E402
@@ -105,6 +105,7 @@ def test_dags_test_runs_the_sensor_in_all_three_modes_until_a_workload_checkpoin
     assert re.search(r"DagRun Finished: dag_id=cedana_sensors, .* state=success", text)
 
 
+@no_nvidia_driver
 def test_gpu_sensor_without_a_driver_fails_with_one_line_or_skips():
     with pytest.raises(AirflowFailException, match=r"cedana: no NVIDIA driver on node \S+ \(NVML: .*\)\. Run this on a GPU worker"):
         GpuSensor(task_id="g").poke({})
