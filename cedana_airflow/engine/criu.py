@@ -16,6 +16,7 @@ import re
 import select
 import shutil
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,23 @@ class DumpResult:
     seconds: float  # wall time of `criu dump`, the action script included
     freeze_seconds: float  # how long CRIU kept the tree frozen (stats-dump), else `seconds`
     captured: tuple[tuple[str, Path, int], ...]  # (original path, copy, mode) for each captured file
+
+
+def no_plugins_dir() -> str:
+    """An empty directory for CRIU's ``-L`` (its plugin directory), so CRIU loads none of its plugins.
+
+    CRIU's CUDA plugin (``cuda_plugin.so``, shipped since CRIU 4.0 where CRIU is built with it) would
+    lock and checkpoint the same CUDA processes our engine drives through the driver (engine/cuda.py),
+    and bring them back at restore on its own: the two collide. Ours is the one that acts (it needs
+    no ``cuda-checkpoint`` binary, and knows the tree's other GPU processes); docs/gpu.md. Made with
+    mkdtemp, never a shared path: CRIU dlopens every ``.so`` in it, as root."""
+    global _no_plugins
+    if _no_plugins is None or not os.path.isdir(_no_plugins):
+        _no_plugins = tempfile.mkdtemp(prefix="cedana-criu-no-plugins-")
+    return _no_plugins
+
+
+_no_plugins: str | None = None
 
 
 def _version_of(path: str) -> str | None:
@@ -186,7 +204,8 @@ class CriuEngine:
         log_path = image_dir.with_name(image_dir.name + ".dump.log")
         side = image_dir.with_name(image_dir.name + ".captured")
         side.mkdir()
-        cmd = [self.binary.path, "dump", "-t", str(pid), "-D", str(image_dir), "-o", str(log_path), "--file-locks"]
+        cmd = [self.binary.path, "dump", "-t", str(pid), "-D", str(image_dir), "-o", str(log_path), "--file-locks",
+               "-L", no_plugins_dir()]
         if leave_running:
             cmd.append("--leave-running")
         with contextlib.ExitStack() as stack:
@@ -247,7 +266,7 @@ class CriuEngine:
         log_path = work.with_name(work.name + ".lazy-pages.log")
         ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
         cmd = [self.binary.path, "lazy-pages", "-D", str(image_dir), "-W", str(work), "--status-fd", str(ready_w),
-               "-o", str(log_path)]
+               "-o", str(log_path), "-L", no_plugins_dir()]
         if page_socket is not None:
             cmd += ["--page-server", "--ps-socket", str(page_socket)]
         try:
@@ -280,7 +299,7 @@ class CriuEngine:
         self._require_root("restoring")
         log_path = image_dir.with_name(image_dir.name + ".restore.log")
         cmd = [self.binary.path, "restore", "-D", str(image_dir), "-d", "--pidfile", str(pidfile),
-               "-o", str(log_path), "--file-locks"]
+               "-o", str(log_path), "--file-locks", "-L", no_plugins_dir()]
         for fd, name in inherit.items():
             cmd += ["--inherit-fd", f"fd[{fd}]:{name}"]
         if lazy:
