@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import cli, cli_env
+from conftest import cli, cli_env, no_nvidia_driver
 
 
 def _one_line(r) -> str:
@@ -80,10 +80,18 @@ def test_doctor_passes_here_and_fails_with_a_fix_without_criu(tmp_path):
     checks = {c["name"]: c for c in json.loads(bad.stdout)}
     assert checks["criu"]["status"] == "fail" and "make setup" in checks["criu"]["fix"]
     assert checks["store"]["status"] == "ok"
-    gpu = checks["gpu"]  # no NVIDIA driver on this machine: said, not a failure unless gpu = require
+    assert "gpu" not in checks["criu"]  # the object belongs to the gpu check only
+
+
+@no_nvidia_driver
+def test_doctor_says_what_happens_to_a_gpu_task_on_a_node_without_a_driver(tmp_path):
+    ok = cli("doctor", "--json", env=cli_env(tmp_path, "n", "w"))
+    gpu = {c["name"]: c for c in json.loads(ok.stdout)}["gpu"]
+    # said, not a failure unless gpu = require
     assert gpu["status"] == "skip" and gpu["gpu"]["checkpoint_api"] is False and gpu["gpu"]["libcuda"] is False
     assert gpu["gpu"]["problem"].startswith("no NVIDIA driver on this node") and gpu["gpu"]["gpus"] == []
-    assert "gpu" not in checks["criu"]  # the object belongs to the gpu check only
+    assert gpu["gpu"]["gpu_count"] == 0 and gpu["gpu"]["criu_cuda_plugin"] is None
+    assert gpu["gpu"]["what_happens"].startswith("a task holding GPU devices is not checkpointed here")
     req = cli("doctor", "--json", env=cli_env(tmp_path, "n", "w", CEDANA_GPU="require"))
     assert req.returncode == 1 and {c["name"]: c for c in json.loads(req.stdout)}["gpu"]["status"] == "fail"
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,19 +132,49 @@ def _persistence_modes() -> list[bool] | None:
 _UNSUPPORTED = "UVM/managed memory, CUDA IPC memory, MIG, MPS, multi-process NCCL"
 
 
+def _criu_cuda_plugin(settings: Settings) -> str | None:
+    """Where CRIU's own CUDA plugin is installed, if anywhere CRIU looks (its built-in plugin directory,
+    CRIU_LIBS_DIR, the usual prefixes). cedana-airflow never lets CRIU load it (engine/criu.py)."""
+    dirs = [os.environ.get("CRIU_LIBS_DIR", ""), "/usr/lib/criu", "/usr/local/lib/criu"]
+    try:
+        binary = find_criu(settings.criu, settings.criu_prefix)
+        helptext = subprocess.run([binary.path, "--help"], capture_output=True, text=True, timeout=30).stdout
+        if m := re.search(r"--libdir.*\(by default (\S+?)\)", helptext):
+            dirs.insert(0, m.group(1))
+    except (CedanaError, OSError, subprocess.TimeoutExpired):
+        pass
+    return next((str(p) for d in dirs if d and (p := Path(d) / "cuda_plugin.so").is_file()), None)
+
+
+def _what_happens(inv: cuda.GpuInventory, info: dict[str, Any]) -> str:
+    """What happens to a CUDA task on this node, in one sentence (doctor --json: gpu.what_happens)."""
+    if info["problem"]:
+        return ("a task holding GPU devices is not checkpointed here (its heartbeats are skipped, said once; gpu = "
+                f"require refuses to start it): {info['problem']}")
+    gpus = ", ".join(f"{i}: {m}" for i, m in enumerate(inv.models)) or "none"
+    return ("each heartbeat locks every CUDA process of the task, copies its GPU memory into host memory through the "
+            "driver's checkpoint API, dumps the tree with CRIU (its CUDA plugin not loaded) and copies the memory "
+            f"back; a checkpoint restores only onto GPUs {gpus}, in this order. Managed (UVM) or IPC memory, MIG and "
+            "MPS make the driver's checkpoint fail: that heartbeat is skipped and the task runs on")
+
+
 def _gpu_state(settings: Settings) -> Check:
     """Can this node checkpoint GPU state (engine/cuda.py)? With the facts --json carries as ``gpu``."""
     inv = cuda.gpu_inventory()
     info: dict[str, Any] = {"mode": settings.gpu, "driver_version": inv.driver_version or None,
-                            "gpus": list(inv.models), "libcuda": False, "cuda_api_version": None,
-                            "checkpoint_api": False, "persistence_mode": _persistence_modes(), "warnings": [],
-                            "problem": None, "unsupported": _UNSUPPORTED}
+                            "gpus": list(inv.models), "gpu_count": len(inv.models), "libcuda": False,
+                            "cuda_api_version": None, "checkpoint_api": False,
+                            "persistence_mode": _persistence_modes(), "warnings": [], "problem": None,
+                            "unsupported": _UNSUPPORTED, "criu_cuda_plugin": _criu_cuda_plugin(settings),
+                            "uvm_module": os.path.exists("/proc/driver/nvidia-uvm") or os.path.exists("/dev/nvidia-uvm"),
+                            "what_happens": ""}
     try:
         driver = cuda.load_driver()
         info.update(libcuda=True, cuda_api_version=driver.version(), checkpoint_api=True)
     except GpuUnavailable as e:
         info["problem"] = str(e)
         info["libcuda"] = cuda.libcuda_loadable()
+        info["what_happens"] = _what_happens(inv, info)
         status = "fail" if settings.gpu == "require" else "skip"
         return Check("gpu", status, f"GPU state cannot be checkpointed here: {e}",
                      "run GPU tasks on a node with driver 570 or later" if status == "fail" else "", info)
@@ -154,8 +186,10 @@ def _gpu_state(settings: Settings) -> Check:
         warnings.append(f"driver {inv.driver_version}: restores only onto the same GPU models (580 adds a device map)")
     if info["persistence_mode"] and not all(info["persistence_mode"]):
         warnings.append("persistence mode is off on some GPUs: each checkpoint and restore pays the driver's start-up")
+    info["what_happens"] = _what_happens(inv, info)
+    plugin = f"; CRIU's CUDA plugin at {info['criu_cuda_plugin']} is not loaded" if info["criu_cuda_plugin"] else ""
     detail = (f"checkpoint API present (CUDA API {info['cuda_api_version']}, driver {inv.driver_version or '?'}, "
-              f"{len(inv.models)} GPU(s))")
+              f"{len(inv.models)} GPU(s){plugin})")
     return Check("gpu", "warn" if warnings else "ok", detail, "; ".join(warnings), info)
 
 
