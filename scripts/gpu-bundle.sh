@@ -8,6 +8,7 @@
 #   debs/     Debian trixie's criu 4.1 and every library it needs, libc included, resolved by apt the
 #             way scripts/install-criu.sh does: unpacked into a private prefix there and run through
 #             its own loader, so the host's libc (whatever its distribution) is never touched
+#   PYTHON    the CPython version the wheels are for (CEDANA_GPU_BUNDLE_PYTHON, default 3.12)
 #   SHA256SUMS, CONTENTS  what is in it
 #
 # Airflow and boto3 are left out: the validation drives the core CLI with a file:// store.
@@ -78,11 +79,13 @@ mapfile -t pkgs < <(apt-cache "${APT_OPTS[@]}" depends --recurse --no-recommends
 [ "${#pkgs[@]}" -gt 1 ] || die "apt resolved no dependencies for criu in $SUITE (mirror $MIRROR)"
 (cd "$BUNDLE/debs" && quiet "downloading criu's .debs" apt-get "${APT_OPTS[@]}" download -qq "${pkgs[@]}")
 
+echo "$TARGET_PY" >"$BUNDLE/PYTHON"  # gpu-validate.sh looks for this Python on the GPU machine
+
 {
   echo "# built $(date -u +%Y-%m-%dT%H:%M:%SZ) from $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo ' (with uncommitted changes)')"
   (cd "$BUNDLE" && ls wheels debs | grep -v ':$' | grep -v '^$')
 } >"$BUNDLE/CONTENTS"
-(cd "$BUNDLE" && sha256sum wheels/* debs/* >SHA256SUMS)
+(cd "$BUNDLE" && sha256sum PYTHON wheels/* debs/* >SHA256SUMS)
 
 git check-ignore -q "$BUNDLE/" 2>/dev/null || say "warning: $BUNDLE/ is not in .gitignore; add the line '$BUNDLE/'"
 

@@ -7,7 +7,8 @@ stdout and stderr on pipes), then times, on that one process tree:
 - lock + checkpoint of every CUDA process (GPU memory copied into host memory), through its own
   ctypes binding of libcuda.so.1's ``cuCheckpointProcess*`` calls (only /proc and CRIU's stats
   are read with cedana-airflow's helpers);
-- ``criu dump --leave-running`` with the flags our engine passes (cedana_airflow/engine/criu.py) less
+- ``criu dump --leave-running`` with the flags our engine passes (cedana_airflow/engine/criu.py: no CRIU
+  plugin loaded, so CRIU's CUDA plugin does not drive the driver too) less
   our own additions (the open-file capture script, the parent-death guard): its wall time and the
   time CRIU kept the tree frozen (its stats-dump);
 - restore + unlock on the still-running tree (what a heartbeat pays to let it run on);
@@ -17,7 +18,7 @@ stdout and stderr on pipes), then times, on that one process tree:
 Prints one JSON object on stdout; progress goes to stderr. Root only. Exit 3 (one line) when this
 machine has no NVIDIA driver with the checkpoint API, 1 (one line) when a step fails.
 
-    python scripts/gpu_baseline.py [--gib 4] [--criu PATH] [--python PY] [--work-dir DIR]
+    python scripts/gpu_baseline.py [--gib 4] [--criu PATH] [--python PY] [--work-dir DIR] [--dry-run]
 """
 
 from __future__ import annotations
@@ -248,9 +249,12 @@ def measure(a: argparse.Namespace, drv: Driver, criu: str, work: Path) -> dict[s
         steps_before = last_step(out)  # it cannot print another while locked
         images = work / "images"
         images.mkdir()
+        # CRIU loads none of its plugins (its CUDA plugin would drive the driver API too): as our engine
+        no_plugins = work / "no-criu-plugins"
+        no_plugins.mkdir()
         dump_log = work / "dump.log"
         dump_wall = _run([criu, "dump", "-t", str(init), "-D", str(images), "-o", str(dump_log), "--file-locks",
-                          "--leave-running"], "criu dump", dump_log)
+                          "--leave-running", "-L", str(no_plugins)], "criu dump", dump_log)
         t3 = time.perf_counter()
         for p in cuda:
             drv.restore(p)
@@ -283,7 +287,7 @@ def measure(a: argparse.Namespace, drv: Driver, criu: str, work: Path) -> dict[s
         pidfile, restore_log = work / "restore.pid", work / "restore.log"
         t5 = time.perf_counter()
         proc = subprocess.run([criu, "restore", "-D", str(images), "-d", "--pidfile", str(pidfile), "-o",
-                               str(restore_log), "--file-locks",
+                               str(restore_log), "--file-locks", "-L", str(no_plugins),
                                "--inherit-fd", f"fd[{new_out_w}]:{names['stdout']}",
                                "--inherit-fd", f"fd[{new_err_w}]:{names['stderr']}"],
                               capture_output=True, text=True, pass_fds=(new_out_w, new_err_w))
@@ -341,7 +345,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", type=Path, help="where the images go (default: a temp dir, removed)")
     ap.add_argument("--lock-timeout-ms", type=int, default=10_000, help="as cedana-airflow's gpu_lock_timeout_seconds")
     ap.add_argument("--start-timeout", type=float, default=180.0, help="seconds to wait for the workload's steps")
+    ap.add_argument("--dry-run", action="store_true", help="stop before the driver: this interpreter imports "
+                    "what the baseline needs and finds criu (scripts/gpu-validate.sh --dry-run)")
     a = ap.parse_args(argv)
+    if a.dry_run:
+        try:
+            criu = find_criu(a.criu)
+        except Failed as e:
+            print(f"gpu_baseline: {e}", file=sys.stderr)
+            return e.code
+        print(json.dumps({"dry_run": True, "criu": criu, "python": sys.executable}))
+        return 0
 
     def stopped(signum: int, _frame: object) -> None:  # `timeout` sends SIGTERM: clean up the workload first
         raise Failed(f"stopped by signal {signum} before it finished")
