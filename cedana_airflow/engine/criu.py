@@ -8,6 +8,7 @@ boundary; nothing above this module reads CRIU logs.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
@@ -64,7 +65,13 @@ def no_plugins_dir() -> str:
     global _no_plugins
     if _no_plugins is None or not os.path.isdir(_no_plugins):
         _no_plugins = tempfile.mkdtemp(prefix="cedana-criu-no-plugins-")
+        atexit.register(_remove_dir, _no_plugins)  # one per supervisor: a worker runs thousands of them
     return _no_plugins
+
+
+def _remove_dir(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
 
 
 _no_plugins: str | None = None
