@@ -202,11 +202,23 @@ def device_holders(pids: Sequence[int]) -> list[int]:
     return [p for p in pids if nvidia_files(p)]
 
 
-def cuda_processes(driver: CudaDriver, pids: Sequence[int]) -> dict[int, str]:
-    """Those of ``pids`` the driver holds CUDA state for, with that state, in ``pids``' order."""
+def cuda_processes(driver: CudaDriver, pids: Sequence[int], holders: Sequence[int] = ()) -> dict[int, str]:
+    """Those of ``pids`` the driver holds CUDA state for, with that state, in ``pids``' order.
+
+    A driver error for a process that holds no ``/dev/nvidia*`` file (not in ``holders``) reads as no
+    CUDA state: the "no CUDA" codes are nobody's documented contract, and a driver that answered
+    another one must not stop the checkpoints of every CPU task on a GPU node. (A process the driver
+    has checkpointed holds no device file, but the driver answers for it.) For a holder, the error
+    goes up (GpuCheckpointFailed)."""
     out = {}
     for pid in pids:
-        state = driver.state(pid)
+        try:
+            state = driver.state(pid)
+        except GpuCheckpointFailed as e:
+            if pid in holders:
+                raise
+            log.debug("no CUDA state for pid %d (it holds no device file): %s", pid, e)
+            continue
         if state != NO_CUDA:
             out[pid] = state
     return out

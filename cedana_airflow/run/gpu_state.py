@@ -77,7 +77,7 @@ class GpuGate:
                 return holders, f"{what} and gpu = off, so it is not checkpointed"
             return holders, f"{what}, but {self._unavailable}"
         try:  # also finds a process already locked or checkpointed, which holds no device file
-            found = cuda.cuda_processes(driver, pids)
+            found = cuda.cuda_processes(driver, pids, holders)
         except GpuCheckpointFailed as e:
             return [], f"the driver could not say which processes hold CUDA state ({e})"
         strays = [p for p in holders if p not in found]

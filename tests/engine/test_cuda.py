@@ -216,7 +216,15 @@ def test_stand_in_driver_a_driver_that_cannot_answer_refuses_the_heartbeat_and_g
         def state(self, pid: int) -> str:
             raise GpuCheckpointFailed(f"cuCheckpointProcessGetState of pid {pid} failed: CUDA_ERROR_OPERATING_SYSTEM (304)")
 
-    holding, why = GpuGate(load_settings(environ={}), load=Broken).dump_refusal(PIDS)
+    gate = GpuGate(load_settings(environ={}), load=Broken)
+    # processes holding no device file: no CUDA state to lock, whatever the driver's error (a CPU task on a GPU node)
+    assert gate.dump_refusal(PIDS) == ([], None)
+    dev = _holding_a_stand_in_device()
+    try:
+        with open(dev, "rb"):  # one that holds the device files, and the driver cannot say: not dumped
+            holding, why = gate.dump_refusal(PIDS)
+    finally:
+        dev.unlink()
     assert holding == [] and why.startswith("the driver could not say which processes hold CUDA state (") and "(304)" in why
 
     def never() -> cuda.CudaDriver:
