@@ -123,9 +123,10 @@ def _variable_key(name: str, *, variables: Any = None, lock: Path = NODE_LOCK,
 
 
 @contextlib.contextmanager
-def _node_lock(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path`` (never through a symlink); none where it cannot be had, the settle
-    still covers that case."""
+def _node_lock(path: Path, wait: float = 10.0) -> Iterator[None]:
+    """An exclusive lock on ``path``, waited for ``wait`` seconds at most; none where it cannot be had
+    (the settle still covers that case). Never through a symlink, and never on a file another user
+    owns: in a shared /tmp, whoever made it first could otherwise hold every first task forever."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as e:
@@ -133,7 +134,17 @@ def _node_lock(path: Path) -> Iterator[None]:
         yield
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.fstat(fd).st_uid == os.geteuid():
+            deadline = time.monotonic() + wait
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        log.debug("signing variable lock %s still held after %.0f s; going on without it", path, wait)
+                        break
+                    time.sleep(0.05)
         yield
     finally:
         os.close(fd)

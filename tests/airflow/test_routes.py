@@ -340,3 +340,38 @@ def test_first_tasks_racing_to_create_the_signing_variable_all_sign_with_the_key
     assert {key for key, _ in got} == {variables.values["cedana_signing_secret"]}
     created = sum(c for _, c in got)
     assert created == 1 if one_node else created == racers  # on one node the lock lets only the first write
+
+
+def test_a_signing_variable_lock_held_forever_or_owned_by_another_user_never_holds_a_task(tmp_path):
+    """The node lock lives in a shared /tmp: a stuck holder, or a file another user made first, delays a
+    first task by its wait at most (the settle still makes every racer sign with the key that stays)."""
+    import fcntl
+
+    from cedana_airflow.hooks.store import _node_lock
+
+    lock = tmp_path / "held.lock"
+    holder = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        t0 = time.monotonic()
+        with _node_lock(lock, wait=0.3):
+            pass
+        assert 0.3 <= time.monotonic() - t0 < 5
+    finally:
+        os.close(holder)
+    other = tmp_path / "other.lock"
+    other.touch()
+    os.chown(other, 65534, 65534)  # nobody's
+    blocker = os.open(other, os.O_RDWR)
+    fcntl.flock(blocker, fcntl.LOCK_EX)
+    try:
+        t0 = time.monotonic()
+        with _node_lock(other, wait=30):
+            pass
+        assert time.monotonic() - t0 < 1  # not waited on at all
+    finally:
+        os.close(blocker)
+    (tmp_path / "link.lock").symlink_to(tmp_path / "target")
+    with _node_lock(tmp_path / "link.lock"):
+        pass
+    assert not (tmp_path / "target").exists()  # never created through the link
