@@ -154,15 +154,7 @@ def bare_restore(engine: CriuEngine, image_dir: Path, process: ProcessInfo, pidf
     """``criu restore -d`` of a plain image directory, the workload's stdout and stderr pipes
     inherited from new pipes (``--inherit-fd``, as Checkpointer.restore does it); return the
     restored root's PID and the read ends, for :func:`adopt`."""
-    out_r, out_w = os.pipe2(os.O_CLOEXEC)
-    err_r, err_w = os.pipe2(os.O_CLOEXEC)
-    try:
-        pid = engine.restore(image_dir, inherit={out_w: process.stdout_pipe, err_w: process.stderr_pipe},
-                             pidfile=pidfile)
-    finally:
-        os.close(out_w)
-        os.close(err_w)
-    return pid, out_r, err_r
+    return engine.restore_piped(image_dir, process.stdout_pipe, process.stderr_pipe, pidfile=pidfile)
 
 
 def adopt(restored: tuple[int, int, int], process: ProcessInfo, sink: StepSink) -> Workload:

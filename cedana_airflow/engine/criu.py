@@ -322,3 +322,21 @@ class CriuEngine:
             return int(pidfile.read_text().strip())
         except (OSError, ValueError) as e:
             raise RestoreFailed(f"criu restore succeeded but wrote no PID to {pidfile} ({e}). Report this as a bug.") from None
+
+    def restore_piped(self, image_dir: Path, stdout_pipe: str, stderr_pipe: str, *, pidfile: Path,
+                      lazy: bool = False) -> tuple[int, int, int]:
+        """:meth:`restore` with two new pipes in place of the checkpointed stdout and stderr (their
+        CRIU names, ``pipe:[1234]``): the restored root's PID, and the read ends, which the caller
+        owns. Nothing is left open when the restore fails."""
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            pid = self.restore(image_dir, inherit={out_w: stdout_pipe, err_w: stderr_pipe}, pidfile=pidfile, lazy=lazy)
+        except BaseException:
+            os.close(out_r)
+            os.close(err_r)
+            raise
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        return pid, out_r, err_r

@@ -400,23 +400,12 @@ class Checkpointer:
         with CapturedFilesBack(m, dest / CAPTURED_DIR, roots) as files_back, preflight(dest, m, roots):
             ensure_cwd(m, roots)
             become_subreaper()
-            out_r, out_w = os.pipe2(os.O_CLOEXEC)
-            err_r, err_w = os.pipe2(os.O_CLOEXEC)
-            try:
-                with self._phase("criu_restore"):
-                    if feed is not None:  # only now: every check of the checkpoint has passed
-                        feed.start()
-                    pid = self.engine.restore(
-                        dest, inherit={out_w: m.process.stdout_pipe, err_w: m.process.stderr_pipe},
-                        pidfile=dest.with_name(dest.name + ".pid"), lazy=feed is not None,
-                    )
-            except BaseException:
-                os.close(out_r)
-                os.close(err_r)
-                raise
-            finally:
-                os.close(out_w)
-                os.close(err_w)
+            with self._phase("criu_restore"):
+                if feed is not None:  # only now: every check of the checkpoint has passed
+                    feed.start()
+                pid, out_r, err_r = self.engine.restore_piped(dest, m.process.stdout_pipe, m.process.stderr_pipe,
+                                                              pidfile=dest.with_name(dest.name + ".pid"),
+                                                              lazy=feed is not None)
             # Supervised (watchdog on) before anything else can fail: a restored tree is never left alone.
             workload = Workload.adopt(pid, m.process.command, m.process.cwd, out_r, err_r, stdout, stderr,
                                       watchdog_holds=feed.holds if feed is not None else ())

@@ -91,18 +91,8 @@ def dumped(tmp_path_factory: pytest.TempPathFactory) -> Dumped:
 
 def _restore(dumped: Dumped, name: str) -> Workload:
     engine = CriuEngine(find_criu("", Path(DEFAULT_CRIU_PREFIX)))
-    out_r, out_w = os.pipe2(os.O_CLOEXEC)
-    err_r, err_w = os.pipe2(os.O_CLOEXEC)
-    try:
-        pid = engine.restore(dumped.images, inherit={out_w: dumped.w.stdout_pipe, err_w: dumped.w.stderr_pipe},
-                             pidfile=dumped.folder / f"{name}.pid")
-    except BaseException:
-        os.close(out_r)
-        os.close(err_r)
-        raise
-    finally:
-        os.close(out_w)
-        os.close(err_w)
+    pid, out_r, err_r = engine.restore_piped(dumped.images, dumped.w.stdout_pipe, dumped.w.stderr_pipe,
+                                             pidfile=dumped.folder / f"{name}.pid")
     sink = open(os.devnull, "wb")
     return Workload.adopt(pid, dumped.w.command, str(dumped.folder), out_r, err_r, sink, sink)
 
