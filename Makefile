@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup criu torch browser services slurm demo ui demo-fleet demo-slurm test test-unit soak bench clean
+.PHONY: setup criu torch browser services slurm pods demo ui demo-fleet demo-slurm demo-k8s test test-unit soak bench clean
 
 setup: $(STAMP) criu
 
@@ -37,6 +37,12 @@ services:
 slurm:
 	@{ command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null && command -v munged >/dev/null; } || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge; }
 
+# podman and mmdebstrap for the Kubernetes route's pods (scripts/pod_runtime.py plays them with a private
+# configuration and storage; the machine's own containers.conf and images are never touched).
+PODS := podman runc fuse-overlayfs slirp4netns uidmap catatonit containernetworking-plugins iptables mmdebstrap
+pods:
+	@{ command -v podman >/dev/null && command -v runc >/dev/null && command -v mmdebstrap >/dev/null && ls /usr/lib/cni/bridge >/dev/null 2>&1; } || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(PODS); }
+
 demo: setup
 	$(BIN)/python scripts/demo.py
 
@@ -50,7 +56,12 @@ demo-fleet: setup services
 demo-slurm: setup slurm
 	$(BIN)/python scripts/demo_slurm.py
 
-test: setup torch browser services slurm
+# The wrap route's pods, played by podman: a node loss and a drain, each resumed by the retry's pod
+# (the image is built from deploy/Containerfile and our wheel, cached in .cedana/images).
+demo-k8s: setup pods
+	$(BIN)/python scripts/demo_k8s.py
+
+test: setup torch browser services slurm pods
 	$(BIN)/python -m pytest
 
 test-unit: setup

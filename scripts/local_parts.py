@@ -113,15 +113,16 @@ class Deployment:
 
 
 @contextlib.contextmanager
-def moto_server(**env: str) -> Iterator[str]:
-    """moto's S3 server as a subprocess on a free loopback port, for the length of a ``with``."""
+def moto_server(host: str = "127.0.0.1", **env: str) -> Iterator[str]:
+    """moto's S3 server as a subprocess on a free port of ``host`` (loopback unless a pod must reach it),
+    for the length of a ``with``."""
     import urllib.error
     import urllib.request
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", host, "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
     try:
         deadline = time.monotonic() + 30
         while True:

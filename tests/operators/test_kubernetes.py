@@ -1,6 +1,7 @@
 """The Kubernetes route as pod specs: there is no Kubernetes API server here, so these are spec tests.
 The pod comes from the operator's own build_pod_request_obj(dry_run=True) and is checked field by field,
-then round-tripped through the installed kubernetes client's OpenAPI models."""
+then round-tripped through the installed kubernetes client's OpenAPI models. The wrap route's pods run
+for real, in podman, in tests/integration/test_k8s_pods.py."""
 
 from __future__ import annotations
 
@@ -115,77 +116,6 @@ def test_spec_out_of_scope_pods_are_left_alone_and_a_gpu_pod_says_it_runs_unprot
     plain = op.build_pod_request_obj(_context(), dry_run=True)
     assert plain.spec.runtime_class_name is None and HEARTBEAT_LABEL not in (plain.metadata.labels or {})
     assert not any(e.name == "CEDANA_CHECKPOINT" for e in plain.spec.containers[0].env or [])
-
-
-@pytest.mark.integration
-def test_wrap_route_end_to_end_the_pods_command_checkpoints_to_s3_and_the_retry_pod_resumes(tmp_path, optin, bucket, s3_env, monkeypatch):
-    """No cluster: the exact container command lines the operator generates run here, as the two pods would."""
-    import json
-    import os
-    import shutil
-    import subprocess
-    import sys
-    import time
-
-    import boto3
-
-    from cedana_airflow.config import load_settings
-    from cedana_airflow.format.manifest import Manifest
-    from cedana_airflow.store import open_store
-    from cedana_airflow.store.transfer import fetch_checkpoint
-    from conftest import TRAIN, kill_node, uninterrupted_digest
-
-    monkeypatch.setenv("AIRFLOW__CEDANA__STORE", f"s3://{bucket}/k8s")
-    args = ["--mb", "60", "--steps", "60", "--step-seconds", "0.1"]
-    op = _op(route="wrap", store_secret="ckpt-s3", cmds=[sys.executable, str(TRAIN)], arguments=args,
-             heartbeat=timedelta(seconds=1))
-    state = _StateStore()
-
-    secret = tmp_path / "secret"  # what the kubelet mounts: one file per key of the Secret
-    secret.mkdir()
-    canary = f"canary-{os.urandom(8).hex()}"  # moto takes any key: a secret we can look for in the images
-    for k, v in {**s3_env, "AWS_SECRET_ACCESS_KEY": canary}.items():
-        (secret / k).write_text(v)
-
-    def container(pod, node: str, work: str) -> tuple[list[str], dict[str, str]]:
-        main = pod.spec.containers[0]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("CEDANA_", "AIRFLOW", "AWS_"))}
-        env.update({e.name: e.value for e in main.env if e.value is not None})
-        env.update(CEDANA_NODE=node, CEDANA_WORK_DIR=str(tmp_path / work), PYTHONUNBUFFERED="1",  # downward API
-                   CEDANA_STORE_CREDENTIALS_DIR=str(secret))  # the Secret's mount, here
-        return list(main.command), env
-
-    first = op.build_pod_request_obj(_context(try_number=1, state=state), dry_run=True)
-    cmd, env = container(first, "node-a", "work-a")
-    assert cmd[0] == "cedana-airflow"
-    cmd[0] = shutil.which("cedana-airflow", path=os.path.dirname(sys.executable))  # the image's PATH
-    out = open(tmp_path / "a.err", "wb")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=out)
-    s3 = boto3.client("s3")
-    deadline = time.monotonic() + 120
-    while not (keys := [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="k8s/train_llm.").get("Contents", [])
-                        if o["Key"].endswith("manifest.json")]):
-        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "a.err").read_text()
-        time.sleep(0.2)
-    manifest = json.loads(s3.get_object(Bucket=bucket, Key=sorted(keys)[0])["Body"].read())
-    kill_node(proc, manifest["process"]["pid"])  # the node goes away with the pod
-    assert (manifest["format_version"], manifest["airflow"]["dag_id"], manifest["airflow"]["task_id"]) == (3, "train_llm", "finetune")
-    store = open_store(f"s3://{bucket}/k8s", load_settings(environ={}))
-    fetch_checkpoint(store, Manifest.model_validate(manifest), tmp_path / "images")  # every chunk, decoded
-    images = b"".join(p.read_bytes() for p in sorted((tmp_path / "images").rglob("*")) if p.is_file())
-    assert len(images) > 1 << 20 and canary.encode() not in images  # the supervisor had it; the workload never did
-    state.set("cedana", {"tries": [{"try_number": 1, "node": "node-a"}]})  # what on_pod_starting recorded
-
-    retry = op.build_pod_request_obj(_context(try_number=2, state=state), dry_run=True)
-    [term] = _node_terms(retry)
-    assert ("kubernetes.io/hostname", "NotIn", ["node-a"]) in [(e.key, e.operator, e.values) for e in term.match_expressions]
-    cmd, env = container(retry, "node-b", "work-b")
-    cmd[0] = shutil.which("cedana-airflow", path=os.path.dirname(sys.executable))
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "restored checkpoint_id=train_llm.finetune." in r.stderr and "from_node=node-a node=node-b" in r.stderr
-    assert not any(line.startswith("start-up") for line in r.stdout.splitlines())
-    assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
 
 
 def test_spec_pod_mutation_hook_routes_kubernetes_executor_pods_on_the_list(optin, tmp_path, monkeypatch):

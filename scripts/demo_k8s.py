@@ -1,0 +1,306 @@
+"""`make demo-k8s`: the Kubernetes wrap route run for real, in pods played by podman.
+
+CedanaKubernetesPodOperator(route="wrap") builds each try's V1Pod through its own code path
+(build_pod_request_obj with the try's task context); pod_runtime.py places it on one of three
+pretend nodes by its node affinity and plays it with `podman kube play` in the image that
+pod_image.py builds from deploy/Containerfile and our wheel. The store is moto's S3 server on this
+machine, reached from the pods over their network; its credentials are the Secret the operator
+mounts as files. Two cases, each compared with an uninterrupted run of the same workload:
+
+- node loss: after a few heartbeat checkpoints every process of the pod is SIGKILLed; the retry's
+  pod (try 2, same checkpoint ID) goes to another node, restores the latest checkpoint and finishes;
+- drain: the pod is stopped as a node drain deletes it (SIGTERM, SIGKILL after its grace period);
+  the final checkpoint is taken in the grace period and the retry restores that one.
+
+Not exercised (no API server here): the API server and kubelet, the scheduler beyond the affinity
+filter, the runtime class handler, image pulls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+import types
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from local_parts import moto_server  # noqa: E402
+from pod_runtime import Node, PodError, PodRuntime, place, pod_dict, translate  # noqa: E402
+
+WORKLOAD = REPO / "tests" / "workloads" / "pool_sum.py"
+WORKLOAD_ARGS = ["--seed", "5", "--steps", "80", "--workers", "2", "--step-seconds", "0.1"]
+BUCKET = "ckpt"
+DAG_ID, TASK_ID, RUN_ID = "train_llm", "finetune", "scheduled__2026-12-01T00:00:00+00:00"
+OPTIN = '[node]\nlabels = { "cedana.ai/enabled" = "true" }\n[queue]\nqueues = ["*"]\n[workload]\ndags = ["train_llm"]\n'
+#: The cluster we pretend to have: one node off the opt-in list, two on it.
+NODES = [Node("cpu-node-0"), Node("gpu-node-a", {"cedana.ai/enabled": "true"}),
+         Node("gpu-node-b", {"cedana.ai/enabled": "true"})]
+GRACE_SECONDS = 20
+
+
+@dataclass
+class Try:
+    """One try's pod: where it ran, what the translation changed, how it ended, what it printed."""
+
+    try_number: int
+    pod: str
+    node: str
+    notes: list[str]
+    affinity: list[tuple[str, str, list[str]]]
+    exit_code: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    checkpoints_before_end: int = 0
+
+
+@dataclass
+class Case:
+    name: str
+    tries: list[Try] = field(default_factory=list)
+    expected: str = ""
+    images_hold_credentials: bool | None = None
+    manifests: list[dict[str, Any]] = field(default_factory=list)  # in the store at the end
+    seconds: float = 0.0
+
+    @property
+    def digest(self) -> str:
+        lines = self.tries[-1].stdout.strip().splitlines() if self.tries else []
+        return lines[-1] if lines else ""
+
+
+def host_address() -> str:
+    """This machine's address on its default route: what a pod reaches the host's services at."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.123", 9))  # no packet is sent: this only asks the routing table
+        except OSError as e:
+            raise PodError(f"no default route, so pods cannot reach this machine's S3 server: {e}") from e
+        return str(s.getsockname()[0])
+
+
+def uninterrupted() -> str:
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(WORKLOAD), *WORKLOAD_ARGS, "--step-seconds", "0"],
+                         capture_output=True, text=True, check=True, timeout=300).stdout
+    return out.strip().splitlines()[-1]
+
+
+class _TaskStateStore(dict):  # type: ignore[type-arg]
+    """context["task_state_store"]: in a running task it lives behind Airflow's API server."""
+
+    def set(self, key: str, value: Any) -> None:
+        self[key] = value
+
+
+def context(try_number: int, state: _TaskStateStore) -> dict[str, Any]:
+    """The task context a worker hands the operator for this try (the parts the pod is built from)."""
+    ti = types.SimpleNamespace(dag_id=DAG_ID, task_id=TASK_ID, try_number=try_number, map_index=-1)
+    return {"ti": ti, "dag": types.SimpleNamespace(dag_id=DAG_ID), "run_id": RUN_ID, "task_state_store": state}
+
+
+class Cluster:
+    """Three pretend nodes on one podman, moto's S3 server as the store, and the operator's Secret."""
+
+    def __init__(self, root: Path, image: str, rt: PodRuntime, s3_url: str, canary: str) -> None:
+        self.root, self.image, self.rt, self.s3_url = root, image, rt, s3_url
+        self.secrets = {"ckpt-s3": {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": canary,
+                                    "AWS_ENDPOINT_URL": s3_url, "AWS_REGION": "us-east-1"}}
+
+    def operator(self, prefix: str) -> Any:
+        from kubernetes.client import models as k8s
+
+        from cedana_airflow.operators import CedanaKubernetesPodOperator
+
+        code = k8s.V1Volume(name="workload", host_path=k8s.V1HostPathVolumeSource(path=str(WORKLOAD.parent)))
+        return CedanaKubernetesPodOperator(
+            task_id=TASK_ID, name=f"{prefix}-finetune", namespace="ml", image=self.image, route="wrap",
+            store_secret="ckpt-s3", cmds=["python3", f"/workload/{WORKLOAD.name}"], arguments=WORKLOAD_ARGS,
+            heartbeat=timedelta(seconds=2), volumes=[code], termination_grace_period=GRACE_SECONDS,
+            volume_mounts=[k8s.V1VolumeMount(name="workload", mount_path="/workload", read_only=True)],
+            env_vars={"PYTHONUNBUFFERED": "1"})
+
+    def start(self, op: Any, try_number: int, state: _TaskStateStore) -> Try:
+        """Build this try's pod with the operator, place it, play it, and record where it runs."""
+        pod = op.build_pod_request_obj(context(try_number, state), dry_run=True)
+        data = pod_dict(pod)
+        node = place(data, NODES)
+        manifest, notes = translate(data, node, self.secrets, self.root / "secrets" / data["metadata"]["name"])
+        name = self.rt.play(manifest)
+        terms = data["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        exprs = [(e["key"], e["operator"], e["values"]) for t in terms["nodeSelectorTerms"] for e in t["matchExpressions"]]
+        pod.spec.node_name = node.name  # what the API server holds once the pod is bound; the callback records it
+        [cb for cb in op.callbacks if cb.__name__ == "_RecordNode"][0].on_pod_starting(
+            pod=pod, client=None, mode="sync", operator=op, context=context(try_number, state))
+        return Try(try_number, name, node.name, notes, exprs)
+
+    def checkpoints(self, prefix: str) -> list[dict[str, Any]]:
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=self.s3_url, aws_access_key_id="testing", aws_secret_access_key="testing",
+                          region_name="us-east-1")
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/").get("Contents", [])
+                if o["Key"].endswith("manifest.json")]
+        return [json.loads(s3.get_object(Bucket=BUCKET, Key=k)["Body"].read()) for k in sorted(keys)]
+
+    def wait_checkpoints(self, prefix: str, n: int, t: Try, timeout: float = 120) -> None:
+        container = self.rt.container(t.pod)
+        deadline = time.monotonic() + timeout
+        while len(self.checkpoints(prefix)) < n:
+            status, code = self.rt.state(container)
+            if status != "running" or time.monotonic() > deadline:
+                out, err = self.rt.logs(container)
+                raise PodError(f"{t.pod}: {n} checkpoints not taken (container {status}, exit {code}): {err[-2000:]}")
+            time.sleep(0.2)
+
+    def finish(self, t: Try, timeout: float = 300) -> Try:
+        container = self.rt.container(t.pod)
+        t.exit_code = self.rt.wait(container, timeout)
+        t.stdout, t.stderr = self.rt.logs(container)
+        (self.root / f"{t.pod}.out").write_text(t.stdout)  # the pod goes; its logs stay for a reader
+        (self.root / f"{t.pod}.err").write_text(t.stderr)
+        return t
+
+
+def images_hold(cluster: Cluster, prefix: str, secret: str, into: Path) -> bool:
+    """Does any checkpoint image of the case hold ``secret``? (They hold the workload's memory.)"""
+    from cedana_airflow.config import load_settings
+    from cedana_airflow.format.manifest import Manifest
+    from cedana_airflow.store import open_store
+    from cedana_airflow.store.transfer import fetch_checkpoint
+
+    store = open_store(f"s3://{BUCKET}/{prefix}", load_settings(environ={}))
+    for i, m in enumerate(cluster.checkpoints(prefix)):
+        fetch_checkpoint(store, Manifest.model_validate(m), into / str(i))
+    return any(secret.encode() in p.read_bytes() for p in into.rglob("*") if p.is_file())
+
+
+def node_loss(cluster: Cluster, prefix: str) -> Case:
+    case, state = Case("node loss"), _TaskStateStore()
+    op = cluster.operator(prefix)
+    first = cluster.start(op, 1, state)
+    case.tries.append(first)
+    cluster.wait_checkpoints(prefix, 3, first)
+    first.checkpoints_before_end = len(cluster.checkpoints(prefix))
+    cluster.rt.lose_node(first.pod)  # the node is gone: no final checkpoint, nothing more from this pod
+    cluster.finish(first, 60)
+    cluster.rt.remove(first.pod)
+    case.tries.append(cluster.finish(cluster.start(op, 2, state)))
+    return case
+
+
+def drain(cluster: Cluster, prefix: str) -> Case:
+    case, state = Case("drain"), _TaskStateStore()
+    op = cluster.operator(prefix)
+    first = cluster.start(op, 1, state)
+    case.tries.append(first)
+    cluster.wait_checkpoints(prefix, 1, first)
+    first.checkpoints_before_end = len(cluster.checkpoints(prefix))
+    cluster.rt.drain(first.pod, GRACE_SECONDS)  # SIGTERM; the final checkpoint must fit in the grace period
+    cluster.finish(first, 60)
+    cluster.rt.remove(first.pod)
+    case.tries.append(cluster.finish(cluster.start(op, 2, state)))
+    return case
+
+
+@contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """``values`` in os.environ for the length of a ``with``, then as they were (a test session goes on)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run(root: Path, cache: Path | None = None, cases: tuple[str, ...] = ("node loss", "drain")) -> list[Case]:
+    """Build (or load) the image, start the store, and play each case; every pod is gone afterwards."""
+    import boto3
+
+    import pod_image
+
+    optin = root / "optin.toml"
+    optin.write_text(OPTIN)
+    canary = f"canary-{os.urandom(8).hex()}"  # moto takes any key: a secret to look for in the images
+    expected = uninterrupted()
+    with ExitStack() as stack:
+        stack.enter_context(_environ(AIRFLOW_HOME=os.environ.get("AIRFLOW_HOME", str(root / "airflow")),
+                                     AIRFLOW__CEDANA__OPTIN_FILE=str(optin)))
+        rt = PodRuntime(root / "podman")
+        stack.callback(rt.close)
+        _, image = pod_image.build(cache or pod_image.DEFAULT_CACHE, rt)
+        s3_url = stack.enter_context(moto_server(host=host_address()))
+        # This process reads the store too (the images, below); the pods get the Secret instead.
+        stack.enter_context(_environ(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                                     AWS_ENDPOINT_URL=s3_url, AWS_DEFAULT_REGION="us-east-1"))
+        boto3.client("s3").create_bucket(Bucket=BUCKET)
+        cluster = Cluster(root, image, rt, s3_url, canary)
+        done = []
+        for name, play in (("node loss", node_loss), ("drain", drain)):
+            if name in cases:
+                prefix = name.replace(" ", "-")
+                with _environ(AIRFLOW__CEDANA__STORE=f"s3://{BUCKET}/{prefix}"):
+                    t0 = time.monotonic()
+                    case = play(cluster, prefix)
+                    case.seconds = time.monotonic() - t0
+                case.expected = expected
+                case.manifests = cluster.checkpoints(prefix)
+                case.images_hold_credentials = images_hold(cluster, prefix, canary, root / "images" / prefix)
+                done.append(case)
+        return done
+
+
+def summary(cases: list[Case]) -> str:
+    lines = []
+    for case in cases:
+        lines.append(f"== {case.name} ({case.seconds:.0f} s)")
+        for t in case.tries:
+            restored = [line.split("cedana: ", 1)[-1] for line in t.stderr.splitlines() if "restored checkpoint_id=" in line]
+            ended = f"; {t.checkpoints_before_end} checkpoint(s) stored before it ended" if t.checkpoints_before_end else ""
+            lines.append(f"  try {t.try_number}: pod {t.pod} on {t.node}, exit {t.exit_code}{ended}")
+            lines.extend(f"    affinity {k} {op} {v}" for k, op, v in t.affinity)
+            lines.extend(f"    {r}" for r in restored)
+            lines.extend(f"    {line.split('cedana: ', 1)[-1]}" for line in t.stderr.splitlines() if "stopped by SIG" in line)
+        lines.append(f"  output {case.digest!r}, uninterrupted {case.expected!r}: "
+                     + ("equal" if case.digest == case.expected else "DIFFERENT"))
+        lines.append(f"  store credentials in the checkpoint images: {'YES' if case.images_hold_credentials else 'no'}")
+    if cases and cases[0].tries:
+        lines.append("translated for podman (what is not exercised):")
+        lines.extend(f"  - {n}" for n in cases[0].tries[0].notes)
+    return "\n".join(lines)
+
+
+def main() -> int:
+    os.environ.setdefault("AIRFLOW__LOGGING__LOGGING_LEVEL", "WARNING")  # the summary says what the operator did
+    root = Path(tempfile.mkdtemp(prefix="cedana-k8s-"))
+    print(f"playing the wrap route's pods with podman in {root} (image cached in .cedana/images)...", flush=True)
+    try:
+        cases = run(root)
+    except PodError as e:
+        print(f"demo-k8s: {e}", file=sys.stderr)
+        return 1
+    print(summary(cases))
+    print(f"logs: {root}")
+    ok = all(c.digest == c.expected and c.tries[-1].exit_code == 0 and not c.images_hold_credentials for c in cases)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

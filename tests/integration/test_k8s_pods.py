@@ -1,0 +1,61 @@
+"""The Kubernetes wrap route in real pods (`make demo-k8s`, scripts/demo_k8s.py): the pods that
+CedanaKubernetesPodOperator builds are played by podman in the image built from deploy/Containerfile
+and our wheel, against moto's S3 server; a node loss and a drain, each followed by the retry's pod.
+
+What stands in for the cluster, and only that: the scheduler's affinity filter (three pretend nodes),
+the task context of each try, and the translations podman needs (scripts/pod_runtime.py). The API
+server, the kubelet and the runtime class handler are not exercised (docs/testing.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("airflow.providers.cncf.kubernetes")
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    import demo_k8s
+
+    return {c.name: c for c in demo_k8s.run(tmp_path_factory.mktemp("k8s"))}
+
+
+def _restored(t):
+    return [line for line in t.stderr.splitlines() if "restored checkpoint_id=" in line]
+
+
+def test_pods_node_loss_the_retry_pod_restores_on_another_node_and_its_output_equals_an_uninterrupted_run(cases):
+    case = cases["node loss"]
+    first, retry = case.tries
+    assert first.node == "gpu-node-a" and first.exit_code == 137  # SIGKILL: nothing ran after the loss
+    assert first.checkpoints_before_end >= 3 and "final checkpoint" not in first.stderr
+    assert ("kubernetes.io/hostname", "NotIn", ["gpu-node-a"]) in retry.affinity and retry.node == "gpu-node-b"
+    [line] = _restored(retry)
+    assert "from_node=gpu-node-a node=gpu-node-b" in line and "seq=0" not in line
+    assert retry.exit_code == 0
+    assert not any(s.startswith("start-up") for s in retry.stdout.splitlines())  # resumed, not started over
+    assert case.digest == case.expected and case.digest.startswith("done digest=")
+    # each checkpoint names the try and the node that took it (the retry may finish before its first)
+    assert {(m["node"], m["try_number"]) for m in case.manifests} <= {("gpu-node-a", 1), ("gpu-node-b", 2)}
+    assert {(m["format_version"], m["airflow"]["dag_id"], m["airflow"]["task_id"]) for m in case.manifests} == {
+        (3, "train_llm", "finetune")}
+
+
+def test_pods_drain_the_final_checkpoint_fits_the_grace_period_and_the_retry_restores_that_one(cases):
+    case = cases["drain"]
+    first, retry = case.tries
+    assert first.exit_code == 143  # it ended on SIGTERM, within the grace period, not by the SIGKILL after it
+    [stopped] = [s for s in first.stderr.splitlines() if "stopped by SIGTERM" in s]
+    final = int(stopped.split("final checkpoint seq ")[1].split()[0])
+    assert final == first.checkpoints_before_end + 1  # taken at the stop, after the heartbeat ones
+    [line] = _restored(retry)
+    assert f"seq={final} from_node=gpu-node-a node=gpu-node-b" in line
+    assert retry.exit_code == 0 and case.digest == case.expected
+
+
+def test_pods_the_store_credentials_reach_the_cli_as_files_and_never_a_checkpoint_image(cases):
+    for case in cases.values():
+        assert case.images_hold_credentials is False, case.name  # the canary key is in the Secret, not the images
+        assert any("Secret volume" in n for n in case.tries[0].notes)
