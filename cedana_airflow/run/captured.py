@@ -79,7 +79,10 @@ def restore_roots(configured: Sequence[Path], cwd: str | None, *, signed: bool =
         p = PurePosixPath(os.path.normpath(os.path.abspath(root)))
         tree = system_tree(p)
         if tree is not None:
-            log.warning("restore root %s is ignored: %s is never written by a restore", p, tree)
+            # A listed one is a mistake worth a warning; the working directory is only a default (a
+            # container's is often /), and naming it on every checkpoint would be noise.
+            log.log(logging.WARNING if root in configured else logging.DEBUG,
+                    "restore root %s is ignored: %s is never written by a restore", p, tree)
             continue
         out.append(p)
     return tuple(dict.fromkeys(out))
