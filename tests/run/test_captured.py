@@ -143,6 +143,18 @@ def test_roots_never_include_slash_or_a_system_tree():
     assert refusal("/data/out/a/b", roots) is None
 
 
+def test_a_listed_root_in_a_system_tree_is_warned_about_and_a_working_directory_of_slash_is_not(caplog):
+    """A container's working directory is often /: that default must not warn at every checkpoint."""
+    import logging
+
+    with caplog.at_level(logging.DEBUG, logger="cedana_airflow"):
+        assert restore_roots([], "/") == ()
+        assert restore_roots([Path("/usr/share")], "/srv/job") == (PurePosixPath("/srv/job"),)
+    levels = {r.getMessage(): r.levelno for r in caplog.records if "is ignored" in r.getMessage()}
+    assert levels == {"restore root / is ignored: / is never written by a restore": logging.DEBUG,
+                      "restore root /usr/share is ignored: /usr is never written by a restore": logging.WARNING}
+
+
 def test_a_signed_checkpoint_may_write_anywhere_but_a_system_tree_and_restore_roots_narrow_it():
     anywhere = restore_roots([], "/srv/job", signed=True)
     assert refusal("/data/runs/7/train.log", anywhere) is None  # where the workload had it, no setting needed
