@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,8 @@ CONTAINERFILE = REPO / "deploy" / "Containerfile"
 IMAGE = "localhost/cedana-airflow-pod"
 #: The base stands in for an operator's workload image: Debian with Python, nothing of ours.
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
+#: What the wheel is built from (as tests/integration/test_wheel.py builds it).
+BUILD_INPUTS = ("pyproject.toml", "setup.py", "README.md", "cedana_airflow", "operators", "sensors")
 PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_CACHE = REPO / ".cedana" / "images"
 
@@ -104,8 +107,15 @@ def build(cache: Path = DEFAULT_CACHE, rt: PodRuntime | None = None, python: str
         ctx = Path(tmp) / "context"
         wheels = ctx / "wheels"
         wheels.mkdir(parents=True)
+        src = Path(tmp) / "src"  # a copy: an in-tree build would leave build/ behind, whose stale files ship
+        src.mkdir()
+        for name in BUILD_INPUTS:
+            if (REPO / name).is_dir():
+                shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy2(REPO / name, src / name)
         _run([python, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--disable-pip-version-check",
-              str(REPO), "-w", str(wheels)], "building cedana-airflow's wheel")
+              str(src), "-w", str(wheels)], "building cedana-airflow's wheel")
         [wheel] = wheels.glob("cedana_airflow-*.whl")
         own = rt is None
         runtime = rt or PodRuntime(Path(tmp) / "podman")
