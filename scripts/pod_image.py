@@ -25,6 +25,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import zipfile
@@ -81,21 +82,25 @@ def _run(cmd: list[str], what: str, timeout: float = 600) -> str:
     return r.stdout
 
 
-def base_image(rt: PodRuntime, codename: str, mirror: str, cache: Path) -> str:
-    """The base image in ``rt``: loaded from the cache, else made with mmdebstrap and imported."""
+def base_rootfs(codename: str, mirror: str, cache: Path) -> tuple[Path, str, str]:
+    """(the base rootfs tarball, its image reference, its Python as "3.X"), made with mmdebstrap when missing."""
     key = hashlib.sha256(f"{codename}\n{mirror}\n{','.join(BASE_PACKAGES)}\n{PATH_ENV}".encode()).hexdigest()[:16]
     ref = f"localhost/cedana-airflow-base:{key}"
     tar = cache / f"base-{codename}-{key}.tar"
+    python = tar.with_suffix(".python")
     if not tar.exists():
         t0 = time.monotonic()
         _say(f"making a Debian {codename} rootfs from {mirror} (mmdebstrap, about 30 s)")
         part = tar.with_suffix(".part")
-        _run(["mmdebstrap", "--quiet", "--variant=apt", "--format=tar", f"--include={','.join(BASE_PACKAGES)}", codename, str(part),
-              mirror], "mmdebstrap", timeout=900)
+        _run(["mmdebstrap", "--quiet", "--variant=apt", "--format=tar", f"--include={','.join(BASE_PACKAGES)}",
+              codename, str(part), mirror], "mmdebstrap", timeout=900)
         part.rename(tar)
         _say(f"rootfs ready in {time.monotonic() - t0:.0f} s ({tar.stat().st_size >> 20} MiB)")
-    rt.podman("import", "--change", f"ENV {PATH_ENV}", str(tar), ref, timeout=600)
-    return ref
+    if not python.exists():  # /usr/bin/python3 -> python3.X: which wheels the image's venv takes
+        with tarfile.open(tar) as t:
+            link = next(m.linkname for m in t if m.name.lstrip("./") == "usr/bin/python3")
+        python.write_text(link.removeprefix("python"))
+    return tar, ref, python.read_text().strip()
 
 
 def build(cache: Path = DEFAULT_CACHE, rt: PodRuntime | None = None, python: str = sys.executable) -> tuple[Path, str]:
@@ -120,9 +125,7 @@ def build(cache: Path = DEFAULT_CACHE, rt: PodRuntime | None = None, python: str
         own = rt is None
         runtime = rt or PodRuntime(Path(tmp) / "podman")
         try:
-            base = base_image(runtime, codename, mirror, cache)
-            pyver = runtime.podman("run", "--rm", "--network", "none", base, "python3", "-c",
-                                   "import sys; print('%d.%d' % sys.version_info[:2])").stdout.strip()
+            base_tar, base, pyver = base_rootfs(codename, mirror, cache)
             abi = "cp" + pyver.replace(".", "")
             _run([python, "-m", "pip", "download", "-q", "--disable-pip-version-check", "-d", str(wheels),
                   "--only-binary=:all:", "--python-version", pyver, "--implementation", "cp", "--abi", abi,
@@ -145,6 +148,7 @@ def build(cache: Path = DEFAULT_CACHE, rt: PodRuntime | None = None, python: str
                 _say(f"cached: {tar.name}")
                 runtime.podman("load", "-q", "-i", str(tar), timeout=600)
                 return tar, ref
+            runtime.podman("import", "--change", f"ENV {PATH_ENV}", str(base_tar), base, timeout=600)
             t0 = time.monotonic()
             _say(f"podman build -f deploy/Containerfile (BASE {base}, Python {pyver})")
             runtime.podman("build", "-q", "-f", str(CONTAINERFILE), "--build-arg", f"BASE={base}", "-t", ref,

@@ -45,6 +45,36 @@ def browser_page() -> Iterator[Any]:
             browser.close()
 
 
+#: The pod tests' image (scripts/pod_image.py), built beside the tests that run before them.
+_pod_image: subprocess.Popen[bytes] | None = None
+POD_IMAGE_LOG = Path(tempfile.gettempdir()) / "cedana-pod-image.log"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On a clean clone the pod image takes about a minute (mmdebstrap, podman build): start it as
+    soon as the pod tests are known to run, at low priority, so it is ready when they are."""
+    global _pod_image
+    if any("test_k8s_pods.py" in item.nodeid for item in session.items) and shutil.which("podman") \
+            and shutil.which("mmdebstrap"):
+        with open(POD_IMAGE_LOG, "wb") as log:
+            _pod_image = subprocess.Popen(["nice", "-n", "10", sys.executable, str(REPO / "scripts" / "pod_image.py")],
+                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_pod_image(timeout: float = 900) -> None:
+    """Until the image started above is built (the caller's own build then loads it from the cache;
+    a failed build is left for that one to report)."""
+    if _pod_image is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            _pod_image.wait(timeout)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _pod_image is not None and _pod_image.poll() is None:
+        os.killpg(_pod_image.pid, signal.SIGTERM)
+        _pod_image.wait()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _reap_orphans():
     """This machine's init does not reap orphans; killed supervisors leave some behind."""

@@ -18,7 +18,9 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     import demo_k8s
+    from conftest import wait_for_pod_image
 
+    wait_for_pod_image()  # started at collection, beside the tests before these
     return {c.name: c for c in demo_k8s.run(tmp_path_factory.mktemp("k8s"))}
 
 
