@@ -114,9 +114,11 @@ def translate(pod: Mapping[str, Any], node: Node, secrets: Mapping[str, Mapping[
     if spec.pop("runtimeClassName", None):
         notes.append(f"runtimeClassName {pod['spec']['runtimeClassName']!r} ignored: podman runs runc "
                      "(a cluster's runtime class handler is not exercised here)")
-    for key in ("affinity", "nodeSelector", "tolerations"):
+    for key in ("affinity", "nodeSelector"):
         if spec.pop(key, None):
             notes.append(f"{key} taken by the stand-in scheduler (placed on {node.name}), not by podman")
+    if spec.pop("tolerations", None):
+        notes.append("tolerations ignored: the pretend nodes have no taints")
     spec["nodeName"] = node.name
     for c in spec.get("containers", []):
         c["imagePullPolicy"] = "Never"  # no registry: the image is local
