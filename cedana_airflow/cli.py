@@ -125,6 +125,9 @@ def _supervised(p: argparse.ArgumentParser, *, when_none_left: str) -> None:
                    help=f"never restore a checkpoint older than this; with none left, {when_none_left}")
     p.add_argument("--gpu", choices=("auto", "off", "require"),
                    help="GPU state: auto (default), require (refuse to start where it cannot be checkpointed), off")
+    p.add_argument("--json", action="store_true",
+                   help="at the end, print a JSON summary as the last line of stdout (after the workload's output)")
+    p.add_argument("--json-file", metavar="FILE", help="at the end, write the JSON summary to FILE")
     _airflow_task(p)
     _common(p)
 
@@ -180,9 +183,46 @@ def _cmd_run(args: argparse.Namespace, restore_only: bool) -> int:
         if not command:
             print("usage: cedana-airflow run --id ID [...] -- COMMAND [ARGS...]", file=sys.stderr)
             return 2
-    result = run_workload(_settings(args), args.id, command, resume=restore_only or args.resume,
-                          try_number=args.try_number, airflow=_task_of(args))
+    with _Summary(args) as summary:
+        settings = _settings(args)
+        summary.node = settings.resolved_node()
+        result = run_workload(settings, args.id, command, resume=restore_only or args.resume,
+                              try_number=args.try_number, airflow=_task_of(args))
+        summary.report(result)
     return result.exit_code
+
+
+class _Summary:
+    """``--json`` / ``--json-file``: the run's summary (run/summary.py), also when it ends in an error
+    (bad configuration included: then ``node`` is what --node said, if anything)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.node = args, args.node or ""
+
+    def __enter__(self) -> _Summary:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: object) -> None:
+        if isinstance(e, CedanaError):
+            from .run.summary import error_summary
+
+            self._emit(error_summary(self.args.id, self.node, e.exit_code, f"{type(e).__name__}: {e}"))
+
+    def report(self, result: Any) -> None:
+        from .run.summary import run_summary
+
+        self._emit(run_summary(result, self.args.id, self.node))
+
+    def _emit(self, obj: dict[str, Any]) -> None:
+        text = json.dumps(obj)
+        if self.args.json_file:
+            tmp = f"{self.args.json_file}.tmp"
+            with open(tmp, "w") as f:
+                f.write(text + "\n")
+            os.replace(tmp, self.args.json_file)  # a reader never sees half of it
+        if self.args.json:
+            sys.stdout.flush()
+            print(text, flush=True)
 
 
 def _cmd_slurm_job(args: argparse.Namespace) -> int:
@@ -212,7 +252,11 @@ def _cmd_slurm_job(args: argparse.Namespace) -> int:
         except OSError as e:
             print(f"cedana: cannot run {command[0]!r}: {e.strerror or e}", file=sys.stderr)
             return 127
-    result = run_workload(settings, args.id, command, resume=True, try_number=args.try_number, airflow=_task_of(args))
+    with _Summary(args) as summary:
+        summary.node = settings.resolved_node()
+        result = run_workload(settings, args.id, command, resume=True, try_number=args.try_number,
+                              airflow=_task_of(args))
+        summary.report(result)
     return result.exit_code
 
 

@@ -103,6 +103,24 @@ def test_run_returns_the_workloads_own_exit_code(tmp_path):
     assert r.stdout == "hi\n"
 
 
+def test_run_json_summarises_a_fresh_run_and_an_error_the_same_way(tmp_path):
+    r = cli("run", "--id", "rc", "--json", "--", sys.executable, "-c", "import sys; print('hi'); sys.exit(7)",
+            env=cli_env(tmp_path, "n", "w"))
+    out, last = r.stdout.splitlines()
+    summary = json.loads(last)
+    assert (r.returncode, out) == (7, "hi")
+    assert {k: summary[k] for k in ("version", "checkpoint_id", "node", "exit_code", "outcome", "restored_from",
+                                     "checkpoints", "stopped_by", "killed_by", "error")} == {
+        "version": 1, "checkpoint_id": "rc", "node": "n", "exit_code": 7, "outcome": "fresh", "restored_from": None,
+        "checkpoints": 0, "stopped_by": None, "killed_by": None, "error": None}
+    # An error (here a malformed setting, before anything ran) is the same object, with the one line.
+    bad = cli("run", "--id", "rc", "--json-file", str(tmp_path / "s.json"), "--node", "n", "--", "true",
+              env=cli_env(tmp_path, "n", "w", CEDANA_STOP_GRACE_SECONDS="soon"))
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert bad.returncode == summary["exit_code"] == 2 and summary["outcome"] == "error" and summary["node"] == "n"
+    assert summary["error"] == _one_line(bad)
+
+
 def test_checkpoints_json_lists_the_contract_fields(tmp_path):
     env = cli_env(tmp_path, "node-x", "w", CEDANA_KEEP_CHECKPOINTS="100")
     r = cli("run", "--id", "listed", "--heartbeat", "0.5", "--dag-id", "d", "--task-id", "t", "--run-id", "manual__1",

@@ -32,9 +32,14 @@ def test_numpy_workload_survives_node_loss_and_resumes_on_another_node(tmp_path)
     first = (tmp_path / "a.out").read_text().splitlines()
     assert first[0].startswith("start-up") and not any(ln.startswith("done") for ln in first)
 
-    r = cli("restore", "--id", "train-1", "--heartbeat", "60", env=cli_env(tmp_path, "node-b", "work-b"))
+    r = cli("restore", "--id", "train-1", "--heartbeat", "60", "--json", env=cli_env(tmp_path, "node-b", "work-b"))
     assert r.returncode == 0, r.stderr
-    out = r.stdout.splitlines()
+    *out, last = r.stdout.splitlines()
+    summary = json.loads(last)  # --json: the summary is the last line, after the workload's own output
+    latest = max(m["seq"] for m in manifests(tmp_path / "store", "train-1"))
+    assert (summary["version"], summary["outcome"], summary["exit_code"], summary["node"]) == (1, "restored", 0, "node-b")
+    assert (summary["restored_from"]["seq"], summary["restored_from"]["node"]) == (latest, "node-a")
+    assert summary["time_lost_seconds"] >= summary["restore_gap_seconds"] > 0 and summary["error"] is None
     # It continued from the checkpoint: no start-up again, and the first step printed is not step 1.
     assert not any(ln.startswith("start-up") for ln in out), out[:3]
     assert out[0].startswith("step ") and int(out[0].split()[1].split("/")[0]) > 1, out[:3]
@@ -117,7 +122,7 @@ def test_second_heartbeat_of_a_mostly_unchanged_process_stores_little(tmp_path):
 
 def test_sigterm_takes_a_final_checkpoint_then_the_restore_heartbeats_on(tmp_path):
     args = ["--mb", "30", "--steps", "40", "--step-seconds", "0.1"]
-    proc = start_cli("run", "--id", "drain", "--", *_train(*args),
+    proc = start_cli("run", "--id", "drain", "--json-file", str(tmp_path / "a.json"), "--", *_train(*args),
                      env=cli_env(tmp_path, "node-a", "work-a"), out=tmp_path / "a")
     deadline = time.monotonic() + 30
     while "step 5/" not in (tmp_path / "a.out").read_text() and time.monotonic() < deadline:
@@ -133,6 +138,11 @@ def test_sigterm_takes_a_final_checkpoint_then_the_restore_heartbeats_on(tmp_pat
     assert ("stopped by SIGTERM checkpoint_id=drain: final checkpoint seq 1 in" in err
             and "workload tree ended (SIGKILL)" in err and "writer lease released" in err), err
     before = [int(ln.split()[1].split("/")[0]) for ln in (tmp_path / "a.out").read_text().splitlines() if ln.startswith("step ")]
+    summary = json.loads((tmp_path / "a.json").read_text())
+    assert {k: summary[k] for k in ("outcome", "exit_code", "stopped_by", "final_checkpoint_seq", "checkpoints",
+                                     "restored_from", "time_lost_seconds")} == {
+        "outcome": "fresh", "exit_code": 128 + signal.SIGTERM, "stopped_by": "SIGTERM", "final_checkpoint_seq": 1,
+        "checkpoints": 1, "restored_from": None, "time_lost_seconds": None}
 
     r = cli("restore", "--id", "drain", "--heartbeat", "0.5", env=cli_env(tmp_path, "node-b", "work-b"))
     assert r.returncode == 0, r.stderr

@@ -1,0 +1,56 @@
+"""A managed run's summary for machines (``cedana-airflow run --json``): how it ended, what it took,
+what it restored from, and the time a failure cost. Its fields change only additively (``version``)."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+from .runner import RunResult
+
+__all__ = ["SUMMARY_VERSION", "run_summary", "error_summary"]
+
+SUMMARY_VERSION = 1
+
+
+def _signal_name(num: int | None) -> str | None:
+    if num is None:
+        return None
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return str(num)
+
+
+def run_summary(result: RunResult, checkpoint_id: str, node: str) -> dict[str, Any]:
+    """``result`` as one JSON object (see docs/cli.md#run---json for each field)."""
+    m = result.restored_from
+    stop = result.stop
+    return {
+        "version": SUMMARY_VERSION,
+        "checkpoint_id": checkpoint_id,
+        "node": node,
+        "exit_code": result.exit_code,
+        "outcome": result.outcome,
+        "restored_from": None if m is None else {
+            "seq": m.seq, "node": m.node, "try_number": m.try_number, "created_at": m.created_at.isoformat()},
+        "restore_seconds": round(result.restore_seconds, 3),
+        "restore_gap_seconds": round(result.restore_gap_seconds, 3),
+        # The work redone plus the downtime: from the restored checkpoint's creation until it ran again.
+        "time_lost_seconds": round(result.restore_gap_seconds + result.restore_seconds, 3) if m is not None else None,
+        "refused": list(result.skipped),
+        "checkpoints": len(result.checkpoints),
+        "checkpoint_seqs": [c.seq for c in result.checkpoints],
+        "stored_bytes": sum(c.stored_bytes for c in result.checkpoints),
+        "skipped_heartbeats": result.skipped_heartbeats,
+        "stopped_by": stop.cause if stop is not None else _signal_name(result.stopped_by_signal),
+        "final_checkpoint_seq": stop.final.seq if stop is not None and stop.final is not None else None,
+        "killed_by": _signal_name(result.killed_by_signal),
+        "error": None,
+    }
+
+
+def error_summary(checkpoint_id: str, node: str, exit_code: int, error: str) -> dict[str, Any]:
+    """The same object for a run that ended in an error before or instead of its workload's end."""
+    return {"version": SUMMARY_VERSION, "checkpoint_id": checkpoint_id, "node": node, "exit_code": exit_code,
+            "outcome": "error", "error": error}
