@@ -303,6 +303,10 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         print(f"{verb} {report.chunks_removed} chunk(s), {report.bytes_removed / 1e6:,.1f} MB, and "
               f"{report.temp_removed} temporary file(s); kept {report.chunks_kept} chunk(s) named by "
               f"{report.manifests} checkpoint(s), {report.young_unreferenced} younger than {grace:g} s")
+        expired = report.leases_removed + report.quarantine_removed + report.sidecars_removed
+        if expired:
+            print(f"{verb} {report.leases_removed} expired writer lease(s), {report.quarantine_removed} settled "
+                  f"quarantine record(s) and {report.sidecars_removed} unused lock file(s)")
     return 0
 
 
@@ -334,6 +338,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
     for cid, seqs in sorted(report.unusable.items()):
         print(f"unusable{' until a writer uploads its chunks again' if args.repair else ''}: {cid} seq "
               + ", ".join(map(str, seqs)))
+    u = report.unreferenced
+    if u.get("chunks") or u.get("expired_leases") or u.get("settled_quarantine") or u.get("lock_files") or u.get("temp"):
+        print(f"unreferenced (gc removes them): {u['chunks']} chunk(s) ({u['chunk_bytes'] / 1e6:,.1f} MB), "
+              f"{u['expired_leases']} expired writer lease(s), {u['settled_quarantine']} settled quarantine record(s), "
+              f"{u['lock_files']} unused lock file(s), {u['temp']} temporary file(s)")
     if report.clean:
         print("clean")
     else:

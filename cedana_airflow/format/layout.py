@@ -26,8 +26,8 @@ from ..ids import validate_checkpoint_id
 __all__ = [
     "CHUNKS", "DRILLS", "GC_LOCK_KEY", "INDEX", "INDEX_SHARDS", "LEASES", "LOCKS", "MANIFEST_NAME", "PREFIXES",
     "QUARANTINE", "RESTORES", "STORE_CONFIG_KEY", "TEMP_PREFIX", "TOP_LEVEL_NAMES",
-    "cas_lock_key", "checkpoint_prefix", "chunk_digest", "chunk_key", "drill_report_key", "golden_digest_key",
-    "index_shard_key", "index_shard_keys", "is_temp", "lease_key", "manifest_key", "parse_manifest_key",
+    "CAS_LOCK_PREFIX", "cas_lock_key", "checkpoint_prefix", "chunk_digest", "chunk_key", "drill_report_key", "golden_digest_key",
+    "index_shard_key", "index_shard_keys", "is_cas_lock", "is_temp", "lease_key", "manifest_key", "parse_manifest_key",
     "quarantine_digest", "quarantine_key", "restore_record_key", "restores_prefix", "writer_lock_key",
 ]
 
@@ -115,10 +115,19 @@ def index_shard_keys() -> list[str]:
     return [f"{INDEX}{i:x}.json" for i in range(INDEX_SHARDS)]
 
 
+#: Name prefix of a file store's compare-and-swap sidecar locks.
+CAS_LOCK_PREFIX = ".lock-"
+
+
 def cas_lock_key(key: str) -> str:
     """A file store's sidecar lock that queues the compare-and-swap writers of ``key`` (index, leases)."""
     folder, sep, name = key.rpartition("/")
-    return f"{folder}{sep}.lock-{name}"
+    return f"{folder}{sep}{CAS_LOCK_PREFIX}{name}"
+
+
+def is_cas_lock(key: str) -> bool:
+    """Whether ``key`` is a file store's sidecar lock, not an object."""
+    return key.rsplit("/", 1)[-1].startswith(CAS_LOCK_PREFIX)
 
 
 def lease_key(checkpoint_id: str) -> str:

@@ -4,18 +4,23 @@ Without reading data: every manifest parses and every chunk it names exists (one
 ``chunks/``). With ``read_fraction`` > 0: that share of the chunks is also read and verified (BLAKE3,
 length), a random subset each time, so repeated partial checks cover the store. With ``repair``: a
 missing or bad chunk is set aside (store/quarantine.py), so the next heartbeat of a writer that has
-it uploads it again; the checkpoints that name it are unusable until then.
+it uploads it again; the checkpoints that name it are unusable until then. Also counted, never a
+problem: what nothing references and gc will remove (unreferenced chunks, expired leases, settled
+quarantine records, lock and temporary files: hygiene.py).
 """
 
 from __future__ import annotations
 
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..errors import CorruptCheckpoint
 from ..format import chunking, layout
 from .base import Store
+from .gc import DEFAULT_GRACE_SECONDS
+from .hygiene import find_stale
 from .quarantine import records, set_aside
 from .transfer import load_manifests_of
 
@@ -34,6 +39,9 @@ class CheckReport:
     set_aside: list[str] = field(default_factory=list)  # with repair
     unusable: dict[str, list[int]] = field(default_factory=dict)  # checkpoint ID -> seqs naming a missing/bad chunk
     quarantine: list[dict[str, object]] = field(default_factory=list)  # every record, older findings included
+    # What nothing references (gc removes it once older than its grace period; never a problem here):
+    # chunks (old: gc would remove them now; young: an upload in flight), and hygiene.py's kinds.
+    unreferenced: dict[str, int] = field(default_factory=dict)
 
     @property
     def clean(self) -> bool:
@@ -42,10 +50,12 @@ class CheckReport:
     def to_json(self) -> dict[str, object]:
         return {"store": self.store, "clean": self.clean, "ids": self.ids, "checkpoints": self.checkpoints,
                 "chunks": self.chunks, "read": self.read, "missing": self.missing, "bad": self.bad,
-                "set_aside": self.set_aside, "unusable": self.unusable, "quarantine": self.quarantine}
+                "set_aside": self.set_aside, "unusable": self.unusable, "quarantine": self.quarantine,
+                "unreferenced": self.unreferenced}
 
 
-def check_store(store: Store, *, read_fraction: float = 0.0, repair: bool = False, reader: str = "") -> CheckReport:
+def check_store(store: Store, *, read_fraction: float = 0.0, repair: bool = False, reader: str = "",
+                grace_seconds: float = DEFAULT_GRACE_SECONDS) -> CheckReport:
     if not 0.0 <= read_fraction <= 1.0:
         raise ValueError("read_fraction is a share between 0 and 1")
     report = CheckReport(store.url)
@@ -60,7 +70,17 @@ def check_store(store: Store, *, read_fraction: float = 0.0, repair: bool = Fals
                 sizes[c.digest] = c.size
                 users.setdefault(c.digest, []).append((cid, m.seq))
     report.ids, report.chunks = len(ids), len(sizes)
-    present = {layout.chunk_digest(o.key) for o in store.list_objects(layout.CHUNKS)}
+    listed = [o for o in store.list_objects(layout.CHUNKS)]
+    present = {layout.chunk_digest(o.key) for o in listed if not layout.is_temp(o.key)}
+    cutoff = time.time() - grace_seconds
+    loose = [o for o in listed if not layout.is_temp(o.key) and layout.chunk_digest(o.key) not in sizes]
+    stale = find_stale(store, referenced=set(sizes), present=present, cutoff=cutoff)
+    report.unreferenced = {
+        "chunks": sum(o.mtime < cutoff for o in loose), "chunk_bytes": sum(o.size for o in loose if o.mtime < cutoff),
+        "young_chunks": sum(o.mtime >= cutoff for o in loose),
+        "temp": sum(layout.is_temp(o.key) and o.mtime < cutoff for o in listed) + len(stale.temp),
+        "expired_leases": len(stale.leases), "settled_quarantine": len(stale.quarantine),
+        "lock_files": len(stale.sidecars)}
     for d in sizes:
         if d not in present:
             report.missing[d] = "missing from the store"

@@ -117,7 +117,10 @@ class FileStore(RequiredReads):
 
     def delete(self, key: str) -> None:
         path = self.root / key
-        path.unlink(missing_ok=True)
+        if layout.is_cas_lock(key):
+            self._delete_cas_lock(path)
+        else:
+            path.unlink(missing_ok=True)
         # Drop folders a deleted manifest leaves empty (a seq folder, then its checkpoint ID's).
         for d in (path.parent, path.parent.parent):
             if d != self.root and d.is_relative_to(self.root):
@@ -125,6 +128,22 @@ class FileStore(RequiredReads):
                     d.rmdir()
                 except OSError:
                     break
+
+    def _delete_cas_lock(self, path: Path) -> None:
+        """Remove a sidecar lock only while holding it, and only when nobody does (else leave it):
+        a writer that then locks the unlinked file sees so and locks the new one (_still_linked)."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _still_linked(fd, path):
+                path.unlink()
+        except OSError:
+            return  # held: in use now, gc's next run takes it
+        finally:
+            os.close(fd)
 
     def get_versioned(self, key: str) -> tuple[bytes | None, str]:
         data = self.get(key)
@@ -134,18 +153,22 @@ class FileStore(RequiredReads):
         # Readers never lock (the write is a rename); writers of one key queue on a sidecar lock,
         # the file-store equivalent of S3's If-Match / If-None-Match.
         lock_path = self.root / layout.cas_lock_key(key)
-        try:
-            lock_path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as e:
-            raise StoreUnavailable(f"store {self.url}: locking {key} failed: {e.strerror or e}. Fix permissions on {self.root}.") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            if self.get_versioned(key)[1] != token:
-                return False
-            return self._write_atomic(key, data, exclusive=False)
-        finally:
-            os.close(fd)
+        while True:
+            try:
+                lock_path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError as e:
+                raise StoreUnavailable(f"store {self.url}: locking {key} failed: {e.strerror or e}. "
+                                       f"Fix permissions on {self.root}.") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if not _still_linked(fd, lock_path):
+                    continue  # gc removed the sidecar while we waited: lock the one that is there now
+                if self.get_versioned(key)[1] != token:
+                    return False
+                return self._write_atomic(key, data, exclusive=False)
+            finally:
+                os.close(fd)
 
     def list_objects(self, prefix: str, limit: int = 0) -> Iterator[StoredObject]:
         top = self.root / prefix
@@ -163,3 +186,13 @@ class FileStore(RequiredReads):
                 n += 1
                 if n == limit:
                     return
+
+
+def _still_linked(fd: int, path: Path) -> bool:
+    """Whether the file open at ``fd`` is still the one at ``path`` (gc may have removed it)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)

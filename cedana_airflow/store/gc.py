@@ -3,7 +3,8 @@
 Retention removes manifests: the newest ``keep`` checkpoints of an ID (in restore order) stay, and
 an ID whose task succeeded can be removed whole. Chunks are never removed there, because other
 checkpoints may share them. Garbage collection removes chunks no manifest names, and temporary
-files of interrupted writes, once they are older than a grace period, under the exclusive gc lock
+files of interrupted writes, once they are older than a grace period, and what else has expired
+(hygiene.py: leases of gone holders, settled quarantine records, sidecar locks), under the exclusive gc lock
 (writers hold shared locks, see locks.py). Rules: docs/store-format.md, "Locking and garbage collection".
 """
 
@@ -18,6 +19,7 @@ from ..format.manifest import Manifest
 from ..ids import validate_checkpoint_id
 from . import index
 from .base import Store
+from .hygiene import find_stale
 from .locks import acquire_gc
 from .restores import delete_restores
 from .transfer import load_manifests, load_manifests_of
@@ -64,6 +66,10 @@ class GcReport:
     bytes_removed: int
     young_unreferenced: int  # spared by the grace period
     temp_removed: int
+    # hygiene.py: what else had expired (additive in 0.5.1)
+    leases_removed: int = 0
+    quarantine_removed: int = 0
+    sidecars_removed: int = 0
 
 
 def collect_garbage(store: Store, *, grace_seconds: float = DEFAULT_GRACE_SECONDS, dry_run: bool = False) -> GcReport:
@@ -77,6 +83,7 @@ def collect_garbage(store: Store, *, grace_seconds: float = DEFAULT_GRACE_SECOND
         referenced = set().union(*(m.chunk_digests() for m in manifests))
         cutoff = time.time() - grace_seconds
         kept = removed = freed = young = temps = 0
+        present: set[str] = set()  # chunks that stay
         for obj in list(store.list_objects(CHUNKS)):
             if is_temp(obj.key):
                 if obj.mtime < cutoff:
@@ -86,8 +93,10 @@ def collect_garbage(store: Store, *, grace_seconds: float = DEFAULT_GRACE_SECOND
                 continue
             if chunk_digest(obj.key) in referenced:
                 kept += 1
+                present.add(chunk_digest(obj.key))
             elif obj.mtime >= cutoff:
                 young += 1
+                present.add(chunk_digest(obj.key))
             else:
                 removed += 1
                 freed += obj.size
@@ -99,9 +108,18 @@ def collect_garbage(store: Store, *, grace_seconds: float = DEFAULT_GRACE_SECOND
                     temps += 1
                     if not dry_run:
                         store.delete(obj.key)
+        stale = find_stale(store, referenced=referenced, present=present, cutoff=cutoff)
+        if not dry_run:
+            for key in stale.keys():
+                store.delete(key)
+            # a lock file someone holds is left (FileStore.delete): count only what went
+            stale.sidecars = [k for k in stale.sidecars if store.get(k) is None]
+        temps += len(stale.temp)
     finally:
         lock.release(store)
-    report = GcReport(dry_run, len(manifests), kept, removed, freed, young, temps)
+    report = GcReport(dry_run, len(manifests), kept, removed, freed, young, temps, len(stale.leases),
+                      len(stale.quarantine), len(stale.sidecars))
     log.info("gc done dry_run=%s manifests=%d chunks_kept=%d chunks_removed=%d bytes_removed=%d "
-             "young_unreferenced=%d temp_removed=%d", *report.__dict__.values())
+             "young_unreferenced=%d temp_removed=%d leases_removed=%d quarantine_removed=%d sidecars_removed=%d",
+             *report.__dict__.values())
     return report

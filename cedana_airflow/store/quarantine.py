@@ -13,7 +13,8 @@ that names it. Order and races (docs/store-format.md, "Quarantine"):
 - right before removing, the reader reads the chunk once more and removes it only if it is still
   bad: a writer may have uploaded a good copy meanwhile. What remains is a window of one request, in
   which a good copy can be removed; the record stays, so the next heartbeat uploads it again;
-- garbage collection never touches ``quarantine/``; records are history (``check`` lists them).
+- records are history (``check`` lists them); gc removes one only once it has settled, its chunk
+  healed or named by no checkpoint, and older than the grace period (hygiene.py).
 """
 
 from __future__ import annotations
