@@ -44,6 +44,7 @@ __all__ = [
     "StoreBusy",
     "StoreError",
     "StoreUnavailable",
+    "UnknownRequiredBlock",
     "WriterFenced",
     "WriterLeaseHeld",
 ]
@@ -93,6 +94,11 @@ class CheckpointNotFound(StoreError):
 
 class CorruptCheckpoint(StoreError):
     """A chunk or manifest did not match its digest; that checkpoint is never restored."""
+
+
+class UnknownRequiredBlock(CorruptCheckpoint):
+    """A manifest of a later version needs a block this reader does not know: it is never restored
+    here (the fix is an upgrade, not a repair)."""
 
 
 class EngineError(CedanaError):

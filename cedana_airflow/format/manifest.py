@@ -6,13 +6,14 @@ chunk by digest, so a restore can verify each byte it uses. See docs/store-forma
 
 from __future__ import annotations
 
+import json
 import os
 from datetime import datetime, timezone
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from ..errors import CheckpointIdError
+from ..errors import CheckpointIdError, UnknownRequiredBlock
 from ..ids import validate_checkpoint_id
 
 __all__ = [
@@ -25,6 +26,9 @@ __all__ = [
     "GpuProcess",
     "GpuState",
     "Manifest",
+    "KNOWN_BLOCKS",
+    "MARKED_BLOCKS_VERSION",
+    "parse_manifest",
 ]
 
 MANIFEST_FORMAT_VERSION: Literal[1] = 1
@@ -132,11 +136,20 @@ class AirflowTask(_Frozen):
     map_index: int = Field(ge=-1, default=-1)
 
 
+#: Version 4 and later mark what a reader must understand (parse_manifest; docs/store-format.md,
+#: "Forward compatibility"): every later version keeps that rule.
+MARKED_BLOCKS_VERSION = 4
+#: The optional parts of a manifest this version knows; anything else is a block of a later version.
+KNOWN_BLOCKS = frozenset({"signature", "gpu", "airflow"})
+
+
 class Manifest(_Frozen):
     # 1: unsigned. 2: the same fields plus ``signature`` (only signed manifests are written as 2, so
     # readers that predate signing still read every unsigned one). 3: holds ``gpu`` (CUDA state)
     # and/or ``airflow`` (the task that wrote it), signed or not: readers that predate it skip it.
-    format_version: Literal[1, 2, 3] = MANIFEST_FORMAT_VERSION
+    # 4 and later: ``writer`` and ``required``, and any blocks; one this reader does not know is
+    # skipped unless ``required`` names it (parse_manifest).
+    format_version: int = Field(default=MANIFEST_FORMAT_VERSION, ge=1, strict=True)
     checkpoint_id: str
     seq: int = Field(ge=1, description="1, 2, 3 ... within a checkpoint ID; the newest complete one restores.")
     try_number: int = Field(ge=0, default=0, description="Which try of the task took it (0 outside Airflow).")
@@ -155,6 +168,11 @@ class Manifest(_Frozen):
     signature: Signature | None = Field(default=None, description="Present when the writer had a signing key.")
     gpu: GpuState | None = Field(default=None, description="Present when the tree held CUDA state (version 3).")
     airflow: AirflowTask | None = Field(default=None, description="Present when an Airflow task wrote it (version 3).")
+    writer: str | None = Field(default=None, description="Version 4+: what wrote it, e.g. 'cedana-airflow 0.6.0'.")
+    required: tuple[str, ...] = Field(default=(), description="Version 4+: blocks a reader must understand to "
+                                      "restore it; any other block may be skipped by a reader that does not know it.")
+    #: Version 4+: blocks of a later version this reader skipped (kept: a signature covers them too).
+    _unknown_blocks: dict[str, object] = PrivateAttr(default_factory=dict)
 
     @field_validator("checkpoint_id")
     @classmethod
@@ -166,6 +184,12 @@ class Manifest(_Frozen):
 
     @model_validator(mode="after")
     def _version_says_what_is_in_it(self) -> Manifest:
+        if self.format_version >= MARKED_BLOCKS_VERSION:
+            if not self.writer:
+                raise ValueError(f"format_version {self.format_version} names its writer")
+            return self
+        if self.writer is not None or self.required:
+            raise ValueError(f"writer and required go with format_version {MARKED_BLOCKS_VERSION} and later")
         if (self.format_version == 3) != self.has_blocks():
             raise ValueError("a gpu or airflow block goes with format_version 3, and only there")
         if self.format_version == 2 and self.signature is None or self.format_version == 1 and self.signature:
@@ -181,11 +205,22 @@ class Manifest(_Frozen):
         return self.gpu is not None or self.airflow is not None
 
     def to_json(self) -> bytes:
-        """The stored document: absent blocks have no key at all (version 1 readers forbid unknown fields)."""
+        """The stored document: absent blocks have no key at all (version 1 readers forbid unknown fields);
+        blocks of a later version that this reader skipped are written back as they were."""
+        if self._unknown_blocks:
+            doc = {**self._unknown_blocks, **self.model_dump(mode="json", exclude=self.absent_blocks())}
+            return json.dumps(doc, indent=1).encode()
         return self.model_dump_json(indent=1, exclude=self.absent_blocks()).encode()
 
     def absent_blocks(self) -> set[str]:
-        return {k for k in ("signature", "gpu", "airflow") if getattr(self, k) is None}
+        """Keys the stored document does not have (versions before 4 have no writer or required)."""
+        absent = {k for k in ("signature", "gpu", "airflow") if getattr(self, k) is None}
+        return absent | ({"writer", "required"} if self.format_version < MARKED_BLOCKS_VERSION else set())
+
+    @property
+    def unknown_blocks(self) -> dict[str, object]:
+        """Blocks of a later version that this reader skipped, as written."""
+        return dict(self._unknown_blocks)
 
     @model_validator(mode="after")
     def _distinct(self) -> Manifest:
@@ -203,3 +238,39 @@ class Manifest(_Frozen):
     def chunk_digests(self) -> set[str]:
         refs = [c for f in self.files for c in f.chunks] + [c for f in self.captured for c in f.chunks]
         return {c.digest for c in refs}
+
+
+_FIELDS = frozenset(Manifest.model_fields)
+
+
+def parse_manifest(raw: bytes | str) -> Manifest:
+    """A stored manifest, read by this version's rules for every format version (docs/store-format.md,
+    "Forward compatibility"): from version 4 on, a top-level block this reader does not know is skipped
+    unless the manifest's ``required`` names it; then the manifest is refused in one line naming the
+    block and its writer. Raises ValueError (pydantic's included) for a manifest that does not parse."""
+    doc = json.loads(raw)
+    if not isinstance(doc, dict):
+        raise ValueError("a manifest is a JSON object")
+    version = doc.get("format_version")
+    unknown: dict[str, object] = {}
+    if isinstance(version, int) and not isinstance(version, bool) and version >= MARKED_BLOCKS_VERSION:
+        required = doc.get("required") or []
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ValueError("required is a list of block names")
+        unknown = {k: v for k, v in doc.items() if k not in _FIELDS}
+        needed = [k for k in required if k not in _FIELDS]
+        if needed:
+            raise UnknownRequiredBlock(
+                f"checkpoint {doc.get('checkpoint_id')} seq {doc.get('seq')} needs block {needed[0]!r}, written by "
+                f"{doc.get('writer') or 'an unnamed writer'} (manifest format {version}), which this cedana-airflow "
+                f"({_own_version()}) does not know: upgrade cedana-airflow on this node to restore it")
+        doc = {k: v for k, v in doc.items() if k in _FIELDS}
+    m = Manifest.model_validate(doc)
+    m._unknown_blocks = unknown
+    return m
+
+
+def _own_version() -> str:
+    from .. import __version__
+
+    return __version__

@@ -18,7 +18,7 @@ import hashlib
 import hmac
 import json
 
-from .manifest import Manifest, Signature
+from .manifest import MARKED_BLOCKS_VERSION, Manifest, Signature
 
 __all__ = ["canonical_bytes", "key_id", "sign", "signature_problem"]
 
@@ -29,7 +29,8 @@ def key_id(key: bytes) -> str:
 
 
 def canonical_bytes(m: Manifest) -> bytes:
-    doc = m.model_dump(mode="json", exclude={"signature"} | m.absent_blocks())
+    # Blocks of a later version that this reader skipped are signed too: they are part of what was written.
+    doc = {**m.unknown_blocks, **m.model_dump(mode="json", exclude={"signature"} | m.absent_blocks())}
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
@@ -38,9 +39,11 @@ def _mac(m: Manifest, key: bytes) -> str:
 
 
 def sign(m: Manifest, key: bytes) -> Manifest:
-    """``m`` as a signed manifest (format version 2, or 3 with a block); the version is signed too."""
-    v = m.model_copy(update={"format_version": Manifest.version_for(signed=True, blocks=m.has_blocks()),
-                             "signature": None})
+    """``m`` as a signed manifest (format version 2, or 3 with a block; 4 and later keep theirs); the
+    version is signed too."""
+    version = (m.format_version if m.format_version >= MARKED_BLOCKS_VERSION
+               else Manifest.version_for(signed=True, blocks=m.has_blocks()))
+    v = m.model_copy(update={"format_version": version, "signature": None})
     return v.model_copy(update={"signature": Signature(key_id=key_id(key), hmac=_mac(v, key))})
 
 

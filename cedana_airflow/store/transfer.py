@@ -23,7 +23,8 @@ from pydantic import ValidationError
 from ..config import default
 from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..format import chunking, layout
-from ..format.manifest import CAPTURED_DIR, AirflowTask, CapturedFile, ChunkRef, FileEntry, GpuState, Manifest, ProcessInfo
+from ..format.manifest import (CAPTURED_DIR, AirflowTask, CapturedFile, ChunkRef, FileEntry, GpuState, Manifest,
+                               ProcessInfo, parse_manifest)
 from ..format.selection import restore_order
 from ..format.signing import sign
 from ..ids import validate_checkpoint_id
@@ -231,7 +232,7 @@ def load_manifests_of(store: Store, checkpoint_ids: Sequence[str]) -> dict[str, 
     def read(key: tuple[str, int]) -> Manifest | None:
         cid, seq = key
         try:
-            m = Manifest.model_validate_json(store.get_manifest(cid, seq))
+            m = parse_manifest(store.get_manifest(cid, seq))
         except (ValidationError, ValueError, CorruptCheckpoint) as e:
             log.warning("manifest unreadable checkpoint_id=%s seq=%d: %s", cid, seq, str(e).splitlines()[0])
             return None

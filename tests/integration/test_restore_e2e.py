@@ -277,3 +277,29 @@ def test_a_checkpoint_above_max_checkpoint_bytes_is_skipped_once_logged_and_the_
     assert "above max_checkpoint_bytes 157286400" in listed[0]["last_skip"]
     text = cli("checkpoints", env=env).stdout
     assert f"grow: {skipped} heartbeat(s) skipped as too large" in text
+
+
+def test_a_checkpoint_of_a_later_version_restores_unless_it_needs_a_block_this_version_lacks(tmp_path):
+    """Forward compatibility, for real: the newest checkpoint (rewritten as a later version's, marking an
+    unknown block required) is refused in one line; the one before (a later version's too, with an
+    optional unknown block) restores, and the run ends as an uninterrupted one."""
+    args = ["--mb", "20", "--steps", "40", "--step-seconds", "0.1"]
+    proc = start_cli("run", "--id", "later", "--heartbeat", "0.7", "--", *_train(*args),
+                     env=cli_env(tmp_path, "node-a", "work-a"), out=tmp_path / "a")
+    ms = wait_for_checkpoints(tmp_path / "store", "later", 2, proc)
+    kill_node(proc, ms[0]["process"]["pid"])
+    *_, older, newest = manifests(tmp_path / "store", "later")
+
+    def rewrite(doc: dict, **blocks) -> None:
+        path = tmp_path / "store" / "later" / f"{doc['seq']:010d}" / "manifest.json"
+        path.write_text(json.dumps({**doc, "format_version": 7, "writer": "cedana-airflow 0.9.0", **blocks}))
+
+    rewrite(older, required=[], telemetry={"gpu_watts": 300})
+    rewrite(newest, required=["zstd_dictionary"], zstd_dictionary={"id": 3})
+    r = cli("restore", "--id", "later", "--json", env=cli_env(tmp_path, "node-b", "work-b"))
+    assert r.returncode == 0, r.stderr
+    [refused] = [ln for ln in r.stderr.splitlines() if "needs block 'zstd_dictionary'" in ln]
+    assert f"seq {newest['seq']}" in refused and "cedana-airflow 0.9.0" in refused and "upgrade" in refused
+    *out, last = r.stdout.splitlines()
+    assert json.loads(last)["restored_from"]["seq"] == older["seq"]
+    assert out[-1] == uninterrupted_digest(*args)
