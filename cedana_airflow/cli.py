@@ -472,6 +472,12 @@ def _cmd_drills(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from .compat import supervisor_refusal
+
+    refusal = supervisor_refusal(os.environ)  # before the arguments: a newer operator's flags may be unknown here
+    if refusal is not None:
+        print(f"ConfigError: {refusal}", file=sys.stderr)
+        return 2
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="cedana: %(message)s")

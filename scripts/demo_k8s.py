@@ -10,7 +10,9 @@ mounts as files. Two cases, each compared with an uninterrupted run of the same 
 - node loss: after a few heartbeat checkpoints every process of the pod is SIGKILLed; the retry's
   pod (try 2, same checkpoint ID) goes to another node, restores the latest checkpoint and finishes;
 - drain: the pod is stopped as a node drain deletes it (SIGTERM, SIGKILL after its grace period);
-  the final checkpoint is taken in the grace period and the retry restores that one.
+  the final checkpoint is taken in the grace period and the retry restores that one;
+- version skew: an operator newer than the image's CLI writes the pod; the CLI refuses in one line
+  (compat.py), before anything runs.
 
 Not exercised (no API server here): the API server and kubelet, the scheduler beyond the affinity
 filter, the runtime class handler, image pulls.
@@ -215,6 +217,22 @@ def drain(cluster: Cluster, prefix: str) -> Case:
     return case
 
 
+def skew(cluster: Cluster, prefix: str) -> Case:
+    """An operator newer than the image's CLI: the pod refuses at once, in one line, and takes nothing."""
+    import cedana_airflow.compat as compat
+
+    case, state = Case("version skew"), _TaskStateStore()
+    floor, compat.SUPERVISOR_FLOOR = compat.SUPERVISOR_FLOOR, "9.0"  # as an operator of 9.x would write the pod
+    try:
+        op = cluster.operator(prefix)
+        first = cluster.start(op, 1, state)
+    finally:
+        compat.SUPERVISOR_FLOOR = floor
+    case.tries.append(cluster.finish(first, 60))
+    cluster.rt.remove(first.pod)
+    return case
+
+
 @contextmanager
 def _environ(**values: str) -> Iterator[None]:
     """``values`` in os.environ for the length of a ``with``, then as they were (a test session goes on)."""
@@ -230,7 +248,8 @@ def _environ(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def run(root: Path, cache: Path | None = None, cases: tuple[str, ...] = ("node loss", "drain")) -> list[Case]:
+def run(root: Path, cache: Path | None = None,
+        cases: tuple[str, ...] = ("node loss", "drain", "version skew")) -> list[Case]:
     """Build (or load) the image, start the store, and play each case; every pod is gone afterwards."""
     import boto3
 
@@ -253,14 +272,14 @@ def run(root: Path, cache: Path | None = None, cases: tuple[str, ...] = ("node l
         boto3.client("s3").create_bucket(Bucket=BUCKET)
         cluster = Cluster(root, image, rt, s3_url, canary)
         done = []
-        for name, play in (("node loss", node_loss), ("drain", drain)):
+        for name, play in (("node loss", node_loss), ("drain", drain), ("version skew", skew)):
             if name in cases:
                 prefix = name.replace(" ", "-")
                 with _environ(AIRFLOW__CEDANA__STORE=f"s3://{BUCKET}/{prefix}"):
                     t0 = time.monotonic()
                     case = play(cluster, prefix)
                     case.seconds = time.monotonic() - t0
-                case.expected = expected
+                case.expected = expected if name != "version skew" else ""
                 case.manifests = cluster.checkpoints(prefix)
                 case.images_hold_credentials = images_hold(cluster, prefix, canary, root / "images" / prefix)
                 done.append(case)
@@ -278,6 +297,9 @@ def summary(cases: list[Case]) -> str:
             lines.extend(f"    affinity {k} {op} {v}" for k, op, v in t.affinity)
             lines.extend(f"    {r}" for r in restored)
             lines.extend(f"    {line.split('cedana: ', 1)[-1]}" for line in t.stderr.splitlines() if "stopped by SIG" in line)
+            lines.extend(f"    {line}" for line in t.stderr.splitlines() if line.startswith("ConfigError:"))
+        if not case.expected:
+            continue
         lines.append(f"  output {case.digest!r}, uninterrupted {case.expected!r}: "
                      + ("equal" if case.digest == case.expected else "DIFFERENT"))
         lines.append(f"  store credentials in the checkpoint images: {'YES' if case.images_hold_credentials else 'no'}")
@@ -298,7 +320,8 @@ def main() -> int:
         return 1
     print(summary(cases))
     print(f"logs: {root}")
-    ok = all(c.digest == c.expected and c.tries[-1].exit_code == 0 and not c.images_hold_credentials for c in cases)
+    ok = all(c.digest == c.expected and c.tries[-1].exit_code == 0 and not c.images_hold_credentials
+             for c in cases if c.expected) and all(c.tries[0].exit_code == 2 for c in cases if not c.expected)
     return 0 if ok else 1
 
 

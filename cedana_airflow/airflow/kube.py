@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from kubernetes.client import models as k8s
 
+from ..compat import handshake_env
 from ..config import Settings
 from ..format.manifest import AirflowTask
 from ..ids import validate_checkpoint_id
@@ -127,6 +128,8 @@ def apply_route(pod: k8s.V1Pod, route: Route) -> k8s.V1Pod:
     main.command = [*route.cli, "run", "--resume", "--id", route.checkpoint_id, "--heartbeat",
                     str(route.heartbeat_seconds), "--try-number", str(route.try_number), *task, "--", *original]
     main.args = None
+    for name, value in handshake_env().items():  # the image's CLI may be older than this operator
+        _env(main, name, value)
     if route.store:
         _env(main, "CEDANA_STORE", route.store)
     _env(main, "CEDANA_NODE", source=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path="spec.nodeName")))

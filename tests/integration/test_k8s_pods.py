@@ -57,7 +57,15 @@ def test_pods_drain_the_final_checkpoint_fits_the_grace_period_and_the_retry_res
     assert retry.exit_code == 0 and case.digest == case.expected
 
 
+def test_pods_an_image_older_than_the_operator_refuses_in_one_line_before_anything_runs(cases):
+    [t] = cases["version skew"].tries
+    assert t.exit_code == 2 and not t.stdout
+    [line] = t.stderr.strip().splitlines()
+    assert line.startswith("ConfigError: this command was written by cedana-airflow") and "9.0 or later" in line
+    assert not cases["version skew"].manifests
+
+
 def test_pods_the_store_credentials_reach_the_cli_as_files_and_never_a_checkpoint_image(cases):
-    for case in cases.values():
+    for case in (cases["node loss"], cases["drain"]):
         assert case.images_hold_credentials is False, case.name  # the canary key is in the Secret, not the images
         assert any("Secret volume" in n for n in case.tries[0].notes)

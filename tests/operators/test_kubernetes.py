@@ -98,6 +98,7 @@ def test_spec_wrap_route_wraps_the_command_with_the_cli_and_mounts_the_secret_as
     env = {e.name: e for e in main.env}
     assert env["CEDANA_STORE"].value == "s3://ckpt/airflow"
     assert env["CEDANA_NODE"].value_from.field_ref.field_path == "spec.nodeName"
+    assert env["CEDANA_MIN_SUPERVISOR"].value and env["CEDANA_OPERATOR_VERSION"].value  # the image's CLI may be older
     # The Secret is files for the CLI (read-only, root only), never the workload's environment.
     assert not main.env_from
     [vol] = [v for v in pod.spec.volumes if v.secret is not None]

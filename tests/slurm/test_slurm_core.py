@@ -40,6 +40,7 @@ def test_the_script_runs_the_command_unchanged_under_slurm_job_with_every_argume
     assert out[:9] == ["slurm-job", "--id", "d.t.run1", "--try-number", "2", "--heartbeat", "30", "--dag-id", "d"]
     assert out[out.index("--") + 1:out.index("--") + 5] == ["python", "train.py", "--lr", "0.1; rm -rf /"]
     assert out[-3:] == ["env s3://bucket/ckpt", "env /data/hf", "env /etc/cedana/optin.toml"]
+    assert "export CEDANA_MIN_SUPERVISOR=" in script  # the node's CLI may be older: it refuses in one line (compat.py)
 
 
 def test_bad_job_specs_are_one_line_each():

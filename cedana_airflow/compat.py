@@ -1,0 +1,52 @@
+"""The version handshake between what writes a supervisor's command line and the supervisor that runs it.
+
+The Kubernetes wrap route and the Slurm route write ``cedana-airflow run|slurm-job ...`` into a pod
+or a batch script on the Airflow worker; the CLI that runs it is whatever the image or the compute
+node has, which may be older. Flags and variables only ever get added, so a newer supervisor runs
+an older operator's command; an older one may not understand a newer operator's. The operator says
+which supervisor it needs (``CEDANA_MIN_SUPERVISOR``, and who it is: ``CEDANA_OPERATOR_VERSION``); a
+supervisor too old refuses before parsing its arguments, in one line with the fix, instead of an
+argparse complaint about a flag. (Supervisors before 0.5.1 do not know the variables: for them the
+failure stays argparse's "unrecognized arguments".)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from . import __version__
+
+__all__ = ["MIN_SUPERVISOR_ENV", "OPERATOR_VERSION_ENV", "SUPERVISOR_FLOOR", "handshake_env", "supervisor_refusal"]
+
+MIN_SUPERVISOR_ENV = "CEDANA_MIN_SUPERVISOR"
+OPERATOR_VERSION_ENV = "CEDANA_OPERATOR_VERSION"
+#: The oldest supervisor that understands every flag and CEDANA_* variable this version's routes write
+#: (raise it when a route starts to use something newer).
+SUPERVISOR_FLOOR = "0.5.1"
+
+
+def _parse(version: str) -> tuple[int, ...] | None:
+    m = re.match(r"^(\d+)\.(\d+)(?:\.(\d+))?", version.strip())
+    return tuple(int(p or 0) for p in m.groups()) if m else None
+
+
+def handshake_env() -> dict[str, str]:
+    """What an operator puts beside the command it writes."""
+    return {MIN_SUPERVISOR_ENV: SUPERVISOR_FLOOR, OPERATOR_VERSION_ENV: __version__}
+
+
+def supervisor_refusal(environ: Mapping[str, str], own: str = __version__) -> str | None:
+    """Why this supervisor must not run the command it was given, or None."""
+    wanted = environ.get(MIN_SUPERVISOR_ENV, "").strip()
+    if not wanted:
+        return None
+    need, have = _parse(wanted), _parse(own)
+    if need is None or have is None:
+        return f"{MIN_SUPERVISOR_ENV}={wanted!r} is not a version like 0.5.1; the operator that wrote it is broken"
+    if have >= need:
+        return None
+    operator = environ.get(OPERATOR_VERSION_ENV, "an unknown version")
+    return (f"this command was written by cedana-airflow {operator} on the Airflow worker, which needs a supervisor "
+            f"of {wanted} or later; this one is {own}. Upgrade cedana-airflow where the command runs (the pod's "
+            f"image: deploy/Containerfile; a Slurm node's install) to {operator}")
