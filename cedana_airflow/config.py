@@ -124,6 +124,11 @@ class Settings(BaseModel):
     )
     s3_sse_kms_key_id: str = Field(default="", description="KMS key ID or ARN for s3_sse = 'aws:kms'.")
     s3_parallelism: int = Field(default=16, ge=1, le=256, description="S3 requests in flight at once.")
+    s3_read_timeout_seconds: float = Field(
+        default=60.0, gt=0, allow_inf_nan=False, description="How long one S3 request may wait for an answer before "
+        "it is retried (5 attempts in all): a heartbeat against a hung endpoint gives up after about 5 times this.")
+    s3_connect_timeout_seconds: float = Field(
+        default=10.0, gt=0, allow_inf_nan=False, description="How long connecting to the S3 endpoint may take.")
     optin_file: Path | None = Field(
         default=None, description="The opt-in list (TOML, or YAML with PyYAML). None: nothing is in scope."
     )

@@ -23,6 +23,7 @@ from ..config import Settings
 from ..engine.criu import CriuEngine
 from ..engine.page_file import sweep
 from ..errors import CorruptCheckpoint, NotRestorableHere, RestoreFailed, WriterFenced
+from ..failpoints import failpoint
 from ..format.chunking import MAX_CHUNK_FACTOR, SegmentMemo
 from ..format.manifest import CAPTURED_DIR, AirflowTask, Manifest, ProcessInfo
 from ..format.selection import AgeLimit, limits_exceeded
@@ -156,7 +157,9 @@ class Checkpointer:
                 with self._phase("dump"):
                     # CUDA state first moves into host memory (engine/cuda.py), then CRIU dumps it with the rest.
                     with self.gpu.suspended(holding, leave_running=leave_running) as suspension:
+                        failpoint("heartbeat.freeze", workload=workload.pid, work_dir=self.work_dir)
                         dump = self.engine.dump(workload.pid, dump_dir / "images", leave_running=leave_running)
+                        failpoint("heartbeat.dump", workload=workload.pid, work_dir=self.work_dir)
                 grew = dump_too_large(dump, self.settings.max_checkpoint_bytes)
                 if grew and leave_running:  # the tree grew after its estimate: the limit still holds for the store
                     shutil.rmtree(dump_dir, ignore_errors=True)
@@ -177,6 +180,7 @@ class Checkpointer:
                     airflow=self.airflow,
                 )
                 captured = [CapturedSource(p, c, m) for p, c, m in dump.captured]
+                failpoint("heartbeat.capture", workload=workload.pid, work_dir=self.work_dir)
                 with self._phase("save"):
                     manifest = save_checkpoint(self.store, self.store_cfg, meta, dump.image_dir, captured,
                                                known_digests=self._known, compression=self.settings.compression,
@@ -196,6 +200,7 @@ class Checkpointer:
             self._known = manifest.chunk_digests()
             self._check_stop_window(manifest, time.monotonic() - started, freeze)
             kept = prune_checkpoints(self.store, self.checkpoint_id, self.settings.keep_checkpoints)[0]
+            failpoint("heartbeat.index", workload=workload.pid)
             index.record_checkpoint(self.store, manifest, kept)
             self._check_restorable(manifest)  # after the row: an index entry without checkpoints is dropped
             log.info("freeze checkpoint_id=%s seq=%d freeze_seconds=%.3f rss_bytes=%d%s",
@@ -303,8 +308,10 @@ class Checkpointer:
         if stale := sweep(self.work_dir):
             log.warning("unmounted %d page file(s) a killed supervisor left under %s", stale, self.work_dir)
         skipped: list[str] = []
+        failpoint("restore.lease", work_dir=self.work_dir)  # the runner holds the writer lease by now
         candidates = require_latest(self.store, self.checkpoint_id)
         for i, m in enumerate(candidates):
+            failpoint("restore.manifest", work_dir=self.work_dir)
             why_not = self._refused.get(m.seq) or self._refusal(m)
             if why_not:  # each candidate, not just the newest: a fallback must not run forged or stale state
                 skipped.append(why_not)
@@ -403,6 +410,7 @@ class Checkpointer:
             with self._phase("criu_restore"):
                 if feed is not None:  # only now: every check of the checkpoint has passed
                     feed.start()
+                failpoint("restore.criu", work_dir=self.work_dir)
                 pid, out_r, err_r = self.engine.restore_piped(dest, m.process.stdout_pipe, m.process.stderr_pipe,
                                                               pidfile=dest.with_name(dest.name + ".pid"),
                                                               lazy=feed is not None)
@@ -411,6 +419,7 @@ class Checkpointer:
                                       watchdog_holds=feed.holds if feed is not None else ())
             if feed is not None:
                 feed.attach(pid)
+            failpoint("restore.resume", workload=pid, work_dir=self.work_dir)
             seconds = self.gpu.resume(workload, m)  # a failure kills the tree and refuses the checkpoint
             if m.gpu is not None:
                 log.info("gpu state restored checkpoint_id=%s seq=%d processes=%d seconds=%.3f",

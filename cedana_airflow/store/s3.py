@@ -40,7 +40,8 @@ def client_config(settings: Settings) -> Any:
 
     return Config(retries={"mode": "standard", "max_attempts": 5},
                   max_pool_connections=max(settings.s3_parallelism, 10),
-                  s3={"addressing_style": settings.s3_addressing_style}, connect_timeout=10, read_timeout=60)
+                  s3={"addressing_style": settings.s3_addressing_style},
+                  connect_timeout=settings.s3_connect_timeout_seconds, read_timeout=settings.s3_read_timeout_seconds)
 
 
 def make_s3_client(settings: Settings) -> Any:

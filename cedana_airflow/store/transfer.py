@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from ..config import default
 from ..errors import CheckpointNotFound, CorruptCheckpoint
+from ..failpoints import failpoint
 from ..format import chunking, layout
 from ..format.manifest import (CAPTURED_DIR, AirflowTask, CapturedFile, ChunkRef, FileEntry, GpuState, Manifest,
                                ProcessInfo, parse_manifest)
@@ -85,6 +86,7 @@ class _Writer:
             return -1
         blob = chunking.encode(data, self.compression)
         self.store.put_chunk(d, blob)
+        failpoint("heartbeat.upload")
         return len(blob)
 
     def _drain(self, keep: int) -> None:
@@ -170,6 +172,7 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path,
         for p in image_files:
             size, refs = w.add_file(p)
             entries.append(FileEntry(name=p.name, size=size, chunks=refs))
+            failpoint("heartbeat.chunk")
         caps = []
         for c in captured:
             size, refs = w.add_file(c.copy)
@@ -202,6 +205,7 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path,
             manifest = sign(manifest, signing_key)
         if before_commit is not None:
             before_commit()
+        failpoint("heartbeat.manifest")
         # The commit point: until this write succeeds the checkpoint does not exist.
         if store.put_manifest(meta.checkpoint_id, seq, manifest.to_json()):
             break
@@ -292,6 +296,7 @@ def fetch_checkpoint(store: Store, manifest: Manifest, dest: Path, progress_mode
 
         def get(job: tuple[int, int, ChunkRef]) -> None:
             fd, off, ref = job
+            failpoint("restore.chunks")
             raw = read_chunk(store, ref.digest, ref.size, reader)
             os.pwrite(fd, raw, off)
             progress.advance(ref.size)

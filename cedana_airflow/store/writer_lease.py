@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..engine.procfs import process_start
 from ..errors import CedanaError, WriterFenced, WriterLeaseHeld
+from ..failpoints import failpoint
 from ..format.layout import lease_key
 from .base import Store
 
@@ -209,6 +210,7 @@ class WriterLease:
 
     def renew(self) -> None:
         """Push the expiry forward; finding another holder fences us instead."""
+        failpoint("heartbeat.lease")
         for _ in range(3):
             if self._fenced is not None:
                 return
