@@ -27,6 +27,7 @@ page is in: CRIU cannot dump a tree with pages still missing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -48,6 +49,7 @@ from ..errors import CorruptCheckpoint, StoreUnavailable
 from ..format.manifest import Manifest
 from ..store.base import Store
 from ..store.chunk_view import ChunkView
+from .workload import WAIT_FOR_SUPERVISOR
 
 __all__ = ["LazyFeed", "PREFETCH_WINDOW_BYTES", "lazy_files", "transport"]
 
@@ -97,6 +99,7 @@ class LazyFeed:
         self._server: PageServer | None = None
         self._files: list[PageFile] = []
         self._daemon: subprocess.Popen[bytes] | None = None
+        self._janitor: subprocess.Popen[bytes] | None = None
         self._watch: threading.Thread | None = None
         self._holds: tuple[int, ...] = ()
 
@@ -156,6 +159,7 @@ class LazyFeed:
             self._start_files()
         else:
             self._start_socket()
+        self._janitor = _janitor(self._daemon, [f.target for f in self._files])
         self._watch = threading.Thread(target=self._watch_daemon, name="cedana-lazy-watch", daemon=True)
         self._watch.start()
 
@@ -297,6 +301,11 @@ class LazyFeed:
                 self._daemon.kill()
                 self._daemon.wait()
         self._let_go()
+        if self._janitor is not None:  # everything it would clean up is gone
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._janitor.pid, signal.SIGKILL)
+            self._janitor.wait()
+            self._janitor = None
         if remove_dir and not self.keep_dir:
             shutil.rmtree(self.image_dir.parent, ignore_errors=True)
 
@@ -311,3 +320,23 @@ class LazyFeed:
             view.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._prefetch_pool.shutdown(wait=False, cancel_futures=True)
+
+
+# After a killed supervisor ($1), what it started for a lazy restore must not stay: the daemon ($2),
+# which would wait for pages forever, and the page files' mounts (the rest). 3 s first: a restored
+# tree is killed by its watchdog within 1 s, and until then the watchdog holds what the daemon reads
+# from, so the daemon never hands that tree zero-filled pages.
+_JANITOR = WAIT_FOR_SUPERVISOR + r"""sleep 3
+kill -KILL "$2" 2>/dev/null
+shift 2
+for m in "$@"; do umount -l "$m" 2>/dev/null; done
+"""
+
+
+def _janitor(daemon: subprocess.Popen[bytes] | None, mounts: list[Path]) -> subprocess.Popen[bytes] | None:
+    """A helper that cleans up after a supervisor killed mid-restore (its own session: it outlives us)."""
+    if daemon is None:
+        return None
+    return subprocess.Popen(["sh", "-c", _JANITOR, "cedana-lazy-janitor", str(os.getpid()), str(daemon.pid),
+                             *map(str, mounts)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)

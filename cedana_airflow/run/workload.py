@@ -281,16 +281,18 @@ def run_unprotected(command: Sequence[str], *, cwd: str | None, env: dict[str, s
     return proc.wait()
 
 
-# Waits for the supervisor ($1) to die (gone or a zombie), then kills the workload's init ($2),
-# which ends its whole PID namespace. Builtins only, one `sleep` a second.
-_WATCHDOG = r"""
+#: Shell that returns once the supervisor ($1) has died (gone or a zombie). Builtins only, one
+#: `sleep` a second: what a helper that must outlive a killed supervisor runs first.
+WAIT_FOR_SUPERVISOR = r"""
 while :; do
   state=
   while read -r key value _; do [ "$key" = State: ] && state=$value && break; done < /proc/$1/status
   case "$state" in ""|Z) break ;; esac
   sleep 1
 done 2>/dev/null
-kill -KILL "$2" 2>/dev/null
+"""
+# Then kills the workload's init ($2), which ends its whole PID namespace.
+_WATCHDOG = WAIT_FOR_SUPERVISOR + """kill -KILL "$2" 2>/dev/null
 """
 
 
