@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup criu torch browser services slurm pods demo ui demo-fleet demo-slurm demo-k8s test test-unit soak bench clean
+.PHONY: setup criu torch browser services slurm pods demo ui demo-fleet demo-slurm demo-k8s test test-unit soak bench faults clean
 
 setup: $(STAMP) criu
 
@@ -76,6 +76,12 @@ soak: setup torch
 
 bench: setup
 	$(BIN)/python bench/run.py
+
+# Every fault at every step of a heartbeat and a restore (about 15 minutes), then 32 supervisors under
+# load for 3 minutes; both rewrite their tables in docs/faults.md. The suite runs a slice of the first.
+faults: setup
+	$(BIN)/python tests/faults/fault_matrix.py --write docs/faults.md
+	$(BIN)/python tests/faults/load.py --write docs/faults.md
 
 clean:
 	rm -rf $(VENV) .cedana .pytest_cache

@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 from typing import Any
 
+from ..store.index import conflicts_retried
 from .runner import RunResult
 
 __all__ = ["SUMMARY_VERSION", "run_summary", "error_summary"]
@@ -46,6 +47,7 @@ def run_summary(result: RunResult, checkpoint_id: str, node: str) -> dict[str, A
         "stopped_by": stop.cause if stop is not None else _signal_name(result.stopped_by_signal),
         "final_checkpoint_seq": stop.final.seq if stop is not None and stop.final is not None else None,
         "killed_by": _signal_name(result.killed_by_signal),
+        "index_conflicts_retried": conflicts_retried(),
         "error": None,
     }
 

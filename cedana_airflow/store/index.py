@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -86,6 +87,15 @@ def _parse(raw: bytes | None, key: str) -> _Shard:
         return _Shard()
 
 
+_conflicts = [0]  # this process's lost compare-and-swaps (a run's summary reports them)
+_conflicts_lock = threading.Lock()
+
+
+def conflicts_retried() -> int:
+    """Index updates this process had to retry because another writer changed the shard first."""
+    return _conflicts[0]
+
+
 def _update(store: Store, key: str, change: Callable[[dict[str, IndexEntry]], None]) -> bool:
     """Apply ``change`` to a shard's entries and write it back, retrying when another writer won."""
     for attempt in range(_ATTEMPTS):
@@ -95,6 +105,8 @@ def _update(store: Store, key: str, change: Callable[[dict[str, IndexEntry]], No
         data = _Shard(ids={k: v for k, v in sorted(ids.items()) if not v.empty()}).model_dump_json().encode()
         if store.put_if_version(key, data, token):
             return True
+        with _conflicts_lock:
+            _conflicts[0] += 1
         time.sleep(random.uniform(0, 0.02 * 2 ** min(attempt, 5)))  # contention: back off, jittered
     log.warning("listing index %s: gave up after %d contended updates; gc rebuilds it", key, _ATTEMPTS)
     return False
