@@ -26,7 +26,6 @@ __all__ = [
     "GpuProcess",
     "GpuState",
     "Manifest",
-    "KNOWN_BLOCKS",
     "MARKED_BLOCKS_VERSION",
     "parse_manifest",
 ]
@@ -139,8 +138,6 @@ class AirflowTask(_Frozen):
 #: Version 4 and later mark what a reader must understand (parse_manifest; docs/store-format.md,
 #: "Forward compatibility"): every later version keeps that rule.
 MARKED_BLOCKS_VERSION = 4
-#: The optional parts of a manifest this version knows; anything else is a block of a later version.
-KNOWN_BLOCKS = frozenset({"signature", "gpu", "airflow"})
 
 
 class Manifest(_Frozen):
