@@ -12,6 +12,7 @@ A failed trigger is logged and the workload keeps running; the previous checkpoi
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from collections.abc import Callable
@@ -24,10 +25,11 @@ log = logging.getLogger(__name__)
 
 
 class Heartbeat(threading.Thread):
-    def __init__(self, interval: float, beat: Callable[[], object]) -> None:
+    def __init__(self, interval: float, beat: Callable[[], object], alive: Callable[[], bool] | None = None) -> None:
         super().__init__(name="cedana-heartbeat", daemon=True)
         self.interval = interval
         self._beat = beat
+        self._alive = alive  # is the workload still there? (a dump fails when it ends under it)
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -35,14 +37,31 @@ class Heartbeat(threading.Thread):
             try:
                 self._beat()
             except CedanaError as e:
-                log.warning("heartbeat failed; the workload keeps running: %s", e)
+                self._failed(str(e))
+            except OSError as e:  # the node's own trouble (a full disk, an I/O error): the cause and the fix
+                self._failed(os_error_line(e))
             except Exception:  # a bug in a heartbeat must not take the workload down either
                 log.exception("heartbeat failed unexpectedly; the workload keeps running")
+
+    def _failed(self, why: str) -> None:
+        if self._alive is not None and not self._alive():
+            log.warning("heartbeat failed as the workload ended (the previous checkpoint stays the latest): %s", why)
+        else:
+            log.warning("heartbeat failed; the workload keeps running: %s", why)
 
     def stop(self, wait: bool = True) -> None:
         self._halt.set()
         if wait and self.is_alive() and threading.current_thread() is not self:
             self.join()
+
+
+def os_error_line(e: OSError) -> str:
+    """An OSError of a heartbeat as one line: what failed, where, and the fix when there is a usual one."""
+    where = f" ({e.filename})" if e.filename else ""
+    fix = {errno.ENOSPC: "; free space there or point CEDANA_WORK_DIR at a larger disk",
+           errno.EDQUOT: "; raise the quota or point CEDANA_WORK_DIR elsewhere",
+           errno.EROFS: "; point CEDANA_WORK_DIR at a writable file system"}.get(e.errno or 0, "")
+    return f"{e.strerror or e}{where}{fix}"
 
 
 class MemoryWatch(threading.Thread):

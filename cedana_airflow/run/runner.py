@@ -362,7 +362,8 @@ class _Triggers:
     """The heartbeat and the memory watch that ``settings`` ask for, started and stopped together."""
 
     def __init__(self, settings: Settings, workload: Workload, beat: Callable[[], None]) -> None:
-        self.heartbeat = Heartbeat(settings.heartbeat_seconds, beat) if settings.heartbeat_seconds > 0 else None
+        self.heartbeat = (Heartbeat(settings.heartbeat_seconds, beat, alive=lambda: workload.poll() is None)
+                          if settings.heartbeat_seconds > 0 else None)
         self.watch = (MemoryWatch(settings.checkpoint_above_bytes, lambda: estimate_checkpoint(workload.pids()).total,
                                   beat) if settings.checkpoint_above_bytes > 0 else None)
 
