@@ -60,8 +60,13 @@ S3_REQUESTS = {"heartbeat.upload": ("PUT", r"/chunks/"), "heartbeat.manifest": (
                "heartbeat.index": ("PUT", r"/index/"), "heartbeat.lease": ("PUT", r"/leases/"),
                "restore.lease": ("PUT", r"/leases/"), "restore.manifest": ("GET", r"/manifest\.json"),
                "restore.chunks": ("GET", r"/chunks/")}
-#: Steps that know the workload's pid (before a restore has made one, there is none to kill).
-HAS_WORKLOAD = HEARTBEAT_STEPS + ("restore.resume",)
+#: Steps whose failpoint knows the workload's pid (the store's steps run apart from it; before a
+#: restore has made one there is none).
+HAS_WORKLOAD = ("heartbeat.freeze", "heartbeat.dump", "heartbeat.capture", "heartbeat.index", "restore.resume")
+#: Steps after which something is written to the work dir (a dump, or a restore's fetch).
+WRITES_AFTER = ("heartbeat.freeze", "heartbeat.dump", "restore.lease", "restore.manifest")
+#: Steps after which the supervisor reads its wall clock (time.time: the lease's renewals).
+READS_CLOCK_AFTER = ("heartbeat.lease", "restore.lease")
 
 
 def applies(step: str, fault: str) -> str | None:
@@ -69,11 +74,11 @@ def applies(step: str, fault: str) -> str | None:
     if fault.startswith("s3-") and step not in S3_REQUESTS:
         return "no S3 request at this step"
     if fault == "kill-workload" and step not in HAS_WORKLOAD:
-        return "no workload yet"
-    if fault == "disk-full" and step not in ("heartbeat.freeze", "heartbeat.dump", "restore.manifest", "restore.chunks"):
-        return "the step writes nothing locally"
-    if fault == "clock-jump" and step not in ("heartbeat.lease", "heartbeat.manifest", "restore.lease"):
-        return "the step reads no clock"
+        return "the step runs apart from the workload (or before there is one)"
+    if fault == "disk-full" and step not in WRITES_AFTER:
+        return "nothing is written to the work dir after this step"
+    if fault == "clock-jump" and step not in READS_CLOCK_AFTER:
+        return "no wall-clock reading follows this step"
     return None
 
 
