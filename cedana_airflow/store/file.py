@@ -153,10 +153,14 @@ class FileStore(RequiredReads):
         # Readers never lock (the write is a rename); writers of one key queue on a sidecar lock,
         # the file-store equivalent of S3's If-Match / If-None-Match.
         lock_path = self.root / layout.cas_lock_key(key)
-        while True:
+        for attempt in range(1000):
             try:
                 lock_path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            except FileNotFoundError:
+                if attempt < 999:  # the folder, emptied, was removed between the two: make it again
+                    continue
+                raise StoreUnavailable(f"store {self.url}: locking {key} failed: its folder keeps vanishing") from None
             except OSError as e:
                 raise StoreUnavailable(f"store {self.url}: locking {key} failed: {e.strerror or e}. "
                                        f"Fix permissions on {self.root}.") from None
@@ -169,6 +173,7 @@ class FileStore(RequiredReads):
                 return self._write_atomic(key, data, exclusive=False)
             finally:
                 os.close(fd)
+        raise StoreUnavailable(f"store {self.url}: locking {key} failed: its lock file keeps being replaced")
 
     def list_objects(self, prefix: str, limit: int = 0) -> Iterator[StoredObject]:
         top = self.root / prefix
