@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -189,32 +189,30 @@ def images_hold(cluster: Cluster, prefix: str, secret: str, into: Path) -> bool:
     return any(secret.encode() in p.read_bytes() for p in into.rglob("*") if p.is_file())
 
 
-def node_loss(cluster: Cluster, prefix: str) -> Case:
-    case, state = Case("node loss"), _TaskStateStore()
+def _first_try_ends_then_retry(cluster: Cluster, prefix: str, name: str, checkpoints: int,
+                               end: Callable[[str], None]) -> Case:
+    """Try 1 runs until ``checkpoints`` are stored, ``end`` ends its pod, and try 2's pod runs to its end."""
+    case, state = Case(name), _TaskStateStore()
     op = cluster.operator(prefix)
     first = cluster.start(op, 1, state)
     case.tries.append(first)
-    cluster.wait_checkpoints(prefix, 3, first)
+    cluster.wait_checkpoints(prefix, checkpoints, first)
     first.checkpoints_before_end = len(cluster.checkpoints(prefix))
-    cluster.rt.lose_node(first.pod)  # the node is gone: no final checkpoint, nothing more from this pod
+    end(first.pod)
     cluster.finish(first, 60)
     cluster.rt.remove(first.pod)
     case.tries.append(cluster.finish(cluster.start(op, 2, state)))
     return case
+
+
+def node_loss(cluster: Cluster, prefix: str) -> Case:
+    # the node is gone: no final checkpoint, nothing more from this pod
+    return _first_try_ends_then_retry(cluster, prefix, "node loss", 3, cluster.rt.lose_node)
 
 
 def drain(cluster: Cluster, prefix: str) -> Case:
-    case, state = Case("drain"), _TaskStateStore()
-    op = cluster.operator(prefix)
-    first = cluster.start(op, 1, state)
-    case.tries.append(first)
-    cluster.wait_checkpoints(prefix, 1, first)
-    first.checkpoints_before_end = len(cluster.checkpoints(prefix))
-    cluster.rt.drain(first.pod, GRACE_SECONDS)  # SIGTERM; the final checkpoint must fit in the grace period
-    cluster.finish(first, 60)
-    cluster.rt.remove(first.pod)
-    case.tries.append(cluster.finish(cluster.start(op, 2, state)))
-    return case
+    # SIGTERM; the final checkpoint must fit in the grace period
+    return _first_try_ends_then_retry(cluster, prefix, "drain", 1, lambda pod: cluster.rt.drain(pod, GRACE_SECONDS))
 
 
 def skew(cluster: Cluster, prefix: str) -> Case:

@@ -65,6 +65,21 @@ def descendants(pids: int | Iterable[int]) -> list[int]:
     return out
 
 
+def processes_with(pattern: str) -> dict[int, str]:
+    """Processes (but this one) whose command line holds ``pattern``: pid -> command line. What a test
+    looks for after a run: a stray restored workload, a lazy-pages daemon."""
+    found = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if pattern in cmd:
+                found[int(d.name)] = cmd
+    return found
+
+
 def reap() -> None:
     """Collect every child that has ended, without waiting: a subreaper's orphans (this machine's init
     does not reap them, and killed supervisors leave their trees to us)."""

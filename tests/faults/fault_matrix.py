@@ -41,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path[:0] = [str(HERE), str(REPO / "scripts")]
 
+from local_parts import processes_with  # noqa: E402
 from s3_faults import FaultProxy, Rule  # noqa: E402
 
 TRAIN = REPO / "tests" / "workloads" / "train.py"
@@ -194,16 +195,8 @@ def _wait_for(predicate, timeout: float, what: str, t: _Try | None = None) -> No
 
 def _strays(case: Path) -> list[str]:
     """Processes whose command line names the case's directory, and mounts under it."""
-    found = []
     mark = str(case)
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
-            try:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if mark in cmd:
-                found.append(f"pid {d.name}: {cmd[:120]}")
+    found = [f"pid {pid}: {cmd[:120]}" for pid, cmd in processes_with(mark).items()]
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         if mark in line:
             found.append(f"mount: {line.split()[4]}")
@@ -219,7 +212,7 @@ def _kill_case(case: Path) -> None:
                 pass
 
 
-def _fault_spec(step: str, fault: str, case: Path, env: dict[str, str], cid: str) -> tuple[str, Rule | None]:
+def _fault_spec(step: str, fault: str, case: Path, cid: str) -> tuple[str, Rule | None]:
     """(the failpoints, the proxy rule) that make ``fault`` happen at ``step``."""
     nth = "@2" if step in HEARTBEAT_STEPS else ""
     if step in ("heartbeat.chunk", "heartbeat.upload"):  # hit per file / per chunk: the second heartbeat's first
@@ -276,7 +269,7 @@ def run_case(bench: Bench, step: str, fault: str) -> Outcome:
                 small[-1].mkdir()
                 subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192m,mode=0700", "tmpfs", str(small[-1])], check=True)
         env_a = _env(bench, case, "node-a", prefix)
-        failpoints, rule = _fault_spec(step, fault, case, env_a, cid)
+        failpoints, rule = _fault_spec(step, fault, case, cid)
         if step in HEARTBEAT_STEPS:
             first = _start(case, "try1", {**env_a, **({"CEDANA_FAILPOINTS": failpoints} if failpoints else {})}, 1, cid)
             tries.append(first)

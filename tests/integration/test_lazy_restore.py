@@ -20,6 +20,7 @@ from cedana_airflow.errors import StoreUnavailable
 from cedana_airflow.run.runner import run_workload
 from cedana_airflow.store import open_store
 from conftest import TRAIN, cli, cli_env, kill_node, manifests, moto_server, start_cli, uninterrupted_digest, wait_for_checkpoints
+from local_parts import processes_with
 
 pytestmark = pytest.mark.integration
 
@@ -33,16 +34,7 @@ def _train(*extra: str) -> list[str]:
 
 def _ours(pattern: str) -> list[int]:
     """PIDs whose command line holds ``pattern`` (a stray restored workload, a lazy-pages daemon)."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
-            try:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if pattern in cmd:
-                found.append(int(d.name))
-    return found
+    return list(processes_with(pattern))
 
 
 def _checkpointed_and_lost(tmp_path: Path, cid: str, args: list[str], n: int, **env: str) -> list[dict]:
