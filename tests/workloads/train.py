@@ -56,10 +56,15 @@ for step in range(args.steps):
         assert echoed == f"step{step}"[::-1], echoed
     if log:
         log.write(f"step {step}\n"); log.flush()
-    if args.threads:  # every thread is still running (also after a restore): each counter moved
+    if args.threads:  # every thread is still running (also after a restore): each counter moves
+        # A generous deadline, not a fixed 30 ms: on a loaded machine (or while a lazy restore still
+        # serves pages) a live thread can miss a short window; a dead one never moves at all.
         seen = list(counters)
-        time.sleep(0.03)
-        assert all(c > s for c, s in zip(counters, seen)), (counters, seen)
+        deadline = time.monotonic() + 10
+        while not all(c > s for c, s in zip(counters, seen)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        moved = list(counters)
+        assert all(c > s for c, s in zip(moved, seen)), (moved, seen)
     print(f"step {step + 1}/{args.steps}", flush=True)
     time.sleep(args.step_seconds)
 
