@@ -13,6 +13,7 @@ import contextlib
 import functools
 import logging
 import os
+import random
 import re
 import select
 import shutil
@@ -23,8 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import DumpFailed, EngineUnavailable, RestoreFailed
+from . import proc_mountpoint
 from .capture import CaptureOnFreeze
 from .images import read_dump_stats
+from .procfs import tree_pids
 
 __all__ = ["CriuBinary", "CriuEngine", "DumpResult", "find_criu", "MIN_CRIU_MAJOR"]
 
@@ -161,6 +164,22 @@ _HINTS = [
 ]
 
 
+def _beside(image_dir: Path, suffix: str) -> Path:
+    return image_dir.with_name(image_dir.name + suffix)
+
+
+#: How often a dump that collided on proc.crtools is tried in all (proc_mountpoint.py).
+_DUMP_ATTEMPTS = 4
+
+
+class _Collided(Exception):
+    """This try of a dump met another dump's proc.crtools; ``line`` is what to say if it was the last."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__(line)
+        self.line = line
+
+
 def _hint(tail: str) -> str:
     for needle, hint in _HINTS:
         if needle in tail:
@@ -204,12 +223,31 @@ class CriuEngine:
         """Freeze the tree rooted at ``pid``, write its images to ``image_dir``, resume it (or not).
 
         With ``capture``, files the tree holds open for writing are copied while it is still frozen
-        (into ``<image_dir>.captured/``). CRIU's log goes to ``<image_dir>.dump.log``.
+        (into ``<image_dir>.captured/``). CRIU's log goes to ``<image_dir>.dump.log``. A dump that
+        collided with another one on ``proc.crtools`` (proc_mountpoint.py) is tried again: CRIU has
+        already let the tree run on, and the other dump is done with the directory in milliseconds.
         """
         self._require_root("checkpointing")
+        dirs = proc_mountpoint.working_dirs(tree_pids(pid))
+        proc_mountpoint.clear_stale(dirs)
+        for attempt in range(1, _DUMP_ATTEMPTS + 1):
+            try:
+                return self._dump_once(pid, image_dir, leave_running, capture, dirs)
+            except _Collided as e:
+                if attempt == _DUMP_ATTEMPTS:
+                    raise DumpFailed(e.line) from None
+                log.info("criu dump of pid %s collided with another dump on %s (try %d of %d); trying again",
+                         pid, proc_mountpoint.NAME, attempt, _DUMP_ATTEMPTS)
+                shutil.rmtree(image_dir, ignore_errors=True)
+                shutil.rmtree(_beside(image_dir, ".captured"), ignore_errors=True)
+                _beside(image_dir, ".dump.log").unlink(missing_ok=True)
+                time.sleep(random.uniform(0.05, 0.25) * attempt)  # jittered: the colliders do not meet again
+        raise AssertionError("unreachable")
+
+    def _dump_once(self, pid: int, image_dir: Path, leave_running: bool, capture: bool, dirs: set[str]) -> DumpResult:
         image_dir.mkdir(parents=True, exist_ok=False)
-        log_path = image_dir.with_name(image_dir.name + ".dump.log")
-        side = image_dir.with_name(image_dir.name + ".captured")
+        log_path = _beside(image_dir, ".dump.log")
+        side = _beside(image_dir, ".captured")
         side.mkdir()
         cmd = [self.binary.path, "dump", "-t", str(pid), "-D", str(image_dir), "-o", str(log_path), "--file-locks",
                "-L", no_plugins_dir()]
@@ -233,10 +271,11 @@ class CriuEngine:
             tail = _log_tail(log_path) or proc.stderr.strip()[-300:]
             if capture and cap.error:
                 tail = f"capturing open files failed ({cap.error})"
-            raise DumpFailed(
-                f"criu dump of pid {pid} failed (exit {proc.returncode}): {tail}. "
-                f"{_hint(tail)}; log: {log_path}."
-            )
+            hint = proc_mountpoint.hint(tail, dirs) or _hint(tail)
+            line = f"criu dump of pid {pid} failed (exit {proc.returncode}): {tail}. {hint[0].upper()}{hint[1:]}; log: {log_path}."
+            if proc_mountpoint.collided(tail):
+                raise _Collided(line)
+            raise DumpFailed(line)
         stats = read_dump_stats(image_dir)
         return DumpResult(image_dir, seconds, stats.get("frozen", seconds), tuple(cap.captured) if capture else ())
 
