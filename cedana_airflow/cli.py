@@ -26,6 +26,10 @@ __all__ = ["main"]
 
 log = logging.getLogger("cedana_airflow.cli")
 
+#: ``gc --wait``: long enough for the saves under way when gc takes its lock (seconds each here, about a
+#: minute for a few GiB of new chunks), short enough that writers do not skip heartbeats for long.
+GC_WAIT_SECONDS = 60.0
+
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", help="file:///DIR or s3://bucket/prefix (default: CEDANA_STORE, else ./.cedana/store)")
@@ -61,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     gc = sub.add_parser("gc", help="remove chunks no checkpoint names (older than the grace period)")
     gc.add_argument("--dry-run", action="store_true", help="report what would be removed, remove nothing")
     gc.add_argument("--grace", type=float, default=None, help="seconds an unreferenced chunk is spared (default 3600)")
+    gc.add_argument("--wait", type=float, default=None, metavar="S",
+                    help="seconds to wait for checkpoints being written to finish; new ones skip their heartbeat "
+                         f"meanwhile (default {GC_WAIT_SECONDS:g}; 0: fail at once)")
     gc.add_argument("--json", action="store_true")
     _common(gc)
 
@@ -290,12 +297,14 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     from .store.gc import DEFAULT_GRACE_SECONDS, collect_garbage
 
     grace = DEFAULT_GRACE_SECONDS if args.grace is None else args.grace
-    if not math.isfinite(grace) or grace < 0:  # nan compares false with everything: it would spare nothing
-        print(f"usage: --grace {grace:g} is not a number of seconds >= 0; give e.g. --grace 3600", file=sys.stderr)
-        return 2
+    wait = GC_WAIT_SECONDS if args.wait is None else args.wait
+    for flag, value, eg in (("--grace", grace, "3600"), ("--wait", wait, "60")):
+        if not math.isfinite(value) or value < 0:  # nan compares false with everything: it would spare nothing
+            print(f"usage: {flag} {value:g} is not a number of seconds >= 0; give e.g. {flag} {eg}", file=sys.stderr)
+            return 2
     settings = _settings(args)
     store = _existing_store(settings)
-    report = collect_garbage(store, grace_seconds=grace, dry_run=args.dry_run)
+    report = collect_garbage(store, grace_seconds=grace, dry_run=args.dry_run, wait_seconds=wait)
     if args.json:
         print(json.dumps(report.__dict__))
     else:

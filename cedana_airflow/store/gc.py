@@ -72,8 +72,10 @@ class GcReport:
     sidecars_removed: int = 0
 
 
-def collect_garbage(store: Store, *, grace_seconds: float = DEFAULT_GRACE_SECONDS, dry_run: bool = False) -> GcReport:
-    lock = acquire_gc(store)
+def collect_garbage(store: Store, *, grace_seconds: float = DEFAULT_GRACE_SECONDS, dry_run: bool = False,
+                    wait_seconds: float = 0.0) -> GcReport:
+    """``wait_seconds``: how long to wait for checkpoints being written to finish (locks.acquire_gc)."""
+    lock = acquire_gc(store, wait_seconds)
     try:
         ids = store.list_ids()
         by_id = load_manifests_of(store, ids)

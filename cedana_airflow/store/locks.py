@@ -94,8 +94,14 @@ def acquire_writer(store: Store) -> Lock:
     return mine
 
 
-def acquire_gc(store: Store) -> Lock:
-    """The exclusive lock for garbage collection; StoreBusy while another gc or any writer runs."""
+def acquire_gc(store: Store, wait_seconds: float = 0.0, poll_seconds: float = 0.5) -> Lock:
+    """The exclusive lock for garbage collection; StoreBusy while another gc runs, or while writers
+    still run ``wait_seconds`` after it was taken.
+
+    Holding the lock while it waits is what lets gc win on a store written around the clock: from the
+    moment it is taken no new writer starts (each skips its heartbeat), so only the saves already under
+    way are waited for. Dropping it at once instead (``wait_seconds`` 0, the only way before 0.5.1) lost
+    every gc to 32 writers heartbeating every 2 s (docs/faults.md)."""
     for _ in range(2):
         if store.put_if_absent(GC_LOCK_KEY, _body("gc")):
             break
@@ -108,11 +114,15 @@ def acquire_gc(store: Store) -> Lock:
     else:
         raise StoreBusy(f"store {store.url}: could not take {GC_LOCK_KEY}. Retry.")
     mine = _mine(GC_LOCK_KEY, "gc")
-    writers = live_locks(store, "writer")
-    if writers:
-        mine.release(store)
-        raise StoreBusy(
-            f"store {store.url}: {len(writers)} checkpoint(s) are being written (e.g. by {writers[0].host} "
-            f"pid {writers[0].pid}). Retry gc in a moment."
-        )
+    deadline = time.monotonic() + wait_seconds
+    while writers := live_locks(store, "writer"):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            mine.release(store)
+            waited = f" after waiting {wait_seconds:g} s" if wait_seconds > 0 else ""
+            raise StoreBusy(
+                f"store {store.url}: {len(writers)} checkpoint(s) are still being written{waited} (e.g. by "
+                f"{writers[0].host} pid {writers[0].pid}). Retry gc in a moment, or give it longer (gc --wait)."
+            )
+        time.sleep(min(poll_seconds, left))
     return mine

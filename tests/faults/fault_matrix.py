@@ -230,7 +230,7 @@ def _fault_spec(step: str, fault: str, case: Path, cid: str) -> tuple[str, Rule 
     if fault == "clock-jump":
         return f"{step}=clock+7200{nth}", None
     if fault == "gc":
-        gc = f"{sys.executable} -m cedana_airflow gc --grace 0 >{case}/gc.out 2>&1"
+        gc = f"{sys.executable} -m cedana_airflow gc --grace 0 --wait 0 >{case}/gc.out 2>&1"
         return f"{step}=run:{gc}{nth}", None
     if fault == "second-writer":
         second = (f"{sys.executable} -m cedana_airflow run --id {cid} --try-number 1 -- true "
