@@ -33,9 +33,10 @@ services:
 	@{ command -v redis-server >/dev/null && ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; } || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql redis-server; }
 
 # munge, slurmctld and slurmd for the Slurm route (scripts/slurm_cluster.py starts throwaway ones; no
-# systemd unit is enabled or started).
+# systemd unit is enabled or started), and openssh-server's sshd for its login node
+# (scripts/ssh_login.py runs one on loopback with its own config and keys; /etc/ssh is not used).
 slurm:
-	@{ command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null && command -v munged >/dev/null; } || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge; }
+	@{ command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null && command -v munged >/dev/null && test -x /usr/sbin/sshd; } || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge openssh-server; }
 
 # podman and mmdebstrap for the Kubernetes route's pods (scripts/pod_runtime.py plays them with a private
 # configuration and storage; the machine's own containers.conf and images are never touched).

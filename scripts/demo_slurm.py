@@ -42,7 +42,7 @@ partitions = ["cedana"]
 [queue]
 queues = ["*"]
 [workload]
-dags = ["cedana_slurm"]
+dags = ["cedana_slurm", "cedana_slurm_ssh"]
 tasks = ["cedana_slurm_unprotected.other_partition", "cedana_slurm_bad.*"]
 """
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Sequence
+from typing import Any
 
-from ..errors import SlurmRefused
+from ..errors import SlurmError, SlurmRefused
 from ..slurm.client import Runner, SlurmClient, local_runner
 
 __all__ = ["slurm_client"]
@@ -24,10 +25,23 @@ def _ssh_runner(ssh_conn_id: str) -> Runner:
     except Exception as e:  # noqa: BLE001  the SDK's not-found error type differs between Airflow versions
         raise SlurmRefused(f"the SSH connection {ssh_conn_id!r} does not exist ({type(e).__name__}). Create it "
                            "(Admin > Connections, type ssh) or fix ssh_conn_id.") from None
+    import paramiko  # type: ignore[import-untyped]  # the SSH provider's own dependency
+
     hook = SSHHook(ssh_conn_id=ssh_conn_id)
+    where = f"the login node of SSH connection {ssh_conn_id!r}"
+
+    def connect() -> Any:  # a paramiko.SSHClient
+        try:
+            return hook.get_conn()
+        except (paramiko.BadHostKeyException, paramiko.AuthenticationException) as e:
+            # The connection's settings are wrong (or the host is not the one pinned): a retry fails again.
+            raise SlurmRefused(f"cannot log in to {where} ({hook.remote_host}:{hook.port}): {e}. Fix the connection's "
+                               "login, key or pinned host_key (Admin > Connections).") from None
+        except (paramiko.SSHException, OSError) as e:
+            raise SlurmError(f"cannot reach {where} ({hook.remote_host}:{hook.port}): {e}") from None
 
     def run(argv: Sequence[str], stdin: str | None, timeout: float) -> tuple[int, str, str]:
-        with hook.get_conn() as client:
+        with connect() as client:
             i, o, e = client.exec_command(shlex.join(argv), timeout=timeout)
             if stdin is not None:
                 i.write(stdin)

@@ -44,3 +44,16 @@ with DAG("cedana_slurm_bad", schedule=None, start_date=START, catchup=False,
                         job_dir="/shared/cedana-jobs", **FAST)
     CedanaSlurmOperator(task_id="failing_job", command="echo about to fail; exit 3", partition="batch",
                         retries=0, **FAST)
+
+# Submitted through a login node over SSH: the test starts a throwaway sshd on loopback
+# (scripts/ssh_login.py) and gives its connection as AIRFLOW_CONN_CEDANA_LOGIN; the worker has no
+# SLURM_CONF, so only the login node can reach the cluster.
+JOB_DIR = os.environ.get("CEDANA_SLURM_JOB_DIR", "/shared/cedana-jobs")
+with DAG("cedana_slurm_ssh", schedule=None, start_date=START, catchup=False,
+         default_args={"retries": 1, "retry_delay": timedelta(seconds=1)}):
+    CedanaSlurmOperator(task_id="train", command=[sys.executable, TRAIN, "--mb", "16", "--steps", "12",
+                                                  "--step-seconds", "0.3"],
+                        partition="cedana", ssh_conn_id="cedana_login", job_dir=JOB_DIR, **FAST)
+    # the same login node, but the connection pins another host key: refused, and not retried
+    CedanaSlurmOperator(task_id="wrong_host_key", command="true", partition="cedana",
+                        ssh_conn_id="cedana_login_wrong_key", job_dir=JOB_DIR, **FAST)

@@ -1,10 +1,12 @@
 """The Slurm route against a real Slurm (munge, slurmctld and two slurmd from Debian's packages, started by
 scripts/slurm_cluster.py in a temp dir on loopback): CedanaSlurmOperator under `airflow dags test`,
-real CRIU inside the jobs, a node loss that Slurm answers with a requeue, and the jobs that must stay
-unprotected."""
+real CRIU inside the jobs, a node loss that Slurm answers with a requeue, the jobs that must stay
+unprotected, and a submission through a login node over SSH (a throwaway sshd from Debian's
+openssh-server on loopback, scripts/ssh_login.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -18,6 +20,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from demo_slurm import TRAIN_ARGS, airflow_env, node_loss, summary, uninterrupted  # noqa: E402
 from slurm_cluster import SlurmCluster  # noqa: E402
+from ssh_login import SshLogin  # noqa: E402
 
 from cedana_airflow.config import load_settings  # noqa: E402
 from cedana_airflow.store import open_store  # noqa: E402
@@ -101,3 +104,35 @@ def test_bad_input_is_one_line_each_and_fails_the_task_without_retries(cluster, 
                        capture_output=True, text=True, timeout=300)  # `tasks test` exits 0 whatever the task did
     said = r.stdout + r.stderr
     assert "AirflowFailException: cedana: sbatch is not installed on this worker (not on PATH)" in said, said[-3000:]
+
+
+def test_a_job_submitted_through_a_login_node_over_ssh_is_checkpointed_and_followed_there(cluster, tmp_path, airflow_db):
+    with SshLogin(tmp_path / "login", env={"SLURM_CONF": str(cluster.conf)}) as login:
+        wrong = json.loads(login.airflow_connection())
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], check=True)
+        wrong["extra"]["host_key"] = " ".join((tmp_path / "other.pub").read_text().split()[:2])  # not this server's
+        env = airflow_env(tmp_path, cluster, airflow_db, AIRFLOW_CONN_CEDANA_LOGIN=login.airflow_connection(),
+                          AIRFLOW_CONN_CEDANA_LOGIN_WRONG_KEY=json.dumps(wrong),
+                          CEDANA_SLURM_JOB_DIR=str(tmp_path / "jobs"))
+        del env["SLURM_CONF"]  # the worker cannot reach Slurm itself: only through the login node
+        r = _dags_test(env, "cedana_slurm_ssh")
+        sshd_log = (tmp_path / "login" / "sshd.log").read_text()
+    log = r.stdout + r.stderr
+    assert r.returncode != 0, log[-4000:]  # wrong_host_key fails the run
+    job = re.search(r"cedana: submitted Slurm job (\d+) to partition cedana \(CEDANA_ENABLE=1\)", log)
+    assert job, log[-4000:]
+    # the job was protected, its lines came back over SSH (tail on the login node), and it ended as an
+    # uninterrupted run does
+    assert re.search(rf"slurm job {job.group(1)}: .*protected: checkpoint partition cedana, CEDANA_ENABLE=1", log)
+    expect = uninterrupted(["--mb", "16", "--steps", "12"])
+    assert re.findall(rf"slurm job {job.group(1)}: (done digest=\w+)", log) == [expect], log[-4000:]
+    assert (tmp_path / "jobs").is_dir() and any((tmp_path / "jobs").iterdir())  # made by `mkdir -p` over SSH
+    store = open_store(env["AIRFLOW__CEDANA__STORE"], load_settings(environ={}))
+    [cid] = [i for i in store.list_ids() if i.startswith("cedana_slurm_ssh.train.")]
+    assert store.list_seqs(cid), "no heartbeat checkpoint was stored"
+    assert "Accepted publickey for root from 127.0.0.1" in sshd_log
+    # a login node that is not the one pinned: one line, and no retry
+    said = [ln for ln in log.splitlines() if "cannot log in to the login node of SSH connection 'cedana_login_wrong_key'" in ln]
+    assert said and "Host key for server" in said[0] and "does not match" in said[0], log[-4000:]
+    assert "Fix the connection's login, key or pinned host_key" in said[0]
+    assert len(re.findall(r"running task <TaskInstance: cedana_slurm_ssh\.wrong_host_key ", log)) == 1
