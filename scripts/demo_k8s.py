@@ -11,6 +11,9 @@ mounts as files. Two cases, each compared with an uninterrupted run of the same 
   pod (try 2, same checkpoint ID) goes to another node, restores the latest checkpoint and finishes;
 - drain: the pod is stopped as a node drain deletes it (SIGTERM, SIGKILL after its grace period);
   the final checkpoint is taken in the grace period and the retry restores that one;
+- live drill: the live drill (drill/live.py, as the drill DAG runs it) chooses the running try and
+  fails it by deleting its pod; the deletion as the API reports it, and Airflow's retry, stand in
+  (pod_fleet.py); the drill follows the retry's pod and measures it;
 - version skew: an operator newer than the image's CLI writes the pod; the CLI refuses in one line
   (compat.py), before anything runs.
 
@@ -75,6 +78,7 @@ class Case:
     images_hold_credentials: bool | None = None
     manifests: list[dict[str, Any]] = field(default_factory=list)  # in the store at the end
     seconds: float = 0.0
+    report: Any = None  # the live drill's DrillReport
 
     @property
     def digest(self) -> str:
@@ -215,6 +219,30 @@ def drain(cluster: Cluster, prefix: str) -> Case:
     return _first_try_ends_then_retry(cluster, prefix, "drain", 1, lambda pod: cluster.rt.drain(pod, GRACE_SECONDS))
 
 
+def live_drill(cluster: Cluster, prefix: str) -> Case:
+    """The live drill fails the running try by deleting its pod; the retry's pod restores (pod_fleet.py)."""
+    from pod_fleet import PodFleet
+
+    from cedana_airflow.config import load_settings
+    from cedana_airflow.drill.live import live
+    from cedana_airflow.scope.optin import Drills
+    from cedana_airflow.store import open_store
+
+    case = Case("live drill")
+    fleet = PodFleet(cluster, cluster.operator(prefix), _TaskStateStore(), dag_id=DAG_ID, task_id=TASK_ID,
+                     run_id=RUN_ID, retries=1, grace_seconds=GRACE_SECONDS)
+    first = fleet.start_try(1)
+    cluster.wait_checkpoints(prefix, 1, first)
+    first.checkpoints_before_end = len(cluster.checkpoints(prefix))
+    store = open_store(f"s3://{BUCKET}/{prefix}", load_settings(environ={}))
+    case.report = live(store, fleet, Drills(live=True, follow_seconds=300), node="drill-runner", seed=1, poll=0.5)
+    case.tries = fleet.tries
+    cluster.finish(case.tries[-1], 120)
+    for t in case.tries:
+        cluster.rt.remove(t.pod)
+    return case
+
+
 def skew(cluster: Cluster, prefix: str) -> Case:
     """An operator newer than the image's CLI: the pod refuses at once, in one line, and takes nothing."""
     import cedana_airflow.compat as compat
@@ -247,7 +275,7 @@ def _environ(**values: str) -> Iterator[None]:
 
 
 def run(root: Path, cache: Path | None = None,
-        cases: tuple[str, ...] = ("node loss", "drain", "version skew")) -> list[Case]:
+        cases: tuple[str, ...] = ("node loss", "drain", "live drill", "version skew")) -> list[Case]:
     """Build (or load) the image, start the store, and play each case; every pod is gone afterwards."""
     import boto3
 
@@ -270,7 +298,7 @@ def run(root: Path, cache: Path | None = None,
         boto3.client("s3").create_bucket(Bucket=BUCKET)
         cluster = Cluster(root, image, rt, s3_url, canary)
         done = []
-        for name, play in (("node loss", node_loss), ("drain", drain), ("version skew", skew)):
+        for name, play in (("node loss", node_loss), ("drain", drain), ("live drill", live_drill), ("version skew", skew)):
             if name in cases:
                 prefix = name.replace(" ", "-")
                 with _environ(AIRFLOW__CEDANA__STORE=f"s3://{BUCKET}/{prefix}"):
@@ -296,6 +324,11 @@ def summary(cases: list[Case]) -> str:
             lines.extend(f"    {r}" for r in restored)
             lines.extend(f"    {line.split('cedana: ', 1)[-1]}" for line in t.stderr.splitlines() if "stopped by SIG" in line)
             lines.extend(f"    {line}" for line in t.stderr.splitlines() if line.startswith("ConfigError:"))
+        if case.report is not None:
+            r = case.report
+            lines.append(f"  live drill {r.drill_id}: ok={r.ok} restored seq {r.restored_seq} {r.from_node} -> {r.to_node}; "
+                         f"detected {r.detect_seconds} s, retry running {r.retry_seconds} s, restore {r.restore_seconds} s, "
+                         f"RTO {r.rto_seconds} s, work lost {r.lost_work_seconds} s" + "".join(f"; {p}" for p in r.problems))
         if not case.expected:
             continue
         lines.append(f"  output {case.digest!r}, uninterrupted {case.expected!r}: "
@@ -319,7 +352,8 @@ def main() -> int:
     print(summary(cases))
     print(f"logs: {root}")
     ok = all(c.digest == c.expected and c.tries[-1].exit_code == 0 and not c.images_hold_credentials
-             for c in cases if c.expected) and all(c.tries[0].exit_code == 2 for c in cases if not c.expected)
+             for c in cases if c.expected) and all(c.tries[0].exit_code == 2 for c in cases if not c.expected) \
+        and all(c.report.ok for c in cases if c.report is not None)
     return 0 if ok else 1
 
 

@@ -1,10 +1,13 @@
 """The Kubernetes wrap route in real pods (`make demo-k8s`, scripts/demo_k8s.py): the pods that
 CedanaKubernetesPodOperator builds are played by podman in the image built from deploy/Containerfile
-and our wheel, against moto's S3 server; a node loss and a drain, each followed by the retry's pod.
+and our wheel, against moto's S3 server; a node loss, and the live drill deleting a running try's pod
+(a drain as the drill causes it), each followed by the retry's pod.
 
 What stands in for the cluster, and only that: the scheduler's affinity filter (three pretend nodes),
-the task context of each try, and the translations podman needs (scripts/pod_runtime.py). The API
-server, the kubelet and the runtime class handler are not exercised (docs/testing.md)."""
+the task context of each try, and the translations podman needs (scripts/pod_runtime.py); for the live
+drill, the deletion as the API reports it and Airflow's retry (scripts/pod_fleet.py). The API server,
+the kubelet and the runtime class handler are not exercised (docs/testing.md). `make demo-k8s` also
+plays a drain without the drill."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ def cases(tmp_path_factory):
     from conftest import wait_for_pod_image
 
     wait_for_pod_image()  # started at collection, beside the tests before these
-    return {c.name: c for c in demo_k8s.run(tmp_path_factory.mktemp("k8s"))}
+    return {c.name: c for c in demo_k8s.run(tmp_path_factory.mktemp("k8s"), cases=("node loss", "live drill", "version skew"))}
 
 
 def _restored(t):
@@ -45,16 +48,26 @@ def test_pods_node_loss_the_retry_pod_restores_on_another_node_and_its_output_eq
         (3, "train_llm", "finetune")}
 
 
-def test_pods_drain_the_final_checkpoint_fits_the_grace_period_and_the_retry_restores_that_one(cases):
-    case = cases["drain"]
+def test_pods_live_drill_deletes_the_running_pod_the_final_checkpoint_fits_the_grace_period_and_the_retry_restores_it(cases):
+    case = cases["live drill"]
     first, retry = case.tries
-    assert first.exit_code == 143  # it ended on SIGTERM, within the grace period, not by the SIGKILL after it
+    report = case.report
+    assert report.ok and not report.problems, report.problems
+    [target] = [t for t in report.targets if t.chosen]
+    assert (target.dag_id, target.task_id, target.try_number) == ("train_llm", "finetune", 1)
+    assert first.exit_code == 143  # the deletion's SIGTERM ended it, within the grace period, not the SIGKILL after
     [stopped] = [s for s in first.stderr.splitlines() if "stopped by SIGTERM" in s]
     final = int(stopped.split("final checkpoint seq ")[1].split()[0])
-    assert final == first.checkpoints_before_end + 1  # taken at the stop, after the heartbeat ones
+    assert final >= first.checkpoints_before_end + 1  # taken at the stop, after the heartbeat ones
+    # the drill saw the failure, cleared the task, and followed the retry's pod to its end
+    assert (report.restored_seq, report.from_node, report.to_node, target.retry_try_number) == (
+        final, "gpu-node-a", "gpu-node-b", 2)
+    assert target.retry_state == "success" and retry.exit_code == 0
     [line] = _restored(retry)
     assert f"seq={final} from_node=gpu-node-a node=gpu-node-b" in line
-    assert retry.exit_code == 0 and case.digest == case.expected
+    assert report.detect_seconds > 0 and report.rto_seconds > report.restore_seconds > 0
+    assert report.bytes_fetched > 0 and report.lost_work_seconds is not None
+    assert case.digest == case.expected
 
 
 def test_pods_an_image_older_than_the_operator_refuses_in_one_line_before_anything_runs(cases):
@@ -66,6 +79,6 @@ def test_pods_an_image_older_than_the_operator_refuses_in_one_line_before_anythi
 
 
 def test_pods_the_store_credentials_reach_the_cli_as_files_and_never_a_checkpoint_image(cases):
-    for case in (cases["node loss"], cases["drain"]):
+    for case in (cases["node loss"], cases["live drill"]):
         assert case.images_hold_credentials is False, case.name  # the canary key is in the Secret, not the images
         assert any("Secret volume" in n for n in case.tries[0].notes)
