@@ -101,6 +101,9 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
 
     # -- execution ---------------------------------------------------------------------------------
     def execute(self, context: Context) -> dict[str, Any]:
+        # A stop belongs to one try. `airflow dags test` and dag.test() run every try on this same object,
+        # and Airflow calls on_kill after an execution_timeout: the old event would stop each retry at once.
+        self._stop = threading.Event()
         ti = context["ti"]
         with airflow_errors():
             argv = command_argv(self.command)  # the templated fields are rendered by now

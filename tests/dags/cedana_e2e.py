@@ -29,3 +29,15 @@ with DAG("cedana_e2e_clear", schedule=None, start_date=datetime(2026, 1, 1), cat
         command=[sys.executable, TRAIN, *ARGS],
         heartbeat=timedelta(seconds=float(os.environ.get("CEDANA_E2E_HEARTBEAT", "1"))),
     )
+
+# Airflow's own fault: execution_timeout raises AirflowTaskTimeout inside the task. Each try takes a
+# final checkpoint on the way out and the next one resumes from it (retries to spare: a try that
+# restores late may time out again, and the one after it goes on from there).
+with DAG("cedana_e2e_timeout", schedule=None, start_date=datetime(2026, 1, 1), catchup=False,
+         default_args={"retries": 3, "retry_delay": timedelta(seconds=1)}):
+    CheckpointedCommandOperator(
+        task_id="train",
+        command=[sys.executable, TRAIN, *ARGS],
+        heartbeat=timedelta(seconds=float(os.environ.get("CEDANA_E2E_HEARTBEAT", "2"))),
+        execution_timeout=timedelta(seconds=float(os.environ.get("CEDANA_E2E_TIMEOUT", "8"))),
+    )

@@ -285,3 +285,24 @@ def test_a_task_outside_the_opt_in_list_runs_unprotected_and_says_why(tmp_path, 
     assert "cedana: node: cpu-worker-3 refused: matches none of 'gpu-*'" in text
     assert re.findall(r"done digest=\w+", text) == [uninterrupted_digest(*TRAIN_ARGS)]  # it ran, all of it
     assert not (tmp_path / "store").exists()  # and nothing was checkpointed
+
+
+def test_execution_timeout_cuts_the_try_at_a_final_checkpoint_and_the_retry_goes_on_from_it(tmp_path, airflow_db):
+    # A fault of Airflow's own (docs/faults.md): AirflowTaskTimeout raised in the task at 8 s of a 12 s job.
+    args = ["--mb", "20", "--steps", "40", "--step-seconds", "0.3"]
+    env = airflow_env(tmp_path, airflow_db, CEDANA_E2E_TRAIN_ARGS=" ".join(args))
+    r = subprocess.run([*AIRFLOW, "dags", "test", "cedana_e2e_timeout"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    text = r.stdout + r.stderr
+    (tmp_path / "dags-test.log").write_text(text)
+    assert r.returncode == 0, text[-5000:]
+    assert "AirflowTaskTimeout" in text, text[-5000:]
+    cuts = re.findall(r"stopped by AirflowTaskTimeout checkpoint_id=\S+: final checkpoint seq (\d+)", text)
+    assert cuts, text[-5000:]
+    restored = [int(n) for n in re.findall(r"cedana: restored seq (\d+) of try \d+ ", text)]
+    assert restored[:len(cuts)] == [int(n) for n in cuts]  # each retry resumed from the cut before it
+    # Nothing done twice, nothing skipped: the workload stopped at its final checkpoint each time
+    steps = [int(n) for n in re.findall(r"step (\d+)/40", text)]
+    assert steps == list(range(1, 41)), steps
+    assert text.count("start-up: allocating") == 1
+    assert re.findall(r"done digest=\w+", text) == [uninterrupted_digest(*args)]
