@@ -17,6 +17,7 @@ import random
 import re
 import select
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -164,6 +165,13 @@ _HINTS = [
 ]
 
 
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 def _beside(image_dir: Path, suffix: str) -> Path:
     return image_dir.with_name(image_dir.name + suffix)
 
@@ -267,6 +275,10 @@ class CriuEngine:
                     self._dumping = None
             proc = subprocess.CompletedProcess(cmd, running.returncode, "", stderr)
             seconds = time.monotonic() - t0
+        if proc.returncode < 0:  # a signal, not CRIU, ended it; its log's last lines would mislead
+            raise DumpFailed(f"criu dump of pid {pid} was stopped by {_signal_name(-proc.returncode)} before it "
+                             f"finished (a signal sent to the supervisor's process group reaches criu too); "
+                             f"log: {log_path}.")
         if proc.returncode != 0:
             tail = _log_tail(log_path) or proc.stderr.strip()[-300:]
             if capture and cap.error:

@@ -42,3 +42,16 @@ def test_the_command_dies_when_its_supervisor_is_killed(tmp_path):
     wait_gone(pid, 10)  # reaping it, where the tests' session is its subreaper
     state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] if os.path.exists(f"/proc/{pid}") else "gone"
     assert state in ("gone", "Z")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dump() needs root")
+def test_a_dump_ended_by_a_signal_says_so_not_what_its_log_last_said(tmp_path, monkeypatch):
+    # Seen under load: a SIGTERM to the supervisor's process group ended a heartbeat's criu, and the line
+    # blamed CRIU's non-fatal rlimit message ("CRIU needs root"). A signal is named as the cause now.
+    monkeypatch.setattr(criu, "_dies_with_us", lambda: ["sh", "-c", "kill -TERM $$", "criu-stand-in"])
+    engine = criu.CriuEngine(criu.CriuBinary("/nonexistent/criu", "test", "4.1.1"))
+    with pytest.raises(criu.DumpFailed) as e:
+        engine.dump(os.getpid(), tmp_path / "images")
+    said = str(e.value)
+    assert f"criu dump of pid {os.getpid()} was stopped by SIGTERM before it finished" in said
+    assert "CRIU needs root" not in said and "\n" not in said
