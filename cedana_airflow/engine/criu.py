@@ -275,10 +275,11 @@ class CriuEngine:
                     self._dumping = None
             proc = subprocess.CompletedProcess(cmd, running.returncode, "", stderr)
             seconds = time.monotonic() - t0
-        if proc.returncode < 0:  # a signal, not CRIU, ended it; its log's last lines would mislead
+        # A signal, not CRIU, ended it (a stop's abort_dump, or a signal to the supervisor's process group,
+        # which criu shares): its log's last lines would mislead.
+        if proc.returncode < 0:
             raise DumpFailed(f"criu dump of pid {pid} was stopped by {_signal_name(-proc.returncode)} before it "
-                             f"finished (a signal sent to the supervisor's process group reaches criu too); "
-                             f"log: {log_path}.")
+                             f"finished; log: {log_path}.")
         if proc.returncode != 0:
             tail = _log_tail(log_path) or proc.stderr.strip()[-300:]
             if capture and cap.error:
