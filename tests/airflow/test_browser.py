@@ -332,11 +332,22 @@ def _plugin_frame(page):
 
 def _fits(frame) -> None:
     """Nothing on the page reaches past the frame's right edge, and nothing scrolls sideways."""
-    frame.wait_for_selector("html[data-ready]", state="attached", timeout=30_000)
-    width, scroll, widest = frame.evaluate("""() => {
-        const right = Math.max(...[...document.querySelectorAll('body *')].map(e => e.getBoundingClientRect().right));
-        return [document.documentElement.clientWidth, document.documentElement.scrollWidth, right];
-    }""")
+    from playwright.sync_api import Error
+
+    for attempt in range(5):
+        frame.wait_for_selector("html[data-ready]", state="attached", timeout=30_000)
+        try:
+            width, scroll, widest = frame.evaluate("""() => {
+                const right = Math.max(...[...document.querySelectorAll('body *')].map(e => e.getBoundingClientRect().right));
+                return [document.documentElement.clientWidth, document.documentElement.scrollWidth, right];
+            }""")
+            break
+        except Error as e:
+            # the page's script reloads it once when it was rendered in another timezone (seen on CI right
+            # after data-ready): measure the page that stays
+            if "Execution context was destroyed" not in str(e) or attempt == 4:
+                raise
+            frame.wait_for_load_state("load", timeout=30_000)
     assert scroll <= width and widest <= width + 1, (frame.url, width, scroll, widest)
 
 
