@@ -31,12 +31,11 @@ __all__ = ["PodFleet"]
 
 @dataclass
 class _Pod:
-    """One try's pod as the API server holds it (the parts the drill's view needs)."""
+    """One try's pod as the API server holds it: the try's record (demo_k8s.Try: pod name, node, try
+    number) and what the drill's view adds."""
 
-    try_number: int
-    name: str
+    try_: Any
     container: str
-    node: str
     started_at: datetime
     deletion_timestamp: datetime | None = None
     lines: list[tuple[datetime, str]] = field(default_factory=list)  # kept once the pod is gone
@@ -66,14 +65,17 @@ class PodFleet:
         self.dag_id, self.task_id, self.run_id, self.retries = dag_id, task_id, run_id, retries
         self.grace_seconds = grace_seconds
         self.pods: list[_Pod] = []
-        self.tries: list[Any] = []  # demo_k8s.Try of each pod, for the case's record
         self._stopping: list[threading.Thread] = []
 
     # -- what the cluster does -------------------------------------------------------------------------
+    @property
+    def tries(self) -> list[Any]:
+        """demo_k8s.Try of each pod, in order: the case's record."""
+        return [p.try_ for p in self.pods]
+
     def start_try(self, try_number: int) -> Any:
         t = self.cluster.start(self.op, try_number, self.state)
-        self.tries.append(t)
-        self.pods.append(_Pod(try_number, t.pod, self.cluster.rt.container(t.pod), t.node, datetime.now(timezone.utc)))
+        self.pods.append(_Pod(t, self.cluster.rt.container(t.pod), datetime.now(timezone.utc)))
         return t
 
     def api_pod(self, pod: _Pod) -> dict[str, Any] | None:
@@ -85,19 +87,20 @@ class PodFleet:
             pod.lines = timed_lines(self.cluster.rt, pod.container)  # the kubelet's logs go with the pod
             pod.gone = True
             return None
-        meta: dict[str, Any] = {"name": pod.name}
+        meta: dict[str, Any] = {"name": pod.try_.pod}
         if pod.deletion_timestamp is not None:
             meta.update(deletionTimestamp=pod.deletion_timestamp.isoformat(), deletionGracePeriodSeconds=self.grace_seconds)
         phase = "Running" if status == "running" else ("Succeeded" if code == 0 else "Failed")
-        return {"metadata": meta, "spec": {"nodeName": pod.node}, "status": {"phase": phase}}
+        return {"metadata": meta, "spec": {"nodeName": pod.try_.node}, "status": {"phase": phase}}
 
     # -- the Fleet protocol ----------------------------------------------------------------------------
     def stop_reason(self) -> str | None:
         return None
 
     def _task(self, pod: _Pod) -> RunningTask:
-        return RunningTask(dag_id=self.dag_id, task_id=self.task_id, run_id=self.run_id, try_number=pod.try_number,
-                           max_tries=self.retries, pool="default_pool", hostname=pod.node)
+        return RunningTask(dag_id=self.dag_id, task_id=self.task_id, run_id=self.run_id,
+                           try_number=pod.try_.try_number, max_tries=self.retries, pool="default_pool",
+                           hostname=pod.try_.node)
 
     def running_tasks(self) -> list[RunningTask]:
         pod = self.pods[-1] if self.pods else None
@@ -108,16 +111,16 @@ class PodFleet:
         pod = self.pods[-1]
         seen = self.api_pod(pod)
         if seen is None:  # deleted: the operator's read_pod gets a 404 and the try fails
-            state = "up_for_retry" if pod.try_number <= self.retries else "failed"
+            state = "up_for_retry" if pod.try_.try_number <= self.retries else "failed"
         else:
             state = {"Running": "running", "Succeeded": "success"}.get(seen["status"]["phase"], "up_for_retry")
-        return TaskNow(state=state, try_number=pod.try_number, start_date=pod.started_at, hostname=pod.node)
+        return TaskNow(state=state, try_number=pod.try_.try_number, start_date=pod.started_at, hostname=pod.try_.node)
 
     def fail_try(self, task: RunningTask, note: str) -> None:
         """Delete the try's pod: the API marks it at once; the kubelet stops it within the grace period."""
-        pod = next(p for p in self.pods if p.try_number == task.try_number)
+        pod = next(p for p in self.pods if p.try_.try_number == task.try_number)
         pod.deletion_timestamp = datetime.now(timezone.utc)
-        stop = threading.Thread(target=self.cluster.rt.drain, args=(pod.name, self.grace_seconds), daemon=True)
+        stop = threading.Thread(target=self.cluster.rt.drain, args=(pod.try_.pod, self.grace_seconds), daemon=True)
         stop.start()
         self._stopping.append(stop)
 
@@ -125,13 +128,13 @@ class PodFleet:
         for stop in self._stopping:
             stop.join(self.grace_seconds + 60)
         last = self.pods[-1]
-        self.cluster.finish(self.tries[-1], 60)
+        self.cluster.finish(last.try_, 60)
         self.api_pod(last)
-        self.cluster.rt.remove(last.name)
-        self.start_try(last.try_number + 1)
+        self.cluster.rt.remove(last.try_.pod)
+        self.start_try(last.try_.try_number + 1)
 
     def output(self, task: RunningTask, try_number: int) -> list[tuple[datetime, str]]:
-        pod = next((p for p in self.pods if p.try_number == try_number), None)
+        pod = next((p for p in self.pods if p.try_.try_number == try_number), None)
         if pod is None:
             return []
         return pod.lines if pod.gone else timed_lines(self.cluster.rt, pod.container)
