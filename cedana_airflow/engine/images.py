@@ -117,6 +117,24 @@ def read_dump_stats(image_dir: Path) -> dict[str, float]:
             if isinstance(v := f.get(num), int)}
 
 
+#: stats.proto, restore_stats_entry: forking and restore times in microseconds, pages restored.
+_RESTORE_STATS = {3: "forking", 4: "restore", 5: "pages_restored"}
+
+
+def read_restore_stats(image_dir: Path) -> dict[str, float]:
+    """``forking`` and ``restore`` (seconds: CRIU forking the tree, then restoring its state) and
+    ``pages_restored`` from the stats-restore image ``criu restore`` leaves; {} if missing or
+    unreadable. stats-restore holds one stats_entry whose field 2 is the restore_stats_entry."""
+    try:
+        entries = image_entries(image_dir / "stats-restore")
+        restore = entries[0].get(2) if entries else None
+        f = message_fields(restore) if isinstance(restore, bytes) else {}
+    except (OSError, struct.error, IndexError):
+        return {}
+    return {name: (v / 1e6 if num <= 4 else float(v)) for num, name in _RESTORE_STATS.items()
+            if isinstance(v := f.get(num), int)}
+
+
 # fdinfo.proto, enum fd_types; file_entry: type = 1, id = 2, reg = 3, usk = 16.
 _FD_REG, _FD_UNIXSK = 1, 5
 _FE_TYPE, _FE_REG, _FE_USK = 1, 3, 16

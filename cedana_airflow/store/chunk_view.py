@@ -11,8 +11,9 @@ comes back for it.
 from __future__ import annotations
 
 import bisect
+import functools
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..format.manifest import FileEntry
@@ -96,8 +97,13 @@ class ChunkView:
                 self._held_bytes -= self.entry.chunks[i].size
                 self._cond.notify_all()
 
-    def prefetch(self, order: Iterable[int]) -> None:
-        """Fetch these chunks ahead of the reads, in this order, within the window (background)."""
+    def prefetch(self, order: Iterable[int], then: Callable[[int], None] | None = None) -> None:
+        """Fetch these chunks ahead of the reads, in this order, within the window (background);
+        ``then(i)`` runs on the fetching thread once chunk ``i`` is in and verified (it may read)."""
+        def fetched(i: int, fut: Future[bytes | memoryview]) -> None:
+            if then is not None and not fut.cancelled() and fut.exception() is None:
+                then(i)
+
         def run() -> None:
             for i in order:
                 with self._cond:
@@ -109,7 +115,10 @@ class ChunkView:
                     if i in self._held:
                         continue
                     self._inflight += 1
-                    self._hold(i, self.prefetch_pool).add_done_callback(self._prefetched)
+                    fut = self._hold(i, self.prefetch_pool)
+                # its slot stays taken until `then` is done: the window bounds the work, not just the fetch
+                fut.add_done_callback(functools.partial(fetched, i))
+                fut.add_done_callback(self._prefetched)
         threading.Thread(target=run, name="cedana-prefetch", daemon=True).start()
 
     def _prefetched(self, _: Future[bytes | memoryview]) -> None:

@@ -77,3 +77,48 @@ def test_sweep_unmounts_what_a_killed_supervisor_left(tmp_path):
     assert _mounted(target)
     assert sweep(tmp_path) == 1 and not _mounted(target)
     os.close(f.fd)
+
+
+def test_pushed_pages_are_read_without_asking_the_source(tmp_path):
+    data = os.urandom(4 << 20)
+    target = tmp_path / "pages-1.img"
+    target.touch()
+    asked: list[tuple[int, int]] = []
+
+    def source(off, n):
+        asked.append((off, n))
+        return [memoryview(data)[off:off + n]]
+
+    f = PageFile(target, len(data), source, lambda e: None)
+    f.start()
+    try:
+        assert f.push(1 << 20, [memoryview(data)[1 << 20:3 << 20]])  # two pages-aligned MiB, before any read
+        fd = os.open(target, os.O_RDONLY)
+        assert os.pread(fd, 1 << 20, 1 << 20) == data[1 << 20:2 << 20]
+        assert os.pread(fd, 4096, (3 << 20) - 4096) == data[(3 << 20) - 4096:3 << 20]
+        assert asked == []  # the kernel had them
+        assert os.pread(fd, 4096, 0) == data[:4096] and asked  # not pushed: asked for
+        os.close(fd)
+    finally:
+        f.close()
+    assert not f.push(0, [data[:4096]])  # after close: refused, nothing written to a stale fd
+
+
+def test_a_fail_fast_page_file_answers_a_failed_read_with_an_error_at_once(tmp_path):
+    target = tmp_path / "pages-1.img"
+    target.touch()
+
+    def source(off, n):
+        raise OSError("a corrupt chunk")
+
+    failures: list[BaseException] = []
+    f = PageFile(target, 1 << 20, source, failures.append, fail_fast=True)
+    f.start()
+    try:
+        fd = os.open(target, os.O_RDONLY)
+        with pytest.raises(OSError):
+            os.pread(fd, 4096, 0)  # criu restore in full: fails, and kills what it built
+        os.close(fd)
+        assert len(failures) == 1
+    finally:
+        f.close()
