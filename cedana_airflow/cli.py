@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -135,6 +136,9 @@ def _supervised(p: argparse.ArgumentParser, *, when_none_left: str) -> None:
     p.add_argument("--json", action="store_true",
                    help="at the end, print a JSON summary as the last line of stdout (after the workload's output)")
     p.add_argument("--json-file", metavar="FILE", help="at the end, write the JSON summary to FILE")
+    p.add_argument("--timings", action="store_true",
+                   help="after a restore, print where its time went to stderr (once the workload printed its first "
+                        "output and, when lazy, every page is in)")
     _airflow_task(p)
     _common(p)
 
@@ -193,10 +197,39 @@ def _cmd_run(args: argparse.Namespace, restore_only: bool) -> int:
     with _Summary(args) as summary:
         settings = _settings(args)
         summary.node = settings.resolved_node()
+        timings = _Timings() if args.timings else None
         result = run_workload(settings, args.id, command, resume=restore_only or args.resume,
-                              try_number=args.try_number, airflow=_task_of(args))
+                              try_number=args.try_number, airflow=_task_of(args),
+                              on_restore=timings.restored if timings is not None else None)
+        if timings is not None:
+            timings.print_now()
         summary.report(result)
     return result.exit_code
+
+
+class _Timings:
+    """``--timings``: the restore's timeline on stderr, once complete (or when the run ends first)."""
+
+    def __init__(self) -> None:
+        self._timeline: Any = None
+        self._printed = threading.Lock()
+        self._done = False
+
+    def restored(self, result: Any) -> None:
+        self._timeline = result.restore_timeline
+        if self._timeline is not None:
+            threading.Thread(target=self._when_complete, name="cedana-timings", daemon=True).start()
+
+    def _when_complete(self) -> None:
+        self._timeline.wait(600)
+        self.print_now()
+
+    def print_now(self) -> None:
+        with self._printed:
+            if self._timeline is None or self._done:
+                return
+            self._done = True
+            print(self._timeline.render(), file=sys.stderr, flush=True)
 
 
 class _Summary:

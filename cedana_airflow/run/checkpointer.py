@@ -21,7 +21,9 @@ from pathlib import Path, PurePosixPath
 
 from ..config import Settings
 from ..engine.criu import CriuEngine
+from ..engine.images import read_restore_stats
 from ..engine.page_file import sweep
+from ..engine.uffd import kernel_lazy_pages
 from ..errors import CorruptCheckpoint, NotRestorableHere, RestoreFailed, WriterFenced
 from ..failpoints import failpoint
 from ..format.chunking import MAX_CHUNK_FACTOR, SegmentMemo
@@ -38,6 +40,8 @@ from .captured import CapturedFilesBack, ensure_cwd, refusal, restore_roots
 from .estimate import captured_too_large, dump_too_large, estimate_checkpoint, too_large
 from .gpu_state import GpuGate
 from .lazy_restore import LazyFeed, lazy_files
+from .streamed_restore import PageStream, can_stream, streamed_files
+from .timeline import Timeline
 from .preflight import preflight
 from .workload import Sink, Workload, become_subreaper
 
@@ -52,6 +56,7 @@ class Restored:
     manifest: Manifest
     skipped: tuple[str, ...]  # why newer checkpoints were refused, newest first
     mode: str = "full"  # how its memory came back: "lazy" (streaming in) or "full"
+    timeline: Timeline | None = None  # where the restore's time went (timeline.py)
 
 
 #: Called with a phase's name and its seconds, after each phase that completes: ``dump`` (frozen,
@@ -103,6 +108,7 @@ class Checkpointer:
         self._memo = SegmentMemo()  # heartbeats cut only the segments that changed
         self.parent_seq: int | None = None
         self._feed: LazyFeed | None = None  # a lazy restore's pages, while they stream in
+        self.timeline = Timeline()  # the last restore's (restore() starts a new one)
         self._lazy_off = ""  # why lazy restore is off from now on ("" while it is on)
         self._refused: dict[int, str] = {}  # seq -> why (a chunk that failed while streaming)
         self._window_said = False  # the stop-window warning, once per supervisor
@@ -289,7 +295,7 @@ class Checkpointer:
             return "full", self._lazy_off
         if m.gpu is not None:
             return "full", "the checkpoint holds GPU state, which is restored in full"
-        ok, why = self.engine.lazy_pages
+        ok, why = kernel_lazy_pages() or self.engine.lazy_pages  # the kernel asked directly: no CRIU process
         return ("lazy", why) if ok else ("full", f"this kernel cannot restore lazily ({why})")
 
     def restore(self, stdout: Sink | None = None, stderr: Sink | None = None, *, cwd: str | None = None) -> Restored:
@@ -305,19 +311,24 @@ class Checkpointer:
         """
         # With a key every candidate is verified below (an unsigned one is refused), so "signed" holds for all.
         roots = restore_roots(self.settings.restore_roots, cwd, signed=self._key is not None)
+        tl = self.timeline = Timeline()
+        stdout, stderr = _FirstOutput.wrap(stdout, tl), _FirstOutput.wrap(stderr, tl)
         if stale := sweep(self.work_dir):
             log.warning("unmounted %d page file(s) a killed supervisor left under %s", stale, self.work_dir)
         skipped: list[str] = []
         failpoint("restore.lease", work_dir=self.work_dir)  # the runner holds the writer lease by now
-        candidates = require_latest(self.store, self.checkpoint_id)
+        with tl.span("manifests"):
+            candidates = require_latest(self.store, self.checkpoint_id)
         for i, m in enumerate(candidates):
             failpoint("restore.manifest", work_dir=self.work_dir)
-            why_not = self._refused.get(m.seq) or self._refusal(m)
+            with tl.span("checks"):  # signature, GPU, age
+                why_not = self._refused.get(m.seq) or self._refusal(m)
             if why_not:  # each candidate, not just the newest: a fallback must not run forged or stale state
                 skipped.append(why_not)
                 log.warning("checkpoint refused checkpoint_id=%s seq=%d: %s", self.checkpoint_id, m.seq, why_not)
                 continue
-            mode, why_mode = self.restore_mode(m)
+            with tl.span("mode"):  # the first time: can this kernel restore lazily (userfaultfd)?
+                mode, why_mode = self.restore_mode(m)
             log.debug("restore mode checkpoint_id=%s seq=%d mode=%s: %s", self.checkpoint_id, m.seq, mode, why_mode)
             # what this checkpoint wrote anew: recently written memory, fetched ahead first when lazy
             hot = m.chunk_digests() - candidates[i + 1].chunk_digests() if i + 1 < len(candidates) else set()
@@ -351,7 +362,7 @@ class Checkpointer:
             self.parent_seq = m.seq
             self._known = m.chunk_digests()
             self._check_stop_window(m, m.freeze_seconds, m.freeze_seconds, "the restored checkpoint, when it was taken,")
-            return Restored(workload, m, tuple(skipped), mode)
+            return Restored(workload, m, tuple(skipped), mode, tl)
         raise CorruptCheckpoint(
             f"no checkpoint under checkpoint ID {self.checkpoint_id!r} could be restored "
             f"({'; '.join(skipped)}). Nothing was restored; start the workload fresh (run without --resume)."
@@ -366,16 +377,43 @@ class Checkpointer:
         shutil.rmtree(restore_dir, ignore_errors=True)
         restore_dir.mkdir(mode=0o700, parents=True)  # the fetched images are process memory: root's eyes only
         feed = None
+        stream = None
+        self.timeline.facts["mode"] = mode  # before the tree can print: a lazy timeline is complete only with its pages in
+        streamed = mode == "full" and self._stream_full()
         try:
             with self._phase("fetch"):
-                fetch_checkpoint(self.store, m, restore_dir / "images", self.settings.progress,
-                                 max_chunk_bytes=MAX_CHUNK_FACTOR * self.store_cfg.chunk_avg_bytes,
-                                 leave_sparse=lazy_files(m) if mode == "lazy" else frozenset(), reader=self.node)
+                with self.timeline.span("fetch"):  # the images fetched whole (all, in a plain full restore)
+                    fetch_checkpoint(self.store, m, restore_dir / "images", self.settings.progress,
+                                     max_chunk_bytes=MAX_CHUNK_FACTOR * self.store_cfg.chunk_avg_bytes,
+                                     leave_sparse=lazy_files(m) if mode == "lazy" else streamed_files(m) if streamed
+                                     else frozenset(), reader=self.node)
                 if mode == "lazy":
                     feed = LazyFeed(self.engine, self.store, m, restore_dir / "images", hot,
-                                    keep_dir=self.settings.keep_local, via=self.settings.lazy_pages_via)
-                    feed.fill()
-            workload = self._restore_from(restore_dir / "images", m, stdout, stderr, roots, feed)
+                                    keep_dir=self.settings.keep_local, via=self.settings.lazy_pages_via,
+                                    timeline=self.timeline)
+                    with self.timeline.span("fill"):
+                        feed.fill()
+                elif streamed:
+                    stream = PageStream(self.store, m, restore_dir / "images", reader=self.node, timeline=self.timeline)
+                    try:
+                        with self.timeline.span("page_source_start"):
+                            stream.start()
+                    except OSError as e:  # no page files here after all: write the pages, as without
+                        stream = None
+                        log.warning("streamed restore unavailable checkpoint_id=%s seq=%d: %s; the pages are "
+                                    "written to the work dir first", self.checkpoint_id, m.seq, e)
+                        fetch_checkpoint(self.store, m, restore_dir / "images", self.settings.progress,
+                                         max_chunk_bytes=MAX_CHUNK_FACTOR * self.store_cfg.chunk_avg_bytes,
+                                         reader=self.node)
+            try:
+                workload = self._restore_from(restore_dir / "images", m, stdout, stderr, roots, feed)
+            except RestoreFailed as e:
+                if stream is not None and stream.failure is not None:  # the pages' fault, not CRIU's
+                    raise CorruptCheckpoint(f"checkpoint {self.checkpoint_id} seq={m.seq}: {stream.failure}") from e
+                raise
+            finally:
+                if stream is not None:
+                    stream.close()  # criu restore has returned: every page is in the tree, or it failed
         except BaseException:
             if feed is not None:
                 feed.close(remove_dir=False)
@@ -385,6 +423,16 @@ class Checkpointer:
         if not self.settings.keep_local and feed is None:
             shutil.rmtree(restore_dir, ignore_errors=True)  # a lazy restore's goes when its pages are in
         return workload, feed
+
+    def _stream_full(self) -> bool:
+        """Whether a full restore streams its pages into CRIU (``full_restore_via``)."""
+        if self.settings.full_restore_via == "write":
+            return False
+        ok, why = can_stream()
+        if not ok:
+            log.warning("full_restore_via = stream, but page files cannot be served here (%s): pages are written "
+                        "to the work dir first", why)
+        return ok
 
     def _refusal(self, m: Manifest) -> str | None:
         """Why a candidate is refused before any chunk is fetched: a bad signature, too old, or GPU
@@ -407,13 +455,19 @@ class Checkpointer:
         with CapturedFilesBack(m, dest / CAPTURED_DIR, roots) as files_back, preflight(dest, m, roots):
             ensure_cwd(m, roots)
             become_subreaper()
+            tl = self.timeline
             with self._phase("criu_restore"):
                 if feed is not None:  # only now: every check of the checkpoint has passed
-                    feed.start()
+                    with tl.span("page_source_start"):
+                        feed.start()
                 failpoint("restore.criu", work_dir=self.work_dir)
-                pid, out_r, err_r = self.engine.restore_piped(dest, m.process.stdout_pipe, m.process.stderr_pipe,
-                                                              pidfile=dest.with_name(dest.name + ".pid"),
-                                                              lazy=feed is not None)
+                with tl.span("criu_restore"):
+                    pid, out_r, err_r = self.engine.restore_piped(dest, m.process.stdout_pipe, m.process.stderr_pipe,
+                                                                  pidfile=dest.with_name(dest.name + ".pid"),
+                                                                  lazy=feed is not None)
+            tl.mark("resumed", latest=True)  # the tree runs (a fallback's later restore replaces it)
+            tl.facts["criu"] = read_restore_stats(dest)
+            adopting = time.monotonic()
             # Supervised (watchdog on) before anything else can fail: a restored tree is never left alone.
             workload = Workload.adopt(pid, m.process.command, m.process.cwd, out_r, err_r, stdout, stderr,
                                       watchdog_holds=feed.holds if feed is not None else ())
@@ -425,4 +479,25 @@ class Checkpointer:
                 log.info("gpu state restored checkpoint_id=%s seq=%d processes=%d seconds=%.3f",
                          self.checkpoint_id, m.seq, len(m.gpu.processes), seconds)
             files_back.keep()
+        tl.spans.append(("adopt", adopting - tl.t0, time.monotonic() - adopting))
         return workload
+
+
+class _FirstOutput:
+    """A restored workload's stdout or stderr that marks its first write on the timeline."""
+
+    def __init__(self, target: Sink, tl: Timeline) -> None:
+        self.target, self.tl, self._seen = target, tl, False
+
+    @classmethod
+    def wrap(cls, target: Sink | None, tl: Timeline) -> Sink | None:
+        return None if target is None else cls(target, tl)
+
+    def write(self, data: bytes, /) -> int:
+        if not self._seen and data:
+            self._seen = True
+            self.tl.mark("first_output")
+        return self.target.write(data)
+
+    def flush(self) -> None:
+        self.target.flush()

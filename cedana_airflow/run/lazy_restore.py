@@ -49,6 +49,7 @@ from ..errors import CorruptCheckpoint, StoreUnavailable
 from ..format.manifest import Manifest
 from ..store.base import Store
 from ..store.chunk_view import ChunkView
+from .timeline import Timeline
 from .workload import WAIT_FOR_SUPERVISOR
 
 __all__ = ["LazyFeed", "PREFETCH_WINDOW_BYTES", "lazy_files", "transport"]
@@ -79,9 +80,11 @@ class LazyFeed:
     :meth:`attach` the restored root, then :meth:`wait` for :attr:`failure` or not; :meth:`close` always."""
 
     def __init__(self, engine: CriuEngine, store: Store, manifest: Manifest, image_dir: Path,
-                 hot_digests: set[str], *, keep_dir: bool = False, via: str = "auto") -> None:
+                 hot_digests: set[str], *, keep_dir: bool = False, via: str = "auto",
+                 timeline: Timeline | None = None) -> None:
         self.engine, self.store, self.manifest, self.image_dir = engine, store, manifest, image_dir
         self.hot = hot_digests
+        self.timeline = timeline
         self.keep_dir = keep_dir
         self.failure: str | None = None
         self.corrupt = False  # the failure was the checkpoint's (a bad chunk), not the store's
@@ -265,6 +268,12 @@ class LazyFeed:
         self.finished = time.monotonic()
         if ok:
             parts: list[PageServer] | list[PageFile] = [self._server] if self._server is not None else self._files
+            if self.timeline is not None:
+                self.timeline.facts["page_source"] = {
+                    "via": self.transport, "requests": sum(p.requests for p in parts),
+                    "served_bytes": sum(p.served_bytes for p in parts), "fetched_bytes": self.fetched_bytes,
+                    "serving_seconds": round(sum(p.busy_seconds for p in parts), 4)}
+                self.timeline.mark("pages_in", at=self.finished)
             log.info("lazy restore complete checkpoint_id=%s seq=%d via=%s pages_bytes=%d fetched_bytes=%d "
                      "requests=%d serving_seconds=%.3f seconds=%.3f", self.manifest.checkpoint_id, self.manifest.seq,
                      self.transport, sum(p.served_bytes for p in parts), self.fetched_bytes,

@@ -44,6 +44,7 @@ from .estimate import estimate_checkpoint
 from .gpu_state import GpuGate
 from .restore_gap import judge_settings
 from .stop import StopReport, clean_cut
+from .timeline import Timeline
 from .workload import Sink, Workload
 
 __all__ = ["RunResult", "ensure_work_dir", "make_engine", "run_workload"]
@@ -59,6 +60,7 @@ class RunResult:
     skipped: tuple[str, ...] = ()
     checkpoints: list[Manifest] = field(default_factory=list)
     restore_seconds: float = 0.0
+    restore_timeline: Timeline | None = None  # where that restore's time went (timeline.py)
     restore_gap_seconds: float = 0.0  # from the restored checkpoint's creation to the restore's start
     stopped_by_signal: int | None = None
     killed_by_signal: int | None = None  # the signal that ended the workload, when not one we sent to stop it
@@ -232,6 +234,7 @@ def _restore_into(cp: Checkpointer, result: RunResult, *, must_restore: bool, cw
     m = restored.manifest
     result.outcome, result.restored_from, result.skipped = "restored", m, restored.skipped
     result.restore_seconds = time.monotonic() - t0
+    result.restore_timeline = restored.timeline
     result.restore_gap_seconds = max(0.0, (started_at - m.created_at).total_seconds())
     log.info("restored checkpoint_id=%s seq=%d from_node=%s node=%s gap_seconds=%.1f restore_seconds=%.2f mode=%s",
              cp.checkpoint_id, m.seq, m.node, cp.node, result.restore_gap_seconds, result.restore_seconds, restored.mode)

@@ -48,6 +48,8 @@ def run_summary(result: RunResult, checkpoint_id: str, node: str) -> dict[str, A
         "final_checkpoint_seq": stop.final.seq if stop is not None and stop.final is not None else None,
         "killed_by": _signal_name(result.killed_by_signal),
         "index_conflicts_retried": conflicts_retried(),
+        # where the restore's time went (docs/cli.md): spans, CRIU's phases, marks, store reads; null when fresh
+        "restore_timings": result.restore_timeline.as_dict() if result.restore_timeline is not None else None,
         "error": None,
     }
 

@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from ..errors import CorruptCheckpoint
 from ..format import chunking
 from ..format.layout import QUARANTINE, chunk_key, quarantine_digest, quarantine_key
+from .read_stats import READS
 from .base import Store
 
 __all__ = ["heal_known", "quarantined", "read_chunk", "records", "set_aside"]
@@ -51,8 +52,13 @@ def set_aside(store: Store, digest: str, size: int, reader: str, why: str) -> bo
 
 def read_chunk(store: Store, digest: str, size: int, reader: str = "") -> bytes | memoryview:
     """A chunk's raw bytes, verified; a bad or missing one is set aside, then CorruptCheckpoint raised."""
+    t0 = time.perf_counter()
     try:
-        return chunking.decode(store.get_chunk(digest), digest, size)
+        blob = store.get_chunk(digest)
+        t1 = time.perf_counter()
+        raw = chunking.decode(blob, digest, size)
+        READS.add(len(raw), t1 - t0, time.perf_counter() - t1)
+        return raw
     except CorruptCheckpoint as e:
         set_aside(store, digest, size, reader, str(e))
         raise
