@@ -40,9 +40,9 @@ from .captured import CapturedFilesBack, ensure_cwd, refusal, restore_roots
 from .estimate import captured_too_large, dump_too_large, estimate_checkpoint, too_large
 from .gpu_state import GpuGate
 from .lazy_restore import LazyFeed, lazy_files
+from .preflight import preflight
 from .streamed_restore import PageStream, can_stream, streamed_files
 from .timeline import Timeline
-from .preflight import preflight
 from .workload import Sink, Workload, become_subreaper
 
 __all__ = ["Checkpointer", "PhaseHook", "Restored"]

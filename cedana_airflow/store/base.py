@@ -133,6 +133,11 @@ class Store(Protocol):
         """Write ``key`` only if it is still at ``token`` ("" meaning absent); False when it moved on."""
         ...
 
+    def get_if_changed(self, key: str, token: str) -> tuple[bytes | None, str] | None:
+        """None when ``key`` is still at ``token`` (S3: a conditional GET answered 304, no body sent);
+        else what :meth:`get_versioned` returns. For a reader that keeps what it parsed."""
+        ...
+
     def list_objects(self, prefix: str, limit: int = 0) -> Iterator[StoredObject]:
         """Every object under ``prefix`` (temporary files of interrupted writes included); ``limit`` > 0 stops early."""
         ...

@@ -149,6 +149,10 @@ class FileStore(RequiredReads):
         data = self.get(key)
         return data, ("" if data is None else hashlib.sha256(data).hexdigest())
 
+    def get_if_changed(self, key: str, token: str) -> tuple[bytes | None, str] | None:
+        data, now = self.get_versioned(key)  # a local read is cheap; what the caller saves is parsing it
+        return None if token and now == token else (data, now)
+
     def put_if_version(self, key: str, data: bytes, token: str) -> bool:
         # Readers never lock (the write is a rename); writers of one key queue on a sidecar lock,
         # the file-store equivalent of S3's If-Match / If-None-Match.

@@ -55,15 +55,17 @@ def _from_manifests(store: Store, ids: list[str], entries: dict[str, IndexEntry]
     return out
 
 
-def list_store(store: Store, checkpoint_id: str | None = None, *, exact: bool = False) -> list[IdListing]:
-    """Every checkpoint ID with its complete checkpoints and skipped heartbeats, sorted by ID."""
+def list_store(store: Store, checkpoint_id: str | None = None, *, exact: bool = False,
+               cache: index.ShardCache | None = None) -> list[IdListing]:
+    """Every checkpoint ID with its complete checkpoints and skipped heartbeats, sorted by ID.
+    ``cache``: the shards parsed before, revalidated instead of read again (a long-lived reader)."""
     if checkpoint_id is not None:
         cid = validate_checkpoint_id(checkpoint_id)
         return [x for x in _from_manifests(store, [cid], {cid: index.read_entry(store, cid)})
                 if x.checkpoints or x.skipped_heartbeats]
     with ThreadPoolExecutor(1, thread_name_prefix="cedana-list") as pool:  # the two reads overlap
         ids = pool.submit(store.list_ids)
-        entries = index.read_index(store)
+        entries = index.read_index(store, cache)
         present = set(ids.result())
     if exact:
         unknown = sorted(present)

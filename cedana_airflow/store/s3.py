@@ -244,6 +244,23 @@ class S3Store(RequiredReads):
                     return None, ""
                 raise
 
+    def get_if_changed(self, key: str, token: str) -> tuple[bytes | None, str] | None:
+        from botocore.exceptions import ClientError
+
+        if not token:
+            return self.get_versioned(key)
+        with self._errors(f"reading {key}"):
+            try:
+                r = self.client.get_object(Bucket=self.bucket, Key=self._key(key), IfNoneMatch=token)
+                return bytes(r["Body"].read()), str(r["ETag"])
+            except ClientError as e:
+                code = str(e.response.get("Error", {}).get("Code"))
+                if code in ("304", "NotModified"):
+                    return None
+                if code in _MISSING:
+                    return None, ""
+                raise
+
     def put_if_version(self, key: str, data: bytes, token: str) -> bool:
         return self._put(key, data, create_only=not token, if_match=token)
 

@@ -104,3 +104,46 @@ def test_skips_are_counted_for_an_id_without_any_checkpoint_and_deleting_an_id_f
     assert list_store(s, "huge")[0].skipped_heartbeats == 3
     delete_checkpoint_id(s, "done")
     assert set(index.read_index(s)) == {"huge"} and _seqs(list_store(s)) == {"huge": []}
+
+
+class _Counting:
+    """A store that counts shard reads that sent a body, and conditional ones answered "unchanged"
+    (a shard nobody wrote yet is asked for again each time: a 404, no body)."""
+
+    def __init__(self, inner):
+        self.inner, self.full, self.unchanged = inner, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def get_versioned(self, key):
+        got = self.inner.get_versioned(key)
+        self.full += got[0] is not None
+        return got
+
+    def get_if_changed(self, key, token):
+        got = self.inner.get_if_changed(key, token)
+        if got is None:
+            self.unchanged += 1
+        else:
+            self.full += got[0] is not None
+        return got
+
+
+def test_a_cached_listing_revalidates_each_shard_and_rereads_only_what_changed(store, tmp_path):
+    s, _ = store
+    for cid in ("a1", "b2", "c3"):
+        index.record_checkpoint(s, _save(store, tmp_path, cid, 1))
+    written = len({index.shard_key(c) for c in ("a1", "b2", "c3")})
+    counting, cache = _Counting(s), index.ShardCache()
+    first = list_store(counting, cache=cache)
+    assert _seqs(first) == {"a1": [1], "b2": [1], "c3": [1]}
+    assert counting.full == written and counting.unchanged == 0
+    counting.full = 0
+    assert _seqs(list_store(counting, cache=cache)) == _seqs(first)
+    assert counting.full == 0 and counting.unchanged == written  # S3: 304s, no bodies
+    m = _save(store, tmp_path, "a1", 2)
+    index.record_checkpoint(s, m)
+    counting.unchanged = 0
+    assert _seqs(list_store(counting, cache=cache)) == {"a1": [1, 2], "b2": [1], "c3": [1]}  # fresh at once
+    assert counting.full == 1 and counting.unchanged == written - 1  # only a1's shard was read again

@@ -16,6 +16,7 @@ from datetime import datetime, timedelta, timezone
 
 from ...format.manifest import Manifest
 from ...store.base import Store
+from ...store.index import ShardCache
 from ...store.listing import IdListing, list_store
 from ...store.restores import RestoreRecord, list_restores
 from ...store.transfer import load_manifests
@@ -59,21 +60,28 @@ def visible(listed: Sequence[IdListing], may_read: MayRead) -> list[IdListing]:
 
 
 class StoreCache:
-    """The store's listing, kept for ``ttl`` seconds: the api-server is long-lived and a page reload
-    must not cost 17 S3 requests. Thread-safe; a failed listing is not cached."""
+    """The store's listing for a long-lived api-server: kept for ``ttl`` seconds (the calls of one
+    page load), then revalidated: the index shards it parsed are asked whether they changed
+    (If-None-Match; a 304 has no body) and only changed ones are read and parsed again, so a reload
+    is fresh and costs 17 small requests, not a re-read of every shard. Thread-safe; a failed
+    listing is not cached."""
 
-    def __init__(self, ttl: float = 5.0) -> None:
+    def __init__(self, ttl: float = 1.0) -> None:
         self.ttl = ttl
         self._lock = threading.Lock()
         self._at = 0.0
         self._listed: list[IdListing] = []
         self._url = ""
+        self._shards = ShardCache()
 
     def listing(self, store: Store) -> list[IdListing]:
         with self._lock:
             if store.url == self._url and time.monotonic() - self._at < self.ttl:
                 return self._listed
-        listed = list_store(store)
+            if store.url != self._url:
+                self._shards = ShardCache()
+            shards = self._shards
+        listed = list_store(store, cache=shards)
         with self._lock:
             self._listed, self._at, self._url = listed, time.monotonic(), store.url
         return listed
