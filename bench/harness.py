@@ -45,6 +45,25 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def spread(xs: list[float]) -> list[float]:
+    """[min, max] of the runs: how far one run may fall from the median."""
+    return [min(xs), max(xs)] if xs else [float("nan"), float("nan")]
+
+
+def timeline_median(timelines: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each span's seconds, each mark and each CRIU phase over runs' restore timelines
+    (Timeline.as_dict()): where a restore's time goes, per row of the report."""
+    out: dict[str, Any] = {"spans": {}, "marks": {}, "criu": {}}
+    for key in ("spans", "marks", "criu"):
+        names: dict[str, list[float]] = {}
+        for t in timelines:
+            items = ((s["name"], s["seconds"]) for s in t["spans"]) if key == "spans" else t[key].items()
+            for name, v in items:
+                names.setdefault(name, []).append(v)
+        out[key] = {n: round(med(v), 4) for n, v in names.items()}
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # the workload: tests/workloads/train.py, managed, and what it prints
 # --------------------------------------------------------------------------------------------

@@ -54,29 +54,46 @@ def _local_rows(res: dict[str, Any]) -> list[list[str]]:
         ["stored bytes, heartbeats 2-4 (worst)", f"{s['baseline_bytes'] / MB:.1f} MB image",
          f"{s['ours_bytes'] / MB:.2f} MB stored", f"{100 * s['ratio']:.2f}%", f"<= {100 * s['target']:.0f}%",
          _ok(s["pass"])],
-        ["restore (fetch+verify+criu restore)", f"{r['baseline_seconds']:.2f} s", f"{r['ours_seconds']:.2f} s",
-         f"{r['ratio']:.2f}x", f"<= {r['target']:.2f}x", _ok(r["pass"])],
-    ] + ([["heartbeat processing, 2-4 (cut+hash+store, worst)", f"{pr['full_cut_s_per_gb']:.2f} s/GB full cut",
+        ["restore (fetch+verify+criu restore)", secs(r["baseline_seconds"], r.get("spread", {}).get("bare")),
+         secs(r["ours_seconds"], r.get("spread", {}).get("ours")), f"{r['ratio']:.2f}x", f"<= {r['target']:.2f}x",
+         _ok(r["pass"])],
+    ] + ([["  (full_restore_via = stream, info)", secs(r["baseline_seconds"]),
+           secs(r["stream"]["seconds"], r["spread"].get("stream")), f"{r['stream']['ratio']:.2f}x", "", ""]]
+         if "stream" in r else []) + ([["heartbeat processing, 2-4 (cut+hash+store, worst)", f"{pr['full_cut_s_per_gb']:.2f} s/GB full cut",
            f"{pr['ours_s_per_gb']:.2f} s/GB", f"{pr['ratio']:.2f}x", f"<= {pr['target_s_per_gb']:.1f} s/GB",
            _ok(pr["pass"])]] if (pr := s.get("processing")) else [])
+
+
+def secs(x: float, within: list[float] | None = None) -> str:
+    """Seconds, with the runs' [min, max] when known: a median alone hides a noisy figure."""
+    return f"{x:.2f} s" + (f" ({within[0]:.2f}-{within[1]:.2f})" if within else "")
 
 
 def _lazy_rows(lz: dict[str, Any]) -> list[list[str]]:
     rows: list[list[str]] = []
     if "file" in lz:
         f, a, r, t, ok = (lz["file"][k] for k in ("first_progress_seconds", "all_pages_in_seconds", "ratios", "targets", "pass"))
+        fs, as_ = lz["file"].get("first_progress_spread", {}), lz["file"].get("all_pages_in_spread", {})
         rows += [
-            ["lazy restore: first progress vs full path", f"{f['full']:.2f} s", f"{f['lazy']:.2f} s",
+            ["lazy restore: first progress vs full path", secs(f["full"], fs.get("full")), secs(f["lazy"], fs.get("lazy")),
              f"{r['first_vs_full']:.2f}x", f"<= {t['first_vs_full']:.2f}x", _ok(ok["first_vs_full"])],
-            ["lazy restore: first progress vs bare criu", f"{f['bare']:.2f} s", f"{f['lazy']:.2f} s",
+            ["lazy restore: first progress vs bare criu", secs(f["bare"], fs.get("bare")), secs(f["lazy"], fs.get("lazy")),
              f"{r['first_vs_bare']:.2f}x", f"<= {t['first_vs_bare']:.2f}x", _ok(ok["first_vs_bare"])],
-            ["lazy restore: every page in vs full path", f"{a['full']:.2f} s", f"{a['lazy']:.2f} s",
-             f"{r['all_in_vs_full']:.2f}x", f"<= {t['all_in_vs_full']:.2f}x", _ok(ok["all_in_vs_full"])],
         ]
+        if "all_in_vs_bare" in t:
+            rows.append(["lazy restore: every page in vs bare criu", secs(f["bare"], fs.get("bare")),
+                         secs(a["lazy"], as_.get("lazy")), f"{r['all_in_vs_bare']:.2f}x",
+                         f"<= {t['all_in_vs_bare']:.2f}x", _ok(ok["all_in_vs_bare"])])
+            rows.append(["  (every page in vs full path, info)", secs(a["full"], as_.get("full")), secs(a["lazy"]),
+                         f"{r['all_in_vs_full']:.2f}x", "", ""])
+        else:  # results written before 0.5.2
+            rows.append(["lazy restore: every page in vs full path", f"{a['full']:.2f} s", f"{a['lazy']:.2f} s",
+                         f"{r['all_in_vs_full']:.2f}x", f"<= {t['all_in_vs_full']:.2f}x", _ok(ok["all_in_vs_full"])])
     if "s3" in lz:
         f, a, r, t, ok = (lz["s3"][k] for k in ("first_progress_seconds", "all_pages_in_seconds", "ratios", "targets", "pass"))
+        fs = lz["s3"].get("first_progress_spread", {})
         rows += [
-            ["S3 lazy restore: first progress vs naive", f"{f['naive']:.2f} s", f"{f['lazy']:.2f} s",
+            ["S3 lazy restore: first progress vs naive", secs(f["naive"], fs.get("naive")), secs(f["lazy"], fs.get("lazy")),
              f"{r['first_vs_naive']:.2f}x", f"<= {t['first_vs_naive']:.2f}x", _ok(ok["first_vs_naive"])],
             ["  (vs our full path; every page in vs full, info)", f"{f['full']:.2f} s; {a['full']:.2f} s",
              f"{f['lazy']:.2f} s; {a['lazy']:.2f} s", f"{r['first_vs_full']:.2f}x; {r['all_in_vs_full']:.2f}x", "", ""],
@@ -109,6 +126,9 @@ def _s3_rows(s3: dict[str, Any]) -> list[list[str]]:
         rows.append([f"S3 listing, {li['ids']:,} IDs x {li['seqs']} (checkpoints --json)",
                      f"{li['baseline_seconds']:.2f} s file://", f"{li['ours_seconds']:.2f} s",
                      f"{li['ratio']:.1f}x", f"< {li['target_seconds']:.0f} s", _ok(li["pass"])])
+        if "warm_seconds" in li:
+            rows.append(["S3 listing, warm (the UI's JSON API, shards revalidated)", "",
+                         f"{li['warm_seconds']:.3f} s", "", f"< {li['warm_target_seconds']:.1f} s", _ok(li["warm_pass"])])
     return rows
 
 
@@ -155,9 +175,16 @@ def _lazy_details(lz: dict[str, Any]) -> str:
         runs = lz[where]["runs"]
         return ", ".join(f"{k} returned {med([r['restore_returned'] for r in v]):.2f} s / first progress "
                          f"{med([r['first_progress'] for r in v]):.2f} s" for k, v in runs.items())
+    def timeline(where: str) -> str:
+        tl = lz[where].get("timeline_median", {}).get("lazy")
+        if not tl:
+            return ""
+        return (f"; {where} lazy timeline (medians, s): " + ", ".join(f"{k} {v:.3f}" for k, v in tl["spans"].items())
+                + "; CRIU's own " + ", ".join(f"{k} {v:.3f}" for k, v in tl["criu"].items())
+                + "; marks " + ", ".join(f"{k} at {v:.3f}" for k, v in sorted(tl["marks"].items(), key=lambda kv: kv[1])))
     return (f"lazy restore ({lz['image_mb']:.0f} MB image; the workload steps every {lz['step_seconds']} s and rewrites "
-            f"{100 * lz['change_fraction']:.0f}% of its state per step; medians): file:// {medians('file')}; S3 "
-            f"{medians('s3')}; {lz['note']}")
+            f"{100 * lz['change_fraction']:.0f}% of its state per step; medians, (min-max) of the runs in the table): "
+            f"file:// {medians('file')}; S3 {medians('s3')}{timeline('file')}{timeline('s3')}; {lz['note']}")
 
 
 def _local_details(res: dict[str, Any], args: dict[str, Any]) -> list[str]:
@@ -189,7 +216,10 @@ def _local_details(res: dict[str, Any], args: dict[str, Any]) -> list[str]:
            "; WARNING: not exactly one step between heartbeats (see results.json), the deltas are uncertain"),
         f"restore: image {r['image_mb']:.0f} MB; ours = fetch+verify {r['ours_breakdown_median']['fetch']:.2f} s + "
         f"criu restore {r['ours_breakdown_median']['criu_restore']:.2f} s + other {r['ours_breakdown_median']['other']:.2f} s; "
-        f"{r['note']}",
+        f"{r['note']}" + "".join(
+            f"; {k} timeline (medians, s): " + ", ".join(f"{n} {v:.3f}" for n, v in tl["spans"].items())
+            + "; CRIU's own " + ", ".join(f"{n} {v:.3f}" for n, v in tl["criu"].items())
+            for k, tl in r.get("timeline_median", {}).items() if tl.get("spans")),
     ]
 
 
@@ -251,7 +281,10 @@ def _s3_listing_details(li: dict[str, Any]) -> str:
         f"{li['baseline_seconds']:.2f} s and --exact (every manifest parsed) {li['file_exact_runs'][0]['seconds']:.2f} s; "
         f"writing the index as writers leave it took {li['index_write_seconds']:.2f} s, the {li['ids'] * li['seqs']:,} "
         f"manifests {li['populate_seconds']:.0f} s (untimed). Before the index (2026-11-29, first session) the "
-        f"same listing read every manifest: 11,004 requests, 118 s")
+        f"same listing read every manifest: 11,004 requests, 118 s"
+        + (f"; warm, as the UI's JSON API lists once its 1 s cache ran out (in-process: IDs listed, the shards "
+           f"revalidated with If-None-Match, the listing built and serialized): {li['warm_seconds']:.3f} s, "
+           f"{li['warm_runs'][0]['requests']} requests ({fmt_ops(li['warm_runs'][0]['ops'])})" if "warm_runs" in li else ""))
 
 
 # --------------------------------------------------------------------------------------------

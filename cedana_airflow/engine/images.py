@@ -107,14 +107,7 @@ def read_dump_stats(image_dir: Path) -> dict[str, float]:
 
     stats-dump holds one stats_entry whose field 1 is the nested dump_stats_entry.
     """
-    try:
-        entries = image_entries(image_dir / "stats-dump")
-        dump = entries[0].get(1) if entries else None
-        f = message_fields(dump) if isinstance(dump, bytes) else {}
-    except (OSError, struct.error, IndexError):
-        return {}
-    return {name: (v / 1e6 if num <= 4 else float(v)) for num, name in _DUMP_STATS.items()
-            if isinstance(v := f.get(num), int)}
+    return _read_stats(image_dir / "stats-dump", 1, _DUMP_STATS)
 
 
 #: stats.proto, restore_stats_entry: forking and restore times in microseconds, pages restored.
@@ -125,14 +118,19 @@ def read_restore_stats(image_dir: Path) -> dict[str, float]:
     """``forking`` and ``restore`` (seconds: CRIU forking the tree, then restoring its state) and
     ``pages_restored`` from the stats-restore image ``criu restore`` leaves; {} if missing or
     unreadable. stats-restore holds one stats_entry whose field 2 is the restore_stats_entry."""
+    return _read_stats(image_dir / "stats-restore", 2, _RESTORE_STATS)
+
+
+def _read_stats(path: Path, entry_field: int, names: dict[int, str]) -> dict[str, float]:
+    """The named fields of a stats image's nested entry: fields 1-4 are microseconds (as seconds),
+    the rest counts."""
     try:
-        entries = image_entries(image_dir / "stats-restore")
-        restore = entries[0].get(2) if entries else None
-        f = message_fields(restore) if isinstance(restore, bytes) else {}
+        entries = image_entries(path)
+        nested = entries[0].get(entry_field) if entries else None
+        f = message_fields(nested) if isinstance(nested, bytes) else {}
     except (OSError, struct.error, IndexError):
         return {}
-    return {name: (v / 1e6 if num <= 4 else float(v)) for num, name in _RESTORE_STATS.items()
-            if isinstance(v := f.get(num), int)}
+    return {name: (v / 1e6 if num <= 4 else float(v)) for num, name in names.items() if isinstance(v := f.get(num), int)}
 
 
 # fdinfo.proto, enum fd_types; file_entry: type = 1, id = 2, reg = 3, usk = 16.
