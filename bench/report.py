@@ -11,9 +11,10 @@ from typing import Any
 
 from harness import BENCH, MB, med
 
-PARTS = ("local", "lazy", "s3-transfer", "s3-listing")
+PARTS = ("local", "lazy", "lazy-growth", "s3-transfer", "s3-listing")
 PART_TITLES = {"local": "local (freeze, stored bytes, restore from file://)",
                "lazy": "lazy restore (file:// and S3)",
+               "lazy-growth": "lazy restore by image size (file://)",
                "s3-transfer": "S3 first checkpoint, heartbeats, restore",
                "s3-listing": "S3 listing"}
 HEAD = ["benchmark", "baseline", "ours", "ratio", "target", "result"]
@@ -39,6 +40,13 @@ def table_rows(res: dict[str, Any]) -> list[list[str]]:
     rows = _local_rows(res) if "freeze" in res else []
     if "lazy" in res:
         rows += _lazy_rows(res["lazy"])
+    if "lazy_growth" in res:
+        g = res["lazy_growth"]
+        first, last = (g["sizes"][k] for k in (min(g["sizes"], key=int), max(g["sizes"], key=int)))
+        rows.append([f"lazy first progress, {last['image_mb'] / 1024:.0f} GB vs {first['image_mb'] / 1024:.1f} GB image "
+                     f"(same {g['working_set_mb']} MB touched)", secs(first["first_progress_seconds"], first["first_progress_spread"]),
+                     secs(last["first_progress_seconds"], last["first_progress_spread"]), f"{g['ratio']:.2f}x",
+                     f"<= {g['target']:.1f}x", _ok(g["pass"])])
     if res.get("s3"):
         rows += _s3_rows(res["s3"])
     return rows
@@ -159,6 +167,13 @@ def details(res: dict[str, Any]) -> list[str]:
         lines += _local_details(res, parts.get("local", {}).get("args", res.get("args", {})))
     if "lazy" in res:
         lines.append(_lazy_details(res["lazy"]))
+    if "lazy_growth" in res:
+        g = res["lazy_growth"]
+        lines.append("lazy restore by image size (file://; each workload rewrites the same "
+                     f"{g['working_set_mb']} MB per step; medians (min-max)): " + "; ".join(
+                         f"{v['image_mb']:.0f} MB: first progress {secs(v['first_progress_seconds'], v['first_progress_spread'])}, "
+                         f"tree running at {v['timeline_median']['marks'].get('resumed', float('nan')):.3f} s, "
+                         f"every page in {v['all_pages_in_seconds']:.2f} s" for v in g["sizes"].values()))
     if res.get("s3"):
         s3 = res["s3"]
         lines.append(MOTO_NOTE)
@@ -294,9 +309,9 @@ def command_of(args: dict[str, Any], part: str) -> str:
     cmd = ["bench/run.py"]
     if args.get("only") and sorted(args["only"]) != sorted(PARTS):
         cmd.append(f"--only {','.join(args['only'])}")
-    if part != "s3-listing":
+    if part not in ("s3-listing", "lazy-growth"):  # the growth part has its own sizes
         cmd.append(f"--mb {args['mb']}")
-    if part in ("local", "lazy"):
+    if part in ("local", "lazy", "lazy-growth"):
         cmd.append(f"--reps {args['reps']}")
     if part == "s3-transfer":
         cmd.append(f"--s3-reps {args['s3_reps']}")

@@ -67,7 +67,7 @@ def parse_only(text: str) -> list[str]:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", type=parse_only, default=list(PARTS),
-                    help="run only these parts, comma-separated: local, s3 (= s3-transfer,s3-listing), s3-transfer, "
+                    help="run only these parts, comma-separated: local, lazy, lazy-growth, s3 (= s3-transfer,s3-listing), s3-transfer, "
                          "s3-listing (default: all); the others keep their previous results in bench/results.*")
     ap.add_argument("--mb", type=int, default=1024, help="workload state size in MB (default 1024; 200 for a quick run)")
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions for freeze and restore (default 5)")
@@ -122,6 +122,10 @@ def run_parts(parts: Parts, engine: CriuEngine, settings: Settings, work: Path) 
         from lazy_restore import bench_lazy
 
         new.update(parts.run("lazy", lambda: bench_lazy(engine, args.mb, args.reps, work, settings, args.prewarm)))
+    if "lazy-growth" in args.only:
+        from lazy_growth import bench_growth
+
+        new.update(parts.run("lazy-growth", lambda: bench_growth(engine, args.reps, work, settings, args.prewarm)))
     s3_new: dict[str, Any] = {}
     if "s3-transfer" in args.only:
         from s3_transfer import bench_transfer
@@ -139,7 +143,7 @@ def run_parts(parts: Parts, engine: CriuEngine, settings: Settings, work: Path) 
 
 def main() -> int:
     args = parse_args()
-    if os.geteuid() != 0 and ({"local", "lazy", "s3-transfer"} & set(args.only)):
+    if os.geteuid() != 0 and ({"local", "lazy", "lazy-growth", "s3-transfer"} & set(args.only)):
         print("bench/run.py needs root (CRIU uses CAP_SYS_ADMIN and ptrace); run it with sudo.", file=sys.stderr)
         return 2
     t_start = time.monotonic()

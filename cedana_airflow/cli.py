@@ -294,8 +294,11 @@ def _cmd_slurm_job(args: argparse.Namespace) -> int:
             return 127
     with _Summary(args) as summary:
         summary.node = settings.resolved_node()
+        timings = _Timings() if args.timings else None
         result = run_workload(settings, args.id, command, resume=True, try_number=args.try_number,
-                              airflow=_task_of(args))
+                              airflow=_task_of(args), on_restore=timings.restored if timings is not None else None)
+        if timings is not None:
+            timings.print_now()
         summary.report(result)
     return result.exit_code
 

@@ -24,7 +24,7 @@ from ..engine.criu import CriuEngine
 from ..engine.images import read_restore_stats
 from ..engine.page_file import sweep
 from ..engine.uffd import kernel_lazy_pages
-from ..errors import CorruptCheckpoint, NotRestorableHere, RestoreFailed, WriterFenced
+from ..errors import CorruptCheckpoint, NotRestorableHere, RestoreFailed, StoreUnavailable, WriterFenced
 from ..failpoints import failpoint
 from ..format.chunking import MAX_CHUNK_FACTOR, SegmentMemo
 from ..format.manifest import CAPTURED_DIR, AirflowTask, Manifest, ProcessInfo
@@ -408,8 +408,11 @@ class Checkpointer:
             try:
                 workload = self._restore_from(restore_dir / "images", m, stdout, stderr, roots, feed)
             except RestoreFailed as e:
-                if stream is not None and stream.failure is not None:  # the pages' fault, not CRIU's
-                    raise CorruptCheckpoint(f"checkpoint {self.checkpoint_id} seq={m.seq}: {stream.failure}") from e
+                err = stream.error if stream is not None else None  # the pages' fault, not CRIU's
+                if isinstance(err, StoreUnavailable):  # not the checkpoint's: the try fails, no older one is tried
+                    raise StoreUnavailable(str(err)) from e
+                if err is not None:
+                    raise CorruptCheckpoint(f"checkpoint {self.checkpoint_id} seq={m.seq}: {err}") from e
                 raise
             finally:
                 if stream is not None:

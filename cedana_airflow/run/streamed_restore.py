@@ -12,7 +12,7 @@ chunks, fetched on demand. The rest of the image set (small) is fetched as befor
 No byte reaches CRIU unverified (it comes from a :class:`~cedana_airflow.store.chunk_view.ChunkView`).
 Unlike a lazy restore, nothing of the tree runs until ``criu restore`` has read every page, so a
 corrupt chunk or a store gone mid-stream is answered with EIO at once: CRIU's restore fails and
-kills what it had built, and :attr:`failure` says why.
+kills what it had built, and :attr:`error` says why.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from pathlib import Path
 
 from ..engine.page_file import PageFile, fuse_available
 from ..engine.pagemap import PAGE_SIZE
-from ..errors import CorruptCheckpoint
 from ..format.manifest import FileEntry, Manifest
 from ..store.base import Store
 from ..store.chunk_view import ChunkView
@@ -58,8 +57,7 @@ class PageStream:
                  timeline: Timeline | None = None) -> None:
         self.store, self.manifest, self.image_dir, self.reader = store, m, image_dir, reader
         self.timeline = timeline
-        self.failure: str | None = None
-        self.corrupt = False
+        self.error: BaseException | None = None  # what stopped the pages (CorruptCheckpoint, StoreUnavailable, ...)
         self.started = 0.0
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(store.parallelism, thread_name_prefix="cedana-stream")
@@ -100,9 +98,7 @@ class PageStream:
 
     def _failed(self, e: BaseException) -> None:
         with self._lock:
-            if self.failure is None:
-                self.failure = str(e)
-                self.corrupt = isinstance(e, CorruptCheckpoint)
+            self.error = self.error or e
         log.error("streamed restore failed checkpoint_id=%s seq=%d: %s", self.manifest.checkpoint_id,
                   self.manifest.seq, e)
 
@@ -117,7 +113,7 @@ class PageStream:
 
     def close(self) -> None:
         """Unmount, stop fetching, drop what is held (after ``criu restore``: every page is in the tree)."""
-        if self._files and self.failure is None:
+        if self._files and self.error is None:
             if self.timeline is not None:
                 self.timeline.facts["page_source"] = {
                     "via": "stream", "pushed_bytes": self.pushed_bytes, "served_bytes": self.served_bytes,
