@@ -364,14 +364,19 @@ def test_in_a_real_browser_every_plugin_page_fits_a_1440_px_laptop(airflow_ui):
     _fits(frame)
     _shot(page, "1-fleet.png", docs="checkpoint-browser.png")
     for cid in (A_ID, LONG_ID, "cli-job"):
-        frame.goto(f"{base}/cedana/ids/{quote(cid, safe='')}")
+        frame.goto(f"{base}/cedana/ids/{quote(cid, safe='=+@')}")  # as the pages link it: Airflow's
+        # router would navigate the frame again from a %2B path, cutting short the next goto
         expect(frame.get_by_role("heading", name="Restores")).to_be_visible(timeout=30_000)
         expect(frame.get_by_role("img", name=re.compile(r"^2 checkpoints, "))).to_be_visible()  # the chart
         _fits(frame)
     page.goto(base + "/plugin/cedana-checkpoints")
     frame = _plugin_frame(page)
+    landed: list[str] = []
+    page.on("framenavigated", lambda f: landed.append(f.url) if f.parent_frame and "/cedana/ids/" in f.url else None)
     frame.get_by_role("link", name=A_ID).click()
     expect(frame.get_by_role("heading", name="Restores")).to_be_visible(timeout=30_000)
+    frame.wait_for_selector("html[data-ready]", state="attached", timeout=30_000)
+    assert len(set(landed)) == 1, landed  # one page load, not Airflow's router loading it again (%2B vs +)
     assert page.url.endswith(f"/plugin/cedana-checkpoints/cedana/ids/{quote(A_ID, safe='+')}") or \
         A_ID.replace("+", "%2B") in page.url, page.url  # Airflow keeps a link to this page in its address bar
     _shot(page, "2-checkpoint-id.png", full_page=True)  # the docs' picture is the demo's (test_demo_ui.py)

@@ -141,8 +141,8 @@ def test_hostile_values_in_links_and_attributes_stay_inside_them():
     assert ("input", "value", EVIL) in fleet.attrs  # the filter comes back as typed
     assert [v for t, k, v in fleet.attrs if t == "option" and k == "selected"] == [""]  # the DAG filter, once
     id_links = [v for t, k, v in fleet.attrs if k == "href" and v.startswith("ids/")]
-    assert id_links == ["ids/id%3Cscript%3Ealert%28%27x%27%29%3C%2Fscript%3E%22%27%26amp%3B%3Cimg%20src%3Dx%20"
-                        "onerror%3Dalert%281%29%3E"]  # one path segment, percent-encoded (the DAG filter left one)
+    assert id_links == ["ids/id%3Cscript%3Ealert%28%27x%27%29%3C%2Fscript%3E%22%27%26amp%3B%3Cimg%20src=x%20"
+                        "onerror=alert%281%29%3E"]  # one path segment, percent-encoded (the DAG filter left one)
     airflow_links = [v for t, k, v in one.attrs if t == "a" and k == "href" and v.startswith("../../dags/")]
     assert len(airflow_links) == 3 and all("<" not in v and "'" not in v and "/" not in v[len("../../dags/"):]
                                            .replace("/runs/", "").replace("/tasks/", "").replace("/mapped/", "")
@@ -220,6 +220,15 @@ def test_the_task_instance_tab_tells_each_try_how_it_started_and_what_work_it_lo
     assert "fresh: the first try: nothing to resume yet</td>" in html and ">4.0 min</td>" in html
     assert "restored seq 2 from gpu-3: gap 900.0 s, restore 3.00 s</td>" in html and "<td>running</td>" in html
     assert "&le; 15.0 min" in views.task_instance_page("dag", "run", "train", -1, "train-1", [d])
+
+
+def test_an_id_links_with_its_plus_as_airflows_router_would_write_it():
+    """A run's ID holds '+' (its timezone): Airflow decodes the frame's path into its address bar and
+    navigates the frame again when the two differ, so a %2B link would load the page twice."""
+    cid = "dag_a.train.manual__2026-12-03T03_36_45+00_00-2bdf9c6403=x@y"
+    html = views.fleet_page(Fleet((_listing(cid, None),), 0, 0, 0, 0), store_url="file:///s", q="", dag="",
+                            sort="id", page=1)
+    assert [v for t, k, v in _Page(html).attrs if k == "href" and v.startswith("ids/")] == [f"ids/{cid}"]
 
 
 def test_fleet_headers_sort_both_ways_and_a_filter_that_matches_nothing_says_so():

@@ -46,7 +46,7 @@ def _env() -> Environment:
     and are read once (no ``auto_reload``: a page costs no stat calls)."""
     env = Environment(loader=FileSystemLoader(_HERE), autoescape=True, undefined=StrictUndefined,
                       trim_blocks=True, lstrip_blocks=True, auto_reload=False)
-    env.filters.update(size=binary_size, age=_age, secs=_secs, urlpart=_urlpart, when=_when)
+    env.filters.update(size=binary_size, age=_age, secs=_secs, urlpart=_urlpart, idpart=_idpart, when=_when)
     return env
 
 
@@ -88,6 +88,16 @@ def _secs(v: float | None) -> str:
 def _urlpart(s: str) -> str:
     """One path segment of a URL: every character but letters, digits and ``_.-~`` percent-encoded."""
     return quote(s, safe="")
+
+
+def _idpart(checkpoint_id: str) -> str:
+    """A checkpoint ID as a path segment, its ``= + @`` left as they are (all legal in a path).
+
+    Airflow's router decodes the frame's path into its own address bar and, when the frame's path
+    differs from what it decoded, navigates the frame again: a ``%2B`` link would load every page
+    twice (and cut short whatever the user did in the first).
+    """
+    return quote(checkpoint_id, safe="=+@")
 
 
 # -- pages --------------------------------------------------------------------------------------
