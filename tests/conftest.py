@@ -11,8 +11,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from cedana_airflow.run.workload import become_subreaper
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
-from local_parts import AIRFLOW, free_port as _free_port, moto_server, reap  # noqa: E402  (re-exported: tests import them from here)
+from local_parts import AIRFLOW, free_port as _free_port, moto_server, processes_with, reap  # noqa: E402  (re-exported: tests import them from here)
 
 TRAIN = REPO / "tests" / "workloads" / "train.py"
 #: Screenshots the browser tests leave for people to look at (CI keeps them).
@@ -176,6 +177,78 @@ def uninterrupted_digest(*train_args: str) -> str:
     out = subprocess.run([sys.executable, str(TRAIN), *train_args, "--step-seconds", "0"],
                          capture_output=True, text=True, check=True).stdout
     return out.strip().splitlines()[-1]
+
+class _GatedStore:
+    """A real store with one test hook: once ``reading()`` is true, chunk reads wait at ``gate``."""
+
+    def __init__(self, store: Any, reading: Callable[[], bool]):
+        self._store, self._reading = store, reading
+        self.gate = threading.Event()
+        self.waiting = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def get_chunk(self, digest: str) -> bytes:
+        if not self.gate.is_set() and self._reading():
+            self.waiting.set()
+            self.gate.wait(60)
+        return self._store.get_chunk(digest)
+
+
+def restore_as_the_s3_store_goes_away(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *,
+                                      reading: Callable[[], bool], **settings: Any) -> list[BaseException]:
+    """Checkpoint a 120 MB training workload into moto's S3 server and lose its node; restore it on
+    another node through the real S3 store, and once ``reading()`` says the restore reads pages, stop
+    the server. Returns what the restore raised."""
+    from cedana_airflow.config import Settings
+    from cedana_airflow.run.runner import run_workload
+    from cedana_airflow.store import open_store
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    args = ["--mb", "120", "--steps", "400", "--step-seconds", "0.05"]
+    with moto_server() as url:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+        import boto3
+
+        boto3.client("s3").create_bucket(Bucket="gone")
+        url_ = "s3://gone/ckpt"
+        base = Settings(store=url_, node="node-a", work_dir=tmp_path / "work-a", heartbeat_seconds=1, **settings)
+        proc = start_cli("run", "--id", "gone", "--heartbeat", "1", "--", sys.executable, str(TRAIN), *args,
+                         env={**os.environ, "CEDANA_STORE": url_, "CEDANA_NODE": "node-a",
+                              "CEDANA_WORK_DIR": str(tmp_path / "work-a")}, out=tmp_path / "a")
+        deadline = time.monotonic() + 120
+        s3 = boto3.client("s3")
+        while not any(o["Key"].endswith("manifest.json")
+                      for o in s3.list_objects_v2(Bucket="gone", Prefix="ckpt/gone/").get("Contents", [])):
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was taken"
+            time.sleep(0.2)
+        workloads = list(processes_with(str(TRAIN)))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        for pid in workloads:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+        store = _GatedStore(open_store(url_, base), reading)
+        failed: list[BaseException] = []
+
+        def restore() -> None:
+            try:
+                with open(tmp_path / "b.out", "wb") as sink:
+                    run_workload(base.model_copy(update={"node": "node-b", "work_dir": tmp_path / "work-b"}),
+                                 "gone", None, resume=True, store=store, handle_signals=False, stdout=sink)
+            except BaseException as e:
+                failed.append(e)
+
+        t = threading.Thread(target=restore)
+        t.start()
+        assert store.waiting.wait(120), "the restore never started reading pages"
+    store.gate.set()  # the S3 server is gone now: let the chunk reads through
+    t.join(180)
+    assert not t.is_alive()
+    return failed
 
 
 @pytest.fixture(scope="session")

@@ -3,12 +3,9 @@ every page from a verified chunk; a failure mid-stream kills it before it can ru
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -18,8 +15,8 @@ from cedana_airflow.config import Settings
 from cedana_airflow.engine.page_file import fuse_available
 from cedana_airflow.errors import StoreUnavailable
 from cedana_airflow.run.runner import run_workload
-from cedana_airflow.store import open_store
-from conftest import TRAIN, cli, cli_env, kill_node, manifests, moto_server, start_cli, uninterrupted_digest, wait_for_checkpoints
+from conftest import (TRAIN, cli, cli_env, kill_node, manifests, restore_as_the_s3_store_goes_away, start_cli,
+                      uninterrupted_digest, wait_for_checkpoints)
 from local_parts import processes_with
 
 pytestmark = pytest.mark.integration
@@ -168,75 +165,11 @@ def test_a_lazy_path_failure_retries_the_same_checkpoint_in_full(tmp_path, monke
     assert out.read_text().splitlines()[-1] == uninterrupted_digest(*args)
 
 
-class _StoreThatGoesAway:
-    """The real S3 store, with one test hook: once CRIU's lazy-pages daemon runs (the restored tree
-    is up, its pages not yet in), chunk reads wait at a gate; the test stops the S3 server and opens it."""
-
-    def __init__(self, store):
-        self._store = store
-        self.gate = threading.Event()
-        self.waiting = threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
-
-    def get_chunk(self, digest: str) -> bytes:
-        if not self.gate.is_set() and _ours("criu lazy-pages"):
-            self.waiting.set()
-            self.gate.wait(60)
-        return self._store.get_chunk(digest)
-
-
 def test_the_store_going_away_mid_stream_kills_the_tree_and_says_why(tmp_path, monkeypatch):
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    args = ["--mb", "120", "--steps", "400", "--step-seconds", "0.05"]
-    with moto_server() as url:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", url)
-        import boto3
-
-        boto3.client("s3").create_bucket(Bucket="lazy")
-        settings = Settings(store="s3://lazy/ckpt", node="node-a", work_dir=tmp_path / "work-a", heartbeat_seconds=1)
-        proc = start_cli("run", "--id", "gone", "--heartbeat", "1", "--", *_train(*args),
-                         env={**os.environ, "CEDANA_STORE": "s3://lazy/ckpt", "CEDANA_NODE": "node-a",
-                              "CEDANA_WORK_DIR": str(tmp_path / "work-a")}, out=tmp_path / "a")
-        deadline = time.monotonic() + 120
-        s3 = boto3.client("s3")
-        while s3.list_objects_v2(Bucket="lazy", Prefix="ckpt/gone/").get("KeyCount", 0) < 1:
-            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was taken"
-            time.sleep(0.2)
-        time.sleep(1.5)  # its manifest lands after its chunks
-        wpid = _ours(str(TRAIN))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        for p in wpid:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-        store = _StoreThatGoesAway(open_store("s3://lazy/ckpt", settings))
-        out = tmp_path / "b.out"
-        failed: list[BaseException] = []
-
-        def restore() -> None:
-            try:
-                with open(out, "wb") as sink:
-                    run_workload(settings.model_copy(update={"node": "node-b", "work_dir": tmp_path / "work-b"}),
-                                 "gone", None, resume=True, store=store, handle_signals=False, stdout=sink)
-            except BaseException as e:
-                failed.append(e)
-
-        t = threading.Thread(target=restore)
-        t.start()
-        assert store.waiting.wait(120), "the lazy restore never started streaming"
-    # the S3 server is gone now; let the chunk reads through
-    store.gate.set()
-    t.join(180)
-    assert not t.is_alive()
+    # the S3 server stops once CRIU's lazy-pages daemon runs (the restored tree is up, its pages not yet in)
+    failed = restore_as_the_s3_store_goes_away(tmp_path, monkeypatch, reading=lambda: bool(_ours("criu lazy-pages")))
     assert len(failed) == 1 and isinstance(failed[0], StoreUnavailable), failed
-    assert "\n" not in str(failed[0]) and "s3://lazy/ckpt" in str(failed[0])
+    assert "\n" not in str(failed[0]) and "s3://gone/ckpt" in str(failed[0])
     assert not _ours("criu lazy-pages") and not _ours(str(TRAIN))  # nothing left running
 
 

@@ -4,25 +4,17 @@ stream``) that ends where an uninterrupted run ends, and refuses a corrupt chunk
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
-import signal
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from cedana_airflow.config import Settings
 from cedana_airflow.engine.page_file import FSTYPE, fuse_available
 from cedana_airflow.errors import StoreUnavailable
-from cedana_airflow.run.runner import run_workload
-from cedana_airflow.store import open_store
-from conftest import (TRAIN, cli, cli_env, kill_node, manifests, moto_server, start_cli, uninterrupted_digest,
-                      wait_for_checkpoints)
+from conftest import (TRAIN, cli, cli_env, kill_node, manifests, restore_as_the_s3_store_goes_away, start_cli,
+                      uninterrupted_digest, wait_for_checkpoints)
 from local_parts import processes_with
 
 pytestmark = pytest.mark.integration
@@ -117,72 +109,13 @@ def test_a_corrupt_chunk_in_a_streamed_restore_refuses_that_checkpoint_and_resto
     assert _no_page_files_left()
 
 
-class _StoreThatGoesAway:
-    """The real S3 store, with one test hook: once the page files are mounted (CRIU is about to read
-    the pages, or reads them), chunk reads wait at a gate; the test stops the S3 server and opens it."""
-
-    def __init__(self, store):
-        self._store = store
-        self.gate = threading.Event()
-        self.waiting = threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
-
-    def get_chunk(self, digest: str) -> bytes:
-        if not self.gate.is_set() and not _no_page_files_left():
-            self.waiting.set()
-            self.gate.wait(60)
-        return self._store.get_chunk(digest)
-
-
 @needs_fuse
 def test_the_store_going_away_mid_stream_fails_the_try_in_one_line_and_leaves_nothing(tmp_path, monkeypatch):
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
-    args = ["--mb", "120", "--steps", "400", "--step-seconds", "0.05"]
-    with moto_server() as url:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", url)
-        import boto3
-
-        boto3.client("s3").create_bucket(Bucket="stream")
-        settings = Settings(store="s3://stream/ckpt", node="node-a", work_dir=tmp_path / "work-a", heartbeat_seconds=1,
-                            restore_mode="full", full_restore_via="stream")
-        proc = start_cli("run", "--id", "gone", "--heartbeat", "1", "--", *_train(*args),
-                         env={**os.environ, "CEDANA_STORE": "s3://stream/ckpt", "CEDANA_NODE": "node-a",
-                              "CEDANA_WORK_DIR": str(tmp_path / "work-a")}, out=tmp_path / "a")
-        deadline = time.monotonic() + 120
-        s3 = boto3.client("s3")
-        while not any(o["Key"].endswith("manifest.json")
-                      for o in s3.list_objects_v2(Bucket="stream", Prefix="ckpt/gone/").get("Contents", [])):
-            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was taken"
-            time.sleep(0.2)
-        workloads = list(processes_with(str(TRAIN)))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        for p in workloads:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p, signal.SIGKILL)
-
-        store = _StoreThatGoesAway(open_store("s3://stream/ckpt", settings))
-        failed: list[BaseException] = []
-
-        def restore() -> None:
-            try:
-                with open(tmp_path / "b.out", "wb") as sink:
-                    run_workload(settings.model_copy(update={"node": "node-b", "work_dir": tmp_path / "work-b"}),
-                                 "gone", None, resume=True, store=store, handle_signals=False, stdout=sink)
-            except BaseException as e:
-                failed.append(e)
-
-        t = threading.Thread(target=restore)
-        t.start()
-        assert store.waiting.wait(120), "the streamed restore never started reading pages"
-    store.gate.set()  # the S3 server is gone now: let the chunk reads through
-    t.join(180)
-    assert not t.is_alive()
+    # the S3 server stops once the page files are mounted (CRIU is about to read the pages, or reads them)
+    failed = restore_as_the_s3_store_goes_away(tmp_path, monkeypatch, reading=lambda: not _no_page_files_left(),
+                                               restore_mode="full", full_restore_via="stream")
     # the store's fault, not the checkpoint's: the try fails (Airflow retries it), no older one is tried
     assert len(failed) == 1 and isinstance(failed[0], StoreUnavailable), failed
-    assert "\n" not in str(failed[0]) and "s3://stream/ckpt" in str(failed[0])
+    assert "\n" not in str(failed[0]) and "s3://gone/ckpt" in str(failed[0])
     assert not list(processes_with(str(TRAIN))) and not list(processes_with("criu restore"))
     assert _no_page_files_left()
