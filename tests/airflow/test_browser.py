@@ -343,8 +343,8 @@ def _fits(frame) -> None:
             }""")
             break
         except Error as e:
-            # the page's script reloads it once when it was rendered in another timezone (seen on CI right
-            # after data-ready): measure the page that stays
+            # the page went away under us (seen on CI right after data-ready: Airflow's router navigating
+            # the frame again from a %2B path, now avoided): measure the page that stays
             if "Execution context was destroyed" not in str(e) or attempt == 4:
                 raise
             frame.wait_for_load_state("load", timeout=30_000)
