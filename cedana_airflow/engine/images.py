@@ -22,6 +22,7 @@ __all__ = [
     "RegFile",
     "UnixSocket",
     "image_entries",
+    "image_messages",
     "message_fields",
     "message_values",
     "read_dump_stats",
@@ -81,16 +82,26 @@ def _payload_start(buf: bytes) -> int:
     return 8 if magic in (_IMG_COMMON, _IMG_SERVICE) else 4
 
 
-def read_image(path: Path) -> tuple[list[dict[int, int | bytes]], bool]:
-    """Every entry of a CRIU image file, as :func:`message_fields` reads it, and whether the entries
-    end exactly at the end of the file (an image of entries only, not truncated, nothing after)."""
+def _messages(path: Path) -> tuple[list[bytes], bool]:
     buf = path.read_bytes()
     off, out = _payload_start(buf), []
     while off + 4 <= len(buf):
         (n,) = struct.unpack_from("<I", buf, off)
-        out.append(message_fields(buf[off + 4 : off + 4 + n]))
+        out.append(buf[off + 4 : off + 4 + n])
         off += 4 + n
     return out, off == len(buf)
+
+
+def image_messages(path: Path) -> list[bytes]:
+    """Every entry of a CRIU image file, undecoded (for :func:`message_values`: repeated fields)."""
+    return _messages(path)[0]
+
+
+def read_image(path: Path) -> tuple[list[dict[int, int | bytes]], bool]:
+    """Every entry of a CRIU image file, as :func:`message_fields` reads it, and whether the entries
+    end exactly at the end of the file (an image of entries only, not truncated, nothing after)."""
+    msgs, whole = _messages(path)
+    return [message_fields(m) for m in msgs], whole
 
 
 def image_entries(path: Path) -> list[dict[int, int | bytes]]:
