@@ -141,11 +141,11 @@ class Settings(BaseModel):
         "verified first), where the kernel has userfaultfd (doctor says); elsewhere, and for GPU state, full = "
         "fetch and verify every chunk, then restore.",
     )
-    lazy_pages_via: Literal["auto", "file", "socket"] = Field(
+    lazy_pages_via: Literal["auto", "ours", "file", "socket"] = Field(
         default="auto",
-        description="How a lazy restore hands pages to CRIU's lazy-pages daemon: file = page files over /dev/fuse "
-        "(kernel readahead, no busy-waiting), socket = CRIU's page-server protocol over a socketpair; auto = "
-        "file where /dev/fuse is usable, else socket.",
+        description="Who serves a lazy restore's page faults: ours = our own lazy-pages daemon (each fault answered "
+        "with the 1 MiB around it); or CRIU's, fed with page files over /dev/fuse (file) or its page-server "
+        "protocol over a socketpair (socket); auto = ours.",
     )
     full_restore_via: Literal["write", "stream"] = Field(
         default="write",

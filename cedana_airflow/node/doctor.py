@@ -64,8 +64,15 @@ def _restore_mode(settings: Settings, engine: CriuEngine) -> Check:
         return Check("restore mode", "ok", "full (restore_mode = full)")
     ok, why = engine.lazy_pages
     if ok:
-        fuse, how = fuse_available()
-        via = "page files over /dev/fuse" if fuse else f"CRIU's page-server protocol (no page files: {how})"
+        if settings.lazy_pages_via in ("auto", "ours"):
+            via = "our lazy-pages daemon (1 MiB around each fault)"
+        elif settings.lazy_pages_via == "socket":
+            via = "CRIU's lazy-pages daemon and its page-server protocol"
+        else:
+            fuse, how = fuse_available()
+            via = ("CRIU's lazy-pages daemon and page files over /dev/fuse" if fuse else
+                   f"CRIU's lazy-pages daemon and page files, which cannot be mounted here ({how}): a lazy restore "
+                   "is retried in full; set lazy_pages_via = ours")
         return Check("restore mode", "ok", f"lazy ({why}); pages via {via}; GPU state is restored in full")
     return Check("restore mode", "warn", f"full: this kernel cannot restore lazily ({why})",
                  "a kernel with userfaultfd (CONFIG_USERFAULTFD, 4.11+ for a process tree) restores lazily; "

@@ -4,16 +4,17 @@ A full restore fetches every chunk, writes the image set and only then runs ``cr
 one fetches the small images and the pages a restore reads itself (the stack, file-backed memory:
 what the pagemap does not mark lazy; shared memory and memfds whole, in their own pages images,
 which the daemon never serves), writes them into sparse ``pages-N.img`` files, and starts
-``criu restore --lazy-pages`` beside CRIU's lazy-pages daemon, which fetches the rest: first the
-pages the process faults on, then all others in the background. It gets them one of two ways:
+``criu restore --lazy-pages`` beside a lazy-pages daemon, which fetches the rest: first the pages the
+process faults on, then all others in the background. The daemon is one of three (``lazy_pages_via``):
 
-- ``file`` (where /dev/fuse exists): the daemon reads its own copy of the image directory, whose
-  pages images are page files (engine/page_file.py) that fill themselves on demand: the kernel's
-  readahead brings neighbouring pages in with a faulting one, and the daemon blocks in ``pread``;
-- ``socket``: the daemon asks our page server (engine/page_server.py) over a socketpair; each
-  fault is a round trip, and the daemon busy-polls while it waits.
+- ``ours`` (the default; engine/uffd_server.py): ``criu restore`` hands us each process's
+  userfaultfd and we copy pages in ourselves, the whole 1 MiB window around a fault at once;
+- CRIU's own daemon, one page per fault, reading either ``file``: its own copy of the image
+  directory, whose pages images are page files (engine/page_file.py, over /dev/fuse) that fill
+  themselves on demand, or ``socket``: our page server (engine/page_server.py) over a socketpair,
+  a round trip per fault, busy-polling while it waits.
 
-Both answer from :class:`~cedana_airflow.store.chunk_view.ChunkView`, so every byte comes from a
+All answer from :class:`~cedana_airflow.store.chunk_view.ChunkView`, so every byte comes from a
 verified chunk; a prefetcher fetches ahead, the chunks this checkpoint wrote anew (recently written
 memory, likely touched first) before the others in address order.
 
@@ -41,8 +42,9 @@ from pathlib import Path
 
 from ..engine.criu import CriuEngine
 from ..engine.iov import pwritev_all
-from ..engine.page_file import PageFile, fuse_available
+from ..engine.page_file import PageFile
 from ..engine.page_server import PageServer, wire_for
+from ..engine.uffd_server import UffdServer
 from ..engine.pagemap import PAGE_SIZE, Pagemap, read_pagemaps
 from ..engine.procfs import process_start
 from ..errors import CorruptCheckpoint, StoreUnavailable
@@ -69,10 +71,8 @@ def lazy_files(m: Manifest) -> frozenset[str]:
 
 
 def transport(wanted: str = "auto") -> str:
-    """How pages reach CRIU's lazy-pages daemon here: "file" or "socket" (``lazy_pages_via``)."""
-    if wanted != "auto":
-        return wanted
-    return "file" if fuse_available()[0] else "socket"
+    """Who serves the faults: "ours", or CRIU's daemon fed by "file" or "socket" (``lazy_pages_via``)."""
+    return "ours" if wanted == "auto" else wanted
 
 
 class LazyFeed:
@@ -100,6 +100,7 @@ class LazyFeed:
         self._pagemaps: dict[int, Pagemap] = {}
         self.transport = transport(via)
         self._server: PageServer | None = None
+        self._uffd: UffdServer | None = None
         self._files: list[PageFile] = []
         self._daemon: subprocess.Popen[bytes] | None = None
         self._janitor: subprocess.Popen[bytes] | None = None
@@ -158,6 +159,11 @@ class LazyFeed:
         """Start the page source and CRIU's lazy-pages daemon (right before ``criu restore``, once
         every check of the checkpoint passed). Raises RestoreFailed when the daemon does not start,
         OSError when a page file cannot be mounted."""
+        if self.transport == "ours":
+            self._uffd = UffdServer(self.image_dir, self._pagemaps, self._pages, self._failed, self._served)
+            self._uffd.listen()
+            self._holds = self._uffd.holds
+            return
         if self.transport == "file":
             self._start_files()
         else:
@@ -204,6 +210,8 @@ class LazyFeed:
         return self._holds
 
     def _release(self) -> None:
+        if self._uffd is not None:
+            self._uffd.release()
         if self._server is not None:
             self._server.release()
         for f in self._files:
@@ -267,19 +275,34 @@ class LazyFeed:
             self._kill_tree()
         self.finished = time.monotonic()
         if ok:
-            parts: list[PageServer] | list[PageFile] = [self._server] if self._server is not None else self._files
-            if self.timeline is not None:
-                self.timeline.facts["page_source"] = {
-                    "via": self.transport, "requests": sum(p.requests for p in parts),
-                    "served_bytes": sum(p.served_bytes for p in parts), "fetched_bytes": self.fetched_bytes,
-                    "serving_seconds": round(sum(p.busy_seconds for p in parts), 4)}
-                self.timeline.mark("pages_in", at=self.finished)
-            log.info("lazy restore complete checkpoint_id=%s seq=%d via=%s pages_bytes=%d fetched_bytes=%d "
-                     "requests=%d serving_seconds=%.3f seconds=%.3f", self.manifest.checkpoint_id, self.manifest.seq,
-                     self.transport, sum(p.served_bytes for p in parts), self.fetched_bytes,
-                     sum(p.requests for p in parts), sum(p.busy_seconds for p in parts), self.finished - self.started)
+            self._record([self._server] if self._server is not None else self._files)
             self._let_go()  # nothing reads the page files any more: a supervisor killed later leaves no mount
         self._done.set()
+
+    def _served(self, ok: bool) -> None:
+        """Our daemon stopped: every page in (ok), or not (a failure said why, or we let go)."""
+        assert self._uffd is not None
+        with self._lock:
+            if not ok and self.failure is None and self._pid is not None and process_start(self._pid) is not None:
+                self.failure = "our lazy-pages daemon stopped while pages were streaming in"
+        self.finished = time.monotonic()
+        if ok:
+            self._record([self._uffd])
+            self._let_go()
+        self._done.set()
+
+    def _record(self, parts: list[PageServer] | list[PageFile] | list[UffdServer]) -> None:
+        assert self.finished is not None
+        if self.timeline is not None:
+            self.timeline.facts["page_source"] = {
+                "via": self.transport, "requests": sum(p.requests for p in parts),
+                "served_bytes": sum(p.served_bytes for p in parts), "fetched_bytes": self.fetched_bytes,
+                "serving_seconds": round(sum(p.busy_seconds for p in parts), 4)}
+            self.timeline.mark("pages_in", at=self.finished)
+        log.info("lazy restore complete checkpoint_id=%s seq=%d via=%s pages_bytes=%d fetched_bytes=%d "
+                 "requests=%d serving_seconds=%.3f seconds=%.3f", self.manifest.checkpoint_id, self.manifest.seq,
+                 self.transport, sum(p.served_bytes for p in parts), self.fetched_bytes,
+                 sum(p.requests for p in parts), sum(p.busy_seconds for p in parts), self.finished - self.started)
 
     @property
     def fetched_bytes(self) -> int:
@@ -287,11 +310,11 @@ class LazyFeed:
 
     @property
     def streaming(self) -> bool:
-        return self._daemon is not None and not self._done.is_set()
+        return (self._daemon is not None or self._uffd is not None) and not self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until pages stopped streaming (all in, or failed); False on timeout."""
-        return self._daemon is None or self._done.wait(timeout)
+        return (self._daemon is None and self._uffd is None) or self._done.wait(timeout)
 
     def close(self, *, remove_dir: bool = True) -> None:
         """End it all: a daemon still running is let go only after the tree is dead, and the restore
@@ -303,13 +326,15 @@ class LazyFeed:
             if never_attached and self._daemon is not None:
                 self._daemon.kill()  # the restore failed: no tree has its pages to protect
             self._release()
-            assert self._daemon is not None
-            try:
-                self._daemon.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._daemon.kill()
-                self._daemon.wait()
-        self._let_go()
+            if self._daemon is not None:
+                try:
+                    self._daemon.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self._daemon.kill()
+                    self._daemon.wait()
+        self._let_go()  # (first: a read our daemon waits on ends with its chunk views)
+        if self._uffd is not None:
+            self._uffd.close()
         if self._janitor is not None:  # everything it would clean up is gone
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._janitor.pid, signal.SIGKILL)
