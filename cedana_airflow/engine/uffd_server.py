@@ -467,6 +467,8 @@ class UffdServer(threading.Thread):
             for fd in (self._stop_r, self._stop_w):
                 os.close(fd)
             self._stop_r = self._stop_w = -1
+        if not self._ep.closed:  # never served (listen failed)
+            self._ep.close()
         self._park.close()
         self._park_keep.close()
         self._bounce_ref = None  # the mapping cannot close while a pointer into it exists

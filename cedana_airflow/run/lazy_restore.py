@@ -160,9 +160,13 @@ class LazyFeed:
         every check of the checkpoint passed). Raises RestoreFailed when the daemon does not start,
         OSError when a page file cannot be mounted."""
         if self.transport == "ours":
-            self._uffd = UffdServer(self.image_dir, self._pagemaps, self._pages, self._failed, self._served)
-            self._uffd.listen()
-            self._holds = self._uffd.holds
+            server = UffdServer(self.image_dir, self._pagemaps, self._pages, self._failed, self._served)
+            try:
+                server.listen()
+            except BaseException:
+                server.close()
+                raise
+            self._uffd, self._holds = server, server.holds
             return
         if self.transport == "file":
             self._start_files()
