@@ -156,9 +156,9 @@ class LazyFeed:
             os.close(fd)
 
     def start(self) -> None:
-        """Start the page source and CRIU's lazy-pages daemon (right before ``criu restore``, once
-        every check of the checkpoint passed). Raises RestoreFailed when the daemon does not start,
-        OSError when a page file cannot be mounted."""
+        """Start the lazy-pages daemon (ours, or CRIU's and its page source) right before ``criu
+        restore``, once every check of the checkpoint passed. Raises RestoreFailed when CRIU's daemon
+        does not start, OSError when a page file or our socket cannot be made."""
         if self.transport == "ours":
             server = UffdServer(self.image_dir, self._pagemaps, self._pages, self._failed, self._served)
             try:
