@@ -179,7 +179,7 @@ class UffdServer(threading.Thread):
         super().__init__(name="cedana-uffd", daemon=True)
         self.image_dir, self.pagemaps, self.pages = image_dir, pagemaps, pages
         self.on_failure, self.on_done = on_failure, on_done
-        self.requests = 0  # faults answered
+        self.requests = 0  # faults reported (one tried again after an event counts once)
         self.served_bytes = 0
         self.busy_seconds = 0.0
         self.error: BaseException | None = None
@@ -337,6 +337,7 @@ class UffdServer(threading.Thread):
     def _event(self, task: _Task, event: int, arg: bytes) -> None:
         if event == _EVENT_PAGEFAULT:
             _, addr = struct.unpack_from("=QQ", arg)
+            self.requests += 1
             self._fault(task, addr & ~(PAGE_SIZE - 1))
         elif event == _EVENT_FORK:
             (ufd,) = struct.unpack_from("=I", arg)
@@ -360,7 +361,6 @@ class UffdServer(threading.Thread):
     # -- copying -------------------------------------------------------------------------------------
     def _fault(self, task: _Task, addr: int) -> None:
         t0 = time.perf_counter()
-        self.requests += 1
         i = task.find(addr)
         if i < 0:  # not a lazy page: never dumped (zero), or already in (then the kernel says EEXIST)
             err = _ioctl(task.fd, _UFFDIO_ZEROPAGE, _Zero(_Range(addr, PAGE_SIZE), 0, 0))
@@ -419,8 +419,7 @@ class UffdServer(threading.Thread):
                     if task.stalled > _STALLED_MAX:  # no event came to explain it: that memory is gone
                         log.warning("lazy pages of pid %d at %#x: no longer mapped, dropped", task.pid, lo + done)
                         break
-                    task.iovs.append([lo + done, hi, img + done])
-                    task.iovs.sort()
+                    bisect.insort(task.iovs, [lo + done, hi, img + done])
                     self.served_bytes += done
                     return False
                 elif err in (errno.ESRCH, errno.ENOSPC):  # the process has gone

@@ -23,11 +23,11 @@ import pytest
 from conftest import varint
 
 from cedana_airflow.engine.pagemap import PAGE_SIZE, PE_LAZY, PE_PRESENT, Pagemap, PageRun
-from cedana_airflow.engine.uffd import kernel_lazy_pages
+from cedana_airflow.engine.uffd import _SYS_USERFAULTFD as _SYSCALLS, kernel_lazy_pages
 from cedana_airflow.engine.uffd_server import FAULT_AROUND_BYTES, UffdServer, _Task, lazy_iovs, read_vmas
 
 MiB = 1 << 20
-_SYS_USERFAULTFD = {"x86_64": 323, "aarch64": 282}.get(platform.machine())
+_SYS_USERFAULTFD = _SYSCALLS.get(platform.machine())
 
 needs_uffd = pytest.mark.skipif(os.geteuid() != 0 or _SYS_USERFAULTFD is None or not (kernel_lazy_pages() or (False,))[0],
                                 reason="needs root and a kernel with userfaultfd events")
