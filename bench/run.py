@@ -67,8 +67,8 @@ def parse_only(text: str) -> list[str]:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", type=parse_only, default=list(PARTS),
-                    help="run only these parts, comma-separated: local, lazy, lazy-growth, s3 (= s3-transfer,s3-listing), s3-transfer, "
-                         "s3-listing (default: all); the others keep their previous results in bench/results.*")
+                    help="run only these parts, comma-separated: local, lazy, lazy-growth, cooperative, s3 (= s3-transfer,"
+                         "s3-listing), s3-transfer, s3-listing (default: all); the others keep their previous results in bench/results.*")
     ap.add_argument("--mb", type=int, default=1024, help="workload state size in MB (default 1024; 200 for a quick run)")
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions for freeze and restore (default 5)")
     ap.add_argument("--s3-reps", type=int, default=1,
@@ -126,6 +126,10 @@ def run_parts(parts: Parts, engine: CriuEngine, settings: Settings, work: Path) 
         from lazy_growth import bench_growth
 
         new.update(parts.run("lazy-growth", lambda: bench_growth(engine, args.reps, work, settings, args.prewarm)))
+    if "cooperative" in args.only:
+        from cooperative import bench_cooperative
+
+        new.update(parts.run("cooperative", lambda: bench_cooperative(args.mb, max(2, args.reps), work)))
     s3_new: dict[str, Any] = {}
     if "s3-transfer" in args.only:
         from s3_transfer import bench_transfer

@@ -133,6 +133,9 @@ def _supervised(p: argparse.ArgumentParser, *, when_none_left: str) -> None:
                    help=f"never restore a checkpoint older than this; with none left, {when_none_left}")
     p.add_argument("--gpu", choices=("auto", "off", "require"),
                    help="GPU state: auto (default), require (refuse to start where it cannot be checkpointed), off")
+    p.add_argument("--mode", choices=("transparent", "cooperative", "auto"),
+                   help="how checkpoints are taken: transparent (CRIU; default), cooperative (the workload writes its "
+                        "state into $CEDANA_CHECKPOINT_DIR when asked), auto (transparent where CRIU can run)")
     p.add_argument("--json", action="store_true",
                    help="at the end, print a JSON summary as the last line of stdout (after the workload's output)")
     p.add_argument("--json-file", metavar="FILE", help="at the end, write the JSON summary to FILE")
@@ -173,6 +176,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         "heartbeat_seconds": getattr(args, "heartbeat", None),
         "max_restore_gap_seconds": getattr(args, "max_restore_gap", None),
         "gpu": getattr(args, "gpu", None),
+        "mode": getattr(args, "mode", None),
     })
 
 

@@ -55,6 +55,23 @@ class Settings(BaseModel):
     criu: str = Field(default="", description="Path to the criu binary. Empty means: private prefix, else PATH.")
     criu_prefix: Path = Field(default=Path(DEFAULT_CRIU_PREFIX), description="Private CRIU prefix.")
     heartbeat_seconds: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="Seconds between heartbeats; 0 = none.")
+    mode: Literal["transparent", "cooperative", "auto"] = Field(
+        default="transparent",
+        description="How a heartbeat checkpoints: transparent = CRIU (and the driver API) freeze and dump the "
+        "tree, no code change; cooperative = the workload writes its own state into CEDANA_CHECKPOINT_DIR when "
+        "asked (cedana_airflow.coop; docs/cooperative.md); auto = transparent where this node and this tree "
+        "can be dumped, else cooperative once the workload declares it can, else nothing (said once).",
+    )
+    cooperative_signal: str = Field(
+        default="SIGUSR1",
+        description="The signal that asks a cooperative workload for its state (besides the request file it can "
+        "poll); sent only to processes that handle it, so it never kills one that does not. none = file only.",
+    )
+    cooperative_timeout_seconds: float = Field(
+        default=300.0, gt=0, allow_inf_nan=False,
+        description="How long a cooperative checkpoint may take from the request to its COMPLETE marker; past "
+        "it the heartbeat is skipped (nothing of it is kept) and the workload runs on.",
+    )
     writer_lease_seconds: float = Field(
         default=60.0, ge=0, allow_inf_nan=False,
         description="A supervisor's hold on its checkpoint ID lapses this long after its last renewal (it renews "
@@ -225,6 +242,20 @@ class Settings(BaseModel):
             if not p.is_absolute():
                 raise ValueError(f"restore root {str(p)!r} is not an absolute path; write it as /abs/dir")
         return v
+
+    @field_validator("cooperative_signal")
+    @classmethod
+    def _signal_name(cls, v: str) -> str:
+        import signal
+
+        name = v.strip().upper()
+        if name in ("", "NONE"):
+            return "none"
+        name = name if name.startswith("SIG") else f"SIG{name}"
+        if name in ("SIGKILL", "SIGSTOP", "SIGTERM", "SIGINT") or not hasattr(signal.Signals, name):
+            raise ValueError(f"{v!r} is not a signal a workload can catch for a checkpoint request; use e.g. "
+                             "SIGUSR1, SIGUSR2 or none")
+        return name
 
     @field_validator("node")
     @classmethod

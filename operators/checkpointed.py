@@ -24,9 +24,9 @@ from cedana_airflow.airflow.task import (CEDANA_TEMPLATE_FIELDS, CedanaTask, Pla
 from cedana_airflow.airflow.task_state import STATE_KEY, TaskState, airflow_task
 from cedana_airflow.config import Settings
 from cedana_airflow.engine.cuda import load_driver
-from cedana_airflow.errors import ConfigError, GpuUnavailable
+from cedana_airflow.errors import ConfigError, EngineUnavailable, GpuUnavailable
 from cedana_airflow.run.environment import workload_env
-from cedana_airflow.run.runner import RunResult, run_workload
+from cedana_airflow.run.runner import RunResult, make_engine, run_workload
 from cedana_airflow.run.stop import UNPROTECTED_GRACE_SECONDS
 from cedana_airflow.run.workload import run_unprotected
 from cedana_airflow.scope.optin import OptInList, parse_labels
@@ -57,7 +57,7 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
     :param cwd: working directory of the workload. Templated.
     :param checkpoint_on_kill: take a final checkpoint when Airflow stops the task (drain, preemption,
         a Clear or mark-failed of the running task). Default: [cedana] checkpoint_on_term (True).
-    The arguments every route takes (checkpoint_id, heartbeat, store, aws_conn_id, settings,
+    The arguments every route takes (checkpoint_id, heartbeat, mode, store, aws_conn_id, settings,
     idempotency_key, max_restore_gap, lease, lease_renew_command, expected_duration, job_server, gpu)
     are :class:`~cedana_airflow.airflow.task.CedanaTask`'s.
 
@@ -72,6 +72,7 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
     the store or the engine failed     failed, retries apply: one ``cedana:`` line naming the cause
     retry on the failing node          logged; with ``same_node_retry = fail`` that try fails at once
     out of scope                       runs unprotected (no CRIU); its exit code decides, as above
+    mode transparent, no usable CRIU   runs unprotected, one line says why (mode = auto/cooperative help)
     ================================  =================================================================
     """
 
@@ -85,14 +86,15 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
                  settings: dict[str, Any] | None = None, idempotency_key: str | None = None,
                  max_restore_gap: timedelta | None = None, lease: timedelta | None = None,
                  lease_renew_command: str | Sequence[str] | None = None, expected_duration: timedelta | None = None,
-                 job_server: bool = False, gpu: bool = False, **kwargs: Any) -> None:
+                 job_server: bool = False, gpu: bool = False, mode: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.command, self.env, self.cwd, self.checkpoint_on_kill = command, env, cwd, checkpoint_on_kill
         self._stop = threading.Event()
         self.init_cedana(checkpoint_id=checkpoint_id, heartbeat=heartbeat, store=store, aws_conn_id=aws_conn_id,
                          settings=settings, idempotency_key=idempotency_key, max_restore_gap=max_restore_gap,
                          lease=lease, lease_renew_command=lease_renew_command, expected_duration=expected_duration,
-                         job_server=job_server, gpu=gpu, route_settings={"checkpoint_on_term": checkpoint_on_kill})
+                         job_server=job_server, gpu=gpu, route_settings={"checkpoint_on_term": checkpoint_on_kill},
+                         mode=mode)
 
     def _placement(self, optin: OptInList | None, settings: Settings) -> Placement:
         """This worker: its node name and CEDANA_NODE_LABELS; for a GPU task, whether it has NVIDIA's driver."""
@@ -111,6 +113,11 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
                 raise ConfigError("command is empty. Give the command to run as a list or a string.")
             setup = self.cedana_setup(context, self._placement)
             if not setup.in_scope:
+                return self._run_unprotected(argv, self._workload_env(context, None, setup.settings), setup.settings)
+            if (why := _criu_missing(setup.settings)) is not None:
+                self.log.warning("cedana: this task runs unprotected (mode = transparent): %s A workload that writes "
+                                 "its own state can be protected here with mode = auto or cooperative "
+                                 "(docs/cooperative.md).", why)
                 return self._run_unprotected(argv, self._workload_env(context, None, setup.settings), setup.settings)
             setup = _with_stop_window(setup.signed())
             store = setup.store()
@@ -208,6 +215,7 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
                 "previous_node": previous.get("node") if previous else m.node,
                 "checkpoint_created_at": m.created_at.isoformat(), "gap_seconds": round(result.restore_gap_seconds, 1),
                 "restore_seconds": round(result.restore_seconds, 2), "image_bytes": m.image_bytes,
+                "engine": m.engine,  # "criu", or "cooperative" (the workload wrote it)
                 "refused": list(result.skipped),
             }
         return out
@@ -235,6 +243,18 @@ def _with_stop_window(setup: TaskSetup) -> TaskSetup:
         return setup
     return dataclasses.replace(setup, settings=setup.settings.model_copy(
         update={"stop_window_seconds": AIRFLOW_STOP_WINDOW_SECONDS}))
+
+
+def _criu_missing(settings: Settings) -> str | None:
+    """Why transparent checkpoints cannot be taken on this worker (no usable CRIU), or None. A task is
+    never failed for it: like a task out of scope, it runs unprotected and says so in one line."""
+    if settings.mode != "transparent":
+        return None  # cooperative and auto go on without CRIU (run/runner.py: engine_for)
+    try:
+        make_engine(settings)
+    except EngineUnavailable as e:
+        return str(e)
+    return None
 
 
 def _has_nvidia() -> bool:

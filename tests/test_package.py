@@ -19,7 +19,7 @@ ADAPTERS = ("cedana_airflow.airflow", "cedana_airflow.hooks", "cedana_airflow.tr
 #: Subpackages from the bottom up: a module may import only from its own layer or one below it.
 LAYERS = [
     {"cedana_airflow.errors", "cedana_airflow.ids", "cedana_airflow.config", "cedana_airflow.units",
-     "cedana_airflow.compat", "cedana_airflow.failpoints"},
+     "cedana_airflow.compat", "cedana_airflow.failpoints", "cedana_airflow.coop"},
     {"cedana_airflow.format"},
     {"cedana_airflow.store", "cedana_airflow.engine"},
     {"cedana_airflow.node"},
@@ -37,7 +37,10 @@ def _modules() -> list[str]:
                   if not m.name.endswith("__main__"))
 
 
-CORE = ["cedana_airflow", *(m for m in _modules() if not m.startswith(ADAPTERS))]
+#: Imported by workloads, not by us, and needing what the workload has (torch): not importable everywhere.
+WORKLOAD_HELPERS = ("cedana_airflow.coop.torch",)
+
+CORE = ["cedana_airflow", *(m for m in _modules() if not m.startswith(ADAPTERS) and m not in WORKLOAD_HELPERS)]
 
 
 def _unit(module: str) -> str:

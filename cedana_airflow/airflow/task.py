@@ -128,6 +128,9 @@ class CedanaTask:
     :param lease_renew_command: run before restoring a checkpoint older than ``lease`` (with
         CEDANA_CHECKPOINT_ID and CEDANA_RESTORE_GAP_SECONDS in its environment), e.g. to check the
         license out again: exit 0 restores, anything else starts fresh.
+    :param mode: ``transparent`` (CRIU, the default), ``cooperative`` (the workload writes its own state when
+        asked: cedana_airflow.coop) or ``auto`` (transparent where CRIU can run, else cooperative once the
+        workload declares it can). Default: [cedana] mode, or the opt-in list's.
     :param expected_duration: / :param job_server: / :param gpu: what the opt-in list's rules judge
         (short tasks re-run; job-server tasks only on marked queues; GPU tasks only with NVIDIA).
     """
@@ -146,7 +149,7 @@ class CedanaTask:
                     idempotency_key: str | None = None, max_restore_gap: timedelta | None = None,
                     lease: timedelta | None = None, lease_renew_command: str | Sequence[str] | None = None,
                     expected_duration: timedelta | None = None, job_server: bool = False, gpu: bool = False,
-                    route_settings: Mapping[str, Any] | None = None) -> None:
+                    route_settings: Mapping[str, Any] | None = None, mode: str | None = None) -> None:
         """Keep the arguments, and check them now: a bad value is the DAG's import error, not a stack
         trace in a worker later. ``route_settings``: settings a route sets from its own arguments."""
         self.checkpoint_id, self.heartbeat, self.store, self.aws_conn_id = checkpoint_id, heartbeat, store, aws_conn_id
@@ -155,6 +158,7 @@ class CedanaTask:
         self.lease_renew_command = lease_renew_command
         self.expected_duration, self.job_server, self.gpu = expected_duration, job_server, gpu
         self.route_settings = dict(route_settings or {})
+        self.mode = mode
         try:
             task_settings(self.cedana_overrides())
         except CedanaError as e:
@@ -165,6 +169,8 @@ class CedanaTask:
         out: dict[str, Any] = {**self.settings, "aws_conn_id": self.aws_conn_id}
         if self.heartbeat is not None:
             out["heartbeat_seconds"] = self.heartbeat.total_seconds()
+        if self.mode is not None:
+            out["mode"] = self.mode
         if self.max_restore_gap is not None:  # the core refuses each too-old candidate, fallbacks included
             out["max_restore_gap_seconds"] = self.max_restore_gap.total_seconds()
         if self.lease is not None:

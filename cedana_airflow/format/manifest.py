@@ -25,6 +25,9 @@ __all__ = [
     "AirflowTask",
     "GpuProcess",
     "GpuState",
+    "StateFile",
+    "CooperativeState",
+    "COOPERATIVE_ENGINE",
     "Manifest",
     "MARKED_BLOCKS_VERSION",
     "parse_manifest",
@@ -86,6 +89,49 @@ class CapturedFile(_Frozen):
         if not self.path.startswith("/") or os.path.normpath(self.path) != self.path or "\0" in self.path:
             raise ValueError(f"captured path {self.path!r} must be absolute and normalised")
         _chunks_add_up(self.size, self.chunks, f"captured file {self.path}")
+        return self
+
+
+#: The manifest's ``engine`` for a checkpoint the workload wrote itself.
+COOPERATIVE_ENGINE = "cooperative"
+
+
+class StateFile(_Frozen):
+    """One file of a cooperative checkpoint: written by the workload into CEDANA_CHECKPOINT_DIR."""
+
+    path: str = Field(min_length=1, max_length=4096, description="Relative to the state directory, '/'-separated.")
+    size: int = Field(ge=0)
+    mode: int = Field(ge=0, le=0o777, description="Permission bits only.")
+    chunks: tuple[ChunkRef, ...]
+
+    @model_validator(mode="after")
+    def _complete(self) -> StateFile:
+        # Relative and normalised, every part a plain name: a restore writes only below the folder it made.
+        parts = self.path.split("/")
+        if any(p in ("", ".", "..") or len(p) > 255 or any(ord(c) < 32 for c in p) for p in parts):
+            raise ValueError(f"state file {self.path!r} is not a plain relative path")
+        _chunks_add_up(self.size, self.chunks, f"state file {self.path}")
+        return self
+
+
+class CooperativeState(_Frozen):
+    """Version 4+, required: the workload wrote this checkpoint itself (run/cooperative.py). A restore
+    puts ``files`` back under a fresh directory named in CEDANA_RESTORE_DIR and starts the command;
+    there is no CRIU image (``files`` of the manifest is empty)."""
+
+    files: tuple[StateFile, ...]
+    request: int = Field(ge=1, description="Which request of its supervisor it answered (1, 2, ...).")
+    ranks: int = Field(ge=1, default=1, description="Processes that wrote a part (their DONE markers).")
+    write_seconds: float = Field(ge=0, default=0.0, description="From the request to COMPLETE.")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> CooperativeState:
+        paths = [f.path for f in self.files]
+        if len(set(paths)) != len(paths):
+            raise ValueError("cooperative state lists a file twice")
+        prefixes = {"/".join(p.split("/")[:i]) for p in paths for i in range(1, p.count("/") + 1)}
+        if prefixes & set(paths):
+            raise ValueError("cooperative state lists a path both as a file and as a directory")
         return self
 
 
@@ -165,6 +211,8 @@ class Manifest(_Frozen):
     signature: Signature | None = Field(default=None, description="Present when the writer had a signing key.")
     gpu: GpuState | None = Field(default=None, description="Present when the tree held CUDA state (version 3).")
     airflow: AirflowTask | None = Field(default=None, description="Present when an Airflow task wrote it (version 3).")
+    cooperative: CooperativeState | None = Field(default=None, description="Version 4+, and then required: the "
+                                                 "workload wrote this checkpoint itself (engine 'cooperative').")
     writer: str | None = Field(default=None, description="Version 4+: what wrote it, e.g. 'cedana-airflow 0.6.0'.")
     required: tuple[str, ...] = Field(default=(), description="Version 4+: blocks a reader must understand to "
                                       "restore it; any other block may be skipped by a reader that does not know it.")
@@ -184,7 +232,13 @@ class Manifest(_Frozen):
         if self.format_version >= MARKED_BLOCKS_VERSION:
             if not self.writer:
                 raise ValueError(f"format_version {self.format_version} names its writer")
+            if (self.cooperative is not None) != (self.engine == COOPERATIVE_ENGINE):
+                raise ValueError(f"a cooperative block goes with engine {COOPERATIVE_ENGINE!r}, and only there")
+            if self.cooperative is not None and ("cooperative" not in self.required or self.files):
+                raise ValueError("a cooperative checkpoint requires its block and has no image files")
             return self
+        if self.cooperative is not None:
+            raise ValueError(f"a cooperative block goes with format_version {MARKED_BLOCKS_VERSION} and later")
         if self.writer is not None or self.required:
             raise ValueError(f"writer and required go with format_version {MARKED_BLOCKS_VERSION} and later")
         if (self.format_version == 3) != self.has_blocks():
@@ -211,7 +265,7 @@ class Manifest(_Frozen):
 
     def absent_blocks(self) -> set[str]:
         """Keys the stored document does not have (versions before 4 have no writer or required)."""
-        absent = {k for k in ("signature", "gpu", "airflow") if getattr(self, k) is None}
+        absent = {k for k in ("signature", "gpu", "airflow", "cooperative") if getattr(self, k) is None}
         return absent | ({"writer", "required"} if self.format_version < MARKED_BLOCKS_VERSION else set())
 
     @property
@@ -232,9 +286,17 @@ class Manifest(_Frozen):
     def _aware(cls, v: datetime) -> datetime:
         return v if v.tzinfo else v.replace(tzinfo=timezone.utc)
 
+    @property
+    def is_cooperative(self) -> bool:
+        return self.cooperative is not None
+
+    def chunk_refs(self) -> list[ChunkRef]:
+        """Every chunk it names, in file order: image files, captured files, state files."""
+        state = self.cooperative.files if self.cooperative is not None else ()
+        return [c for group in (self.files, self.captured, state) for f in group for c in f.chunks]
+
     def chunk_digests(self) -> set[str]:
-        refs = [c for f in self.files for c in f.chunks] + [c for f in self.captured for c in f.chunks]
-        return {c.digest for c in refs}
+        return {c.digest for c in self.chunk_refs()}
 
 
 _FIELDS = frozenset(Manifest.model_fields)

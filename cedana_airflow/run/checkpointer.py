@@ -37,6 +37,7 @@ from ..store.gc import prune_checkpoints
 from ..store.transfer import CapturedSource, CheckpointMeta, fetch_checkpoint, require_latest, save_checkpoint
 from ..store.writer_lease import WriterLease
 from .captured import CapturedFilesBack, ensure_cwd, refusal, restore_roots
+from .cooperative import Cooperation
 from .estimate import captured_too_large, dump_too_large, estimate_checkpoint, too_large
 from .gpu_state import GpuGate
 from .lazy_restore import LazyFeed, lazy_files
@@ -45,7 +46,7 @@ from .streamed_restore import PageStream, can_stream, streamed_files
 from .timeline import Timeline
 from .workload import Sink, Workload, become_subreaper
 
-__all__ = ["Checkpointer", "PhaseHook", "Restored"]
+__all__ = ["Checkpointer", "PhaseHook", "Restored", "StartCooperative"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,10 @@ class Restored:
 #: store, each verified), ``criu_restore`` (the engine's restore). An explicit hook for whoever
 #: measures (bench/), so nobody has to wrap this module's functions to time them.
 PhaseHook = Callable[[str, float], None]
+
+#: Starts the command of a cooperative checkpoint's run, its state put back in the given directory
+#: (CEDANA_RESTORE_DIR), with the restore's stdout and stderr (the runner's: it knows the command).
+StartCooperative = Callable[[Manifest, Path, "Sink | None", "Sink | None"], Workload]
 
 
 def _what(e: BaseException) -> str:
@@ -86,13 +91,19 @@ def _drop_all_but_logs(folder: Path) -> None:
 class Checkpointer:
     """Checkpoints and restores under one checkpoint ID, as ``settings`` say (node, compression,
     retention, size limit, progress display, whether local dumps are kept). With a ``lease`` (held
-    by the caller), nothing is written once another supervisor took the ID over."""
+    by the caller), nothing is written once another supervisor took the ID over.
 
-    def __init__(self, engine: CriuEngine, store: Store, store_cfg: StoreConfig, checkpoint_id: str,
+    ``engine`` is None where CRIU cannot run (``engine_why`` says why): then only cooperative
+    checkpoints are taken and restored, through ``coop`` and ``start`` (run/cooperative.py)."""
+
+    def __init__(self, engine: CriuEngine | None, store: Store, store_cfg: StoreConfig, checkpoint_id: str,
                  settings: Settings, *, work_dir: Path, try_number: int = 0, on_phase: PhaseHook | None = None,
                  lease: WriterLease | None = None, gpu: GpuGate | None = None,
-                 airflow: AirflowTask | None = None) -> None:
+                 airflow: AirflowTask | None = None, coop: Cooperation | None = None,
+                 start: StartCooperative | None = None, engine_why: str = "") -> None:
         self.engine, self.store, self.store_cfg = engine, store, store_cfg
+        self.coop, self._start, self.engine_why = coop, start, engine_why
+        self._route_said = ""  # the last "how heartbeats are taken" line said (auto mode), said once per change
         self.checkpoint_id = validate_checkpoint_id(checkpoint_id)
         self.settings = settings
         self.node, self.work_dir, self.try_number = settings.resolved_node(), work_dir, try_number
@@ -139,10 +150,19 @@ class Checkpointer:
         with self._lock:
             if self.lease is not None and self.lease.fenced:
                 return None  # no freeze either: this supervisor's checkpoints would never be used
+            route = self._route(workload)
+            if route == "cooperative":
+                return self._cooperative(workload, leave_running)
+            if self.engine is None:
+                return None  # unprotected for now: _route said why
             if not self._pages_in(wait=not leave_running):
                 return None
             pids = workload.pids()
             holding, why_not = self.gpu.dump_refusal(pids)
+            if why_not and self.settings.mode == "auto" and self.coop is not None and self.coop.declared(workload):
+                self._say_route(f"this tree cannot be dumped ({why_not}): cooperative checkpoints, as the workload "
+                                "declared it can write them")
+                return self._cooperative(workload, leave_running)
             if why_not:  # the workload keeps running; said once, not every heartbeat
                 self.gpu.say_once(f"heartbeat skipped checkpoint_id={self.checkpoint_id}: {why_not}; the workload "
                                   "keeps running without a new checkpoint")
@@ -214,6 +234,70 @@ class Checkpointer:
                      f" gpu_bytes={estimate.gpu_bytes} gpu_checkpoint_seconds={gpu.checkpoint_seconds:.3f} "
                      f"gpu_resume_seconds={gpu.resume_seconds:.3f}" if gpu else "")
             return manifest
+
+    def _route(self, workload: Workload) -> str:
+        """How this heartbeat is taken: "transparent" or "cooperative" (mode = auto: transparent where CRIU
+        runs here, else cooperative once the workload declared it answers; unprotected until then)."""
+        mode = self.settings.mode
+        if mode == "cooperative" or (mode == "auto" and self.engine is None and self.coop is not None
+                                     and self.coop.declared(workload)):
+            if mode == "auto":
+                self._say_route(f"CRIU cannot run here ({self.engine_why}): cooperative checkpoints, as the workload "
+                                "declared it can write them")
+            return "cooperative"
+        if self.engine is None:
+            self._say_route(f"no checkpoint: this task is unprotected: CRIU cannot run here ({self.engine_why}) and the "
+                            "workload has not declared the cooperative contract (cedana_airflow.coop.listen(), or "
+                            "create $CEDANA_CHECKPOINT_READY)", level=logging.WARNING)
+        return "transparent"
+
+    def _say_route(self, line: str, level: int = logging.INFO) -> None:
+        if line != self._route_said:
+            self._route_said = line
+            log.log(level, "mode %s checkpoint_id=%s: %s", self.settings.mode, self.checkpoint_id, line)
+
+    def _cooperative(self, workload: Workload, leave_running: bool) -> Manifest | None:
+        """Ask the workload for its state, then store what it wrote as this ID's next checkpoint."""
+        assert self.coop is not None
+        window = self.settings.stop_window_seconds
+        budget = None if leave_running or not window else max(0.5, window - 1.0)  # a stop's window (run/stop.py)
+        started = time.monotonic()
+        taken = self.coop.ask(workload, budget=budget)
+        if taken is None:  # the workload ended while asked: nothing left to protect
+            return None
+        if isinstance(taken, str):
+            self.skipped += 1  # not a checkpoint: counted and shown like any skipped heartbeat
+            log.warning("heartbeat skipped checkpoint_id=%s: %s; the workload keeps running without a new checkpoint "
+                        "(skipped=%d)", self.checkpoint_id, taken, self.skipped)
+            index.record_skip(self.store, self.checkpoint_id, taken)
+            return None
+        from .. import __version__
+
+        meta = CheckpointMeta(
+            checkpoint_id=self.checkpoint_id, node=self.node, engine_version=__version__,
+            process=ProcessInfo(pid=workload.pid, command=workload.command, cwd=workload.cwd, rss_bytes=0,
+                                stdout_pipe="", stderr_pipe=""),
+            try_number=self.try_number, freeze_seconds=taken.source.write_seconds, parent_seq=self.parent_seq,
+            airflow=self.airflow)
+        try:
+            with self._phase("save"):
+                manifest = save_checkpoint(self.store, self.store_cfg, meta, None, state=taken.source,
+                                           known_digests=self._known, compression=self.settings.compression,
+                                           progress_mode=self.settings.progress, signing_key=self._key,
+                                           before_commit=self.lease.confirm if self.lease else None, memo=self._memo)
+        except WriterFenced:
+            return None
+        finally:
+            if not self.settings.keep_local:  # (kept, it goes at the next request: run/cooperative.py)
+                shutil.rmtree(taken.where, ignore_errors=True)
+        self._known = manifest.chunk_digests()
+        self._check_stop_window(manifest, time.monotonic() - started, taken.source.write_seconds)
+        kept = prune_checkpoints(self.store, self.checkpoint_id, self.settings.keep_checkpoints)[0]
+        index.record_checkpoint(self.store, manifest, kept)
+        log.info("cooperative checkpoint checkpoint_id=%s seq=%d request=%d ranks=%d files=%d write_seconds=%.3f",
+                 self.checkpoint_id, manifest.seq, taken.source.request, taken.source.ranks,
+                 len(taken.source.files), taken.source.write_seconds)
+        return manifest
 
     def _check_restorable(self, m: Manifest) -> None:
         """Say at the first checkpoint, not at the first restore, when a restore would refuse it: an
@@ -295,6 +379,7 @@ class Checkpointer:
             return "full", self._lazy_off
         if m.gpu is not None:
             return "full", "the checkpoint holds GPU state, which is restored in full"
+        assert self.engine is not None
         ok, why = kernel_lazy_pages() or self.engine.lazy_pages  # the kernel asked directly: no CRIU process
         return ("lazy", why) if ok else ("full", f"this kernel cannot restore lazily ({why})")
 
@@ -327,6 +412,16 @@ class Checkpointer:
                 skipped.append(why_not)
                 log.warning("checkpoint refused checkpoint_id=%s seq=%d: %s", self.checkpoint_id, m.seq, why_not)
                 continue
+            if m.is_cooperative:
+                try:
+                    workload = self._restore_cooperative(m, stdout, stderr)
+                except CorruptCheckpoint as e:
+                    skipped.append(str(e))
+                    log.warning("checkpoint refused checkpoint_id=%s seq=%d: %s; %s", self.checkpoint_id, m.seq, e,
+                                "falling back to the previous one" if i + 1 < len(candidates) else "no older checkpoint left")
+                    continue
+                self.parent_seq, self._known = m.seq, m.chunk_digests()
+                return Restored(workload, m, tuple(skipped), "cooperative", tl)
             with tl.span("mode"):  # the first time: can this kernel restore lazily (userfaultfd)?
                 mode, why_mode = self.restore_mode(m)
             log.debug("restore mode checkpoint_id=%s seq=%d mode=%s: %s", self.checkpoint_id, m.seq, mode, why_mode)
@@ -372,6 +467,7 @@ class Checkpointer:
                  roots: Sequence[PurePosixPath]) -> tuple[Workload, LazyFeed | None]:
         """Fetch ``m`` and restore it, lazily or in full: the workload, and its lazy feed if any.
         Whatever fails leaves only CRIU's logs behind (the error may name them)."""
+        assert self.engine is not None  # _refusal refused a CRIU image where CRIU cannot run
         # images/ (with captured/ inside) plus CRIU's log and pidfile, removed together.
         restore_dir = self.work_dir / f"restore-{os.getpid()}-{m.seq}-{mode}"
         shutil.rmtree(restore_dir, ignore_errors=True)
@@ -438,12 +534,18 @@ class Checkpointer:
         return ok
 
     def _refusal(self, m: Manifest) -> str | None:
-        """Why a candidate is refused before any chunk is fetched: a bad signature, too old, or GPU
-        state this node cannot take."""
+        """Why a candidate is refused before any chunk is fetched: a bad signature, too old, GPU state
+        this node cannot take, or a kind of checkpoint this run cannot restore."""
         if self._key is not None:
             problem = signature_problem(m, self._key)
             if problem is not None:
                 return f"checkpoint {self.checkpoint_id} seq={m.seq} is refused: {problem}"
+        if m.is_cooperative and (self.coop is None or self._start is None):
+            return (f"checkpoint {self.checkpoint_id} seq={m.seq} was written by the workload (cooperative) and this "
+                    f"run is mode = {self.settings.mode}: set mode = cooperative or auto to restore it")
+        if not m.is_cooperative and self.engine is None:
+            return (f"checkpoint {self.checkpoint_id} seq={m.seq} is a CRIU image and CRIU cannot run here "
+                    f"({self.engine_why})")
         gpu = self.gpu.restore_refusal(m)
         if gpu is not None:
             return gpu
@@ -452,6 +554,21 @@ class Checkpointer:
             return None
         gap, beyond = limits_exceeded(m, datetime.now(timezone.utc), [AgeLimit("max_restore_gap", limit)])
         return f"seq {m.seq} is {gap:.0f} s old, beyond max_restore_gap = {limit:.0f} s" if beyond else None
+
+    def _restore_cooperative(self, m: Manifest, stdout: Sink | None, stderr: Sink | None) -> Workload:
+        """Put ``m``'s files back (each chunk verified) and start the command with CEDANA_RESTORE_DIR
+        naming them: the workload resumes itself. A bad chunk refuses the checkpoint (CorruptCheckpoint)."""
+        assert self.coop is not None and self._start is not None
+        dest = self.coop.restore_dir(m.seq)
+        tl = self.timeline
+        tl.facts["mode"] = "cooperative"
+        with self._phase("fetch"), tl.span("fetch"):
+            fetch_checkpoint(self.store, m, dest, self.settings.progress,
+                             max_chunk_bytes=MAX_CHUNK_FACTOR * self.store_cfg.chunk_avg_bytes, reader=self.node)
+        with tl.span("start"):
+            workload = self._start(m, dest, stdout, stderr)
+        tl.mark("resumed", latest=True)
+        return workload
 
     def _restore_from(self, dest: Path, m: Manifest, stdout: Sink | None, stderr: Sink | None,
                       roots: Sequence[PurePosixPath], feed: LazyFeed | None) -> Workload:
@@ -464,6 +581,7 @@ class Checkpointer:
                     with tl.span("page_source_start"):
                         feed.start()
                 failpoint("restore.criu", work_dir=self.work_dir)
+                assert self.engine is not None
                 with tl.span("criu_restore"):
                     pid, out_r, err_r = self.engine.restore_piped(dest, m.process.stdout_pipe, m.process.stderr_pipe,
                                                                   pidfile=dest.with_name(dest.name + ".pid"),

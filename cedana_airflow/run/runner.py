@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from ..config import Settings
 from ..engine.criu import CriuEngine, find_criu
-from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint
+from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint, EngineUnavailable
 from ..format.manifest import AirflowTask, Manifest
 from ..ids import validate_checkpoint_id
 from ..store import Store, index, open_store
@@ -39,6 +39,7 @@ from ..store.restores import RestoreRecord, record_restore
 from ..store.writer_lease import WriterLease
 from .checkpoint_triggers import Heartbeat, MemoryWatch
 from .checkpointer import Checkpointer
+from .cooperative import Cooperation
 from .environment import workload_env
 from .estimate import estimate_checkpoint
 from .gpu_state import GpuGate
@@ -47,7 +48,7 @@ from .stop import StopReport, clean_cut
 from .timeline import Timeline
 from .workload import Sink, Workload
 
-__all__ = ["RunResult", "ensure_work_dir", "make_engine", "run_workload"]
+__all__ = ["RunResult", "engine_for", "ensure_work_dir", "make_engine", "run_workload"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,20 @@ def make_engine(settings: Settings) -> CriuEngine:
     binary = find_criu(settings.criu, settings.criu_prefix)
     log.debug("engine criu=%s source=%s version=%s", binary.path, binary.source, binary.version)
     return CriuEngine(binary)
+
+
+def engine_for(settings: Settings) -> tuple[CriuEngine | None, str]:
+    """The engine ``settings.mode`` wants, and why there is none: transparent needs CRIU (EngineUnavailable,
+    as before); cooperative and auto go on without it (auto then checkpoints cooperatively, if at all)."""
+    if settings.mode == "transparent":
+        return make_engine(settings), ""
+    try:
+        engine = make_engine(settings)
+    except EngineUnavailable as e:
+        return None, str(e)
+    if os.geteuid() != 0:  # CRIU dumps with CAP_SYS_ADMIN and ptrace: a task without root cannot
+        return None, f"not root (uid {os.geteuid()}): CRIU needs CAP_SYS_ADMIN"
+    return engine, ""
 
 
 def run_workload(
@@ -115,9 +130,13 @@ def run_workload(
     validate_checkpoint_id(checkpoint_id)
     if try_number < 0:
         raise ConfigError(f"try number {try_number} is negative. Pass --try-number 0 or more.")
-    engine = make_engine(settings)
+    engine, engine_why = engine_for(settings)
+    if settings.mode == "auto":
+        log.info("mode auto checkpoint_id=%s: %s", checkpoint_id, "transparent checkpoints (CRIU)" if engine else
+                 f"CRIU cannot run here ({engine_why}); cooperative checkpoints once the workload declares it can")
     gpu = GpuGate(settings)
-    gpu.require()  # gpu = require: a node that cannot checkpoint GPU state fails here, before anything starts
+    if engine is not None:
+        gpu.require()  # gpu = require: a node that cannot checkpoint GPU state fails here, before anything starts
     store = store or open_store(settings.resolved_store(), settings)
     store_cfg = store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
     lease = (WriterLease(store, checkpoint_id, node=settings.resolved_node(), try_number=try_number,
@@ -125,8 +144,22 @@ def run_workload(
     # The lease comes first: a second supervisor of this ID must neither restore nor start anything.
     with _stop_line(checkpoint_id, lease) as stopped, \
             lease.held() if lease is not None else contextlib.nullcontext(), _work_dir(settings) as work_dir:
+        coop = Cooperation(work_dir / f"coop-{os.getpid()}", settings) if settings.mode != "transparent" else None
+        if env is None:  # ours, less the store's credentials: they would be in every image
+            env = workload_env(os.environ, settings.keep_env)
+        # Without CRIU there may be no root either: no PID namespace then, the workload's session is its tree.
+        isolate = engine is not None or os.geteuid() == 0
+
+        def start_cooperative(m: Manifest, restore_dir: Path, out: Sink | None, err: Sink | None) -> Workload:
+            assert coop is not None and env is not None
+            argv = list(command) if command is not None else list(m.process.command)  # `restore`: the recorded one
+            wd = cwd if command is not None or cwd is not None else m.process.cwd
+            return Workload.start(argv, cwd=wd, env={**env, **coop.env(restore_dir)}, stdout=out, stderr=err,
+                                  isolate=isolate)
+
         cp = Checkpointer(engine, store, store_cfg, checkpoint_id, settings, work_dir=work_dir, try_number=try_number,
-                          lease=lease, gpu=gpu, airflow=airflow)
+                          lease=lease, gpu=gpu, airflow=airflow, coop=coop,
+                          start=start_cooperative if coop is not None else None, engine_why=engine_why)
         result = RunResult(exit_code=0, outcome="fresh")
         try:
             restore = command is None or (resume and _lease_allows(settings, store, checkpoint_id))
@@ -135,9 +168,8 @@ def run_workload(
                                    on_restore=on_restore) if restore else None
                 if workload is None:
                     assert command is not None
-                    if env is None:  # ours, less the store's credentials: they would be in every image
-                        env = workload_env(os.environ, settings.keep_env)
-                    workload = Workload.start(command, cwd=cwd, env=env, stdout=stdout, stderr=stderr)
+                    workload = Workload.start(command, cwd=cwd, env={**env, **coop.env()} if coop else env,
+                                              stdout=stdout, stderr=stderr, isolate=isolate)
                     log.info("workload started checkpoint_id=%s pid=%d node=%s", checkpoint_id, workload.pid, cp.node)
                 result = _supervise(settings, cp, workload, result, handle_signals, stop, stopped)
                 why = cp.lazy_failure()
@@ -148,6 +180,8 @@ def run_workload(
                 result = RunResult(exit_code=0, outcome="fresh", skipped=(why,))
         finally:
             cp.close()
+            if coop is not None:
+                coop.close()
         if result.exit_code == 0 and settings.delete_on_success:
             delete_checkpoint_id(store, checkpoint_id)  # done: nothing left to resume
         return result

@@ -106,7 +106,8 @@ def _final_checkpoint(cp: Checkpointer, workload: Workload, *, leave_running: bo
         log.warning("final checkpoint abandoned checkpoint_id=%s: %s; ending the workload without it",
                     cp.checkpoint_id, report.why_no_final)
         workload.kill()  # the tree first, then its dump (engine/criu.py: abort_dump says why)
-        cp.engine.abort_dump()
+        if cp.engine is not None:
+            cp.engine.abort_dump()
         return
     if "error" in got:
         report.why_no_final = f"it failed: {got['error']}"

@@ -34,7 +34,8 @@ def run_summary(result: RunResult, checkpoint_id: str, node: str) -> dict[str, A
         "exit_code": result.exit_code,
         "outcome": result.outcome,
         "restored_from": None if m is None else {
-            "seq": m.seq, "node": m.node, "try_number": m.try_number, "created_at": m.created_at.isoformat()},
+            "seq": m.seq, "node": m.node, "try_number": m.try_number, "created_at": m.created_at.isoformat(),
+            "engine": m.engine},  # "criu", or "cooperative": the workload wrote it (docs/cooperative.md)
         "restore_seconds": round(result.restore_seconds, 3),
         "restore_gap_seconds": round(result.restore_gap_seconds, 3),
         # The work redone plus the downtime: from the restored checkpoint's creation until it ran again.

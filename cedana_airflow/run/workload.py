@@ -149,14 +149,16 @@ class Workload:
 
     @classmethod
     def start(cls, command: Sequence[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
-              stdout: Sink | None = None, stderr: Sink | None = None) -> Workload:
+              stdout: Sink | None = None, stderr: Sink | None = None, isolate: bool = True) -> Workload:
+        """Start ``command`` as the init of a new PID namespace (what CRIU dumps as one tree); with
+        ``isolate=False`` (no root: a cooperative run) as the leader of a new session instead."""
         cwd = cwd or os.getcwd()
         _check_command(command, cwd, env)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         try:
             launcher = subprocess.Popen(
-                ["unshare", "--pid", "--fork", "setsid", *command],
+                ["unshare", "--pid", "--fork", "setsid", *command] if isolate else list(command),
                 stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, cwd=cwd, env=env,
                 start_new_session=True,
             )
@@ -168,6 +170,9 @@ class Workload:
         finally:
             os.close(out_w)
             os.close(err_w)
+        if not isolate:  # the command is the launcher: the session leader, and what is signalled and waited for
+            return cls(launcher.pid, command, cwd, out_r, err_r, launcher, stdout or sys.stdout.buffer,
+                       stderr or sys.stderr.buffer)
         pid = _child_of(launcher)
         if pid is None:  # it ran and ended before we saw it: its exit code is the launcher's
             return cls(launcher.pid, command, cwd, out_r, err_r, launcher, stdout or sys.stdout.buffer,

@@ -66,7 +66,7 @@ def check_store(store: Store, *, read_fraction: float = 0.0, repair: bool = Fals
     for cid, ms in manifests.items():
         for m in ms:
             report.checkpoints += 1
-            for c in [c for f in m.files for c in f.chunks] + [c for f in m.captured for c in f.chunks]:
+            for c in m.chunk_refs():
                 sizes[c.digest] = c.size
                 users.setdefault(c.digest, []).append((cid, m.seq))
     report.ids, report.chunks = len(ids), len(sizes)

@@ -24,8 +24,9 @@ from ..config import default
 from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..failpoints import failpoint
 from ..format import chunking, layout
-from ..format.manifest import (CAPTURED_DIR, AirflowTask, CapturedFile, ChunkRef, FileEntry, GpuState, Manifest,
-                               ProcessInfo, parse_manifest)
+from ..format.manifest import (CAPTURED_DIR, COOPERATIVE_ENGINE, MARKED_BLOCKS_VERSION, AirflowTask, CapturedFile,
+                               ChunkRef, CooperativeState, FileEntry, GpuState, Manifest, ProcessInfo, StateFile,
+                               parse_manifest)
 from ..format.selection import restore_order
 from ..format.signing import sign
 from ..ids import validate_checkpoint_id
@@ -34,7 +35,7 @@ from .locks import acquire_writer
 from .progress import Progress
 from .quarantine import heal_known, read_chunk
 
-__all__ = ["CAPTURED_DIR", "CapturedSource", "CheckpointMeta", "fetch_checkpoint", "load_manifests", "load_manifests_of",
+__all__ = ["CAPTURED_DIR", "CapturedSource", "CheckpointMeta", "StateSource", "fetch_checkpoint", "load_manifests", "load_manifests_of",
            "require_latest", "save_checkpoint"]
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,16 @@ class CapturedSource:
     path: str
     copy: Path
     mode: int
+
+
+@dataclass(frozen=True)
+class StateSource:
+    """A cooperative checkpoint as its workload left it (run/cooperative.py lists and checks it)."""
+
+    files: tuple[tuple[str, Path, int], ...]  # (path relative to the state directory, the file, its mode bits)
+    request: int
+    ranks: int = 1
+    write_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -118,9 +129,10 @@ def save_checkpoint(
     store: Store,
     cfg: StoreConfig,
     meta: CheckpointMeta,
-    image_dir: Path,
+    image_dir: Path | None,
     captured: Sequence[CapturedSource] = (),
     *,
+    state: StateSource | None = None,
     known_digests: Iterable[str] = (),
     compression: str = default("compression"),
     progress_mode: str = "never",  # a library call is quiet unless its caller asks
@@ -129,6 +141,7 @@ def save_checkpoint(
     memo: chunking.SegmentMemo | None = None,
 ) -> Manifest:
     """Store an image directory (and captured files) as a new checkpoint; return its manifest.
+    With ``state`` (and no ``image_dir``) it is a cooperative checkpoint: the files the workload wrote.
 
     ``known_digests`` are chunks known to be in the store already (from the previous manifest of
     this checkpoint ID), which saves an existence check per chunk. ``signing_key``: sign the
@@ -139,18 +152,21 @@ def save_checkpoint(
     validate_checkpoint_id(meta.checkpoint_id)
     lock = acquire_writer(store)  # garbage collection waits while any checkpoint is being written
     try:
-        return _save(store, cfg, meta, image_dir, captured, known_digests, compression, progress_mode, signing_key,
-                     before_commit, memo)
+        return _save(store, cfg, meta, image_dir, captured, state, known_digests, compression, progress_mode,
+                     signing_key, before_commit, memo)
     finally:
         lock.release(store)
 
 
-def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path, captured: Sequence[CapturedSource],
-          known_digests: Iterable[str], compression: str, progress_mode: str, signing_key: bytes | None,
-          before_commit: Callable[[], None] | None, memo: chunking.SegmentMemo | None) -> Manifest:
+def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path | None,
+          captured: Sequence[CapturedSource], state: StateSource | None, known_digests: Iterable[str], compression: str,
+          progress_mode: str, signing_key: bytes | None, before_commit: Callable[[], None] | None,
+          memo: chunking.SegmentMemo | None) -> Manifest:
     t0 = time.monotonic()
-    image_files = sorted(p for p in image_dir.iterdir() if p.is_file())
-    total = sum(p.stat().st_size for p in image_files) + sum(c.copy.stat().st_size for c in captured)
+    image_files = sorted(p for p in image_dir.iterdir() if p.is_file()) if image_dir is not None else []
+    state_files = state.files if state is not None else ()
+    total = (sum(p.stat().st_size for p in image_files) + sum(c.copy.stat().st_size for c in captured)
+             + sum(f.stat().st_size for _, f, _ in state_files))
     progress = Progress(f"checkpoint {meta.checkpoint_id}", total, progress_mode)
     with ThreadPoolExecutor(store.parallelism, thread_name_prefix="cedana-put") as pool, \
             ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="cedana-cut") as cut_pool:
@@ -177,13 +193,24 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path,
         for c in captured:
             size, refs = w.add_file(c.copy)
             caps.append(CapturedFile(path=c.path, size=size, mode=c.mode, chunks=refs))
+        kept = []
+        for rel, f, mode in state_files:
+            size, refs = w.add_file(f)
+            kept.append(StateFile(path=rel, size=size, mode=mode, chunks=refs))
         w._drain(0)
+    coop = (CooperativeState(files=tuple(kept), request=state.request, ranks=state.ranks,
+                             write_seconds=round(state.write_seconds, 6)) if state is not None else None)
     progress.close()
     seqs = store.list_seqs(meta.checkpoint_id)
     seq = (seqs[-1] if seqs else 0) + 1
     while True:
+        # A cooperative checkpoint is format 4, its block required: a reader that predates it refuses it in
+        # one line (upgrade) instead of handing an empty image set to CRIU.
+        marked = {"format_version": MARKED_BLOCKS_VERSION, "writer": f"cedana-airflow {_own_version()}",
+                  "required": ("cooperative",), "engine": COOPERATIVE_ENGINE, "cooperative": coop} if coop else {
+            "format_version": Manifest.version_for(signed=False, blocks=meta.gpu is not None or meta.airflow is not None)}
         manifest = Manifest(
-            format_version=Manifest.version_for(signed=False, blocks=meta.gpu is not None or meta.airflow is not None),
+            **marked,
             gpu=meta.gpu,
             airflow=meta.airflow,
             checkpoint_id=meta.checkpoint_id,
@@ -213,8 +240,7 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path,
     log.info(
         "checkpoint saved checkpoint_id=%s seq=%d chunks=%d new=%d image_bytes=%d stored_bytes=%d seconds=%.2f "
         "segments=%d recalled=%d",
-        meta.checkpoint_id, seq, sum(len(e.chunks) for e in entries) + sum(len(c.chunks) for c in caps),
-        w.new_chunks, total, w.stored_bytes, time.monotonic() - t0, w.segments, w.recalled,
+        meta.checkpoint_id, seq, len(manifest.chunk_refs()), w.new_chunks, total, w.stored_bytes, time.monotonic() - t0, w.segments, w.recalled,
     )
     return manifest
 
@@ -268,26 +294,35 @@ def fetch_checkpoint(store: Store, manifest: Manifest, dest: Path, progress_mode
     or (with ``max_chunk_bytes``, the store's cap) declared longer than any chunk the store can hold.
     """
     if max_chunk_bytes is not None:
-        declared = [c for f in manifest.files for c in f.chunks] + [c for f in manifest.captured for c in f.chunks]
-        big = next((c for c in declared if c.size > max_chunk_bytes), None)
+        big = next((c for c in manifest.chunk_refs() if c.size > max_chunk_bytes), None)
         if big is not None:
             raise CorruptCheckpoint(
                 f"checkpoint {manifest.checkpoint_id} seq={manifest.seq}: chunk {big.digest} declares {big.size} "
                 f"bytes, more than any chunk of this store ({max_chunk_bytes}). Its manifest is not one we wrote")
     if dest.exists():
         shutil.rmtree(dest)
-    (dest / CAPTURED_DIR).mkdir(parents=True)
+    # A cooperative checkpoint's files go straight into ``dest`` (the workload's CEDANA_RESTORE_DIR), in
+    # folders made here: their paths are plain relative names (format/manifest.py), and nothing else is
+    # in ``dest`` to follow.
+    (dest if manifest.is_cooperative else dest / CAPTURED_DIR).mkdir(parents=True, mode=0o700)
     targets: list[tuple[Path, int, tuple[ChunkRef, ...]]] = [
         (dest / f.name, f.size, () if f.name in leave_sparse else f.chunks) for f in manifest.files]
     targets += [(dest / CAPTURED_DIR / str(i), c.size, c.chunks) for i, c in enumerate(manifest.captured)]
+    state = manifest.cooperative.files if manifest.cooperative is not None else ()
+    targets += [(dest / f.path, f.size, f.chunks) for f in state]
+    modes = {dest / f.path: f.mode for f in state}
     total = sum(c.size for _, _, refs in targets for c in refs)
     progress = Progress(f"restore {manifest.checkpoint_id}#{manifest.seq}", total, progress_mode)
     fds: list[int] = []
     jobs: list[tuple[int, int, ChunkRef]] = []
     try:
         for path, size, refs in targets:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            if path.parent != dest:
+                path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             fds.append(fd)
+            if path in modes:
+                os.fchmod(fd, modes[path] | 0o600)  # the workload's bits, and always readable and writable by it
             os.ftruncate(fd, size)
             off = 0
             for ref in refs:
@@ -311,6 +346,12 @@ def fetch_checkpoint(store: Store, manifest: Manifest, dest: Path, progress_mode
         for fd in fds:
             os.close(fd)
         progress.close()
+
+
+def _own_version() -> str:
+    from .. import __version__
+
+    return __version__
 
 
 def require_latest(store: Store, checkpoint_id: str) -> list[Manifest]:

@@ -1,8 +1,14 @@
-"""A real PyTorch job, as people write one, through Airflow's scheduler with retries and DEFAULT settings:
-DataLoader(num_workers=2) workers reading a dataset directory, a log and a checkpoint directory outside the
-working directory, a progress bar on stderr. Try 1 is killed after a few heartbeats, try 2 runs under another
-node name on a /tmp without try 1's multiprocessing directories, and the trained parameters equal an
-uninterrupted run's. No restore_roots, no signing key: the defaults must be enough."""
+"""Real PyTorch jobs, as people write them, through Airflow's scheduler with retries (one Airflow stack for the
+module).
+
+Transparent, DEFAULT settings: DataLoader(num_workers=2) workers reading a dataset directory, a log and a
+checkpoint directory outside the working directory, a progress bar on stderr. Try 1 is killed after a few
+heartbeats, try 2 runs under another node name on a /tmp without try 1's multiprocessing directories, and the
+trained parameters equal an uninterrupted run's. No restore_roots, no signing key: the defaults must be enough.
+
+Cooperative (issue 35): two-rank DDP under torchrun writes its own checkpoints (cedana_airflow.coop.torch);
+killed, its retry on another node resumes and ends with an uninterrupted run's parameters. On a worker
+without CRIU, mode auto protects a cooperative workload and mode transparent runs unprotected, saying why."""
 
 from __future__ import annotations
 
@@ -47,39 +53,51 @@ def _uninterrupted(root: Path) -> str:
     return re.findall(r"done digest=\w+", out)[-1]
 
 
-def test_a_pytorch_dataloader_job_resumes_on_another_node_with_default_settings(tmp_path, airflow_db):
+@pytest.fixture(scope="module")
+def torch_stack(tmp_path_factory, airflow_db):
+    """One Airflow stack for both DAGs (cedana_torch, cedana_coop): a stack's start-up is most of a test's time."""
+    tmp_path = tmp_path_factory.mktemp("torch-stack")
     root = tmp_path / "torch"
     _dataset(root / "data")
     for d in ("job", "logs"):
         (root / d).mkdir(parents=True)
     (root / "node").write_text("node-a\n")
-    env = airflow_env(tmp_path, airflow_db, CEDANA_E2E_TORCH_ROOT=str(root), CEDANA_E2E_TORCH_ARGS=" ".join(ARGS))
-    pymp_before = set(glob.glob("/tmp/pymp-*"))
+    (tmp_path / "coop").mkdir()
+    (tmp_path / "coop" / "node").write_text("node-a\n")
+    env = airflow_env(tmp_path, airflow_db, CEDANA_E2E_TORCH_ROOT=str(root), CEDANA_E2E_TORCH_ARGS=" ".join(ARGS),
+                      CEDANA_E2E_COOP_ROOT=str(tmp_path / "coop"))
     with AirflowStack(env, tmp_path / "airflow", wait_dag="cedana_torch") as stack:
-        run_id = stack.trigger("cedana_torch")
-        # Killed once a heartbeat has caught it training (its log open): a checkpoint from before the log
-        # existed would leave try 1's lines in it (a file created after a checkpoint is not rolled back).
-        deadline = time.monotonic() + 240
-        while not (ms := [m for p in sorted((tmp_path / "store").glob("cedana_torch.train.*/*/manifest.json"))
-                          if (m := json.loads(p.read_text()))["captured"]]):
-            assert time.monotonic() < deadline, stack.logs()
-            assert stack.task_instance("cedana_torch", run_id, "train")["state"] != "failed", stack.logs()
-            time.sleep(0.2)
-        pid = ms[0]["process"]["pid"]
-        assert [c["path"] for c in ms[0]["captured"]] == [str(root / "logs" / "train.log")]  # outside the cwd
-        (root / "node").write_text("node-b\n")  # the retry parses the DAG file again: another node
-        os.kill(pid, signal.SIGKILL)  # the node dies under try 1
-        assert wait_gone(pid, 10)
-        for d in set(glob.glob("/tmp/pymp-*")) - pymp_before:  # the new node's /tmp is fresh
-            shutil.rmtree(d, ignore_errors=True)
+        yield stack, tmp_path
 
-        deadline = time.monotonic() + 300
-        while (ti := stack.task_instance("cedana_torch", run_id, "train"))["state"] not in ("success", "failed"):
-            assert time.monotonic() < deadline, stack.logs()
-            time.sleep(1)
-        log1 = stack.task_log("cedana_torch", run_id, "train", 1)
-        log2 = stack.task_log("cedana_torch", run_id, "train", 2)
-        assert ti["state"] == "success" and ti["try_number"] == 2, log2[-4000:]
+
+def test_a_pytorch_dataloader_job_resumes_on_another_node_with_default_settings(torch_stack):
+    stack, tmp_path = torch_stack
+    root = tmp_path / "torch"
+    pymp_before = set(glob.glob("/tmp/pymp-*"))
+    run_id = stack.trigger("cedana_torch")
+    # Killed once a heartbeat has caught it training (its log open): a checkpoint from before the log
+    # existed would leave try 1's lines in it (a file created after a checkpoint is not rolled back).
+    deadline = time.monotonic() + 240
+    while not (ms := [m for p in sorted((tmp_path / "store").glob("cedana_torch.train.*/*/manifest.json"))
+                      if (m := json.loads(p.read_text()))["captured"]]):
+        assert time.monotonic() < deadline, stack.logs()
+        assert stack.task_instance("cedana_torch", run_id, "train")["state"] != "failed", stack.logs()
+        time.sleep(0.2)
+    pid = ms[0]["process"]["pid"]
+    assert [c["path"] for c in ms[0]["captured"]] == [str(root / "logs" / "train.log")]  # outside the cwd
+    (root / "node").write_text("node-b\n")  # the retry parses the DAG file again: another node
+    os.kill(pid, signal.SIGKILL)  # the node dies under try 1
+    assert wait_gone(pid, 10)
+    for d in set(glob.glob("/tmp/pymp-*")) - pymp_before:  # the new node's /tmp is fresh
+        shutil.rmtree(d, ignore_errors=True)
+
+    deadline = time.monotonic() + 300
+    while (ti := stack.task_instance("cedana_torch", run_id, "train"))["state"] not in ("success", "failed"):
+        assert time.monotonic() < deadline, stack.logs()
+        time.sleep(1)
+    log1 = stack.task_log("cedana_torch", run_id, "train", 1)
+    log2 = stack.task_log("cedana_torch", run_id, "train", 2)
+    assert ti["state"] == "success" and ti["try_number"] == 2, log2[-4000:]
 
     assert re.search(r"cedana: restored seq \d+ of try 1 \(node node-a\) on node node-b: gap [\d.]+ s, restore [\d.]+ s, "
                      r"checkpoint_id=cedana_torch\.train\.\S+", log2), log2[-4000:]
@@ -90,3 +108,78 @@ def test_a_pytorch_dataloader_job_resumes_on_another_node_with_default_settings(
     steps = [ln.split(" loss")[0] for ln in (root / "logs" / "train.log").read_text().splitlines()]
     assert steps == [ln.split(" loss")[0] for ln in (root / "ref.log").read_text().splitlines()]
     assert sorted(p.name for p in (root / "ckpts").iterdir()) == ["epoch-0.pt", "epoch-1.pt", "epoch-2.pt"]
+
+
+def _coop_manifests(store: Path, task: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(store.glob(f"cedana_coop.{task}.*/*/manifest.json"))]
+
+
+def _wait_served(stack: AirflowStack, dag_id: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            stack.call("GET", f"/api/v2/dags/{dag_id}")
+            return
+        except OSError:
+            assert time.monotonic() < deadline, stack.logs()
+            time.sleep(1)
+
+
+def test_cooperative_ddp_training_resumes_on_another_node_and_auto_protects_a_worker_without_criu(torch_stack):
+    stack, tmp_path = torch_stack
+    store, coop = tmp_path / "store", tmp_path / "coop"
+    _wait_served(stack, "cedana_coop")
+    run_id = stack.trigger("cedana_coop")
+    deadline = time.monotonic() + 240
+    running = ["train_ddp", "auto_no_criu"]
+    while running:  # each is killed once two of its checkpoints are in: the node dies under it
+        assert time.monotonic() < deadline, stack.logs()
+        for task in list(running):
+            assert stack.task_instance("cedana_coop", run_id, task)["state"] not in ("failed", "success"), stack.logs()
+            if len(ms := _coop_manifests(store, task)) >= 2:
+                (coop / "node").write_text("node-b\n")  # the retries parse the DAG file again: another node
+                pid = ms[-1]["process"]["pid"]
+                os.kill(pid, signal.SIGKILL)  # the tree's init: every rank goes with it
+                assert wait_gone(pid, 10)
+                running.remove(task)
+        time.sleep(0.2)
+
+    deadline = time.monotonic() + 300
+    tis = {}
+    for task in ("train_ddp", "auto_no_criu", "transparent_no_criu"):
+        while (ti := stack.task_instance("cedana_coop", run_id, task))["state"] not in ("success", "failed"):
+            assert time.monotonic() < deadline, stack.logs()
+            time.sleep(1)
+        tis[task] = ti
+    logs = {(task, n): stack.task_log("cedana_coop", run_id, task, n)
+            for task, ti in tis.items() for n in range(1, ti["try_number"] + 1)}
+
+    # Two ranks under torchrun: each wrote its part, committed together; the retry on node-b resumed from
+    # the latest and trained to the parameters of an uninterrupted run.
+    ddp = logs["train_ddp", 2]
+    assert tis["train_ddp"]["state"] == "success" and tis["train_ddp"]["try_number"] == 2, ddp[-4000:]
+    assert re.search(r"cedana: restored seq \d+ of try 1 \(node node-a\) on node node-b", ddp), ddp[-4000:]
+    assert re.search(r"resumed at step [1-9]\d*", ddp), ddp[-4000:]
+    ms = _coop_manifests(store, "train_ddp")
+    assert {m["engine"] for m in ms} == {"cooperative"} and {m["format_version"] for m in ms} == {4}
+    assert all(m["cooperative"]["ranks"] == 2 and [f["path"] for f in m["cooperative"]["files"]]
+               == ["rank-0.pt", "rank-1.pt"] and m["files"] == [] for m in ms)
+    reference = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                str(REPO / "tests" / "workloads" / "ddp_coop.py"), "--steps", "80", "--step-seconds",
+                                "0"], capture_output=True, text=True, check=True, timeout=300).stdout
+    assert re.findall(r"done digest=\w+", ddp) == re.findall(r"done digest=\w+", reference), ddp[-4000:]
+
+    # mode auto, no CRIU on the worker: cooperative checkpoints (the workload declared it can), resumed.
+    auto1, auto2 = logs["auto_no_criu", 1], logs["auto_no_criu", 2]
+    assert "CRIU cannot run here (CRIU not found at /nonexistent/criu" in auto1, auto1[-4000:]
+    assert "cooperative checkpoints, as the workload declared it can write them" in auto1, auto1[-4000:]
+    assert tis["auto_no_criu"]["state"] == "success" and re.search(r"rank 0 resumed at step [1-9]", auto2), auto2[-4000:]
+    counter = subprocess.run([sys.executable, str(REPO / "tests" / "workloads" / "coop_counter.py"), "--steps", "150",
+                              "--step-seconds", "0"], capture_output=True, text=True, check=True).stdout
+    assert re.findall(r"done total=\d+", auto2) == re.findall(r"done total=\d+", counter)
+
+    # mode transparent on that worker: it runs, unprotected, and one line says why.
+    plain = logs["transparent_no_criu", 1]
+    assert tis["transparent_no_criu"]["state"] == "success" and "ran to its end" in plain, plain[-4000:]
+    assert plain.count("this task runs unprotected (mode = transparent): CRIU not found at /nonexistent/criu") == 1
+    assert not list(store.glob("cedana_coop.transparent_no_criu.*"))

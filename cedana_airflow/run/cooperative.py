@@ -1,0 +1,199 @@
+"""The supervisor's side of a cooperative checkpoint: ask the workload for its state, wait for its
+COMPLETE marker, and hand what it wrote to the store (the workload's side: cedana_airflow/coop).
+
+One root per supervisor, in its work directory (root's eyes only, like every dump)::
+
+    coop-<pid>/request     JSON {"request": N, "dir": ..., "deadline": ...}: exists while a request is open
+    coop-<pid>/ready       created by a workload that answers (cedana_airflow.coop.listen)
+    coop-<pid>/state/      CEDANA_CHECKPOINT_DIR: made empty for each request
+    coop-<pid>/taken/      a completed state, renamed out of the workload's way while it is stored
+    coop-<pid>/restore-S/  CEDANA_RESTORE_DIR: checkpoint seq S, put back before the command starts
+
+A request is withdrawn (the file removed, the directory renamed away and deleted) when its deadline
+passes, the workload ends, or the run stops: what a late writer still writes lands nowhere kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import stat
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import Settings
+from ..coop import COMPLETE, DONE_PREFIX, ENV_DIR, ENV_READY, ENV_REQUEST, ENV_RESTORE, ENV_SIGNAL
+from ..store.transfer import StateSource
+from .workload import Workload
+
+__all__ = ["Cooperation", "Taken", "catches"]
+
+log = logging.getLogger(__name__)
+
+#: Our markers and their in-flight copies (coop._write_marker): not part of the workload's state.
+_MARKERS = re.compile(rf"^(?:{COMPLETE}|{re.escape(DONE_PREFIX)}\d+|\.(?:{COMPLETE}|{re.escape(DONE_PREFIX)}\d+)\.\d+\.tmp)$")
+
+
+@dataclass(frozen=True)
+class Taken:
+    """A completed request: what to store, and the directory to delete once it is stored."""
+
+    source: StateSource
+    where: Path
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.stat().st_size for _, f, _ in self.source.files)
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (/proc/PID/status SigCgt): only those are
+    sent a request's signal, since its default action would end a process that has none."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+class Cooperation:
+    """Requests to one workload, one at a time, under ``root``."""
+
+    def __init__(self, root: Path, settings: Settings) -> None:
+        self.root, self.settings = root, settings
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.request_file, self.ready_file = root / "request", root / "ready"
+        self.state_dir = root / "state"
+        self.requests = 0
+        self._sig = None if settings.cooperative_signal == "none" else signal.Signals[settings.cooperative_signal]
+
+    def env(self, restore_dir: Path | None = None) -> dict[str, str]:
+        """What the workload reads of the contract (coop/__init__.py)."""
+        out = {ENV_DIR: str(self.state_dir), ENV_REQUEST: str(self.request_file), ENV_READY: str(self.ready_file),
+               ENV_SIGNAL: self._sig.name if self._sig is not None else "none"}
+        return {**out, ENV_RESTORE: str(restore_dir)} if restore_dir is not None else out
+
+    def restore_dir(self, seq: int) -> Path:
+        return self.root / f"restore-{seq}"
+
+    def declared(self, workload: Workload) -> bool:
+        """Whether the workload said it answers: its ready file, or a process that handles the signal."""
+        if self.ready_file.exists():
+            return True
+        return self._sig is not None and any(catches(p, self._sig) for p in workload.pids())
+
+    def ask(self, workload: Workload, *, budget: float | None = None, stop: threading.Event | None = None
+            ) -> Taken | str | None:
+        """Request a checkpoint and wait for COMPLETE: what was written, why there is nothing to store, or
+        None when the workload ended meanwhile (nothing left to protect: no skip to report).
+        ``budget``: at most this long (a stop's window), whatever ``cooperative_timeout_seconds`` says."""
+        self.requests += 1
+        n = self.requests
+        _remove(self.state_dir)  # left by a withdrawn request whose writer was still busy
+        _remove(self.root / "taken")
+        self.state_dir.mkdir(mode=0o700)
+        timeout = self.settings.cooperative_timeout_seconds if budget is None else min(
+            budget, self.settings.cooperative_timeout_seconds)
+        t0 = time.monotonic()
+        _write_json(self.request_file, {"request": n, "dir": str(self.state_dir), "deadline": time.time() + timeout})
+        told = self._tell(workload)
+        how = f"told by {told} and " if told else ""
+        why = ""
+        while not (self.state_dir / COMPLETE).exists():
+            if workload.poll() is not None:
+                why = "the workload ended before it created COMPLETE"
+            elif time.monotonic() - t0 > timeout:
+                why = (f"the workload did not create COMPLETE in {timeout:.0f} s (cooperative_timeout_seconds; "
+                       f"{how}the request file "
+                       f"{self.request_file})")
+            elif stop is not None and stop.is_set() and budget is None:
+                why = "the run is stopping"
+            if why:
+                break
+            time.sleep(0.02)
+        seconds = time.monotonic() - t0
+        self.request_file.unlink(missing_ok=True)  # withdrawn or answered: either way no longer open
+        if why:
+            _remove(self.state_dir)
+            ended = workload.poll() is not None
+            log.debug("cooperative request %d withdrawn: %s", n, why)
+            return None if ended else f"cooperative checkpoint {n} dropped: {why}; nothing of it is kept"
+        taken = self.root / "taken"
+        os.rename(self.state_dir, taken)  # out of the workload's way: what it writes now goes nowhere kept
+        try:
+            files, ranks = _listing(taken)
+        except ValueError as e:
+            _remove(taken)
+            return f"cooperative checkpoint {n} dropped: {e}"
+        return Taken(StateSource(files, request=n, ranks=ranks, write_seconds=seconds), taken)
+
+    def _tell(self, workload: Workload) -> str:
+        """The request's signal, to each process of the tree that handles it; its name when any was told."""
+        if self._sig is None:
+            return ""
+        told = ""
+        for pid in workload.pids():
+            if catches(pid, self._sig):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, self._sig)
+                    told = self._sig.name
+        return told
+
+    def close(self) -> None:
+        if not self.settings.keep_local:
+            _remove(self.root)
+
+
+def _listing(top: Path) -> tuple[tuple[tuple[str, Path, int], ...], int]:
+    """Every regular file under ``top`` (relative path, path, mode bits) and how many ranks marked their
+    part done. A symlink or a special file refuses the whole state: restoring it could write elsewhere,
+    and half a state is no checkpoint."""
+    files: list[tuple[str, Path, int]] = []
+    ranks = 0
+
+    def walk(d: Path, rel: str) -> None:
+        nonlocal ranks
+        with os.scandir(d) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for e in entries:
+            r = f"{rel}{e.name}"
+            st = e.stat(follow_symlinks=False)
+            if not rel and _MARKERS.match(e.name):
+                ranks += e.name.startswith(DONE_PREFIX)
+            elif stat.S_ISDIR(st.st_mode):
+                walk(Path(e.path), r + "/")
+            elif stat.S_ISREG(st.st_mode):
+                files.append((r, Path(e.path), stat.S_IMODE(st.st_mode) & 0o777))
+            else:
+                what = "a symlink" if stat.S_ISLNK(st.st_mode) else "a special file"
+                raise ValueError(f"{ENV_DIR} holds {what}, {r!r}; a checkpoint holds regular files and folders only")
+
+    walk(top, "")
+    return tuple(files), max(ranks, 1)
+
+
+def _write_json(path: Path, doc: dict[str, object]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)
+
+
+def _remove(path: Path) -> None:
+    """A directory moved aside first, then deleted: a late writer never sees half of it at its name."""
+    if not path.exists():
+        return
+    aside = path.with_name(f"{path.name}.gone-{time.monotonic_ns()}")
+    with contextlib.suppress(OSError):
+        os.rename(path, aside)
+        path = aside
+    shutil.rmtree(path, ignore_errors=True)

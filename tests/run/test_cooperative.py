@@ -1,0 +1,218 @@
+"""Cooperative checkpoints (issue 35), with the real CLI and real processes: the workload writes its own
+state when asked (cedana_airflow.coop), the supervisor stores it as a checkpoint of the same ID, and a
+retry on another node resumes from it. What a user would notice: the resumed run ends as an uninterrupted
+one, a workload that never answers keeps running and leaves no checkpoint, a rank that dies mid-write
+leaves none either, a node without CRIU protects a cooperative workload in mode auto."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cedana_airflow.config import Settings
+from cedana_airflow.errors import CorruptCheckpoint
+from cedana_airflow.format.manifest import Manifest, ProcessInfo, StateFile, parse_manifest
+from cedana_airflow.run.cooperative import _listing, catches
+from cedana_airflow.store import open_store
+from cedana_airflow.store.transfer import CheckpointMeta, StateSource, fetch_checkpoint, save_checkpoint
+from conftest import REPO, cli, cli_env, kill_node, manifests, start_cli, wait_for_checkpoints
+
+COUNTER = str(REPO / "tests" / "workloads" / "coop_counter.py")
+NO_CRIU = "/nonexistent/criu"
+
+
+def _total(*args: str) -> str:
+    out = subprocess.run([sys.executable, COUNTER, *args, "--step-seconds", "0"], capture_output=True, text=True,
+                         check=True).stdout
+    return re.findall(r"done total=\d+", out)[-1]
+
+
+def _summary(r: subprocess.CompletedProcess[str]) -> dict:
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_killed_cooperative_run_resumes_on_another_node_and_ends_as_an_uninterrupted_one(tmp_path):
+    env_a = cli_env(tmp_path, "node-a", "work-a")
+    proc = start_cli("run", "--id", "coop", "--mode", "cooperative", "--heartbeat", "0.3", "--", sys.executable,
+                     COUNTER, "--steps", "60", "--step-seconds", "0.05", "--mb", "1", env=env_a, out=tmp_path / "a")
+    ms = wait_for_checkpoints(tmp_path / "store", "coop", 2, proc)
+    kill_node(proc, ms[-1]["process"]["pid"])
+    m = parse_manifest(json.dumps(ms[-1]))
+    assert (m.format_version, m.engine, m.required, m.files) == (4, "cooperative", ("cooperative",), ())
+    assert m.cooperative is not None and [f.path for f in m.cooperative.files] == ["rank-0/blob", "rank-0/counter"]
+    assert not list((tmp_path / "work-a").rglob("COMPLETE"))  # nothing of a request is left to mistake for one
+
+    r = cli("run", "--id", "coop", "--resume", "--mode", "cooperative", "--heartbeat", "0.3", "--json", "--",
+            sys.executable, COUNTER, "--steps", "60", "--step-seconds", "0.05", "--mb", "1",
+            env=cli_env(tmp_path, "node-b", "work-b"))
+    assert r.returncode == 0, r.stderr
+    s = _summary(r)
+    assert s["outcome"] == "restored" and s["restored_from"]["engine"] == "cooperative"
+    assert s["restored_from"]["node"] == "node-a" and s["restored_from"]["seq"] == m.seq
+    assert re.search(r"rank 0 resumed at step [1-9]", r.stdout)
+    assert re.findall(r"done total=\d+", r.stdout) == [_total("--steps", "60")]
+    # The 1 MiB blob did not change between requests: each later checkpoint stored next to nothing of it.
+    later = [x for x in manifests(tmp_path / "store", "coop") if x["seq"] > m.seq]
+    assert later and all(x["stored_bytes"] < 64 << 10 for x in later)
+
+
+def test_a_workload_that_never_creates_complete_is_skipped_and_runs_on(tmp_path):
+    r = cli("run", "--id", "never", "--mode", "cooperative", "--heartbeat", "0.2", "--json", "--", sys.executable,
+            COUNTER, "--steps", "30", "--step-seconds", "0.05", "--never-complete",
+            env=cli_env(tmp_path, "n", "w", CEDANA_COOPERATIVE_TIMEOUT_SECONDS="0.3"))
+    assert r.returncode == 0, r.stderr
+    s = _summary(r)
+    assert s["checkpoints"] == 0 and s["skipped_heartbeats"] >= 1
+    assert "did not create COMPLETE in 0 s (cooperative_timeout_seconds; told by SIGUSR1" in r.stderr
+    assert manifests(tmp_path / "store", "never") == []
+    assert re.findall(r"done total=\d+", r.stdout) == [_total("--steps", "30")]
+
+
+def test_a_request_never_kills_a_workload_without_a_handler(tmp_path):
+    """SIGUSR1's default action ends a process: only processes that handle it are sent it."""
+    r = cli("run", "--id", "deaf", "--mode", "cooperative", "--heartbeat", "0.1", "--json", "--", sys.executable, "-c",
+            "import time; time.sleep(1.2); print('slept')",
+            env=cli_env(tmp_path, "n", "w", CEDANA_COOPERATIVE_TIMEOUT_SECONDS="0.2"))
+    assert r.returncode == 0 and r.stdout.startswith("slept"), r.stderr
+    assert _summary(r)["skipped_heartbeats"] >= 1 and "told by" not in r.stderr
+
+
+def test_a_rank_that_dies_mid_write_leaves_no_checkpoint_and_no_half_of_one(tmp_path):
+    r = cli("run", "--id", "ranks", "--mode", "cooperative", "--heartbeat", "0.4", "--json", "--", sys.executable,
+            COUNTER, "--ranks", "2", "--die-rank", "1", "--steps", "40", "--step-seconds", "0.05",
+            env=cli_env(tmp_path, "n", "w", CEDANA_COOPERATIVE_TIMEOUT_SECONDS="0.5"))
+    assert r.returncode == 1, r.stderr  # the workload's own verdict: one of its ranks died
+    ms = [parse_manifest(json.dumps(m)) for m in manifests(tmp_path / "store", "ranks")]
+    assert [m.cooperative.request for m in ms if m.cooperative] == [1], r.stderr  # request 2 was never committed
+    assert ms[0].cooperative is not None and ms[0].cooperative.ranks == 2
+    assert [f.path for f in ms[0].cooperative.files] == ["rank-0/counter", "rank-1/counter"]
+    assert "cooperative checkpoint 2 dropped: the workload did not create COMPLETE" in r.stderr
+
+
+def test_mode_auto_without_criu_checkpoints_cooperatively_stops_with_a_final_one_and_resumes(tmp_path):
+    env = cli_env(tmp_path, "node-a", "work-a", CEDANA_CRIU=NO_CRIU)
+    proc = start_cli("run", "--id", "auto", "--mode", "auto", "--heartbeat", "0.3", "--", sys.executable, COUNTER,
+                     "--steps", "60", "--step-seconds", "0.05", env=env, out=tmp_path / "a")
+    ms = wait_for_checkpoints(tmp_path / "store", "auto", 1, proc)
+    proc.send_signal(signal.SIGTERM)  # a drain: the final checkpoint is cooperative too
+    assert proc.wait(60) == 128 + signal.SIGTERM
+    err = (tmp_path / "a.err").read_text()
+    assert f"CRIU cannot run here (CRIU not found at {NO_CRIU}" in err, err
+    final = manifests(tmp_path / "store", "auto")[-1]
+    assert final["seq"] > ms[0]["seq"] and final["engine"] == "cooperative"
+    assert re.search(rf"final checkpoint seq {final['seq']} in", err), err
+
+    r = cli("run", "--id", "auto", "--resume", "--mode", "auto", "--json", "--", sys.executable, COUNTER, "--steps",
+            "60", "--step-seconds", "0.01", env=cli_env(tmp_path, "node-b", "work-b", CEDANA_CRIU=NO_CRIU))
+    assert r.returncode == 0 and _summary(r)["restored_from"]["seq"] == final["seq"], r.stderr
+    assert re.findall(r"done total=\d+", r.stdout) == [_total("--steps", "60")]
+
+
+def test_mode_auto_without_criu_and_an_undeclared_workload_says_once_it_is_unprotected(tmp_path):
+    r = cli("run", "--id", "bare", "--mode", "auto", "--heartbeat", "0.1", "--json", "--", sys.executable, COUNTER,
+            "--steps", "20", "--step-seconds", "0.05", "--no-listen",
+            env=cli_env(tmp_path, "n", "w", CEDANA_CRIU=NO_CRIU))
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("this task is unprotected: CRIU cannot run here (CRIU not found at") == 1, r.stderr
+    assert manifests(tmp_path / "store", "bare") == [] and _summary(r)["checkpoints"] == 0
+
+
+def test_mode_transparent_refuses_a_cooperative_checkpoint_in_one_line_and_starts_fresh(tmp_path):
+    env = cli_env(tmp_path, "n", "w")
+    r = cli("run", "--id", "kind", "--mode", "cooperative", "--heartbeat", "0.2", "--", sys.executable, COUNTER,
+            "--steps", "12", "--step-seconds", "0.05", env=env)
+    assert r.returncode == 0 and manifests(tmp_path / "store", "kind"), r.stderr
+    r = cli("run", "--id", "kind", "--resume", "--json", "--", "true", env=env)
+    assert r.returncode == 0 and _summary(r)["outcome"] == "fresh", r.stderr
+    assert "was written by the workload (cooperative) and this run is mode = transparent: set mode = cooperative" \
+        in r.stderr
+
+
+# -- the pieces, with real files -------------------------------------------------------------------------------
+
+def _store(tmp_path: Path):
+    store = open_store(f"file://{tmp_path / 'store'}", Settings())
+    return store, store.open(create=True, chunk_avg_bytes=64 << 10)
+
+
+def _state(tmp_path: Path) -> StateSource:
+    top = tmp_path / "state"
+    (top / "opt" / "deep").mkdir(parents=True)
+    (top / "model.pt").write_bytes(os.urandom(200_000))
+    (top / "opt" / "deep" / "adam state.bin").write_bytes(b"x" * 10)
+    os.chmod(top / "model.pt", 0o640)
+    (top / "COMPLETE").touch()
+    (top / ".done-0").write_text("1")
+    files, ranks = _listing(top)
+    return StateSource(files, request=1, ranks=ranks, write_seconds=0.5)
+
+
+def _saved(tmp_path: Path) -> tuple[object, Manifest]:
+    store, cfg = _store(tmp_path)
+    proc = ProcessInfo(pid=1, command=("x",), cwd="/", stdout_pipe="", stderr_pipe="")
+    return store, save_checkpoint(store, cfg, CheckpointMeta("c", "n", "0.6.0", proc), None, state=_state(tmp_path))
+
+
+def test_a_state_directory_comes_back_file_for_file_with_its_modes_and_no_markers(tmp_path):
+    store, m = _saved(tmp_path)
+    assert m.cooperative is not None and [f.path for f in m.cooperative.files] == [
+        "model.pt", "opt/deep/adam state.bin"]  # COMPLETE and the rank markers are the protocol's, not state
+    dest = tmp_path / "back"
+    fetch_checkpoint(store, m, dest)
+    assert (dest / "model.pt").read_bytes() == (tmp_path / "state" / "model.pt").read_bytes()
+    assert (dest / "opt" / "deep" / "adam state.bin").read_bytes() == b"x" * 10
+    assert (dest / "model.pt").stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in dest.iterdir()) == ["model.pt", "opt"]
+
+
+def test_a_corrupt_state_chunk_is_refused(tmp_path):
+    store, m = _saved(tmp_path)
+    digest = m.cooperative.files[0].chunks[0].digest
+    chunk = next((tmp_path / "store").rglob(digest))
+    chunk.write_bytes(b"not the chunk")
+    with pytest.raises(CorruptCheckpoint, match=digest[:12]):
+        fetch_checkpoint(store, m, tmp_path / "back")
+    assert not (tmp_path / "back").exists()
+
+
+@pytest.mark.parametrize("path", ["../etc/passwd", "/etc/passwd", "a//b", "a/./b", "a/../../b", "", "a/\x01"])
+def test_a_manifest_cannot_name_a_state_file_outside_its_directory(path):
+    with pytest.raises(ValueError):
+        StateFile(path=path, size=0, mode=0o600, chunks=())
+
+
+def test_a_symlink_in_the_state_directory_refuses_the_whole_state(tmp_path):
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "ok").write_text("1")
+    (tmp_path / "s" / "link").symlink_to("/etc/passwd")
+    with pytest.raises(ValueError, match="holds a symlink, 'link'"):
+        _listing(tmp_path / "s")
+
+
+def test_a_reader_that_does_not_know_the_block_refuses_in_one_line(tmp_path):
+    _, m = _saved(tmp_path)
+    doc = json.loads(m.to_json())
+    doc["cooperative2"], doc["required"] = doc.pop("cooperative"), ["cooperative2"]  # a block from the future
+    with pytest.raises(Exception, match="needs block 'cooperative2'.*upgrade cedana-airflow"):
+        parse_manifest(json.dumps(doc))
+
+
+def test_the_signal_goes_only_to_processes_that_handle_it():
+    import signal as s
+
+    child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGUSR1, "
+                              "lambda *a: None); print('ready', flush=True); time.sleep(30)"], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+        assert catches(child.pid, s.SIGUSR1) and not catches(child.pid, s.SIGUSR2)
+        assert not catches(os.getpid(), s.SIGUSR1)
+    finally:
+        child.kill()
+        child.wait()
