@@ -133,7 +133,7 @@ def _supervised(p: argparse.ArgumentParser, *, when_none_left: str) -> None:
                    help=f"never restore a checkpoint older than this; with none left, {when_none_left}")
     p.add_argument("--gpu", choices=("auto", "off", "require"),
                    help="GPU state: auto (default), require (refuse to start where it cannot be checkpointed), off")
-    p.add_argument("--mode", choices=("transparent", "cooperative", "auto"),
+    p.add_argument("--mode", dest="checkpoint_mode", choices=("transparent", "cooperative", "auto"),
                    help="how checkpoints are taken: transparent (CRIU; default), cooperative (the workload writes its "
                         "state into $CEDANA_CHECKPOINT_DIR when asked), auto (transparent where CRIU can run)")
     p.add_argument("--json", action="store_true",
@@ -176,7 +176,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         "heartbeat_seconds": getattr(args, "heartbeat", None),
         "max_restore_gap_seconds": getattr(args, "max_restore_gap", None),
         "gpu": getattr(args, "gpu", None),
-        "mode": getattr(args, "mode", None),
+        "mode": getattr(args, "checkpoint_mode", None),  # (`drill`'s positional is args.mode)
     })
 
 
@@ -415,22 +415,45 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     given = {"queue": args.queue, "pool": args.pool, "partition": args.partition, "tags": tuple(args.tag) if args.tag else None,
              "expected_seconds": args.expected_seconds, "job_server": args.job_server, "gpu": args.gpu}
     facts.update({k: v for k, v in given.items() if v is not None})
+    task_mode = facts.pop("mode", None)  # the operator's argument: above the list's defaults and [cedana]
     where = Where(args.dag_id, args.task_id, settings.resolved_node(), parse_labels(",".join(args.label)),
                   nvidia=False if args.no_nvidia else None, **facts)
     decision = decide(load_optin(settings.optin_file), where)
     warnings = _restore_warnings(settings, where.dag_id, where.task_id)
+    mode = task_mode or decision.defaults.get("mode") or settings.mode
+    how = _how_checkpointed(settings, mode) if decision.in_scope else ""
     if args.json:
         print(json.dumps({"dag_id": where.dag_id, "task_id": where.task_id, "node": where.node, "queue": where.queue,
                           "pool": where.pool, "in_scope": decision.in_scope, "reasons": list(decision.reasons),
-                          "defaults": decision.defaults, "restore_warnings": warnings}, default=str))
+                          "defaults": decision.defaults, "restore_warnings": warnings,
+                          "mode": mode, "mode_here": how}, default=str))
     else:
         print(f"{where.dag_id}.{where.task_id} on node {where.node}, queue {where.queue}, pool {where.pool}: "
               + decision.explain())
         if decision.defaults:
             print("  settings from the list: " + ", ".join(f"{k}={v}" for k, v in sorted(decision.defaults.items())))
+        if how:
+            print(f"  checkpoints: {how}")
         for w in warnings:
             print(f"  its checkpoints: {w}")
     return 0
+
+
+def _how_checkpointed(settings: Settings, mode: str) -> str:
+    """How an in-scope task's heartbeats are taken in ``mode``, judged on this machine (CRIU usable or not)."""
+    from .errors import EngineUnavailable
+    from .run.runner import engine_for
+
+    try:
+        engine, why = engine_for(settings.model_copy(update={"mode": "auto"}))
+    except EngineUnavailable as e:
+        engine, why = None, str(e)
+    if mode == "cooperative":
+        return "mode cooperative: the workload writes its own state when asked (docs/cooperative.md)"
+    if mode == "transparent":
+        return "mode transparent: CRIU" + ("" if engine else f"; on this machine the task would run unprotected ({why})")
+    return "mode auto: on this machine " + ("transparent (CRIU can run)" if engine else
+                                            f"cooperative once the workload declares it can, else unprotected ({why})")
 
 
 def _restore_warnings(settings: Settings, dag_id: str, task_id: str) -> list[str]:

@@ -67,6 +67,12 @@ class Settings(BaseModel):
         description="The signal that asks a cooperative workload for its state (besides the request file it can "
         "poll); sent only to processes that handle it, so it never kills one that does not. none = file only.",
     )
+    cooperative_verify_command: str = Field(
+        default="",
+        description="A command that checks a cooperative checkpoint's files, recorded in each one: the verify drill "
+        "puts the files back in a scratch directory, runs it there with CEDANA_RESTORE_DIR naming them, and exit 0 "
+        "means good. Split with shell rules; no shell runs it.",
+    )
     cooperative_timeout_seconds: float = Field(
         default=300.0, gt=0, allow_inf_nan=False,
         description="How long a cooperative checkpoint may take from the request to its COMPLETE marker; past "
@@ -241,6 +247,17 @@ class Settings(BaseModel):
         for p in v:
             if not p.is_absolute():
                 raise ValueError(f"restore root {str(p)!r} is not an absolute path; write it as /abs/dir")
+        return v
+
+    @field_validator("cooperative_verify_command")
+    @classmethod
+    def _splits(cls, v: str) -> str:
+        import shlex
+
+        try:
+            shlex.split(v)
+        except ValueError as e:
+            raise ValueError(f"{v!r} does not split into a command ({e}); quote it as a shell would") from None
         return v
 
     @field_validator("cooperative_signal")

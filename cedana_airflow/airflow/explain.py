@@ -28,4 +28,5 @@ def task_facts(dag_id: str, task_id: str, dags_folder: str | None) -> dict[str, 
     return {"queue": task.queue, "pool": task.pool, "tags": tuple(dag.tags or ()),
             "expected_seconds": expected.total_seconds() if expected is not None else None,
             "job_server": bool(getattr(task, "job_server", False)), "gpu": bool(getattr(task, "gpu", False)),
-            "checkpointed": bool(getattr(task, "cedana_checkpointed", False))}
+            "checkpointed": bool(getattr(task, "cedana_checkpointed", False)),
+            "mode": getattr(task, "mode", None) or (getattr(task, "settings", None) or {}).get("mode")}

@@ -4,27 +4,40 @@ running it, and nothing that disturbs a workload.
 For each ID: its newest readable manifest (the one a restore tries first), its signature when this
 node has a signing key, every chunk fetched and verified, and the image set checked the way CRIU
 would read it (engine/image_check.py). Once per drill: ``criu check`` on this node.
+
+A cooperative checkpoint (the workload wrote it: docs/cooperative.md) has no image set: its files are
+put back in a scratch directory and the workload's own verify command, when it recorded one
+(``cooperative_verify_command``), runs there with CEDANA_RESTORE_DIR naming them; exit 0 is good.
+It runs with this node's environment less the store's credentials, as a restore would start it.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import os
 import random
 import shutil
+import subprocess
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 from ..config import Settings
+from ..coop import ENV_RESTORE
 from ..engine.criu import CriuEngine
 from ..engine.image_check import image_set_problems
 from ..errors import CedanaError
 from ..format.chunking import MAX_CHUNK_FACTOR
+from ..format.manifest import Manifest
 from ..format.signing import signature_problem
+from ..run.environment import workload_env
 from ..store.base import Store, StoreConfig
 from ..store.listing import list_store
 from ..store.transfer import fetch_checkpoint, load_manifests
 from .report import CheckedId, DrillReport, new_drill_id, scratch_dir
+
+#: How long a workload's verify command may take.
+VERIFY_COMMAND_SECONDS = 600.0
 
 __all__ = ["verify"]
 
@@ -41,7 +54,7 @@ def _check_one(store: Store, cfg: StoreConfig, cid: str, key: bytes | None, work
     try:
         fetch_checkpoint(store, m, dest, max_chunk_bytes=MAX_CHUNK_FACTOR * cfg.chunk_avg_bytes)
         seconds = time.monotonic() - t0
-        problems = image_set_problems(dest)
+        problems = _state_problems(m, dest) if m.is_cooperative else image_set_problems(dest)
     except CedanaError as e:  # a chunk missing or wrong: the message names it
         return CheckedId(checkpoint_id=cid, ok=False, seq=m.seq, node=m.node, problem=str(e))
     finally:
@@ -51,6 +64,26 @@ def _check_one(store: Store, cfg: StoreConfig, cid: str, key: bytes | None, work
                          fetch_seconds=round(seconds, 3), problem=f"seq {m.seq}: " + "; ".join(problems))
     return CheckedId(checkpoint_id=cid, ok=True, seq=m.seq, node=m.node, bytes_fetched=m.image_bytes,
                      fetch_seconds=round(seconds, 3))
+
+
+def _state_problems(m: Manifest, dest: Path) -> list[str]:
+    """A cooperative checkpoint's files, judged by the workload's own verify command (if it gave one)."""
+    assert m.cooperative is not None
+    argv = m.cooperative.verify_command
+    if not argv:
+        return []  # every chunk verified: all that can be said without the workload's help
+    env = {**workload_env(os.environ), ENV_RESTORE: str(dest), "CEDANA_CHECKPOINT_ID": m.checkpoint_id}
+    try:
+        r = subprocess.run(list(argv), cwd=dest, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                           timeout=VERIFY_COMMAND_SECONDS)
+    except FileNotFoundError:
+        return [f"the workload's verify command {argv[0]!r} is not on this node"]
+    except subprocess.TimeoutExpired:
+        return [f"the workload's verify command ran past {VERIFY_COMMAND_SECONDS:.0f} s"]
+    if r.returncode != 0:
+        said = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or ["(it printed nothing)"]
+        return [f"the workload's verify command exited {r.returncode}: {said[0][:300]}"]
+    return []
 
 
 def verify(store: Store, cfg: StoreConfig, settings: Settings, engine: CriuEngine | None, *, ids: str = "*",

@@ -123,6 +123,8 @@ class CooperativeState(_Frozen):
     request: int = Field(ge=1, description="Which request of its supervisor it answered (1, 2, ...).")
     ranks: int = Field(ge=1, default=1, description="Processes that wrote a part (their DONE markers).")
     write_seconds: float = Field(ge=0, default=0.0, description="From the request to COMPLETE.")
+    verify_command: tuple[str, ...] = Field(default=(), description="What the verify drill runs on the files "
+                                            "(cooperative_verify_command), if anything.")
 
     @model_validator(mode="after")
     def _distinct(self) -> CooperativeState:

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import signal
 import stat
@@ -135,7 +136,8 @@ class Cooperation:
         except ValueError as e:
             _remove(taken)
             return f"cooperative checkpoint {n} dropped: {e}"
-        return Taken(StateSource(files, request=n, ranks=ranks, write_seconds=seconds), taken)
+        verify = tuple(shlex.split(self.settings.cooperative_verify_command))
+        return Taken(StateSource(files, request=n, ranks=ranks, write_seconds=seconds, verify_command=verify), taken)
 
     def _tell(self, workload: Workload) -> str:
         """The request's signal, to each process of the tree that handles it; its name when any was told."""

@@ -48,11 +48,13 @@ class IndexRow(_Model):
     image_bytes: int = 0
     stored_bytes: int = 0
     freeze_seconds: float = 0.0
+    engine: str = "criu"  # or "cooperative" (0.6.0; rows written before it are all CRIU's)
 
     @classmethod
     def of(cls, m: Manifest) -> IndexRow:
         return cls(seq=m.seq, try_number=m.try_number, node=m.node, created_at=m.created_at,
-                   image_bytes=m.image_bytes, stored_bytes=m.stored_bytes, freeze_seconds=m.freeze_seconds)
+                   image_bytes=m.image_bytes, stored_bytes=m.stored_bytes, freeze_seconds=m.freeze_seconds,
+                   engine=m.engine)
 
 
 class IndexEntry(_Model):

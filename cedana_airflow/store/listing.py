@@ -87,5 +87,5 @@ def as_json(x: IdListing) -> dict[str, Any]:
         "restore_warning": x.restore_warning,
         "checkpoints": [{"seq": r.seq, "try_number": r.try_number, "node": r.node, "created_at": r.created_at.isoformat(),
                          "image_bytes": r.image_bytes, "stored_bytes": r.stored_bytes,
-                         "freeze_seconds": round(r.freeze_seconds, 3)} for r in x.checkpoints],
+                         "freeze_seconds": round(r.freeze_seconds, 3), "engine": r.engine} for r in x.checkpoints],
     }

@@ -59,6 +59,7 @@ class StateSource:
     request: int
     ranks: int = 1
     write_seconds: float = 0.0
+    verify_command: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,8 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path 
             kept.append(StateFile(path=rel, size=size, mode=mode, chunks=refs))
         w._drain(0)
     coop = (CooperativeState(files=tuple(kept), request=state.request, ranks=state.ranks,
-                             write_seconds=round(state.write_seconds, 6)) if state is not None else None)
+                             write_seconds=round(state.write_seconds, 6), verify_command=state.verify_command)
+            if state is not None else None)
     progress.close()
     seqs = store.list_seqs(meta.checkpoint_id)
     seq = (seqs[-1] if seqs else 0) + 1

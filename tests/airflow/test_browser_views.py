@@ -19,7 +19,8 @@ from cedana_airflow.airflow.browser import views  # noqa: E402
 from cedana_airflow.airflow.browser.data import Fleet, IdDetail  # noqa: E402
 from cedana_airflow.drill.report import DrillReport  # noqa: E402
 from cedana_airflow.drill.trends import trends  # noqa: E402
-from cedana_airflow.format.manifest import AirflowTask, GpuProcess, GpuState, Manifest, ProcessInfo  # noqa: E402
+from cedana_airflow.format.manifest import (AirflowTask, CooperativeState, GpuProcess, GpuState, Manifest,  # noqa: E402
+                                            ProcessInfo, StateFile)
 from cedana_airflow.store.index import IndexRow  # noqa: E402
 from cedana_airflow.store.listing import IdListing  # noqa: E402
 from cedana_airflow.store.restores import RestoreRecord  # noqa: E402
@@ -104,7 +105,16 @@ RESTORES = (
     RestoreRecord(checkpoint_id="train-1", outcome="fresh", reason=f"why{EVIL}", at=NOW),
 )
 #: An ID the listing index names (the store's folder names are not validated on the way in).
-DETAIL = IdDetail(_listing(f"id{EVIL}", OWNER), (_manifest(1), _manifest(2, gpu=True)), RESTORES)
+def _cooperative(seq: int) -> Manifest:
+    """A checkpoint the workload wrote itself (docs/cooperative.md): format 4, its block required."""
+    state = CooperativeState(files=(StateFile(path=f"rank-0/{EVIL}.pt", size=0, mode=0o600, chunks=()),), request=1,
+                             ranks=2, verify_command=("check", EVIL))
+    return _manifest(seq).model_copy(update={"format_version": 4, "writer": "cedana-airflow 0.6.0", "gpu": None,
+                                             "required": ("cooperative",), "engine": "cooperative",
+                                             "cooperative": state})
+
+
+DETAIL = IdDetail(_listing(f"id{EVIL}", OWNER), (_manifest(1), _manifest(2, gpu=True), _cooperative(3)), RESTORES)
 REPORTS = [
     DrillReport(drill_id=f"d1{EVIL}", mode="canary", ok=False, node=f"g{EVIL}", started_at=NOW, finished_at=NOW,
                 problems=(f"p{EVIL}",), rto_seconds=0.4, digest_match=False),
@@ -158,6 +168,7 @@ def test_the_pages_keep_what_they_show():
     pages = _hostile_pages()
     assert "<b>2</b> checkpoint IDs" in pages["fleet"] and "restores in the last day (1 in all)" in pages["fleet"]
     assert "<svg" in pages["id"] and "4.2 s" in pages["id"] and "1 process(es), 1.50 s copy-out on H200" in pages["id"]
+    assert "written by the workload: 1 file(s), 2 rank(s), verify command</td>" in pages["id"]
     tab = pages["task_instance"]
     assert "fresh: the first try: nothing to resume yet</td>" in tab and "<td class=n title='the newest at " in tab
     assert "restored seq 1 from a&lt;script&gt;" in tab and ": gap 4.2 s, restore 1.10 s</td>" in tab

@@ -216,3 +216,35 @@ def test_the_signal_goes_only_to_processes_that_handle_it():
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_verify_drill_runs_the_workloads_own_check_on_a_cooperative_checkpoint(tmp_path):
+    """A drill puts the files back in a scratch directory and runs the recorded verify command there: its
+    verdict is the drill's, what it said is the problem."""
+    check = tmp_path / "check.py"
+    check.write_text("import os, pathlib, sys\n"
+                     "step, total = map(int, (pathlib.Path(os.environ['CEDANA_RESTORE_DIR']) / 'rank-0' / 'counter')"
+                     ".read_text().split())\n"
+                     "sys.exit(0 if step >= int(sys.argv[1]) else f'step {step} is before {sys.argv[1]}')\n")
+    for cid, least in (("good", "1"), ("early", "1000")):
+        env = cli_env(tmp_path, "n", "w", CEDANA_COOPERATIVE_VERIFY_COMMAND=f"{sys.executable} {check} {least}")
+        r = cli("run", "--id", cid, "--mode", "cooperative", "--heartbeat", "0.2", "--", sys.executable, COUNTER,
+                "--steps", "12", "--step-seconds", "0.05", env=env)
+        assert r.returncode == 0 and manifests(tmp_path / "store", cid), r.stderr
+    env = cli_env(tmp_path, "n", "w")  # the drill's node needs no setting: the command is in each manifest
+    good = json.loads(cli("drill", "verify", "--ids", "good", "--json", env=env).stdout)
+    assert good["ok"] and good["checked"][0]["ok"], good
+    r = cli("drill", "verify", "--ids", "early", "--json", env=env)
+    early = json.loads(r.stdout)
+    assert r.returncode != 0 and not early["ok"], early
+    assert re.search(r"the workload's verify command exited 1: step \d+ is before 1000", early["checked"][0]["problem"])
+
+
+def test_explain_says_the_mode_and_what_it_means_on_this_machine(tmp_path):
+    optin = tmp_path / "optin.toml"
+    optin.write_text('[node]\nhostnames = ["*"]\n[queue]\nqueues = ["*"]\n[workload]\ndags = ["*"]\n'
+                     '[workload.defaults]\nmode = "auto"\n')
+    r = cli("explain", "d", "t", "--optin-file", str(optin), "--json", env=cli_env(tmp_path, "n", "w", CEDANA_CRIU=NO_CRIU))
+    out = json.loads(r.stdout)
+    assert out["mode"] == "auto" and out["mode_here"].startswith(
+        "mode auto: on this machine cooperative once the workload declares it can, else unprotected (CRIU not found")
