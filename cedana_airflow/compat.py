@@ -17,13 +17,16 @@ from collections.abc import Mapping
 
 from . import __version__
 
-__all__ = ["MIN_SUPERVISOR_ENV", "OPERATOR_VERSION_ENV", "SUPERVISOR_FLOOR", "handshake_env", "supervisor_refusal"]
+__all__ = ["COOPERATIVE_FLOOR", "MIN_SUPERVISOR_ENV", "OPERATOR_VERSION_ENV", "SUPERVISOR_FLOOR", "handshake_env",
+           "supervisor_refusal"]
 
 MIN_SUPERVISOR_ENV = "CEDANA_MIN_SUPERVISOR"
 OPERATOR_VERSION_ENV = "CEDANA_OPERATOR_VERSION"
 #: The oldest supervisor that understands every flag and CEDANA_* variable this version's routes write
 #: (raise it when a route starts to use something newer).
 SUPERVISOR_FLOOR = "0.5.1"
+#: ... and the oldest that knows ``mode`` and the cooperative settings (0.6.0), for a command that carries them.
+COOPERATIVE_FLOOR = "0.6.0"
 
 
 def _parse(version: str) -> tuple[int, ...] | None:
@@ -31,9 +34,12 @@ def _parse(version: str) -> tuple[int, ...] | None:
     return tuple(int(p or 0) for p in m.groups()) if m else None
 
 
-def handshake_env() -> dict[str, str]:
-    """What an operator puts beside the command it writes."""
-    return {MIN_SUPERVISOR_ENV: SUPERVISOR_FLOOR, OPERATOR_VERSION_ENV: __version__}
+def handshake_env(carried: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What an operator puts beside the command it writes; ``carried``: the CEDANA_* settings it passes along
+    (a cooperative mode needs a supervisor that knows it: an older one would fail on an unknown setting)."""
+    cooperative = any(k.startswith("CEDANA_COOPERATIVE_") or (k == "CEDANA_MODE" and v != "transparent")
+                      for k, v in (carried or {}).items())
+    return {MIN_SUPERVISOR_ENV: COOPERATIVE_FLOOR if cooperative else SUPERVISOR_FLOOR, OPERATOR_VERSION_ENV: __version__}
 
 
 def supervisor_refusal(environ: Mapping[str, str], own: str = __version__) -> str | None:

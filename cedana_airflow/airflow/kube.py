@@ -42,6 +42,8 @@ CREDENTIALS_MOUNT = "/var/run/secrets/cedana/store"
 _CREDENTIALS_VOLUME = "cedana-store-credentials"
 #: The settings the wrap route's in-pod CLI needs to judge a restore as the worker would.
 _RESTORE_RULES = ("max_restore_gap_seconds", "lease_seconds", "lease_renew_command")
+#: ... and how it checkpoints, when that is not the default (docs/cooperative.md).
+_MODE = ("mode", "cooperative_signal", "cooperative_timeout_seconds", "cooperative_verify_command")
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ def apply_route(pod: k8s.V1Pod, route: Route) -> k8s.V1Pod:
     main.command = [*route.cli, "run", "--resume", "--id", route.checkpoint_id, "--heartbeat",
                     str(route.heartbeat_seconds), "--try-number", str(route.try_number), *task, "--", *original]
     main.args = None
-    for name, value in handshake_env().items():  # the image's CLI may be older than this operator
+    for name, value in handshake_env(route.env).items():  # the image's CLI may be older than this operator
         _env(main, name, value)
     if route.store:
         _env(main, "CEDANA_STORE", route.store)
@@ -155,9 +157,13 @@ def node_label_of(optin: OptInList | None) -> tuple[str, str]:
 
 
 def restore_rules_env(settings: Settings) -> dict[str, str]:
-    """max_restore_gap and the lease as the CEDANA_* variables the in-pod CLI reads (it restores there)."""
-    return {f"CEDANA_{name.upper()}": str(getattr(settings, name)) for name in _RESTORE_RULES
-            if getattr(settings, name) is not None}
+    """max_restore_gap, the lease and the mode as the CEDANA_* variables the in-pod CLI reads (it restores and
+    checkpoints there); the mode's settings only where they differ from the default."""
+    rules = {f"CEDANA_{name.upper()}": str(getattr(settings, name)) for name in _RESTORE_RULES
+             if getattr(settings, name) is not None}
+    defaults = Settings()
+    return rules | {f"CEDANA_{name.upper()}": str(getattr(settings, name)) for name in _MODE
+                    if getattr(settings, name) != getattr(defaults, name)}
 
 
 def kubernetes_executor_route(pod: k8s.V1Pod, annotations: dict[str, str]) -> k8s.V1Pod | None:

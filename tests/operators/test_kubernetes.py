@@ -109,6 +109,16 @@ def test_spec_wrap_route_wraps_the_command_with_the_cli_and_mounts_the_secret_as
     assert "AWS_SECRET_ACCESS_KEY" not in str(data)  # credentials only by reference
 
 
+def test_spec_wrap_route_carries_a_cooperative_mode_and_asks_for_a_supervisor_that_knows_it(optin):
+    pod = _op(route="wrap", settings={"mode": "cooperative", "cooperative_timeout_seconds": 60}).build_pod_request_obj(
+        _context(), dry_run=True)
+    env = {e.name: e.value for e in pod.spec.containers[0].env}
+    assert env["CEDANA_MODE"] == "cooperative" and env["CEDANA_COOPERATIVE_TIMEOUT_SECONDS"] == "60.0"
+    assert env["CEDANA_MIN_SUPERVISOR"] == "0.6.0"  # a 0.5 CLI in the image refuses in one line, not on a setting
+    plain = {e.name: e.value for e in _op(route="wrap").build_pod_request_obj(_context(), dry_run=True).spec.containers[0].env}
+    assert "CEDANA_MODE" not in plain and plain["CEDANA_MIN_SUPERVISOR"] == "0.5.1"
+
+
 def test_spec_out_of_scope_pods_are_left_alone_and_a_gpu_pod_says_it_runs_unprotected(tmp_path, monkeypatch, caplog):
     p = tmp_path / "optin.toml"
     p.write_text(OPTIN.replace('queues = ["*"]', 'queues = ["gpu"]'))
