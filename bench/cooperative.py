@@ -16,6 +16,7 @@ neither figure.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from s3_server import BUCKET, Moto, WireCounter
 from cedana_airflow.config import load_settings
 from cedana_airflow.run.checkpointer import Checkpointer
 from cedana_airflow.run.cooperative import Cooperation
+from cedana_airflow.run.environment import workload_env
 from cedana_airflow.run.workload import Workload
 from cedana_airflow.store import open_store
 
@@ -120,8 +122,5 @@ def _heartbeats(mb: int, reps: int, work: Path, settings: Any, run_kib: int) -> 
 
 
 def _env() -> dict[str, str]:
-    import os
-
     # the workload imports cedana_airflow from this checkout; it never sees the store's credentials
-    root = str(Path(__file__).resolve().parent.parent)
-    return {k: v for k, v in os.environ.items() if not k.startswith("AWS_")} | {"PYTHONPATH": root}
+    return workload_env(os.environ) | {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}

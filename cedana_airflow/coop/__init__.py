@@ -11,13 +11,15 @@ The contract (docs/cooperative.md), which any language can follow without this m
 * ``CEDANA_CHECKPOINT_REQUEST`` names a file that exists while a request is open; it holds JSON
   ``{"request": N, "dir": ..., "deadline": <unix time>}``. The signal named in
   ``CEDANA_CHECKPOINT_SIGNAL`` (SIGUSR1 by default) announces it to the processes that handle it.
-* The workload writes its state into ``CEDANA_CHECKPOINT_DIR`` (a fresh, empty directory per request),
-  then creates the empty file ``COMPLETE`` in it. Nothing written after COMPLETE is kept.
+* The workload writes its state into the request's ``dir`` (a fresh, empty directory per request;
+  ``CEDANA_CHECKPOINT_DIR`` names it too while the request is open), then creates the file
+  ``COMPLETE`` in it (empty, or holding N). Nothing written after COMPLETE, or after the deadline, is kept.
 * Several processes: each writes its part, then ``.done-<rank>`` (holding N); the one of rank 0 waits
   for every rank's and creates COMPLETE. A rank that never finishes means no checkpoint, never half of one.
 * On a retry the latest checkpoint's files are in ``CEDANA_RESTORE_DIR`` before the command starts.
-* ``CEDANA_CHECKPOINT_READY``: a file the workload creates once it can answer (``listen()`` does);
-  ``mode = auto`` on a node without CRIU asks only a workload that did.
+* ``CEDANA_CHECKPOINT_READY``: a file the workload creates once it can answer, with the PIDs that
+  answer, one per line (``listen()`` adds its own); ``mode = auto`` on a node without CRIU asks only a
+  workload that created it, and the signal then goes only to the PIDs in it.
 
     from cedana_airflow import coop
 
@@ -38,10 +40,12 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 __all__ = ["COMPLETE", "ENV_DIR", "ENV_READY", "ENV_REQUEST", "ENV_RESTORE", "ENV_SIGNAL", "Abandoned", "checkpoint",
            "checkpoint_dir", "done", "listen", "request", "requested", "restore_dir"]
@@ -72,72 +76,103 @@ def restore_dir() -> Path | None:
 
 
 def checkpoint_dir() -> Path | None:
-    """Where a checkpoint is written (exists only while a request is open); None outside a supervised run."""
-    d = os.environ.get(ENV_DIR)
-    return Path(d) if d else None
+    """Where the open request's checkpoint is written (its own directory); None when none is open, or
+    outside a supervised run."""
+    doc = _request_doc()
+    return Path(doc.dir) if doc else None
 
 
 def listen() -> None:
-    """Declare that this workload answers requests: the signal now only sets a flag (its default action
-    would end the process), and the ready file tells ``mode = auto`` it may ask. Call it once, early,
-    from the main thread (Python's rule for signal handlers); elsewhere only the file is created."""
+    """Declare that this process answers requests: the signal now only sets a flag (its default action
+    would end the process; interrupted system calls restart), and this PID goes into the ready file,
+    which tells ``mode = auto`` it may ask. Call it once, early, from the main thread (Python's rule for
+    signal handlers); elsewhere only the ready file is written."""
     name = os.environ.get(ENV_SIGNAL, "none")
     if name != "none" and threading.current_thread() is threading.main_thread():
-        signal.signal(getattr(signal, name), lambda signum, frame: _signalled.set())
+        signum = getattr(signal, name)
+        signal.signal(signum, lambda s, frame: _signalled.set())
+        signal.siginterrupt(signum, False)  # C extensions in a blocking call must not see EINTR
     if ready := os.environ.get(ENV_READY):
-        with contextlib.suppress(OSError):
-            Path(ready).touch()
+        with contextlib.suppress(OSError), open(ready, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+class _Request(NamedTuple):
+    n: int
+    dir: str
+    deadline: float
+
+
+def _request_doc() -> _Request | None:
+    """The open request as its file says, or None (none open, or the file being replaced this instant)."""
+    path = os.environ.get(ENV_REQUEST)
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read())
+        return _Request(int(doc["request"]), str(doc["dir"]), float(doc["deadline"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def request() -> int:
-    """The open request's number, 0 when none is open (or it was answered by this process)."""
-    path = os.environ.get(ENV_REQUEST)
-    if not path:
-        return 0
-    try:
-        with open(path, "rb") as f:
-            n = int(json.loads(f.read())["request"])
-    except (OSError, ValueError, KeyError, TypeError):  # none open, or being replaced this instant
-        return 0
+    """The open request's number, 0 when none is open (or this process answered it already)."""
+    doc = _request_doc()
+    n = doc.n if doc else 0
     return n if n > _answered else 0
 
 
 def requested() -> bool:
     """Whether the supervisor asks for a checkpoint now. Cheap (one small file read): call it at every
-    step boundary. Each process of a multi-process job sees the request on its own; ranks that must
-    checkpoint at the same step agree first (cedana_airflow.coop.torch.requested does, collectively)."""
+    step boundary. Each process of a multi-process job sees the request on its own, maybe at another
+    step: ranks that must checkpoint the same step agree first (cedana_airflow.coop.torch does)."""
     _signalled.clear()
     return request() > 0
 
 
 @contextlib.contextmanager
-def checkpoint(rank: int = 0, world_size: int = 1, *, quiet: bool = False) -> Iterator[Path]:
-    """Write this process's part of the requested checkpoint into the directory it yields; when the block
-    ends without error the part is marked done, and rank 0 creates COMPLETE once every rank's part is
-    (:func:`done`). If the supervisor withdrew the request meanwhile, the write is abandoned quietly
-    (one line on stderr) and the workload goes on: a late checkpoint is no reason to stop training."""
+def checkpoint(rank: int = 0, world_size: int = 1, *, n: int | None = None, quiet: bool = False) -> Iterator[Path]:
+    """Write this process's part of request ``n`` (default: the open one) into the directory it yields;
+    when the block ends without error the part is marked done, and rank 0 creates COMPLETE once every
+    rank's part is (:func:`done`). If the supervisor withdrew the request meanwhile (its deadline passed,
+    the run is stopping), whatever failed is forgiven: one line on stderr, and the workload goes on. A
+    late checkpoint is no reason to stop training; an error while the request stands is raised."""
     global _answered
-    n, d = request(), checkpoint_dir()
-    if not n or d is None:
+    doc = _request_doc()
+    n = n or request()
+    if not n:
         raise RuntimeError("no checkpoint is requested now: check requested() first")
+    if not doc or doc.n != n:
+        # Withdrawn since it was seen: the caller's writes go to a directory nobody keeps.
+        with tempfile.TemporaryDirectory(prefix="cedana-withdrawn-") as scratch:
+            if not quiet:
+                print(f"cedana: checkpoint request {n} was withdrawn before rank {rank} wrote it; going on",
+                      file=sys.stderr)
+            _answered = max(_answered, n)
+            yield Path(scratch)
+        return
     try:
+        d = Path(doc.dir)
         yield d
-        done(n, rank, world_size)
-    except (OSError, Abandoned) as e:
-        if request() == n and not isinstance(e, Abandoned):
-            raise  # still requested: the error is the workload's own (a full disk, a bad path)
+        done(n, rank, world_size, d)
+    except Exception as e:
+        if _request_doc() == doc and not isinstance(e, Abandoned):
+            raise  # still requested: the error is the workload's own (a full disk, a bug)
         if not quiet:
-            print(f"cedana: checkpoint request {n} was withdrawn while rank {rank} wrote it; going on", file=sys.stderr)
+            print(f"cedana: checkpoint request {n} was withdrawn while rank {rank} wrote it ({type(e).__name__}); "
+                  "going on", file=sys.stderr)
     finally:
         _answered = max(_answered, n)
 
 
-def done(n: int, rank: int = 0, world_size: int = 1) -> None:
-    """Mark this rank's part of request ``n`` written; rank 0 then waits (until the request's deadline)
-    for every rank's marker and creates COMPLETE. Raises Abandoned when the request is withdrawn first."""
-    d = checkpoint_dir()
+def done(n: int, rank: int = 0, world_size: int = 1, d: Path | None = None) -> None:
+    """Mark this rank's part of request ``n`` written (in ``d``, default the open request's directory);
+    rank 0 then waits (until the request's deadline) for every rank's marker and creates COMPLETE.
+    Raises Abandoned when the request is withdrawn first."""
+    d = d or checkpoint_dir()
     if d is None:
-        return
+        raise Abandoned(f"request {n} is no longer open")
     _write_marker(d / f"{DONE_PREFIX}{rank}", str(n))
     if rank != 0:
         return
@@ -149,17 +184,12 @@ def done(n: int, rank: int = 0, world_size: int = 1) -> None:
         if request() != n or time.time() > deadline:
             raise Abandoned(f"request {n}: {have} of {world_size} ranks finished before it was withdrawn")
         time.sleep(0.01)
-    if request() != n:  # withdrawn while the last marker landed: the directory may be gone already
-        raise Abandoned(f"request {n} was withdrawn")
-    _write_marker(d / COMPLETE, "")
+    _write_marker(d / COMPLETE, str(n))  # its number: a COMPLETE that lands late is never taken for another's
 
 
 def _deadline() -> float:
-    try:
-        with open(os.environ[ENV_REQUEST], "rb") as f:
-            return float(json.loads(f.read())["deadline"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0.0
+    doc = _request_doc()
+    return doc.deadline if doc else 0.0
 
 
 def _marker(path: Path) -> str | None:

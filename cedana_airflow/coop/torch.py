@@ -12,7 +12,8 @@ the data, one file per rank. Imports torch only here (an optional dependency of 
 
 Every rank writes ``rank-<r>.pt``; a DDP job's ranks hold equal parameters, an FSDP job's hold their
 shards, and both come back as they were. ``save_if_requested`` is a collective call (an all-reduce of
-one integer) so that ranks that saw the request at different steps still save the same one.
+one integer: the request number) so that ranks that saw the request at different steps still save the
+same step for the same request. With NCCL the integer lives on the rank's current CUDA device.
 """
 
 from __future__ import annotations
@@ -85,28 +86,38 @@ class Resumable:
         self.extra = state.get("extra", {})
         return int(state["step"])
 
-    def requested(self) -> bool:
-        """Whether any rank was asked: one all-reduce, so every rank answers the same at the same step."""
-        asked = requested()
+    def agreed_request(self) -> int:
+        """The request every rank answers now, 0 for none: one all-reduce (MAX) of each rank's view, so
+        ranks that saw the request at different steps still save the same step, for the same request."""
+        n = request()
         if self.world_size == 1:
-            return asked
-        flag = torch.tensor([1 if asked else 0], dtype=torch.int32)
+            return n
+        # NCCL reduces only CUDA tensors; gloo (and others) CPU ones.
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+        flag = torch.tensor([n], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return int(flag.item())
 
-    def save(self, step: int) -> None:
-        """Write this rank's part of the open request (rank 0 commits it once every rank's is written)."""
-        if not request():  # withdrawn since this rank was told (its deadline passed): nothing to answer
-            return
+    def requested(self) -> bool:
+        return self.agreed_request() > 0
+
+    def save(self, step: int, n: int | None = None) -> None:
+        """Write this rank's part of request ``n`` (default: the open one; rank 0 commits it once every
+        rank's is written). The state is taken first on every rank (a sharded model's state_dict is a
+        collective), whether or not the request is still open."""
         state = {"step": step, "model": self.model.state_dict(), "rng": rng_states(), "extra": self.extra,
                  "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
                  "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
-        with checkpoint(self.rank, self.world_size) as d:
+        n = n or request()
+        if not n:
+            return  # answered already, or withdrawn: nothing to write
+        with checkpoint(self.rank, self.world_size, n=n) as d:
             torch.save(state, d / f"rank-{self.rank}.pt")
 
     def save_if_requested(self, step: int) -> bool:
         """:meth:`save` when asked (collectively); whether it did."""
-        if not self.requested():
+        n = self.agreed_request()
+        if not n:
             return False
-        self.save(step)
+        self.save(step, n)
         return True

@@ -236,8 +236,10 @@ class Manifest(_Frozen):
                 raise ValueError(f"format_version {self.format_version} names its writer")
             if (self.cooperative is not None) != (self.engine == COOPERATIVE_ENGINE):
                 raise ValueError(f"a cooperative block goes with engine {COOPERATIVE_ENGINE!r}, and only there")
-            if self.cooperative is not None and ("cooperative" not in self.required or self.files):
-                raise ValueError("a cooperative checkpoint requires its block and has no image files")
+            if self.cooperative is not None and ("cooperative" not in self.required or self.files or self.captured
+                                                 or self.gpu is not None):
+                raise ValueError("a cooperative checkpoint requires its block and has no image files, captured "
+                                 "files or GPU state")
             return self
         if self.cooperative is not None:
             raise ValueError(f"a cooperative block goes with format_version {MARKED_BLOCKS_VERSION} and later")

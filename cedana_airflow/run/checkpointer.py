@@ -104,6 +104,7 @@ class Checkpointer:
         self.engine, self.store, self.store_cfg = engine, store, store_cfg
         self.coop, self._start, self.engine_why = coop, start, engine_why
         self._route_said = ""  # the last "how heartbeats are taken" line said (auto mode), said once per change
+        self.stopping: threading.Event | None = None  # set by the runner: a stop withdraws a heartbeat's request
         self.checkpoint_id = validate_checkpoint_id(checkpoint_id)
         self.settings = settings
         self.node, self.work_dir, self.try_number = settings.resolved_node(), work_dir, try_number
@@ -144,25 +145,27 @@ class Checkpointer:
                         "(stop_window_seconds); the work since the last heartbeat is redone after a stop",
                         self.checkpoint_id, what, manifest.seq, manifest.image_bytes, took, freeze, window)
 
-    def checkpoint(self, workload: Workload, *, leave_running: bool = True) -> Manifest | None:
+    def checkpoint(self, workload: Workload, *, leave_running: bool = True, final: bool = False,
+                   budget: float | None = None) -> Manifest | None:
         """Take a checkpoint and store it; None when it was skipped as too large (see estimate.py), or
-        because another supervisor took the checkpoint ID over (said once, by the lease)."""
+        because another supervisor took the checkpoint ID over (said once, by the lease). ``final``: a
+        stop's, with ``budget`` seconds (None: as long as it takes) for a cooperative one."""
         with self._lock:
             if self.lease is not None and self.lease.fenced:
                 return None  # no freeze either: this supervisor's checkpoints would never be used
             route = self._route(workload)
             if route == "cooperative":
-                return self._cooperative(workload, leave_running)
+                return self._cooperative(workload, final, budget)
             if self.engine is None:
                 return None  # unprotected for now: _route said why
             if not self._pages_in(wait=not leave_running):
                 return None
             pids = workload.pids()
             holding, why_not = self.gpu.dump_refusal(pids)
-            if why_not and self.settings.mode == "auto" and self.coop is not None and self.coop.declared(workload):
+            if why_not and self.settings.mode == "auto" and self.coop is not None and self.coop.declared():
                 self._say_route(f"this tree cannot be dumped ({why_not}): cooperative checkpoints, as the workload "
                                 "declared it can write them")
-                return self._cooperative(workload, leave_running)
+                return self._cooperative(workload, final, budget)
             if why_not:  # the workload keeps running; said once, not every heartbeat
                 self.gpu.say_once(f"heartbeat skipped checkpoint_id={self.checkpoint_id}: {why_not}; the workload "
                                   "keeps running without a new checkpoint")
@@ -240,7 +243,7 @@ class Checkpointer:
         runs here, else cooperative once the workload declared it answers; unprotected until then)."""
         mode = self.settings.mode
         if mode == "cooperative" or (mode == "auto" and self.engine is None and self.coop is not None
-                                     and self.coop.declared(workload)):
+                                     and self.coop.declared()):
             if mode == "auto":
                 self._say_route(f"CRIU cannot run here ({self.engine_why}): cooperative checkpoints, as the workload "
                                 "declared it can write them")
@@ -256,13 +259,16 @@ class Checkpointer:
             self._route_said = line
             log.log(level, "mode %s checkpoint_id=%s: %s", self.settings.mode, self.checkpoint_id, line)
 
-    def _cooperative(self, workload: Workload, leave_running: bool) -> Manifest | None:
-        """Ask the workload for its state, then store what it wrote as this ID's next checkpoint."""
+    def _cooperative(self, workload: Workload, final: bool, budget: float | None) -> Manifest | None:
+        """Ask the workload for its state, then store what it wrote as this ID's next checkpoint. A
+        heartbeat's request is withdrawn when a stop comes (the stop asks again, within its window); a
+        stop's leaves a third of its budget for the upload."""
         assert self.coop is not None
-        window = self.settings.stop_window_seconds
-        budget = None if leave_running or not window else max(0.5, window - 1.0)  # a stop's window (run/stop.py)
         started = time.monotonic()
-        taken = self.coop.ask(workload, budget=budget)
+        if final:
+            taken = self.coop.ask(workload, budget=None if budget is None else max(0.2, budget * 2 / 3))
+        else:
+            taken = self.coop.ask(workload, stop=self.stopping)
         if taken is None:  # the workload ended while asked: nothing left to protect
             return None
         if isinstance(taken, str):
@@ -562,9 +568,14 @@ class Checkpointer:
         dest = self.coop.restore_dir(m.seq)
         tl = self.timeline
         tl.facts["mode"] = "cooperative"
-        with self._phase("fetch"), tl.span("fetch"):
-            fetch_checkpoint(self.store, m, dest, self.settings.progress,
-                             max_chunk_bytes=MAX_CHUNK_FACTOR * self.store_cfg.chunk_avg_bytes, reader=self.node)
+        try:
+            with self._phase("fetch"), tl.span("fetch"):
+                fetch_checkpoint(self.store, m, dest, self.settings.progress,
+                                 max_chunk_bytes=MAX_CHUNK_FACTOR * self.store_cfg.chunk_avg_bytes, reader=self.node)
+        except OSError as e:  # a name this file system refuses, a full disk: not restorable here, try an older one
+            shutil.rmtree(dest, ignore_errors=True)
+            raise CorruptCheckpoint(f"checkpoint {self.checkpoint_id} seq={m.seq}: its files could not be put back "
+                                    f"here ({e})") from None
         with tl.span("start"):
             workload = self._start(m, dest, stdout, stderr)
         tl.mark("resumed", latest=True)

@@ -4,13 +4,17 @@ COMPLETE marker, and hand what it wrote to the store (the workload's side: cedan
 One root per supervisor, in its work directory (root's eyes only, like every dump)::
 
     coop-<pid>/request     JSON {"request": N, "dir": ..., "deadline": ...}: exists while a request is open
-    coop-<pid>/ready       created by a workload that answers (cedana_airflow.coop.listen)
-    coop-<pid>/state/      CEDANA_CHECKPOINT_DIR: made empty for each request
+    coop-<pid>/ready       created by a workload that answers, with the PIDs that do (coop.listen)
+    coop-<pid>/state-N/    request N's own directory, made empty for it
+    coop-<pid>/state       CEDANA_CHECKPOINT_DIR: a link to the open request's directory, gone between requests
     coop-<pid>/taken/      a completed state, renamed out of the workload's way while it is stored
     coop-<pid>/restore-S/  CEDANA_RESTORE_DIR: checkpoint seq S, put back before the command starts
 
-A request is withdrawn (the file removed, the directory renamed away and deleted) when its deadline
-passes, the workload ends, or the run stops: what a late writer still writes lands nowhere kept.
+A request is withdrawn (the file and the link removed, its directory renamed away and deleted) when its
+deadline passes, the workload ends, or the run stops: what a late writer still writes lands nowhere
+kept, and never in another request's directory unless it writes through the link after the next
+request opened (the helper writes into the request's own directory). A COMPLETE holding another
+request's number is not this request's.
 """
 
 from __future__ import annotations
@@ -57,14 +61,22 @@ class Taken:
 def catches(pid: int, signum: int) -> bool:
     """Whether process ``pid`` has a handler for ``signum`` (/proc/PID/status SigCgt): only those are
     sent a request's signal, since its default action would end a process that has none."""
+    return _status(pid)[0] >> (signum - 1) & 1 == 1
+
+
+def _status(pid: int) -> tuple[int, int]:
+    """(the signals it catches, as a mask; its PID in its own namespace, what it wrote in the ready file)."""
+    caught, inner = 0, pid
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith("SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
-    except (OSError, ValueError):
+                    caught = int(line.split()[1], 16)
+                elif line.startswith("NSpid:"):
+                    inner = int(line.split()[-1])
+    except (OSError, ValueError, IndexError):
         pass
-    return False
+    return caught, inner
 
 
 class Cooperation:
@@ -74,24 +86,30 @@ class Cooperation:
         self.root, self.settings = root, settings
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.request_file, self.ready_file = root / "request", root / "ready"
-        self.state_dir = root / "state"
+        self.state_link = root / "state"
         self.requests = 0
         self._sig = None if settings.cooperative_signal == "none" else signal.Signals[settings.cooperative_signal]
 
     def env(self, restore_dir: Path | None = None) -> dict[str, str]:
         """What the workload reads of the contract (coop/__init__.py)."""
-        out = {ENV_DIR: str(self.state_dir), ENV_REQUEST: str(self.request_file), ENV_READY: str(self.ready_file),
+        out = {ENV_DIR: str(self.state_link), ENV_REQUEST: str(self.request_file), ENV_READY: str(self.ready_file),
                ENV_SIGNAL: self._sig.name if self._sig is not None else "none"}
         return {**out, ENV_RESTORE: str(restore_dir)} if restore_dir is not None else out
 
     def restore_dir(self, seq: int) -> Path:
         return self.root / f"restore-{seq}"
 
-    def declared(self, workload: Workload) -> bool:
-        """Whether the workload said it answers: its ready file, or a process that handles the signal."""
-        if self.ready_file.exists():
-            return True
-        return self._sig is not None and any(catches(p, self._sig) for p in workload.pids())
+    def declared(self) -> bool:
+        """Whether the workload said it answers (its ready file): what ``mode = auto`` asks first. Another
+        process's handler for the signal (a framework's own use of SIGUSR1) is no such declaration."""
+        return self.ready_file.exists()
+
+    def _listeners(self) -> set[int]:
+        """The PIDs the ready file names (empty: none named, or no file)."""
+        try:
+            return {int(x) for x in self.ready_file.read_text().split() if x.isdigit()}
+        except OSError:
+            return set()
 
     def ask(self, workload: Workload, *, budget: float | None = None, stop: threading.Event | None = None
             ) -> Taken | str | None:
@@ -100,37 +118,39 @@ class Cooperation:
         ``budget``: at most this long (a stop's window), whatever ``cooperative_timeout_seconds`` says."""
         self.requests += 1
         n = self.requests
-        _remove(self.state_dir)  # left by a withdrawn request whose writer was still busy
-        _remove(self.root / "taken")
-        self.state_dir.mkdir(mode=0o700)
+        for left in [*self.root.glob("state-*"), self.root / "taken"]:  # a withdrawn request's, a kept one's
+            _remove(left)
+        d = self.root / f"state-{n}"
+        d.mkdir(mode=0o700)
+        _link(self.state_link, d)
         timeout = self.settings.cooperative_timeout_seconds if budget is None else min(
             budget, self.settings.cooperative_timeout_seconds)
         t0 = time.monotonic()
-        _write_json(self.request_file, {"request": n, "dir": str(self.state_dir), "deadline": time.time() + timeout})
+        _write_json(self.request_file, {"request": n, "dir": str(d), "deadline": time.time() + timeout})
         told = self._tell(workload)
-        how = f"told by {told} and " if told else ""
         why = ""
-        while not (self.state_dir / COMPLETE).exists():
+        while not _complete(d / COMPLETE, n):
             if workload.poll() is not None:
                 why = "the workload ended before it created COMPLETE"
-            elif time.monotonic() - t0 > timeout:
-                why = (f"the workload did not create COMPLETE in {timeout:.0f} s (cooperative_timeout_seconds; "
-                       f"{how}the request file "
-                       f"{self.request_file})")
-            elif stop is not None and stop.is_set() and budget is None:
+            elif stop is not None and stop.is_set():
                 why = "the run is stopping"
+            elif time.monotonic() - t0 > timeout:
+                why = (f"the workload did not create COMPLETE in {timeout:g} s (cooperative_timeout_seconds; "
+                       f"{'told by ' + told + ' and ' if told else ''}the request file {self.request_file})")
             if why:
                 break
             time.sleep(0.02)
         seconds = time.monotonic() - t0
         self.request_file.unlink(missing_ok=True)  # withdrawn or answered: either way no longer open
+        self.state_link.unlink(missing_ok=True)
         if why:
-            _remove(self.state_dir)
-            ended = workload.poll() is not None
+            _remove(d)
             log.debug("cooperative request %d withdrawn: %s", n, why)
-            return None if ended else f"cooperative checkpoint {n} dropped: {why}; nothing of it is kept"
+            if workload.poll() is not None or why == "the run is stopping":
+                return None  # nothing to protect any more, or the stop's own request follows: no skip
+            return f"cooperative checkpoint {n} dropped: {why}; nothing of it is kept"
         taken = self.root / "taken"
-        os.rename(self.state_dir, taken)  # out of the workload's way: what it writes now goes nowhere kept
+        os.rename(d, taken)  # out of the workload's way: what it writes now goes nowhere kept
         try:
             files, ranks = _listing(taken)
         except ValueError as e:
@@ -140,12 +160,14 @@ class Cooperation:
         return Taken(StateSource(files, request=n, ranks=ranks, write_seconds=seconds, verify_command=verify), taken)
 
     def _tell(self, workload: Workload) -> str:
-        """The request's signal, to each process of the tree that handles it; its name when any was told."""
+        """The request's signal, to each process of the tree that handles it (of those the ready file names,
+        when it names any); its name when any was told."""
         if self._sig is None:
             return ""
-        told = ""
+        told, named = "", self._listeners()
         for pid in workload.pids():
-            if catches(pid, self._sig):
+            caught, inner = _status(pid)  # the ready file holds PIDs as the workload sees them (its namespace)
+            if (not named or inner in named) and caught >> (self._sig - 1) & 1:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, self._sig)
                     told = self._sig.name
@@ -182,6 +204,22 @@ def _listing(top: Path) -> tuple[tuple[tuple[str, Path, int], ...], int]:
 
     walk(top, "")
     return tuple(files), max(ranks, 1)
+
+
+def _complete(marker: Path, n: int) -> bool:
+    """COMPLETE, empty or holding this request's number (coop.done writes it): one a late writer of an
+    earlier request left is not this one's."""
+    try:
+        return marker.read_text().strip() in ("", str(n))
+    except OSError:
+        return False
+
+
+def _link(link: Path, target: Path) -> None:
+    tmp = link.with_name(f".{link.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target.name)  # relative: the root may be seen under another path (a container's mount)
+    os.replace(tmp, link)
 
 
 def _write_json(path: Path, doc: dict[str, object]) -> None:

@@ -135,7 +135,7 @@ def run_workload(
         log.info("mode auto checkpoint_id=%s: %s", checkpoint_id, "transparent checkpoints (CRIU)" if engine else
                  f"CRIU cannot run here ({engine_why}); cooperative checkpoints once the workload declares it can")
     gpu = GpuGate(settings)
-    if engine is not None:
+    if engine is not None and settings.mode != "cooperative":
         gpu.require()  # gpu = require: a node that cannot checkpoint GPU state fails here, before anything starts
     store = store or open_store(settings.resolved_store(), settings)
     store_cfg = store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
@@ -346,6 +346,7 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
                handle_signals: bool, stop: threading.Event | None, stopped: list[StopReport]) -> RunResult:
     """Run the triggers while the workload runs; a stop is a clean cut (run/stop.py)."""
     stop_requested = stop or threading.Event()
+    cp.stopping = stop_requested  # a cooperative heartbeat waiting on the workload gives way to the stop
     got: list[int] = []
 
     def take() -> None:

@@ -91,7 +91,7 @@ def _final_checkpoint(cp: Checkpointer, workload: Workload, *, leave_running: bo
 
     def take() -> None:
         try:
-            got["manifest"] = cp.checkpoint(workload, leave_running=leave_running)
+            got["manifest"] = cp.checkpoint(workload, leave_running=leave_running, final=True, budget=budget)
         except Exception as e:  # stopping matters more than the final checkpoint
             got["error"] = e
 

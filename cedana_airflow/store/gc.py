@@ -10,11 +10,14 @@ files of interrupted writes, once they are older than a grace period, and what e
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 
 from ..format.layout import CHUNKS, checkpoint_prefix, chunk_digest, is_temp, manifest_key
+from ..errors import CorruptCheckpoint
 from ..format.manifest import Manifest
 from ..ids import validate_checkpoint_id
 from . import index
@@ -30,6 +33,7 @@ log = logging.getLogger(__name__)
 
 #: A chunk younger than this is spared even when no manifest names it yet (an upload in flight).
 DEFAULT_GRACE_SECONDS = 3600.0
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 
 def prune_checkpoints(store: Store, checkpoint_id: str, keep: int) -> tuple[list[Manifest], list[Manifest]]:
@@ -72,6 +76,33 @@ class GcReport:
     sidecars_removed: int = 0
 
 
+def _named_by_unread(store: Store, by_id: dict[str, list[Manifest]]) -> set[str]:
+    """Chunks named by manifests this version could not read (a later format, a block it does not know):
+    every 64-hex ``digest`` anywhere in their JSON. A checkpoint another node can restore keeps its chunks,
+    whatever this node makes of it; only a manifest that is not JSON at all names nothing."""
+    out: set[str] = set()
+    for cid, ms in by_id.items():
+        read = {m.seq for m in ms}
+        for seq in store.list_seqs(cid):
+            if seq in read:
+                continue
+            try:
+                doc = json.loads(store.get_manifest(cid, seq))
+            except (ValueError, CorruptCheckpoint):
+                continue
+            out |= _digests_in(doc)
+    return out
+
+
+def _digests_in(doc: object) -> set[str]:
+    if isinstance(doc, dict):
+        found = {v for k, v in doc.items() if k == "digest" and isinstance(v, str) and _DIGEST.match(v)}
+        return found.union(*(_digests_in(v) for v in doc.values()))
+    if isinstance(doc, list):
+        return set().union(*(_digests_in(v) for v in doc))
+    return set()
+
+
 def collect_garbage(store: Store, *, grace_seconds: float = DEFAULT_GRACE_SECONDS, dry_run: bool = False,
                     wait_seconds: float = 0.0) -> GcReport:
     """``wait_seconds``: how long to wait for checkpoints being written to finish (locks.acquire_gc)."""
@@ -82,7 +113,7 @@ def collect_garbage(store: Store, *, grace_seconds: float = DEFAULT_GRACE_SECOND
         manifests = [m for ms in by_id.values() for m in ms]
         if not dry_run:
             index.rebuild_index(store, by_id)  # the listing index is a cache: gc makes it agree again
-        referenced = set().union(*(m.chunk_digests() for m in manifests))
+        referenced = set().union(*(m.chunk_digests() for m in manifests)) | _named_by_unread(store, by_id)
         cutoff = time.time() - grace_seconds
         kept = removed = freed = young = temps = 0
         present: set[str] = set()  # chunks that stay

@@ -315,27 +315,34 @@ def fetch_checkpoint(store: Store, manifest: Manifest, dest: Path, progress_mode
     modes = {dest / f.path: f.mode for f in state}
     total = sum(c.size for _, _, refs in targets for c in refs)
     progress = Progress(f"restore {manifest.checkpoint_id}#{manifest.seq}", total, progress_mode)
-    fds: list[int] = []
-    jobs: list[tuple[int, int, ChunkRef]] = []
+    # A file is opened per chunk written, not held open for the whole fetch: a state of thousands of
+    # files must not run out of descriptors.
+    jobs: list[tuple[Path, int, ChunkRef]] = []
     try:
         for path, size, refs in targets:
             if path.parent != dest:
                 path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            fds.append(fd)
-            if path in modes:
-                os.fchmod(fd, modes[path] | 0o600)  # the workload's bits, and always readable and writable by it
-            os.ftruncate(fd, size)
+            try:
+                if path in modes:
+                    os.fchmod(fd, modes[path] | 0o600)  # the workload's bits, and always readable and writable by it
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
             off = 0
             for ref in refs:
-                jobs.append((fd, off, ref))
+                jobs.append((path, off, ref))
                 off += ref.size
 
-        def get(job: tuple[int, int, ChunkRef]) -> None:
-            fd, off, ref = job
+        def get(job: tuple[Path, int, ChunkRef]) -> None:
+            path, off, ref = job
             failpoint("restore.chunks")
             raw = read_chunk(store, ref.digest, ref.size, reader)
-            os.pwrite(fd, raw, off)
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+            try:
+                os.pwrite(fd, raw, off)
+            finally:
+                os.close(fd)
             progress.advance(ref.size)
 
         with ThreadPoolExecutor(store.parallelism, thread_name_prefix="cedana-get") as pool:
@@ -345,8 +352,6 @@ def fetch_checkpoint(store: Store, manifest: Manifest, dest: Path, progress_mode
         shutil.rmtree(dest, ignore_errors=True)
         raise CorruptCheckpoint(f"checkpoint {manifest.checkpoint_id} seq={manifest.seq}: {e}") from None
     finally:
-        for fd in fds:
-            os.close(fd)
         progress.close()
 
 

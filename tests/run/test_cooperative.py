@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,7 +71,7 @@ def test_a_workload_that_never_creates_complete_is_skipped_and_runs_on(tmp_path)
     assert r.returncode == 0, r.stderr
     s = _summary(r)
     assert s["checkpoints"] == 0 and s["skipped_heartbeats"] >= 1
-    assert "did not create COMPLETE in 0 s (cooperative_timeout_seconds; told by SIGUSR1" in r.stderr
+    assert "did not create COMPLETE in 0.3 s (cooperative_timeout_seconds; told by SIGUSR1" in r.stderr
     assert manifests(tmp_path / "store", "never") == []
     assert re.findall(r"done total=\d+", r.stdout) == [_total("--steps", "30")]
 
@@ -197,6 +198,8 @@ def test_a_symlink_in_the_state_directory_refuses_the_whole_state(tmp_path):
 
 
 def test_a_reader_that_does_not_know_the_block_refuses_in_one_line(tmp_path):
+    """The rule 0.5.1 and 0.5.2 apply to "cooperative" (a required block they do not know), shown here with
+    a block this version does not know."""
     _, m = _saved(tmp_path)
     doc = json.loads(m.to_json())
     doc["cooperative2"], doc["required"] = doc.pop("cooperative"), ["cooperative2"]  # a block from the future
@@ -248,3 +251,116 @@ def test_explain_says_the_mode_and_what_it_means_on_this_machine(tmp_path):
     out = json.loads(r.stdout)
     assert out["mode"] == "auto" and out["mode_here"].startswith(
         "mode auto: on this machine cooperative once the workload declares it can, else unprotected (CRIU not found")
+
+
+def test_a_late_writer_never_lands_in_the_next_checkpoint(tmp_path):
+    """Request 1 is withdrawn at its deadline while the workload still writes it; what it writes late goes
+    nowhere kept, it goes on, and request 2's checkpoint holds request 2's files only."""
+    r = cli("run", "--id", "late", "--mode", "cooperative", "--heartbeat", "0.2", "--json", "--", sys.executable,
+            COUNTER, "--steps", "40", "--step-seconds", "0.05", "--slow-first", "0.8",
+            env=cli_env(tmp_path, "n", "w", CEDANA_COOPERATIVE_TIMEOUT_SECONDS="0.3"))
+    assert r.returncode == 0 and "checkpoint request 1 was withdrawn while rank 0 wrote it" in r.stderr, r.stderr
+    ms = [parse_manifest(json.dumps(m)) for m in manifests(tmp_path / "store", "late")]
+    assert ms and all(m.cooperative and m.cooperative.request > 1 for m in ms), r.stderr
+    assert all([f.path for f in m.cooperative.files] == ["rank-0/counter"] for m in ms if m.cooperative)
+    assert re.findall(r"done total=\d+", r.stdout) == [_total("--steps", "40")]
+
+
+def test_a_stop_during_an_open_heartbeat_request_still_gets_a_final_checkpoint(tmp_path):
+    env = cli_env(tmp_path, "n", "w", CEDANA_COOPERATIVE_TIMEOUT_SECONDS="30")
+    proc = start_cli("run", "--id", "stopped", "--mode", "cooperative", "--heartbeat", "0.3", "--", sys.executable,
+                     COUNTER, "--steps", "200", "--step-seconds", "0.05", "--slow-first", "1.5", env=env,
+                     out=tmp_path / "s")
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "w").exists() or not list((tmp_path / "w").rglob("state-1")):  # request 1 is open
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # the heartbeat's request gives way; the stop asks again
+    assert proc.wait(60) == 128 + signal.SIGTERM
+    err = (tmp_path / "s.err").read_text()
+    [final] = [parse_manifest(json.dumps(m)) for m in manifests(tmp_path / "store", "stopped")]
+    assert final.cooperative is not None and final.cooperative.request == 2, err
+    assert [f.path for f in final.cooperative.files] == ["rank-0/counter"]
+    assert re.search(rf"final checkpoint seq {final.seq} in", err), err
+
+
+@pytest.mark.parametrize("doc", [
+    {"files": [{"path": "a", "size": 0, "mode": 384, "chunks": []},
+               {"path": "a/b", "size": 0, "mode": 384, "chunks": []}], "request": 1},  # a file and a folder
+    {"files": [{"path": "a", "size": 0, "mode": 384, "chunks": []},
+               {"path": "a", "size": 0, "mode": 384, "chunks": []}], "request": 1},  # twice
+])
+def test_a_cooperative_block_that_names_a_path_twice_is_refused(doc):
+    from cedana_airflow.format.manifest import CooperativeState
+
+    with pytest.raises(ValueError):
+        CooperativeState.model_validate(doc)
+
+
+def test_a_cooperative_manifest_with_captured_files_or_gpu_state_is_refused(tmp_path):
+    _, m = _saved(tmp_path)
+    doc = json.loads(m.to_json())
+    doc["captured"] = [{"path": "/etc/cron.d/x", "size": 0, "mode": 420, "chunks": []}]
+    with pytest.raises(ValueError, match="no image files, captured files or GPU state"):
+        parse_manifest(json.dumps(doc))
+
+
+def test_gc_keeps_the_chunks_of_a_manifest_this_version_cannot_read(tmp_path):
+    """A checkpoint of a later format (a required block this node does not know) is another node's to
+    restore: gc here must not take its chunks."""
+    from cedana_airflow.store.gc import collect_garbage
+
+    store, m = _saved(tmp_path)
+    path = next((tmp_path / "store").rglob("manifest.json"))
+    doc = json.loads(path.read_text())
+    doc["state2"], doc["required"] = doc.pop("cooperative"), ["state2"]
+    path.write_text(json.dumps(doc))
+    report = collect_garbage(store, grace_seconds=0)
+    assert report.chunks_removed == 0 and report.chunks_kept == len(m.chunk_digests())
+
+
+def test_a_state_of_thousands_of_files_comes_back_within_a_small_descriptor_limit(tmp_path):
+    import resource
+
+    top = tmp_path / "state"
+    top.mkdir()
+    for i in range(600):
+        (top / f"f{i}").write_text(str(i))
+    store, cfg = _store(tmp_path)
+    proc = ProcessInfo(pid=1, command=("x",), cwd="/", stdout_pipe="", stderr_pipe="")
+    m = save_checkpoint(store, cfg, CheckpointMeta("many", "n", "0.6.0", proc), None,
+                        state=StateSource(_listing(top)[0], request=1))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        fetch_checkpoint(store, m, tmp_path / "back")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert sorted(int(p.read_text()) for p in (tmp_path / "back").iterdir()) == list(range(600))
+
+
+def test_the_signal_goes_only_to_the_processes_that_said_they_answer(tmp_path):
+    """A framework's own SIGUSR1 handler in another process of the tree (Lightning's requeue, say) is not
+    asked: the ready file names who answers (in the workload's own PID namespace)."""
+    marker = tmp_path / "child-signalled"
+    child = tmp_path / "child.py"
+    child.write_text(f"import pathlib, signal, time\nsignal.signal(signal.SIGUSR1, lambda *a: pathlib.Path("
+                     f"{str(marker)!r}).touch())\ntime.sleep(30)\n")
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "from cedana_airflow import coop\n"
+        "coop.listen()\n"
+        f"child = subprocess.Popen([sys.executable, {str(child)!r}])\n"
+        "time.sleep(0.5)\n"  # its handler is in place before any request
+        "for step in range(30):\n"
+        "    time.sleep(0.05)\n"
+        "    if coop.requested():\n"
+        "        with coop.checkpoint() as d:\n"
+        "            (d / 'step').write_text(str(step))\n"
+        "child.kill()\n")
+    r = cli("run", "--id", "told", "--mode", "cooperative", "--heartbeat", "0.3", "--json", "--", sys.executable,
+            str(script), env=cli_env(tmp_path, "n", "w"))
+    assert r.returncode == 0 and _summary(r)["checkpoints"] >= 1, r.stderr
+    assert not marker.exists()

@@ -4,6 +4,7 @@
 --no-listen: never declares it answers (mode auto must leave it unprotected, saying so).
 --never-complete: writes its state but never creates COMPLETE (the heartbeat must time out).
 --ranks N: N processes (fork) each write their part; --die-rank R: rank R exits mid-write at request 2.
+--slow-first S: the first request's write takes S seconds (it outlives its deadline, or meets a stop).
 """
 
 import argparse
@@ -23,6 +24,7 @@ ap.add_argument("--never-complete", action="store_true")
 ap.add_argument("--ranks", type=int, default=1)
 ap.add_argument("--die-rank", type=int, default=-1)
 ap.add_argument("--mb", type=int, default=0, help="a state file of this many MiB besides the counter")
+ap.add_argument("--slow-first", type=float, default=0.0)
 a = ap.parse_args()
 
 
@@ -48,6 +50,9 @@ def run(rank: int) -> None:
                 coop._answered = n  # answered, but no COMPLETE: the supervisor must give up on it
                 continue
             with coop.checkpoint(rank, a.ranks) as d:
+                if n == 1 and a.slow_first:
+                    time.sleep(a.slow_first)  # meanwhile the request is withdrawn: these writes go nowhere kept
+                    (d / f"late-from-request-{n}").write_text("x")
                 part = d / f"rank-{rank}"
                 part.mkdir()
                 if blob:
