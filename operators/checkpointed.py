@@ -26,7 +26,7 @@ from cedana_airflow.config import Settings
 from cedana_airflow.engine.cuda import load_driver
 from cedana_airflow.errors import ConfigError, EngineUnavailable, GpuUnavailable
 from cedana_airflow.run.environment import workload_env
-from cedana_airflow.run.runner import RunResult, make_engine, run_workload
+from cedana_airflow.run.runner import RunResult, run_workload, usable_engine
 from cedana_airflow.run.stop import UNPROTECTED_GRACE_SECONDS
 from cedana_airflow.run.workload import run_unprotected
 from cedana_airflow.scope.optin import OptInList, parse_labels
@@ -251,7 +251,7 @@ def _criu_missing(settings: Settings) -> str | None:
     if settings.mode != "transparent":
         return None  # cooperative and auto go on without CRIU (run/runner.py: engine_for)
     try:
-        make_engine(settings)
+        usable_engine(settings)
     except EngineUnavailable as e:
         return str(e)
     return None

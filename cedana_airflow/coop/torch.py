@@ -32,10 +32,11 @@ __all__ = ["Resumable", "rng_states", "set_rng_states"]
 
 def rng_states() -> dict[str, Any]:
     """Every random generator a training step may draw from: Python's, NumPy's (if imported), torch's
-    CPU generator and each CUDA device's."""
+    CPU generator and this process's CUDA device's (only the current one: asking for every device's
+    would create a CUDA context on each GPU from each rank)."""
     out: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        out["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        out["cuda"] = (torch.cuda.current_device(), torch.cuda.get_rng_state())
     import sys
 
     if "numpy" in sys.modules:
@@ -47,7 +48,8 @@ def set_rng_states(states: dict[str, Any]) -> None:
     random.setstate(states["python"])
     torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        device, state = states["cuda"]
+        torch.cuda.set_rng_state(state, device=device)
     if "numpy" in states:
         import numpy
 

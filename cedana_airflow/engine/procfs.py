@@ -13,6 +13,23 @@ from collections.abc import Iterator
 __all__ = ["open_fds", "open_for_writing", "process_start", "tree_pids"]
 
 
+#: CAP_SYS_ADMIN's bit in /proc/PID/status Cap* masks (linux/capability.h).
+CAP_SYS_ADMIN = 21
+
+
+def has_cap_sys_admin() -> bool:
+    """Whether this process holds CAP_SYS_ADMIN (effective): what CRIU and a new PID namespace need. Root
+    in a hardened container, or one whose capabilities were dropped, does not."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_SYS_ADMIN & 1)
+    except (OSError, ValueError):
+        pass
+    return os.geteuid() == 0
+
+
 def tree_pids(root: int) -> list[int]:
     """The root and all its descendants (every thread's children), in discovery order."""
     out: list[int] = []

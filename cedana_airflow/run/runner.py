@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 from ..config import Settings
 from ..engine.criu import CriuEngine, find_criu
+from ..engine.procfs import has_cap_sys_admin
 from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint, EngineUnavailable
 from ..format.manifest import AirflowTask, Manifest
 from ..ids import validate_checkpoint_id
@@ -48,7 +49,7 @@ from .stop import StopReport, clean_cut
 from .timeline import Timeline
 from .workload import Sink, Workload
 
-__all__ = ["RunResult", "engine_for", "ensure_work_dir", "make_engine", "run_workload"]
+__all__ = ["RunResult", "engine_for", "ensure_work_dir", "make_engine", "run_workload", "usable_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -80,18 +81,26 @@ def make_engine(settings: Settings) -> CriuEngine:
     return CriuEngine(binary)
 
 
+def usable_engine(settings: Settings) -> CriuEngine:
+    """This node's CRIU, if it can dump here: found, new enough, and with CAP_SYS_ADMIN (root in a hardened
+    container, or with its capabilities dropped, has not). Raises EngineUnavailable saying which."""
+    engine = make_engine(settings)
+    if not has_cap_sys_admin():
+        raise EngineUnavailable(f"this process lacks CAP_SYS_ADMIN (uid {os.geteuid()}), which CRIU needs to dump "
+                                "and restore; run the supervisor as root with its capabilities, or use mode = "
+                                "cooperative or auto")
+    return engine
+
+
 def engine_for(settings: Settings) -> tuple[CriuEngine | None, str]:
     """The engine ``settings.mode`` wants, and why there is none: transparent needs CRIU (EngineUnavailable,
     as before); cooperative and auto go on without it (auto then checkpoints cooperatively, if at all)."""
     if settings.mode == "transparent":
-        return make_engine(settings), ""
+        return usable_engine(settings), ""
     try:
-        engine = make_engine(settings)
+        return usable_engine(settings), ""
     except EngineUnavailable as e:
         return None, str(e)
-    if os.geteuid() != 0:  # CRIU dumps with CAP_SYS_ADMIN and ptrace: a task without root cannot
-        return None, f"not root (uid {os.geteuid()}): CRIU needs CAP_SYS_ADMIN"
-    return engine, ""
 
 
 def run_workload(
@@ -148,7 +157,7 @@ def run_workload(
         if env is None:  # ours, less the store's credentials: they would be in every image
             env = workload_env(os.environ, settings.keep_env)
         # Without CRIU there may be no root either: no PID namespace then, the workload's session is its tree.
-        isolate = engine is not None or os.geteuid() == 0
+        isolate = engine is not None or has_cap_sys_admin()
 
         def start_cooperative(m: Manifest, restore_dir: Path, out: Sink | None, err: Sink | None) -> Workload:
             assert coop is not None and env is not None

@@ -364,3 +364,28 @@ def test_the_signal_goes_only_to_the_processes_that_said_they_answer(tmp_path):
             str(script), env=cli_env(tmp_path, "n", "w"))
     assert r.returncode == 0 and _summary(r)["checkpoints"] >= 1, r.stderr
     assert not marker.exists()
+
+
+#: A supervisor as a hardened cluster runs one: uid 0 but no capabilities (no CAP_SYS_ADMIN: no CRIU, no PID
+#: namespace). The interpreter stays readable (it may live under root's home), which another uid would not be.
+NO_CAPS = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
+
+
+def test_without_cap_sys_admin_auto_protects_a_cooperative_workload_and_transparent_says_why(tmp_path):
+    run = ["-m", "cedana_airflow", "run", "--id", "caps", "--heartbeat", "0.3"]
+    work = [sys.executable, COUNTER, "--steps", "60", "--step-seconds", "0.05"]
+    bare = subprocess.run([*NO_CAPS, sys.executable, *run, "--", *work], env=cli_env(tmp_path, "n", "w"),
+                          capture_output=True, text=True, timeout=120)
+    assert bare.returncode == 1 and bare.stderr.strip().splitlines()[-1].startswith(
+        "EngineUnavailable: this process lacks CAP_SYS_ADMIN"), bare.stderr
+
+    err = open(tmp_path / "a.err", "wb")
+    proc = subprocess.Popen([*NO_CAPS, sys.executable, *run, "--mode", "auto", "--", *work],
+                            env=cli_env(tmp_path, "node-a", "work-a"), stdout=subprocess.DEVNULL, stderr=err)
+    ms = wait_for_checkpoints(tmp_path / "store", "caps", 2, proc)
+    kill_node(proc, ms[-1]["process"]["pid"])  # no PID namespace here: the workload's session leader
+    assert "CRIU cannot run here (this process lacks CAP_SYS_ADMIN" in (tmp_path / "a.err").read_text()
+    r = subprocess.run([*NO_CAPS, sys.executable, *run, "--mode", "auto", "--resume", "--json", "--", *work],
+                       env=cli_env(tmp_path, "node-b", "work-b"), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and _summary(r)["restored_from"]["engine"] == "cooperative", r.stderr
+    assert re.findall(r"done total=\d+", r.stdout) == [_total("--steps", "60")]
