@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 
+from .. import __version__
 from ..config import Settings
 from ..engine.criu import CriuEngine
 from ..engine.images import read_restore_stats
@@ -277,8 +278,6 @@ class Checkpointer:
                         "(skipped=%d)", self.checkpoint_id, taken, self.skipped)
             index.record_skip(self.store, self.checkpoint_id, taken)
             return None
-        from .. import __version__
-
         meta = CheckpointMeta(
             checkpoint_id=self.checkpoint_id, node=self.node, engine_version=__version__,
             process=ProcessInfo(pid=workload.pid, command=workload.command, cwd=workload.cwd, rss_bytes=0,

@@ -191,6 +191,9 @@ def _listing(top: Path) -> tuple[tuple[tuple[str, Path, int], ...], int]:
             entries = sorted(it, key=lambda e: e.name)
         for e in entries:
             r = f"{rel}{e.name}"
+            if any(ord(c) < 32 for c in e.name) or not e.name.isprintable() and _undecodable(e.name):
+                raise ValueError(f"{ENV_DIR} holds a name a manifest cannot carry, {r!r}; name files with "
+                                 "printable UTF-8 only")
             st = e.stat(follow_symlinks=False)
             if not rel and _MARKERS.match(e.name):
                 ranks += e.name.startswith(DONE_PREFIX)
@@ -204,6 +207,15 @@ def _listing(top: Path) -> tuple[tuple[tuple[str, Path, int], ...], int]:
 
     walk(top, "")
     return tuple(files), max(ranks, 1)
+
+
+def _undecodable(name: str) -> bool:
+    """A name that is not UTF-8 on disk (os.scandir hands it over with surrogate escapes)."""
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _complete(marker: Path, n: int) -> bool:

@@ -372,6 +372,7 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
     def cut(cause: str) -> None:
         # The triggers are told to halt, not waited for: a heartbeat's upload must not eat the stop window
         # (the final checkpoint waits for its lock, within the window's budget: run/stop.py).
+        stop_requested.set()  # (a timeout's exception too): a cooperative heartbeat's open request gives way
         triggers.stop(wait=False)
         if workload.poll() is None:
             result.stop = clean_cut(settings, cp, workload, cause)
