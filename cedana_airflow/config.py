@@ -59,8 +59,9 @@ class Settings(BaseModel):
         default="transparent",
         description="How a heartbeat checkpoints: transparent = CRIU (and the driver API) freeze and dump the "
         "tree, no code change; cooperative = the workload writes its own state into CEDANA_CHECKPOINT_DIR when "
-        "asked (cedana_airflow.coop; docs/cooperative.md); auto = transparent where this node and this tree "
-        "can be dumped, else cooperative once the workload declares it can, else nothing (said once).",
+        "asked (cedana_airflow.coop; docs/cooperative.md); auto = transparent where CRIU can run here (with "
+        "CAP_SYS_ADMIN), else, or for GPU state this node cannot dump, cooperative once the workload declares it "
+        "can, else nothing (said once).",
     )
     cooperative_signal: str = Field(
         default="SIGUSR1",
