@@ -426,6 +426,7 @@ class Checkpointer:
                                 "falling back to the previous one" if i + 1 < len(candidates) else "no older checkpoint left")
                     continue
                 self.parent_seq, self._known = m.seq, m.chunk_digests()
+                self._go_on_as("cooperative", m)
                 return Restored(workload, m, tuple(skipped), "cooperative", tl)
             with tl.span("mode"):  # the first time: can this kernel restore lazily (userfaultfd)?
                 mode, why_mode = self.restore_mode(m)
@@ -459,6 +460,7 @@ class Checkpointer:
                             "falling back to the previous one" if i + 1 < len(candidates) else "no older checkpoint left")
                 continue
             self._feed = feed
+            self._go_on_as("transparent", m)
             self.parent_seq = m.seq
             self._known = m.chunk_digests()
             self._check_stop_window(m, m.freeze_seconds, m.freeze_seconds, "the restored checkpoint, when it was taken,")
@@ -546,8 +548,8 @@ class Checkpointer:
             if problem is not None:
                 return f"checkpoint {self.checkpoint_id} seq={m.seq} is refused: {problem}"
         if m.is_cooperative and (self.coop is None or self._start is None):
-            return (f"checkpoint {self.checkpoint_id} seq={m.seq} was written by the workload (cooperative) and this "
-                    f"run is mode = {self.settings.mode}: set mode = cooperative or auto to restore it")
+            return (f"checkpoint {self.checkpoint_id} seq={m.seq} was written by the workload (cooperative), which "
+                    "this caller cannot start")
         if not m.is_cooperative and self.engine is None:
             return (f"checkpoint {self.checkpoint_id} seq={m.seq} is a CRIU image and CRIU cannot run here "
                     f"({self.engine_why})")
@@ -559,6 +561,17 @@ class Checkpointer:
             return None
         gap, beyond = limits_exceeded(m, datetime.now(timezone.utc), [AgeLimit("max_restore_gap", limit)])
         return f"seq {m.seq} is {gap:.0f} s old, beyond max_restore_gap = {limit:.0f} s" if beyond else None
+
+    def _go_on_as(self, kind: str, m: Manifest) -> None:
+        """After a restore, heartbeats go on the way the restored checkpoint was taken when the mode would
+        not: a workload restarted from its own state answers requests (this run's, in its environment), and
+        a tree CRIU restored still names the old run's request paths, so asking it would only time out."""
+        mode = self.settings.mode
+        if mode == kind or mode == "auto" and kind == "transparent":
+            return
+        self.settings = self.settings.model_copy(update={"mode": kind})
+        log.info("restored checkpoint_id=%s seq=%d was taken %sly: this run's heartbeats are %s too (mode was %s)",
+                 self.checkpoint_id, m.seq, kind, kind, mode)
 
     def _restore_cooperative(self, m: Manifest, stdout: Sink | None, stderr: Sink | None) -> Workload:
         """Put ``m``'s files back (each chunk verified) and start the command with CEDANA_RESTORE_DIR

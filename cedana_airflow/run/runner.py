@@ -153,14 +153,15 @@ def run_workload(
     # The lease comes first: a second supervisor of this ID must neither restore nor start anything.
     with _stop_line(checkpoint_id, lease) as stopped, \
             lease.held() if lease is not None else contextlib.nullcontext(), _work_dir(settings) as work_dir:
-        coop = Cooperation(work_dir / f"coop-{os.getpid()}", settings) if settings.mode != "transparent" else None
+        # In every mode: whatever wrote the newest checkpoint restores it (a cooperative one needs this).
+        coop = Cooperation(work_dir / f"coop-{os.getpid()}", settings)
         if env is None:  # ours, less the store's credentials: they would be in every image
             env = workload_env(os.environ, settings.keep_env)
         # Without CRIU there may be no root either: no PID namespace then, the workload's session is its tree.
         isolate = engine is not None or has_cap_sys_admin()
 
         def start_cooperative(m: Manifest, restore_dir: Path, out: Sink | None, err: Sink | None) -> Workload:
-            assert coop is not None and env is not None
+            assert env is not None
             argv = list(command) if command is not None else list(m.process.command)  # `restore`: the recorded one
             wd = cwd if command is not None or cwd is not None else m.process.cwd
             return Workload.start(argv, cwd=wd, env={**env, **coop.env(restore_dir)}, stdout=out, stderr=err,
@@ -168,7 +169,7 @@ def run_workload(
 
         cp = Checkpointer(engine, store, store_cfg, checkpoint_id, settings, work_dir=work_dir, try_number=try_number,
                           lease=lease, gpu=gpu, airflow=airflow, coop=coop,
-                          start=start_cooperative if coop is not None else None, engine_why=engine_why)
+                          start=start_cooperative, engine_why=engine_why)
         result = RunResult(exit_code=0, outcome="fresh")
         try:
             restore = command is None or (resume and _lease_allows(settings, store, checkpoint_id))
@@ -177,7 +178,8 @@ def run_workload(
                                    on_restore=on_restore) if restore else None
                 if workload is None:
                     assert command is not None
-                    workload = Workload.start(command, cwd=cwd, env={**env, **coop.env()} if coop else env,
+                    asked = settings.mode != "transparent"  # a transparent workload is never asked: no contract
+                    workload = Workload.start(command, cwd=cwd, env={**env, **coop.env()} if asked else env,
                                               stdout=stdout, stderr=stderr, isolate=isolate)
                     log.info("workload started checkpoint_id=%s pid=%d node=%s", checkpoint_id, workload.pid, cp.node)
                 result = _supervise(settings, cp, workload, result, handle_signals, stop, stopped)
@@ -189,8 +191,7 @@ def run_workload(
                 result = RunResult(exit_code=0, outcome="fresh", skipped=(why,))
         finally:
             cp.close()
-            if coop is not None:
-                coop.close()
+            coop.close()
         if result.exit_code == 0 and settings.delete_on_success:
             delete_checkpoint_id(store, checkpoint_id)  # done: nothing left to resume
         return result

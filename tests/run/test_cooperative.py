@@ -125,15 +125,21 @@ def test_mode_auto_without_criu_and_an_undeclared_workload_says_once_it_is_unpro
     assert manifests(tmp_path / "store", "bare") == [] and _summary(r)["checkpoints"] == 0
 
 
-def test_mode_transparent_refuses_a_cooperative_checkpoint_in_one_line_and_starts_fresh(tmp_path):
-    env = cli_env(tmp_path, "n", "w")
-    r = cli("run", "--id", "kind", "--mode", "cooperative", "--heartbeat", "0.2", "--", sys.executable, COUNTER,
-            "--steps", "12", "--step-seconds", "0.05", env=env)
-    assert r.returncode == 0 and manifests(tmp_path / "store", "kind"), r.stderr
-    r = cli("run", "--id", "kind", "--resume", "--json", "--", "true", env=env)
-    assert r.returncode == 0 and _summary(r)["outcome"] == "fresh", r.stderr
-    assert "was written by the workload (cooperative) and this run is mode = transparent: set mode = cooperative" \
-        in r.stderr
+def test_restore_as_today_resumes_a_cooperative_checkpoint_with_its_recorded_command(tmp_path):
+    """`restore` needs no --mode: the manifest says what wrote it; the recorded command starts in its recorded
+    directory with CEDANA_RESTORE_DIR, and the run's heartbeats go on cooperatively."""
+    env = cli_env(tmp_path, "node-a", "w")
+    proc = start_cli("run", "--id", "kind", "--mode", "cooperative", "--heartbeat", "0.3", "--", sys.executable,
+                     COUNTER, "--steps", "60", "--step-seconds", "0.05", env=env, out=tmp_path / "a", cwd=tmp_path)
+    ms = wait_for_checkpoints(tmp_path / "store", "kind", 2, proc)
+    kill_node(proc, ms[-1]["process"]["pid"])
+    r = cli("restore", "--id", "kind", "--heartbeat", "0.3", "--json", env=cli_env(tmp_path, "node-b", "w2"))
+    assert r.returncode == 0, r.stderr
+    s = _summary(r)
+    assert s["outcome"] == "restored" and s["restored_from"]["engine"] == "cooperative"
+    assert "was taken cooperatively: this run's heartbeats are cooperative too (mode was transparent)" in r.stderr
+    assert s["checkpoints"] >= 1 and manifests(tmp_path / "store", "kind")[-1]["engine"] == "cooperative"
+    assert re.findall(r"done total=\d+", r.stdout) == [_total("--steps", "60")]
 
 
 # -- the pieces, with real files -------------------------------------------------------------------------------
