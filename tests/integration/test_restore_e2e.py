@@ -112,15 +112,16 @@ def test_second_heartbeat_of_a_mostly_unchanged_process_stores_little(tmp_path):
     # machine the dump and upload take longer and more steps fall between heartbeats (a CI run saw 12%
     # stored at 0.2% per step), so the margin against the 10% bound is kept wide.
     args = ["--mb", "200", "--steps", "100", "--step-seconds", "0.2", "--change-fraction", "0.001"]
-    proc = start_cli("run", "--id", "dedup", "--heartbeat", "1", "--", *_train(*args),
-                     env=cli_env(tmp_path, "node-a", "work-a"), out=tmp_path / "a")
-    # Counted from the first checkpoint after start-up: on a loaded machine one may come while the 200 MB
-    # are still being written (a CI run saw 148 MB in it), and the next one then stores the rest.
+    proc = start_cli("run", "--id", "dedup", "--heartbeat", "1", "--", *_train(*args),  # all kept: counted by seq
+                     env=cli_env(tmp_path, "node-a", "work-a", CEDANA_KEEP_CHECKPOINTS="20"), out=tmp_path / "a")
+    # Counted from the first checkpoint begun after start-up: on a loaded machine one may come while the
+    # 200 MB are still being written (a CI run saw 148 MB in it), and the next one then stores the rest.
+    # One may be under way as the first step is printed: the one after it began after that step.
     deadline = time.monotonic() + 120
     while "step 1/" not in (tmp_path / "a.out").read_text():
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.1)
-    k = len(manifests(tmp_path / "store", "dedup"))
+    k = len(manifests(tmp_path / "store", "dedup")) + 1
     ms = wait_for_checkpoints(tmp_path / "store", "dedup", k + 3, proc)
     kill_node(proc, ms[0]["process"]["pid"])
     first, later = ms[: k + 1], ms[k + 1 : k + 3]
