@@ -61,7 +61,6 @@ COMPLETE = "COMPLETE"
 DONE_PREFIX = ".done-"
 
 _answered = 0  # the last request this process answered (or gave up on)
-_signalled = threading.Event()
 
 
 class Abandoned(Exception):
@@ -90,7 +89,8 @@ def listen() -> None:
     name = os.environ.get(ENV_SIGNAL, "none")
     if name != "none" and threading.current_thread() is threading.main_thread():
         signum = getattr(signal, name)
-        signal.signal(signum, lambda s, frame: _signalled.set())
+        # A handler only keeps the default action (the process's end) away: the request file says what is asked.
+        signal.signal(signum, lambda s, frame: None)
         signal.siginterrupt(signum, False)  # C extensions in a blocking call must not see EINTR
     if ready := os.environ.get(ENV_READY):
         with contextlib.suppress(OSError), open(ready, "a") as f:
@@ -118,16 +118,17 @@ def _request_doc() -> _Request | None:
 
 def request() -> int:
     """The open request's number, 0 when none is open (or this process answered it already)."""
-    doc = _request_doc()
-    n = doc.n if doc else 0
-    return n if n > _answered else 0
+    return _unanswered(_request_doc())
+
+
+def _unanswered(doc: _Request | None) -> int:
+    return doc.n if doc and doc.n > _answered else 0
 
 
 def requested() -> bool:
     """Whether the supervisor asks for a checkpoint now. Cheap (one small file read): call it at every
     step boundary. Each process of a multi-process job sees the request on its own, maybe at another
     step: ranks that must checkpoint the same step agree first (cedana_airflow.coop.torch does)."""
-    _signalled.clear()
     return request() > 0
 
 
@@ -140,7 +141,7 @@ def checkpoint(rank: int = 0, world_size: int = 1, *, n: int | None = None, quie
     late checkpoint is no reason to stop training; an error while the request stands is raised."""
     global _answered
     doc = _request_doc()
-    n = n or request()
+    n = n or _unanswered(doc)
     if not n:
         raise RuntimeError("no checkpoint is requested now: check requested() first")
     if not doc or doc.n != n:

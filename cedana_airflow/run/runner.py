@@ -95,11 +95,11 @@ def usable_engine(settings: Settings) -> CriuEngine:
 def engine_for(settings: Settings) -> tuple[CriuEngine | None, str]:
     """The engine ``settings.mode`` wants, and why there is none: transparent needs CRIU (EngineUnavailable,
     as before); cooperative and auto go on without it (auto then checkpoints cooperatively, if at all)."""
-    if settings.mode == "transparent":
-        return usable_engine(settings), ""
     try:
         return usable_engine(settings), ""
     except EngineUnavailable as e:
+        if settings.mode == "transparent":
+            raise
         return None, str(e)
 
 

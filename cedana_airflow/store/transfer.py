@@ -20,6 +20,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from .. import __version__
 from ..config import default
 from ..errors import CheckpointNotFound, CorruptCheckpoint
 from ..failpoints import failpoint
@@ -35,8 +36,8 @@ from .locks import acquire_writer
 from .progress import Progress
 from .quarantine import heal_known, read_chunk
 
-__all__ = ["CAPTURED_DIR", "CapturedSource", "CheckpointMeta", "StateSource", "fetch_checkpoint", "load_manifests", "load_manifests_of",
-           "require_latest", "save_checkpoint"]
+__all__ = ["CAPTURED_DIR", "CapturedSource", "CheckpointMeta", "StateSource", "fetch_checkpoint", "load_manifests",
+           "load_manifests_of", "require_latest", "save_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +209,7 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path 
     while True:
         # A cooperative checkpoint is format 4, its block required: a reader that predates it refuses it in
         # one line (upgrade) instead of handing an empty image set to CRIU.
-        marked = {"format_version": MARKED_BLOCKS_VERSION, "writer": f"cedana-airflow {_own_version()}",
+        marked = {"format_version": MARKED_BLOCKS_VERSION, "writer": f"cedana-airflow {__version__}",
                   "required": ("cooperative",), "engine": COOPERATIVE_ENGINE, "cooperative": coop} if coop else {
             "format_version": Manifest.version_for(signed=False, blocks=meta.gpu is not None or meta.airflow is not None)}
         manifest = Manifest(
@@ -242,7 +243,8 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path 
     log.info(
         "checkpoint saved checkpoint_id=%s seq=%d chunks=%d new=%d image_bytes=%d stored_bytes=%d seconds=%.2f "
         "segments=%d recalled=%d",
-        meta.checkpoint_id, seq, len(manifest.chunk_refs()), w.new_chunks, total, w.stored_bytes, time.monotonic() - t0, w.segments, w.recalled,
+        meta.checkpoint_id, seq, len(manifest.chunk_refs()), w.new_chunks, total, w.stored_bytes, time.monotonic() - t0,
+        w.segments, w.recalled,
     )
     return manifest
 
@@ -353,12 +355,6 @@ def fetch_checkpoint(store: Store, manifest: Manifest, dest: Path, progress_mode
         raise CorruptCheckpoint(f"checkpoint {manifest.checkpoint_id} seq={manifest.seq}: {e}") from None
     finally:
         progress.close()
-
-
-def _own_version() -> str:
-    from .. import __version__
-
-    return __version__
 
 
 def require_latest(store: Store, checkpoint_id: str) -> list[Manifest]:
