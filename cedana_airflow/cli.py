@@ -123,10 +123,22 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _heartbeat(text: str) -> float | str:
+    """--heartbeat: seconds, or auto (Settings judges the number)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of seconds nor auto") from None
+
+
 def _supervised(p: argparse.ArgumentParser, *, when_none_left: str) -> None:
     """The options `run` and `restore` share: both supervise a workload under one checkpoint ID."""
     p.add_argument("--id", required=True, help="checkpoint ID")
-    p.add_argument("--heartbeat", type=float, help="seconds between checkpoints (0 = none)")
+    p.add_argument("--heartbeat", type=_heartbeat, metavar="SECONDS|auto",
+                   help="seconds between checkpoints (0 = none), or auto: chosen from the measured checkpoint cost "
+                   "and the failure rate (heartbeat_min_seconds .. heartbeat_max_seconds, mtbf_hours)")
     p.add_argument("--try-number", type=int, default=0,
                    help="which try this is: a higher one takes the ID's writer lease over from a lower one")
     p.add_argument("--max-restore-gap", type=float, metavar="SECONDS",
@@ -416,9 +428,15 @@ def _cmd_explain(args: argparse.Namespace) -> int:
              "expected_seconds": args.expected_seconds, "job_server": args.job_server, "gpu": args.gpu}
     facts.update({k: v for k, v in given.items() if v is not None})
     task_mode = facts.pop("mode", None)  # the operator's argument: above the list's defaults and [cedana]
+    optin = load_optin(settings.optin_file)
+    if args.dags_folder and facts["expected_seconds"] is None and optin.rules.min_expected_seconds:
+        # as the task would: its past durations, from Airflow's history (airflow/history.py)
+        from .airflow.history import AirflowHistory
+
+        facts["expected_seconds"], facts["expected_source"] = AirflowHistory(log).duration(args.dag_id, args.task_id)
     where = Where(args.dag_id, args.task_id, settings.resolved_node(), parse_labels(",".join(args.label)),
                   nvidia=False if args.no_nvidia else None, **facts)
-    decision = decide(load_optin(settings.optin_file), where)
+    decision = decide(optin, where)
     warnings = _restore_warnings(settings, where.dag_id, where.task_id)
     mode = task_mode or decision.defaults.get("mode") or settings.mode
     how = _how_checkpointed(settings, mode) if decision.in_scope else ""
@@ -426,7 +444,9 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         print(json.dumps({"dag_id": where.dag_id, "task_id": where.task_id, "node": where.node, "queue": where.queue,
                           "pool": where.pool, "in_scope": decision.in_scope, "reasons": list(decision.reasons),
                           "defaults": decision.defaults, "restore_warnings": warnings,
-                          "mode": mode, "mode_here": how}, default=str))
+                          "mode": mode, "mode_here": how, "expected_seconds": where.expected_seconds,
+                          "expected_source": where.expected_source if where.expected_seconds is not None else ""},
+                         default=str))
     else:
         print(f"{where.dag_id}.{where.task_id} on node {where.node}, queue {where.queue}, pool {where.pool}: "
               + decision.explain())

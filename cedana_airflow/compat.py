@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 from . import __version__
 
-__all__ = ["COOPERATIVE_FLOOR", "MIN_SUPERVISOR_ENV", "OPERATOR_VERSION_ENV", "SUPERVISOR_FLOOR", "handshake_env",
+__all__ = ["COOPERATIVE_FLOOR", "HEARTBEAT_AUTO_FLOOR", "MIN_SUPERVISOR_ENV", "OPERATOR_VERSION_ENV", "SUPERVISOR_FLOOR", "handshake_env",
            "supervisor_refusal"]
 
 MIN_SUPERVISOR_ENV = "CEDANA_MIN_SUPERVISOR"
@@ -27,6 +27,10 @@ OPERATOR_VERSION_ENV = "CEDANA_OPERATOR_VERSION"
 SUPERVISOR_FLOOR = "0.5.1"
 #: ... and the oldest that knows ``mode`` and the cooperative settings (0.6.0), for a command that carries them.
 COOPERATIVE_FLOOR = "0.6.0"
+#: ... and ``--heartbeat auto`` with its settings (0.7.0).
+HEARTBEAT_AUTO_FLOOR = "0.7.0"
+_AUTO_SETTINGS = ("CEDANA_HEARTBEAT_MIN_SECONDS", "CEDANA_HEARTBEAT_MAX_SECONDS", "CEDANA_MTBF_HOURS",
+                  "CEDANA_FAILURE_HISTORY")
 
 
 def _parse(version: str) -> tuple[int, ...] | None:
@@ -34,12 +38,16 @@ def _parse(version: str) -> tuple[int, ...] | None:
     return tuple(int(p or 0) for p in m.groups()) if m else None
 
 
-def handshake_env(carried: Mapping[str, str] | None = None) -> dict[str, str]:
+def handshake_env(carried: Mapping[str, str] | None = None, *, heartbeat_auto: bool = False) -> dict[str, str]:
     """What an operator puts beside the command it writes; ``carried``: the CEDANA_* settings it passes along
-    (a cooperative mode needs a supervisor that knows it: an older one would fail on an unknown setting)."""
+    (a cooperative mode needs a supervisor that knows it: an older one would fail on an unknown setting);
+    ``heartbeat_auto``: the command says ``--heartbeat auto``."""
+    carried = carried or {}
     cooperative = any(k.startswith("CEDANA_COOPERATIVE_") or (k == "CEDANA_MODE" and v != "transparent")
-                      for k, v in (carried or {}).items())
-    return {MIN_SUPERVISOR_ENV: COOPERATIVE_FLOOR if cooperative else SUPERVISOR_FLOOR, OPERATOR_VERSION_ENV: __version__}
+                      for k, v in carried.items())
+    auto = heartbeat_auto or any(k in _AUTO_SETTINGS for k in carried)
+    floor = HEARTBEAT_AUTO_FLOOR if auto else COOPERATIVE_FLOOR if cooperative else SUPERVISOR_FLOOR
+    return {MIN_SUPERVISOR_ENV: floor, OPERATOR_VERSION_ENV: __version__}
 
 
 def supervisor_refusal(environ: Mapping[str, str], own: str = __version__) -> str | None:

@@ -12,6 +12,7 @@ Nothing here runs at import time; :func:`load_settings` reads the sources when c
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -24,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 
 from .errors import ConfigError
 
-__all__ = ["Layer", "Settings", "default", "load_settings", "redact", "DEFAULT_CRIU_PREFIX", "STORE_URL_HINT"]
+__all__ = ["FailureHistory", "Layer", "Settings", "default", "load_settings", "redact", "DEFAULT_CRIU_PREFIX", "STORE_URL_HINT"]
 
 #: Where scripts/install-criu.sh unpacks a private CRIU on machines whose apt has no CRIU >= 4.
 DEFAULT_CRIU_PREFIX = "/opt/cedana-airflow/criu"
@@ -37,6 +38,21 @@ _USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
 def redact(value: object) -> object:
     """A value fit for an error message or a log line: credentials in URLs are masked."""
     return _USERINFO.sub("***@", value) if isinstance(value, str) else value
+
+
+class FailureHistory(BaseModel):
+    """Failures of one kind of work (a queue's tasks) that were not the workload's own doing: nodes lost,
+    tries killed from outside, tasks stopped by their infrastructure; and the run time they were seen in.
+    The Airflow adapter reads it from Airflow's history (airflow/history.py); the core only uses it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    failures: int = Field(default=0, ge=0)
+    exposure_seconds: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="Run time of the tries seen.")
+    tries: int = Field(default=0, ge=0)
+    window_days: float = Field(default=30.0, gt=0)
+    scope: str = Field(default="", description="What was counted, e.g. 'queue gpu'.")
+    note: str = Field(default="", description="Why the history is partial or missing, when it is.")
 
 
 class Settings(BaseModel):
@@ -54,7 +70,29 @@ class Settings(BaseModel):
     )
     criu: str = Field(default="", description="Path to the criu binary. Empty means: private prefix, else PATH.")
     criu_prefix: Path = Field(default=Path(DEFAULT_CRIU_PREFIX), description="Private CRIU prefix.")
-    heartbeat_seconds: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="Seconds between heartbeats; 0 = none.")
+    heartbeat_seconds: float | Literal["auto"] = Field(
+        default=0.0, description="Seconds between heartbeats; 0 = none; auto = chosen from this task's measured "
+        "checkpoint cost and the failure rate of its kind of work (Young/Daly: docs/heartbeat.md), between "
+        "heartbeat_min_seconds and heartbeat_max_seconds, and chosen again as the cost changes.",
+    )
+    heartbeat_min_seconds: float = Field(
+        default=60.0, gt=0, allow_inf_nan=False, description="heartbeat = auto never checkpoints more often than this.")
+    heartbeat_max_seconds: float = Field(
+        default=3600.0, gt=0, allow_inf_nan=False,
+        description="heartbeat = auto never waits longer than this between checkpoints: where no failure was ever "
+        "seen (and no mtbf_hours is declared), this is its interval.",
+    )
+    mtbf_hours: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False,
+        description="heartbeat = auto's prior: the mean time between failures this work should expect (a spot "
+        "fleet's eviction rate, a flaky rack's), counted as one failure in this many hours on top of what Airflow's "
+        "history shows. Unset: the history alone.",
+    )
+    failure_history: FailureHistory | None = Field(
+        default=None,
+        description="What Airflow's history says of this kind of work's failures, for heartbeat = auto: set by the "
+        "operators from Airflow's API (docs/heartbeat.md); a JSON object in CEDANA_FAILURE_HISTORY.",
+    )
     mode: Literal["transparent", "cooperative", "auto"] = Field(
         default="transparent",
         description="How a heartbeat checkpoints: transparent = CRIU (and the driver API) freeze and dump the "
@@ -282,6 +320,35 @@ class Settings(BaseModel):
             raise ValueError(f"node {v!r} must be a host-like name without spaces or '/'")
         return v
 
+    @field_validator("failure_history", mode="before")
+    @classmethod
+    def _history_from_text(cls, v: object) -> object:
+        if isinstance(v, str):  # CEDANA_FAILURE_HISTORY: JSON, as the routes carry it
+            return json.loads(v) if v.strip() else None
+        return v
+
+    @field_validator("heartbeat_seconds")
+    @classmethod
+    def _heartbeat(cls, v: float | str) -> float | str:
+        if not isinstance(v, str) and not 0 <= v < float("inf"):
+            raise ValueError("a heartbeat is 0 (none), a number of seconds, or auto")
+        return v
+
+    @model_validator(mode="after")
+    def _heartbeat_bounds(self) -> Settings:
+        if self.heartbeat_min_seconds > self.heartbeat_max_seconds:
+            raise ValueError(f"heartbeat_min_seconds {self.heartbeat_min_seconds:g} is above heartbeat_max_seconds "
+                             f"{self.heartbeat_max_seconds:g}")
+        return self
+
+    @property
+    def heartbeat_auto(self) -> bool:
+        return self.heartbeat_seconds == "auto"
+
+    @property
+    def heartbeat_on(self) -> bool:
+        return self.heartbeat_auto or float(self.heartbeat_seconds) > 0
+
     @model_validator(mode="after")
     def _kms_needs_key(self) -> Settings:
         if self.s3_sse_kms_key_id and self.s3_sse != "aws:kms":
@@ -366,7 +433,9 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
         return Settings(**merged)
     except ValidationError as e:
         err = e.errors()[0]
-        field = str(err["loc"][0]) if err["loc"] else "?"
+        if not err["loc"]:  # a rule between settings (model_validator): its message names them
+            raise ConfigError(f"settings: {str(err['msg']).removeprefix('Value error, ')}. Fix one of them.") from None
+        field = str(err["loc"][0])
         where = source.get(field, field)
         if err["type"] == "extra_forbidden":
             known = ", ".join(sorted(Settings.model_fields))

@@ -13,7 +13,7 @@ import signal
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException
@@ -57,7 +57,8 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
     :param cwd: working directory of the workload. Templated.
     :param checkpoint_on_kill: take a final checkpoint when Airflow stops the task (drain, preemption,
         a Clear or mark-failed of the running task). Default: [cedana] checkpoint_on_term (True).
-    The arguments every route takes (checkpoint_id, heartbeat, mode, store, aws_conn_id, settings,
+    The arguments every route takes (checkpoint_id, heartbeat, heartbeat_min, heartbeat_max, mtbf, mode, store,
+    aws_conn_id, settings,
     idempotency_key, max_restore_gap, lease, lease_renew_command, expected_duration, job_server, gpu)
     are :class:`~cedana_airflow.airflow.task.CedanaTask`'s.
 
@@ -82,7 +83,9 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
 
     def __init__(self, *, command: str | Sequence[str], env: dict[str, str] | None = None, cwd: str | None = None,
                  checkpoint_on_kill: bool | None = None, checkpoint_id: str | None = None,
-                 heartbeat: timedelta | None = None, store: str | None = None, aws_conn_id: str | None = None,
+                 heartbeat: timedelta | Literal["auto"] | None = None,
+                 heartbeat_min: timedelta | None = None, heartbeat_max: timedelta | None = None,
+                 mtbf: timedelta | None = None, store: str | None = None, aws_conn_id: str | None = None,
                  settings: dict[str, Any] | None = None, idempotency_key: str | None = None,
                  max_restore_gap: timedelta | None = None, lease: timedelta | None = None,
                  lease_renew_command: str | Sequence[str] | None = None, expected_duration: timedelta | None = None,
@@ -90,7 +93,8 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
         super().__init__(**kwargs)
         self.command, self.env, self.cwd, self.checkpoint_on_kill = command, env, cwd, checkpoint_on_kill
         self._stop = threading.Event()
-        self.init_cedana(checkpoint_id=checkpoint_id, heartbeat=heartbeat, store=store, aws_conn_id=aws_conn_id,
+        self.init_cedana(checkpoint_id=checkpoint_id, heartbeat=heartbeat, heartbeat_min=heartbeat_min,
+                         heartbeat_max=heartbeat_max, mtbf=mtbf, store=store, aws_conn_id=aws_conn_id,
                          settings=settings, idempotency_key=idempotency_key, max_restore_gap=max_restore_gap,
                          lease=lease, lease_renew_command=lease_renew_command, expected_duration=expected_duration,
                          job_server=job_server, gpu=gpu, route_settings={"checkpoint_on_term": checkpoint_on_kill},
@@ -126,8 +130,9 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
         node = settings.resolved_node()
         state = TaskState.of(context, self.log)
         previous = state.previous_try(ti.try_number)
-        self.log.info("cedana: checkpoint_id=%s node=%s try=%d store=%s heartbeat=%ss",
-                      cid, node, ti.try_number, store.url, settings.heartbeat_seconds or "off")
+        beat = settings.heartbeat_seconds
+        self.log.info("cedana: checkpoint_id=%s node=%s try=%d store=%s heartbeat=%s", cid, node, ti.try_number,
+                      store.url, beat if isinstance(beat, str) else f"{beat:g}s" if beat else "off")
         self._check_same_node(previous, node, setup.options.same_node_retry)
         state.add_try(ti.try_number, node, checkpoint_id=cid)
 
@@ -164,14 +169,16 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
         if result.restored_from is not None:
             record["last_restore"] = summary["restore"]
             context["ti"].xcom_push(key=XCOM_RESTORE_KEY, value=summary["restore"])
-        state.update(**record)
+        if result.stopped_by_signal:
+            how, ended = f"was stopped (signal {result.stopped_by_signal})", f"stopped {_signal_name(result.stopped_by_signal)}"
+        elif result.killed_by_signal:  # not by us: the OOM killer, a lost node, someone's kill -9
+            how = f"was killed by {_signal_name(result.killed_by_signal)}"
+            ended = f"killed {_signal_name(result.killed_by_signal)}"
+        else:
+            how = ended = f"exited {result.exit_code}"
+        # How this try ended, in Airflow's task state store: what heartbeat = auto's history reads (airflow/history.py)
+        state.update(**record, tries=state.ended(context["ti"].try_number, ended))
         if result.exit_code != 0:
-            if result.stopped_by_signal:
-                how = f"was stopped (signal {result.stopped_by_signal})"
-            elif result.killed_by_signal:  # not by us: the OOM killer, a lost node, someone's kill -9
-                how = f"was killed by {_signal_name(result.killed_by_signal)}"
-            else:
-                how = f"exited {result.exit_code}"
             raise AirflowException(
                 f"cedana: the workload {how}; {len(result.checkpoints)} checkpoint(s) taken this try"
                 + (f", the latest is seq {result.checkpoints[-1].seq}: a retry or Clear resumes from it"

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from airflow.providers.cncf.kubernetes.callbacks import KubernetesPodOperatorCallback
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from kubernetes.client import models as k8s
 
 from cedana_airflow.airflow.config import airflow_options
-from cedana_airflow.airflow.kube import Route, apply_route, node_label_of, restore_rules_env, uses_gpu, with_env
+from cedana_airflow.airflow.kube import (Route, apply_route, node_label_of, restore_rules_env, route_heartbeat, uses_gpu,
+                                         with_env)
 from cedana_airflow.airflow.task import CEDANA_TEMPLATE_FIELDS, CedanaTask, Placement, TaskSetup, airflow_errors
 from cedana_airflow.airflow.task_state import TaskState, airflow_task
 from cedana_airflow.config import Settings
@@ -62,7 +63,9 @@ class CedanaKubernetesPodOperator(CedanaTask, KubernetesPodOperator):
     template_fields: Sequence[str] = (*KubernetesPodOperator.template_fields, *CEDANA_TEMPLATE_FIELDS)
 
     def __init__(self, *, route: str | None = None, store_secret: str | None = None, checkpoint_id: str | None = None,
-                 heartbeat: timedelta | None = None, store: str | None = None, aws_conn_id: str | None = None,
+                 heartbeat: timedelta | Literal["auto"] | None = None,
+                 heartbeat_min: timedelta | None = None, heartbeat_max: timedelta | None = None,
+                 mtbf: timedelta | None = None, store: str | None = None, aws_conn_id: str | None = None,
                  settings: dict[str, Any] | None = None, idempotency_key: str | None = None,
                  max_restore_gap: timedelta | None = None, lease: timedelta | None = None,
                  lease_renew_command: str | Sequence[str] | None = None, expected_duration: timedelta | None = None,
@@ -75,7 +78,8 @@ class CedanaKubernetesPodOperator(CedanaTask, KubernetesPodOperator):
         if route and route not in ("cedana", "wrap"):
             raise ValueError(f"{self.task_id}: route {route!r} is unknown; use 'cedana' or 'wrap'.")
         self.route = route or airflow_options("k8s_route").k8s_route
-        self.init_cedana(checkpoint_id=checkpoint_id, heartbeat=heartbeat, store=store, aws_conn_id=aws_conn_id,
+        self.init_cedana(checkpoint_id=checkpoint_id, heartbeat=heartbeat, heartbeat_min=heartbeat_min,
+                         heartbeat_max=heartbeat_max, mtbf=mtbf, store=store, aws_conn_id=aws_conn_id,
                          settings=settings, idempotency_key=idempotency_key, max_restore_gap=max_restore_gap,
                          lease=lease, lease_renew_command=lease_renew_command, expected_duration=expected_duration,
                          job_server=job_server, gpu=gpu)
@@ -106,7 +110,7 @@ class CedanaKubernetesPodOperator(CedanaTask, KubernetesPodOperator):
         options = airflow_options("k8s_runtime_class", "k8s_heartbeat_seconds")
         settings = setup.settings
         route = Route(kind=self.route, checkpoint_id=setup.checkpoint_id,  # type: ignore[arg-type]
-                      heartbeat_seconds=int(settings.heartbeat_seconds or options.k8s_heartbeat_seconds),
+                      heartbeat_seconds=route_heartbeat(settings, self.route, options.k8s_heartbeat_seconds),
                       node_label=next(iter(setup.placement.node_labels.items())), avoid_nodes=earlier,
                       runtime_class=options.k8s_runtime_class, store=settings.store or "",
                       store_secret=self.store_secret or "", try_number=ti.try_number, airflow=airflow_task(context),

@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
@@ -74,7 +74,9 @@ class CedanaSlurmOperator(CedanaTask, BaseOperator):
                  deferrable: bool = True, poll_interval: timedelta = timedelta(seconds=10),
                  requeue_settle: timedelta = timedelta(seconds=30),
                  signal_before_end: timedelta = timedelta(minutes=2), checkpoint_id: str | None = None,
-                 heartbeat: timedelta | None = None, store: str | None = None, settings: dict[str, Any] | None = None,
+                 heartbeat: timedelta | Literal["auto"] | None = None,
+                 heartbeat_min: timedelta | None = None, heartbeat_max: timedelta | None = None,
+                 mtbf: timedelta | None = None, store: str | None = None, settings: dict[str, Any] | None = None,
                  idempotency_key: str | None = None, max_restore_gap: timedelta | None = None,
                  lease: timedelta | None = None, lease_renew_command: str | Sequence[str] | None = None,
                  expected_duration: timedelta | None = None, job_server: bool = False, gpu: bool = False,
@@ -94,7 +96,8 @@ class CedanaSlurmOperator(CedanaTask, BaseOperator):
         self.settle_seconds = requeue_settle.total_seconds()
         self.signal_seconds = int(signal_before_end.total_seconds())
         # aws_conn_id is not taken: the compute nodes reach the store with their own credentials
-        self.init_cedana(checkpoint_id=checkpoint_id, heartbeat=heartbeat, store=store, settings=settings,
+        self.init_cedana(checkpoint_id=checkpoint_id, heartbeat=heartbeat, heartbeat_min=heartbeat_min,
+                         heartbeat_max=heartbeat_max, mtbf=mtbf, store=store, settings=settings,
                          idempotency_key=idempotency_key, max_restore_gap=max_restore_gap, lease=lease,
                          lease_renew_command=lease_renew_command, expected_duration=expected_duration,
                          job_server=job_server, gpu=gpu or bool(self.gres.startswith("gpu")))
@@ -126,7 +129,7 @@ class CedanaSlurmOperator(CedanaTask, BaseOperator):
             name=f"airflow.{ti.dag_id}.{ti.task_id}"[:120], command=shell_command(self.command),
             partition=self.partition, checkpoint_id=cid,
             output=f"{job_dir}/{cid}.try{ti.try_number}.%j.out", enable=decision.in_scope,
-            try_number=ti.try_number, heartbeat_seconds=settings.heartbeat_seconds or 0, nodes=self.nodes,
+            try_number=ti.try_number, heartbeat_seconds=settings.heartbeat_seconds, nodes=self.nodes,
             gres=self.gres, time_limit=self.time_limit, cpus_per_task=self.cpus_per_task, mem=self.mem,
             signal_seconds=self.signal_seconds, extra_args=self.sbatch_args, cli=self.cli, store=settings.store,
             optin_file=str(settings.optin_file or ""), work_dir=str(settings.work_dir or ""), env=self.env,

@@ -37,7 +37,7 @@ _CLI_FLAGS = {
     "store": "`--store`",
     "node": "`--node`",
     "work_dir": "`--work-dir`",
-    "heartbeat_seconds": "`--heartbeat` (run, restore)",
+    "heartbeat_seconds": "`--heartbeat` (run, restore; seconds or `auto`)",
     "max_restore_gap_seconds": "`--max-restore-gap` (run, restore)",
     "gpu": "`--gpu` (run, restore)",
     "optin_file": "`--optin-file` (explain)",
@@ -57,6 +57,10 @@ def _type(name: str, option: ConfigOption) -> str:
     field = Settings.model_fields.get(name) or AirflowOptions.model_fields.get(name)
     if field is not None and typing.get_origin(field.annotation) is typing.Literal:
         return f"{option.type}: " + ", ".join(_code(str(c)) for c in typing.get_args(field.annotation))
+    if name == "heartbeat_seconds":
+        return "float, or `auto`"
+    if name == "failure_history":
+        return "JSON object"
     return option.type
 
 

@@ -76,12 +76,26 @@ class AirflowOptions(BaseModel):
         default=None, description="Connection whose login and password (or extra {\"token\": ...}) live drills use "
         "on Airflow's API; the user needs edit on the DAGs drilled. Unset: the token of the simple auth manager's "
         "all-admins mode.")
+    history_api_url: str | None = Field(
+        default=None, description="Airflow's API, where a task reads Airflow's history: its queue's failures "
+        "(heartbeat = auto) and its own past durations (the short-task rule). Unset: drill_api_url, else the "
+        "api-server the workers report to.")
+    history_api_conn_id: str | None = Field(
+        default=None, description="Connection (login and password, or extra {\"token\": ...}) for reading that "
+        "history; the user needs read access to the task instances and the audit log of the DAGs counted. Unset: "
+        "drill_api_conn_id, else the all-admins token.")
+    failure_window_days: float = Field(
+        default=30.0, gt=0, le=366, description="heartbeat = auto counts the failures of the last this many days.")
+    learned_duration_runs: int = Field(
+        default=10, ge=0, le=100, description="The short-task rule, for a task without expected_duration: the "
+        "median duration of its last this many successful runs (all tries of each). 0 = declared durations only.")
 
 
 #: Where a core setting's meaning differs inside Airflow, the [cedana] description says so.
 _AIRFLOW_WORDING = {
     "store": "Store URL: file:///DIR or s3://bucket/prefix. Unset: file://$AIRFLOW_HOME/cedana/store.",
-    "heartbeat_seconds": "Default seconds between heartbeat checkpoints for operators without `heartbeat`; 0 = none.",
+    "heartbeat_seconds": "Default seconds between heartbeat checkpoints for operators without `heartbeat`; 0 = none; "
+    "auto = chosen from the task's measured checkpoint cost and the failures Airflow saw on its queue (docs/heartbeat.md).",
     "checkpoint_on_term": "Take a final checkpoint when Airflow stops a task (drain, preemption, mark-failed).",
     "work_dir": "Local directory for dumps and restores. Unset: a temp dir per task.",
 }

@@ -23,14 +23,16 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kubernetes.client import models as k8s
+from pydantic import BaseModel
 
 from ..compat import handshake_env
 from ..config import Settings
 from ..format.manifest import AirflowTask
 from ..ids import validate_checkpoint_id
+from ..run.cadence import FREEZE_SECONDS_PER_GIB, Cadence
 from ..scope.optin import DEFAULT_NODE_LABEL, OptInList
 
-__all__ = ["HEARTBEAT_LABEL", "CHECKPOINT_ENV", "CREDENTIALS_MOUNT", "NOT_READY_TAINT", "Route", "apply_route",
+__all__ = ["HEARTBEAT_LABEL", "CHECKPOINT_ENV", "CREDENTIALS_MOUNT", "NOT_READY_TAINT", "Route", "apply_route", "route_heartbeat",
            "kubernetes_executor_route", "node_label_of", "restore_rules_env", "uses_gpu", "with_env"]
 
 HEARTBEAT_LABEL = "cedana.ai/heartbeat-checkpoint"
@@ -44,13 +46,15 @@ _CREDENTIALS_VOLUME = "cedana-store-credentials"
 _RESTORE_RULES = ("max_restore_gap_seconds", "lease_seconds", "lease_renew_command")
 #: ... and how it checkpoints, when that is not the default (docs/cooperative.md).
 _MODE = ("mode", "cooperative_signal", "cooperative_timeout_seconds", "cooperative_verify_command")
+#: ... and what heartbeat = auto chooses from (docs/heartbeat.md).
+_HEARTBEAT = ("heartbeat_min_seconds", "heartbeat_max_seconds", "mtbf_hours", "failure_history")
 
 
 @dataclass(frozen=True)
 class Route:
     kind: Literal["cedana", "wrap"]
     checkpoint_id: str
-    heartbeat_seconds: int
+    heartbeat_seconds: int | Literal["auto"]  # auto: the wrap route's in-pod CLI chooses (cedana: resolved first)
     node_label: tuple[str, str] = DEFAULT_NODE_LABEL
     avoid_nodes: tuple[str, ...] = ()  # where earlier tries ran
     runtime_class: str = "cedana"
@@ -130,7 +134,7 @@ def apply_route(pod: k8s.V1Pod, route: Route) -> k8s.V1Pod:
     main.command = [*route.cli, "run", "--resume", "--id", route.checkpoint_id, "--heartbeat",
                     str(route.heartbeat_seconds), "--try-number", str(route.try_number), *task, "--", *original]
     main.args = None
-    for name, value in handshake_env(route.env).items():  # the image's CLI may be older than this operator
+    for name, value in handshake_env(route.env, heartbeat_auto=route.heartbeat_seconds == "auto").items():  # the image's CLI may be older than this operator
         _env(main, name, value)
     if route.store:
         _env(main, "CEDANA_STORE", route.store)
@@ -162,8 +166,25 @@ def restore_rules_env(settings: Settings) -> dict[str, str]:
     rules = {f"CEDANA_{name.upper()}": str(getattr(settings, name)) for name in _RESTORE_RULES
              if getattr(settings, name) is not None}
     defaults = Settings()
-    return rules | {f"CEDANA_{name.upper()}": str(getattr(settings, name)) for name in _MODE
+    carried = _MODE + (_HEARTBEAT if settings.heartbeat_auto else ())
+    return rules | {f"CEDANA_{name.upper()}": _env_value(getattr(settings, name)) for name in carried
                     if getattr(settings, name) != getattr(defaults, name)}
+
+
+def _env_value(value: object) -> str:
+    return value.model_dump_json() if isinstance(value, BaseModel) else str(value)
+
+
+def route_heartbeat(settings: Settings, kind: str, fallback_seconds: int) -> int | Literal["auto"]:
+    """The pod's heartbeat: the task's, else [cedana] k8s_heartbeat_seconds. auto stays auto on the wrap route
+    (our CLI in the pod measures and chooses); Cedana's runtime takes a number, so there auto is chosen now,
+    from this history and a reference cost (1 GiB at the reference freeze rate): it cannot follow the cost."""
+    if not settings.heartbeat_auto:
+        return int(float(settings.heartbeat_seconds) or fallback_seconds)
+    if kind == "wrap":
+        return "auto"
+    cadence = Cadence(settings, first_cost=FREEZE_SECONDS_PER_GIB, cost_source="estimated: 1 GiB at the reference rate")
+    return max(1, round(cadence.interval()))
 
 
 def kubernetes_executor_route(pod: k8s.V1Pod, annotations: dict[str, str]) -> k8s.V1Pod | None:
@@ -194,7 +215,7 @@ def kubernetes_executor_route(pod: k8s.V1Pod, annotations: dict[str, str]) -> k8
     map_index = int(annotations.get("map_index", "-1") or -1)
     cid = derive_checkpoint_id(dag_id, task_id, annotations["run_id"], map_index=map_index)
     route = Route(kind="cedana", checkpoint_id=cid,
-                  heartbeat_seconds=int(settings.heartbeat_seconds or options.k8s_heartbeat_seconds),
+                  heartbeat_seconds=route_heartbeat(settings, "cedana", options.k8s_heartbeat_seconds),
                   node_label=labels[-1], runtime_class=options.k8s_runtime_class,
                   try_number=int(annotations.get("try_number", "0") or 0))
     return apply_route(pod, route)

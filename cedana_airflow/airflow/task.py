@@ -23,7 +23,7 @@ import shlex
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
@@ -34,6 +34,7 @@ from ..ids import derive_checkpoint_id, validate_checkpoint_id
 from ..scope.optin import Decision, OptInList, Where, decide, load_optin
 from ..store import Store
 from .config import AirflowOptions, task_settings, with_scope_defaults
+from .history import AirflowHistory
 
 __all__ = ["CEDANA_TEMPLATE_FIELDS", "CedanaTask", "Placement", "TaskSetup", "airflow_errors", "command_argv",
            "scope_decision"]
@@ -114,7 +115,12 @@ class CedanaTask:
 
     :param checkpoint_id: label of the workload's checkpoints. Default: derived from dag_id, task_id,
         map_index and run_id, so a new DAG run starts fresh and a retry or Clear of the same run resumes.
-    :param heartbeat: time between checkpoints (default: [cedana] heartbeat_seconds).
+    :param heartbeat: time between checkpoints, or ``"auto"``: chosen from this task's measured checkpoint cost
+        and the failures Airflow saw on its queue (docs/heartbeat.md). Default: [cedana] heartbeat_seconds.
+    :param heartbeat_min: / :param heartbeat_max: the bounds of ``"auto"`` (default: [cedana]
+        heartbeat_min_seconds / heartbeat_max_seconds, 1 min and 1 h).
+    :param mtbf: ``"auto"``'s prior: the mean time between failures this work should expect, e.g. a spot
+        fleet's eviction rate (default: [cedana] mtbf_hours, unset).
     :param store: store URL (default: [cedana] store).
     :param aws_conn_id: Airflow connection for an s3:// store (default: [cedana] aws_conn_id). A
         connection that does not exist fails the task; it never falls back silently.
@@ -144,12 +150,14 @@ class CedanaTask:
     pool: str
     log: Any
 
-    def init_cedana(self, *, checkpoint_id: str | None = None, heartbeat: timedelta | None = None,
+    def init_cedana(self, *, checkpoint_id: str | None = None, heartbeat: timedelta | Literal["auto"] | None = None,
                     store: str | None = None, aws_conn_id: str | None = None, settings: dict[str, Any] | None = None,
                     idempotency_key: str | None = None, max_restore_gap: timedelta | None = None,
                     lease: timedelta | None = None, lease_renew_command: str | Sequence[str] | None = None,
                     expected_duration: timedelta | None = None, job_server: bool = False, gpu: bool = False,
-                    route_settings: Mapping[str, Any] | None = None, mode: str | None = None) -> None:
+                    route_settings: Mapping[str, Any] | None = None, mode: str | None = None,
+                    heartbeat_min: timedelta | None = None, heartbeat_max: timedelta | None = None,
+                    mtbf: timedelta | None = None) -> None:
         """Keep the arguments, and check them now: a bad value is the DAG's import error, not a stack
         trace in a worker later. ``route_settings``: settings a route sets from its own arguments."""
         self.checkpoint_id, self.heartbeat, self.store, self.aws_conn_id = checkpoint_id, heartbeat, store, aws_conn_id
@@ -159,6 +167,7 @@ class CedanaTask:
         self.expected_duration, self.job_server, self.gpu = expected_duration, job_server, gpu
         self.route_settings = dict(route_settings or {})
         self.mode = mode
+        self.heartbeat_min, self.heartbeat_max, self.mtbf = heartbeat_min, heartbeat_max, mtbf
         try:
             task_settings(self.cedana_overrides())
         except CedanaError as e:
@@ -168,7 +177,13 @@ class CedanaTask:
         """The operator's arguments as settings: they win over every other layer."""
         out: dict[str, Any] = {**self.settings, "aws_conn_id": self.aws_conn_id}
         if self.heartbeat is not None:
-            out["heartbeat_seconds"] = self.heartbeat.total_seconds()
+            out["heartbeat_seconds"] = (self.heartbeat if isinstance(self.heartbeat, str)
+                                        else self.heartbeat.total_seconds())
+        for name, value in (("heartbeat_min_seconds", self.heartbeat_min), ("heartbeat_max_seconds", self.heartbeat_max)):
+            if value is not None:
+                out[name] = value.total_seconds()
+        if self.mtbf is not None:
+            out["mtbf_hours"] = self.mtbf.total_seconds() / 3600
         if self.mode is not None:
             out["mode"] = self.mode
         if self.max_restore_gap is not None:  # the core refuses each too-old candidate, fallbacks included
@@ -189,20 +204,25 @@ class CedanaTask:
         overrides = self.cedana_overrides()
         settings, options = task_settings(overrides)
         placed: list[Placement] = []
+        history = AirflowHistory(self.log)
+        queue = getattr(ti, "queue", "") or self.queue
 
         def where(optin: OptInList | None) -> Where:
             placed.append(placement(optin, settings))
             p = placed[-1]
-            return Where(ti.dag_id, ti.task_id, p.node, dict(p.node_labels), getattr(ti, "queue", "") or self.queue,
-                         self.pool or "", tuple(getattr(dag, "tags", None) or ()),
-                         self.expected_duration.total_seconds() if self.expected_duration else None,
-                         self.job_server, p.gpu, p.nvidia, p.partition)
+            expected, source = (self.expected_duration.total_seconds(), "declared") if self.expected_duration else (
+                history.duration(ti.dag_id, ti.task_id) if optin and optin.rules.min_expected_seconds else (None, ""))
+            return Where(ti.dag_id, ti.task_id, p.node, dict(p.node_labels), queue, self.pool or "",
+                         tuple(getattr(dag, "tags", None) or ()), expected, self.job_server, p.gpu, p.nvidia,
+                         p.partition, expected_source=source)
 
         decision = scope_decision(settings.optin_file, where)
         for line in decision.explain().splitlines():
             self.log.info("cedana: %s", line.strip())
         if decision.in_scope:
             settings = with_scope_defaults(settings, decision.defaults, overrides)
+            if settings.heartbeat_auto and settings.failure_history is None:
+                settings = settings.model_copy(update={"failure_history": history.failures(queue, self.pool or "")})
         return TaskSetup(settings, options, decision, placed[-1] if placed else placement(None, settings),
                          self.checkpoint_id_for(context))
 

@@ -5,7 +5,8 @@ out where earlier tries ran: the command operator warns (or fails fast) when a r
 node where the previous try failed, and the pod operator keeps a retry's pod off those nodes. Both
 keep one record under one key:
 
-    {"checkpoint_id": ..., "tries": [{"try_number": 1, "node": "gpu-7", "started_at": ...}, ...],
+    {"checkpoint_id": ..., "tries": [{"try_number": 1, "node": "gpu-7", "started_at": ..., "ended": "killed SIGKILL"},
+                                     ...],
      "latest_seq": 3, "last_restore": {...}}
 
 Bookkeeping never fails a workload: a store that cannot be read or written is logged and ignored.
@@ -56,6 +57,10 @@ class TaskState:
         tries = [*self.tries, {"try_number": try_number, "node": node,
                                "started_at": datetime.now(timezone.utc).isoformat()}]
         self.update(tries=tries[-_KEEP_TRIES:], **fields)
+
+    def ended(self, try_number: int, how: str) -> list[dict[str, Any]]:
+        """The tries, with ``try_number``'s end (``"exited 0"``, ``"killed SIGKILL"``, ``"stopped SIGTERM"``)."""
+        return [{**t, "ended": how} if t.get("try_number") == try_number else t for t in self.tries]
 
     def update(self, **fields: Any) -> None:
         self.record.update(fields)

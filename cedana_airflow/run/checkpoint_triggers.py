@@ -25,12 +25,19 @@ log = logging.getLogger(__name__)
 
 
 class Heartbeat(threading.Thread):
-    def __init__(self, interval: float, beat: Callable[[], object], alive: Callable[[], bool] | None = None) -> None:
+    """``interval``: seconds, or a callable asked before each wait (heartbeat = auto: run/cadence.py)."""
+
+    def __init__(self, interval: float | Callable[[], float], beat: Callable[[], object],
+                 alive: Callable[[], bool] | None = None) -> None:
         super().__init__(name="cedana-heartbeat", daemon=True)
-        self.interval = interval
+        self._interval = interval
         self._beat = beat
         self._alive = alive  # is the workload still there? (a dump fails when it ends under it)
         self._halt = threading.Event()
+
+    @property
+    def interval(self) -> float:
+        return self._interval() if callable(self._interval) else self._interval
 
     def run(self) -> None:
         while not self._halt.wait(self.interval):

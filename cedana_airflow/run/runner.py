@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import threading
@@ -31,13 +32,14 @@ from typing import Any, Literal
 from ..config import Settings
 from ..engine.criu import CriuEngine, find_criu
 from ..engine.procfs import has_cap_sys_admin
-from ..errors import CheckpointNotFound, ConfigError, CorruptCheckpoint, EngineUnavailable
+from ..errors import CedanaError, CheckpointNotFound, ConfigError, CorruptCheckpoint, EngineUnavailable
 from ..format.manifest import AirflowTask, Manifest
 from ..ids import validate_checkpoint_id
 from ..store import Store, index, open_store
 from ..store.gc import delete_checkpoint_id
 from ..store.restores import RestoreRecord, record_restore
 from ..store.writer_lease import WriterLease
+from .cadence import COST_WINDOW, Cadence, HeartbeatChoice, checkpoint_cost, estimated_cost
 from .checkpoint_triggers import Heartbeat, MemoryWatch
 from .checkpointer import Checkpointer
 from .cooperative import Cooperation
@@ -358,17 +360,21 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
     stop_requested = stop or threading.Event()
     cp.stopping = stop_requested  # a cooperative heartbeat waiting on the workload gives way to the stop
     got: list[int] = []
+    cadence = _cadence(settings, cp, workload) if settings.heartbeat_on else None
 
     def take() -> None:
+        t0 = time.monotonic()
         m = cp.checkpoint(workload)
         if m is not None:
             result.checkpoints.append(m)
+            if cadence is not None:
+                _chosen(cp, cadence.observe(checkpoint_cost(m), time.monotonic() - t0))
 
     def beat() -> None:
         if workload.poll() is None:
             take()
 
-    triggers = _Triggers(settings, workload, beat)
+    triggers = _Triggers(settings, workload, beat, cadence)
 
     def cut(cause: str) -> None:
         # The triggers are told to halt, not waited for: a heartbeat's upload must not eat the stop window
@@ -407,12 +413,59 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
     return result
 
 
+def _cadence(settings: Settings, cp: Checkpointer, workload: Workload) -> Cadence:
+    """The heartbeat's interval for this run. Its first cost: this ID's latest checkpoints (a retry has
+    them), else (auto only) the tree's size at the fleet's measured freeze rate."""
+    rows = _own_rows(cp) if settings.heartbeat_auto else []
+    if rows:
+        costs = [r.freeze_seconds for r in rows[-COST_WINDOW:]]
+        first, source = statistics.median(costs), f"measured on {len(costs)} earlier checkpoint(s) of this ID"
+    elif settings.heartbeat_auto:
+        first, source = estimated_cost(estimate_checkpoint(workload.pids()).total, _fleet_freeze_rate(cp.store))
+    else:
+        first, source = 0.0, "not measured yet"
+    cadence = Cadence(settings, first_cost=first, cost_source=source)
+    if cadence.auto:  # kept in the index with the first checkpoint (an entry without one is not kept)
+        log.info("%s checkpoint_id=%s", cadence.choice.line(), cp.checkpoint_id)
+    return cadence
+
+
+def _own_rows(cp: Checkpointer) -> list[index.IndexRow]:
+    try:
+        return [r for r in index.read_entry(cp.store, cp.checkpoint_id).checkpoints if r.freeze_seconds > 0]
+    except CedanaError as e:  # a listing cache: the estimate stands in
+        log.debug("earlier checkpoints' costs not read: %s", e)
+        return []
+
+
+def _chosen(cp: Checkpointer, choice: HeartbeatChoice | None) -> None:
+    """A new interval (or the first measured figures): said once in the log (auto), kept in the index."""
+    if choice is None:
+        return
+    if choice.auto:
+        log.info("%s checkpoint_id=%s", choice.line(), cp.checkpoint_id)
+    index.record_heartbeat(cp.store, cp.checkpoint_id, choice.as_record())
+
+
+def _fleet_freeze_rate(store: Store) -> float | None:
+    """Seconds per GiB CRIU froze for, the median over the store's listed checkpoints of 64 MiB or more
+    (smaller ones are mostly fixed cost); None when it lists none."""
+    try:
+        rows = [r for e in index.read_index(store).values() for r in e.checkpoints
+                if r.engine == "criu" and r.image_bytes >= 64 << 20 and r.freeze_seconds > 0]
+    except CedanaError as e:
+        log.debug("fleet freeze rate not read: %s", e)
+        return None
+    return statistics.median(r.freeze_seconds / (r.image_bytes / (1 << 30)) for r in rows) if rows else None
+
+
 class _Triggers:
     """The heartbeat and the memory watch that ``settings`` ask for, started and stopped together."""
 
-    def __init__(self, settings: Settings, workload: Workload, beat: Callable[[], None]) -> None:
-        self.heartbeat = (Heartbeat(settings.heartbeat_seconds, beat, alive=lambda: workload.poll() is None)
-                          if settings.heartbeat_seconds > 0 else None)
+    def __init__(self, settings: Settings, workload: Workload, beat: Callable[[], None],
+                 cadence: Cadence | None) -> None:
+        self.heartbeat = (Heartbeat(cadence.interval, beat, alive=lambda: workload.poll() is None)
+                          if cadence is not None else None)
         self.watch = (MemoryWatch(settings.checkpoint_above_bytes, lambda: estimate_checkpoint(workload.pids()).total,
                                   beat) if settings.checkpoint_above_bytes > 0 else None)
 

@@ -20,7 +20,8 @@ TOML, or YAML when PyYAML is installed (Airflow brings it)::
     heartbeat_seconds = 600
 
     [rules]                                  # eligibility, each refusal named in the decision
-    min_expected_seconds = 600               # tasks declared shorter re-run instead (expected_duration)
+    min_expected_seconds = 600               # tasks expected shorter re-run instead (expected_duration, else
+                                             # learned from Airflow's history of the task)
     job_server_queues = ["emr"]              # job_server tasks only on these queues
     gpu_needs_nvidia = true                  # gpu tasks only where an NVIDIA driver is present
     require_dag_opt_in = false               # true: only DAGs tagged cedana:opt-in (tag rules checked at parse)
@@ -151,7 +152,8 @@ class Rules(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    min_expected_seconds: float = Field(default=0, ge=0, description="Tasks declared shorter than this re-run instead.")
+    min_expected_seconds: float = Field(default=0, ge=0, description="Tasks expected to be shorter than this re-run "
+                                        "instead: declared (expected_duration), else learned from their past runs.")
     job_server_queues: tuple[str, ...] = Field(default=(), description="Queues where job_server tasks may be in scope.")
     gpu_needs_nvidia: bool = Field(default=True, description="GPU tasks only where an NVIDIA driver can hold GPU state.")
     require_dag_opt_in: bool = Field(default=False, description="Only DAGs tagged cedana:opt-in (whose tag rules "
@@ -210,11 +212,12 @@ class Where:
     queue: str = ""
     pool: str = ""
     tags: tuple[str, ...] = ()
-    expected_seconds: float | None = None  # declared by the task (expected_duration)
+    expected_seconds: float | None = None  # declared by the task (expected_duration), or learned
     job_server: bool = False  # the task drives a third-party job server (EMR, Databricks, Slurm...)
     gpu: bool = False  # the task uses a GPU
     nvidia: bool | None = None  # this node has an NVIDIA driver (None: not asked)
     partition: str = ""  # the Slurm partition a job goes to (the Slurm route)
+    expected_source: str = "declared"  # or how it was learned (or why not), e.g. "learned: the median of ..."
 
 
 @dataclass(frozen=True)
@@ -315,8 +318,14 @@ def _rules(r: Rules, w: Where) -> list[tuple[bool, str]]:
                     "the DAG is not tagged cedana:opt-in, and require_dag_opt_in is set; its author has not "
                     "declared its effects")))
     if w.expected_seconds is not None and w.expected_seconds < r.min_expected_seconds:
-        out.append((False, f"rule short-task: expected {w.expected_seconds:.0f} s is below min_expected_seconds "
-                           f"{r.min_expected_seconds:.0f} s; a retry re-runs it instead"))
+        out.append((False, f"rule short-task: expected {w.expected_seconds:.0f} s ({w.expected_source}) is below "
+                           f"min_expected_seconds {r.min_expected_seconds:.0f} s; a retry re-runs it instead"))
+    elif r.min_expected_seconds and w.expected_seconds is not None:
+        out.append((True, f"rule short-task: expected {w.expected_seconds:.0f} s ({w.expected_source}), at least "
+                          f"min_expected_seconds {r.min_expected_seconds:.0f} s"))
+    elif r.min_expected_seconds:
+        why = w.expected_source if w.expected_source not in ("", "declared") else "no expected_duration declared"
+        out.append((True, f"rule short-task: not applied: {why}"))
     if w.job_server:
         ok = _first_match(w.queue, r.job_server_queues) is not None
         out.append((ok, f"rule job-server: queue {w.queue or '(none)'} " + (

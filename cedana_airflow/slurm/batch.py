@@ -19,6 +19,8 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pydantic import BaseModel
+
 from ..compat import handshake_env
 from ..config import Settings
 from ..errors import ConfigError
@@ -48,7 +50,7 @@ class JobSpec:
     output: str  # a path the login node and the compute nodes both see; %j is the job ID
     enable: bool  # in scope: the job carries CEDANA_ENABLE=1
     try_number: int = 0
-    heartbeat_seconds: float = 0
+    heartbeat_seconds: float | str = 0  # or "auto"
     nodes: int = 1
     gres: str = ""  # e.g. gpu:1
     time_limit: str = ""  # sbatch --time, e.g. 02:00:00
@@ -114,7 +116,7 @@ def batch_script(spec: JobSpec) -> str:
     window = {"CEDANA_STOP_WINDOW_SECONDS": str(min(spec.signal_seconds, SLURM_KILL_WAIT_SECONDS))}
     cedana = {**window, **spec.settings_env, **spec.cedana_env, "CEDANA_CHECKPOINT_ID": spec.checkpoint_id, "CEDANA_STORE": spec.store,
               "CEDANA_OPTIN_FILE": spec.optin_file, "CEDANA_WORK_DIR": spec.work_dir,
-              **handshake_env(spec.settings_env)}  # the compute node's CLI may be older than this operator
+              **handshake_env(spec.settings_env, heartbeat_auto=spec.heartbeat_seconds == "auto")}  # the compute node's CLI may be older than this operator
     lines = ["#!/bin/bash", f"# cedana-airflow Slurm route: checkpoint ID {spec.checkpoint_id}, try {spec.try_number}"]
     lines += [f"export {k}={q(v)}" for k, v in env.items()]  # an empty value is a value (CUDA_VISIBLE_DEVICES=)
     lines += [f"export {k}={q(v)}" for k, v in cedana.items() if v]
@@ -123,9 +125,14 @@ def batch_script(spec: JobSpec) -> str:
         dag_id, task_id, run_id, map_index = spec.airflow_task
         task = ["--dag-id", dag_id, "--task-id", task_id, "--run-id", run_id, "--map-index", str(map_index)]
     argv = [*spec.cli, "slurm-job", "--id", spec.checkpoint_id, "--try-number", str(spec.try_number),
-            "--heartbeat", f"{spec.heartbeat_seconds:g}", *task, "--", *spec.command]
+            "--heartbeat", heartbeat_arg(spec.heartbeat_seconds), *task, "--", *spec.command]
     lines.append("exec " + " ".join(q(a) for a in argv))
     return "\n".join(lines) + "\n"
+
+
+def heartbeat_arg(seconds: float | str) -> str:
+    """--heartbeat's value: seconds as %g, or auto."""
+    return seconds if isinstance(seconds, str) else f"{seconds:g}"
 
 
 def shell_command(command: str | Sequence[str]) -> tuple[str, ...]:
@@ -156,6 +163,8 @@ def job_settings_env(settings: Settings, node_config: str = "") -> dict[str, str
             continue
         if isinstance(value, (tuple, list)):  # restore_roots reads like PATH, keep_env like a list
             out[f"CEDANA_{name.upper()}"] = (":" if name == "restore_roots" else ",").join(str(v) for v in value)
+        elif isinstance(value, BaseModel):  # failure_history: JSON, as Settings reads it back
+            out[f"CEDANA_{name.upper()}"] = value.model_dump_json()
         elif isinstance(value, bool):
             out[f"CEDANA_{name.upper()}"] = "true" if value else "false"
         else:

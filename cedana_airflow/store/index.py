@@ -25,8 +25,8 @@ from ..format.layout import INDEX_SHARDS, index_shard_key, index_shard_keys
 from ..format.manifest import AirflowTask, Manifest
 from .base import Store
 
-__all__ = ["IndexEntry", "IndexRow", "SHARDS", "count_restore", "forget", "read_index", "read_entry", "rebuild_index",
-           "record_checkpoint", "record_skip", "shard_key"]
+__all__ = ["HeartbeatRow", "IndexEntry", "IndexRow", "SHARDS", "count_restore", "forget", "read_index", "read_entry", "rebuild_index",
+           "record_checkpoint", "record_heartbeat", "record_skip", "shard_key"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,18 @@ class IndexRow(_Model):
                    engine=m.engine)
 
 
+class HeartbeatRow(_Model):
+    """The heartbeat an ID's latest run chose (run/cadence.py), and what from (0.7.0)."""
+
+    interval_seconds: float
+    auto: bool = False
+    cost_seconds: float = 0.0  # what one checkpoint cost the workload (median of the latest)
+    commit_seconds: float = 0.0  # from a checkpoint's start to its commit
+    mtbf_seconds: float | None = None  # None: no failure seen and no prior
+    expected_loss_seconds: float = 0.0  # work a failure loses, on average
+    reason: str = ""  # the task log's line
+
+
 class IndexEntry(_Model):
     checkpoints: tuple[IndexRow, ...] = ()
     skipped_heartbeats: int = Field(default=0, ge=0)
@@ -65,6 +77,7 @@ class IndexEntry(_Model):
     airflow: AirflowTask | None = None  # the task whose checkpoints these are (newest manifest's block)
     restores: int = Field(default=0, ge=0)  # resumes recorded (store/restores.py holds each one)
     recent_restores: tuple[datetime, ...] = ()  # when the last RECENT_RESTORES of them happened
+    heartbeat: HeartbeatRow | None = None  # the interval chosen and its figures (0.7.0)
 
     def empty(self) -> bool:
         return not self.checkpoints and not self.skipped_heartbeats and not self.restores
@@ -151,6 +164,11 @@ def count_restore(store: Store, checkpoint_id: str, at: datetime) -> bool:
 def record_skip(store: Store, checkpoint_id: str, why: str) -> bool:
     return _update_entry(store, checkpoint_id, lambda e: e.model_copy(update={
         "skipped_heartbeats": e.skipped_heartbeats + 1, "last_skip": why}))
+
+
+def record_heartbeat(store: Store, checkpoint_id: str, heartbeat: Mapping[str, object]) -> bool:
+    row = HeartbeatRow.model_validate(heartbeat)
+    return _update_entry(store, checkpoint_id, lambda e: e.model_copy(update={"heartbeat": row}))
 
 
 def record_restore_warning(store: Store, checkpoint_id: str, why: str) -> bool:

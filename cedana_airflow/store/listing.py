@@ -18,7 +18,7 @@ from ..format.manifest import AirflowTask
 from ..ids import validate_checkpoint_id
 from . import index
 from .base import Store
-from .index import IndexEntry, IndexRow
+from .index import HeartbeatRow, IndexEntry, IndexRow
 from .transfer import load_manifests_of
 
 __all__ = ["IdListing", "as_json", "list_store"]
@@ -35,13 +35,14 @@ class IdListing:
     restores: int = 0  # resumes recorded in the index
     recent_restores: tuple[datetime, ...] = ()  # when the latest of them happened (index.RECENT_RESTORES)
     restore_warning: str = ""  # why a restore would refuse these checkpoints (said at the first one)
+    heartbeat: HeartbeatRow | None = None  # the interval its latest run chose, and from what (run/cadence.py)
 
     @classmethod
     def of(cls, cid: str, e: IndexEntry, source: str, rows: tuple[IndexRow, ...] | None = None,
            airflow: AirflowTask | None = None) -> IdListing:
         """An ID as its index entry tells it; ``rows`` and ``airflow`` when read from its manifests instead."""
         return cls(cid, e.checkpoints if rows is None else rows, e.skipped_heartbeats, e.last_skip, source,
-                   airflow or e.airflow, e.restores, e.recent_restores, e.restore_warning)
+                   airflow or e.airflow, e.restores, e.recent_restores, e.restore_warning, e.heartbeat)
 
 
 def _from_manifests(store: Store, ids: list[str], entries: dict[str, IndexEntry]) -> list[IdListing]:
@@ -85,6 +86,8 @@ def as_json(x: IdListing) -> dict[str, Any]:
         "id": x.checkpoint_id, "skipped_heartbeats": x.skipped_heartbeats, "last_skip": x.last_skip, "source": x.source,
         "airflow": x.airflow.model_dump() if x.airflow else None, "restores": x.restores,
         "restore_warning": x.restore_warning,
+        # 0.7.0: the heartbeat's interval, what one checkpoint cost, and the work a failure is expected to lose
+        "heartbeat": x.heartbeat.model_dump() if x.heartbeat else None,
         "checkpoints": [{"seq": r.seq, "try_number": r.try_number, "node": r.node, "created_at": r.created_at.isoformat(),
                          "image_bytes": r.image_bytes, "stored_bytes": r.stored_bytes,
                          "freeze_seconds": round(r.freeze_seconds, 3), "engine": r.engine} for r in x.checkpoints],

@@ -165,8 +165,13 @@ def test_a_memory_threshold_checkpoints_a_growing_workload_once_as_it_crosses(tm
 
 @pytest.mark.parametrize("where, in_scope, says", [
     (Where("train_x", "t", "gpu-test-01", {}, "cedana", expected_seconds=120), False,
-     "rule short-task: expected 120 s is below min_expected_seconds 600 s"),
-    (Where("train_x", "t", "gpu-test-01", {}, "cedana", expected_seconds=7200), True, None),
+     "rule short-task: expected 120 s (declared) is below min_expected_seconds 600 s"),
+    (Where("train_x", "t", "gpu-test-01", {}, "cedana", expected_seconds=7200), True,
+     "rule short-task: expected 7200 s (declared), at least min_expected_seconds 600 s"),
+    (Where("train_x", "t", "gpu-test-01", {}, "cedana", expected_seconds=90,
+           expected_source="learned: the median of its last 4 successful runs"), False,
+     "rule short-task: expected 90 s (learned: the median of its last 4 successful runs) is below"),
+    (Where("train_x", "t", "gpu-test-01", {}, "cedana"), True, "rule short-task: not applied: no expected_duration"),
     (Where("train_x", "t", "gpu-test-01", {}, "cedana", job_server=True), False,
      "rule job-server: queue cedana is not in job_server_queues ['emr']"),
     (Where("train_x", "t", "gpu-test-01", {}, "emr", job_server=True), True, "is marked for job-server tasks"),

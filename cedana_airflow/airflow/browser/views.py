@@ -29,6 +29,7 @@ from jinja2.runtime import Context
 
 from ...drill.report import DrillReport
 from ...store.listing import IdListing
+from ...run.cadence import duration_text
 from ...units import binary_size
 from .chart import checkpoint_chart
 from .data import AirflowTry, Fleet, IdDetail, tries
@@ -46,7 +47,7 @@ def _env() -> Environment:
     and are read once (no ``auto_reload``: a page costs no stat calls)."""
     env = Environment(loader=FileSystemLoader(_HERE), autoescape=True, undefined=StrictUndefined,
                       trim_blocks=True, lstrip_blocks=True, auto_reload=False)
-    env.filters.update(size=binary_size, age=_age, secs=_secs, urlpart=_urlpart, idpart=_idpart, when=_when)
+    env.filters.update(size=binary_size, age=_age, secs=_secs, duration=duration_text, urlpart=_urlpart, idpart=_idpart, when=_when)
     return env
 
 
