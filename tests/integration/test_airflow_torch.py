@@ -8,7 +8,10 @@ trained parameters equal an uninterrupted run's. No restore_roots, no signing ke
 
 Cooperative (issue 35): two-rank DDP under torchrun writes its own checkpoints (cedana_airflow.coop.torch);
 killed, its retry on another node resumes and ends with an uninterrupted run's parameters. On a worker
-without CRIU, mode auto protects a cooperative workload and mode transparent runs unprotected, saying why."""
+without CRIU, mode auto protects a cooperative workload and mode transparent runs unprotected, saying why.
+
+heartbeat = "auto" (issue 36): a task killed twice chooses its interval in each try from its measured cost and
+the failures Airflow's API reports for its queue, and the last try resumes to an uninterrupted run's output."""
 
 from __future__ import annotations
 
@@ -55,7 +58,8 @@ def _uninterrupted(root: Path) -> str:
 
 @pytest.fixture(scope="module")
 def torch_stack(tmp_path_factory, airflow_db):
-    """One Airflow stack for both DAGs (cedana_torch, cedana_coop): a stack's start-up is most of a test's time."""
+    """One Airflow stack for the DAGs (cedana_torch, cedana_coop, cedana_auto): a stack's start-up is most of a
+    test's time."""
     tmp_path = tmp_path_factory.mktemp("torch-stack")
     root = tmp_path / "torch"
     _dataset(root / "data")
@@ -65,7 +69,7 @@ def torch_stack(tmp_path_factory, airflow_db):
     (tmp_path / "coop").mkdir()
     (tmp_path / "coop" / "node").write_text("node-a\n")
     env = airflow_env(tmp_path, airflow_db, CEDANA_E2E_TORCH_ROOT=str(root), CEDANA_E2E_TORCH_ARGS=" ".join(ARGS),
-                      CEDANA_E2E_COOP_ROOT=str(tmp_path / "coop"))
+                      CEDANA_E2E_COOP_ROOT=str(tmp_path / "coop"), CEDANA_E2E_AUTO_ROOT=str(tmp_path))
     with AirflowStack(env, tmp_path / "airflow", wait_dag="cedana_torch") as stack:
         yield stack, tmp_path
 
@@ -183,3 +187,57 @@ def test_cooperative_ddp_training_resumes_on_another_node_and_auto_protects_a_wo
     assert tis["transparent_no_criu"]["state"] == "success" and "ran to its end" in plain, plain[-4000:]
     assert plain.count("this task runs unprotected (mode = transparent): CRIU not found at /nonexistent/criu") == 1
     assert not list(store.glob("cedana_coop.transparent_no_criu.*"))
+
+
+def test_heartbeat_auto_chooses_from_what_it_measured_and_what_airflow_saw_fail(torch_stack):
+    stack, tmp_path = torch_stack
+    store = tmp_path / "store"
+    _wait_served(stack, "cedana_auto")
+    run_id = stack.trigger("cedana_auto")
+    for try_number in (1, 2):  # the workload is killed (SIGKILL, as the OOM killer does) after two of its checkpoints
+        deadline = time.monotonic() + 240
+        while len(ms := [m for m in _auto_manifests(store) if m["try_number"] == try_number]) < 2:
+            assert time.monotonic() < deadline, stack.logs()
+            assert stack.task_instance("cedana_auto", run_id, "train")["state"] not in ("failed", "success"), stack.logs()
+            time.sleep(0.2)
+        pid = ms[-1]["process"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        assert wait_gone(pid, 10)
+    deadline = time.monotonic() + 300
+    while (ti := stack.task_instance("cedana_auto", run_id, "train"))["state"] not in ("success", "failed"):
+        assert time.monotonic() < deadline, stack.logs()
+        time.sleep(1)
+    logs = [stack.task_log("cedana_auto", run_id, "train", n) for n in (1, 2, 3)]
+    assert ti["state"] == "success" and ti["try_number"] == 3, logs[2][-4000:]
+
+    def chosen(log: str) -> list[str]:
+        return re.findall(r"(heartbeat \S+.*?); expected work lost per failure", log)
+
+    # Try 1: nothing has failed on queue auto_gpu yet: the longest interval, from an estimate, then measured.
+    first = chosen(logs[0])
+    assert first and all(c.startswith("heartbeat 4s (heartbeat_max_seconds)") for c in first), logs[0][-4000:]
+    assert "no failures seen (0 failures in 1 tries" in first[0] and "estimated:" in first[0], first
+    assert any("measured on 1 checkpoint" in c for c in first), first
+    # Tries 2 and 3 read Airflow's history of the queue: one failure, then two (each a SIGKILL the task recorded).
+    for log, failures in ((logs[1], "1 failure in 2 tries"), (logs[2], "2 failures in 3 tries")):
+        lines = chosen(log)
+        assert lines and failures in lines[0] and "on queue auto_gpu over 30 days" in lines[0], lines
+        got = re.match(r"heartbeat ([\d.]+)s( \(heartbeat_min_seconds\))?: checkpoint costs [\d.]+ s \(measured on "
+                       r"\d+ earlier checkpoint\(s\) of this ID\), failures every ~", lines[0])
+        assert got and 1 <= float(got.group(1)) < 4, lines  # shorter than with no failure seen, within the bounds
+    assert re.search(r"cedana: restored seq \d+ of try 2", logs[2]), logs[2][-4000:]
+    reference = subprocess.run([sys.executable, str(REPO / "tests" / "workloads" / "train.py"), "--mb", "40", "--steps",
+                                "120", "--step-seconds", "0"], capture_output=True, text=True, check=True).stdout
+    assert re.findall(r"done digest=\w+", logs[2]) == re.findall(r"done digest=\w+", reference)
+    # The browser's and the CLI's figures: what the last try chose.
+    [cid] = {m["checkpoint_id"] for m in _auto_manifests(store)}
+    env = {**stack.env, "CEDANA_STORE": f"file://{store}"}
+    listed = json.loads(subprocess.run([sys.executable, "-m", "cedana_airflow", "checkpoints", cid, "--json"], env=env,
+                                       capture_output=True, text=True, check=True).stdout)
+    hb = (listed if isinstance(listed, list) else listed["ids"])[0]["heartbeat"]
+    assert hb["auto"] and 1 <= hb["interval_seconds"] < 4 and hb["mtbf_seconds"] > 0
+    assert hb["expected_loss_seconds"] == pytest.approx(hb["interval_seconds"] / 2 + hb["commit_seconds"], abs=0.01)
+
+
+def _auto_manifests(store: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(store.glob("cedana_auto.train.*/*/manifest.json"))]
