@@ -21,7 +21,7 @@ from cedana_airflow.drill.report import DrillReport  # noqa: E402
 from cedana_airflow.drill.trends import trends  # noqa: E402
 from cedana_airflow.format.manifest import (AirflowTask, CooperativeState, GpuProcess, GpuState, Manifest,  # noqa: E402
                                             ProcessInfo, StateFile)
-from cedana_airflow.store.index import IndexRow  # noqa: E402
+from cedana_airflow.store.index import HeartbeatRow, IndexRow  # noqa: E402
 from cedana_airflow.store.listing import IdListing  # noqa: E402
 from cedana_airflow.store.restores import RestoreRecord  # noqa: E402
 
@@ -114,7 +114,9 @@ def _cooperative(seq: int) -> Manifest:
                                              "cooperative": state})
 
 
-DETAIL = IdDetail(_listing(f"id{EVIL}", OWNER), (_manifest(1), _manifest(2, gpu=True), _cooperative(3)), RESTORES)
+BEAT = HeartbeatRow(interval_seconds=432, auto=True, cost_seconds=3.1, commit_seconds=9.0, mtbf_seconds=33840,
+                    expected_loss_seconds=225, reason=f"heartbeat 7m12s: {EVIL}")
+DETAIL = IdDetail(_listing(f"id{EVIL}", OWNER, heartbeat=BEAT), (_manifest(1), _manifest(2, gpu=True), _cooperative(3)), RESTORES)
 REPORTS = [
     DrillReport(drill_id=f"d1{EVIL}", mode="canary", ok=False, node=f"g{EVIL}", started_at=NOW, finished_at=NOW,
                 problems=(f"p{EVIL}",), rto_seconds=0.4, digest_match=False),
@@ -268,3 +270,13 @@ def test_times_show_in_the_users_timezone_and_an_unknown_one_is_utc():
     assert "data-tz='Asia/Kolkata'" in views.id_page(d, may_delete=False, tz="Asia/Kolkata")
     assert ">2026-12-01 12:00:00 UTC</td>" in views.id_page(d, may_delete=False, tz="No/Such_Zone")
     assert ">2026-12-01 12:00:00 UTC</td>" in views.id_page(d, may_delete=False, tz="../../etc/passwd")
+
+
+def test_the_id_page_says_the_heartbeat_its_cost_and_the_work_a_failure_loses() -> None:
+    page = views.id_page(DETAIL, may_delete=False)
+    assert ("Heartbeat <b>7m12s</b> (auto): a checkpoint costs the workload 3.10 s and commits 9.0 s after it starts; "
+            "a failure loses ~3m45s of work, failures every ~9.4h.") in page
+    fixed = IdDetail(_listing("fixed", None, heartbeat=HeartbeatRow(interval_seconds=600, cost_seconds=0.5,
+                                                                     expected_loss_seconds=301)), (), ())
+    assert "Heartbeat <b>10m</b>: a checkpoint costs the workload 0.50 s" in views.id_page(fixed, may_delete=False)
+    assert "Heartbeat" not in views.id_page(IdDetail(_listing("none", None), (), ()), may_delete=False)

@@ -156,3 +156,24 @@ def test_spec_pod_mutation_hook_routes_kubernetes_executor_pods_on_the_list(opti
     before = ApiClient().sanitize_for_serialization(kpo)
     pod_mutation_hook(kpo)
     assert ApiClient().sanitize_for_serialization(kpo) == before  # a pod that took its route already is left alone
+
+
+def test_spec_heartbeat_auto_stays_auto_in_the_wrap_routes_pod_and_is_chosen_now_for_cedanas_runtime(optin, monkeypatch):
+    import json
+
+    from cedana_airflow.config import load_settings
+
+    monkeypatch.setenv("AIRFLOW__CEDANA__HISTORY_API_URL", "http://127.0.0.1:1")  # no history: auto says so, goes on
+    pod = _op(route="wrap", heartbeat="auto", heartbeat_max=timedelta(minutes=20)).build_pod_request_obj(
+        _context(), dry_run=True)
+    main = pod.spec.containers[0]
+    assert main.command[main.command.index("--heartbeat") + 1] == "auto"
+    env = {e.name: e.value for e in main.env}
+    assert env["CEDANA_MIN_SUPERVISOR"] == "0.7.0" and env["CEDANA_HEARTBEAT_MAX_SECONDS"] == "1200.0"
+    history = json.loads(env["CEDANA_FAILURE_HISTORY"])
+    assert history["failures"] == 0 and history["note"].startswith("history not read")
+    back = load_settings(environ={k: v for k, v in env.items() if k.startswith("CEDANA_") and v})  # the pod's CLI
+    assert back.failure_history is not None and back.failure_history.scope == history["scope"]
+    cedana = _op(route="cedana", heartbeat="auto", heartbeat_max=timedelta(minutes=20)).build_pod_request_obj(
+        _context(), dry_run=True)
+    assert cedana.metadata.labels["cedana.ai/heartbeat-checkpoint"] == "1200"  # no failure seen: heartbeat_max

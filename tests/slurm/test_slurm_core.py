@@ -137,3 +137,17 @@ def test_the_tasks_settings_reach_the_job_as_cedana_variables_but_never_a_secret
         job_settings_env(load_settings({"signing_key": "s3cret"}))
     script = batch_script(JobSpec(**{**SPEC, "settings_env": env}))
     assert "export CEDANA_KEEP_CHECKPOINTS=5" in script and "s3cret" not in script
+
+
+def test_heartbeat_auto_reaches_the_job_with_its_history_and_asks_for_a_supervisor_that_knows_it():
+    from cedana_airflow.config import FailureHistory, load_settings
+    from cedana_airflow.slurm.batch import job_settings_env
+
+    settings = load_settings({"heartbeat_seconds": "auto", "mtbf_hours": 6,
+                              "failure_history": FailureHistory(failures=2, exposure_seconds=7200, tries=9,
+                                                                scope="queue gpu")})
+    env = job_settings_env(settings)
+    script = batch_script(JobSpec(**{**SPEC, "heartbeat_seconds": "auto", "settings_env": env}))
+    assert "--heartbeat auto" in script and "export CEDANA_MIN_SUPERVISOR=0.7.0" in script
+    back = load_settings(environ=env)  # what the job's CLI reads
+    assert back.mtbf_hours == 6 and back.failure_history == settings.failure_history
