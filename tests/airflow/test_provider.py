@@ -46,7 +46,8 @@ def test_the_cedana_section_is_generated_from_the_settings_models():
         declared = options[name]["default"]
         assert (declared is None) if field.default is None else AirflowOptions.model_validate({name: declared}).model_dump()[name] == field.default
     assert options["keep_checkpoints"]["type"] == "integer" and options["delete_on_success"]["type"] == "boolean"
-    assert options["heartbeat_seconds"]["type"] == "float" and options["work_dir"]["type"] == "string"
+    assert options["stop_grace_seconds"]["type"] == "float" and options["work_dir"]["type"] == "string"
+    assert options["heartbeat_seconds"]["type"] == "string"  # seconds, or auto (0.7.0)
 
 
 def test_cedana_section_sits_between_the_environment_and_operator_arguments(monkeypatch, tmp_path):
