@@ -115,7 +115,7 @@ def test_durations_read_short(seconds: float, text: str) -> None:
 
 
 # -- a real run: CRIU, the CLI, the store ------------------------------------------------------------------
-_COUNTER = "import time\nfor i in range(80):\n    print(i, flush=True); time.sleep(0.1)\n"
+_COUNTER = "import time\nfor i in range(50):\n    print(i, flush=True); time.sleep(0.1)\n"
 
 
 def test_auto_checkpoints_often_where_failures_are_frequent_and_rarely_where_none_were_seen(tmp_path) -> None:
@@ -129,18 +129,18 @@ def test_auto_checkpoints_often_where_failures_are_frequent_and_rarely_where_non
                   CEDANA_KEEP_CHECKPOINTS="20")
     r = cli("run", "--id", "flaky", "--heartbeat", "auto", "--", sys.executable, "-c", _COUNTER,
             env={**env, "CEDANA_FAILURE_HISTORY": flaky})
-    assert r.returncode == 0 and r.stdout.split() == [str(i) for i in range(80)], r.stderr
+    assert r.returncode == 0 and r.stdout.split() == [str(i) for i in range(50)], r.stderr
     lines = [x for x in r.stderr.splitlines() if "heartbeat 1s (heartbeat_min_seconds): checkpoint costs" in x]
     assert lines and "failures every ~2s (4 failures in 10 tries (8s run) on queue spot" in lines[0], r.stderr
     assert "estimated:" in lines[0] and "measured on 1 checkpoint" in lines[-1], lines
     taken = manifests(tmp_path / "store", "flaky")
-    assert len(taken) >= 3 > len(lines) - 1, (len(taken), lines)  # said once per change, not per checkpoint
+    assert len(taken) >= 2 and len(lines) == 2, (len(taken), lines)  # said at start and when measured, not per checkpoint
 
     quiet = cli("run", "--id", "quiet", "--heartbeat", "auto", "--", sys.executable, "-c", _COUNTER, env=env)
     assert quiet.returncode == 0, quiet.stderr
     assert "heartbeat 30s (heartbeat_max_seconds): checkpoint costs" in quiet.stderr
     assert "no failures seen (no failure history)" in quiet.stderr
-    assert manifests(tmp_path / "store", "quiet") == []  # 8 s of work, a 30 s heartbeat
+    assert manifests(tmp_path / "store", "quiet") == []  # 5 s of work, a 30 s heartbeat
 
     listed = json.loads(cli("checkpoints", "flaky", "--json", env=env).stdout)
     [entry] = listed if isinstance(listed, list) else listed["ids"]
