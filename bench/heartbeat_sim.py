@@ -308,7 +308,7 @@ class Auto(Policy):
 
     def interval(self) -> float:
         assert self.cadence is not None
-        return self.cadence.interval()
+        return float(self.cadence.interval())
 
     def observe(self, cost: float, commit: float) -> None:
         assert self.cadence is not None
@@ -357,7 +357,7 @@ def bench_heartbeat(res: dict[str, Any], tasks: int = 1000, seed: int = 20261203
                 b = run_task(fleet.work[j], fails[j], k, Fixed(i))
                 assert a.failures == b.failures and math.isclose(a.wall, b.wall, rel_tol=1e-9), (hours, i, j, a, b)
                 checked += 1
-        runs = {}
+        runs: dict[str, dict[str, Any]] = {}
         for name, prior in (("auto", None), ("auto_prior", hours)):
             pol = Auto(k, prior)
             outs = [run_task(fleet.work[j], fails[j], k, pol) for j in range(tasks)]

@@ -1,7 +1,8 @@
 """cedana-airflow benchmarks: ratios against baselines measured in the same run.
 
-    .venv/bin/python bench/run.py [--only local|s3|s3-transfer|s3-listing] [--mb 1024] [--reps 5]
+    .venv/bin/python bench/run.py [--only local|s3|s3-transfer|s3-listing|heartbeat] [--mb 1024] [--reps 5]
                                   [--s3-reps 2] [--s3-naive-defaults] [--keep] [--no-write] [--no-prewarm]
+                                  [--heartbeat-tasks 1000] [--heartbeat-seed 20261203]
 
 Local benchmarks (part "local"), each on tests/workloads/train.py (numpy state, ~1% rewritten per
 step), run as a managed workload (own PID namespace, pipes for stdout/stderr):
@@ -18,6 +19,10 @@ step), run as a managed workload (own PID namespace, pipes for stdout/stderr):
 S3 benchmarks (parts "s3-transfer" and "s3-listing", both "s3") against moto's S3 server on
 loopback (s3_server.py): first checkpoint, heartbeats 2-4 (s3_transfer.py), restore (s3_restore.py),
 and listing 1,000 IDs x 10 (s3_listing.py).
+
+Part "heartbeat" (heartbeat_sim.py) is a simulation, seconds of CPU, no CRIU: heartbeat = auto (the
+real Settings and Cadence) against fixed intervals on a fleet of tasks under failures, with the
+checkpoint and restore costs scaled from the figures the other parts measured (results.json).
 
 Shared pieces are in harness.py, the table and results.* in report.py. Writes bench/results.json
 and bench/results.md (a part that did not run keeps its previous results); prints the same table.
@@ -68,7 +73,7 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", type=parse_only, default=list(PARTS),
                     help="run only these parts, comma-separated: local, lazy, lazy-growth, cooperative, s3 (= s3-transfer,"
-                         "s3-listing), s3-transfer, s3-listing (default: all); the others keep their previous results in bench/results.*")
+                         "s3-listing), s3-transfer, s3-listing, heartbeat (default: all); the others keep their previous results in bench/results.*")
     ap.add_argument("--mb", type=int, default=1024, help="workload state size in MB (default 1024; 200 for a quick run)")
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions for freeze and restore (default 5)")
     ap.add_argument("--s3-reps", type=int, default=1,
@@ -79,6 +84,9 @@ def parse_args() -> argparse.Namespace:
                          "2 minutes more on moto for 1 GB)")
     ap.add_argument("--listing-ids", type=int, default=1000, help="checkpoint IDs in the listing benchmark (default 1000)")
     ap.add_argument("--listing-seqs", type=int, default=10, help="checkpoints per ID in the listing benchmark (default 10)")
+    ap.add_argument("--heartbeat-tasks", type=int, default=1000,
+                    help="simulated tasks per failure rate in the heartbeat part (default 1000, about 8 s)")
+    ap.add_argument("--heartbeat-seed", type=int, default=20261203, help="the heartbeat simulation's seed")
     ap.add_argument("--keep", action="store_true", help="keep the temporary work directory")
     ap.add_argument("--no-prewarm", dest="prewarm", action="store_false",
                     help="do not touch fresh memory before each timed restore (see prewarm() in bench/harness.py)")
@@ -142,6 +150,15 @@ def run_parts(parts: Parts, engine: CriuEngine, settings: Settings, work: Path) 
         s3_new["listing"] = parts.run("s3-listing", lambda: bench_listing(work, args.listing_ids, args.listing_seqs))
     if s3_new:
         new["s3"] = s3_new
+    if "heartbeat" in args.only:
+        from heartbeat_sim import bench_heartbeat
+
+        # its costs are the measured figures: this run's over those results.json keeps
+        figures = previous_results()
+        figures.update({k: v for k, v in new.items() if k != "s3"})
+        figures["s3"] = {**(figures.get("s3") or {}), **s3_new}
+        figures["parts"] = {**figures.get("parts", {}), **parts.info}
+        new.update(parts.run("heartbeat", lambda: bench_heartbeat(figures, args.heartbeat_tasks, args.heartbeat_seed)))
     return new
 
 
