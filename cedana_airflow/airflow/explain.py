@@ -3,6 +3,8 @@ arguments the opt-in rules judge, through Airflow's own DagBag."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import Any
 
 from ..errors import ConfigError
@@ -15,7 +17,8 @@ def task_facts(dag_id: str, task_id: str, dags_folder: str | None) -> dict[str, 
     from airflow.dag_processing.dagbag import DagBag
 
     folder = dags_folder or conf.get("core", "dags_folder")
-    bag = DagBag(dag_folder=folder)
+    with contextlib.redirect_stdout(sys.stderr):  # Airflow logs the parse on stdout: `explain --json` owns it
+        bag = DagBag(dag_folder=folder)
     dag = bag.dags.get(dag_id)
     if dag is None:
         broken = [f"{path}: {err.splitlines()[-1] if err else '?'}" for path, err in bag.import_errors.items()]

@@ -235,6 +235,16 @@ def test_heartbeat_auto_chooses_from_what_it_measured_and_what_airflow_saw_fail(
     listed = json.loads(subprocess.run([sys.executable, "-m", "cedana_airflow", "checkpoints", cid, "--json"], env=env,
                                        capture_output=True, text=True, check=True).stdout)
     hb = (listed if isinstance(listed, list) else listed["ids"])[0]["heartbeat"]
+    # Learned durations: no expected_duration declared, so the short-task rule reads the task's past runs
+    # from Airflow (all three tries of the one successful run) and refuses it against a 1 h minimum.
+    optin = tmp_path / "optin-short.toml"
+    optin.write_text((tmp_path / "optin.toml").read_text() + "[rules]\nmin_expected_seconds = 3600\n")
+    said = json.loads(subprocess.run([sys.executable, "-m", "cedana_airflow", "explain", "cedana_auto", "train",
+                                      "--dags-folder", str(REPO / "tests" / "dags"), "--optin-file", str(optin),
+                                      "--json"], env=env, capture_output=True, text=True, check=True).stdout)
+    assert said["expected_source"] == "learned: the median of its last 1 successful run", said
+    assert said["expected_seconds"] >= 12 and not said["in_scope"]  # 120 steps of 0.1 s, over three tries
+    assert any(r.startswith("rule short-task: expected ") and "(learned: the median" in r for r in said["reasons"])
     assert hb["auto"] and 1 <= hb["interval_seconds"] < 4 and hb["mtbf_seconds"] > 0
     assert hb["expected_loss_seconds"] == pytest.approx(hb["interval_seconds"] / 2 + hb["commit_seconds"], abs=0.01)
 
