@@ -127,9 +127,11 @@ def test_auto_checkpoints_often_where_failures_are_frequent_and_rarely_where_non
     flaky = json.dumps({"failures": 4, "exposure_seconds": 8, "tries": 10, "scope": "queue spot"})  # one per 2 s
     env = cli_env(tmp_path, "n1", "w", CEDANA_HEARTBEAT_MIN_SECONDS="1", CEDANA_HEARTBEAT_MAX_SECONDS="30",
                   CEDANA_KEEP_CHECKPOINTS="20")
-    r = cli("run", "--id", "flaky", "--heartbeat", "auto", "--", sys.executable, "-c", _COUNTER,
+    r = cli("run", "--id", "flaky", "--heartbeat", "auto", "--json", "--", sys.executable, "-c", _COUNTER,
             env={**env, "CEDANA_FAILURE_HISTORY": flaky})
-    assert r.returncode == 0 and r.stdout.split() == [str(i) for i in range(50)], r.stderr
+    *out, summary = r.stdout.splitlines()
+    assert r.returncode == 0 and out == [str(i) for i in range(50)], r.stderr
+    assert json.loads(summary)["heartbeat"]["interval_seconds"] == 1.0  # run --json says it too
     lines = [x for x in r.stderr.splitlines() if "heartbeat 1s (heartbeat_min_seconds): checkpoint costs" in x]
     assert lines and "failures every ~2s (4 failures in 10 tries (8s run) on queue spot" in lines[0], r.stderr
     assert "estimated:" in lines[0] and "measured on 1 checkpoint" in lines[-1], lines
