@@ -121,12 +121,17 @@ def failure_history(api: AirflowApi, *, queue: str, pool: str, window_days: floa
                           window_days=window_days, scope=scope, note=note)
 
 
-def tries_of(api: AirflowApi, ti: Mapping[str, Any], now: datetime) -> list[TryEnd]:
-    """Every try of one task instance, each classified."""
-    base = _ti_path(ti)
-    got = api.call("GET", f"{base}/tries", missing_ok=True) or {}
+def _tries(api: AirflowApi, ti: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
+    """Every try of one task instance as Airflow keeps it (its history, and the current try), by number."""
+    got = api.call("GET", f"{_ti_path(ti)}/tries", missing_ok=True) or {}
     rows = {r["try_number"]: r for r in got.get("task_instances") or [] if r.get("try_number")}
     rows.setdefault(ti.get("try_number", 1), dict(ti))
+    return rows
+
+
+def tries_of(api: AirflowApi, ti: Mapping[str, Any], now: datetime) -> list[TryEnd]:
+    """Every try of one task instance, each classified."""
+    rows = _tries(api, ti)
     events = _events(api, ti)
     ended = _recorded_ends(api, ti) if any(r.get("state") not in ("success", *_UNFINISHED) for r in rows.values()) else {}
     out = []
@@ -152,10 +157,8 @@ def learned_duration(api: AirflowApi, dag_id: str, task_id: str, runs: int) -> L
     totals = []
     now = datetime.now(timezone.utc)
     for ti in (got or {}).get("task_instances") or []:
-        if ti.get("try_number", 1) > 1:
-            totals.append(sum(t.seconds for t in tries_of(api, ti, now)))
-        else:
-            totals.append(_try_of(ti, now).seconds)
+        tries = _tries(api, ti).values() if ti.get("try_number", 1) > 1 else [ti]
+        totals.append(sum(_try_of({**ti, **t}, now).seconds for t in tries))
     return LearnedDuration(statistics.median(totals), len(totals)) if totals else None
 
 

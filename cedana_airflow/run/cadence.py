@@ -91,9 +91,10 @@ class HeartbeatChoice:
     def line(self) -> str:
         """The task log's line, e.g. "heartbeat 7m12s: checkpoint costs 3.1 s, failures every ~9.4 h on
         queue gpu over 30 days"."""
-        bound = f" ({self.bound})" if self.bound else ""
+        bound = f" ({self.bound})" if self.bound else "" if self.auto else " (fixed)"
+        failures = f", {self.failures_text}" if self.auto else ""
         return (f"heartbeat {duration_text(self.interval_seconds)}{bound}: checkpoint costs "
-                f"{_seconds_text(self.cost_seconds)} ({self.cost_source}), {self.failures_text}; expected work lost "
+                f"{_seconds_text(self.cost_seconds)} ({self.cost_source}){failures}; expected work lost "
                 f"per failure ~{duration_text(self.expected_loss_seconds)}")
 
     def as_record(self) -> dict[str, object]:
@@ -110,7 +111,8 @@ class Cadence:
     def __init__(self, settings: Settings, *, first_cost: float, cost_source: str) -> None:
         self.settings = settings
         self.auto = settings.heartbeat_auto
-        self.mtbf = mean_time_between_failures(settings.failure_history, settings.mtbf_hours)
+        # a fixed interval asks for no failure rate: the operators read no history for it
+        self.mtbf = mean_time_between_failures(settings.failure_history, settings.mtbf_hours) if self.auto else None
         self._failures = _failures_text(settings.failure_history, settings.mtbf_hours, self.mtbf)
         self._costs: deque[float] = deque(maxlen=COST_WINDOW)
         self._commits: deque[float] = deque(maxlen=COST_WINDOW)

@@ -88,6 +88,8 @@ def test_a_fixed_heartbeat_keeps_its_interval_and_still_reports_its_cost() -> No
     got = c.observe(1.5, 4.0)
     assert got is not None and got.interval_seconds == 600 and got.cost_seconds == 1.5
     assert got.expected_loss_seconds == 304.0
+    assert got.line() == ("heartbeat 10m (fixed): checkpoint costs 1.5 s (measured on 1 checkpoint); expected work "
+                          "lost per failure ~5m04s")
     assert c.observe(1.5, 4.0) is None
 
 
