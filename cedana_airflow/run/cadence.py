@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ..config import FailureHistory, Settings
@@ -108,7 +109,10 @@ class HeartbeatChoice:
 class Cadence:
     """The interval of one run's heartbeat: fixed, or re-chosen after each checkpoint (auto)."""
 
-    def __init__(self, settings: Settings, *, first_cost: float, cost_source: str) -> None:
+    def __init__(self, settings: Settings, *, first_cost: float, cost_source: str,
+                 earlier: Sequence[float] = ()) -> None:
+        """``earlier``: the costs of this ID's latest checkpoints (a retry's): measured, they count with this
+        run's own."""
         self.settings = settings
         self.auto = settings.heartbeat_auto
         # a fixed interval asks for no failure rate: the operators read no history for it
@@ -116,6 +120,8 @@ class Cadence:
         self._failures = _failures_text(settings.failure_history, settings.mtbf_hours, self.mtbf)
         self._costs: deque[float] = deque(maxlen=COST_WINDOW)
         self._commits: deque[float] = deque(maxlen=COST_WINDOW)
+        self._costs.extend(earlier)
+        self._observed = False
         self.choice = self._choose(first_cost, cost_source, 0.0)
 
     def interval(self) -> float:
@@ -125,7 +131,7 @@ class Cadence:
         """A checkpoint was committed: it cost the workload ``cost`` s and took ``commit`` s from its start.
         Returns the new choice when the interval changed by CHANGE or more (or for the first measurement),
         else None (the figures are updated quietly)."""
-        first = not self._costs
+        first, self._observed = not self._observed, True
         self._costs.append(max(cost, 0.0))
         self._commits.append(max(commit, cost, 0.0))
         n = len(self._costs)

@@ -418,15 +418,14 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
 def _cadence(settings: Settings, cp: Checkpointer, workload: Workload) -> Cadence:
     """The heartbeat's interval for this run. Its first cost: this ID's latest checkpoints (a retry has
     them), else (auto only) the tree's size at the fleet's measured freeze rate."""
-    rows = _own_rows(cp) if settings.heartbeat_auto else []
-    if rows:
-        costs = [r.freeze_seconds for r in rows[-COST_WINDOW:]]
+    costs = [r.freeze_seconds for r in _own_rows(cp)[-COST_WINDOW:]] if settings.heartbeat_auto else []
+    if costs:
         first, source = statistics.median(costs), f"measured on {len(costs)} earlier checkpoint(s) of this ID"
     elif settings.heartbeat_auto:
         first, source = estimated_cost(estimate_checkpoint(workload.pids()).total, _fleet_freeze_rate(cp.store))
     else:
         first, source = 0.0, "not measured yet"
-    cadence = Cadence(settings, first_cost=first, cost_source=source)
+    cadence = Cadence(settings, first_cost=first, cost_source=source, earlier=costs)
     if cadence.auto:  # kept in the index with the first checkpoint (an entry without one is not kept)
         log.info("%s checkpoint_id=%s", cadence.choice.line(), cp.checkpoint_id)
     return cadence

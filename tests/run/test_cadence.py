@@ -82,6 +82,13 @@ def test_observe_takes_a_new_interval_only_on_a_real_change_and_uses_the_median_
     assert c.choice.expected_loss_seconds == pytest.approx(c.interval() / 2 + c.choice.commit_seconds)
 
 
+def test_a_retry_counts_the_costs_its_id_measured_before() -> None:
+    c = Cadence(Settings(heartbeat_seconds="auto", mtbf_hours=10), first_cost=4.0, cost_source="measured on 3 earlier",
+                earlier=(4.0, 4.0, 4.0))
+    got = c.observe(0.5, 1.0)  # one cheap checkpoint here does not outvote three measured before
+    assert got is not None and got.cost_source == "measured on 4 checkpoints" and got.cost_seconds == 4.0
+
+
 def test_a_fixed_heartbeat_keeps_its_interval_and_still_reports_its_cost() -> None:
     c = Cadence(Settings(heartbeat_seconds=600), first_cost=0.0, cost_source="not measured yet")
     assert c.interval() == 600 and not c.auto
