@@ -246,13 +246,18 @@ def _ti_path(ti: Mapping[str, Any]) -> str:
 
 
 def _try_of(r: Mapping[str, Any], now: datetime) -> TryEnd:
-    seconds = r.get("duration")
-    if seconds is None and r.get("start_date"):  # still running: its run time so far
-        seconds = (now - datetime.fromisoformat(str(r["start_date"]).replace("Z", "+00:00"))).total_seconds()
-    state = r.get("state")
+    seconds, state = r.get("duration"), r.get("state")
+    if seconds is None:  # an ended try without a duration: its dates; a running one: its time so far
+        start, end = _when(r.get("start_date")), _when(r.get("end_date"))
+        if start and (end or state in _UNFINISHED):
+            seconds = ((end or now) - start).total_seconds()
     return TryEnd(r["dag_id"], r["task_id"], r.get("dag_run_id", ""), r.get("map_index", -1), r.get("try_number", 1),
                   state, max(float(seconds or 0.0), 0.0),
                   "success" if state == "success" else "running" if state in _UNFINISHED else "workload")
+
+
+def _when(text: Any) -> datetime | None:
+    return datetime.fromisoformat(str(text).replace("Z", "+00:00")) if text else None
 
 
 def _events(api: AirflowApi, ti: Mapping[str, Any]) -> dict[int, set[str]]:

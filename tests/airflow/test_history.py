@@ -33,6 +33,21 @@ def test_only_what_is_not_the_workloads_doing_counts() -> None:
     assert INFRASTRUCTURE == {"node-loss", "killed", "stopped", "lost"}
 
 
+def test_a_tries_run_time_is_its_duration_else_its_dates_and_never_the_time_since_an_old_start() -> None:
+    from datetime import datetime, timezone
+
+    from cedana_airflow.airflow.history import _try_of
+
+    now = datetime(2026, 12, 3, 12, tzinfo=timezone.utc)
+    base = {"dag_id": "d", "task_id": "t", "dag_run_id": "r", "try_number": 1}
+    assert _try_of({**base, "state": "failed", "duration": 42.0}, now).seconds == 42.0
+    assert _try_of({**base, "state": "failed", "start_date": "2026-11-20T00:00:00Z",
+                    "end_date": "2026-11-20T00:10:00Z"}, now).seconds == 600
+    assert _try_of({**base, "state": "failed", "start_date": "2026-11-20T00:00:00Z"}, now).seconds == 0
+    assert _try_of({**base, "state": "running", "start_date": "2026-12-03T11:00:00Z"}, now).seconds == 3600
+    assert _try_of({**base, "state": "up_for_retry"}, now).seconds == 0
+
+
 def test_the_recorded_ends_are_read_from_the_operators_task_state_record() -> None:
     record = {"checkpoint_id": "x", "tries": [{"try_number": 1, "node": "a", "ended": "killed SIGKILL"},
                                                {"try_number": 2, "node": "b"}, "junk", {"ended": "exited 0"}]}
