@@ -160,7 +160,9 @@ def test_a_memory_threshold_checkpoints_a_growing_workload_once_as_it_crosses(tm
     assert r.returncode == 0 and r.stdout.split() == ["small", "big", "done"], r.stderr
     assert r.stderr.count("memory above threshold") == 1, r.stderr
     [m] = manifests(tmp_path / "store", "grows")
-    assert m["image_bytes"] > 150 << 20  # taken after the growth, not before
+    # taken as the growth crossed the threshold, not before it (the 20 MB phase): the image can be a little under
+    # 150 MiB, since resident memory counts shared library pages that a dump does not write (seen: 148 MiB)
+    assert m["image_bytes"] > 100 << 20
 
 
 @pytest.mark.parametrize("where, in_scope, says", [
