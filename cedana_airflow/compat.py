@@ -16,6 +16,7 @@ import re
 from collections.abc import Mapping
 
 from . import __version__
+from .config import HEARTBEAT_AUTO_SETTINGS, env_var
 
 __all__ = ["COOPERATIVE_FLOOR", "HEARTBEAT_AUTO_FLOOR", "MIN_SUPERVISOR_ENV", "OPERATOR_VERSION_ENV", "SUPERVISOR_FLOOR", "handshake_env",
            "supervisor_refusal"]
@@ -29,8 +30,7 @@ SUPERVISOR_FLOOR = "0.5.1"
 COOPERATIVE_FLOOR = "0.6.0"
 #: ... and ``--heartbeat auto`` with its settings (0.7.0).
 HEARTBEAT_AUTO_FLOOR = "0.7.0"
-_AUTO_SETTINGS = ("CEDANA_HEARTBEAT_MIN_SECONDS", "CEDANA_HEARTBEAT_MAX_SECONDS", "CEDANA_MTBF_HOURS",
-                  "CEDANA_FAILURE_HISTORY")
+_AUTO_SETTINGS = frozenset(env_var(name) for name in HEARTBEAT_AUTO_SETTINGS)
 
 
 def _parse(version: str) -> tuple[int, ...] | None:

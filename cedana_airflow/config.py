@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 
 from .errors import ConfigError
 
-__all__ = ["FailureHistory", "Layer", "Settings", "default", "load_settings", "redact", "DEFAULT_CRIU_PREFIX", "STORE_URL_HINT"]
+__all__ = ["FailureHistory", "HEARTBEAT_AUTO_SETTINGS", "Layer", "Settings", "default", "env_text", "env_var",
+           "load_settings", "redact", "DEFAULT_CRIU_PREFIX", "STORE_URL_HINT"]
 
 #: Where scripts/install-criu.sh unpacks a private CRIU on machines whose apt has no CRIU >= 4.
 DEFAULT_CRIU_PREFIX = "/opt/cedana-airflow/criu"
@@ -385,10 +386,31 @@ def default(name: str) -> Any:
     return Settings.model_fields[name].default
 
 
+#: What heartbeat = auto chooses from besides the heartbeat itself: a route that carries auto carries these.
+HEARTBEAT_AUTO_SETTINGS = ("heartbeat_min_seconds", "heartbeat_max_seconds", "mtbf_hours", "failure_history")
+
+
+def env_var(name: str) -> str:
+    """The environment variable of setting ``name``."""
+    return _ENV_PREFIX + name.upper()
+
+
+def env_text(name: str, value: Any) -> str:
+    """Setting ``name``'s ``value`` as its CEDANA_* variable spells it, so that :func:`load_settings` reads
+    it back (what the routes put into a pod or a batch job)."""
+    if isinstance(value, (tuple, list)):  # restore_roots reads like PATH, keep_env like a list
+        return (":" if name == "restore_roots" else ",").join(str(v) for v in value)
+    if isinstance(value, BaseModel):  # failure_history: JSON
+        return value.model_dump_json()
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in Settings.model_fields:
-        key = _ENV_PREFIX + name.upper()
+        key = env_var(name)
         if key in environ and environ[key] != "":
             out[name] = environ[key]
     return out
@@ -423,7 +445,7 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
         for k, v in _from_file(env["CEDANA_CONFIG"]).items():
             merged[k], source[k] = v, f"{env['CEDANA_CONFIG']} [cedana] {k}"
     for k, v in _from_env(env).items():
-        merged[k], source[k] = v, _ENV_PREFIX + k.upper()
+        merged[k], source[k] = v, env_var(k)
     name_override = overrides_source or (lambda k: f"--{k.replace('_', '-')}")
     for name, values in [*layers, (name_override, overrides or {})]:
         for k, v in values.items():

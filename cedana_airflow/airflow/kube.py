@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kubernetes.client import models as k8s
-from pydantic import BaseModel
 
 from ..compat import handshake_env
-from ..config import Settings
+from ..config import HEARTBEAT_AUTO_SETTINGS, Settings, env_text, env_var
 from ..format.manifest import AirflowTask
 from ..ids import validate_checkpoint_id
 from ..run.cadence import FREEZE_SECONDS_PER_GIB, Cadence
@@ -46,8 +45,6 @@ _CREDENTIALS_VOLUME = "cedana-store-credentials"
 _RESTORE_RULES = ("max_restore_gap_seconds", "lease_seconds", "lease_renew_command")
 #: ... and how it checkpoints, when that is not the default (docs/cooperative.md).
 _MODE = ("mode", "cooperative_signal", "cooperative_timeout_seconds", "cooperative_verify_command")
-#: ... and what heartbeat = auto chooses from (docs/heartbeat.md).
-_HEARTBEAT = ("heartbeat_min_seconds", "heartbeat_max_seconds", "mtbf_hours", "failure_history")
 
 
 @dataclass(frozen=True)
@@ -163,16 +160,12 @@ def node_label_of(optin: OptInList | None) -> tuple[str, str]:
 def restore_rules_env(settings: Settings) -> dict[str, str]:
     """max_restore_gap, the lease and the mode as the CEDANA_* variables the in-pod CLI reads (it restores and
     checkpoints there); the mode's settings only where they differ from the default."""
-    rules = {f"CEDANA_{name.upper()}": str(getattr(settings, name)) for name in _RESTORE_RULES
+    rules = {env_var(name): env_text(name, getattr(settings, name)) for name in _RESTORE_RULES
              if getattr(settings, name) is not None}
     defaults = Settings()
-    carried = _MODE + (_HEARTBEAT if settings.heartbeat_auto else ())
-    return rules | {f"CEDANA_{name.upper()}": _env_value(getattr(settings, name)) for name in carried
+    carried = _MODE + (HEARTBEAT_AUTO_SETTINGS if settings.heartbeat_auto else ())  # docs/heartbeat.md
+    return rules | {env_var(name): env_text(name, getattr(settings, name)) for name in carried
                     if getattr(settings, name) != getattr(defaults, name)}
-
-
-def _env_value(value: object) -> str:
-    return value.model_dump_json() if isinstance(value, BaseModel) else str(value)
 
 
 def route_heartbeat(settings: Settings, kind: str, fallback_seconds: int) -> int | Literal["auto"]:

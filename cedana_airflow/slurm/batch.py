@@ -19,10 +19,8 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel
-
 from ..compat import handshake_env
-from ..config import Settings
+from ..config import Settings, env_text, env_var
 from ..errors import ConfigError
 from ..ids import validate_checkpoint_id
 
@@ -159,14 +157,6 @@ def job_settings_env(settings: Settings, node_config: str = "") -> dict[str, str
     defaults = Settings()
     for name in Settings.model_fields:
         value = getattr(settings, name)
-        if name in _NOT_CARRIED or value == getattr(defaults, name) or value is None:
-            continue
-        if isinstance(value, (tuple, list)):  # restore_roots reads like PATH, keep_env like a list
-            out[f"CEDANA_{name.upper()}"] = (":" if name == "restore_roots" else ",").join(str(v) for v in value)
-        elif isinstance(value, BaseModel):  # failure_history: JSON, as Settings reads it back
-            out[f"CEDANA_{name.upper()}"] = value.model_dump_json()
-        elif isinstance(value, bool):
-            out[f"CEDANA_{name.upper()}"] = "true" if value else "false"
-        else:
-            out[f"CEDANA_{name.upper()}"] = str(value)
+        if name not in _NOT_CARRIED and value != getattr(defaults, name) and value is not None:
+            out[env_var(name)] = env_text(name, value)
     return out
