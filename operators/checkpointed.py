@@ -214,7 +214,8 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
             "checkpoint_id": cid, "node": node, "outcome": result.outcome, "exit_code": result.exit_code,
             "checkpoints_taken": len(result.checkpoints), "skipped_heartbeats": result.skipped_heartbeats,
             "stored_bytes": sum(m.stored_bytes for m in result.checkpoints), "restore": None,
-            "heartbeat": result.heartbeat,  # the interval in use at the end, and what it was chosen from
+            # the interval in use at the end, and what it was chosen from
+            "heartbeat": result.heartbeat.model_dump() if result.heartbeat is not None else None,
         }
         m = result.restored_from
         if m is not None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 from ..config import FailureHistory, Settings
 from ..format.manifest import Manifest
+from ..store.index import HeartbeatRow
 
 __all__ = ["COST_WINDOW", "Cadence", "FREEZE_SECONDS_PER_GIB", "HeartbeatChoice", "checkpoint_cost", "duration_text",
            "estimated_cost", "mean_time_between_failures", "young_daly"]
@@ -98,12 +99,12 @@ class HeartbeatChoice:
                 f"{_seconds_text(self.cost_seconds)} ({self.cost_source}){failures}; expected work lost "
                 f"per failure ~{duration_text(self.expected_loss_seconds)}")
 
-    def as_record(self) -> dict[str, object]:
-        """What the listing index keeps of it (store/index.py: HeartbeatRow)."""
-        return {"interval_seconds": round(self.interval_seconds, 3), "auto": self.auto,
-                "cost_seconds": round(self.cost_seconds, 4), "commit_seconds": round(self.commit_seconds, 3),
-                "mtbf_seconds": None if self.mtbf_seconds is None else round(self.mtbf_seconds, 1),
-                "expected_loss_seconds": round(self.expected_loss_seconds, 3), "reason": self.line()}
+    def as_row(self) -> HeartbeatRow:
+        """What the listing index keeps of it, and what ``run --json`` and the operator's summary say."""
+        return HeartbeatRow(interval_seconds=round(self.interval_seconds, 3), auto=self.auto,
+                            cost_seconds=round(self.cost_seconds, 4), commit_seconds=round(self.commit_seconds, 3),
+                            mtbf_seconds=None if self.mtbf_seconds is None else round(self.mtbf_seconds, 1),
+                            expected_loss_seconds=round(self.expected_loss_seconds, 3), reason=self.line())
 
 
 class Cadence:

@@ -70,7 +70,7 @@ class RunResult:
     killed_by_signal: int | None = None  # the signal that ended the workload, when not one we sent to stop it
     skipped_heartbeats: int = 0  # too large to take (max_checkpoint_bytes, or no room in the work dir)
     stop: StopReport | None = None  # how a stop went (final checkpoint, the tree's end), when there was one
-    heartbeat: dict[str, Any] | None = None  # the interval in use at the end and its figures (run/cadence.py)
+    heartbeat: index.HeartbeatRow | None = None  # the interval in use at the end and its figures (run/cadence.py)
 
 
 #: Signals that stop a managed run (final checkpoint first) and those passed straight to the workload.
@@ -409,7 +409,7 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
     result.exit_code = 128 + result.stopped_by_signal if result.stopped_by_signal else (rc if rc is not None else 1)
     result.killed_by_signal = None if result.stopped_by_signal else workload.signal
     result.skipped_heartbeats = cp.skipped
-    result.heartbeat = cadence.choice.as_record() if cadence is not None else None
+    result.heartbeat = cadence.choice.as_row() if cadence is not None else None
     log.info("workload exited checkpoint_id=%s exit_code=%d checkpoints=%d skipped_heartbeats=%d",
              cp.checkpoint_id, result.exit_code, len(result.checkpoints), cp.skipped)
     return result
@@ -445,7 +445,7 @@ def _chosen(cp: Checkpointer, choice: HeartbeatChoice | None) -> None:
         return
     if choice.auto:
         log.info("%s checkpoint_id=%s", choice.line(), cp.checkpoint_id)
-    index.record_heartbeat(cp.store, cp.checkpoint_id, choice.as_record())
+    index.record_heartbeat(cp.store, cp.checkpoint_id, choice.as_row())
 
 
 def _fleet_freeze_rate(store: Store) -> float | None:

@@ -52,7 +52,7 @@ def run_summary(result: RunResult, checkpoint_id: str, node: str) -> dict[str, A
         # where the restore's time went (docs/cli.md): spans, CRIU's phases, marks, store reads; null when fresh
         "restore_timings": result.restore_timeline.as_dict() if result.restore_timeline is not None else None,
         # 0.7.0: the heartbeat in use at the end: interval, cost, expected work lost (docs/heartbeat.md); null: none
-        "heartbeat": result.heartbeat,
+        "heartbeat": result.heartbeat.model_dump() if result.heartbeat is not None else None,
         "error": None,
     }
 

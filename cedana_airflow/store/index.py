@@ -166,9 +166,8 @@ def record_skip(store: Store, checkpoint_id: str, why: str) -> bool:
         "skipped_heartbeats": e.skipped_heartbeats + 1, "last_skip": why}))
 
 
-def record_heartbeat(store: Store, checkpoint_id: str, heartbeat: Mapping[str, object]) -> bool:
-    row = HeartbeatRow.model_validate(heartbeat)
-    return _update_entry(store, checkpoint_id, lambda e: e.model_copy(update={"heartbeat": row}))
+def record_heartbeat(store: Store, checkpoint_id: str, heartbeat: HeartbeatRow) -> bool:
+    return _update_entry(store, checkpoint_id, lambda e: e.model_copy(update={"heartbeat": heartbeat}))
 
 
 def record_restore_warning(store: Store, checkpoint_id: str, why: str) -> bool:
