@@ -10,12 +10,17 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlencode
 
 from ..errors import CedanaError, ConfigError
 from ..hooks.store import named_connection
 
-__all__ = ["AirflowApi", "api_base_url"]
+__all__ = ["AirflowApi", "PAGE", "api_base_url"]
+
+#: Rows per request of a paged listing.
+PAGE = 100
 
 
 def api_base_url(option: str | None) -> str:
@@ -61,6 +66,19 @@ class AirflowApi:
         except OSError as e:
             raise CedanaError(f"Airflow API at {self.base} cannot be reached ({e}). Set [cedana] {self.option.replace('conn_id', 'url')} "
                               "to the api-server's address.") from None
+
+    def pages(self, path: str, key: str, query: Mapping[str, Any], cap: int | None = None) -> list[dict[str, Any]]:
+        """Every row of a paged listing (``key``: its list, e.g. "task_instances"), 100 per request; with
+        ``cap``, about that many at most."""
+        out: list[dict[str, Any]] = []
+        while cap is None or len(out) < cap:
+            query_text = urlencode({**query, "limit": PAGE, "offset": len(out)}, doseq=True)
+            page = self.call("GET", f"{path}?{query_text}") or {}
+            rows = page.get(key) or []
+            out += rows
+            if not rows or len(out) >= page.get("total_entries", 0):
+                break
+        return out
 
     def _login(self, conn_id: str | None) -> str:
         if not conn_id:  # the simple auth manager in all-admins mode hands out a token

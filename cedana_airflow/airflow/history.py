@@ -51,7 +51,8 @@ INFRASTRUCTURE: frozenset[str] = frozenset({"node-loss", "killed", "stopped", "l
 
 #: Task instances examined try by try (their tries and events read), the most recent first.
 MAX_EXAMINED = 200
-_PAGE = 100
+#: Task instances of the queue listed at most (the most recent first).
+MAX_LISTED = 5000
 _UNFINISHED = {"running", "queued", "scheduled", "deferred", "up_for_reschedule", "restarting", None}
 #: Audit-log events of a person (or a drill) changing a task's state by hand.
 _USER_EVENTS = ("patch_task_instance", "post_clear_task_instances", "patch_task_instances", "clear")
@@ -102,8 +103,8 @@ def failure_history(api: AirflowApi, *, queue: str, pool: str, window_days: floa
     since = now - timedelta(days=window_days)
     where = {"queue": queue, **({"pool": pool} if pool and pool != "default_pool" else {})}
     scope = ", ".join(f"{k} {v}" for k, v in where.items())
-    tis = _pages(api, "/api/v2/dags/~/dagRuns/~/taskInstances", "task_instances",
-                 {**where, "start_date_gte": since.isoformat(), "order_by": "-start_date"})
+    tis = api.pages("/api/v2/dags/~/dagRuns/~/taskInstances", "task_instances",
+                    {**where, "start_date_gte": since.isoformat(), "order_by": "-start_date"}, cap=MAX_LISTED)
     ends: list[TryEnd] = []
     examined = skipped = 0
     for ti in tis:  # the most recent first
@@ -228,17 +229,6 @@ def _line(e: BaseException) -> str:
 
 
 # -- reading -------------------------------------------------------------------------------------------------
-def _pages(api: AirflowApi, path: str, key: str, query: Mapping[str, Any], cap: int = 5000) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    while len(out) < cap:
-        page = api.call("GET", f"{path}?" + urlencode({**query, "limit": _PAGE, "offset": len(out)}, doseq=True)) or {}
-        rows = page.get(key) or []
-        out += rows
-        if not rows or len(out) >= page.get("total_entries", 0):
-            break
-    return out
-
-
 def _ti_path(ti: Mapping[str, Any]) -> str:
     path = (f"/api/v2/dags/{quote(ti['dag_id'], safe='')}/dagRuns/{quote(ti['dag_run_id'], safe='')}/taskInstances/"
             f"{quote(ti['task_id'], safe='')}")
@@ -264,7 +254,7 @@ def _events(api: AirflowApi, ti: Mapping[str, Any]) -> dict[int, set[str]]:
     """The audit-log events of one task instance, by try. An event without a try number (a person's state
     change through the API) goes to the latest try begun before it."""
     q = {"dag_id": ti["dag_id"], "task_id": ti["task_id"], "run_id": ti["dag_run_id"], "order_by": "when"}
-    rows = _pages(api, "/api/v2/eventLogs", "event_logs", q, cap=1000)
+    rows = api.pages("/api/v2/eventLogs", "event_logs", q, cap=1000)
     by_try: dict[int, set[str]] = {}
     current = 0  # the latest try begun so far, in time order
     for e in rows:

@@ -44,20 +44,12 @@ class ApiFleet(AirflowApi):
         return None
 
     def running_tasks(self) -> list[RunningTask]:
-        out: list[RunningTask] = []
-        offset = 0
-        while True:
-            page = self.call("GET", "/api/v2/dags/~/dagRuns/~/taskInstances?"
-                              + urlencode({"state": "running", "limit": 100, "offset": offset}))
-            rows = page.get("task_instances", [])
-            offset += len(rows)
-            out += [RunningTask(dag_id=r["dag_id"], task_id=r["task_id"], run_id=r["dag_run_id"],
-                                map_index=r.get("map_index", -1), try_number=r["try_number"],
-                                max_tries=r.get("max_tries", 0), pool=r.get("pool") or "", queue=r.get("queue") or "",
-                                hostname=r.get("hostname") or "")
-                    for r in rows if r["dag_id"] != self.drill_dag_id]
-            if not rows or offset >= page.get("total_entries", 0):
-                return out
+        rows = self.pages("/api/v2/dags/~/dagRuns/~/taskInstances", "task_instances", {"state": "running"})
+        return [RunningTask(dag_id=r["dag_id"], task_id=r["task_id"], run_id=r["dag_run_id"],
+                            map_index=r.get("map_index", -1), try_number=r["try_number"],
+                            max_tries=r.get("max_tries", 0), pool=r.get("pool") or "", queue=r.get("queue") or "",
+                            hostname=r.get("hostname") or "")
+                for r in rows if r["dag_id"] != self.drill_dag_id]
 
     def fail_try(self, task: RunningTask, note: str) -> None:
         self.call("PATCH", self._ti_path(task), {"new_state": "failed", "note": note})
