@@ -62,7 +62,9 @@ def test_lazy_restore_on_another_node_ends_with_the_uninterrupted_digest(tmp_pat
 
 @pytest.mark.parametrize("via", VIAS)
 def test_a_corrupt_chunk_met_mid_stream_kills_the_tree_and_the_fallback_says_why(tmp_path, via):
-    args = ["--mb", "120", "--steps", "60", "--step-seconds", "0.1"]
+    # Steps enough that the restored tree outlives the stream: a tree that ends before the stream reaches the
+    # bad chunk never needs it (once in CI, under load, the run ended first and nothing was met).
+    args = ["--mb", "120", "--steps", "120", "--step-seconds", "0.1"]
     ms = _checkpointed_and_lost(tmp_path, "lazy-bad", args, 2)
     newest, older = ms[-1], ms[-2]
     # A chunk both checkpoints share, as far as can be from what the newest wrote anew: memory that
