@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup criu torch browser services slurm pods demo ui demo-fleet demo-slurm demo-k8s test test-unit soak bench faults clean
+.PHONY: setup criu torch browser services slurm pods demo ui demo-fleet demo-slurm demo-k8s test test-fast test-unit soak bench faults clean
 
 setup: $(STAMP) criu
 
@@ -62,11 +62,17 @@ demo-slurm: setup slurm
 demo-k8s: setup pods
 	$(BIN)/python scripts/demo_k8s.py
 
+# The suite in parallel pytest-xdist workers: most end-to-end tests wait on heartbeats and Airflow's loops,
+# so their waits overlap (tests/harness.py; docs/testing.md has the budget and the latest figures).
+TEST_WORKERS ?= 4
 test: setup torch browser services slurm pods
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
-test-unit: setup
-	$(BIN)/python -m pytest -m "not integration"
+# The inner loop: units and the pieces that need no Airflow stack, cluster or pod (under 3 minutes).
+test-fast: setup
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not integration"
+
+test-unit: test-fast
 
 # Checkpoint -> kill -> restore cycles compared with uninterrupted runs (scripts/soak.py):
 # `make soak` runs each shape x mode x store once; ROUNDS=N or MINUTES=M for a long one; ALONGSIDE=1

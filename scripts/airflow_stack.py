@@ -45,7 +45,11 @@ class AirflowStack(Deployment):
                     "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.base}/execution/",
                     "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
                     "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
-                    "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+                    "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": env.get("AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL", "5"),
+                    # the scheduler's and the triggerer's log servers: their own ports, so that several
+                    # stacks (tests run side by side) never fight over Airflow's 8793 and 8794
+                    "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+                    "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
                     "AIRFLOW__API_AUTH__JWT_SECRET": env.get("AIRFLOW__API_AUTH__JWT_SECRET") or os.urandom(16).hex()}
         self.home, self.wait_dag, self.start_timeout = home, wait_dag, start_timeout
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -83,6 +87,37 @@ class AirflowStack(Deployment):
     def __exit__(self, *exc: object) -> None:
         stop_parts(self.procs.values(), timeout=30)
         self.procs.clear()
+
+    @classmethod
+    def running(cls, base: str, home: Path, env: dict[str, str]) -> AirflowStack:
+        """A client of a stack another process started and stops (a test run's shared one): its REST
+        API, its home and environment; no parts of its own to stop."""
+        stack = cls.__new__(cls)
+        stack.base, stack.port, stack.home, stack.env = base, int(base.rsplit(":", 1)[1]), home, env
+        stack.wait_dag, stack.start_timeout, stack.procs = "", 0.0, {}
+        stack.token = ""
+        stack.token = stack.call("GET", "/auth/token")["access_token"]
+        return stack
+
+    def serve(self, dag_id: str, path: Path, timeout: float = 120) -> None:
+        """Until the dag processor has parsed the new DAG file ``path`` and the API serves ``dag_id``; a
+        file that fails to import is its import error, at once."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.call("GET", f"/api/v2/dags/{quote(dag_id)}")
+                return
+            except urllib.error.HTTPError as e:
+                if e.code != 404:
+                    raise
+            errors = self.call("GET", "/api/v2/importErrors?limit=100").get("import_errors", [])
+            mine = [e["stack_trace"] for e in errors if str(e.get("filename", "")).endswith(path.name)]
+            if mine:
+                raise StackError(f"{path} did not import: {mine[0].strip().splitlines()[-1]}")
+            if time.monotonic() > deadline:
+                raise StackError(f"DAG {dag_id} ({path}) not served within {timeout:.0f} s; "
+                                 f"log: {self.home}/dag-processor.log")
+            time.sleep(0.5)
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in self.home.glob("*.log"))

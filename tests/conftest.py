@@ -19,11 +19,12 @@ from typing import Any
 
 import pytest
 
+import harness
 from cedana_airflow.run.workload import become_subreaper
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
-from local_parts import AIRFLOW, free_port as _free_port, moto_server, processes_with, reap  # noqa: E402  (re-exported: tests import them from here)
+from local_parts import AIRFLOW, descendants, free_port as _free_port, moto_server, reap  # noqa: E402  (re-exported: tests import them from here)
 
 TRAIN = REPO / "tests" / "workloads" / "train.py"
 #: Screenshots the browser tests leave for people to look at (CI keeps them).
@@ -46,34 +47,132 @@ def browser_page() -> Iterator[Any]:
             browser.close()
 
 
-#: The pod tests' image (scripts/pod_image.py), built beside the tests that run before them.
-_pod_image: subprocess.Popen[bytes] | None = None
+# -- one run, several workers (tests/harness.py) -----------------------------------------------------------
+#: What each test took in the last full run, in seconds (refresh: copy .artifacts/durations.json here after
+#: a full `make test`): the longest go first, so that no worker starts a long one when the rest are done.
+DURATIONS = REPO / "tests" / "durations.json"
+MEASURED = REPO / ".artifacts" / "durations.json"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config._cedana_started = time.time()  # type: ignore[attr-defined]
+    if harness.is_controller(config):
+        harness.start_run()  # before the workers start: they inherit its path
+        become_subreaper()  # a killed part of a service is the controller's to reap
+        if config.getoption("dist", "no") != "no" and config.getoption("tx", None):
+            config._cedana_services = harness.ControllerStarts()  # type: ignore[attr-defined]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not harness.is_controller(config):  # a worker: the controller hands out units (tests/scheduling.py)
+        from scheduling import write_units
+
+        try:
+            known: dict[str, float] = json.loads(DURATIONS.read_text())
+        except (OSError, ValueError):
+            known = {}
+        write_units(items, known)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from scheduling import LongestFirst
+
+    return LongestFirst(config, log)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
+    """A ``serial`` test runs alone on the machine; every other test beside the others."""
+    with harness.machine(exclusive=item.get_closest_marker("serial") is not None):
+        before = harness.own_cpu_seconds()
+        yield
+        harness.record_cpu(item.nodeid, harness.own_cpu_seconds() - before)
+
+
+_durations: dict[str, float] = {}
+_cpu: dict[str, float] = {}
+_machine = {"busy": harness.machine_cpu_seconds()}  # the controller's start; its end in sessionfinish
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """The controller sees every worker's reports: setup + call + teardown of each test."""
+    nodeid = report.nodeid.split("@")[0]  # loadgroup's suffix
+    _durations[nodeid] = _durations.get(nodeid, 0.0) + report.duration
+
+
+#: The pod tests' image (scripts/pod_image.py), built once per run beside the tests that run before them.
 POD_IMAGE_LOG = Path(tempfile.gettempdir()) / "cedana-pod-image.log"
+
+
+def _start_pod_image(d: Path) -> dict[str, Any]:
+    with open(POD_IMAGE_LOG, "wb") as log:
+        p = subprocess.Popen(["sh", "-c", f'nice -n 10 "$0" "$1"; echo $? > "{d}/done"', sys.executable,
+                              str(REPO / "scripts" / "pod_image.py")],
+                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return {"pgids": [p.pid], "done": str(d / "done")}
+
+
+harness.SERVICES["pod-image"] = _start_pod_image
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """On a clean clone the pod image takes about a minute (mmdebstrap, podman build): start it as
-    soon as the pod tests are known to run, at low priority, so it is ready when they are."""
-    global _pod_image
+    soon as the pod tests are known to run, at low priority, so it is ready when they are (once per
+    run: every worker collects, the first to ask has it started)."""
     if any("test_k8s_pods.py" in item.nodeid for item in session.items) and shutil.which("podman") \
             and shutil.which("mmdebstrap"):
-        with open(POD_IMAGE_LOG, "wb") as log:
-            _pod_image = subprocess.Popen(["nice", "-n", "10", sys.executable, str(REPO / "scripts" / "pod_image.py")],
-                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        harness.service("pod-image")
 
 
 def wait_for_pod_image(timeout: float = 900) -> None:
     """Until the image started above is built (the caller's own build then loads it from the cache;
     a failed build is left for that one to report)."""
-    if _pod_image is not None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            _pod_image.wait(timeout)
+    done = Path(harness.run_dir() / "services" / "pod-image" / "done")
+    if not done.parent.exists():
+        return
+    deadline = time.monotonic() + timeout
+    while not done.exists() and time.monotonic() < deadline:
+        time.sleep(1)
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    if _pod_image is not None and _pod_image.poll() is None:
-        os.killpg(_pod_image.pid, signal.SIGTERM)
-        _pod_image.wait()
+    if not harness.is_controller(session.config):
+        return
+    # Every worker has ended: what the services left, and page files a killed supervisor left mounted
+    # under /tmp (a restore in the same work dir would unmount it), go now, not while others still run.
+    from cedana_airflow.engine.page_file import sweep
+
+    _cpu.update(harness.recorded_cpu())
+    _machine["busy"] = harness.machine_cpu_seconds() - _machine["busy"]
+    if (starts := getattr(session.config, "_cedana_services", None)) is not None:
+        starts.close()
+    harness.stop_services()
+    sweep(Path(tempfile.gettempdir()))
+    reap()
+    if _durations and len(_durations) > 100:  # a full run, or most of one: the table's next refresh
+        MEASURED.parent.mkdir(parents=True, exist_ok=True)
+        MEASURED.write_text(json.dumps(dict(sorted(_durations.items())), indent=0) + "\n")
+        MEASURED.with_name("cpu.json").write_text(json.dumps(dict(sorted(_cpu.items())), indent=0) + "\n")
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """What the budget is about (docs/testing.md): the wall time, and the CPU time that bounds it on 2 cores."""
+    if not (harness.is_controller(config) and _durations):
+        return
+    wall = time.time() - config._cedana_started  # type: ignore[attr-defined]
+    workers = config.getoption("numprocesses", None) or 0
+    cores = os.cpu_count() or 1
+    write = terminalreporter.write_line
+    if _cpu:
+        write("")
+        write(f"costliest tests in CPU time (with their subprocesses; {sum(_cpu.values()):.0f} s in all):")
+        for nodeid, seconds in sorted(_cpu.items(), key=lambda kv: -kv[1])[:15]:
+            write(f"{seconds:8.1f}s  {nodeid}")
+    write(f"suite: {len(_durations)} tests in {wall:.0f} s of pytest ({wall / 60:.1f} min; budget 15 min), "
+          f"{workers or 'no'} xdist worker(s); the machine was busy {_machine['busy']:.0f} CPU-s of "
+          f"{wall * cores:.0f} ({cores} cores, {100 * _machine['busy'] / (wall * cores):.0f}%)")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -81,11 +180,6 @@ def _reap_orphans():
     """This machine's init does not reap orphans; killed supervisors leave some behind."""
     become_subreaper()
     yield
-    # A supervisor killed while a lazy restore streamed leaves its page file mounted (a restore in the
-    # same work dir would unmount it); nothing of ours may stay mounted under /tmp after the tests.
-    from cedana_airflow.engine.page_file import sweep
-
-    sweep(Path(tempfile.gettempdir()))
     reap()
 
 
@@ -140,6 +234,16 @@ def wait_for_checkpoints(store: Path, checkpoint_id: str, n: int, proc: subproce
     raise AssertionError(f"no {n} checkpoint(s) under {checkpoint_id} within {timeout}s")
 
 
+def wait_for_line(path: Path, text: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> str:
+    """Until the supervisor's log at ``path`` says ``text``; the log."""
+    deadline = time.monotonic() + timeout
+    while text not in (log := path.read_text(errors="replace") if path.exists() else ""):
+        assert proc.poll() is None, f"supervisor exited early with {proc.returncode}: {log[-2000:]}"
+        assert time.monotonic() < deadline, f"{path} never said {text!r}: {log[-2000:]}"
+        time.sleep(0.1)
+    return log
+
+
 def kill_node(proc: subprocess.Popen[bytes], workload_pid: int) -> None:
     """Simulate losing the node: SIGKILL the supervisor and the workload's whole PID namespace."""
     proc.send_signal(signal.SIGKILL)
@@ -149,6 +253,57 @@ def kill_node(proc: subprocess.Popen[bytes], workload_pid: int) -> None:
     except ProcessLookupError:
         pass
     wait_gone(workload_pid, 10)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def own_processes() -> set[int]:
+    """This process's tree (what its tests started, the orphans it adopted), less the run's shared services
+    (started here in a run without workers), whose parts start processes of their own at any time."""
+    return set(descendants(os.getpid())) - set(descendants(harness.service_leaders()))
+
+
+def ours(pattern: str) -> list[int]:
+    """This test's live processes whose command line holds ``pattern`` (a stray restored workload, a
+    lazy-pages daemon): what this worker started, and the orphans it adopted as a subreaper; never what
+    a test on another worker runs meanwhile."""
+    return [pid for pid in own_processes() - {os.getpid()} if pattern in _cmdline(pid) and not _zombie(pid)]
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def mounted_under(path: Path) -> list[str]:
+    """Mount points under ``path`` (a page file a lazy restore left): this test's, not the machine's."""
+    return [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
+            if line.split()[4].startswith(str(path))]
+
+
+def pymp_dirs() -> set[str]:
+    """multiprocessing's temp dirs in /tmp (``pymp-*``: where a process that passes descriptors listens)."""
+    return {p for p in os.listdir("/tmp") if p.startswith("pymp-")}
+
+
+def drop_dead_pymp(candidates: set[str]) -> tuple[list[str], list[str]]:
+    """Another node's /tmp has none of a killed workload's pymp dirs: remove those of ``candidates`` (the
+    dirs that appeared while it ran) in which no live process listens any more; tests on other workers
+    may have theirs in /tmp meanwhile. Returns (removed, those already gone)."""
+    rows = (ln.split() for ln in Path("/proc/net/unix").read_text().splitlines()[1:])
+    live = {r[7] for r in rows if len(r) >= 8}
+    dead = sorted(d for d in candidates if not any(p.startswith(f"/tmp/{d}/") for p in live))
+    removed = [d for d in dead if os.path.isdir(f"/tmp/{d}")]
+    for d in removed:
+        shutil.rmtree(f"/tmp/{d}", ignore_errors=True)
+    return removed, sorted(set(dead) - set(removed))
 
 
 def wait_gone(pid: int, timeout: float) -> bool:
@@ -224,7 +379,7 @@ def restore_as_the_s3_store_goes_away(tmp_path: Path, monkeypatch: pytest.Monkey
                       for o in s3.list_objects_v2(Bucket="gone", Prefix="ckpt/gone/").get("Contents", [])):
             assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was taken"
             time.sleep(0.2)
-        workloads = list(processes_with(str(TRAIN)))
+        workloads = [pid for pid in descendants(proc.pid)[1:] if str(TRAIN) in _cmdline(pid)]  # this test's, not a neighbour's
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         for pid in workloads:
@@ -283,13 +438,19 @@ def bucket(s3_env, request):
 TRAIN_ARGS = ["--mb", "60", "--steps", "50", "--step-seconds", "0.1"]
 
 
-@pytest.fixture(scope="session")
-def airflow_db(tmp_path_factory) -> Path:
-    """An Airflow metadata DB migrated once; each test copies it into its own home."""
-    home = tmp_path_factory.mktemp("airflow-template")
-    env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
+def _migrated(d: Path) -> dict[str, Any]:
+    env = {**os.environ, "AIRFLOW_HOME": str(d), "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
     subprocess.run([*AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True, timeout=300)
-    return home / "airflow.db"
+    return {"db": str(d / "airflow.db")}
+
+
+harness.SERVICES["airflow-db"] = _migrated
+
+
+@pytest.fixture(scope="session")
+def airflow_db() -> Path:
+    """An Airflow metadata DB migrated once per run (for every worker); each test copies it into its own home."""
+    return Path(harness.service("airflow-db")["db"])
 
 
 #: An opt-in list that admits every node, queue and workload: these tests are about what happens in scope.
@@ -309,3 +470,20 @@ def airflow_env(tmp_path: Path, airflow_db: Path, **extra: str) -> dict[str, str
                PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
+
+
+def _airflow_stack(d: Path) -> dict[str, Any]:
+    import shared_stack
+
+    return shared_stack.start(d)
+
+
+harness.SERVICES["airflow"] = _airflow_stack
+
+
+@pytest.fixture(scope="session")
+def airflow_stack():
+    """The test run's one Airflow stack (tests/shared_stack.py): a test puts its own DAG on it (``add_dag``)."""
+    from shared_stack import SharedStack
+
+    return SharedStack.of_this_run()

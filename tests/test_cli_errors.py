@@ -71,6 +71,8 @@ def test_malformed_setting_is_one_line_and_exit_2(tmp_path):
     assert line.startswith("ConfigError: setting stop_grace_seconds = 'soon' (from CEDANA_STOP_GRACE_SECONDS)")
 
 
+# `criu check` (doctor) probes the whole machine, and failed once with CRIU dumps running beside it
+@pytest.mark.serial
 def test_doctor_passes_here_and_fails_with_a_fix_without_criu(tmp_path):
     ok = cli("doctor", env=cli_env(tmp_path, "n", "w"))
     assert ok.returncode == 0, ok.stdout
@@ -84,6 +86,8 @@ def test_doctor_passes_here_and_fails_with_a_fix_without_criu(tmp_path):
 
 
 @no_nvidia_driver
+# `criu check` (doctor) probes the whole machine, and failed once with CRIU dumps running beside it
+@pytest.mark.serial
 def test_doctor_says_what_happens_to_a_gpu_task_on_a_node_without_a_driver(tmp_path):
     ok = cli("doctor", "--json", env=cli_env(tmp_path, "n", "w"))
     gpu = {c["name"]: c for c in json.loads(ok.stdout)}["gpu"]

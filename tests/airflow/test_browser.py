@@ -36,7 +36,8 @@ from cedana_airflow.store.restores import RestoreRecord, record_restore
 from cedana_airflow.store.transfer import CheckpointMeta, save_checkpoint
 from conftest import AIRFLOW, ARTIFACTS, REPO, _free_port, browser_page, cli, cli_env
 
-pytestmark = pytest.mark.integration
+# one worker runs this module's tests, in order: its module fixture is started once (tests/harness.py)
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("browser")]
 
 PROC = ProcessInfo(pid=42, command=("python", "train.py"), cwd="/", stdout_pipe="pipe:[1]", stderr_pipe="pipe:[2]")
 B_ID = derive_checkpoint_id("dag_b", "fit", "manual__2")

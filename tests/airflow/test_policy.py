@@ -12,6 +12,9 @@ import pytest
 
 from conftest import REPO
 
+# one worker runs this module's tests, in order: its module fixture is made once (tests/harness.py)
+pytestmark = pytest.mark.xdist_group("policy")
+
 pytest.importorskip("airflow")
 
 FOLDER = REPO / "tests" / "dags_policy"

@@ -15,7 +15,7 @@ import fault_matrix as fm
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # per worker: its cases run on every worker, among other modules' tests
 def bench(tmp_path_factory):
     with fm.bench_in(tmp_path_factory.mktemp("faults")) as b:
         yield b

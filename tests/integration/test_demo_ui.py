@@ -21,7 +21,8 @@ from demo import DAG_ID, TASK_ID, Demo, lose_the_node, summarize, uninterrupted 
 from cedana_airflow.ids import derive_checkpoint_id  # noqa: E402
 from cedana_airflow.units import binary_size  # noqa: E402
 
-pytestmark = pytest.mark.integration
+# one worker runs this module's tests, in order: its module fixture is started once (tests/harness.py)
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("demo")]
 
 #: Smaller than the demo's own (300 MB, 90 steps of 0.5 s); the DAG's 5 s heartbeat is kept.
 ARGS = ("--mb", "60", "--steps", "60", "--step-seconds", "0.25", "--change-fraction", "0.01")

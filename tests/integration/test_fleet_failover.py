@@ -17,7 +17,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 from demo_fleet import OPTIN, TRAIN_ARGS, failover, summary, uninterrupted  # noqa: E402
 from fleet_stack import FleetError, FleetStack, descendants  # noqa: E402
 
-pytestmark = pytest.mark.integration
+# one worker runs this module's tests, in order: its module fixture is started once (tests/harness.py)
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("fleet")]
 
 
 def test_a_part_that_does_not_come_up_is_one_line_naming_it_and_nothing_is_left_running(tmp_path):

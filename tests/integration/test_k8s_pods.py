@@ -15,7 +15,8 @@ import pytest
 
 pytest.importorskip("airflow.providers.cncf.kubernetes")
 
-pytestmark = pytest.mark.integration
+# one worker runs this module's tests, in order: its module fixture is started once (tests/harness.py)
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("pods")]
 
 
 @pytest.fixture(scope="module")

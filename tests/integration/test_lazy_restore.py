@@ -15,9 +15,8 @@ from cedana_airflow.config import Settings
 from cedana_airflow.engine.page_file import fuse_available
 from cedana_airflow.errors import StoreUnavailable
 from cedana_airflow.run.runner import run_workload
-from conftest import (TRAIN, cli, cli_env, kill_node, manifests, restore_as_the_s3_store_goes_away, start_cli,
+from conftest import (TRAIN, cli, cli_env, kill_node, manifests, ours, restore_as_the_s3_store_goes_away, start_cli,
                       uninterrupted_digest, wait_for_checkpoints)
-from local_parts import processes_with
 
 pytestmark = pytest.mark.integration
 
@@ -27,11 +26,6 @@ VIAS = ["ours", pytest.param("file", marks=pytest.mark.skipif(not fuse_available
 
 def _train(*extra: str) -> list[str]:
     return [sys.executable, str(TRAIN), *extra]
-
-
-def _ours(pattern: str) -> list[int]:
-    """PIDs whose command line holds ``pattern`` (a stray restored workload, a lazy-pages daemon)."""
-    return list(processes_with(pattern))
 
 
 def _checkpointed_and_lost(tmp_path: Path, cid: str, args: list[str], n: int, **env: str) -> list[dict]:
@@ -90,7 +84,7 @@ def test_a_corrupt_chunk_met_mid_stream_kills_the_tree_and_the_fallback_says_why
     assert f"checkpoint refused checkpoint_id=lazy-bad seq={older['seq']}" in r.stderr
     assert "starting fresh" in r.stderr
     assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
-    assert not _ours("criu lazy-pages") and not _ours(str(TRAIN)) and str(tmp_path) not in Path("/proc/self/mountinfo").read_text()
+    assert not ours("criu lazy-pages") and not ours(str(TRAIN)) and str(tmp_path) not in Path("/proc/self/mountinfo").read_text()
 
 
 POOL = Path(__file__).resolve().parent.parent / "workloads" / "pool_sum.py"
@@ -174,7 +168,7 @@ def test_the_store_going_away_mid_stream_kills_the_tree_and_says_why(tmp_path, m
                                                reading=lambda: any((tmp_path / "work-b").rglob("lazy-pages.socket")))
     assert len(failed) == 1 and isinstance(failed[0], StoreUnavailable), failed
     assert "\n" not in str(failed[0]) and "s3://gone/ckpt" in str(failed[0])
-    assert not _ours("criu lazy-pages") and not _ours(str(TRAIN))  # nothing left running
+    assert not ours("criu lazy-pages") and not ours(str(TRAIN))  # nothing left running
 
 
 def test_ten_rounds_of_checkpoint_kill_lazy_restore_end_with_the_uninterrupted_digest(tmp_path):

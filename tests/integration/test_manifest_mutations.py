@@ -19,12 +19,12 @@ import pytest
 
 from cedana_airflow.config import DEFAULT_CRIU_PREFIX, Settings
 from cedana_airflow.engine.criu import CriuEngine, find_criu
-from cedana_airflow.engine.procfs import tree_pids
 from cedana_airflow.errors import CheckpointNotFound, CorruptCheckpoint
 from cedana_airflow.format.manifest import ProcessInfo
 from cedana_airflow.run.checkpointer import Checkpointer
 from cedana_airflow.store import open_store
 from cedana_airflow.store.transfer import CapturedSource, CheckpointMeta, save_checkpoint
+from conftest import own_processes
 
 pytestmark = pytest.mark.integration
 
@@ -90,7 +90,7 @@ def test_hundreds_of_mutated_manifests_are_each_refused_cleanly(tmp_path):
     newest = tmp_path / "store" / "job" / "0000000002" / "manifest.json"
     engine = CriuEngine(find_criu("", Path(DEFAULT_CRIU_PREFIX)))
     cp = Checkpointer(engine, store, cfg, "job", Settings(node="node-b"), work_dir=tmp_path / "work")
-    children_before = set(tree_pids(os.getpid()))
+    children_before = own_processes()
     rng = random.Random(20261130)
     seen: dict[str, int] = {}
     for _ in range(MUTATIONS):
@@ -102,7 +102,7 @@ def test_hundreds_of_mutated_manifests_are_each_refused_cleanly(tmp_path):
         assert "\n" not in str(e.value), (what, str(e.value))
         assert not os.path.exists("/etc/cedana-mutation") and list(outside.iterdir()) == [], what
         assert list(victim.iterdir()) == [], what
-        assert set(tree_pids(os.getpid())) <= children_before, f"{what}: a process was left behind"
+        assert own_processes() <= children_before, f"{what}: a process was left behind"
     assert len(seen) == 12  # every kind of mutation was tried
     # what may be written is written only inside the root: the captured log, and nothing else
     assert {p.relative_to(root).as_posix() for p in root.rglob("*")} <= {"out", "out/steps.log", "link", "deep", "deep/ok"}

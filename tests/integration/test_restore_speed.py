@@ -13,9 +13,8 @@ import pytest
 
 from cedana_airflow.engine.page_file import FSTYPE, fuse_available
 from cedana_airflow.errors import StoreUnavailable
-from conftest import (TRAIN, cli, cli_env, kill_node, manifests, restore_as_the_s3_store_goes_away, start_cli,
+from conftest import (TRAIN, cli, cli_env, kill_node, manifests, ours, restore_as_the_s3_store_goes_away, start_cli,
                       uninterrupted_digest, wait_for_checkpoints)
-from local_parts import processes_with
 
 pytestmark = pytest.mark.integration
 
@@ -35,8 +34,9 @@ def _checkpointed_and_lost(tmp_path: Path, cid: str, args: list[str], n: int) ->
     return manifests(tmp_path / "store", cid)
 
 
-def _no_page_files_left() -> bool:
-    return not any(FSTYPE in ln for ln in open("/proc/self/mountinfo"))
+def _no_page_files_left(under: Path) -> bool:
+    """No page file of this test is mounted (a neighbour's lazy restore may have its own meanwhile)."""
+    return not any(FSTYPE in ln and ln.split()[4].startswith(str(under)) for ln in open("/proc/self/mountinfo"))
 
 
 @pytest.mark.parametrize("mode", ["lazy", "full"])
@@ -82,7 +82,7 @@ def test_a_streamed_full_restore_ends_with_the_uninterrupted_digest(tmp_path):
     assert "from_node=node-a node=node-b" in r.stderr and "mode=full" in r.stderr
     assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
     assert any(m["node"] == "node-b" for m in manifests(tmp_path / "store", "stream-1"))  # heartbeats went on
-    assert _no_page_files_left()
+    assert _no_page_files_left(tmp_path)
 
 
 @needs_fuse
@@ -106,16 +106,16 @@ def test_a_corrupt_chunk_in_a_streamed_restore_refuses_that_checkpoint_and_resto
     assert f"chunk {victim}" in r.stderr and "falling back to the previous one" in r.stderr
     assert f"restored checkpoint_id=stream-bad seq={older['seq']}" in r.stderr
     assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
-    assert _no_page_files_left()
+    assert _no_page_files_left(tmp_path)
 
 
 @needs_fuse
 def test_the_store_going_away_mid_stream_fails_the_try_in_one_line_and_leaves_nothing(tmp_path, monkeypatch):
     # the S3 server stops once the page files are mounted (CRIU is about to read the pages, or reads them)
-    failed = restore_as_the_s3_store_goes_away(tmp_path, monkeypatch, reading=lambda: not _no_page_files_left(),
+    failed = restore_as_the_s3_store_goes_away(tmp_path, monkeypatch, reading=lambda: not _no_page_files_left(tmp_path),
                                                restore_mode="full", full_restore_via="stream")
     # the store's fault, not the checkpoint's: the try fails (Airflow retries it), no older one is tried
     assert len(failed) == 1 and isinstance(failed[0], StoreUnavailable), failed
     assert "\n" not in str(failed[0]) and "s3://gone/ckpt" in str(failed[0])
-    assert not list(processes_with(str(TRAIN))) and not list(processes_with("criu restore"))
-    assert _no_page_files_left()
+    assert not ours(str(TRAIN)) and not ours("criu restore")
+    assert _no_page_files_left(tmp_path)

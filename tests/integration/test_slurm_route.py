@@ -25,7 +25,8 @@ from ssh_login import SshLogin  # noqa: E402
 from cedana_airflow.config import load_settings  # noqa: E402
 from cedana_airflow.store import open_store  # noqa: E402
 
-pytestmark = pytest.mark.integration
+# one worker runs this module's tests, in order: its module fixture is started once (tests/harness.py)
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("slurm")]
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,8 @@ import pytest
 
 from conftest import REPO
 
-pytestmark = pytest.mark.integration
+# one worker runs this module's tests, in order: its module fixture is started once (tests/harness.py)
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("wheel")]
 
 #: top-level folders of the checkout -> the package they ship as (setup.py)
 SHIPPED = {"cedana_airflow": "cedana_airflow", "operators": "cedana_airflow.operators",

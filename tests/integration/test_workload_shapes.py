@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import _free_port, cli, cli_env, kill_node, manifests, start_cli
+from conftest import _free_port, cli, cli_env, drop_dead_pymp, kill_node, manifests, pymp_dirs, start_cli
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +59,7 @@ class Node:
     def __init__(self, tmp_path: Path, cid: str, cmd: list[str], env: dict[str, str], cwd: Path) -> None:
         self.tmp_path, self.cid, self.cwd = tmp_path, cid, cwd
         cwd.mkdir(parents=True, exist_ok=True)
-        self.pymp_before, self.pymp_seen = _pymp_dirs(), set[str]()
+        self.pymp_before, self.pymp_seen = pymp_dirs(), set[str]()
         self.proc = start_cli("run", "--id", cid, "--heartbeat", HEARTBEAT, "--", *cmd, env=env, out=tmp_path / "a",
                               cwd=cwd)
         _STARTED.append(self.proc)
@@ -75,7 +75,7 @@ class Node:
     def wait_for(self, predicate: Callable[[], bool], what: str, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while not predicate():
-            self.pymp_seen |= _pymp_dirs() - self.pymp_before
+            self.pymp_seen |= pymp_dirs() - self.pymp_before
             assert self.proc.poll() is None, f"supervisor exited early ({what}): {self.err[-2000:]}"
             assert time.monotonic() < deadline, f"timed out waiting for {what}: {self.err[-2000:]}"
             time.sleep(0.05)
@@ -145,28 +145,10 @@ def _processes(m: dict) -> int:
     return sum(1 for f in m["files"] if re.fullmatch(r"mm-\d+\.img", f["name"]))
 
 
-def _pymp_dirs() -> set[str]:
-    return {p for p in os.listdir("/tmp") if p.startswith("pymp-")}
-
-
-def _bound_unix_paths() -> set[str]:
-    """Paths of the unix sockets alive on this machine (a live process's /tmp/pymp-*/listener-*)."""
-    rows = (ln.split() for ln in Path("/proc/net/unix").read_text().splitlines()[1:])
-    return {r[7] for r in rows if len(r) >= 8}
-
-
 def _drop_workload_pymp(node: Node) -> tuple[list[str], list[str]]:
-    """Another node's /tmp has none of the workload's /tmp/pymp-* directories (multiprocessing's
-    temp dirs, where a process that passes file descriptors listens). Ours: those that appeared while
-    it ran (``ls /tmp`` before and during the run) and that no live process listens in any more
-    (other tests may run beside this one). Returns (removed, those already gone with their process)."""
-    live = _bound_unix_paths()
-    ours = sorted(d for d in node.pymp_seen | (_pymp_dirs() - node.pymp_before)
-                  if not any(p.startswith(f"/tmp/{d}/") for p in live))
-    removed = [d for d in ours if os.path.isdir(f"/tmp/{d}")]
-    for d in removed:
-        shutil.rmtree(f"/tmp/{d}", ignore_errors=True)
-    return removed, sorted(set(ours) - set(removed))
+    """Another node's /tmp has none of the workload's /tmp/pymp-* directories: ours are those that
+    appeared while it ran (``ls /tmp`` before and during the run). Returns (removed, already gone)."""
+    return drop_dead_pymp(node.pymp_seen | (pymp_dirs() - node.pymp_before))
 
 
 # -- the shapes ---------------------------------------------------------------------------------------------

@@ -33,6 +33,9 @@ from cedana_airflow.format.manifest import CapturedFile, Manifest, ProcessInfo
 from cedana_airflow.run.preflight import preflight
 from cedana_airflow.run.workload import Workload
 
+# one worker runs this module's tests, in order: its module fixture is made once (tests/harness.py)
+pytestmark = pytest.mark.xdist_group("preflight")
+
 integration = pytest.mark.integration
 
 WORKLOAD = r"""

@@ -13,7 +13,8 @@ import pytest
 
 from conftest import cli, cli_env
 
-pytestmark = pytest.mark.integration
+# one worker runs this module's tests, in order: its module fixture is started once (tests/harness.py)
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("old_stores")]
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "stores"
 #: Where the earlier releases ran the workload: a restore maps the very same file there again.

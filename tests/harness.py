@@ -1,0 +1,242 @@
+"""What the processes of one test run share. `make test` runs the suite in several pytest-xdist workers
+(most end-to-end tests wait on heartbeats and Airflow's loops, so their waits overlap); this module is
+how they keep out of each other's way:
+
+- the run's directory (``CEDANA_TEST_RUN``), made by the controller before the workers start;
+- the machine lock: every test holds it shared, a test marked ``serial`` (machine-wide checks,
+  benchmark-like restores) holds it alone; fair, so a serial test is not starved by the others;
+- services started once per run (an Airflow stack, the pod image, a migrated Airflow database) when a
+  test first needs one, described in a JSON record every worker reads, and stopped when the run ends.
+  Under xdist the controller starts them (a worker asks with a file): their processes are then never in a
+  worker's process tree, where a test that counts its own processes would see them come and go.
+
+Without xdist (``pytest tests/x.py``) the one process is controller and worker: the same code runs, and
+a service starts in the process that asks for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import resource
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+RUN_ENV = "CEDANA_TEST_RUN"
+
+
+def worker_id() -> str:
+    """``gw0``, ``gw1``... under xdist; ``main`` in a run without workers."""
+    return os.environ.get("PYTEST_XDIST_WORKER", "main")
+
+
+def is_controller(config: Any) -> bool:
+    """The process that runs no tests under xdist, or the only one without it."""
+    return not hasattr(config, "workerinput")
+
+
+def start_run() -> Path:
+    """The controller's first step: the run's directory, in the environment the workers inherit."""
+    path = Path(tempfile.mkdtemp(prefix="cedana-test-run-"))
+    os.environ[RUN_ENV] = str(path)
+    return path
+
+
+def run_dir() -> Path:
+    path = os.environ.get(RUN_ENV)
+    if not path:  # imported outside a pytest run (a script): a private one
+        path = str(start_run())
+    return Path(path)
+
+
+@contextlib.contextmanager
+def _flock(path: Path, how: int) -> Iterator[None]:
+    with open(path, "a") as f:
+        fcntl.flock(f, how)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def machine(exclusive: bool) -> Iterator[None]:
+    """Hold the machine shared (any test) or alone (a ``serial`` one). Whoever wants it passes the gate
+    first; a serial test keeps the gate while it waits for the tests already running to end, so no new
+    one starts meanwhile (flock alone lets shared holders starve an exclusive one)."""
+    root = run_dir()
+    with _flock(root / "machine.gate", fcntl.LOCK_EX):
+        main = open(root / "machine.lock", "a")
+        fcntl.flock(main, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        fcntl.flock(main, fcntl.LOCK_UN)
+        main.close()
+
+
+def machine_cpu_seconds() -> float:
+    """CPU time the whole machine has spent busy since boot (every core, /proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+
+def own_cpu_seconds() -> float:
+    """CPU time of this process and of every process it has reaped (a test's subprocesses, their
+    children, and the orphans this subreaper adopted)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def record_cpu(nodeid: str, seconds: float) -> None:
+    """A test's CPU time, for the controller's summary (one line per test, one file per worker)."""
+    with open(run_dir() / f"cpu-{worker_id()}.jsonl", "a") as f:
+        f.write(json.dumps([nodeid, round(seconds, 2)]) + "\n")
+
+
+def recorded_cpu() -> dict[str, float]:
+    out: dict[str, float] = {}
+    for path in run_dir().glob("cpu-*.jsonl"):
+        for line in path.read_text().splitlines():
+            nodeid, seconds = json.loads(line)
+            out[nodeid] = out.get(nodeid, 0.0) + seconds
+    return out
+
+
+class ServiceFailed(RuntimeError):
+    """A shared service did not come up: its one line, said to every test that needs it."""
+
+
+#: name -> start(dir) -> record: what conftest.py registers. A record is JSON; its ``pgids`` are the process
+#: groups stopped at the end of the run.
+SERVICES: dict[str, Callable[[Path], dict[str, Any]]] = {}
+_CONTROLLER_STARTS = "CEDANA_TEST_SERVICES_BY_CONTROLLER"
+
+
+def service(name: str, timeout: float = 900) -> dict[str, Any]:
+    """The record of service ``name``, started once per run. A start that failed is not tried again:
+    every later caller gets its line."""
+    root = run_dir() / "services" / name
+    root.mkdir(parents=True, exist_ok=True)
+    record, failed = root / "record.json", root / "failed.txt"
+    if os.environ.get(_CONTROLLER_STARTS):
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(root / "request", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        deadline = time.monotonic() + timeout
+        while not (record.exists() or failed.exists()):
+            if time.monotonic() > deadline:
+                raise ServiceFailed(f"{name} was not started within {timeout:.0f} s (the controller's log: {root})")
+            time.sleep(0.2)
+    else:
+        with _flock(root / "start.lock", fcntl.LOCK_EX):
+            if not (record.exists() or failed.exists()):
+                _start(name, root)
+    if failed.exists():
+        raise ServiceFailed(failed.read_text())
+    data: dict[str, Any] = json.loads(record.read_text())
+    return data
+
+
+def _start(name: str, root: Path) -> None:
+    try:
+        got = SERVICES[name](root)
+    except BaseException as e:
+        (root / "failed.txt").write_text(f"{name} did not start: {type(e).__name__}: {e}")
+        return
+    tmp = root / "record.json.tmp"
+    tmp.write_text(json.dumps(got))
+    tmp.rename(root / "record.json")
+
+
+class ControllerStarts:
+    """The controller's side under xdist: a thread that starts each service a worker asks for (a thread
+    per service: the Airflow stack and the pod image come up side by side)."""
+
+    def __init__(self) -> None:
+        os.environ[_CONTROLLER_STARTS] = "1"  # before the workers start: they inherit it
+        self._stop = threading.Event()
+        self._started: set[str] = set()
+        self._threads: list[threading.Thread] = []
+        self._loop = threading.Thread(target=self._run, name="test-services", daemon=True)
+        self._loop.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            for request in (run_dir() / "services").glob("*/request"):
+                name = request.parent.name
+                if name not in self._started:
+                    self._started.add(name)
+                    t = threading.Thread(target=_start, args=(name, request.parent), daemon=True)
+                    t.start()
+                    self._threads.append(t)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._loop.join()
+        for t in self._threads:
+            t.join()  # a start still under way ends before its service is stopped
+
+
+def service_leaders() -> list[int]:
+    """The first process of each running service's parts (its process group's leader)."""
+    out: list[int] = []
+    for record in (run_dir() / "services").glob("*/record.json"):
+        with contextlib.suppress(OSError, ValueError):
+            out += [int(p) for p in json.loads(record.read_text()).get("pgids", [])]
+    return out
+
+
+def _alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_services(timeout: float = 30) -> list[str]:
+    """The controller's last step: SIGTERM every service's process groups, SIGKILL what is left after
+    ``timeout``; the run's directory goes too. Returns what had to be killed."""
+    root = run_dir()
+    pgids: dict[int, str] = {}
+    for record in sorted((root / "services").glob("*/record.json")):
+        with contextlib.suppress(OSError, ValueError):
+            for pgid in json.loads(record.read_text()).get("pgids", []):
+                pgids[int(pgid)] = record.parent.name
+    for pgid in pgids:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pgids) and time.monotonic() < deadline:
+        _reap()
+        time.sleep(0.2)
+    killed = []
+    for pgid, name in pgids.items():
+        if _alive(pgid):
+            killed.append(f"{name} (process group {pgid})")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+    _reap()
+    shutil.rmtree(root, ignore_errors=True)
+    return killed
+
+
+def _reap() -> None:
+    """The services' processes are the controller's once their worker ended (it is a subreaper)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
