@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..drill import run as drill
@@ -79,22 +79,23 @@ def _summary(report: DrillReport) -> str:
     return head + live + f"; RTO {report.rto_seconds} s, restore {report.restore_seconds} s, lost work {report.lost_work_seconds} s"
 
 
-def run_drill(mode: str, **params: Any) -> dict[str, Any]:
-    """Run one drill here; return its report (the task's XCom); raise when it failed."""
+def run_drill(mode: str, settings: Mapping[str, Any] | None = None, **params: Any) -> dict[str, Any]:
+    """Run one drill here; return its report (the task's XCom); raise when it failed. ``settings``: core
+    settings by name over [cedana] (a drill DAG of its own store or opt-in list), as an operator's."""
     with airflow_errors():
-        settings, options = task_settings()
-        settings = with_signing_key(settings, options.signing_conn_id, options.signing_variable)  # verify checks them
-        store = task_store(settings, options.aws_conn_id)
-        cfg = store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
+        core, options = task_settings(settings)
+        core = with_signing_key(core, options.signing_conn_id, options.signing_variable)  # verify checks them
+        store = task_store(core, options.aws_conn_id)
+        cfg = store.open(create=True, chunk_avg_bytes=core.chunk_avg_bytes)
         fleet = None
         if mode == "live":
             from airflow.sdk import get_current_context
 
-            limits = load_optin(settings.optin_file).drills
+            limits = load_optin(core.optin_file).drills
             api = airflow_options("drill_api_url", "drill_api_conn_id")
             fleet = ApiFleet(api_base_url(api.drill_api_url), api.drill_api_conn_id,
                              get_current_context()["dag"].dag_id, limits.kill_switch_variable)
-        report = drill.run_drill(mode, store, cfg, settings, fleet=fleet, **params)
+        report = drill.run_drill(mode, store, cfg, core, fleet=fleet, **params)
     summary = _summary(report)
     log.info("%s", summary)
     for t in report.targets:

@@ -21,15 +21,6 @@ with DAG("cedana_e2e", schedule=None, start_date=datetime(2026, 1, 1), catchup=F
         aws_conn_id=os.environ.get("CEDANA_E2E_CONN") or None,
     )
 
-# No automatic retry: the test fails the task and then clears it through the REST API, as the UI's Clear does.
-with DAG("cedana_e2e_clear", schedule=None, start_date=datetime(2026, 1, 1), catchup=False,
-         default_args={"retries": 0}):
-    CheckpointedCommandOperator(
-        task_id="train",
-        command=[sys.executable, TRAIN, *ARGS],
-        heartbeat=timedelta(seconds=float(os.environ.get("CEDANA_E2E_HEARTBEAT", "1"))),
-    )
-
 # Airflow's own fault: execution_timeout raises AirflowTaskTimeout inside the task. Each try takes a
 # final checkpoint on the way out and the next one resumes from it (retries to spare: a try that
 # restores late may time out again, and the one after it goes on from there).

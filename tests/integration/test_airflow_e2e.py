@@ -1,5 +1,6 @@
-"""End to end with the real Airflow 3.3 (`airflow dags test`, SQLite home in a temp dir), real CRIU and
-a real store: try 1's workload is killed after a heartbeat, try 2 resumes from the checkpoint."""
+"""End to end with the real Airflow 3.3 (`airflow dags test`, SQLite home in a temp dir; a Clear and a stop
+through the test run's shared stack), real CRIU and a real store: try 1's workload is killed after a heartbeat,
+try 2 resumes from the checkpoint."""
 
 from __future__ import annotations
 
@@ -8,18 +9,14 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
 
-from conftest import AIRFLOW, REPO, TRAIN_ARGS, airflow_env, uninterrupted_digest, wait_gone
-
-sys.path.insert(0, str(REPO / "scripts"))
-
-from airflow_stack import AirflowStack  # noqa: E402
+from conftest import AIRFLOW, TRAIN_ARGS, airflow_env, uninterrupted_digest, wait_gone
+from shared_stack import SharedStack
 
 pytestmark = pytest.mark.integration
 
@@ -131,21 +128,23 @@ def test_a_missing_connection_fails_the_task_with_one_clear_line(tmp_path, airfl
     assert "start-up: allocating" not in text  # nothing ran unprotected by mistake
 
 
-# -- a Clear through the REST API with a real scheduler, dag processor and api-server ----------------
-class Stack(AirflowStack):
-    """`airflow api-server`, `scheduler` and `dag-processor` (LocalExecutor, SQLite) for one test, with the
-    cedana_e2e_clear DAG's moves."""
+# -- a Clear through the REST API with a real scheduler, dag processor and api-server -----------------
+class Clearing:
+    """A test's own DAG (tests/stack_dags/dags_e2e.py) on the run's shared Airflow stack, with the moves of
+    a Clear: trigger, fail, clear, follow."""
 
-    def __init__(self, env: dict[str, str], home: Path, wait_dag: str = "cedana_e2e_clear") -> None:
-        super().__init__(env, home, wait_dag)
+    def __init__(self, stack: SharedStack, tmp_path: Path, **params: object) -> None:
+        self.stack, self.store = stack, tmp_path / "store"
+        self.dag_id = stack.add_dag("e2e_clear", "dags_e2e:clear_dag", store=f"file://{self.store}",
+                                    work_dir=str(tmp_path / "work"), **params)
 
-    def start_run_until_first_checkpoint(self, store: Path) -> tuple[str, dict]:
-        """Trigger cedana_e2e_clear; return its run ID and first manifest once that exists."""
-        run_id = self.call("POST", "/api/v2/dags/cedana_e2e_clear/dagRuns", {"logical_date": None})["dag_run_id"]
-        look = file_manifest(store, "cedana_e2e_clear.train.")
+    def start_run_until_first_checkpoint(self) -> tuple[str, dict]:
+        """Trigger the DAG; return its run ID and first manifest once that exists."""
+        run_id = self.stack.trigger(self.dag_id)
+        look = file_manifest(self.store, f"{self.dag_id}.train.")
         deadline = time.monotonic() + 180
         while not (m := look()):
-            assert time.monotonic() < deadline and self.ti(run_id)["state"] != "failed", self.logs()
+            assert time.monotonic() < deadline and self.ti(run_id)["state"] != "failed", self.stack.logs()
             time.sleep(0.2)
         return run_id, m
 
@@ -156,16 +155,16 @@ class Stack(AirflowStack):
         processing try 1's executor event, once left the cleared task unscheduled for minutes.
         """
         deadline = time.monotonic() + 60
-        while self.call("GET", f"/api/v2/dags/cedana_e2e_clear/dagRuns/{quote(run_id)}")["state"] != "failed":
-            assert time.monotonic() < deadline, self.logs()
+        while self.stack.dag_run(self.dag_id, run_id)["state"] != "failed":
+            assert time.monotonic() < deadline, self.stack.logs()
             time.sleep(0.5)
         time.sleep(3)
-        return self.call("POST", "/api/v2/dags/cedana_e2e_clear/clearTaskInstances",
-                         {"dry_run": False, "dag_run_id": run_id, "task_ids": ["train"], "only_failed": True,
-                          "reset_dag_runs": True})
+        return self.stack.call("POST", f"/api/v2/dags/{self.dag_id}/clearTaskInstances",
+                               {"dry_run": False, "dag_run_id": run_id, "task_ids": ["train"], "only_failed": True,
+                                "reset_dag_runs": True})
 
     def ti(self, run_id: str) -> dict:
-        return self.task_instance("cedana_e2e_clear", run_id, "train")
+        return self.stack.task_instance(self.dag_id, run_id, "train")
 
     def wait_state(self, run_id: str, states: set[str], timeout: float = 240) -> dict:
         deadline = time.monotonic() + timeout
@@ -174,38 +173,40 @@ class Stack(AirflowStack):
             if ti["state"] in states:
                 return ti
             time.sleep(1)
-        raise AssertionError(f"task never reached {states}: {self.ti(run_id)}\n{self.logs()}")
+        raise AssertionError(f"task never reached {states}: {self.ti(run_id)}\n{self.stack.logs()}")
+
+    def log(self, run_id: str, try_number: int) -> str:
+        return self.stack.task_log(self.dag_id, run_id, "train", try_number)
 
 
-def test_a_clear_through_the_rest_api_resumes_the_failed_task_from_its_checkpoint(tmp_path, airflow_db):
-    env = airflow_env(tmp_path, airflow_db)
-    with Stack(env, tmp_path / "airflow") as stack:
-        run_id, m = stack.start_run_until_first_checkpoint(tmp_path / "store")
-        kill_workload(m["process"]["pid"])
-        failed = stack.wait_state(run_id, {"failed", "success"})
-        assert failed["state"] == "failed" and failed["try_number"] == 1  # retries=0: it stays failed
+def test_a_clear_through_the_rest_api_resumes_the_failed_task_from_its_checkpoint(tmp_path, airflow_stack):
+    dag = Clearing(airflow_stack, tmp_path, train_args=TRAIN_ARGS)
+    stack = airflow_stack
+    run_id, m = dag.start_run_until_first_checkpoint()
+    kill_workload(m["process"]["pid"])
+    failed = dag.wait_state(run_id, {"failed", "success"})
+    assert failed["state"] == "failed" and failed["try_number"] == 1  # retries=0: it stays failed
 
-        cleared = stack.clear(run_id)
-        assert [t["task_id"] for t in cleared["task_instances"]] == ["train"]
-        done = stack.wait_state(run_id, {"success", "failed"})
-        assert done["state"] == "success" and done["try_number"] == 2, stack.logs()
+    cleared = dag.clear(run_id)
+    assert [t["task_id"] for t in cleared["task_instances"]] == ["train"]
+    done = dag.wait_state(run_id, {"success", "failed"})
+    assert done["state"] == "success" and done["try_number"] == 2, stack.logs()
 
-        base = f"/api/v2/dags/cedana_e2e_clear/dagRuns/{quote(run_id)}/taskInstances/train"
-        log = "\n".join(str(e.get("event", "")) for e in stack.call("GET", f"{base}/logs/2?full_content=true")["content"])
-        assert "start-up: allocating" not in log  # try 2 did not start over
-        # Signed with no set-up: the key is the Airflow Variable try 1 created, said (by its key ID only) in the log.
-        assert re.search(r"manifests are signed and verified with key [0-9a-f]{16} from Airflow Variable "
-                         r"'cedana_signing_secret'", log), log[-3000:]
-        assert stack.call("GET", "/api/v2/variables/cedana_signing_secret")["value"] == "***"  # masked by its name
-        variable = subprocess.run([*AIRFLOW, "variables", "get", "cedana_signing_secret"], env=env, capture_output=True,
-                                  text=True, check=True).stdout.strip()
-        assert len(variable) == 64 and variable not in log and variable not in stack.logs()
-        signed = [json.loads(p.read_text()) for p in (tmp_path / "store").glob("cedana_e2e_clear.train.*/*/manifest.json")]
-        assert signed and all(m["signature"]["key_id"] for m in signed)
-        assert re.search(r"cedana: restored seq \d+ of try 1 .*checkpoint_id=cedana_e2e_clear\.train\.\S+", log), log
-        assert re.findall(r"done digest=\w+", log) == [uninterrupted_digest(*TRAIN_ARGS)]
-        restore = stack.call("GET", f"{base}/xcomEntries/cedana_restore")["value"]
-        assert restore["from_try"] == 1 and restore["seq"] == m["seq"] and restore["gap_seconds"] >= 0
+    log = dag.log(run_id, 2)
+    assert "start-up: allocating" not in log  # try 2 did not start over
+    # Signed with no set-up: the key is the Airflow Variable a try created, said (by its key ID only) in the log.
+    assert re.search(r"manifests are signed and verified with key [0-9a-f]{16} from Airflow Variable "
+                     r"'cedana_signing_secret'", log), log[-3000:]
+    assert stack.call("GET", "/api/v2/variables/cedana_signing_secret")["value"] == "***"  # masked by its name
+    variable = subprocess.run([*AIRFLOW, "variables", "get", "cedana_signing_secret"], env=stack.env, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    assert len(variable) == 64 and variable not in log and variable not in stack.logs()
+    signed = [json.loads(p.read_text()) for p in dag.store.glob(f"{dag.dag_id}.train.*/*/manifest.json")]
+    assert signed and all(m["signature"]["key_id"] for m in signed)
+    assert re.search(rf"cedana: restored seq \d+ of try 1 .*checkpoint_id={dag.dag_id}\.train\.\S+", log), log
+    assert re.findall(r"done digest=\w+", log) == [uninterrupted_digest(*TRAIN_ARGS)]
+    restore = stack.xcom(dag.dag_id, run_id, "train", "cedana_restore")
+    assert restore["from_try"] == 1 and restore["seq"] == m["seq"] and restore["gap_seconds"] >= 0
 
 
 def test_task_checkpointed_resumes_a_python_function_and_returns_its_value(tmp_path, airflow_db):
@@ -223,47 +224,47 @@ def test_task_checkpointed_resumes_a_python_function_and_returns_its_value(tmp_p
     assert f"RESULT {{'steps': 40, 'total': {round(float(x.sum()), 3)}}}" in text, text[-3000:]
 
 
-def test_stopping_a_running_task_takes_a_final_checkpoint_that_the_clear_resumes(tmp_path, airflow_db):
+def test_stopping_a_running_task_takes_a_final_checkpoint_that_the_clear_resumes(tmp_path, airflow_stack):
     # A long heartbeat, so the only checkpoint after the first is the one on_kill takes, and a long
     # run, so the task is still running when Airflow's SIGTERM reaches it.
-    args = ["--mb", "60", "--steps", "300", "--step-seconds", "0.1"]
-    env = airflow_env(tmp_path, airflow_db, CEDANA_E2E_HEARTBEAT="4", CEDANA_E2E_TRAIN_ARGS=" ".join(args))
-    with Stack(env, tmp_path / "airflow") as stack:
-        run_id, first = stack.start_run_until_first_checkpoint(tmp_path / "store")
-        base = f"/api/v2/dags/cedana_e2e_clear/dagRuns/{quote(run_id)}/taskInstances/train"
-        # Mark the running task failed (the UI's "Mark as failed"): Airflow sends the task SIGTERM.
-        stack.call("PATCH", base, {"new_state": "failed"})
-        # The state flips at once; the task process then gets SIGTERM and, 5 s later, Airflow's SIGKILL
-        # (a fixed escalation in its supervisor): the final checkpoint has to fit in between.
-        deadline = time.monotonic() + 120
-        while not re.search(r"Task killed!|workload exited", log1 := "".join(
-                p.read_text() for p in (tmp_path / "airflow" / "logs").rglob("attempt=1.log"))):
-            assert time.monotonic() < deadline, stack.logs()
-            time.sleep(0.5)
-        assert "cedana: the task is being stopped; final checkpoint" in log1, log1[-3000:]
-        final = re.findall(r"checkpoint saved checkpoint_id=\S+ seq=(\d+)", log1[log1.index("the task is being stopped"):])
-        assert final, "no final checkpoint was taken when the task was stopped"
-        assert int(final[-1]) > first["seq"]
-        # A clean cut, said in one line, within Airflow's 5 s (the log has it: Airflow's SIGKILL came later, if at all)
-        deadline = time.monotonic() + 30
-        while "stopped by SIGTERM" not in log1 and time.monotonic() < deadline:
-            time.sleep(0.5)
-            log1 = "".join(p.read_text() for p in (tmp_path / "airflow" / "logs").rglob("attempt=1.log"))
-        stop_line = re.search(rf"stopped by SIGTERM checkpoint_id=\S+: final checkpoint seq {final[-1]} in [\d.]+ s; workload "
-                              r"tree ended \(SIGKILL\) ([\d.]+) s after the stop began; writer lease released", log1)
-        assert stop_line and float(stop_line.group(1)) < 5.0, log1[-3000:]
-        before = [int(n) for n in re.findall(r"step (\d+)/300", log1)]
+    # 20 MB: the final checkpoint must fit Airflow's 5 s on a loaded machine too (the suite runs tests side by side)
+    args = ["--mb", "20", "--steps", "300", "--step-seconds", "0.1"]
+    dag = Clearing(airflow_stack, tmp_path, train_args=args, heartbeat=4.0)
+    stack = airflow_stack
+    run_id, first = dag.start_run_until_first_checkpoint()
+    base = f"/api/v2/dags/{dag.dag_id}/dagRuns/{quote(run_id)}/taskInstances/train"
+    # Mark the running task failed (the UI's "Mark as failed"): Airflow sends the task SIGTERM.
+    stack.call("PATCH", base, {"new_state": "failed"})
+    # The state flips at once; the task process then gets SIGTERM and, 5 s later, Airflow's SIGKILL
+    # (a fixed escalation in its supervisor): the final checkpoint has to fit in between.
+    deadline = time.monotonic() + 120
+    while not re.search(r"Task killed!|workload exited", log1 := stack.task_log_files(dag.dag_id, 1)):
+        assert time.monotonic() < deadline, stack.logs()
+        time.sleep(0.5)
+    assert "cedana: the task is being stopped; final checkpoint" in log1, log1[-3000:]
+    final = re.findall(r"checkpoint saved checkpoint_id=\S+ seq=(\d+)", log1[log1.index("the task is being stopped"):])
+    assert final, "no final checkpoint was taken when the task was stopped"
+    assert int(final[-1]) > first["seq"]
+    # A clean cut, said in one line, within Airflow's 5 s (the log has it: Airflow's SIGKILL came later, if at all)
+    deadline = time.monotonic() + 30
+    while "stopped by SIGTERM" not in log1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        log1 = stack.task_log_files(dag.dag_id, 1)
+    stop_line = re.search(rf"stopped by SIGTERM checkpoint_id=\S+: final checkpoint seq {final[-1]} in [\d.]+ s; workload "
+                          r"tree ended \(SIGKILL\) ([\d.]+) s after the stop began; writer lease released", log1)
+    assert stop_line and float(stop_line.group(1)) < 5.0, log1[-3000:]
+    before = [int(n) for n in re.findall(r"step (\d+)/300", log1)]
 
-        stack.clear(run_id)
-        done = stack.wait_state(run_id, {"success", "failed"})
-        assert done["state"] == "success", stack.logs()
-        log2 = "\n".join(str(e.get("event", "")) for e in stack.call("GET", f"{base}/logs/2?full_content=true")["content"])
-        assert re.search(rf"cedana: restored seq {final[-1]} of try 1 ", log2), log2[-3000:]
-        assert "writer lease of checkpoint ID" not in log2  # released: try 2 did not wait for it
-        # Nothing the workload printed after its final checkpoint: try 2 goes on from the step after try 1's last.
-        after = [int(n) for n in re.findall(r"step (\d+)/300", log2)]
-        assert after[0] == before[-1] + 1, (before[-3:], after[:3])
-        assert re.findall(r"done digest=\w+", log2) == [uninterrupted_digest(*args)]
+    dag.clear(run_id)
+    done = dag.wait_state(run_id, {"success", "failed"})
+    assert done["state"] == "success", stack.logs()
+    log2 = dag.log(run_id, 2)
+    assert re.search(rf"cedana: restored seq {final[-1]} of try 1 ", log2), log2[-3000:]
+    assert "writer lease of checkpoint ID" not in log2  # released: try 2 did not wait for it
+    # Nothing the workload printed after its final checkpoint: try 2 goes on from the step after try 1's last.
+    after = [int(n) for n in re.findall(r"step (\d+)/300", log2)]
+    assert after[0] == before[-1] + 1, (before[-3:], after[:3])
+    assert re.findall(r"done digest=\w+", log2) == [uninterrupted_digest(*args)]
 
 
 def test_same_node_retry_fail_fails_the_retry_fast_on_the_node_that_failed(tmp_path, airflow_db):

@@ -1,5 +1,5 @@
-"""Real PyTorch jobs, as people write them, through Airflow's scheduler with retries (one Airflow stack for the
-module).
+"""Real PyTorch jobs, as people write them, through Airflow's scheduler with retries (the test run's shared
+Airflow stack; each test's DAGs are its own: tests/stack_dags/dags_torch.py).
 
 Transparent, DEFAULT settings: DataLoader(num_workers=2) workers reading a dataset directory, a log and a
 checkpoint directory outside the working directory, a progress bar on stderr. Try 1 is killed after a few
@@ -15,11 +15,9 @@ the failures Airflow's API reports for its queue, and the last try resumes to an
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,16 +27,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, airflow_env, wait_gone
-
-sys.path.insert(0, str(REPO / "scripts"))
-
-from airflow_stack import AirflowStack  # noqa: E402
+from conftest import OPTIN_ALL, REPO, drop_dead_pymp, pymp_dirs, wait_gone
+from shared_stack import SharedStack
 
 pytestmark = pytest.mark.integration
 
 SHAPE = REPO / "tests" / "integration" / "shapes" / "torch_loader.py"
 ARGS = ["--epochs", "3", "--step-seconds", "0.15"]
+#: Long enough that no try ends before the test has seen its two checkpoints, however loaded the machine
+#: (a try that restores late must not find the work done); the interval's bounds are the DAG's: 1 s to 6 s.
+AUTO_ARGS = ["--mb", "20", "--steps", "400", "--step-seconds", "0.1"]
+AUTO_MAX = 6
 
 
 def _dataset(root: Path, n: int = 192) -> None:
@@ -56,55 +55,41 @@ def _uninterrupted(root: Path) -> str:
     return re.findall(r"done digest=\w+", out)[-1]
 
 
-@pytest.fixture(scope="module")
-def torch_stack(tmp_path_factory, airflow_db):
-    """One Airflow stack for the DAGs (cedana_torch, cedana_coop, cedana_auto): a stack's start-up is most of a
-    test's time."""
-    tmp_path = tmp_path_factory.mktemp("torch-stack")
-    root = tmp_path / "torch"
+def test_a_pytorch_dataloader_job_resumes_on_another_node_with_default_settings(airflow_stack, tmp_path):
+    stack, root = airflow_stack, tmp_path / "torch"
     _dataset(root / "data")
     for d in ("job", "logs"):
         (root / d).mkdir(parents=True)
     (root / "node").write_text("node-a\n")
-    (tmp_path / "coop").mkdir()
-    (tmp_path / "coop" / "node").write_text("node-a\n")
-    env = airflow_env(tmp_path, airflow_db, CEDANA_E2E_TORCH_ROOT=str(root), CEDANA_E2E_TORCH_ARGS=" ".join(ARGS),
-                      CEDANA_E2E_COOP_ROOT=str(tmp_path / "coop"), CEDANA_E2E_AUTO_ROOT=str(tmp_path))
-    with AirflowStack(env, tmp_path / "airflow", wait_dag="cedana_torch") as stack:
-        yield stack, tmp_path
-
-
-def test_a_pytorch_dataloader_job_resumes_on_another_node_with_default_settings(torch_stack):
-    stack, tmp_path = torch_stack
-    root = tmp_path / "torch"
-    pymp_before = set(glob.glob("/tmp/pymp-*"))
-    run_id = stack.trigger("cedana_torch")
+    dag_id = stack.add_dag("torch", "dags_torch:torch_dag", root=str(root), store=f"file://{tmp_path / 'store'}",
+                           args=ARGS)
+    pymp_before = pymp_dirs()
+    run_id = stack.trigger(dag_id)
     # Killed once a heartbeat has caught it training (its log open): a checkpoint from before the log
     # existed would leave try 1's lines in it (a file created after a checkpoint is not rolled back).
     deadline = time.monotonic() + 240
-    while not (ms := [m for p in sorted((tmp_path / "store").glob("cedana_torch.train.*/*/manifest.json"))
+    while not (ms := [m for p in sorted((tmp_path / "store").glob(f"{dag_id}.train.*/*/manifest.json"))
                       if (m := json.loads(p.read_text()))["captured"]]):
         assert time.monotonic() < deadline, stack.logs()
-        assert stack.task_instance("cedana_torch", run_id, "train")["state"] != "failed", stack.logs()
+        assert stack.task_instance(dag_id, run_id, "train")["state"] != "failed", stack.logs()
         time.sleep(0.2)
     pid = ms[0]["process"]["pid"]
     assert [c["path"] for c in ms[0]["captured"]] == [str(root / "logs" / "train.log")]  # outside the cwd
     (root / "node").write_text("node-b\n")  # the retry parses the DAG file again: another node
     os.kill(pid, signal.SIGKILL)  # the node dies under try 1
     assert wait_gone(pid, 10)
-    for d in set(glob.glob("/tmp/pymp-*")) - pymp_before:  # the new node's /tmp is fresh
-        shutil.rmtree(d, ignore_errors=True)
+    drop_dead_pymp(pymp_dirs() - pymp_before)  # the new node's /tmp is fresh
 
     deadline = time.monotonic() + 300
-    while (ti := stack.task_instance("cedana_torch", run_id, "train"))["state"] not in ("success", "failed"):
+    while (ti := stack.task_instance(dag_id, run_id, "train"))["state"] not in ("success", "failed"):
         assert time.monotonic() < deadline, stack.logs()
         time.sleep(1)
-    log1 = stack.task_log("cedana_torch", run_id, "train", 1)
-    log2 = stack.task_log("cedana_torch", run_id, "train", 2)
+    log1 = stack.task_log(dag_id, run_id, "train", 1)
+    log2 = stack.task_log(dag_id, run_id, "train", 2)
     assert ti["state"] == "success" and ti["try_number"] == 2, log2[-4000:]
 
     assert re.search(r"cedana: restored seq \d+ of try 1 \(node node-a\) on node node-b: gap [\d.]+ s, restore [\d.]+ s, "
-                     r"checkpoint_id=cedana_torch\.train\.\S+", log2), log2[-4000:]
+                     rf"checkpoint_id={dag_id}\.train\.\S+", log2), log2[-4000:]
     assert "start-up" in log1 and "start-up" not in log2  # try 2 did not import torch or build its loader again
     assert "a restore would refuse" not in log1 + log2 and "refused" not in log2
     # The parameters trained across the kill equal an uninterrupted run's, and every step was logged once.
@@ -114,33 +99,24 @@ def test_a_pytorch_dataloader_job_resumes_on_another_node_with_default_settings(
     assert sorted(p.name for p in (root / "ckpts").iterdir()) == ["epoch-0.pt", "epoch-1.pt", "epoch-2.pt"]
 
 
-def _coop_manifests(store: Path, task: str) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(store.glob(f"cedana_coop.{task}.*/*/manifest.json"))]
+def _coop_manifests(store: Path, dag_id: str, task: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(store.glob(f"{dag_id}.{task}.*/*/manifest.json"))]
 
 
-def _wait_served(stack: AirflowStack, dag_id: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            stack.call("GET", f"/api/v2/dags/{dag_id}")
-            return
-        except OSError:
-            assert time.monotonic() < deadline, stack.logs()
-            time.sleep(1)
-
-
-def test_cooperative_ddp_training_resumes_on_another_node_and_auto_protects_a_worker_without_criu(torch_stack):
-    stack, tmp_path = torch_stack
-    store, coop = tmp_path / "store", tmp_path / "coop"
-    _wait_served(stack, "cedana_coop")
-    run_id = stack.trigger("cedana_coop")
+def test_cooperative_ddp_training_resumes_on_another_node_and_auto_protects_a_worker_without_criu(airflow_stack,
+                                                                                                 tmp_path):
+    stack, store, coop = airflow_stack, tmp_path / "store", tmp_path / "coop"
+    coop.mkdir()
+    (coop / "node").write_text("node-a\n")
+    dag_id = stack.add_dag("coop", "dags_torch:coop_dag", root=str(coop), store=f"file://{store}")
+    run_id = stack.trigger(dag_id)
     deadline = time.monotonic() + 240
     running = ["train_ddp", "auto_no_criu"]
     while running:  # each is killed once two of its checkpoints are in: the node dies under it
         assert time.monotonic() < deadline, stack.logs()
         for task in list(running):
-            assert stack.task_instance("cedana_coop", run_id, task)["state"] not in ("failed", "success"), stack.logs()
-            if len(ms := _coop_manifests(store, task)) >= 2:
+            assert stack.task_instance(dag_id, run_id, task)["state"] not in ("failed", "success"), stack.logs()
+            if len(ms := _coop_manifests(store, dag_id, task)) >= 2:
                 (coop / "node").write_text("node-b\n")  # the retries parse the DAG file again: another node
                 pid = ms[-1]["process"]["pid"]
                 os.kill(pid, signal.SIGKILL)  # the tree's init: every rank goes with it
@@ -151,11 +127,11 @@ def test_cooperative_ddp_training_resumes_on_another_node_and_auto_protects_a_wo
     deadline = time.monotonic() + 300
     tis = {}
     for task in ("train_ddp", "auto_no_criu", "transparent_no_criu"):
-        while (ti := stack.task_instance("cedana_coop", run_id, task))["state"] not in ("success", "failed"):
+        while (ti := stack.task_instance(dag_id, run_id, task))["state"] not in ("success", "failed"):
             assert time.monotonic() < deadline, stack.logs()
             time.sleep(1)
         tis[task] = ti
-    logs = {(task, n): stack.task_log("cedana_coop", run_id, task, n)
+    logs = {(task, n): stack.task_log(dag_id, run_id, task, n)
             for task, ti in tis.items() for n in range(1, ti["try_number"] + 1)}
 
     # Two ranks under torchrun: each wrote its part, committed together; the retry on node-b resumed from
@@ -164,7 +140,7 @@ def test_cooperative_ddp_training_resumes_on_another_node_and_auto_protects_a_wo
     assert tis["train_ddp"]["state"] == "success" and tis["train_ddp"]["try_number"] == 2, ddp[-4000:]
     assert re.search(r"cedana: restored seq \d+ of try 1 \(node node-a\) on node node-b", ddp), ddp[-4000:]
     assert re.search(r"resumed at step [1-9]\d*", ddp), ddp[-4000:]
-    ms = _coop_manifests(store, "train_ddp")
+    ms = _coop_manifests(store, dag_id, "train_ddp")
     assert {m["engine"] for m in ms} == {"cooperative"} and {m["format_version"] for m in ms} == {4}
     assert all(m["cooperative"]["ranks"] == 2 and [f["path"] for f in m["cooperative"]["files"]]
                == ["rank-0.pt", "rank-1.pt"] and m["files"] == [] for m in ms)
@@ -186,51 +162,52 @@ def test_cooperative_ddp_training_resumes_on_another_node_and_auto_protects_a_wo
     plain = logs["transparent_no_criu", 1]
     assert tis["transparent_no_criu"]["state"] == "success" and "ran to its end" in plain, plain[-4000:]
     assert plain.count("this task runs unprotected (mode = transparent): CRIU not found at /nonexistent/criu") == 1
-    assert not list(store.glob("cedana_coop.transparent_no_criu.*"))
+    assert not list(store.glob(f"{dag_id}.transparent_no_criu.*"))
 
 
-def test_heartbeat_auto_chooses_from_what_it_measured_and_what_airflow_saw_fail(torch_stack):
-    stack, tmp_path = torch_stack
-    store = tmp_path / "store"
-    _wait_served(stack, "cedana_auto")
-    run_id = stack.trigger("cedana_auto")
+def test_heartbeat_auto_chooses_from_what_it_measured_and_what_airflow_saw_fail(airflow_stack, tmp_path):
+    stack, store = airflow_stack, tmp_path / "store"
+    queue = f"auto_gpu_{tmp_path.name}"  # its own queue: no other test's failures in its history
+    dag_id = stack.add_dag("auto", "dags_torch:auto_dag", store=f"file://{store}", work_dir=str(tmp_path / "work"),
+                           queue=queue, args=AUTO_ARGS, heartbeat_max=AUTO_MAX)
+    run_id = stack.trigger(dag_id)
     for try_number in (1, 2):  # the workload is killed (SIGKILL, as the OOM killer does) after two of its checkpoints
         deadline = time.monotonic() + 240
-        while len(ms := [m for m in _auto_manifests(store) if m["try_number"] == try_number]) < 2:
+        while len(ms := [m for m in _auto_manifests(store, dag_id) if m["try_number"] == try_number]) < 2:
             assert time.monotonic() < deadline, stack.logs()
-            assert stack.task_instance("cedana_auto", run_id, "train")["state"] not in ("failed", "success"), stack.logs()
+            assert stack.task_instance(dag_id, run_id, "train")["state"] not in ("failed", "success"), stack.logs()
             time.sleep(0.2)
         pid = ms[-1]["process"]["pid"]
         os.kill(pid, signal.SIGKILL)
         assert wait_gone(pid, 10)
     deadline = time.monotonic() + 300
-    while (ti := stack.task_instance("cedana_auto", run_id, "train"))["state"] not in ("success", "failed"):
+    while (ti := stack.task_instance(dag_id, run_id, "train"))["state"] not in ("success", "failed"):
         assert time.monotonic() < deadline, stack.logs()
         time.sleep(1)
-    logs = [stack.task_log("cedana_auto", run_id, "train", n) for n in (1, 2, 3)]
+    logs = [stack.task_log(dag_id, run_id, "train", n) for n in (1, 2, 3)]
     assert ti["state"] == "success" and ti["try_number"] == 3, logs[2][-4000:]
 
     def chosen(log: str) -> list[str]:
         return re.findall(r"(heartbeat \S+.*?); expected work lost per failure", log)
 
-    # Try 1: nothing has failed on queue auto_gpu yet: the longest interval, from an estimate, then measured.
+    # Try 1: nothing has failed on its queue yet: the longest interval, from an estimate, then measured.
     first = chosen(logs[0])
-    assert first and all(c.startswith("heartbeat 4s (heartbeat_max_seconds)") for c in first), logs[0][-4000:]
+    assert first and all(c.startswith(f"heartbeat {AUTO_MAX}s (heartbeat_max_seconds)") for c in first), logs[0][-4000:]
     assert "no failures seen (0 failures in 1 tries" in first[0] and "estimated:" in first[0], first
     assert any("measured on 1 checkpoint" in c for c in first), first
     # Tries 2 and 3 read Airflow's history of the queue: one failure, then two (each a SIGKILL the task recorded).
     for log, failures in ((logs[1], "1 failure in 2 tries"), (logs[2], "2 failures in 3 tries")):
         lines = chosen(log)
-        assert lines and failures in lines[0] and "on queue auto_gpu over 30 days" in lines[0], lines
+        assert lines and failures in lines[0] and f"on queue {queue} over 30 days" in lines[0], lines
         got = re.match(r"heartbeat ([\d.]+)s( \(heartbeat_min_seconds\))?: checkpoint costs [\d.]+ s \(measured on "
                        r"\d+ earlier checkpoint\(s\) of this ID\), failures every ~", lines[0])
-        assert got and 1 <= float(got.group(1)) < 4, lines  # shorter than with no failure seen, within the bounds
+        assert got and 1 <= float(got.group(1)) < AUTO_MAX, lines  # shorter than with no failure seen, within the bounds
     assert re.search(r"cedana: restored seq \d+ of try 2", logs[2]), logs[2][-4000:]
-    reference = subprocess.run([sys.executable, str(REPO / "tests" / "workloads" / "train.py"), "--mb", "40", "--steps",
-                                "120", "--step-seconds", "0"], capture_output=True, text=True, check=True).stdout
+    reference = subprocess.run([sys.executable, str(REPO / "tests" / "workloads" / "train.py"), *AUTO_ARGS[:-1], "0"],
+                               capture_output=True, text=True, check=True).stdout
     assert re.findall(r"done digest=\w+", logs[2]) == re.findall(r"done digest=\w+", reference)
     # The browser's and the CLI's figures: what the last try chose.
-    [cid] = {m["checkpoint_id"] for m in _auto_manifests(store)}
+    [cid] = {m["checkpoint_id"] for m in _auto_manifests(store, dag_id)}
     env = {**stack.env, "CEDANA_STORE": f"file://{store}"}
     listed = json.loads(subprocess.run([sys.executable, "-m", "cedana_airflow", "checkpoints", cid, "--json"], env=env,
                                        capture_output=True, text=True, check=True).stdout)
@@ -238,16 +215,16 @@ def test_heartbeat_auto_chooses_from_what_it_measured_and_what_airflow_saw_fail(
     # Learned durations: no expected_duration declared, so the short-task rule reads the task's past runs
     # from Airflow (all three tries of the one successful run) and refuses it against a 1 h minimum.
     optin = tmp_path / "optin-short.toml"
-    optin.write_text((tmp_path / "optin.toml").read_text() + "[rules]\nmin_expected_seconds = 3600\n")
-    said = json.loads(subprocess.run([sys.executable, "-m", "cedana_airflow", "explain", "cedana_auto", "train",
-                                      "--dags-folder", str(REPO / "tests" / "dags"), "--optin-file", str(optin),
+    optin.write_text(OPTIN_ALL + "[rules]\nmin_expected_seconds = 3600\n")
+    said = json.loads(subprocess.run([sys.executable, "-m", "cedana_airflow", "explain", dag_id, "train",
+                                      "--dags-folder", str(stack.dags), "--optin-file", str(optin),
                                       "--json"], env=env, capture_output=True, text=True, check=True).stdout)
     assert said["expected_source"] == "learned: the median of its last 1 successful run", said
-    assert said["expected_seconds"] >= 12 and not said["in_scope"]  # 120 steps of 0.1 s, over three tries
+    assert said["expected_seconds"] >= 40 and not said["in_scope"]  # 400 steps of 0.1 s, over three tries
     assert any(r.startswith("rule short-task: expected ") and "(learned: the median" in r for r in said["reasons"])
-    assert hb["auto"] and 1 <= hb["interval_seconds"] < 4 and hb["mtbf_seconds"] > 0
+    assert hb["auto"] and 1 <= hb["interval_seconds"] < AUTO_MAX and hb["mtbf_seconds"] > 0
     assert hb["expected_loss_seconds"] == pytest.approx(hb["interval_seconds"] / 2 + hb["commit_seconds"], abs=0.01)
 
 
-def _auto_manifests(store: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(store.glob("cedana_auto.train.*/*/manifest.json"))]
+def _auto_manifests(store: Path, dag_id: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(store.glob(f"{dag_id}.train.*/*/manifest.json"))]
