@@ -43,7 +43,8 @@ with DAG(
 
         @task(task_id=f"canary_{queue}" if queue else "canary", **({"queue": queue} if queue else {}))
         def canary() -> dict:
-            return run_drill("canary", mb=64, steps=60, step_seconds=0.1, heartbeat=1.0, heartbeats=2)
+            # 12 s of steps: two heartbeats fit on a node that is busy (a canary must not fail for that)
+            return run_drill("canary", mb=64, steps=120, step_seconds=0.1, heartbeat=1.0, heartbeats=2)
 
         canary()
 

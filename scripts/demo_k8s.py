@@ -45,7 +45,8 @@ from local_parts import moto_server  # noqa: E402
 from pod_runtime import Node, PodError, PodRuntime, place, pod_dict, translate  # noqa: E402
 
 WORKLOAD = REPO / "tests" / "workloads" / "pool_sum.py"
-WORKLOAD_ARGS = ["--seed", "5", "--steps", "80", "--workers", "2", "--step-seconds", "0.1"]
+# 150 steps: three 2 s heartbeats (and their uploads to the store) come well before the end, on a busy machine too
+WORKLOAD_ARGS = ["--seed", "5", "--steps", "150", "--workers", "2", "--step-seconds", "0.1"]
 BUCKET = "ckpt"
 DAG_ID, TASK_ID, RUN_ID = "train_llm", "finetune", "scheduled__2026-12-01T00:00:00+00:00"
 OPTIN = '[node]\nlabels = { "cedana.ai/enabled" = "true" }\n[queue]\nqueues = ["*"]\n[workload]\ndags = ["train_llm"]\n'

@@ -85,9 +85,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
     """A ``serial`` test runs alone on the machine; every other test beside the others."""
     with harness.machine(exclusive=item.get_closest_marker("serial") is not None):
-        before = harness.own_cpu_seconds()
+        started, before, procs = time.time(), harness.own_cpu_seconds(), own_processes()
         yield
-        harness.record_cpu(item.nodeid, harness.own_cpu_seconds() - before)
+        left = {pid: _cmdline(pid)[:100] for pid in own_processes() - procs if not _zombie(pid)}
+        harness.record_test(item.nodeid, started, time.time(), harness.own_cpu_seconds() - before, left)
 
 
 _durations: dict[str, float] = {}
@@ -144,7 +145,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     # under /tmp (a restore in the same work dir would unmount it), go now, not while others still run.
     from cedana_airflow.engine.page_file import sweep
 
-    _cpu.update(harness.recorded_cpu())
+    timeline = harness.recorded_tests()
+    _cpu.update((nodeid, cpu) for nodeid, _, _, _, cpu, _ in timeline)
     _machine["busy"] = harness.machine_cpu_seconds() - _machine["busy"]
     if (starts := getattr(session.config, "_cedana_services", None)) is not None:
         starts.close()
@@ -155,6 +157,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         MEASURED.parent.mkdir(parents=True, exist_ok=True)
         MEASURED.write_text(json.dumps(dict(sorted(_durations.items())), indent=0) + "\n")
         MEASURED.with_name("cpu.json").write_text(json.dumps(dict(sorted(_cpu.items())), indent=0) + "\n")
+        # who ran what when: where the run's tail went (python scripts/test_timeline.py draws it)
+        t0 = session.config._cedana_started  # type: ignore[attr-defined]
+        MEASURED.with_name("timeline.json").write_text(json.dumps(
+            [[n, w, round(a - t0, 1), round(b - t0, 1), c, left] for n, w, a, b, c, left in timeline], indent=0) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
@@ -288,22 +294,28 @@ def mounted_under(path: Path) -> list[str]:
             if line.split()[4].startswith(str(path))]
 
 
-def pymp_dirs() -> set[str]:
-    """multiprocessing's temp dirs in /tmp (``pymp-*``: where a process that passes descriptors listens)."""
-    return {p for p in os.listdir("/tmp") if p.startswith("pymp-")}
-
-
-def drop_dead_pymp(candidates: set[str]) -> tuple[list[str], list[str]]:
-    """Another node's /tmp has none of a killed workload's pymp dirs: remove those of ``candidates`` (the
-    dirs that appeared while it ran) in which no live process listens any more; tests on other workers
-    may have theirs in /tmp meanwhile. Returns (removed, those already gone)."""
+def pymp_dirs_held(pids: list[int]) -> set[str]:
+    """The /tmp/pymp-* dirs (multiprocessing's temp dirs, where a process that passes descriptors listens)
+    in which ``pids`` hold a unix socket: a workload's own, never a neighbour test's. Read before it is killed."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        inodes.add(link[len("socket:["):-1])
     rows = (ln.split() for ln in Path("/proc/net/unix").read_text().splitlines()[1:])
-    live = {r[7] for r in rows if len(r) >= 8}
-    dead = sorted(d for d in candidates if not any(p.startswith(f"/tmp/{d}/") for p in live))
-    removed = [d for d in dead if os.path.isdir(f"/tmp/{d}")]
+    return {r[7].split("/")[2] for r in rows if len(r) >= 8 and r[6] in inodes and r[7].startswith("/tmp/pymp-")}
+
+
+def drop_pymp(dirs: set[str]) -> tuple[list[str], list[str]]:
+    """Another node's /tmp has none of a killed workload's pymp dirs (``pymp_dirs_held`` before the kill).
+    Returns (removed, those already gone with their process)."""
+    removed = sorted(d for d in dirs if os.path.isdir(f"/tmp/{d}"))
     for d in removed:
         shutil.rmtree(f"/tmp/{d}", ignore_errors=True)
-    return removed, sorted(set(dead) - set(removed))
+    return removed, sorted(set(dirs) - set(removed))
 
 
 def wait_gone(pid: int, timeout: float) -> bool:
@@ -434,8 +446,9 @@ def bucket(s3_env, request):
 
 
 # -- an Airflow home: shared by the Airflow end-to-end tests and the sensor tests -----------------------
-#: The e2e DAG's workload (tests/dags/cedana_e2e.py reads CEDANA_E2E_TRAIN_ARGS).
-TRAIN_ARGS = ["--mb", "60", "--steps", "50", "--step-seconds", "0.1"]
+#: The e2e DAG's workload (tests/dags/cedana_e2e.py reads CEDANA_E2E_TRAIN_ARGS): small, so that a heartbeat
+#: costs little, and 8 s long, so that a loaded machine still checkpoints it before it ends.
+TRAIN_ARGS = ["--mb", "20", "--steps", "80", "--step-seconds", "0.1"]
 
 
 def _migrated(d: Path) -> dict[str, Any]:

@@ -96,19 +96,21 @@ def own_cpu_seconds() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def record_cpu(nodeid: str, seconds: float) -> None:
-    """A test's CPU time, for the controller's summary (one line per test, one file per worker)."""
-    with open(run_dir() / f"cpu-{worker_id()}.jsonl", "a") as f:
-        f.write(json.dumps([nodeid, round(seconds, 2)]) + "\n")
+def record_test(nodeid: str, started: float, ended: float, cpu_seconds: float, left: dict[int, str]) -> None:
+    """A test's span (wall clock) and CPU time, for the controller's summary and the run's timeline (one
+    line per test, one file per worker); ``left``: the processes it left running (its module's fixtures,
+    or a leak: either way its work goes on after it, and its CPU time counts for a later test)."""
+    with open(run_dir() / f"tests-{worker_id()}.jsonl", "a") as f:
+        f.write(json.dumps([nodeid, worker_id(), round(started, 2), round(ended, 2), round(cpu_seconds, 2),
+                            sorted(left.values())]) + "\n")
 
 
-def recorded_cpu() -> dict[str, float]:
-    out: dict[str, float] = {}
-    for path in run_dir().glob("cpu-*.jsonl"):
-        for line in path.read_text().splitlines():
-            nodeid, seconds = json.loads(line)
-            out[nodeid] = out.get(nodeid, 0.0) + seconds
-    return out
+def recorded_tests() -> list[tuple[str, str, float, float, float, list[str]]]:
+    """(nodeid, worker, started, ended, cpu_seconds, left) of every test of the run, in the order they started."""
+    out = []
+    for path in run_dir().glob("tests-*.jsonl"):
+        out += [tuple(json.loads(line)) for line in path.read_text().splitlines()]
+    return sorted(out, key=lambda t: t[2])  # type: ignore[arg-type,return-value]
 
 
 class ServiceFailed(RuntimeError):

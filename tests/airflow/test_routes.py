@@ -330,7 +330,8 @@ def test_first_tasks_racing_to_create_the_signing_variable_all_sign_with_the_key
 
     def task(i: int) -> None:
         lock = tmp_path / ("node.lock" if one_node else f"node-{i}.lock")
-        got.append(_variable_key("cedana_signing_secret", variables=variables, lock=lock, settle=0.2))
+        # 1 s to settle (the racers' writes are 0.05 s apart): enough on a machine busy with other tests too
+        got.append(_variable_key("cedana_signing_secret", variables=variables, lock=lock, settle=1.0))
 
     threads = [threading.Thread(target=task, args=(i,)) for i in range(racers)]
     for t in threads:

@@ -20,12 +20,16 @@ from conftest import cli, cli_env, manifests
 pytestmark = pytest.mark.integration
 
 
-def _dump_of_a_sleeping_process(tmp_path: Path, command: tuple[str, ...] = ("sleep", "30")) -> Path:
+def _dump_of_a_sleeping_process(tmp_path: Path, command: tuple[str, ...] = ("sleep", "30"), ready: Path | None = None) -> Path:
+    """CRIU's images of ``command`` (once it has made ``ready``, where it says when it is ready)."""
     images = tmp_path / "images"
     images.mkdir()
-    p = subprocess.Popen(list(command), start_new_session=True)
+    p = subprocess.Popen(list(command), start_new_session=True)  # returns once it runs: sleep is in its sleep
     try:
-        time.sleep(0.2)
+        deadline = time.monotonic() + 30
+        while ready is not None and not ready.exists():
+            assert p.poll() is None and time.monotonic() < deadline, f"{command} never made {ready}"
+            time.sleep(0.05)
         subprocess.run([find_criu("", Path("/opt/cedana-airflow/criu")).path, "dump", "-t", str(p.pid), "-D", str(images),
                         "--leave-running", "--shell-job", "-o", str(tmp_path / "dump.log")], check=True, capture_output=True)
     finally:
@@ -36,7 +40,8 @@ def _dump_of_a_sleeping_process(tmp_path: Path, command: tuple[str, ...] = ("sle
 
 def test_an_image_set_with_raw_payloads_after_its_entries_passes(tmp_path):
     # a pipe holding unread data: CRIU writes pipes-data.img as entries each followed by raw bytes
-    images = _dump_of_a_sleeping_process(tmp_path, ("sh", "-c", "(echo pending; sleep 30) | sleep 30"))
+    mark = tmp_path / "written"
+    images = _dump_of_a_sleeping_process(tmp_path, ("sh", "-c", f"(echo pending; touch {mark}; sleep 30) | sleep 30"), mark)
     assert (images / "pipes-data.img").exists()
     assert image_set_problems(images) == []
 

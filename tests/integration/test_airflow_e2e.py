@@ -65,7 +65,8 @@ def assert_resumed(text: str) -> None:
     assert text.count("start-up: allocating") == 1, "the retry ran the workload's start-up code again"
     assert re.search(r"cedana: restored seq \d+ of try 1 \(node \S+\) on node \S+: gap [\d.]+ s, restore [\d.]+ s, "
                      r"checkpoint_id=cedana_e2e\.train\.manual__\S+", text), text[-5000:]
-    assert re.search(r"cedana: the workload was killed by SIGKILL; 1 checkpoint\(s\) taken this try, the latest is seq 1: "
+    # (the kill follows the first checkpoint; a loaded machine may commit one more before it lands)
+    assert re.search(r"cedana: the workload was killed by SIGKILL; \d+ checkpoint\(s\) taken this try, the latest is seq \d+: "
                      r"a retry or Clear resumes from it", text)  # try 1 failed because its workload was killed
     assert "sigprocmask" not in text  # util-linux's line about that kill stays out of the task log
     assert "where try 1 ran and failed" in text  # the retry noticed it is on the same node
@@ -158,7 +159,12 @@ class Clearing:
         while self.stack.dag_run(self.dag_id, run_id)["state"] != "failed":
             assert time.monotonic() < deadline, self.stack.logs()
             time.sleep(0.5)
-        time.sleep(3)
+        # the event, not a guess at its time: the scheduler has processed try 1's end
+        finished = re.compile(rf"TaskInstance Finished: dag_id={self.dag_id}, task_id=train, run_id={re.escape(run_id)}, "
+                              r".*try_number=1,")
+        while not finished.search((self.stack.home / "scheduler.log").read_text(errors="replace")):
+            assert time.monotonic() < deadline, self.stack.logs()
+            time.sleep(0.5)
         return self.stack.call("POST", f"/api/v2/dags/{self.dag_id}/clearTaskInstances",
                                {"dry_run": False, "dag_run_id": run_id, "task_ids": ["train"], "only_failed": True,
                                 "reset_dag_runs": True})
@@ -186,6 +192,8 @@ def test_a_clear_through_the_rest_api_resumes_the_failed_task_from_its_checkpoin
     kill_workload(m["process"]["pid"])
     failed = dag.wait_state(run_id, {"failed", "success"})
     assert failed["state"] == "failed" and failed["try_number"] == 1  # retries=0: it stays failed
+    # the newest of try 1 (a loaded machine may commit one more between the first and the kill)
+    latest = max(int(p.parent.name) for p in dag.store.glob(f"{dag.dag_id}.train.*/*/manifest.json"))
 
     cleared = dag.clear(run_id)
     assert [t["task_id"] for t in cleared["task_instances"]] == ["train"]
@@ -206,7 +214,7 @@ def test_a_clear_through_the_rest_api_resumes_the_failed_task_from_its_checkpoin
     assert re.search(rf"cedana: restored seq \d+ of try 1 .*checkpoint_id={dag.dag_id}\.train\.\S+", log), log
     assert re.findall(r"done digest=\w+", log) == [uninterrupted_digest(*TRAIN_ARGS)]
     restore = stack.xcom(dag.dag_id, run_id, "train", "cedana_restore")
-    assert restore["from_try"] == 1 and restore["seq"] == m["seq"] and restore["gap_seconds"] >= 0
+    assert restore["from_try"] == 1 and restore["seq"] == latest and restore["gap_seconds"] >= 0
 
 
 def test_task_checkpointed_resumes_a_python_function_and_returns_its_value(tmp_path, airflow_db):
@@ -238,7 +246,8 @@ def test_stopping_a_running_task_takes_a_final_checkpoint_that_the_clear_resumes
     # The state flips at once; the task process then gets SIGTERM and, 5 s later, Airflow's SIGKILL
     # (a fixed escalation in its supervisor): the final checkpoint has to fit in between.
     deadline = time.monotonic() + 120
-    while not re.search(r"Task killed!|workload exited", log1 := stack.task_log_files(dag.dag_id, 1)):
+    # Read once the stop has said how it ended (Airflow may write "Task killed!" before the task's last lines)
+    while not re.search(r"stopped by SIGTERM|workload exited", log1 := stack.task_log_files(dag.dag_id, 1)):
         assert time.monotonic() < deadline, stack.logs()
         time.sleep(0.5)
     assert "cedana: the task is being stopped; final checkpoint" in log1, log1[-3000:]
@@ -246,10 +255,6 @@ def test_stopping_a_running_task_takes_a_final_checkpoint_that_the_clear_resumes
     assert final, "no final checkpoint was taken when the task was stopped"
     assert int(final[-1]) > first["seq"]
     # A clean cut, said in one line, within Airflow's 5 s (the log has it: Airflow's SIGKILL came later, if at all)
-    deadline = time.monotonic() + 30
-    while "stopped by SIGTERM" not in log1 and time.monotonic() < deadline:
-        time.sleep(0.5)
-        log1 = stack.task_log_files(dag.dag_id, 1)
     stop_line = re.search(rf"stopped by SIGTERM checkpoint_id=\S+: final checkpoint seq {final[-1]} in [\d.]+ s; workload "
                           r"tree ended \(SIGKILL\) ([\d.]+) s after the stop began; writer lease released", log1)
     assert stop_line and float(stop_line.group(1)) < 5.0, log1[-3000:]

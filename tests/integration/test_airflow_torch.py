@@ -27,13 +27,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import OPTIN_ALL, REPO, drop_dead_pymp, pymp_dirs, wait_gone
+from conftest import OPTIN_ALL, REPO, descendants, drop_pymp, pymp_dirs_held, wait_gone
 from shared_stack import SharedStack
 
 pytestmark = pytest.mark.integration
 
 SHAPE = REPO / "tests" / "integration" / "shapes" / "torch_loader.py"
-ARGS = ["--epochs", "3", "--step-seconds", "0.15"]
+#: 36 steps of 0.4 s: a heartbeat of the whole torch tree lands once the log is open and well before the end,
+#: on a machine busy with other tests too (the shapes test's torch job steps at 0.4 s for the same reason)
+ARGS = ["--epochs", "3", "--step-seconds", "0.4"]
 #: Long enough that no try ends before the test has seen its two checkpoints, however loaded the machine
 #: (a try that restores late must not find the work done); the interval's bounds are the DAG's: 1 s to 6 s.
 AUTO_ARGS = ["--mb", "20", "--steps", "400", "--step-seconds", "0.1"]
@@ -63,7 +65,6 @@ def test_a_pytorch_dataloader_job_resumes_on_another_node_with_default_settings(
     (root / "node").write_text("node-a\n")
     dag_id = stack.add_dag("torch", "dags_torch:torch_dag", root=str(root), store=f"file://{tmp_path / 'store'}",
                            args=ARGS)
-    pymp_before = pymp_dirs()
     run_id = stack.trigger(dag_id)
     # Killed once a heartbeat has caught it training (its log open): a checkpoint from before the log
     # existed would leave try 1's lines in it (a file created after a checkpoint is not rolled back).
@@ -76,9 +77,10 @@ def test_a_pytorch_dataloader_job_resumes_on_another_node_with_default_settings(
     pid = ms[0]["process"]["pid"]
     assert [c["path"] for c in ms[0]["captured"]] == [str(root / "logs" / "train.log")]  # outside the cwd
     (root / "node").write_text("node-b\n")  # the retry parses the DAG file again: another node
+    held = pymp_dirs_held(descendants(pid))  # the workload's own multiprocessing dirs, read while it lives
     os.kill(pid, signal.SIGKILL)  # the node dies under try 1
     assert wait_gone(pid, 10)
-    drop_dead_pymp(pymp_dirs() - pymp_before)  # the new node's /tmp is fresh
+    drop_pymp(held)  # the new node's /tmp is fresh
 
     deadline = time.monotonic() + 300
     while (ti := stack.task_instance(dag_id, run_id, "train"))["state"] not in ("success", "failed"):

@@ -43,8 +43,8 @@ def test_a_file_held_open_that_grows_past_max_captured_bytes_skips_heartbeats_an
 
 def test_a_checkpoint_longer_than_the_stop_window_is_said_once(tmp_path):
     env = cli_env(tmp_path, "node-a", "work-a", CEDANA_STOP_WINDOW_SECONDS="0.001")
-    r = cli("run", "--id", "window", "--heartbeat", "0.5", "--", sys.executable, str(TRAIN),
-            "--mb", "20", "--steps", "30", "--step-seconds", "0.1", env=env)
+    r = cli("run", "--id", "window", "--heartbeat", "0.5", "--", sys.executable, str(TRAIN),  # 6 s: two heartbeats, loaded too
+            "--mb", "20", "--steps", "60", "--step-seconds", "0.1", env=env)
     assert r.returncode == 0, r.stderr
     assert len(manifests(tmp_path / "store", "window")) >= 2
     said = re.findall(r"a stop will fall back to the last heartbeat checkpoint_id=window: this checkpoint \(seq \d+, \d+ "

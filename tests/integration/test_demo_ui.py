@@ -24,8 +24,10 @@ from cedana_airflow.units import binary_size  # noqa: E402
 # one worker runs this module's tests, in order: its module fixture is started once (tests/harness.py)
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("demo")]
 
-#: Smaller than the demo's own (300 MB, 90 steps of 0.5 s); the DAG's 5 s heartbeat is kept.
-ARGS = ("--mb", "60", "--steps", "60", "--step-seconds", "0.25", "--change-fraction", "0.01")
+#: Smaller than the demo's own (300 MB, 90 steps of 0.5 s); the DAG's 5 s heartbeat is kept. 25 s of steps: the
+#: node is lost after two heartbeats and 1.5 s more, which a busy machine must not find past the workload's end.
+STEPS = 100
+ARGS = ("--mb", "60", "--steps", str(STEPS), "--step-seconds", "0.25", "--change-fraction", "0.01")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def demo_run(tmp_path_factory, airflow_db):
 def test_try_2s_log_through_the_rest_api_names_the_checkpoint_it_restored(demo_run):
     stack, out = demo_run
     expect = uninterrupted(ARGS)
-    text, ok = summarize(out, expect, steps=60)
+    text, ok = summarize(out, expect, steps=STEPS)
     print(text)
     assert out["state"] == "success" and out["tries"] == 2, text
     cid = derive_checkpoint_id(DAG_ID, TASK_ID, out["run_id"])
@@ -61,10 +63,11 @@ def test_try_2s_log_through_the_rest_api_names_the_checkpoint_it_restored(demo_r
     # what a reader looks for is seen first, even where a log viewer cuts a long line
     assert f"seq {restore['seq']}" in line[:100] and "gap" in line[:100], line
     # logged when the restore happened: every step try 2 ran comes after it, not before
-    assert re.search(r"step \d+/60", log2[log2.index(line):]) and not re.search(r"step \d+/60", log2[:log2.index(line)])
+    step = rf"step \d+/{STEPS}"
+    assert re.search(step, log2[log2.index(line):]) and not re.search(step, log2[:log2.index(line)])
     assert "start-up: allocating" in out["logs"][1] and "start-up: allocating" not in log2  # try 2 did not start over
     assert re.findall(r"done digest=\w+", log2) == [expect] and ok
-    saved = re.search(r"steps saved: +(\d+) of 60 not redone", text)
+    saved = re.search(rf"steps saved: +(\d+) of {STEPS} not redone", text)
     assert saved and int(saved.group(1)) >= 5, text  # two 5 s heartbeats of 0.25 s steps before the kill
     sizes = next(x for x in text.splitlines() if x.startswith("checkpoints taken:"))
     assert all(binary_size(m["image_bytes"]) in sizes for m in out["manifests"]), (sizes, out["manifests"])

@@ -39,7 +39,8 @@ def _checkpointed_and_lost(tmp_path: Path, cid: str, args: list[str], n: int, **
 
 @pytest.mark.parametrize("via", VIAS)
 def test_lazy_restore_on_another_node_ends_with_the_uninterrupted_digest(tmp_path, via):
-    args = ["--mb", "200", "--steps", "40", "--step-seconds", "0.1"]
+    # 10 s of steps: after the loss, the restored tree still has time for a heartbeat once its pages are in
+    args = ["--mb", "200", "--steps", "100", "--step-seconds", "0.1"]
     _checkpointed_and_lost(tmp_path, "lazy-1", args, 1)
     r = cli("restore", "--id", "lazy-1", "--heartbeat", "1",
             env=cli_env(tmp_path, "node-b", "work-b", CEDANA_LAZY_PAGES_VIA=via))
@@ -172,7 +173,8 @@ def test_the_store_going_away_mid_stream_kills_the_tree_and_says_why(tmp_path, m
 
 
 def test_ten_rounds_of_checkpoint_kill_lazy_restore_end_with_the_uninterrupted_digest(tmp_path):
-    args = ["--mb", "40", "--steps", "200", "--step-seconds", "0.1"]
+    # 40 s of steps: ten rounds (each a lazy restore and a checkpoint of the restored tree) fit, on a busy machine too
+    args = ["--mb", "40", "--steps", "400", "--step-seconds", "0.1"]
     proc = start_cli("run", "--id", "rounds", "--heartbeat", "0.5", "--", *_train(*args),
                      env=cli_env(tmp_path, "node-0", "work-0"), out=tmp_path / "r0")
     wait_for_checkpoints(tmp_path / "store", "rounds", 1, proc)

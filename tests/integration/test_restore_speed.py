@@ -73,7 +73,8 @@ def test_restore_timings_say_where_the_time_went(tmp_path, mode):
 
 @needs_fuse
 def test_a_streamed_full_restore_ends_with_the_uninterrupted_digest(tmp_path):
-    args = ["--mb", "150", "--steps", "40", "--step-seconds", "0.1"]
+    # 10 s of steps: after the loss, the restored tree still has time for a heartbeat, on a busy machine too
+    args = ["--mb", "150", "--steps", "100", "--step-seconds", "0.1"]
     _checkpointed_and_lost(tmp_path, "stream-1", args, 1)
     r = cli("restore", "--id", "stream-1", "--heartbeat", "1",
             env=cli_env(tmp_path, "node-b", "work-b", CEDANA_RESTORE_MODE="full", CEDANA_FULL_RESTORE_VIA="stream"))

@@ -25,12 +25,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import _free_port, cli, cli_env, drop_dead_pymp, kill_node, manifests, pymp_dirs, start_cli
+from conftest import _free_port, cli, cli_env, descendants, drop_pymp, kill_node, manifests, pymp_dirs_held, start_cli
 
 pytestmark = pytest.mark.integration
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
 HEARTBEAT = "0.4"
+#: 8 s of steps: two checkpoints begun in the loop (each 0.4 s after the last one ended) come well before the end,
+#: on a machine busy with other tests too
+STEPS = 80
 #: Processes a case started; whatever is still running when it ends is killed (a failed case leaves none).
 _STARTED: list[subprocess.Popen] = []
 
@@ -59,7 +62,7 @@ class Node:
     def __init__(self, tmp_path: Path, cid: str, cmd: list[str], env: dict[str, str], cwd: Path) -> None:
         self.tmp_path, self.cid, self.cwd = tmp_path, cid, cwd
         cwd.mkdir(parents=True, exist_ok=True)
-        self.pymp_before, self.pymp_seen = pymp_dirs(), set[str]()
+        self.pymp_held: set[str] = set()
         self.proc = start_cli("run", "--id", cid, "--heartbeat", HEARTBEAT, "--", *cmd, env=env, out=tmp_path / "a",
                               cwd=cwd)
         _STARTED.append(self.proc)
@@ -74,8 +77,11 @@ class Node:
 
     def wait_for(self, predicate: Callable[[], bool], what: str, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
+        sampled = 0.0
         while not predicate():
-            self.pymp_seen |= pymp_dirs() - self.pymp_before
+            if time.monotonic() - sampled > 0.5:  # an ended epoch's workers held theirs
+                self.pymp_held |= pymp_dirs_held(descendants(self.proc.pid))
+                sampled = time.monotonic()
             assert self.proc.poll() is None, f"supervisor exited early ({what}): {self.err[-2000:]}"
             assert time.monotonic() < deadline, f"timed out waiting for {what}: {self.err[-2000:]}"
             time.sleep(0.05)
@@ -102,6 +108,7 @@ class Node:
     def lose(self, ms: list[dict]) -> None:
         """The node dies: the supervisor and the workload's PID namespace are SIGKILLed, and its work
         directory is gone with it."""
+        self.pymp_held |= pymp_dirs_held(descendants(self.proc.pid))  # its own, read while it lives
         kill_node(self.proc, ms[-1]["process"]["pid"])
         shutil.rmtree(self.tmp_path / "work-node-a", ignore_errors=True)
         assert "done digest" not in self.out, "the workload ended before the node was lost: make it longer"
@@ -146,9 +153,9 @@ def _processes(m: dict) -> int:
 
 
 def _drop_workload_pymp(node: Node) -> tuple[list[str], list[str]]:
-    """Another node's /tmp has none of the workload's /tmp/pymp-* directories: ours are those that
-    appeared while it ran (``ls /tmp`` before and during the run). Returns (removed, already gone)."""
-    return drop_dead_pymp(node.pymp_seen | (pymp_dirs() - node.pymp_before))
+    """Another node's /tmp has none of the workload's /tmp/pymp-* directories (those its processes held a
+    socket in while it ran, never a neighbour test's). Returns (removed, already gone)."""
+    return drop_pymp(node.pymp_held)
 
 
 # -- the shapes ---------------------------------------------------------------------------------------------
@@ -199,7 +206,7 @@ def torch_dataloader(tmp_path: Path) -> None:
 
 
 def mp_pool_fork(tmp_path: Path) -> None:
-    cmd = _py("pool_map.py", "--steps", 40, "--step-seconds", 0.1)
+    cmd = _py("pool_map.py", "--steps", STEPS, "--step-seconds", 0.1)
     reference = _reference(cmd, tmp_path / "ref")
     node = Node(tmp_path, "pool", cmd, _env(tmp_path, "node-a"), tmp_path / "job")
     ms = node.checkpoints_after_first_step(2)
@@ -214,7 +221,7 @@ def posix_shm(tmp_path: Path) -> None:
     captured and, signed, put back in /dev/shm (a tmpfs like /tmp, the one place under /dev a restore
     writes) on a node whose /dev/shm does not have it."""
     key = secrets.token_hex(16)
-    cmd = _py("shm.py", "--steps", 40, "--step-seconds", 0.1)
+    cmd = _py("shm.py", "--steps", STEPS, "--step-seconds", 0.1)
     reference = _reference(cmd, tmp_path / "ref")
     node = Node(tmp_path, "shm", cmd, _env(tmp_path, "node-a", key=key), tmp_path / "job")
     ms = node.checkpoints_after_first_step(2)
@@ -235,8 +242,8 @@ def np_memmap(tmp_path: Path) -> None:
     key = secrets.token_hex(16)
     data = tmp_path / "data"
     data.mkdir()
-    cmd = _py("memmap.py", "--steps", 40, "--step-seconds", 0.1, "--file", data / "state.dat")
-    reference = _reference(_py("memmap.py", "--steps", 40, "--file", tmp_path / "ref-state.dat"), tmp_path / "ref")
+    cmd = _py("memmap.py", "--steps", STEPS, "--step-seconds", 0.1, "--file", data / "state.dat")
+    reference = _reference(_py("memmap.py", "--steps", STEPS, "--file", tmp_path / "ref-state.dat"), tmp_path / "ref")
     node = Node(tmp_path, "memmap", cmd, _env(tmp_path, "node-a", key=key), tmp_path / "job")
     ms = node.checkpoints_after_first_step(2)
     node.lose(ms)
@@ -250,8 +257,8 @@ def sqlite_signed(tmp_path: Path) -> None:
     key = secrets.token_hex(16)
     (tmp_path / "data").mkdir()
     db = tmp_path / "data" / "steps.db"
-    cmd = _py("sqlite_loop.py", "--steps", 40, "--step-seconds", 0.1, "--db", db)
-    reference = _reference(_py("sqlite_loop.py", "--steps", 40, "--db", tmp_path / "ref.db"), tmp_path / "ref")
+    cmd = _py("sqlite_loop.py", "--steps", STEPS, "--step-seconds", 0.1, "--db", db)
+    reference = _reference(_py("sqlite_loop.py", "--steps", STEPS, "--db", tmp_path / "ref.db"), tmp_path / "ref")
     node = Node(tmp_path, "sqlite", cmd, _env(tmp_path, "node-a", key=key), tmp_path / "job")
     ms = node.checkpoints_after_first_step(2)
     node.lose(ms)
@@ -261,13 +268,13 @@ def sqlite_signed(tmp_path: Path) -> None:
                       reference)
     import sqlite3
 
-    assert [n for (n,) in sqlite3.connect(db).execute("SELECT n FROM steps ORDER BY n")] == list(range(1, 41))
+    assert [n for (n,) in sqlite3.connect(db).execute("SELECT n FROM steps ORDER BY n")] == list(range(1, STEPS + 1))
 
 
 def shell_pipeline(tmp_path: Path) -> None:
     job = tmp_path / "job"
-    line = f"{sys.executable} {SHAPES / 'step.py'} --steps 40 --step-seconds 0.1 | tee steps.log"
-    reference = _reference(_py("step.py", "--steps", 40), tmp_path / "ref")
+    line = f"{sys.executable} {SHAPES / 'step.py'} --steps {STEPS} --step-seconds 0.1 | tee steps.log"
+    reference = _reference(_py("step.py", "--steps", STEPS), tmp_path / "ref")
     node = Node(tmp_path, "pipe", ["sh", "-c", line], _env(tmp_path, "node-a"), job)
     ms = node.checkpoints_after_first_step(2)
     node.lose(ms)
@@ -275,12 +282,12 @@ def shell_pipeline(tmp_path: Path) -> None:
     (job / "steps.log").unlink()  # another node's disk: only the checkpoint has it
     _assert_continued(_resume(tmp_path, "pipe", ["sh", "-c", line], _env(tmp_path, "node-b"), job), "pipe", reference)
     steps = [ln for ln in (job / "steps.log").read_text().splitlines() if ln.startswith("step ")]
-    assert steps == [f"step {i}/40" for i in range(1, 41)]
+    assert steps == [f"step {i}/{STEPS}" for i in range(1, STEPS + 1)]
 
 
 def tcp_listen(tmp_path: Path) -> None:
     port = _free_port()
-    cmd = _py("tcp_listen.py", "--steps", 40, "--step-seconds", 0.1, "--port", port)
+    cmd = _py("tcp_listen.py", "--steps", STEPS, "--step-seconds", 0.1, "--port", port)
     node = Node(tmp_path, "listen", cmd, _env(tmp_path, "node-a"), tmp_path / "job")
     node.wait_for(lambda: "step 1/" in node.out, "the first step")
     node.wait_for(lambda: "heartbeat failed" in node.err or max(node.seqs(), default=0) >= 2, "a heartbeat")
@@ -293,7 +300,7 @@ def tcp_listen(tmp_path: Path) -> None:
         assert "Can't get 1:16 opt: Operation not supported. CRIU before 4.2 cannot dump a TCP or UDP socket" in line, line
         pytest.xfail("CRIU 4.1.1 cannot dump a TCP socket on kernel >= 6.16 (SO_PASSCRED: criu#2718, fixed in "
                      "CRIU 4.2): no checkpoint is ever taken")
-    reference = _reference(_py("tcp_listen.py", "--steps", 40, "--port", _free_port()), tmp_path / "ref")
+    reference = _reference(_py("tcp_listen.py", "--steps", STEPS, "--port", _free_port()), tmp_path / "ref")
     ms = node.checkpoints_after_first_step(2)
     node.lose(ms)
     proc = start_cli("run", "--resume", "--id", "listen", "--heartbeat", "0", "--", *cmd,
@@ -342,7 +349,7 @@ def tcp_established(tmp_path: Path) -> None:
     does not pass, so no heartbeat succeeds and a restore on another node starts over."""
     echo = _Echo()
     try:
-        cmd = _py("tcp_client.py", "--steps", 30, "--step-seconds", 0.1, "--port", echo.port)
+        cmd = _py("tcp_client.py", "--steps", 50, "--step-seconds", 0.1, "--port", echo.port)
         reference = _reference(cmd, tmp_path / "ref")
         node = Node(tmp_path, "conn", cmd, _env(tmp_path, "node-a"), tmp_path / "job")
         node.wait_for(lambda: node.err.count("heartbeat failed") >= 2, "two failed heartbeats")
@@ -366,7 +373,7 @@ def env_credential(tmp_path: Path) -> None:
     own credential never reaches the workload (nor its checkpoint images)."""
     token, store_secret = f"tok-{secrets.token_hex(12)}", f"store-{secrets.token_hex(12)}"
     creds = {"MY_API_TOKEN": token, "AWS_SECRET_ACCESS_KEY": store_secret, "AWS_ACCESS_KEY_ID": "AKIDSHAPES"}
-    cmd = _py("env_token.py", "--steps", 40, "--step-seconds", 0.1)
+    cmd = _py("env_token.py", "--steps", STEPS, "--step-seconds", 0.1)
     reference = subprocess.run([*cmd, "--step-seconds", "0"], capture_output=True, text=True, check=True,
                                env={**os.environ, "MY_API_TOKEN": token}).stdout.splitlines()
     node = Node(tmp_path, "envtok", cmd, _env(tmp_path, "node-a", **creds), tmp_path / "job")
@@ -426,7 +433,7 @@ def test_unsigned_first_heartbeat_names_what_a_restore_would_refuse(tmp_path: Pa
 def _unsigned_first_heartbeat(tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
     db = tmp_path / "data" / "steps.db"
-    cmd = _py("sqlite_loop.py", "--steps", 40, "--step-seconds", 0.1, "--db", db)
+    cmd = _py("sqlite_loop.py", "--steps", STEPS, "--step-seconds", 0.1, "--db", db)
     node = Node(tmp_path, "unsigned", cmd, _env(tmp_path, "node-a"), tmp_path / "job")
     ms = node.checkpoints_after_first_step(1)
     # the heartbeat's last line: everything it had to say about this checkpoint is said by then

@@ -15,6 +15,8 @@ def _beat_once(beat, alive, caplog) -> list[logging.LogRecord]:
     done = threading.Event()
 
     def once():
+        if done.is_set():  # a second beat before stop() reached it (a busy machine): not this test's
+            return
         try:
             beat()
         finally:

@@ -131,8 +131,6 @@ def _torch_only_python(tmp_path: Path) -> Path:
 
 
 @pytest.mark.integration
-# its doctor runs `criu check`, which probes the whole machine (it failed once beside CRIU dumps)
-@pytest.mark.serial
 def test_gpu_validate_dry_run_passes_every_step_that_needs_no_gpu_no_gpu_here(tmp_path):
     """scripts/gpu-validate.sh --dry-run, as CI runs it: the interpreter choice, the venv that sees the
     torch Python's packages, cedana-airflow imported in every interpreter that needs it (the baseline

@@ -82,12 +82,14 @@ def test_dags_test_runs_the_sensor_in_all_three_modes_until_a_workload_checkpoin
             while dag.poll() is None:
                 assert time.monotonic() < deadline, log.read_text()[-4000:]
                 text = log.read_text()
-                # Each sensor's workload starts 2 s after that sensor's task started, so every mode
-                # really waits (and the deferrable one really defers) before its checkpoint lands.
+                # Each sensor's workload starts once that sensor is seen waiting (it found nothing yet, or
+                # its trigger runs), so every mode really waits, and the deferrable one really defers,
+                # before its checkpoint lands.
                 running = re.findall(r"starting task_id=wait_(\w+)", text)[:text.count("Task started")]
                 for mode in running:
-                    if mode not in producers:
-                        time.sleep(2)
+                    waiting = ("[DAG TEST] running trigger in line" if mode == "deferred"
+                               else f"no complete checkpoint of sensed-{mode} yet")
+                    if mode not in producers and waiting in text:
                         producers[mode] = subprocess.Popen(
                             [sys.executable, "-m", "cedana_airflow", "run", "--id", f"sensed-{mode}", "--heartbeat", "1",
                              "--", "sleep", "60"], env=cli_env(tmp_path, "node-p", f"work-{mode}"),
