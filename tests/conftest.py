@@ -98,16 +98,13 @@ _machine = {"busy": harness.machine_cpu_seconds()}  # the controller's start; it
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """The controller sees every worker's reports: setup + call + teardown of each test."""
-    nodeid = report.nodeid.split("@")[0]  # loadgroup's suffix
-    _durations[nodeid] = _durations.get(nodeid, 0.0) + report.duration
-
-
-#: The pod tests' image (scripts/pod_image.py), built once per run beside the tests that run before them.
-POD_IMAGE_LOG = Path(tempfile.gettempdir()) / "cedana-pod-image.log"
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
 
 
 def _start_pod_image(d: Path) -> dict[str, Any]:
-    with open(POD_IMAGE_LOG, "wb") as log:
+    """The pod tests' image (scripts/pod_image.py), built once per run beside the tests that run before them;
+    its log is build.log in the service's directory."""
+    with open(d / "build.log", "wb") as log:
         p = subprocess.Popen(["sh", "-c", f'nice -n 10 "$0" "$1"; echo $? > "{d}/done"', sys.executable,
                               str(REPO / "scripts" / "pod_image.py")],
                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -155,8 +152,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     reap()
     if _durations and len(_durations) > 100:  # a full run, or most of one: the table's next refresh
         MEASURED.parent.mkdir(parents=True, exist_ok=True)
-        MEASURED.write_text(json.dumps(dict(sorted(_durations.items())), indent=0) + "\n")
-        MEASURED.with_name("cpu.json").write_text(json.dumps(dict(sorted(_cpu.items())), indent=0) + "\n")
+        for path, table in ((MEASURED, _durations), (MEASURED.with_name("cpu.json"), _cpu)):
+            path.write_text(json.dumps({k: round(v, 1) for k, v in sorted(table.items())}, indent=0) + "\n")
         # who ran what when: where the run's tail went (python scripts/test_timeline.py draws it)
         t0 = session.config._cedana_started  # type: ignore[attr-defined]
         MEASURED.with_name("timeline.json").write_text(json.dumps(
@@ -286,12 +283,6 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except (OSError, IndexError):
         return True
-
-
-def mounted_under(path: Path) -> list[str]:
-    """Mount points under ``path`` (a page file a lazy restore left): this test's, not the machine's."""
-    return [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
-            if line.split()[4].startswith(str(path))]
 
 
 def pymp_dirs_held(pids: list[int]) -> set[str]:

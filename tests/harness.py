@@ -135,7 +135,7 @@ def service(name: str, timeout: float = 900) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while not (record.exists() or failed.exists()):
             if time.monotonic() > deadline:
-                raise ServiceFailed(f"{name} was not started within {timeout:.0f} s (the controller's log: {root})")
+                raise ServiceFailed(f"{name} was not started within {timeout:.0f} s by the controller (see {root})")
             time.sleep(0.2)
     else:
         with _flock(root / "start.lock", fcntl.LOCK_EX):
