@@ -93,7 +93,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  #
 
 _durations: dict[str, float] = {}
 _cpu: dict[str, float] = {}
-_machine = {"busy": harness.machine_cpu_seconds()}  # the controller's start; its end in sessionfinish
+_machine: dict[str, Any] = {"busy": harness.machine_cpu_seconds()}  # the controller's start; its end in sessionfinish
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -147,7 +147,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     _machine["busy"] = harness.machine_cpu_seconds() - _machine["busy"]
     if (starts := getattr(session.config, "_cedana_services", None)) is not None:
         starts.close()
-    harness.stop_services()
+    _machine["killed"] = harness.stop_services()
     sweep(Path(tempfile.gettempdir()))
     reap()
     if _durations and len(_durations) > 100:  # a full run, or most of one: the table's next refresh
@@ -173,6 +173,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         write(f"costliest tests in CPU time (with their subprocesses; {sum(_cpu.values()):.0f} s in all):")
         for nodeid, seconds in sorted(_cpu.items(), key=lambda kv: -kv[1])[:15]:
             write(f"{seconds:8.1f}s  {nodeid}")
+    if _machine.get("killed"):
+        write(f"shared services that did not stop on SIGTERM within 30 s, killed: {', '.join(_machine['killed'])}")
     write(f"suite: {len(_durations)} tests in {wall:.0f} s of pytest ({wall / 60:.1f} min; budget 15 min), "
           f"{workers or 'no'} xdist worker(s); the machine was busy {_machine['busy']:.0f} CPU-s of "
           f"{wall * cores:.0f} ({cores} cores, {100 * _machine['busy'] / (wall * cores):.0f}%)")

@@ -23,12 +23,16 @@ import os
 import resource
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from local_parts import reap  # noqa: E402
 
 RUN_ENV = "CEDANA_TEST_RUN"
 
@@ -220,7 +224,7 @@ def stop_services(timeout: float = 30) -> list[str]:
             os.killpg(pgid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while any(_alive(p) for p in pgids) and time.monotonic() < deadline:
-        _reap()
+        reap()  # the parts are this process's children: it started them, or adopted them (a subreaper)
         time.sleep(0.2)
     killed = []
     for pgid, name in pgids.items():
@@ -228,17 +232,6 @@ def stop_services(timeout: float = 30) -> list[str]:
             killed.append(f"{name} (process group {pgid})")
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
-    _reap()
+    reap()
     shutil.rmtree(root, ignore_errors=True)
     return killed
-
-
-def _reap() -> None:
-    """The services' processes are the controller's once their worker ended (it is a subreaper)."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
