@@ -1,5 +1,6 @@
-"""Airflow's own components on this machine (LocalExecutor, SQLite): `airflow api-server`, `scheduler`,
-`dag-processor` and `triggerer`. For `make demo`, `make ui` and the end-to-end tests.
+"""Airflow's own components on this machine: `airflow api-server`, `scheduler`, `dag-processor` and
+`triggerer` (LocalExecutor; SQLite unless the env names another metadata DB). For `make demo`, `make ui`
+and the end-to-end tests.
 
 All four run, so Airflow's health (the UI's header, /api/v2/monitor/health) is green: a part that is
 not running shows red there, with nothing saying why. The simple auth manager makes everyone an admin
@@ -25,6 +26,16 @@ from typing import Any
 from urllib.parse import quote
 
 from local_parts import AIRFLOW, Deployment, free_port, stop_parts, tail  # (scripts/ is on sys.path)
+
+
+def _last_error(log: Path) -> str:
+    """The api-server's last logged error (other requests' lines come after it)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()[-500:]
+    except OSError:
+        return f"(no log at {log})"
+    errors = [x for x in lines if "[error" in x or "Error:" in x]
+    return f"its last error: {errors[-1][-400:]} (log: {log})" if errors else f"no error in its log ({log})"
 
 
 class StackError(RuntimeError):
@@ -127,8 +138,13 @@ class AirflowStack(Deployment):
         req = urllib.request.Request(self.base + path, method=method, data=json.dumps(body).encode() if body else None,
                                      headers={"Content-Type": "application/json",
                                               **({"Authorization": f"Bearer {self.token}"} if self.token else {})})
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return json.loads(r.read() or b"{}")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return json.loads(r.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            if e.code >= 500:  # the API's 500 says nothing; its log says why
+                e.add_note(f"{method} {path}: {_last_error(self.home / 'api-server.log')}")
+            raise
 
     def unhealthy(self) -> list[str]:
         """The parts Airflow's health reports as not healthy (what its UI shows red)."""

@@ -14,7 +14,6 @@ that does not come up is one line naming it and its log.
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 import shutil
@@ -22,14 +21,13 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from local_parts import AIRFLOW, Deployment, descendants, free_port, stop_parts, tail  # noqa: E402  (scripts/ is on sys.path)
+from local_parts import AIRFLOW, Deployment, Postgres, descendants, free_port, stop_parts, tail  # noqa: E402  (scripts/ is on sys.path)
 HERE = Path(__file__).resolve().parent
 BUCKET = "cedana-fleet"
 
@@ -44,7 +42,7 @@ class FleetStack(Deployment):
         self.root, self.dags_folder, self.optin, self.worker_names = root, dags_folder, optin, workers
         self.heartbeat_timeout, self.extra_env = heartbeat_timeout, extra_env or {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.pg_dir: Path | None = None
+        self.pg = Postgres()
         self.token = ""
         self.env: dict[str, str] = {}
         self.store_env: dict[str, str] = {}
@@ -75,30 +73,14 @@ class FleetStack(Deployment):
             time.sleep(0.5)
 
     def _postgres(self) -> str:
-        bins = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-        if not bins:
-            raise FleetError("postgresql is not installed: apt-get install postgresql (make services does it)")
-        bindir = Path(bins[-1]).parent
-        self.pg_dir = Path(tempfile.mkdtemp(prefix="cedana-pg-"))  # outside root: the postgres user must reach it
-        shutil.chown(self.pg_dir, "postgres", "postgres")
-        port = free_port()
-        as_pg = ["runuser", "-u", "postgres", "--"]
-        data, log = self.pg_dir / "data", self.pg_dir / "postgres.log"
-        r = subprocess.run([*as_pg, str(bindir / "initdb"), "-A", "trust", "-U", "airflow", "-D", str(data)],
-                           capture_output=True, text=True)
-        if r.returncode:
-            raise FleetError(f"postgresql: initdb failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
-        r = subprocess.run([*as_pg, str(bindir / "pg_ctl"), "-D", str(data), "-l", str(log), "-w", "-t", "60", "-o",
-                            f"-k {self.pg_dir} -p {port} -c listen_addresses=127.0.0.1", "start"],
-                           capture_output=True, text=True)
-        if r.returncode:
-            raise FleetError(f"postgresql did not start: {tail(log)} (log: {log})")
-        r = subprocess.run([*as_pg, str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "airflow", "airflow"],
-                           capture_output=True, text=True)
-        if r.returncode:
-            raise FleetError(f"postgresql: createdb failed: {r.stderr.strip()}")
-        self._pg_ctl = [*as_pg, str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]
-        return f"postgresql+psycopg2://airflow@127.0.0.1:{port}/airflow"
+        try:
+            return self.pg.start()
+        except RuntimeError as e:
+            raise FleetError(str(e)) from None
+
+    @property
+    def pg_dir(self) -> Path | None:
+        return self.pg.dir
 
     def _redis(self) -> str:
         if not shutil.which("redis-server"):
@@ -233,7 +215,4 @@ class FleetStack(Deployment):
             self.kill_worker(name)  # a polite Celery shutdown would wait for the running tasks
         stop_parts(self.procs.values())
         self.procs.clear()
-        if self.pg_dir is not None:
-            subprocess.run(self._pg_ctl, capture_output=True)
-            shutil.rmtree(self.pg_dir, ignore_errors=True)
-            self.pg_dir = None
+        self.pg.stop()

@@ -1,22 +1,25 @@
 """What the throwaway local deployments share (fleet_stack.py, slurm_cluster.py, airflow_stack.py): a free
 loopback port, a log's last lines for a one-line failure, a process tree read from /proc, and stopping
-every part, and moto's S3 server; and how to run Airflow's CLI."""
+every part, moto's S3 server and a PostgreSQL server; and how to run Airflow's CLI."""
 
 from __future__ import annotations
 
 import contextlib
 import glob
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Self
 
-__all__ = ["AIRFLOW", "Deployment", "descendants", "free_port", "moto_server", "reap", "stop_parts", "tail"]
+__all__ = ["AIRFLOW", "Deployment", "Postgres", "descendants", "free_port", "moto_server", "reap", "stop_parts",
+           "tail"]
 
 #: Airflow's CLI in this interpreter. ``-P``: the working directory stays off sys.path. Run from a
 #: checkout's root, ``-m`` would put it first, and with it the ``cedana_airflow.egg-info`` that
@@ -153,3 +156,50 @@ def moto_server(host: str = "127.0.0.1", **env: str) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait()
+
+
+class Postgres:
+    """A throwaway PostgreSQL server on loopback (trust auth; user and database "airflow"): Airflow's
+    metadata DB where several processes write at once, which SQLite serializes behind a lock that times
+    out under load. Its data dir is a temp dir of its own (the server runs as the postgres user, which
+    cannot reach a root-only one); ``stop()`` ends the server and removes the dir."""
+
+    def __init__(self) -> None:
+        self.dir: Path | None = None
+        self.pid = 0  # the postmaster's: it leads its own session (pg_ctl starts it with setsid)
+        self._as_pg = ["runuser", "-u", "postgres", "--"]
+        self._bin = Path()
+
+    def start(self) -> str:
+        """Start it; its SQLAlchemy URL. Raises RuntimeError with one line naming the cause."""
+        bins = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+        if not bins:
+            raise RuntimeError("postgresql is not installed: apt-get install postgresql (make services does it)")
+        self._bin = Path(bins[-1]).parent
+        self.dir = Path(tempfile.mkdtemp(prefix="cedana-pg-"))
+        shutil.chown(self.dir, "postgres", "postgres")
+        port = free_port()
+        data, log = self.dir / "data", self.dir / "postgres.log"
+        r = subprocess.run([*self._as_pg, str(self._bin / "initdb"), "-A", "trust", "-U", "airflow", "-D", str(data)],
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"postgresql: initdb failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+        r = subprocess.run([*self._as_pg, str(self._bin / "pg_ctl"), "-D", str(data), "-l", str(log), "-w", "-t", "60",
+                            "-o", f"-k {self.dir} -p {port} -c listen_addresses=127.0.0.1", "start"],
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"postgresql did not start: {tail(log)} (log: {log})")
+        self.pid = int((data / "postmaster.pid").read_text().split()[0])
+        r = subprocess.run([*self._as_pg, str(self._bin / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "airflow",
+                            "airflow"], capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"postgresql: createdb failed: {r.stderr.strip()}")
+        return f"postgresql+psycopg2://airflow@127.0.0.1:{port}/airflow"
+
+    def stop(self) -> None:
+        if self.dir is None:
+            return
+        subprocess.run([*self._as_pg, str(self._bin / "pg_ctl"), "-D", str(self.dir / "data"), "-m", "immediate", "stop"],
+                       capture_output=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir, self.pid = None, 0

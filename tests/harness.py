@@ -122,7 +122,7 @@ class ServiceFailed(RuntimeError):
 
 
 #: name -> start(dir) -> record: what conftest.py registers. A record is JSON; its ``pgids`` are the process
-#: groups stopped at the end of the run.
+#: groups stopped at the end of the run, its ``dirs`` (if any) are removed after them.
 SERVICES: dict[str, Callable[[Path], dict[str, Any]]] = {}
 _CONTROLLER_STARTS = "CEDANA_TEST_SERVICES_BY_CONTROLLER"
 
@@ -215,10 +215,13 @@ def stop_services(timeout: float = 30) -> list[str]:
     ``timeout``; the run's directory goes too. Returns what had to be killed."""
     root = run_dir()
     pgids: dict[int, str] = {}
+    dirs: list[str] = []
     for record in sorted((root / "services").glob("*/record.json")):
         with contextlib.suppress(OSError, ValueError):
-            for pgid in json.loads(record.read_text()).get("pgids", []):
+            got = json.loads(record.read_text())
+            for pgid in got.get("pgids", []):
                 pgids[int(pgid)] = record.parent.name
+            dirs += got.get("dirs", [])
     for pgid in pgids:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGTERM)
@@ -233,5 +236,6 @@ def stop_services(timeout: float = 30) -> list[str]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
     reap()
-    shutil.rmtree(root, ignore_errors=True)
+    for d in [*dirs, root]:
+        shutil.rmtree(d, ignore_errors=True)
     return killed

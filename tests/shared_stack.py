@@ -1,6 +1,9 @@
 """The test run's one Airflow stack: `airflow api-server`, `scheduler`, `dag-processor` and `triggerer`
-(LocalExecutor, SQLite), started by the first test that needs it and stopped when the run ends
+(LocalExecutor, PostgreSQL), started by the first test that needs it and stopped when the run ends
 (tests/harness.py). A stack's start-up costs about 16 s of CPU; one per test was most of some tests.
+Its metadata DB is PostgreSQL, not SQLite: with four workers' tests writing through the API while the
+scheduler and the dag processor write, SQLite's one writer lock timed out under load and the API
+answered 500 (a CI run's unpause of a new DAG).
 
 Each test puts its own DAG on it (``add_dag``): a file in the stack's DAGs folder that calls a factory of
 tests/stack_dags/ with the test's own DAG ID, store, work dir, opt-in list and queue, so that no test sees
@@ -24,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
 from airflow_stack import AirflowStack  # noqa: E402
-from local_parts import AIRFLOW  # noqa: E402
+from local_parts import AIRFLOW, Postgres  # noqa: E402
 
 #: The factories the tests' DAG files call (on the stack's PYTHONPATH).
 FACTORIES = REPO / "tests" / "stack_dags"
@@ -50,11 +53,18 @@ def start(d: Path) -> dict[str, Any]:
                AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL="2",
                PYTHONPATH=os.pathsep.join(p for p in (str(FACTORIES), env.get("PYTHONPATH", "")) if p),
                PYTHONUNBUFFERED="1")
-    subprocess.run([*AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True, timeout=300)
-    stack = AirflowStack(env, home, wait_dag=READY_DAG)
-    stack.__enter__()
+    pg = Postgres()
+    try:
+        env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = pg.start()
+        subprocess.run([*AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True, timeout=300)
+        stack = AirflowStack(env, home, wait_dag=READY_DAG)
+        stack.__enter__()
+    except BaseException:
+        pg.stop()
+        raise
+    # each part leads its own session, PostgreSQL's too; its data dir goes once they have stopped
     return {"base": stack.base, "home": str(home), "dags": str(dags), "env": stack.env,
-            "pgids": [p.pid for p in stack.procs.values()]}  # each part leads its own session
+            "pgids": [*(p.pid for p in stack.procs.values()), pg.pid], "dirs": [str(pg.dir)]}
 
 
 class SharedStack(AirflowStack):
