@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import random
 import threading
 import time
 from pathlib import Path
@@ -41,7 +42,9 @@ def _store(url: str):
 def _one_checkpoint(s, cfg, tmp_path: Path):
     d = tmp_path / "img"
     d.mkdir()
-    (d / "pages-1.img").write_bytes(os.urandom(150_000))
+    # over four times the average chunk (64 KiB, the most one chunk holds): never fewer than two chunks
+    # (150 KB of os.urandom came out as one chunk in a CI run, and the test that needs two failed)
+    (d / "pages-1.img").write_bytes(random.Random(45).randbytes(600_000))
     return save_checkpoint(s, cfg, CheckpointMeta("job", "n1", "4.1.1", PROC), d)
 
 
