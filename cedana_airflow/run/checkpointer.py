@@ -324,17 +324,18 @@ class Checkpointer:
         why = (f"a restore would refuse this checkpoint: {files}. Sign manifests (signing_key_file or "
                f"CEDANA_SIGNING_KEY on every node; under Airflow they are signed by default) or set restore_roots "
                f"(CEDANA_RESTORE_ROOTS={':'.join(dirs) or m.process.cwd}) on the restoring nodes")
-        log.warning("checkpoint_id=%s seq=%d: %s", self.checkpoint_id, m.seq, why)
+        # recorded before it is said: whoever reads the line (an operator, a test) finds it in `checkpoints` too
         index.record_restore_warning(self.store, self.checkpoint_id, why)
+        log.warning("checkpoint_id=%s seq=%d: %s", self.checkpoint_id, m.seq, why)
 
     def _skip(self, why: str) -> None:
         """A heartbeat skipped as too large: counted, said once per checkpoint ID at WARNING (a heartbeat
         every minute must not flood the log), and recorded so that `checkpoints` can show it."""
         self.skipped += 1
+        index.record_skip(self.store, self.checkpoint_id, why)  # recorded before it is said, as above
         (log.debug if self.skipped > 1 else log.warning)(
             "heartbeat skipped checkpoint_id=%s: %s; the workload keeps running without a new checkpoint "
             "(skipped=%d)", self.checkpoint_id, why, self.skipped)
-        index.record_skip(self.store, self.checkpoint_id, why)
 
     def _pages_in(self, *, wait: bool) -> bool:
         """Whether a lazily restored tree has all its memory (CRIU cannot dump one that has not). A
