@@ -126,6 +126,7 @@ class Checkpointer:
         self._refused: dict[int, str] = {}  # seq -> why (a chunk that failed while streaming)
         self._window_said = False  # the stop-window warning, once per supervisor
         self._restorable_said = False  # the would-be-refused warning, once per supervisor
+        self._stale_warning_checked = False  # an earlier supervisor's warning, cleared once it no longer holds
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -307,17 +308,19 @@ class Checkpointer:
     def _check_restorable(self, m: Manifest) -> None:
         """Say at the first checkpoint, not at the first restore, when a restore would refuse it: an
         unsigned checkpoint's captured files must lie under restore_roots or the working directory
-        (captured.py). Once per supervisor, and recorded for `checkpoints`/`explain`."""
+        (captured.py). Once per supervisor, and recorded for `checkpoints`/`explain`: at the first
+        checkpoint that captured files (a workload can open its files after its first heartbeat)."""
         if self._restorable_said:
             return
-        self._restorable_said = True
         roots = restore_roots(self.settings.restore_roots, m.process.cwd, signed=self._key is not None)
         # The working directory is the restoring command's own on a retry (the same task), so only the
         # captured files are judged.
         refused = {c.path: why for c in m.captured if (why := refusal(c.path, roots)) is not None}
+        self._restorable_said = bool(m.captured)  # nothing captured yet: a later checkpoint's files are judged
         if not refused:
-            if index.read_entry(self.store, self.checkpoint_id).restore_warning:  # fixed since: say no more
-                index.record_restore_warning(self.store, self.checkpoint_id, "")
+            if not self._stale_warning_checked and index.read_entry(self.store, self.checkpoint_id).restore_warning:
+                index.record_restore_warning(self.store, self.checkpoint_id, "")  # fixed since: say no more
+            self._stale_warning_checked = True
             return
         dirs = sorted({os.path.dirname(path) for path in refused})
         files = "; ".join(f"captured file {why}" for why in refused.values())

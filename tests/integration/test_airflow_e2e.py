@@ -97,7 +97,8 @@ def test_dags_test_try_2_resumes_from_try_1s_signed_checkpoint(tmp_path, airflow
     [listed] = list_store(store)
     assert listed.airflow is not None and listed.airflow.dag_id == "cedana_e2e" and listed.restores == 1
     [rec] = list_restores(store, listed.checkpoint_id)
-    assert (rec.outcome, rec.try_number, rec.seq, rec.airflow.task_id) == ("restored", 2, 1, "train")
+    latest = int(re.search(r"checkpoint\(s\) taken this try, the latest is seq (\d+)", text)[1])  # 1, or 2 under load
+    assert (rec.outcome, rec.try_number, rec.seq, rec.airflow.task_id) == ("restored", 2, latest, "train")
     assert rec.from_node == rec.node and rec.restore_seconds > 0
 
 
