@@ -25,7 +25,7 @@ def main(path: Path = DEFAULT, long: float = 30.0) -> None:
     print(f"{len(rows)} tests, {end:.0f} s from the run's start to its last test's end; one column = {end / WIDTH:.1f} s")
     for worker, tests in sorted(by_worker.items()):
         line = [" "] * WIDTH
-        for n, (_, _, a, b, _) in enumerate(sorted(tests, key=lambda r: r[2])):
+        for _, _, a, b, _ in tests:
             for col in range(int(a / end * (WIDTH - 1)), int(b / end * (WIDTH - 1)) + 1):
                 line[col] = "=" if b - a >= long else "-"
         busy = sum(b - a for _, _, a, b, _ in tests)

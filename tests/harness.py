@@ -191,13 +191,16 @@ class ControllerStarts:
             t.join()  # a start still under way ends before its service is stopped
 
 
+def _records() -> Iterator[tuple[str, dict[str, Any]]]:
+    """(name, record) of each service started this run, by name (one being written is not there yet)."""
+    for record in sorted((run_dir() / "services").glob("*/record.json")):
+        with contextlib.suppress(OSError, ValueError):
+            yield record.parent.name, json.loads(record.read_text())
+
+
 def service_leaders() -> list[int]:
     """The first process of each running service's parts (its process group's leader)."""
-    out: list[int] = []
-    for record in (run_dir() / "services").glob("*/record.json"):
-        with contextlib.suppress(OSError, ValueError):
-            out += [int(p) for p in json.loads(record.read_text()).get("pgids", [])]
-    return out
+    return [int(p) for _, got in _records() for p in got.get("pgids", [])]
 
 
 def _alive(pgid: int) -> bool:
@@ -214,14 +217,9 @@ def stop_services(timeout: float = 30) -> list[str]:
     """The controller's last step: SIGTERM every service's process groups, SIGKILL what is left after
     ``timeout``; the run's directory goes too. Returns what had to be killed."""
     root = run_dir()
-    pgids: dict[int, str] = {}
-    dirs: list[str] = []
-    for record in sorted((root / "services").glob("*/record.json")):
-        with contextlib.suppress(OSError, ValueError):
-            got = json.loads(record.read_text())
-            for pgid in got.get("pgids", []):
-                pgids[int(pgid)] = record.parent.name
-            dirs += got.get("dirs", [])
+    records = list(_records())
+    pgids = {int(pgid): name for name, got in records for pgid in got.get("pgids", [])}
+    dirs: list[str] = [d for _, got in records for d in got.get("dirs", [])]
     for pgid in pgids:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGTERM)

@@ -42,7 +42,7 @@ def _store(url: str):
 def _one_checkpoint(s, cfg, tmp_path: Path):
     d = tmp_path / "img"
     d.mkdir()
-    # over four times the average chunk (64 KiB, the most one chunk holds): never fewer than two chunks
+    # more than one chunk can hold (four times the 64 KiB average, 256 KiB): never fewer than two chunks
     # (150 KB of os.urandom came out as one chunk in a CI run, and the test that needs two failed)
     (d / "pages-1.img").write_bytes(random.Random(45).randbytes(600_000))
     return save_checkpoint(s, cfg, CheckpointMeta("job", "n1", "4.1.1", PROC), d)
