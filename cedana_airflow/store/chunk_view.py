@@ -4,8 +4,10 @@ Each chunk is fetched once and verified (digest and length) before any byte of i
 a chunk that fails is never served, and every later read that needs it fails the same way. Reads
 wait only for the chunks they touch. A prefetcher fetches ahead in the order it is given, keeping
 at most ``window_bytes`` of fetched-but-unread data in memory; a chunk is dropped once each of its
-bytes has been read (a lazy-pages daemon asks for each page once), and fetched again if a read
-comes back for it.
+bytes has been consumed, and fetched again if a read comes back for it. A byte is consumed once
+however often it is read: by default when it is read, or, for a reader that may read a range again
+before it can use it (our lazy-pages daemon, when the kernel says "not now"), when it says so
+(:meth:`ChunkView.consume`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class ChunkView:
         self.fetched_bytes = 0  # raw bytes fetched and verified, refetches included
         self._cond = threading.Condition()
         self._held: dict[int, Future[bytes | memoryview]] = {}
-        self._unread: dict[int, int] = {}  # chunk -> its bytes not yet read
+        self._unread: dict[int, int] = {}  # chunk -> its bytes not yet consumed
+        self._seen: dict[int, list[list[int]]] = {}  # chunk -> the [lo, hi) of it consumed, sorted and merged
         self._held_bytes = 0
         self._closed = False
 
@@ -70,9 +73,10 @@ class ChunkView:
             self._held_bytes += self.entry.chunks[i].size
         return fut
 
-    def read(self, offset: int, length: int) -> list[bytes | memoryview]:
+    def read(self, offset: int, length: int, *, consume: bool = True) -> list[bytes | memoryview]:
         """``length`` bytes from ``offset`` as pieces (views into the chunks: no copy), every chunk
-        they come from verified. Raises what the fetch raised: CorruptCheckpoint, StoreUnavailable."""
+        they come from verified. Raises what the fetch raised: CorruptCheckpoint, StoreUnavailable.
+        ``consume=False``: the bytes stay held until :meth:`consume` says they are used."""
         if offset < 0 or length < 0 or offset + length > self.entry.size:
             raise ValueError(f"{self.entry.name}: read of {length} bytes at {offset} is outside its {self.entry.size}")
         idxs = self.chunks_of(offset, length)
@@ -84,16 +88,36 @@ class ChunkView:
             lo = max(offset - self.starts[i], 0)
             hi = min(offset + length - self.starts[i], len(raw))
             out.append(raw[lo:hi])
-            self._consumed(i, hi - lo)
+            if consume:
+                self._consumed(i, lo, hi)
         return out
 
-    def _consumed(self, i: int, n: int) -> None:
+    def consume(self, offset: int, length: int) -> None:
+        """These bytes are used: a chunk whose every byte is goes (read with ``consume=False``)."""
+        for i in self.chunks_of(offset, length):
+            start = self.starts[i]
+            self._consumed(i, max(offset - start, 0), min(offset + length - start, self.entry.chunks[i].size))
+
+    def _consumed(self, i: int, lo: int, hi: int) -> None:
+        """Bytes [lo, hi) of chunk ``i`` are used; counted once however often they are read."""
         with self._cond:
-            if i not in self._unread:
+            if i not in self._unread or hi <= lo:
                 return
-            self._unread[i] -= n
+            seen = self._seen.setdefault(i, [])
+            new = hi - lo
+            k = bisect.bisect_left(seen, [lo, lo])
+            if k > 0 and seen[k - 1][1] >= lo:  # merge with the interval before
+                k -= 1
+            j = k
+            while j < len(seen) and seen[j][0] <= hi:  # and every one it touches after
+                s, e = seen[j]
+                new -= max(0, min(e, hi) - max(s, lo))
+                lo, hi = min(lo, s), max(hi, e)
+                j += 1
+            seen[k:j] = [[lo, hi]]
+            self._unread[i] -= new
             if self._unread[i] <= 0:
-                del self._unread[i], self._held[i]
+                del self._unread[i], self._held[i], self._seen[i]
                 self._held_bytes -= self.entry.chunks[i].size
                 self._cond.notify_all()
 
@@ -134,5 +158,6 @@ class ChunkView:
                 fut.cancel()
             self._held.clear()
             self._unread.clear()
+            self._seen.clear()
             self._held_bytes = 0
             self._cond.notify_all()

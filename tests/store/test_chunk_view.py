@@ -75,3 +75,26 @@ def test_prefetch_stays_within_its_window(stored):
         assert 0 < view._held_bytes <= 140_000  # one chunk past the window at most
         assert _join(view.read(0, len(data))) == data
         view.close()
+
+
+def test_a_range_read_again_is_consumed_once_and_no_chunk_is_fetched_twice(stored):
+    """A lazy-pages daemon reads a window, the kernel says "not now" (an event in flight), and it
+    reads the window again later: counted twice, the chunk went before its other bytes were
+    served, and was fetched and verified again inside the serving thread."""
+    store, data, entry = stored
+    with ThreadPoolExecutor(2) as pool:
+        view = ChunkView(store, entry, pool, window_bytes=1 << 20)
+        assert _join(view.read(0, 40_000)) == data[:40_000]
+        assert _join(view.read(0, 40_000)) == data[:40_000]  # read again: the same bytes, not 80,000 of them
+        assert _join(view.read(40_000, 30_000)) == data[40_000:70_000]
+        assert view.fetched_bytes == 70_000  # the first chunk, once
+        # the daemon's way: held until it says the pages are in, however often it reads them
+        assert _join(view.read(70_000, 70_000, consume=False)) == data[70_000:140_000]
+        assert _join(view.read(70_000, 70_000, consume=False)) == data[70_000:140_000]
+        view.consume(70_000, 35_000)
+        view.consume(70_000, 35_000)  # said twice: still half of it
+        assert _join(view.read(105_000, 35_000, consume=False)) == data[105_000:140_000]
+        assert view.fetched_bytes == 140_000
+        view.consume(100_000, 40_000)  # now every byte: the chunk goes
+        assert view._held_bytes == 0
+        view.close()
