@@ -296,8 +296,17 @@ while :; do
   sleep 1
 done 2>/dev/null
 """
-# Then kills the workload's init ($2), which ends its whole PID namespace.
-_WATCHDOG = WAIT_FOR_SUPERVISOR + """kill -KILL "$2" 2>/dev/null
+# Then kills the workload's init ($2), which ends its whole PID namespace, and holds what it was given
+# (a lazy restore's userfaultfds) until that is done: its init is a zombie or gone only once the kernel
+# has ended everyone else in it. Let go earlier, a process not yet killed would find its missing pages
+# answered with zeros.
+_WATCHDOG = WAIT_FOR_SUPERVISOR + r"""kill -KILL "$2" 2>/dev/null
+while :; do
+  state=
+  while read -r key value _; do [ "$key" = State: ] && state=$value && break; done < /proc/$2/status
+  case "$state" in ""|Z) break ;; esac
+  sleep 0.02
+done 2>/dev/null
 """
 
 

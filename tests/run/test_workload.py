@@ -108,3 +108,67 @@ def test_the_restored_trees_output_waits_for_the_announcement_and_keeps_its_orde
     # only itself
     assert log == [("log", b"cedana: restored seq 7"), ("out", b"step 8"), ("err", b"warn"), ("out", b"step 9"),
                    ("out", b"step 10")]
+
+
+#: A tree whose death takes a while (the kernel ends 100 processes of 8 MiB each), and its supervisor, which
+#: starts its watchdog with the write end of a pipe as a lazy restore gives it the uffds, then waits to be
+#: killed.
+_BIG_TREE = ("import os, time\n"
+             "for _ in range(100):\n"
+             "    if os.fork() == 0:\n"
+             "        b = bytearray(os.urandom(1) * (8 << 20)); time.sleep(600)\n"
+             "b = bytearray(os.urandom(1) * (200 << 20)); time.sleep(600)\n")
+_SUPERVISOR = r"""
+import os, sys, time
+from cedana_airflow.run.workload import Workload, _watchdog
+w = Workload.start([sys.executable, "-c", sys.argv[2]])
+held = int(sys.argv[1])
+w._watchdog = _watchdog(w.pid, (held,))
+os.close(held)
+print(w.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _tree(pid: int) -> list[int]:
+    """The workload's processes: ``pid`` and its descendants."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                todo += [int(c) for c in open(f"/proc/{p}/task/{tid}/children").read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def test_the_watchdog_holds_what_it_was_given_until_the_killed_tree_is_dead():
+    """What a lazy restore gives the watchdog (the uffds) keeps the tree's faults blocked until the
+    tree is dead. It ran `kill -KILL` and exited at once: until the kernel had ended the rest of the
+    namespace, its faults resolved to zero pages."""
+    import subprocess
+    r, w = os.pipe()
+    sup = subprocess.Popen([sys.executable, "-c", _SUPERVISOR, str(w), _BIG_TREE], pass_fds=(w,), stdout=subprocess.PIPE,
+                           text=True)
+    os.close(w)
+    try:
+        assert sup.stdout is not None
+        pid = int(sup.stdout.readline())
+        deadline = time.monotonic() + 30
+        while len(_tree(pid)) < 101:
+            assert time.monotonic() < deadline, "the workload never started its processes"
+            time.sleep(0.05)
+        time.sleep(1)  # their memory filled
+        sup.kill()  # the supervisor dies (OOM killer, a worker crash): the watchdog kills the tree
+        sup.wait()
+        assert os.read(r, 1) == b""  # the watchdog let go of what it held ...
+        try:
+            state = [ln.split()[1] for ln in open(f"/proc/{pid}/status") if ln.startswith("State:")][0]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            state = "gone"
+        assert state in ("Z", "gone"), f"the watchdog let go while the tree's init was still {state}"  # ... once it was dead
+    finally:
+        os.close(r)
+        sup.kill()
