@@ -160,7 +160,9 @@ class LazyFeed:
         restore``, once every check of the checkpoint passed. Raises RestoreFailed when CRIU's daemon
         does not start, OSError when a page file or our socket cannot be made."""
         if self.transport == "ours":
-            server = UffdServer(self.image_dir, self._pagemaps, self._pages, self._failed, self._served)
+            # it may read a range again (the kernel said "not now"): chunks go once their pages are in
+            server = UffdServer(self.image_dir, self._pagemaps, self._peek, self._failed, self._served,
+                                pages_done=self._pages_in)
             try:
                 server.listen()
             except BaseException:
@@ -231,12 +233,23 @@ class LazyFeed:
             self._release()
 
     # -- while pages stream -------------------------------------------------------------------------
-    def _pages(self, pid: int, vaddr: int, nr_pages: int) -> list[bytes | memoryview]:
+    def _pages(self, pid: int, vaddr: int, nr_pages: int, *, consume: bool = True) -> list[bytes | memoryview]:
+        view, off, n = self._locate(pid, vaddr, nr_pages)
+        return view.read(off, n * PAGE_SIZE, consume=consume)
+
+    def _peek(self, pid: int, vaddr: int, nr_pages: int) -> list[bytes | memoryview]:
+        return self._pages(pid, vaddr, nr_pages, consume=False)
+
+    def _pages_in(self, pid: int, vaddr: int, nr_pages: int) -> None:
+        view, off, n = self._locate(pid, vaddr, nr_pages)
+        view.consume(off, n * PAGE_SIZE)
+
+    def _locate(self, pid: int, vaddr: int, nr_pages: int) -> tuple[ChunkView, int, int]:
         pm = self._pagemaps.get(pid)
         if pm is None:
             raise ValueError(f"the lazy-pages daemon asked for pages of pid {pid}, which this checkpoint has not")
         off, n = pm.locate(vaddr, nr_pages)
-        return self._views[pm.pages_file].read(off, n * PAGE_SIZE)
+        return self._views[pm.pages_file], off, n
 
     def _failed(self, e: BaseException) -> None:
         """The page server cannot answer: kill the tree (its faults are still blocked), then let go."""
@@ -244,7 +257,9 @@ class LazyFeed:
         with self._lock:
             if self.failure is None:
                 self.failure = f"pages stopped streaming in ({what})"
-                self.corrupt = isinstance(e, (CorruptCheckpoint, ValueError))
+                # only a chunk that failed verification is the checkpoint's fault; our bookkeeping's
+                # errors (ValueError, LazyPagesError) retry the same checkpoint in full
+                self.corrupt = isinstance(e, CorruptCheckpoint)
         log.error("lazy restore failed checkpoint_id=%s seq=%d: %s; the restored tree is killed before it can run on "
                   "a missing page", self.manifest.checkpoint_id, self.manifest.seq, self.failure)
         if self._kill_tree():
@@ -300,6 +315,7 @@ class LazyFeed:
         if self.timeline is not None:
             self.timeline.facts["page_source"] = {
                 "via": self.transport, "requests": sum(p.requests for p in parts),
+                "unmapped_bytes": sum(getattr(p, "unmapped_bytes", 0) for p in parts),
                 "served_bytes": sum(p.served_bytes for p in parts), "fetched_bytes": self.fetched_bytes,
                 "serving_seconds": round(sum(p.busy_seconds for p in parts), 4)}
             self.timeline.mark("pages_in", at=self.finished)
