@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import functools
 import re
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,9 @@ from .images import read_image
 
 __all__ = ["PAGE_SIZE", "PageRun", "Pagemap", "read_pagemaps"]
 
-PAGE_SIZE = 4096
+#: CRIU's images count pages of the machine that dumped them (criu/include/page.h: PAGE_SIZE is the
+#: host's); restores go to the same architecture, whose arm64 and ppc64le kernels may use 16 or 64 KiB.
+PAGE_SIZE = mmap.PAGESIZE
 PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
 _NAME = re.compile(r"pagemap-(\d+)\.img$")
 

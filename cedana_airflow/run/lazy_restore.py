@@ -319,10 +319,13 @@ class LazyFeed:
                 "served_bytes": sum(p.served_bytes for p in parts), "fetched_bytes": self.fetched_bytes,
                 "serving_seconds": round(sum(p.busy_seconds for p in parts), 4)}
             self.timeline.mark("pages_in", at=self.finished)
+        # unmapped_bytes: lazy pages the process had unmapped (a forked child without a MADV_DONTFORK
+        # region): nothing is dropped that is still mapped, or the restore would have failed
         log.info("lazy restore complete checkpoint_id=%s seq=%d via=%s pages_bytes=%d fetched_bytes=%d "
-                 "requests=%d serving_seconds=%.3f seconds=%.3f", self.manifest.checkpoint_id, self.manifest.seq,
-                 self.transport, sum(p.served_bytes for p in parts), self.fetched_bytes,
-                 sum(p.requests for p in parts), sum(p.busy_seconds for p in parts), self.finished - self.started)
+                 "requests=%d serving_seconds=%.3f seconds=%.3f unmapped_bytes=%d", self.manifest.checkpoint_id,
+                 self.manifest.seq, self.transport, sum(p.served_bytes for p in parts), self.fetched_bytes,
+                 sum(p.requests for p in parts), sum(p.busy_seconds for p in parts), self.finished - self.started,
+                 sum(getattr(p, "unmapped_bytes", 0) for p in parts))
 
     @property
     def fetched_bytes(self) -> int:
