@@ -10,7 +10,7 @@ import os
 import stat
 from collections.abc import Iterator
 
-__all__ = ["open_fds", "open_for_writing", "process_start", "tree_pids"]
+__all__ = ["open_fds", "open_for_writing", "process_start", "tree_ended", "tree_pids"]
 
 
 #: CAP_SYS_ADMIN's bit in /proc/PID/status Cap* masks (linux/capability.h).
@@ -60,6 +60,18 @@ def process_start(pid: int) -> int | None:
         return None if fields[0] in ("Z", "X") else int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def tree_ended(init: int) -> bool:
+    """Whether a killed PID namespace's ``init`` has taken everyone in it along: gone, or a zombie with
+    one thread left (the kernel ends the namespace when the init's last thread exits; a leader that
+    exited first is a zombie while its other threads still run)."""
+    if process_start(init) is not None:
+        return False
+    try:
+        return len(os.listdir(f"/proc/{init}/task")) <= 1
+    except OSError:
+        return True
 
 
 def _flags(fdinfo: str) -> int:

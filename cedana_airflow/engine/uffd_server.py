@@ -20,12 +20,20 @@ mm/userfaultfd.c are the reference):
 - **Events are applied before any fault read with them.** ``read()`` returns pending faults before
   events, and reading an event lets the process go on (the kernel stops refusing copies for it), so
   a batch's faults are served only after its FORK/REMAP/REMOVE/UNMAP changed the bookkeeping. An
-  event not read yet makes every copy fail with EAGAIN (``mmap_changing``): the fault waits for it.
+  event not read yet makes a copy fail with EAGAIN (``mmap_changing``): the fault waits for it.
 - **A faulting address is answered with the image's bytes, or the tree is killed.** A copy fails
   with ENOENT when it crosses a VMA end the process made after the restore (``mprotect``, ``mlock``,
   ``madvise`` on part of a region give no event): it is retried shorter, down to single pages. A
-  single page refused with no event in flight has no registered VMA: skipped when the background
-  meets it (a forked child without a ``MADV_DONTFORK`` region), a failure when a fault waits on it.
+  single page refused twice has no registered VMA (the first refusal may race an mremap whose event
+  is not raised yet; see :meth:`UffdServer._copy_piece`): skipped when the background meets it, a
+  failure when a fault waits on it.
+- **A forked child gets the parent's missing pages, except where it gets none**: ``MADV_DONTFORK``
+  regions (not in the child) and ``MADV_WIPEONFORK`` ones (zeros in the child: an RNG's state, say)
+  as the image records them (``madv`` of each VMA; kernel/fork.c, dup_mmap). Set after the restore,
+  they are not seen (the daemon does not know the child's pid to read its smaps).
+- **Nothing waits for ever**: a fault the kernel keeps refusing with EAGAIN for
+  :data:`_EAGAIN_MAX_SECONDS` while no event comes (a kernel that leaks ``mmap_changing`` after a
+  failed mremap) is a failure, not a hang.
 - **A range is never dropped while mapped**: only an UNMAP, a REMOVE, a REMAP's old place or a
   single page the kernel says is not there leaves the bookkeeping without a copy.
 - **A park never blocks**: each uffd is also parked in a socket whose other end :attr:`UffdServer.holds`
@@ -55,6 +63,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Literal, overload
 
 from .images import image_messages, message_values
 from .pagemap import PAGE_SIZE, Pagemap
@@ -73,6 +82,10 @@ FAULT_AROUND_BYTES = 1 << 20
 #: It starts at a fault's window after each fault and doubles while none comes: a fault that arrives
 #: during a copy waits for it, so copies stay short while the process is faulting.
 BACKGROUND_BYTES = 4 << 20
+#: A fault refused with EAGAIN this long while no event came is a failure (see the module's doc).
+_EAGAIN_MAX_SECONDS = 30.0
+#: madvise advice a forked child does not inherit the pages of (mm/madvise.c; CRIU's VMA ``madv`` bits).
+_MADV_DONTFORK, _MADV_WIPEONFORK = 10, 18
 #: Messages read from one uffd at a time (each 32 bytes).
 _BATCH = 64
 #: Parked messages before the park is emptied and the live uffds parked again, up to _SCM_MAX_FD a message.
@@ -123,20 +136,28 @@ PageSource = Callable[[int, int, int], Sequence[bytes | memoryview]]
 PagesDone = Callable[[int, int, int], None]
 
 
-def read_vmas(image_dir: Path, pid: int) -> list[tuple[int, int]]:
+@overload
+def read_vmas(image_dir: Path, pid: int) -> list[tuple[int, int]]: ...
+@overload
+def read_vmas(image_dir: Path, pid: int, *, with_madv: Literal[True]) -> list[tuple[int, int, int]]: ...
+
+
+def read_vmas(image_dir: Path, pid: int, *, with_madv: bool = False) -> list[tuple[int, int]] | list[tuple[int, int, int]]:
     """The (start, end) of each VMA of process ``pid`` (``mm-<pid>.img``; mm.proto field 14, a
-    repeated message: read with :func:`message_values`, which keeps every value)."""
+    repeated message: read with :func:`message_values`, which keeps every value); ``with_madv``: and
+    its madvise bits (vma.proto field 9, ``1 << MADV_x``; 0 when absent)."""
     entries = image_messages(image_dir / f"mm-{pid}.img")
     if not entries:
         raise ValueError(f"mm-{pid}.img holds no entry")
-    out = []
+    out: list[tuple[int, int, int]] = []
     for v in message_values(entries[0]).get(14, []):
         f = message_values(v) if isinstance(v, bytes) else {}
         start, end = f.get(1, [None])[0], f.get(2, [None])[0]
-        if not isinstance(start, int) or not isinstance(end, int) or end <= start:
+        madv = f.get(9, [0])[0]
+        if not isinstance(start, int) or not isinstance(end, int) or end <= start or not isinstance(madv, int):
             raise ValueError(f"mm-{pid}.img has a malformed VMA")
-        out.append((start, end))
-    return sorted(out)
+        out.append((start, end, madv))
+    return sorted(out) if with_madv else sorted((s, e) for s, e, _ in out)
 
 
 def lazy_iovs(pagemap: Pagemap, vmas: Sequence[tuple[int, int]]) -> list[list[int]]:
@@ -162,6 +183,7 @@ class _Task:
     def __init__(self, pid: int, fd: int, iovs: list[list[int]]) -> None:
         self.pid, self.fd, self.iovs = pid, fd, iovs  # iovs: sorted, disjoint [start, end, image address]
         self.waiting: list[int] = []  # faulting addresses a copy could not serve yet (EAGAIN: an event to read)
+        self.waiting_since: float | None = None  # when the oldest of them was first refused
         self.xfer = FAULT_AROUND_BYTES  # the next background copy's size
         self.gone = False  # its process has exited: nothing more is copied into it
 
@@ -224,6 +246,7 @@ class UffdServer(threading.Thread):
         self.busy_seconds = 0.0
         self.error: BaseException | None = None
         self._iovs: dict[int, list[list[int]]] = {}
+        self._no_fork: dict[int, list[tuple[int, int]]] = {}  # image pid -> VMAs a forked child gets no pages of
         self._tasks: dict[int, _Task] = {}  # by uffd
         self._closing: list[_Task] = []  # gone or done: their fds close after the batch that found it
         self._listen: socket.socket | None = None
@@ -251,7 +274,9 @@ class UffdServer(threading.Thread):
         """Read every process's lazy runs and listen where ``criu restore`` connects. OSError when
         the socket cannot be made; ValueError when an mm image is not one CRIU wrote."""
         for pid, pm in self.pagemaps.items():
-            self._iovs[pid] = lazy_iovs(pm, read_vmas(self.image_dir, pid))
+            vmas = read_vmas(self.image_dir, pid, with_madv=True)
+            self._iovs[pid] = lazy_iovs(pm, [(s, e) for s, e, _ in vmas])
+            self._no_fork[pid] = [(s, e) for s, e, madv in vmas if madv & (1 << _MADV_DONTFORK | 1 << _MADV_WIPEONFORK)]
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft != hard:  # a uffd per forked child: a fork storm must not run us out of fds
             with contextlib.suppress(ValueError, OSError):
@@ -421,6 +446,7 @@ class UffdServer(threading.Thread):
                 faults.append(struct.unpack_from("=QQ", arg)[1] & ~(PAGE_SIZE - 1))
             else:
                 self._event(task, event, arg)  # a FORK is followed even when its parent has gone since
+                task.waiting_since = None  # an event came: what it held up may go now
         self.requests += len(faults)
         for addr in faults:
             if task.gone:
@@ -430,7 +456,10 @@ class UffdServer(threading.Thread):
     def _event(self, task: _Task, event: int, arg: bytes) -> None:
         if event == _EVENT_FORK:
             (ufd,) = struct.unpack_from("=I", arg)
-            self._add(_Task(task.pid, ufd, [list(i) for i in task.iovs]))
+            child = _Task(task.pid, ufd, [list(i) for i in task.iovs])
+            for start, end in self._no_fork.get(task.pid, ()):
+                child.take(start, end)  # not in the child (DONTFORK), or zeros there (WIPEONFORK)
+            self._add(child)
         elif event == _EVENT_REMAP:
             frm, to, length = struct.unpack_from("=QQQ", arg)
             task.remap(frm, to, length)
@@ -480,10 +509,19 @@ class UffdServer(threading.Thread):
             raise OSError(err, f"UFFDIO_ZEROPAGE {addr:#x}: {os.strerror(err)}")
 
     def _retry(self, task: _Task) -> None:
+        now = time.monotonic()
+        if task.waiting_since is None:
+            task.waiting_since = now
+        elif now - task.waiting_since > _EAGAIN_MAX_SECONDS:
+            raise LazyPagesError(f"pid {task.pid}: the kernel refused copies (EAGAIN) for {_EAGAIN_MAX_SECONDS:.0f} s "
+                                 f"with no event to read; faults at {', '.join(f'{a:#x}' for a in task.waiting[:3])} "
+                                 "cannot be answered")
         waiting, task.waiting = task.waiting, []
         for addr in waiting:
             if not task.gone:
                 self._fault(task, addr)
+        if not task.waiting:
+            task.waiting_since = None
 
     def _background(self) -> None:
         task = next(t for t in self._tasks.values() if t.iovs and not t.gone)
@@ -507,6 +545,11 @@ class UffdServer(threading.Thread):
         return True
 
     def _copy_piece(self, task: _Task, lo: int, hi: int, img: int, fault: int | None) -> bool:
+        """One piece of :meth:`_copy`. A single page refused as unmapped (ENOENT) is asked once more
+        before it is believed: a copy looks the VMA up before it checks ``mmap_changing``, so one that
+        waited for an mremap finds the old place gone before the REMAP's ``mmap_changing`` is seen
+        (mm/userfaultfd.c, mfill_atomic; mm/mremap.c raises it after moving the page tables). Asked
+        again, it says EAGAIN; a second ENOENT comes with nothing in flight."""
         n = hi - lo
         pos = 0
         for piece in self.pages(task.pid, img, n // PAGE_SIZE):
@@ -518,12 +561,14 @@ class UffdServer(threading.Thread):
             raise LazyPagesError(f"pages of pid {task.pid} at {img:#x}: {pos} bytes where {n} were asked")
         done = 0
         span = n  # what the next copy tries: halved while it crosses a VMA end made after the restore
+        refused = False  # this page was refused once (ENOENT)
         while done < n:
             span = min(span, n - done)
             at = lo + done
             arg = _Copy(at, self._bounce_addr + done, span, 0, 0)
             err = _ioctl(task.fd, _UFFDIO_COPY, arg)
             if err == 0 or arg.copy > 0:  # all, or part of it (the kernel says EAGAIN then): go on from there
+                refused = False
                 got = span if err == 0 else arg.copy
                 self.served_bytes += got
                 done += got
@@ -542,12 +587,15 @@ class UffdServer(threading.Thread):
                 return False
             elif err == errno.ENOENT and span > PAGE_SIZE:  # crosses a VMA end: try shorter
                 span = (span // 2) & ~(PAGE_SIZE - 1)
-            elif err == errno.ENOENT:  # one page: no VMA registered there, and no event in flight
+            elif err == errno.ENOENT and not refused:  # one page: ask once more (see the doc above)
+                refused = True
+            elif err == errno.ENOENT:  # twice: no VMA registered there, and no event in flight
                 if fault is not None and at <= fault < at + PAGE_SIZE:
                     raise LazyPagesError(f"pid {task.pid} faulted at {fault:#x}, where the kernel now says no "
                                          "VMA is registered and no event says why")
                 self.unmapped_bytes += PAGE_SIZE
                 done += PAGE_SIZE
+                refused = False
             else:
                 raise OSError(err, f"UFFDIO_COPY {at:#x}+{span}: {os.strerror(err)}")
         self._done_pages(task, img, n)
@@ -591,7 +639,7 @@ class UffdServer(threading.Thread):
                     os.write(self._stop_w, b"x")
 
     def _close_all(self) -> None:
-        for t in list(self._tasks.values()) + self._closing:
+        for t in {id(t): t for t in [*self._tasks.values(), *self._closing]}.values():  # each fd once
             self._close(t)
         self._closing = []
         for s in (self._listen, self._client):

@@ -46,7 +46,7 @@ from ..engine.page_file import PageFile
 from ..engine.page_server import PageServer, wire_for
 from ..engine.uffd_server import UffdServer
 from ..engine.pagemap import PAGE_SIZE, Pagemap, read_pagemaps
-from ..engine.procfs import process_start
+from ..engine.procfs import process_start, tree_ended
 from ..errors import CorruptCheckpoint, StoreUnavailable
 from ..format.manifest import Manifest
 from ..store.base import Store
@@ -275,7 +275,7 @@ class LazyFeed:
             os.kill(pid, signal.SIGKILL)  # the namespace's init: the kernel ends everyone in it
         except ProcessLookupError:
             return True
-        while process_start(pid) is not None:  # gone or a zombie: its namespace's processes are gone too
+        while not tree_ended(pid):
             time.sleep(0.01)
         return True
 

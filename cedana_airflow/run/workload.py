@@ -297,14 +297,16 @@ while :; do
 done 2>/dev/null
 """
 # Then kills the workload's init ($2), which ends its whole PID namespace, and holds what it was given
-# (a lazy restore's userfaultfds) until that is done: its init is a zombie or gone only once the kernel
-# has ended everyone else in it. Let go earlier, a process not yet killed would find its missing pages
-# answered with zeros.
+# (a lazy restore's userfaultfds) until that is done: the kernel ends everyone else in the namespace
+# when the init's last thread exits (kernel/exit.c, zap_pid_ns_processes), so the init is done once it
+# is gone, or a zombie with one thread left (a leader that exited first is a zombie while its other
+# threads live). Let go earlier, a process not yet killed would find its missing pages answered with zeros.
 _WATCHDOG = WAIT_FOR_SUPERVISOR + r"""kill -KILL "$2" 2>/dev/null
+one() { [ $# -le 1 ]; }
 while :; do
   state=
   while read -r key value _; do [ "$key" = State: ] && state=$value && break; done < /proc/$2/status
-  case "$state" in ""|Z) break ;; esac
+  case "$state" in "") break ;; Z) one /proc/$2/task/* && break ;; esac
   sleep 0.02
 done 2>/dev/null
 """

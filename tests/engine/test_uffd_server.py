@@ -37,9 +37,11 @@ def _field(num: int, payload: bytes) -> bytes:
     return varint(num << 3 | 2) + varint(len(payload)) + payload
 
 
-def _mm_image(vmas: list[tuple[int, int]]) -> bytes:
+def _mm_image(vmas: list[tuple[int, int]] | list[tuple[int, int, int]]) -> bytes:
+    """An mm image: each VMA's start, end and, when given, its madvise bits (vma.proto field 9)."""
     body = varint(1 << 3) + varint(0) + b"".join(
-        _field(14, varint(1 << 3) + varint(s) + varint(2 << 3) + varint(e)) for s, e in vmas)
+        _field(14, varint(1 << 3) + varint(v[0]) + varint(2 << 3) + varint(v[1])
+               + (varint(9 << 3) + varint(v[2]) if len(v) > 2 else b"")) for v in vmas)
     return struct.pack("<II", 0x54564319, 0x57492820) + struct.pack("<I", len(body)) + body
 
 
@@ -167,7 +169,7 @@ def test_faults_are_answered_with_the_window_around_them_then_the_rest_comes_in_
 #:   thread-read OFF LEN       a thread reads them (and blocks on its fault); "started"
 #:   join                      the sha256 of each thread's read, in order
 #:   fork-read OFF LEN         a forked child reads them; their sha256
-#:   mprotect OFF LEN PROT | madvise OFF LEN | munmap OFF LEN      "ok" (0 from libc)
+#:   mprotect OFF LEN PROT | madvise OFF LEN [ADVICE] | munmap OFF LEN    "ok" (0 from libc)
 #:   forks N                   N children, each exits at once; "ok"
 #:   finish                    tells the daemon the restore has finished; "ok"
 _TREE = r"""
@@ -220,7 +222,7 @@ for line in sys.stdin:
         os.waitpid(pid, 0)
         say(got)
     elif cmd in ("mprotect", "madvise", "munmap"):
-        extra = a[2:] if cmd == "mprotect" else [4] if cmd == "madvise" else []  # MADV_DONTNEED
+        extra = a[2:] if cmd == "mprotect" else (a[2:] or [4]) if cmd == "madvise" else []  # MADV_DONTNEED
         say("ok" if getattr(libc, cmd)(ADDR + a[0], a[1], *extra) == 0 else f"errno {ctypes.get_errno()}")
     elif cmd == "forks":
         for _ in range(a[0]):
@@ -251,8 +253,8 @@ def _image(off: int, n: int) -> str:
 class _Tree:
     """The daemon and a child playing the restored tree, with what went to on_failure and on_done."""
 
-    def __init__(self, tmp_path, pages=None) -> None:
-        (tmp_path / "mm-1.img").write_bytes(_mm_image([(_ADDR, _ADDR + _SIZE)]))
+    def __init__(self, tmp_path, pages=None, vmas=None) -> None:
+        (tmp_path / "mm-1.img").write_bytes(_mm_image(vmas or [(_ADDR, _ADDR + _SIZE)]))
         pm = Pagemap(1, 1, (PageRun(_ADDR, _LAZY // PAGE_SIZE, PE_PRESENT | PE_LAZY, 0),))
         self.failures: list[BaseException] = []
         self.done: list[bool] = []
@@ -414,3 +416,21 @@ def test_hundreds_of_forked_children_never_block_the_daemon(tree):
     assert t.step("finish") == "ok"
     assert t.ended.wait(30) and t.done == [True], t.failures
     assert t.step(f"read 0 {_SIZE}") == _image(0, _SIZE)
+
+
+@needs_uffd
+def test_a_forked_child_gets_zeros_where_the_image_says_wipe_on_fork_and_no_pages_where_dont_fork(tree):
+    """kernel/fork.c registers every VMA of the child with its uffd but copies no pages of a
+    MADV_WIPEONFORK one (an RNG's state: OpenSSL, BoringSSL) and leaves out MADV_DONTFORK ones.
+    Handing the child the parent's missing pages there gave it the parent's secret state."""
+    wipe, dont = 1 << 18, 1 << 10  # 1 << MADV_WIPEONFORK, 1 << MADV_DONTFORK, as CRIU records them
+    t = tree(vmas=[(_ADDR, _ADDR + 4 * MiB), (_ADDR + 4 * MiB, _ADDR + 5 * MiB, wipe),
+                   (_ADDR + 5 * MiB, _ADDR + 6 * MiB, dont), (_ADDR + 6 * MiB, _ADDR + _SIZE)])
+    assert t.step(f"madvise {4 * MiB} {MiB} 18") == "ok"  # what the restorer does with the image's madv
+    assert t.step(f"madvise {5 * MiB} {MiB} 10") == "ok"
+    assert t.step(f"fork-read {4 * MiB} {MiB}") == _sha(bytes(MiB)), "the child read the parent's pages"
+    assert t.step(f"fork-read {3 * MiB} {MiB}") == _image(3 * MiB, MiB)
+    assert t.step(f"read {4 * MiB} {2 * MiB}") == _image(4 * MiB, 2 * MiB)  # the parent's own are its image
+    assert t.step("finish") == "ok"
+    assert t.ended.wait(20) and t.done == [True], t.failures
+    assert t.server.unmapped_bytes == 0  # no DONTFORK page was tried in a child

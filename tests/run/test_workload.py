@@ -172,3 +172,56 @@ def test_the_watchdog_holds_what_it_was_given_until_the_killed_tree_is_dead():
     finally:
         os.close(r)
         sup.kill()
+
+
+#: An init whose main thread ends first (pthread_exit in main): its leader is a zombie while its other
+#: thread, holding 2 GiB so that its exit takes a while, still runs, and the namespace's other process too.
+_LEADER_FIRST = r"""
+import ctypes, mmap, os, threading, time
+if os.fork() == 0:
+    while True:
+        time.sleep(1)
+def worker():
+    m = mmap.mmap(-1, 2 << 30)
+    for off in range(0, len(m), 4096):
+        m[off] = 1
+    print("ready", flush=True)
+    while True:
+        time.sleep(1)
+threading.Thread(target=worker).start()
+ctypes.CDLL(None).pthread_exit(None)
+"""
+
+
+def test_the_watchdog_waits_for_the_init_s_last_thread_not_its_leader():
+    """The kernel ends a namespace when its init's last thread exits (zap_pid_ns_processes); a leader
+    that exited first shows State: Z at once. Taking that zombie for a dead tree let go of the uffds
+    while the namespace's processes still ran (found by review, reproduced)."""
+    import subprocess
+    from cedana_airflow.run.workload import _WATCHDOG
+    launcher = subprocess.Popen(["unshare", "--pid", "--fork", sys.executable, "-c", _LEADER_FIRST], stdout=subprocess.PIPE)
+    supervisor = subprocess.Popen(["sleep", "1000"])
+    try:
+        assert launcher.stdout is not None and launcher.stdout.readline().strip() == b"ready"
+        [init] = [p for p in _tree(launcher.pid) if p != launcher.pid and _parent(p) == launcher.pid]
+        [other] = [p for p in _tree(init) if p != init]
+        watchdog = subprocess.Popen(["sh", "-c", _WATCHDOG, "cedana-watchdog", str(supervisor.pid), str(init)])
+        supervisor.kill()
+        supervisor.wait()
+        watchdog.wait(60)
+        assert _state(other) in ("Z", "gone"), f"the watchdog let go while {other} of the namespace was {_state(other)}"
+    finally:
+        supervisor.kill()
+        launcher.kill()
+        launcher.wait()
+
+
+def _parent(pid: int) -> int:
+    return int([ln.split()[1] for ln in open(f"/proc/{pid}/status") if ln.startswith("PPid:")][0])
+
+
+def _state(pid: int) -> str:
+    try:
+        return [ln.split()[1] for ln in open(f"/proc/{pid}/status") if ln.startswith("State:")][0]
+    except (OSError, IndexError):
+        return "gone"
