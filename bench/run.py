@@ -3,6 +3,7 @@
     .venv/bin/python bench/run.py [--only local|s3|s3-transfer|s3-listing|heartbeat] [--mb 1024] [--reps 5]
                                   [--s3-reps 2] [--s3-naive-defaults] [--keep] [--no-write] [--no-prewarm]
                                   [--heartbeat-tasks 1000] [--heartbeat-seed 20261203]
+                                  [--lazy-freeze-mb 256] [--lazy-freeze-rounds 5]
 
 Local benchmarks (part "local"), each on tests/workloads/train.py (numpy state, ~1% rewritten per
 step), run as a managed workload (own PID namespace, pipes for stdout/stderr):
@@ -15,6 +16,11 @@ step), run as a managed workload (own PID namespace, pipes for stdout/stderr):
 3. restore: Checkpointer.restore() (fetch + verify + criu restore + adopt) from the local store vs
             a bare ``criu restore`` of a plain image directory of the same checkpoint.
                                                                         target <= 1.3x   (local_restore.py)
+
+Part "lazy-freeze" (lazy_freeze.py): CRIU's frozen time of the heartbeats of a workload's copies
+restored lazily (our daemon; CRIU's on page files) and in full, against the workload's own, all
+from one checkpoint, interleaved; each restore kind also without the huge pages the Checkpointer
+gives back (info).                                                  target <= 1.15x
 
 S3 benchmarks (parts "s3-transfer" and "s3-listing", both "s3") against moto's S3 server on
 loopback (s3_server.py): first checkpoint, heartbeats 2-4 (s3_transfer.py), restore (s3_restore.py),
@@ -72,7 +78,7 @@ def parse_only(text: str) -> list[str]:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", type=parse_only, default=list(PARTS),
-                    help="run only these parts, comma-separated: local, lazy, lazy-growth, cooperative, s3 (= s3-transfer,"
+                    help="run only these parts, comma-separated: local, lazy, lazy-growth, lazy-freeze, cooperative, s3 (= s3-transfer,"
                          "s3-listing), s3-transfer, s3-listing, heartbeat (default: all); the others keep their previous results in bench/results.*")
     ap.add_argument("--mb", type=int, default=1024, help="workload state size in MB (default 1024; 200 for a quick run)")
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions for freeze and restore (default 5)")
@@ -87,6 +93,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--heartbeat-tasks", type=int, default=1000,
                     help="simulated tasks per failure rate in the heartbeat part (default 1000, about 8 s)")
     ap.add_argument("--heartbeat-seed", type=int, default=20261203, help="the heartbeat simulation's seed")
+    ap.add_argument("--lazy-freeze-mb", type=int, default=256,
+                    help="workload state size in MB of the lazy-freeze part (default 256: it runs 7 copies, about a minute)")
+    ap.add_argument("--lazy-freeze-rounds", type=int, default=5,
+                    help="heartbeats of each tree in the lazy-freeze part (default 5)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary work directory")
     ap.add_argument("--no-prewarm", dest="prewarm", action="store_false",
                     help="do not touch fresh memory before each timed restore (see prewarm() in bench/harness.py)")
@@ -134,6 +144,11 @@ def run_parts(parts: Parts, engine: CriuEngine, settings: Settings, work: Path) 
         from lazy_growth import bench_growth
 
         new.update(parts.run("lazy-growth", lambda: bench_growth(engine, args.reps, work, settings, args.prewarm)))
+    if "lazy-freeze" in args.only:
+        from lazy_freeze import bench_lazy_freeze
+
+        new.update(parts.run("lazy-freeze", lambda: bench_lazy_freeze(engine, args.lazy_freeze_mb, args.lazy_freeze_rounds,
+                                                                      work, settings)))
     if "cooperative" in args.only:
         from cooperative import bench_cooperative
 
@@ -164,7 +179,7 @@ def run_parts(parts: Parts, engine: CriuEngine, settings: Settings, work: Path) 
 
 def main() -> int:
     args = parse_args()
-    if os.geteuid() != 0 and ({"local", "lazy", "lazy-growth", "s3-transfer"} & set(args.only)):
+    if os.geteuid() != 0 and ({"local", "lazy", "lazy-growth", "lazy-freeze", "s3-transfer"} & set(args.only)):
         print("bench/run.py needs root (CRIU uses CAP_SYS_ADMIN and ptrace); run it with sudo.", file=sys.stderr)
         return 2
     t_start = time.monotonic()

@@ -3,7 +3,9 @@
 A checkpoint: freeze and dump into the local work directory (capturing open-for-writing files while
 frozen), let the workload run on, then store the images; the upload is off the freeze path.
 A restore: newest complete checkpoint first, each chunk verified; a corrupt one is refused and the
-next older one is tried, saying so.
+next older one is tried, saying so. Once every page of a restored tree is in, the huge pages a
+restore cannot give it are given back in the background (engine/thp.py): without them each later
+heartbeat's freeze is longer (bench/lazy_freeze.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path, PurePosixPath
 
 from .. import __version__
 from ..config import Settings
+from ..engine import thp
 from ..engine.criu import CriuEngine
 from ..engine.images import read_restore_stats
 from ..engine.page_file import sweep
@@ -127,6 +130,8 @@ class Checkpointer:
         self._window_said = False  # the stop-window warning, once per supervisor
         self._restorable_said = False  # the would-be-refused warning, once per supervisor
         self._stale_warning_checked = False  # an earlier supervisor's warning, cleared once it no longer holds
+        self.huge_pages_back = True  # after a restore (_huge_pages_back); bench/ turns it off to measure without
+        self._closing = threading.Event()
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -376,9 +381,40 @@ class Checkpointer:
 
     def close(self) -> None:
         """Let go of a lazy restore's daemon, page server and images (after its tree, never before)."""
+        self._closing.set()
         if self._feed is not None:
             self._feed.close()
             self._feed = None
+
+    def _huge_pages_back(self, workload: Workload, feed: LazyFeed | None) -> None:
+        """Give a restored tree the transparent huge pages a fresh one would hold (engine/thp.py): criu
+        restore and a lazy restore's UFFDIO_COPY bring memory back in 4 KiB pages, khugepaged takes ten
+        minutes a GiB, and until then each heartbeat's dump handles 512 times as many pages. In the
+        background once every page is in (a lazy restore's last one: a VMA still registered with a
+        userfaultfd is not touched), a step at a time under the heartbeat's lock: no dump runs
+        meanwhile, and a heartbeat or a stop waits one step at most."""
+        def stop() -> bool:
+            return self._closing.is_set() or workload.poll() is not None
+
+        def run() -> None:
+            if feed is not None:
+                feed.wait()
+                if feed.failure is not None:
+                    return
+            if stop():
+                return
+            try:
+                res = thp.collapse(workload.pids(), gate=lambda: self._lock, stop=stop)
+            except Exception:  # noqa: BLE001 - best effort: the tree runs on as restored
+                log.debug("huge pages back checkpoint_id=%s failed", self.checkpoint_id, exc_info=True)
+                return
+            if res.asked_bytes or res.why_not:
+                notes = "".join(f"; {n}" for n in (res.refused and f"refused {res.refused}", res.why_not) if n)
+                log.info("huge pages back checkpoint_id=%s: %d MiB asked in %.2f s, %d -> %d MiB in huge pages%s",
+                         self.checkpoint_id, res.asked_bytes >> 20, res.seconds, res.huge_before >> 20,
+                         res.huge_after >> 20, notes)
+
+        threading.Thread(target=run, name="cedana-huge-pages", daemon=True).start()
 
     def restore_mode(self, m: Manifest) -> tuple[str, str]:
         """("lazy" or "full", why) for restoring ``m`` on this node."""
@@ -464,6 +500,8 @@ class Checkpointer:
                             "falling back to the previous one" if i + 1 < len(candidates) else "no older checkpoint left")
                 continue
             self._feed = feed
+            if self.huge_pages_back:
+                self._huge_pages_back(workload, feed)
             self._go_on_as("transparent", m)
             self.parent_seq = m.seq
             self._known = m.chunk_digests()
