@@ -655,8 +655,13 @@ class Checkpointer:
             tl.facts["criu"] = read_restore_stats(dest)
             adopting = time.monotonic()
             # Supervised (watchdog on) before anything else can fail: a restored tree is never left alone.
-            workload = Workload.adopt(pid, m.process.command, m.process.cwd, out_r, err_r, stdout, stderr,
-                                      watchdog_holds=feed.holds if feed is not None else ())
+            holds = feed.held_copies() if feed is not None else []
+            try:
+                workload = Workload.adopt(pid, m.process.command, m.process.cwd, out_r, err_r, stdout, stderr,
+                                          watchdog_holds=tuple(holds))
+            finally:
+                for fd in holds:
+                    os.close(fd)
             if feed is not None:
                 feed.attach(pid)
             failpoint("restore.resume", workload=pid, work_dir=self.work_dir)

@@ -215,6 +215,19 @@ class LazyFeed:
         until the tree is killed instead of giving up and leaving it to run on zero-filled pages."""
         return self._holds
 
+    def held_copies(self) -> list[int]:
+        """Copies of :attr:`holds` for the watchdog, made now (the caller closes them once passed on);
+        none once every page is in: the page files' fds close then, and a number passed after that
+        would fail the watchdog's start (EBADF) or name another file."""
+        out: list[int] = []
+        with self._lock:
+            if not self.streaming:
+                return out
+            for fd in self._holds:
+                with contextlib.suppress(OSError):  # closed meanwhile: the stream has just ended
+                    out.append(os.dup(fd))
+        return out
+
     def _release(self) -> None:
         if self._uffd is not None:
             self._uffd.release()
