@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup criu torch browser services slurm pods demo ui demo-fleet demo-slurm demo-k8s test test-fast test-unit soak bench faults clean
+.PHONY: setup criu torch browser services slurm pods cc soak-tools demo ui demo-fleet demo-slurm demo-k8s test test-fast test-unit soak bench faults clean
 
 setup: $(STAMP) criu
 
@@ -44,6 +44,18 @@ PODS := podman runc fuse-overlayfs slirp4netns uidmap catatonit containernetwork
 pods:
 	@{ command -v podman >/dev/null && command -v runc >/dev/null && command -v mmdebstrap >/dev/null && ls /usr/lib/cni/bridge >/dev/null 2>&1; } || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(PODS); }
 
+# gcc and libc's headers: the differential lazy-restore test builds tests/workloads/map_churn.c.
+cc:
+	@{ command -v gcc >/dev/null && test -e /usr/include/pthread.h; } || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends gcc libc6-dev; }
+
+# The soak's compilers and runtimes for its other shapes (scripts/soak.py): gcc and libc's headers for the
+# C workloads (maps, churn), Go, a JDK that runs a single-file source (jvm), Node.js; each only when missing.
+soak-tools:
+	@pkgs="$$(command -v gcc >/dev/null || echo gcc; test -e /usr/include/pthread.h || echo libc6-dev; \
+	  command -v go >/dev/null || echo golang-go; command -v java >/dev/null || echo openjdk-17-jdk-headless; \
+	  command -v node >/dev/null || echo nodejs)"; \
+	[ -z "$$pkgs" ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$pkgs; }
+
 demo: setup
 	$(BIN)/python scripts/demo.py
 
@@ -65,7 +77,7 @@ demo-k8s: setup pods
 # The suite in parallel pytest-xdist workers: most end-to-end tests wait on heartbeats and Airflow's loops,
 # so their waits overlap (tests/harness.py; docs/testing.md has the budget and the latest figures).
 TEST_WORKERS ?= 4
-test: setup torch browser services slurm pods
+test: setup torch browser services slurm pods cc
 	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # The inner loop: units and the pieces that need no Airflow stack, cluster or pod (under 3 minutes).
@@ -75,10 +87,11 @@ test-fast: setup
 test-unit: test-fast
 
 # Checkpoint -> kill -> restore cycles compared with uninterrupted runs (scripts/soak.py):
-# `make soak` runs each shape x mode x store once; ROUNDS=N or MINUTES=M for a long one; ALONGSIDE=1
-# runs the end-to-end tests beside it all the while (they need `make test`'s services installed).
-soak: setup torch
-	$(BIN)/python scripts/soak.py $(if $(MINUTES),--minutes $(MINUTES),--rounds $(or $(ROUNDS),16)) \
+# `make soak` runs each shape x (mode, store, lazy-pages daemon) once (66 rounds); ROUNDS=N or MINUTES=M
+# for a long one; ALONGSIDE=1 runs the end-to-end tests beside it all the while (they need `make test`'s
+# services installed).
+soak: setup torch soak-tools
+	$(BIN)/python scripts/soak.py $(if $(MINUTES),--minutes $(MINUTES),$(if $(ROUNDS),--rounds $(ROUNDS))) \
 	  $(if $(ALONGSIDE),--alongside '$(BIN)/python -m pytest -q -m integration -k "not soak" -p no:cacheprovider') $(SOAK_ARGS)
 
 bench: setup

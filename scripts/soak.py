@@ -1,22 +1,27 @@
 """The soak: checkpoint -> kill -> restore cycles, round after round, each compared with an
 uninterrupted run of the same workload.
 
-    python scripts/soak.py [--rounds N | --minutes M] [--shapes numpy,torch,pool,files]
-                           [--modes lazy,full] [--stores file,s3] [--seed S] [--keep DIR]
+    python scripts/soak.py [--rounds N | --minutes M] [--shapes numpy,torch,pool,files,maps,...]
+                           [--modes lazy,full] [--stores file,s3] [--lazy-via ours,file]
+                           [--seed S] [--keep DIR]
 
 A round runs one workload shape under ``cedana-airflow run`` on node-a, kills the supervisor and
 the workload's whole tree at a random point after a checkpoint (between heartbeats or in the middle
 of one), throws node-a's work dir away (and the workload's output folder: another node has none of
 it), restores under node-b (and, in some rounds, kills that one too and restores under node-c), in
-the round's restore mode, on file:// or on moto's S3 server. It passes when:
+the round's restore mode, on file:// or on moto's S3 server; a lazy round's pages are served by the
+round's lazy-pages daemon (``--lazy-via``: ours, or CRIU's fed by page files or a socket). It passes when:
 
 - the last restore exits 0 and prints the digest an uninterrupted run of the same arguments prints;
 - the start-up code ran once (a restore that starts over is not a restore);
 - each restored run goes on from where the checkpoint was (no step before it, none skipped);
 - the restore used the mode the round asked for, or said why not;
+- no lazy-pages daemon dropped pages (``no longer mapped, dropped``), and no phase stopped making
+  progress for ``--hang-seconds`` (a hang fails the round; it does not hold the soak);
 - nothing of the round is left running or mounted afterwards.
 
-Rounds go through every shape x mode x store in turn, so a short soak covers them all. A failing
+Rounds go through every shape x (mode, store, lazy-pages daemon) in turn: a short soak (as many rounds as
+shapes) runs each shape once, a long one every combination. A failing
 round keeps its folder (logs, store) under ``--keep``; passing ones are removed. It prints a line
 per round and a table at the end; exit 1 when any round failed.
 """
@@ -51,8 +56,9 @@ PY = sys.executable
 
 @dataclass(frozen=True)
 class Shape:
-    """A workload: its command (``{out}`` is the folder it writes, when it writes one), how long a
-    heartbeat is, and the arguments an uninterrupted reference run adds."""
+    """A workload: its command (``{out}`` is the folder it writes, when it writes one; ``{bin}`` the soak's
+    folder, where its programs are built), how long a heartbeat is, and the arguments an uninterrupted
+    reference run adds."""
 
     name: str
     argv: tuple[str, ...]
@@ -60,13 +66,74 @@ class Shape:
     quick: tuple[str, ...] = ()  # for the reference run: no pauses (the digest does not depend on them)
     writes_files: bool = False
 
-    def command(self, out: Path, quick: bool = False) -> list[str]:
-        return [a.replace("{out}", str(out)) for a in self.argv + (self.quick if quick else ())]
+    def command(self, out: Path, quick: bool = False, bin: Path = Path("BIN")) -> list[str]:
+        return [a.replace("{out}", str(out)).replace("{bin}", str(bin)) for a in self.argv + (self.quick if quick else ())]
+
+
+@dataclass(frozen=True)
+class Tool:
+    """What a shape needs beyond Python: the commands (and the Debian package that has them), the workload's
+    source in the repository, and what builds it once, at the start of the soak, into ``{bin}``."""
+
+    commands: tuple[str, ...]
+    package: str
+    sources: tuple[Path, ...] = ()
+    build: tuple[tuple[str, ...], ...] = ()
+
+
+#: Every shape, in the order a soak goes through them (the first four were the soak's first shapes).
+SHAPES = ("numpy", "torch", "pool", "files", "maps", "churn", "forks", "preexec", "jvm", "go", "node")
+
+TOOLS: dict[str, Tool] = {
+    "torch": Tool((), "torch (make torch)"),
+    "maps": Tool(("gcc",), "gcc", (WORKLOADS / "map_churn.c",),
+                 (("gcc", "-O2", "-o", "{bin}/map_churn", str(WORKLOADS / "map_churn.c")),)),
+    "churn": Tool(("gcc",), "gcc", (WORKLOADS / "arena_churn.c",),
+                  (("gcc", "-O2", "-pthread", "-o", "{bin}/arena_churn", str(WORKLOADS / "arena_churn.c")),)),
+    "forks": Tool(("bash", "cksum", "expr", "sort"), "coreutils", (WORKLOADS / "fork_storm.sh",)),
+    "preexec": Tool(("sha256sum", "sort", "tr", "wc"), "coreutils", (WORKLOADS / "preexec_spawn.py",)),
+    "jvm": Tool(("java",), "openjdk-17-jdk-headless", (WORKLOADS / "Alloc.java",)),
+    "go": Tool(("go",), "golang-go", (WORKLOADS / "heap.go",),
+               (("go", "build", "-o", "{bin}/heap_go", str(WORKLOADS / "heap.go")),)),
+    "node": Tool(("node",), "nodejs", (WORKLOADS / "heap.js",)),
+}
+
+
+def missing(name: str) -> str | None:
+    """Why shape ``name`` cannot run here, in one line naming what to install; None when it can."""
+    tool = TOOLS.get(name)
+    if tool is None:
+        return None
+    if name == "torch":
+        import importlib.util
+
+        return None if importlib.util.find_spec("torch") else f"the torch shape needs PyTorch in {PY} (make torch)"
+    if gone := [c for c in tool.commands if shutil.which(c) is None]:
+        return (f"the {name} shape needs {', '.join(gone)}: apt-get install {tool.package}"
+                + (" (make soak installs it)" if tool.package != "coreutils" else ""))
+    if gone := [str(p.relative_to(REPO)) for p in tool.sources if not p.exists()]:
+        return f"the {name} shape's workload is missing: {', '.join(gone)}"
+    return None
+
+
+def build(names: list[str], bin: Path) -> None:
+    """Build the shapes' programs into ``bin`` (once per soak); a failed build ends the soak."""
+    env = dict(os.environ)
+    if "GOCACHE" not in env and not env.get("HOME"):
+        env["GOCACHE"] = str(bin / "go-build")
+    for name in names:
+        for argv in TOOLS[name].build if name in TOOLS else ():
+            cmd = [a.replace("{bin}", str(bin)) for a in argv]
+            r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+            if r.returncode != 0:
+                raise SystemExit(f"soak: building the {name} shape failed: {' '.join(cmd)}\n"
+                                 f"{(r.stdout + r.stderr).strip()[-2000:]}")
 
 
 def shapes(big_mb: int, s3_mb: int) -> dict[tuple[str, str], Shape]:
     """(shape, store) -> Shape. The numpy one holds ``big_mb`` on file:// and ``s3_mb`` on S3, where
-    moto (one Python process) moves about 30 MB/s down: a protocol double, not a storage system."""
+    moto (one Python process) moves about 30 MB/s down: a protocol double, not a storage system; the
+    maps one a quarter of that (its reads, writes, forks and mprotects per step do not grow with it)."""
     def numpy(mb: int) -> Shape:
         return Shape("numpy", (PY, str(WORKLOADS / "train.py"), "--mb", str(mb), "--steps", "150",
                                "--step-seconds", "0.1", "--change-fraction", "0.002"), 2.0, ("--step-seconds", "0"))
@@ -78,9 +145,28 @@ def shapes(big_mb: int, s3_mb: int) -> dict[tuple[str, str], Shape]:
                  1.0, ("--step-seconds", "0"))
     files = Shape("files", (PY, str(WORKLOADS / "open_files.py"), "--dir", "{out}", "--seed", "5", "--steps", "200",
                             "--step-seconds", "0.05"), 1.0, ("--step-seconds", "0"), writes_files=True)
+    # The shapes below change their mappings while they run (mprotect, fork, munmap, madvise, arenas that
+    # grow and shrink, garbage collectors): each about 12-15 s of steps on 2 idle cores, like the ones above.
+    def maps(mb: int) -> Shape:  # 120 steps of 0.1 s, a fork per step, a munmap every 10th
+        return Shape("maps", ("{bin}/map_churn", "--mb", str(mb), "--seed", "11", "--steps", "120",
+                              "--step-seconds", "0.1"), 1.5, ("--step-seconds", "0"))
+    churn = Shape("churn", ("{bin}/arena_churn", "--seed", "13", "--steps", "120", "--step-seconds", "0.1"), 1.0,
+                  ("--step-seconds", "0"))  # 4 threads, about 100 MB live, 48 mallocs/frees/reallocs each per step
+    forks = Shape("forks", ("bash", str(WORKLOADS / "fork_storm.sh"), "--seed", "17", "--steps", "150",
+                            "--step-seconds", "0.03"), 1.0, ("--step-seconds", "0"))  # about 6,000 children a run
+    preexec = Shape("preexec", (PY, str(WORKLOADS / "preexec_spawn.py"), "--seed", "19", "--steps", "150",
+                                "--step-seconds", "0.05"), 1.0, ("--step-seconds", "0"))  # 4 forks a step, 48+ MiB
+    # The other runtimes: their own allocators and collectors, threads, signals (Go's preemption), JITs.
+    jvm = Shape("jvm", ("java", "-XX:-UsePerfData", "-Xmx256m", str(WORKLOADS / "Alloc.java"), "--seed", "7",
+                        "--steps", "120", "--step-seconds", "0.08"), 1.5, ("--step-seconds", "0"))
+    go = Shape("go", ("{bin}/heap_go", "--seed", "7", "--steps", "120", "--step-seconds", "0.08"), 1.0,
+               ("--step-seconds", "0"))
+    node = Shape("node", ("node", str(WORKLOADS / "heap.js"), "--seed", "7", "--steps", "120", "--step-seconds", "0.08"),
+                 1.0, ("--step-seconds", "0"))
     out: dict[tuple[str, str], Shape] = {}
     for store in ("file", "s3"):
-        for s in (numpy(big_mb if store == "file" else s3_mb), torch, pool, files):
+        mb = big_mb if store == "file" else s3_mb
+        for s in (numpy(mb), torch, pool, files, maps(max(16, mb // 4)), churn, forks, preexec, jvm, go, node):
             out[(s.name, store)] = s
     return out
 
@@ -92,9 +178,11 @@ class Round:
     mode: str
     store: str
     kills: int
+    via: str = ""  # the lazy-pages daemon asked for (ours, file, socket); "full" in a full round
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
     modes_used: list[str] = field(default_factory=list)
+    vias_used: list[str] = field(default_factory=list)  # per restore: the daemon that served it (its log says), or full
     skipped: bool = False  # the workload ended before the kill: nothing was restored (sizing, not a failure)
 
     @property
@@ -104,11 +192,18 @@ class Round:
 
 _STEP = re.compile(rb"^step (\d+)/\d+", re.M)
 _MODE = re.compile(r"restored checkpoint_id=\S+ seq=\d+ .* mode=(\w+)")
+_VIA = re.compile(r"lazy restore complete checkpoint_id=\S+ seq=\d+ via=(\w+)")
+_DROPPED = "no longer mapped, dropped"
+
+
+class Hang(Exception):
+    """A phase of a round stopped making progress."""
 
 
 class Soak:
-    def __init__(self, root: Path, rng: random.Random, s3_url: str | None, big_mb: int, s3_mb: int) -> None:
-        self.root, self.rng, self.s3_url = root, rng, s3_url
+    def __init__(self, root: Path, rng: random.Random, s3_url: str | None, big_mb: int, s3_mb: int,
+                 hang_seconds: float = 180) -> None:
+        self.root, self.rng, self.s3_url, self.hang_seconds = root, rng, s3_url, hang_seconds
         self.shapes = shapes(big_mb, s3_mb)
         self._reference: dict[tuple[str, ...], str] = {}
         self.active: subprocess.Popen[bytes] | None = None  # the supervisor of the round under way
@@ -125,7 +220,8 @@ class Soak:
         if key not in self._reference or again:
             out = self.root / "reference"
             shutil.rmtree(out, ignore_errors=True)
-            r = subprocess.run(shape.command(out, quick=True), capture_output=True, text=True, cwd=self.root, timeout=600)
+            r = subprocess.run(shape.command(out, quick=True, bin=self.root), capture_output=True, text=True,
+                               cwd=self.root, timeout=600)
             if r.returncode != 0:
                 raise SystemExit(f"soak: the uninterrupted {shape.name} run failed: {r.stderr.strip()[-500:]}")
             self._reference[key] = r.stdout.strip().splitlines()[-1]
@@ -133,11 +229,11 @@ class Soak:
         return self._reference[key]
 
     # -- one round ------------------------------------------------------------------------------
-    def env(self, d: Path, node: str, mode: str, store: str, cid: str) -> dict[str, str]:
-        # Only the lazy-pages daemon may be chosen from outside (SOAK_LAZY_PAGES_VIA): the rest is the soak's.
+    def env(self, d: Path, node: str, mode: str, store: str, cid: str, via: str = "") -> dict[str, str]:
+        # The round's lazy-pages daemon (lazy_pages_via); every other setting is the soak's.
         env = {k: v for k, v in os.environ.items() if not k.startswith("CEDANA_")}
-        if os.environ.get("SOAK_LAZY_PAGES_VIA"):
-            env["CEDANA_LAZY_PAGES_VIA"] = os.environ["SOAK_LAZY_PAGES_VIA"]
+        if mode == "lazy" and via:
+            env["CEDANA_LAZY_PAGES_VIA"] = via
         env.update(CEDANA_NODE=node, CEDANA_WORK_DIR=str(d / f"work-{node}"), CEDANA_RESTORE_MODE=mode,
                    PYTHONUNBUFFERED="1")
         if store == "file":
@@ -150,7 +246,7 @@ class Soak:
 
     def run_round(self, r: Round) -> None:
         shape = self.shapes[(r.shape, r.store)]
-        d = self.root / f"round-{r.n:04d}-{r.shape}-{r.mode}-{r.store}"
+        d = self.root / (f"round-{r.n:04d}-{r.shape}-{r.mode}-{r.store}" + (f"-{r.via}" if r.mode == "lazy" else ""))
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
         cid = f"soak-{r.n}-{r.shape}"
@@ -161,8 +257,9 @@ class Soak:
         nodes = ["node-a", "node-b", "node-c", "node-d"]
         for k in range(r.kills + 1):
             node = nodes[k]
-            env = self.env(d, node, r.mode, r.store, cid)
-            args = (["run", "--id", cid, "--heartbeat", str(shape.heartbeat), "--", *shape.command(out_dir)] if k == 0
+            env = self.env(d, node, r.mode, r.store, cid, r.via)
+            args = (["run", "--id", cid, "--heartbeat", str(shape.heartbeat), "--",
+                     *shape.command(out_dir, bin=self.root)] if k == 0
                     else ["restore", "--id", cid, "--heartbeat", str(shape.heartbeat)])
             log = d / f"{k}-{node}"
             with open(log.with_suffix(".out"), "wb") as o, open(log.with_suffix(".err"), "wb") as e:
@@ -171,21 +268,32 @@ class Soak:
             phases.append((node, log))
             if k == r.kills:  # the last one runs to the end
                 try:
-                    rc = proc.wait(timeout=600)
-                except subprocess.TimeoutExpired:
+                    rc = self.wait_for_end(proc, log.with_suffix(".out"))
+                except Hang as e:
                     kill_tree(proc)
-                    rc = None
+                    r.problems.append(f"{node}: hang: {e}")
+                    break
                 if rc != 0:
                     r.problems.append(f"{node}: exited {rc}: {last_line(log.with_suffix('.err'))}")
                 break
-            if not self.wait_for_checkpoint(env, cid, node, proc, log.with_suffix(".out")):
+            try:
+                took = self.wait_for_checkpoint(env, cid, node, proc, log.with_suffix(".out"))
+            except Hang as e:
+                kill_tree(proc)
+                r.problems.append(f"{node}: hang: {e}")
+                break
+            if not took:
                 if proc.poll() is not None:
                     r.skipped = proc.returncode == 0
                     if not r.skipped:
                         r.problems.append(f"{node}: exited {proc.returncode} before its first checkpoint: "
                                           f"{last_line(log.with_suffix('.err'))}")
                 else:
-                    r.problems.append(f"{node}: no checkpoint within 180 s")
+                    out = log.with_suffix(".out")
+                    quiet = time.time() - out.stat().st_mtime
+                    r.problems.append(f"{node}: no checkpoint within 180 s" + (
+                        f" (hang: its workload printed nothing for the last {quiet:.0f} s, last: "
+                        f"{last_line(out)!r})" if quiet > 30 else ""))
                     kill_tree(proc)
                 break
             time.sleep(self.rng.uniform(0, 1.5 * shape.heartbeat))  # between heartbeats, or in the middle of one
@@ -196,8 +304,10 @@ class Soak:
             shutil.rmtree(d / f"work-{node}", ignore_errors=True)  # the lost node's disk goes with it
             shutil.rmtree(out_dir, ignore_errors=True)
         r.seconds = time.monotonic() - t0
+        self.restores(r, phases)
         if not r.problems and not r.skipped:
             self.judge(r, phases, expected, out_dir, shape)
+        self.dropped(r, phases)
         if left := left_behind(d):  # what the next round (or test) would meet: a process, a mount
             r.problems.append(f"left behind: {'; '.join(left)}")
         if r.ok:
@@ -219,18 +329,61 @@ class Soak:
     def wait_for_checkpoint(self, env: dict[str, str], cid: str, node: str, proc: subprocess.Popen[bytes],
                             out: Path) -> bool:
         """Until ``node`` took a complete checkpoint after the workload printed its first step (in its
-        loop, with its workers and files open, not still starting up); False when the run ends first."""
-        deadline = time.monotonic() + 180
+        loop, with its workers and files open, not still starting up); False when the run ends first, or
+        no checkpoint came within 180 s of the step. Hang when the workload printed nothing for
+        ``hang_seconds``."""
+        watch = Progress(out, self.hang_seconds)
         while b"step " not in out.read_bytes():
-            if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is not None:
                 return False
+            watch.check("before its first step")
             time.sleep(0.1)
+        deadline = time.monotonic() + 180
         before = max((int(m["seq"]) for m in list_manifests(env, cid)), default=0)
         while time.monotonic() < deadline and proc.poll() is None:
             if any(m["node"] == node and int(m["seq"]) > before for m in list_manifests(env, cid)):
                 return True
+            watch.check("waiting for a checkpoint")
             time.sleep(0.2)
         return False
+
+    def wait_for_end(self, proc: subprocess.Popen[bytes], out: Path) -> int:
+        """The exit status of the phase that runs to the end; Hang when its workload printed nothing for
+        ``hang_seconds`` (a restore that never runs, a process stuck on a page that never comes, a
+        supervisor that does not exit after the last line)."""
+        watch = Progress(out, self.hang_seconds)
+        while (rc := proc.poll()) is None:
+            watch.check("running" if watch.lines else "restoring")
+            time.sleep(0.2)
+        return rc
+
+    @staticmethod
+    def restores(r: Round, phases: list[tuple[str, Path]]) -> None:
+        """What each restore of the round used (its log says): the mode, and for a lazy one the daemon that
+        served it; recorded for failing rounds too."""
+        for _, log in phases[1:]:
+            try:
+                err = log.with_suffix(".err").read_text(errors="replace")
+            except OSError:
+                err = ""
+            ms, v = list(_MODE.finditer(err)), _VIA.search(err)
+            m = ms[-1] if ms else None  # a lazy restore that failed while the tree ran is restored again in full
+            r.modes_used.append(m.group(1) if m else "?")
+            # a lazy restore killed (or ended) before every page was in has no "complete" line: "-"
+            r.vias_used.append("full" if m and m.group(1) == "full" else v.group(1) if v else "-")
+
+    @staticmethod
+    def dropped(r: Round, phases: list[tuple[str, Path]]) -> None:
+        """A lazy-pages daemon that dropped pages fails the round, whatever the digest says (our daemon's
+        ``no longer mapped, dropped``: pages it gave up on, which the workload may still read)."""
+        for node, log in phases[1:]:
+            try:
+                err = log.with_suffix(".err").read_text(errors="replace")
+            except OSError:
+                continue
+            if line := next((x for x in err.splitlines() if _DROPPED in x), None):
+                n = err.count(_DROPPED)
+                r.problems.append(f"{node}: lazy pages dropped ({n} time{'s' if n > 1 else ''}): {line.strip()[-300:]}")
 
     def judge(self, r: Round, phases: list[tuple[str, Path]], expected: str, out_dir: Path, shape: Shape) -> None:
         outs = [log.with_suffix(".out").read_bytes() for _, log in phases]
@@ -254,21 +407,52 @@ class Soak:
             after = [int(s) for s in _STEP.findall(outs[k])]
             if before and after and after[0] > before[-1] + 1:
                 r.problems.append(f"{phases[k][0]} went on at step {after[0]}, after step {before[-1]}: steps lost")
+            failed = next((x.strip() for x in errs[k].splitlines() if "lazy restore failed" in x), "")
             if after != list(range(after[0], after[0] + len(after))) if after else False:
-                r.problems.append(f"{phases[k][0]} skipped or repeated steps")
-            m = _MODE.search(errs[k])
-            r.modes_used.append(m.group(1) if m else "?")
+                r.problems.append(f"{phases[k][0]} skipped or repeated steps"
+                                  + (f" (its log: {failed[-300:]})" if failed else ""))
+            ms = list(_MODE.finditer(errs[k]))
+            m = ms[-1] if ms else None
+            v = _VIA.search(errs[k])
+            if v and r.mode == "lazy" and r.via and v.group(1) != r.via:
+                r.problems.append(f"{phases[k][0]} was served via={v.group(1)}, not {r.via}")
             if m is None:
                 r.problems.append(f"{phases[k][0]} did not say it restored: {last_line(phases[k][1].with_suffix('.err'))}")
             elif m.group(1) != r.mode:
-                why = next((x for x in errs[k].splitlines() if "retried in full" in x), "")
-                if not why:
+                if not failed:  # "...; retried in full" or "...; restoring again in full"
                     r.problems.append(f"{phases[k][0]} restored {m.group(1)}, not {r.mode}, without saying why")
         if shape.writes_files and not r.problems:
             lines = (out_dir / "steps.log").read_text().splitlines() if (out_dir / "steps.log").exists() else []
             steps = [int(x.split()[1]) for x in lines]
             if steps != list(range(len(steps))):
                 r.problems.append(f"steps.log is not every step once, in order ({len(steps)} lines)")
+
+
+class Progress:
+    """A workload's output file, watched: :meth:`check` raises Hang once it has not grown for ``seconds``."""
+
+    def __init__(self, out: Path, seconds: float) -> None:
+        self.out, self.seconds = out, seconds
+        self.size, self.since = -1, time.monotonic()
+
+    @property
+    def lines(self) -> int:
+        try:
+            return self.out.read_bytes().count(b"\n")
+        except OSError:
+            return 0
+
+    def check(self, doing: str) -> None:
+        try:
+            size = self.out.stat().st_size
+        except OSError:
+            size = 0
+        now = time.monotonic()
+        if size != self.size:
+            self.size, self.since = size, now
+        elif now - self.since > self.seconds:
+            last = last_line(self.out) if size else "(nothing)"
+            raise Hang(f"no output for {now - self.since:.0f} s {doing} (last: {last!r})")
 
 
 class Alongside:
@@ -408,12 +592,32 @@ def last_line(p: Path) -> str:
     return lines[-1][-400:] if lines else "(empty)"
 
 
-def plan(n_rounds: int | None, minutes: float | None, shape_names: list[str], modes: list[str], stores: list[str],
-         rng: random.Random) -> Iterator[Round]:
-    """Rounds through every combination, each with 1 or 2 kills, until the count or the time is up.
-    Every block of len(shapes) rounds holds each shape once, and the (mode, store) pairs turn under
-    them, so that a short slice covers every shape, mode and store, and a long one every combination."""
+def combinations(modes: list[str], stores: list[str], vias: list[str]) -> list[tuple[str, str, str]]:
+    """Every (mode, store, via): a lazy pair once per lazy-pages daemon, a full one once ("full"). In an
+    order where each run of len(modes x stores) holds every mode x store pair, and the first run already
+    turns the daemons under the lazy pairs: [lazy file ours, lazy s3 file, full file, full s3, lazy file
+    file, lazy s3 ours] for the defaults."""
     pairs = list(itertools.product(modes, stores))
+    out = []
+    for turn in range(max(1, len(vias))):
+        lazy = 0
+        for mode, store in pairs:
+            if mode != "lazy":
+                if turn == 0:
+                    out.append((mode, store, mode))
+                continue
+            out.append((mode, store, vias[(turn + lazy) % len(vias)] if vias else ""))
+            lazy += 1
+    return out
+
+
+def plan(n_rounds: int | None, minutes: float | None, shape_names: list[str], modes: list[str], stores: list[str],
+         rng: random.Random, vias: list[str] | None = None) -> Iterator[Round]:
+    """Rounds through every combination, each with 1 or 2 kills, until the count or the time is up.
+    Every block of len(shapes) rounds holds each shape once, and the (mode, store, via) combinations turn
+    under them, so that a short slice covers every shape, mode, store and lazy-pages daemon, and a long
+    one (len(shapes) x len(combinations) rounds) every combination."""
+    combos = combinations(modes, stores, vias or [])
     deadline = time.monotonic() + minutes * 60 if minutes else None
     for n in itertools.count(1):
         if n_rounds is not None and n > n_rounds:
@@ -421,24 +625,35 @@ def plan(n_rounds: int | None, minutes: float | None, shape_names: list[str], mo
         if deadline is not None and time.monotonic() >= deadline:
             return
         i, block = (n - 1) % len(shape_names), (n - 1) // len(shape_names)
-        mode, store = pairs[(i + block) % len(pairs)]
-        yield Round(n, shape_names[i], mode, store, kills=rng.choice((1, 1, 2)))
+        mode, store, via = combos[(i + block) % len(combos)]
+        yield Round(n, shape_names[i], mode, store, kills=rng.choice((1, 1, 2)), via=via)
+
+
+def used(r: Round) -> list[str]:
+    """Per restore of the round: the mode it used, and for a lazy one the daemon that served it."""
+    return [f"{m}:{v}" if m == "lazy" and v else m
+            for m, v in itertools.zip_longest(r.modes_used, r.vias_used[:len(r.modes_used)], fillvalue="")]
 
 
 def table(rounds: list[Round]) -> str:
-    rows: dict[tuple[str, str, str], list[Any]] = {}
+    """Rows by shape, mode, store and lazy-pages daemon (via: the one the round asked for; full for a full
+    round). restores counts what each restore used: lazy:<the daemon its log names> (lazy:- when it was
+    killed or ended before every page was in), or full."""
+    rows: dict[tuple[str, str, str, str], list[Any]] = {}
     for r in rounds:
-        row = rows.setdefault((r.shape, r.mode, r.store), [0, 0, 0, 0.0, {}])
+        row = rows.setdefault((r.shape, r.mode, r.store, r.via or "-"), [0, 0, 0, 0.0, {}])
         row[0] += 1
         row[1] += bool(r.problems)
         row[2] += r.skipped
         row[3] += r.seconds
-        for m in r.modes_used:
+        for m in used(r):
             row[4][m] = row[4].get(m, 0) + 1
-    lines = [f"{'shape':<7} {'mode':<5} {'store':<5} {'rounds':>6} {'failed':>6} {'skipped':>7} {'restores':<22} {'s/round':>7}"]
-    for (shape, mode, store), (n, failed, skipped, secs, used) in sorted(rows.items()):
-        used_s = " ".join(f"{k}={v}" for k, v in sorted(used.items())) or "-"
-        lines.append(f"{shape:<7} {mode:<5} {store:<5} {n:>6} {failed:>6} {skipped:>7} {used_s:<22} {secs / n:>7.1f}")
+    lines = [f"{'shape':<7} {'mode':<5} {'store':<5} {'via':<6} {'rounds':>6} {'failed':>6} {'skipped':>7} "
+             f"{'restores':<26} {'s/round':>7}"]
+    for (shape, mode, store, via), (n, failed, skipped, secs, used_) in sorted(rows.items()):
+        used_s = " ".join(f"{k}={v}" for k, v in sorted(used_.items())) or "-"
+        lines.append(f"{shape:<7} {mode:<5} {store:<5} {via:<6} {n:>6} {failed:>6} {skipped:>7} {used_s:<26} "
+                     f"{secs / n:>7.1f}")
     passed, failed = sum(r.ok for r in rounds), sum(bool(r.problems) for r in rounds)
     restores = sum(len(r.modes_used) for r in rounds)
     lines.append(f"soak: {passed} passed, {failed} failed ({restores} restores, "
@@ -449,14 +664,22 @@ def table(rounds: list[Round]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group()
-    g.add_argument("--rounds", type=int, help="how many rounds (default 16: each combination once)")
+    g.add_argument("--rounds", type=int, help="how many rounds (default: each shape x combination once, 66 "
+                   "with every shape and the default modes, stores and daemons)")
     g.add_argument("--minutes", type=float, help="rounds until this many minutes have passed")
-    ap.add_argument("--shapes", default="numpy,torch,pool,files")
+    ap.add_argument("--shapes", help=f"default: every shape ({','.join(SHAPES)}), less those this machine "
+                    "cannot run (each said why); a shape named here that cannot run ends the soak")
     ap.add_argument("--modes", default="lazy,full")
     ap.add_argument("--stores", default="file,s3")
+    ap.add_argument("--lazy-via", default=os.environ.get("SOAK_LAZY_PAGES_VIA") or "ours,file",
+                    help="the lazy-pages daemons lazy rounds take turns with (lazy_pages_via: ours, file, socket; "
+                    "default ours,file, or $SOAK_LAZY_PAGES_VIA)")
+    ap.add_argument("--hang-seconds", type=float, default=180, help="a phase whose workload prints nothing for "
+                    "this long fails its round as a hang (default 180)")
     ap.add_argument("--seed", type=int, default=None, help="kill points and kill counts (default: random, printed)")
-    ap.add_argument("--big-mb", type=int, default=1024, help="the numpy shape's memory on file:// (MiB)")
-    ap.add_argument("--s3-mb", type=int, default=256, help="the numpy shape's memory on S3 (MiB)")
+    ap.add_argument("--big-mb", type=int, default=1024, help="the numpy shape's memory on file:// (MiB; the maps "
+                    "shape's is a quarter of it)")
+    ap.add_argument("--s3-mb", type=int, default=256, help="the numpy shape's memory on S3 (MiB; maps: a quarter)")
     ap.add_argument("--keep", type=Path, default=REPO / ".artifacts" / "soak", help="where failing rounds are kept")
     ap.add_argument("--alongside", metavar="CMD", help="a shell command kept running beside the rounds, started again "
                     "whenever it ends, stopped at the end: e.g. the end-to-end tests, so that rounds meet what other "
@@ -473,8 +696,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(1 << 31)
     rng = random.Random(seed)
-    names, modes, stores = a.shapes.split(","), a.modes.split(","), a.stores.split(",")
-    n_rounds = a.rounds if a.rounds is not None or a.minutes is not None else len(names) * len(modes) * len(stores)
+    modes, stores, vias = a.modes.split(","), a.stores.split(","), [v for v in a.lazy_via.split(",") if v]
+    if unknown := [x for x in (a.shapes.split(",") if a.shapes else []) if x not in SHAPES]:
+        print(f"soak: no shape {', '.join(unknown)} (shapes: {','.join(SHAPES)})", file=sys.stderr)
+        return 2
+    if unknown := [v for v in vias if v not in ("ours", "file", "socket")]:
+        print(f"soak: no lazy-pages daemon {', '.join(unknown)} (ours, file, socket)", file=sys.stderr)
+        return 2
+    names = a.shapes.split(",") if a.shapes else list(SHAPES)
+    for name in list(names):
+        if why := missing(name):
+            if a.shapes:  # asked for by name: it must run
+                print(f"soak: {why}", file=sys.stderr)
+                return 2
+            print(f"soak: skipping the {name} shape: {why}", flush=True)
+            names.remove(name)
+    if not names:
+        print("soak: no shape can run here", file=sys.stderr)
+        return 2
+    n_rounds = (a.rounds if a.rounds is not None or a.minutes is not None
+                else len(names) * len(combinations(modes, stores, vias)))
     from cedana_airflow.run.workload import become_subreaper
 
     become_subreaper()  # killed supervisors' trees come to us, and we reap them
@@ -482,13 +723,14 @@ def main(argv: list[str] | None = None) -> int:
     root = a.keep / time.strftime("%Y%m%d-%H%M%S")
     root.mkdir()
     print(f"soak: seed {seed}; rounds kept (when failing) under {root}", flush=True)
+    build(names, root)  # the shapes' programs, once: the reference runs and every round run these
     rounds: list[Round] = []
     with contextlib.ExitStack() as stack:
         s3_url = None
         if "s3" in stores:
             s3_url = stack.enter_context(moto_server())
             s3_client(s3_url).create_bucket(Bucket="soak")
-        soak = Soak(root, rng, s3_url, a.big_mb, a.s3_mb)
+        soak = Soak(root, rng, s3_url, a.big_mb, a.s3_mb, a.hang_seconds)
         # Ctrl-C or a SIGTERM ends the soak: the round under way is killed, and moto stops.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         stack.callback(soak.stop)
@@ -496,14 +738,14 @@ def main(argv: list[str] | None = None) -> int:
         if beside is not None:
             stack.callback(beside.stop)
         try:
-            for r in plan(n_rounds, a.minutes, names, modes, stores, rng):
+            for r in plan(n_rounds, a.minutes, names, modes, stores, rng, vias):
                 if beside is not None:
                     beside.keep_running()
                 soak.run_round(r)
                 rounds.append(r)
                 verdict = "skipped (ended before the kill)" if r.skipped else ("ok" if r.ok else "FAILED: " + "; ".join(r.problems))
-                print(f"round {r.n:4d} {r.shape:<6} {r.mode:<5} {r.store:<5} kills={r.kills} "
-                      f"restored={','.join(r.modes_used) or '-':<10} {r.seconds:5.1f}s {verdict}", flush=True)
+                print(f"round {r.n:4d} {r.shape:<7} {r.mode:<5} {r.store:<5} {r.via or '-':<6} kills={r.kills} "
+                      f"restored={','.join(used(r)) or '-':<20} {r.seconds:5.1f}s {verdict}", flush=True)
         finally:  # interrupted too: the rounds that ended are counted
             print(table(rounds), flush=True)
             if a.json:
