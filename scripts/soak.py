@@ -339,7 +339,10 @@ class Soak:
             watch.check("before its first step")
             time.sleep(0.1)
         deadline = time.monotonic() + 180
-        before = max((int(m["seq"]) for m in list_manifests(env, cid)), default=0)
+        # A checkpoint complete when the step appeared may have frozen the tree before it (a JVM starts up
+        # for about a heartbeat: its first checkpoint froze it before 'start-up:', and completed after
+        # 'step 1'): the one after the next was frozen after the step for certain.
+        before = max((int(m["seq"]) for m in list_manifests(env, cid)), default=0) + 1
         while time.monotonic() < deadline and proc.poll() is None:
             if any(m["node"] == node and int(m["seq"]) > before for m in list_manifests(env, cid)):
                 return True
