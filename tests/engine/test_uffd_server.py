@@ -63,32 +63,40 @@ def test_a_task_gives_each_page_once_and_follows_a_remap_with_its_image_address(
     assert t.find(0x91000) == 3 and t.find(0x12000) == -1
 
 
-#: The restored process, played by a child of the test (single-threaded: a fork or an madvise waits
-#: for the daemon to read its event, and the daemon is a thread of the test's process, so the process
-#: that forks must be another one). It maps 8 MiB at ADDR, registers it with a uffd as CRIU's restorer
-#: does, hands the uffd over the daemon's socket as criu restore does, then touches its memory when
-#: told (a line on stdin) and says what it saw (a line on stdout).
-_PROCESS = r"""
-import ctypes, fcntl, os, random, socket, struct, sys
-MiB, ADDR, SIZE, LAZY = 1 << 20, int(sys.argv[2]), 8 << 20, 6 << 20
+#: What both restored processes below do first: map 8 MiB at ADDR, register it with a uffd as CRIU's
+#: restorer does, and hand the uffd over the daemon's socket as criu restore does.
+_HANDOVER = r"""
+import ctypes, fcntl, hashlib, os, random, socket, struct, sys, threading
+ADDR, SIZE = int(sys.argv[2]), 8 << 20
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
 libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+for name in ("mprotect", "madvise", "munmap"):
+    getattr(libc, name).argtypes = (ctypes.c_void_p, ctypes.c_size_t) + ((ctypes.c_int,) if name != "munmap" else ())
 assert libc.mmap(ADDR, SIZE, 3, 0x22 | 0x100000, -1, 0) == ADDR  # private anonymous, MAP_FIXED_NOREPLACE
 uffd = libc.syscall(int(sys.argv[3]), os.O_CLOEXEC | os.O_NONBLOCK)
 fcntl.ioctl(uffd, 0xC018AA3F, bytearray(struct.pack("=QQQ", 0xAA, (1 << 1) | (1 << 2) | (1 << 3) | (1 << 6), 0)))
 fcntl.ioctl(uffd, 0xC020AA00, bytearray(struct.pack("=QQQQ", ADDR, SIZE, 1, 0)))  # missing pages
-image = random.Random(7).randbytes(LAZY)
-def read(off, n):
-    buf = ctypes.create_string_buffer(n)
-    ctypes.memmove(buf, ADDR + off, n)
-    return buf.raw
 crit = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 dfd = os.open(sys.argv[1], os.O_PATH)
 crit.connect(f"/proc/self/fd/{dfd}/lazy-pages.socket")
 crit.send(struct.pack("=i", 1))
 socket.send_fds(crit, [b"\0"], [uffd])
 os.close(uffd)  # the daemon's copy is the one that counts now
+"""
+
+#: The restored process, played by a child of the test (single-threaded: a fork or an madvise waits
+#: for the daemon to read its event, and the daemon is a thread of the test's process, so the process
+#: that forks must be another one). It maps 8 MiB at ADDR, registers it with a uffd as CRIU's restorer
+#: does, hands the uffd over the daemon's socket as criu restore does, then touches its memory when
+#: told (a line on stdin) and says what it saw (a line on stdout).
+_PROCESS = _HANDOVER + r"""
+MiB, LAZY = 1 << 20, 6 << 20
+image = random.Random(7).randbytes(LAZY)
+def read(off, n):
+    buf = ctypes.create_string_buffer(n)
+    ctypes.memmove(buf, ADDR + off, n)
+    return buf.raw
 def say(ok):
     print("ok" if ok else "wrong", flush=True)
 for line in sys.stdin:
@@ -172,24 +180,7 @@ def test_faults_are_answered_with_the_window_around_them_then_the_rest_comes_in_
 #:   mprotect OFF LEN PROT | madvise OFF LEN [ADVICE] | munmap OFF LEN    "ok" (0 from libc)
 #:   forks N                   N children, each exits at once; "ok"
 #:   finish                    tells the daemon the restore has finished; "ok"
-_TREE = r"""
-import ctypes, fcntl, hashlib, os, socket, struct, sys, threading
-ADDR, SIZE = int(sys.argv[2]), 8 << 20
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mmap.restype = ctypes.c_void_p
-libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
-for name in ("mprotect", "madvise", "munmap"):
-    getattr(libc, name).argtypes = (ctypes.c_void_p, ctypes.c_size_t) + ((ctypes.c_int,) if name != "munmap" else ())
-assert libc.mmap(ADDR, SIZE, 3, 0x22 | 0x100000, -1, 0) == ADDR  # private anonymous, MAP_FIXED_NOREPLACE
-uffd = libc.syscall(int(sys.argv[3]), os.O_CLOEXEC | os.O_NONBLOCK)
-fcntl.ioctl(uffd, 0xC018AA3F, bytearray(struct.pack("=QQQ", 0xAA, (1 << 1) | (1 << 2) | (1 << 3) | (1 << 6), 0)))
-fcntl.ioctl(uffd, 0xC020AA00, bytearray(struct.pack("=QQQQ", ADDR, SIZE, 1, 0)))  # missing pages
-crit = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-dfd = os.open(sys.argv[1], os.O_PATH)
-crit.connect(f"/proc/self/fd/{dfd}/lazy-pages.socket")
-crit.send(struct.pack("=i", 1))
-socket.send_fds(crit, [b"\0"], [uffd])
-os.close(uffd)  # the daemon's copy is the one that counts now
+_TREE = _HANDOVER + r"""
 def sha(off, n):
     buf = ctypes.create_string_buffer(n)
     ctypes.memmove(buf, ADDR + off, n)  # (ctypes lets go of the GIL: a thread may block in its fault)
