@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import mmap
 import os
 import re
@@ -33,21 +34,26 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Collapsed", "HUGE", "STEP_BYTES", "collapse", "plan", "plan_huge"]
+__all__ = ["Collapsed", "STEP_BYTES", "collapse", "huge_page_bytes", "plan", "plan_huge"]
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage")
 
 
-def _pmd_size() -> int:
+@functools.cache
+def huge_page_bytes() -> int:
+    """A huge page: 2 MiB on x86-64 (and arm64 with 4 KiB pages); asked on first use, not at import
+    (importing our modules does no I/O: the CLI's start-up)."""
     try:
         return int((_THP / "hpage_pmd_size").read_text())
     except (OSError, ValueError):
         return 2 << 20
 
 
-HUGE = _pmd_size()  # a huge page: 2 MiB on x86-64 (and arm64 with 4 KiB pages)
 _PAGE = mmap.PAGESIZE
-_PER_HUGE = HUGE // _PAGE
+
+
+def _per_huge() -> int:
+    return huge_page_bytes() // _PAGE
 MADV_COLLAPSE = 25
 _SYS_PROCESS_MADVISE = 440  # one number on every architecture (syscalls from 424 on are shared)
 _HEAD = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S{4}) \S+ \S+ (\d+)")
@@ -74,7 +80,7 @@ def _max_ptes_none() -> int:
     try:
         return int((_THP / "khugepaged" / "max_ptes_none").read_text())
     except (OSError, ValueError):
-        return _PER_HUGE - 1  # the kernel's default
+        return _per_huge() - 1  # the kernel's default
 
 
 def _eligible_vmas(pid: int) -> Iterator[tuple[int, int, int, int]]:
@@ -105,8 +111,8 @@ def plan(pid: int, max_ptes_none: int | None = None) -> tuple[list[tuple[int, in
     """The ranges of ``pid`` to collapse ([start, end), huge-page-aligned, adjacent ones merged), and the
     bytes already in huge pages in its eligible VMAs. A huge page's range qualifies with at most
     ``max_ptes_none`` pages absent (default: khugepaged's), and at least one present."""
-    need = _PER_HUGE - (_max_ptes_none() if max_ptes_none is None else max_ptes_none)
-    need = max(1, min(_PER_HUGE, need))
+    need = _per_huge() - (_max_ptes_none() if max_ptes_none is None else max_ptes_none)
+    need = max(1, min(_per_huge(), need))
     out: list[tuple[int, int]] = []
     huge_bytes = 0
     with open(f"/proc/{pid}/pagemap", "rb", buffering=0) as pm:
@@ -114,15 +120,16 @@ def plan(pid: int, max_ptes_none: int | None = None) -> tuple[list[tuple[int, in
             huge_bytes += huge
             if anon <= huge:  # all of it in huge pages already
                 continue
-            lo, hi = -(-start // HUGE) * HUGE, end // HUGE * HUGE
-            for at in range(lo, hi, HUGE):
-                entries = [e for (e,) in struct.iter_unpack("=Q", os.pread(pm.fileno(), 8 * _PER_HUGE, at // _PAGE * 8))]
+            hp = huge_page_bytes()
+            lo, hi = -(-start // hp) * hp, end // hp * hp
+            for at in range(lo, hi, hp):
+                entries = [e for (e,) in struct.iter_unpack("=Q", os.pread(pm.fileno(), 8 * _per_huge(), at // _PAGE * 8))]
                 present = sum(1 for e in entries if e >> 63)
                 if present >= need and not _one_huge_page(entries):
                     if out and out[-1][1] == at:
-                        out[-1] = (out[-1][0], at + HUGE)
+                        out[-1] = (out[-1][0], at + hp)
                     else:
-                        out.append((at, at + HUGE))
+                        out.append((at, at + hp))
     return out, huge_bytes
 
 
@@ -130,7 +137,7 @@ def _one_huge_page(entries: list[int]) -> bool:
     """Whether these pagemap entries (one huge page's worth) map one huge page already: all present,
     their frames (root reads them) consecutive from a huge-page-aligned one."""
     first = entries[0] & _PFN
-    return (first != 0 and first % _PER_HUGE == 0
+    return (first != 0 and first % _per_huge() == 0
             and all(e >> 63 and e & _PFN == first + i for i, e in enumerate(entries)))
 
 
