@@ -122,11 +122,15 @@ def test_collapse_gives_back_huge_pages_and_a_second_one_has_nothing_left_to_do(
         def __exit__(self, *exc: object) -> None:
             pass
 
+    planned = thp.plan(pid)[0]
     res = thp.collapse([pid], gate=Gate, step_bytes=4 * MiB)
     if res.why_not:
         pytest.skip(f"this kernel cannot collapse on request: {res.why_not}")
     assert _huge_in(pid, at["filled"]) >= 14 * MiB, res  # (a 2 MiB block may be refused on a fragmented machine)
-    assert _huge_in(pid, at["never"]) == 0 and _huge_in(pid, at["registered"]) == 0
+    assert _huge_in(pid, at["never"]) == 0
+    # a VMA registered with a userfaultfd is never asked for (khugepaged itself may collapse a block of it
+    # whose pages are all present: it did once in a clean-clone run, so its huge pages are no measure)
+    assert _covered(planned, at["registered"]) == 0
     assert res.huge_after > res.huge_before
     assert len(gated) >= 4 or res.huge_before >= 28 * MiB  # steps of 4 MiB, each inside the gate (unless khugepaged was first)
     again = thp.collapse([pid])
