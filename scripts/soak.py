@@ -509,7 +509,11 @@ def list_manifests(env: dict[str, str], cid: str) -> list[dict[str, Any]]:
     s3 = s3_client(env["AWS_ENDPOINT_URL"])
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/{cid}/").get("Contents", [])
             if o["Key"].endswith("/manifest.json")]
-    return [json.loads(s3.get_object(Bucket=bucket, Key=k)["Body"].read()) for k in keys]
+    out = []
+    for k in keys:  # a supervisor prunes old checkpoints: one listed may be gone by the time it is read
+        with contextlib.suppress(s3.exceptions.NoSuchKey):
+            out.append(json.loads(s3.get_object(Bucket=bucket, Key=k)["Body"].read()))
+    return out
 
 
 def kill_tree(proc: subprocess.Popen[bytes]) -> None:
