@@ -465,10 +465,8 @@ class UffdServer(threading.Thread):
             task.remap(frm, to, length)
         elif event in (_EVENT_REMOVE, _EVENT_UNMAP):
             start, end = struct.unpack_from("=QQ", arg)
-            taken = task.take(start, end)
-            if self.pages_done is not None:
-                for lo, hi, img in taken:
-                    self.pages_done(task.pid, img, (hi - lo) // PAGE_SIZE)
+            for lo, hi, img in task.take(start, end):
+                self._done_pages(task, img, hi - lo)
             if event == _EVENT_REMOVE and not task.gone:
                 # The VMA stays and its pages are zeros from now on: faults there go to the kernel. EINVAL:
                 # no registered VMA is left in the range (the process unmapped it since; its UNMAP follows).

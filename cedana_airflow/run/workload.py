@@ -289,9 +289,9 @@ def run_unprotected(command: Sequence[str], *, cwd: str | None, env: dict[str, s
 #: Shell that returns once the supervisor ($1) has died (gone or a zombie). Builtins only, one
 #: `sleep` a second: what a helper that must outlive a killed supervisor runs first.
 WAIT_FOR_SUPERVISOR = r"""
+state_of() { state=; while read -r key value _; do [ "$key" = State: ] && state=$value && break; done < /proc/$1/status; }
 while :; do
-  state=
-  while read -r key value _; do [ "$key" = State: ] && state=$value && break; done < /proc/$1/status
+  state_of "$1"
   case "$state" in ""|Z) break ;; esac
   sleep 1
 done 2>/dev/null
@@ -304,8 +304,7 @@ done 2>/dev/null
 _WATCHDOG = WAIT_FOR_SUPERVISOR + r"""kill -KILL "$2" 2>/dev/null
 one() { [ $# -le 1 ]; }
 while :; do
-  state=
-  while read -r key value _; do [ "$key" = State: ] && state=$value && break; done < /proc/$2/status
+  state_of "$2"
   case "$state" in "") break ;; Z) one /proc/$2/task/* && break ;; esac
   sleep 0.02
 done 2>/dev/null
