@@ -58,9 +58,18 @@ def pytest_configure(config: pytest.Config) -> None:
     config._cedana_started = time.time()  # type: ignore[attr-defined]
     if harness.is_controller(config):
         harness.start_run()  # before the workers start: they inherit its path
+        config._cedana_disk = harness.DiskWatch()  # type: ignore[attr-defined]
         become_subreaper()  # a killed part of a service is the controller's to reap
         if config.getoption("dist", "no") != "no" and config.getoption("tx", None):
             config._cedana_services = harness.ControllerStarts()  # type: ignore[attr-defined]
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    disk = getattr(config, "_cedana_disk", None)
+    if disk is None or disk.start >= harness.FULL_RUN_PEAK_BYTES:
+        return []
+    return [f"disk: {disk.start / 2**30:.1f} GiB free in {disk.path}, and a full run takes up to "
+            f"{harness.FULL_RUN_PEAK_BYTES / 2**30:.0f} GiB there: free space, or point TMPDIR at a larger disk"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -142,7 +151,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     # under /tmp (a restore in the same work dir would unmount it), go now, not while others still run.
     from cedana_airflow.engine.page_file import sweep
 
-    timeline = harness.recorded_tests()
+    timeline, _machine["unreadable"] = harness.recorded_tests()
+    if (disk := getattr(session.config, "_cedana_disk", None)) is not None:
+        disk.stop()
     _cpu.update((nodeid, cpu) for nodeid, _, _, _, cpu, _ in timeline)
     _machine["busy"] = harness.machine_cpu_seconds() - _machine["busy"]
     if (starts := getattr(session.config, "_cedana_services", None)) is not None:
@@ -173,6 +184,12 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         write(f"costliest tests in CPU time (with their subprocesses; {sum(_cpu.values()):.0f} s in all):")
         for nodeid, seconds in sorted(_cpu.items(), key=lambda kv: -kv[1])[:15]:
             write(f"{seconds:8.1f}s  {nodeid}")
+    if _machine.get("unreadable"):
+        write(f"test records cut short (a worker killed as it wrote, or a full disk): {'; '.join(_machine['unreadable'])}")
+    if (disk := getattr(config, "_cedana_disk", None)) is not None:
+        low = " (nearly full: a failure above may be the disk's)" if disk.lowest < 1 << 30 else ""
+        write(f"temp disk ({disk.path}): {disk.start / 2**30:.1f} GiB free at the start, {disk.lowest / 2**30:.1f} GiB "
+              f"at the lowest, {(disk.start - disk.lowest) / 2**30:.1f} GiB taken at the peak{low}")
     if _machine.get("killed"):
         write(f"shared services that did not stop on SIGTERM within 30 s, killed: {', '.join(_machine['killed'])}")
     write(f"suite: {len(_durations)} tests in {wall:.0f} s of pytest ({wall / 60:.1f} min; budget 15 min), "
