@@ -340,6 +340,8 @@ def _cmd_checkpoints(args: argparse.Namespace) -> int:
     for x in listed:
         if x.skipped_heartbeats:
             print(f"{x.checkpoint_id}: {x.skipped_heartbeats} heartbeat(s) skipped as too large; last: {x.last_skip}")
+        if x.failed_heartbeats:
+            print(f"{x.checkpoint_id}: {x.failed_heartbeats} heartbeat(s) failed; last: {x.last_failure}")
         if x.restore_warning:
             print(f"{x.checkpoint_id}: {x.restore_warning}")
     return 0

@@ -213,6 +213,7 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
         out: dict[str, Any] = {
             "checkpoint_id": cid, "node": node, "outcome": result.outcome, "exit_code": result.exit_code,
             "checkpoints_taken": len(result.checkpoints), "skipped_heartbeats": result.skipped_heartbeats,
+            "failed_heartbeats": result.failed_heartbeats, "heartbeat_failures": result.heartbeat_failures,
             "stored_bytes": sum(m.stored_bytes for m in result.checkpoints), "restore": None,
             # the interval in use at the end, and what it was chosen from
             "heartbeat": result.heartbeat.model_dump() if result.heartbeat is not None else None,

@@ -40,7 +40,7 @@ from ..store.gc import delete_checkpoint_id
 from ..store.restores import RestoreRecord, record_restore
 from ..store.writer_lease import WriterLease
 from .cadence import COST_WINDOW, Cadence, HeartbeatChoice, checkpoint_cost, estimated_cost
-from .checkpoint_triggers import Heartbeat, MemoryWatch
+from .checkpoint_triggers import Failures, Heartbeat, MemoryWatch
 from .checkpointer import Checkpointer
 from .cooperative import Cooperation
 from .environment import workload_env
@@ -69,6 +69,8 @@ class RunResult:
     stopped_by_signal: int | None = None
     killed_by_signal: int | None = None  # the signal that ended the workload, when not one we sent to stop it
     skipped_heartbeats: int = 0  # too large to take (max_checkpoint_bytes, or no room in the work dir)
+    failed_heartbeats: int = 0  # heartbeats (and threshold checkpoints) that failed; the workload kept running
+    heartbeat_failures: list[dict[str, Any]] = field(default_factory=list)  # each kind: its latest line, how often
     stop: StopReport | None = None  # how a stop went (final checkpoint, the tree's end), when there was one
     heartbeat: index.HeartbeatRow | None = None  # the interval in use at the end and its figures (run/cadence.py)
 
@@ -375,7 +377,8 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
         if workload.poll() is None:
             take()
 
-    triggers = _Triggers(settings, workload, beat, cadence)
+    failures = Failures(lambda why: index.record_failure(cp.store, cp.checkpoint_id, why))
+    triggers = _Triggers(settings, workload, beat, cadence, failures)
 
     def cut(cause: str) -> None:
         # The triggers are told to halt, not waited for: a heartbeat's upload must not eat the stop window
@@ -409,9 +412,11 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
     result.exit_code = 128 + result.stopped_by_signal if result.stopped_by_signal else (rc if rc is not None else 1)
     result.killed_by_signal = None if result.stopped_by_signal else workload.signal
     result.skipped_heartbeats = cp.skipped
+    result.failed_heartbeats = failures.total
+    result.heartbeat_failures = failures.as_json()
     result.heartbeat = cadence.choice.as_row() if cadence is not None else None
-    log.info("workload exited checkpoint_id=%s exit_code=%d checkpoints=%d skipped_heartbeats=%d",
-             cp.checkpoint_id, result.exit_code, len(result.checkpoints), cp.skipped)
+    log.info("workload exited checkpoint_id=%s exit_code=%d checkpoints=%d skipped_heartbeats=%d failed_heartbeats=%d",
+             cp.checkpoint_id, result.exit_code, len(result.checkpoints), cp.skipped, failures.total)
     return result
 
 
@@ -464,11 +469,11 @@ class _Triggers:
     """The heartbeat and the memory watch that ``settings`` ask for, started and stopped together."""
 
     def __init__(self, settings: Settings, workload: Workload, beat: Callable[[], None],
-                 cadence: Cadence | None) -> None:
-        self.heartbeat = (Heartbeat(cadence.interval, beat, alive=lambda: workload.poll() is None)
+                 cadence: Cadence | None, failures: Failures) -> None:
+        self.heartbeat = (Heartbeat(cadence.interval, beat, alive=lambda: workload.poll() is None, failures=failures)
                           if cadence is not None else None)
         self.watch = (MemoryWatch(settings.checkpoint_above_bytes, lambda: estimate_checkpoint(workload.pids()).total,
-                                  beat) if settings.checkpoint_above_bytes > 0 else None)
+                                  beat, failures=failures) if settings.checkpoint_above_bytes > 0 else None)
 
     def start(self) -> None:
         for t in (self.heartbeat, self.watch):

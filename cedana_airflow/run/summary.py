@@ -45,6 +45,9 @@ def run_summary(result: RunResult, checkpoint_id: str, node: str) -> dict[str, A
         "checkpoint_seqs": [c.seq for c in result.checkpoints],
         "stored_bytes": sum(c.stored_bytes for c in result.checkpoints),
         "skipped_heartbeats": result.skipped_heartbeats,
+        # issue 47: heartbeats that failed (the workload kept running), and each kind's latest line and count
+        "failed_heartbeats": result.failed_heartbeats,
+        "heartbeat_failures": result.heartbeat_failures,
         "stopped_by": stop.cause if stop is not None else _signal_name(result.stopped_by_signal),
         "final_checkpoint_seq": stop.final.seq if stop is not None and stop.final is not None else None,
         "killed_by": _signal_name(result.killed_by_signal),

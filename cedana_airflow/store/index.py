@@ -73,6 +73,8 @@ class IndexEntry(_Model):
     checkpoints: tuple[IndexRow, ...] = ()
     skipped_heartbeats: int = Field(default=0, ge=0)
     last_skip: str = ""  # the estimate and the threshold of the latest skip
+    failed_heartbeats: int = Field(default=0, ge=0)  # heartbeats that failed, every run of the ID (issue 47)
+    last_failure: str = ""  # the latest one's line
     restore_warning: str = ""  # why a restore would refuse the ID's checkpoints, said at its first (unsigned) one
     airflow: AirflowTask | None = None  # the task whose checkpoints these are (newest manifest's block)
     restores: int = Field(default=0, ge=0)  # resumes recorded (store/restores.py holds each one)
@@ -80,7 +82,7 @@ class IndexEntry(_Model):
     heartbeat: HeartbeatRow | None = None  # the interval chosen and its figures (0.7.0)
 
     def empty(self) -> bool:
-        return not self.checkpoints and not self.skipped_heartbeats and not self.restores
+        return not self.checkpoints and not self.skipped_heartbeats and not self.restores and not self.failed_heartbeats
 
 
 class _Shard(_Model):
@@ -127,15 +129,17 @@ def _update(store: Store, key: str, change: Callable[[dict[str, IndexEntry]], No
     return False
 
 
-def _update_entry(store: Store, checkpoint_id: str, change: Callable[[IndexEntry], IndexEntry]) -> bool:
-    """Best effort: a failed index update is logged and never fails the checkpoint that caused it."""
+def _update_entry(store: Store, checkpoint_id: str, change: Callable[[IndexEntry], IndexEntry],
+                  quiet: bool = False) -> bool:
+    """Best effort: a failed index update is logged (``quiet``: at DEBUG) and never fails the checkpoint
+    that caused it."""
     def apply(ids: dict[str, IndexEntry]) -> None:
         ids[checkpoint_id] = change(ids.get(checkpoint_id, IndexEntry()))
 
     try:
         return _update(store, shard_key(checkpoint_id), apply)
     except CedanaError as e:
-        log.warning("listing index not updated checkpoint_id=%s: %s", checkpoint_id, e)
+        (log.debug if quiet else log.warning)("listing index not updated checkpoint_id=%s: %s", checkpoint_id, e)
         return False
 
 
@@ -164,6 +168,12 @@ def count_restore(store: Store, checkpoint_id: str, at: datetime) -> bool:
 def record_skip(store: Store, checkpoint_id: str, why: str) -> bool:
     return _update_entry(store, checkpoint_id, lambda e: e.model_copy(update={
         "skipped_heartbeats": e.skipped_heartbeats + 1, "last_skip": why}))
+
+
+def record_failure(store: Store, checkpoint_id: str, why: str) -> bool:
+    """A failed heartbeat, counted; quiet, since the store may be what failed it (said once already)."""
+    return _update_entry(store, checkpoint_id, lambda e: e.model_copy(update={
+        "failed_heartbeats": e.failed_heartbeats + 1, "last_failure": why}), quiet=True)
 
 
 def record_heartbeat(store: Store, checkpoint_id: str, heartbeat: HeartbeatRow) -> bool:

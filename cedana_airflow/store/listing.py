@@ -36,13 +36,21 @@ class IdListing:
     recent_restores: tuple[datetime, ...] = ()  # when the latest of them happened (index.RECENT_RESTORES)
     restore_warning: str = ""  # why a restore would refuse these checkpoints (said at the first one)
     heartbeat: HeartbeatRow | None = None  # the interval its latest run chose, and from what (run/cadence.py)
+    failed_heartbeats: int = 0  # heartbeats that failed, over every run of the ID
+    last_failure: str = ""  # the latest one's line
+
+    @property
+    def worth_listing(self) -> bool:
+        """Checkpoints, or heartbeats that were skipped or failed: an ID whose every heartbeat failed is listed too."""
+        return bool(self.checkpoints or self.skipped_heartbeats or self.failed_heartbeats)
 
     @classmethod
     def of(cls, cid: str, e: IndexEntry, source: str, rows: tuple[IndexRow, ...] | None = None,
            airflow: AirflowTask | None = None) -> IdListing:
         """An ID as its index entry tells it; ``rows`` and ``airflow`` when read from its manifests instead."""
         return cls(cid, e.checkpoints if rows is None else rows, e.skipped_heartbeats, e.last_skip, source,
-                   airflow or e.airflow, e.restores, e.recent_restores, e.restore_warning, e.heartbeat)
+                   airflow or e.airflow, e.restores, e.recent_restores, e.restore_warning, e.heartbeat,
+                   e.failed_heartbeats, e.last_failure)
 
 
 def _from_manifests(store: Store, ids: list[str], entries: dict[str, IndexEntry]) -> list[IdListing]:
@@ -58,12 +66,11 @@ def _from_manifests(store: Store, ids: list[str], entries: dict[str, IndexEntry]
 
 def list_store(store: Store, checkpoint_id: str | None = None, *, exact: bool = False,
                cache: index.ShardCache | None = None) -> list[IdListing]:
-    """Every checkpoint ID with its complete checkpoints and skipped heartbeats, sorted by ID.
+    """Every checkpoint ID with its complete checkpoints and skipped or failed heartbeats, sorted by ID.
     ``cache``: the shards parsed before, revalidated instead of read again (a long-lived reader)."""
     if checkpoint_id is not None:
         cid = validate_checkpoint_id(checkpoint_id)
-        return [x for x in _from_manifests(store, [cid], {cid: index.read_entry(store, cid)})
-                if x.checkpoints or x.skipped_heartbeats]
+        return [x for x in _from_manifests(store, [cid], {cid: index.read_entry(store, cid)}) if x.worth_listing]
     with ThreadPoolExecutor(1, thread_name_prefix="cedana-list") as pool:  # the two reads overlap
         ids = pool.submit(store.list_ids)
         entries = index.read_index(store, cache)
@@ -74,9 +81,10 @@ def list_store(store: Store, checkpoint_id: str | None = None, *, exact: bool = 
     else:
         unknown = sorted(c for c in present if not entries.get(c, IndexEntry()).checkpoints)
         known = [IdListing.of(c, e, "index") for c, e in entries.items() if c in present and e.checkpoints]
-    # IDs with skips but no checkpoint have no folder: the index is the only place that knows them.
-    skipped_only = [IdListing.of(c, e, "index", rows=()) for c, e in entries.items() if c not in present and e.skipped_heartbeats]
-    listed = known + skipped_only + [x for x in _from_manifests(store, unknown, entries) if x.checkpoints or x.skipped_heartbeats]
+    # IDs with skipped or failed heartbeats but no checkpoint have no folder: only the index knows them.
+    index_only = [IdListing.of(c, e, "index", rows=()) for c, e in entries.items()
+                  if c not in present and (e.skipped_heartbeats or e.failed_heartbeats)]
+    listed = known + index_only + [x for x in _from_manifests(store, unknown, entries) if x.worth_listing]
     return sorted(listed, key=lambda x: x.checkpoint_id)
 
 
@@ -88,6 +96,8 @@ def as_json(x: IdListing) -> dict[str, Any]:
         "restore_warning": x.restore_warning,
         # 0.7.0: the heartbeat's interval, what one checkpoint cost, and the work a failure is expected to lose
         "heartbeat": x.heartbeat.model_dump() if x.heartbeat else None,
+        # issue 47: heartbeats that failed over every run of the ID, and the latest one's line
+        "failed_heartbeats": x.failed_heartbeats, "last_failure": x.last_failure,
         "checkpoints": [{"seq": r.seq, "try_number": r.try_number, "node": r.node, "created_at": r.created_at.isoformat(),
                          "image_bytes": r.image_bytes, "stored_bytes": r.stored_bytes,
                          "freeze_seconds": round(r.freeze_seconds, 3), "engine": r.engine} for r in x.checkpoints],

@@ -280,3 +280,12 @@ def test_the_id_page_says_the_heartbeat_its_cost_and_the_work_a_failure_loses() 
                                                                      expected_loss_seconds=301)), (), ())
     assert "Heartbeat <b>10m</b>: a checkpoint costs the workload 0.50 s" in views.id_page(fixed, may_delete=False)
     assert "Heartbeat" not in views.id_page(IdDetail(_listing("none", None), (), ()), may_delete=False)
+
+
+def test_the_id_page_says_how_many_heartbeats_failed_and_the_latest_line() -> None:
+    failing = IdDetail(_listing("serve", None, n=0, failed_heartbeats=20, last_failure="criu dump of pid 7 failed: <sock>"),
+                       (), ())
+    page = views.id_page(failing, may_delete=False)
+    assert ("20 heartbeats failed (the workload kept running); the latest: criu dump of pid 7 failed: &lt;sock&gt;"
+            in page)
+    assert "heartbeats failed" not in views.id_page(IdDetail(_listing("fine", None), (), ()), may_delete=False)

@@ -147,3 +147,16 @@ def test_a_cached_listing_revalidates_each_shard_and_rereads_only_what_changed(s
     counting.unchanged = 0
     assert _seqs(list_store(counting, cache=cache)) == {"a1": [1, 2], "b2": [1], "c3": [1]}  # fresh at once
     assert counting.full == 1 and counting.unchanged == written - 1  # only a1's shard was read again
+
+
+def test_an_id_whose_every_heartbeat_failed_is_listed_with_the_count_and_the_latest_line(tmp_path):
+    from cedana_airflow.store import index as idx
+    from cedana_airflow.store.listing import as_json
+
+    s = open_store(f"file://{tmp_path / 'store'}", load_settings(environ={}))
+    for pid in (7, 8):
+        idx.record_failure(s, "serve", f"criu dump of pid {pid} failed (exit 1): Can't get 1:16 opt")
+    [x] = list_store(s)
+    assert (x.checkpoint_id, x.failed_heartbeats, x.checkpoints) == ("serve", 2, ())
+    assert as_json(x)["last_failure"] == "criu dump of pid 8 failed (exit 1): Can't get 1:16 opt"
+    assert list_store(s, "serve")[0].failed_heartbeats == 2
