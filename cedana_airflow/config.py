@@ -204,6 +204,13 @@ class Settings(BaseModel):
         "verified first), where the kernel has userfaultfd (doctor says); elsewhere, and for GPU state, full = "
         "fetch and verify every chunk, then restore.",
     )
+    io_uring: Literal["deny", "allow"] = Field(
+        default="deny",
+        description="Transparent mode: deny = the workload's tree is refused io_uring (io_uring_setup answers ENOSYS, "
+        "through a seccomp filter), so libraries that would take one fall back to epoll (libuv >= 1.50, in PyTorch's "
+        "TCPStore and so in every torchrun job, and in Node.js): CRIU cannot checkpoint an io_uring. allow = no "
+        "filter; a workload that then holds an io_uring is named at its first heartbeat and not checkpointed.",
+    )
     lazy_pages_via: Literal["auto", "ours", "file", "socket"] = Field(
         default="auto",
         description="Who serves a lazy restore's page faults: ours = our own lazy-pages daemon (each fault answered "

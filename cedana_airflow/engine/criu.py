@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import DumpFailed, EngineUnavailable, RestoreFailed
-from . import proc_mountpoint
+from . import fds, proc_mountpoint
 from .capture import CaptureOnFreeze
 from .images import read_dump_stats
 from .procfs import tree_pids
@@ -162,6 +162,8 @@ _HINTS = [
     ("Operation not permitted", "CRIU needs root (CAP_SYS_ADMIN); run as root"),
     ("--tcp-established", "the workload holds an established TCP connection, which CRIU refuses to dump by default; connect only between checkpoints or keep connections out of the workload"),
     ("External socket", "the workload holds a UNIX socket to a process outside its tree, which CRIU cannot carry"),
+    ("Unknown shit", "the workload holds a kind of file CRIU has no dumper for (named above); keep it out of the "
+     "workload"),
 ]
 
 
@@ -236,7 +238,11 @@ class CriuEngine:
         already let the tree run on, and the other dump is done with the directory in milliseconds.
         """
         self._require_root("checkpointing")
-        dirs = proc_mountpoint.working_dirs(tree_pids(pid))
+        pids = tree_pids(pid)
+        if bad := fds.uncarried(pids, self.binary.version):  # CRIU would fail on it after freezing the tree
+            more = f" (and {len(bad) - 1} more such file(s))" if len(bad) > 1 else ""
+            raise DumpFailed(f"criu dump of pid {pid} not started: {bad[0].line()}{more}.")
+        dirs = proc_mountpoint.working_dirs(pids)
         proc_mountpoint.clear_stale(dirs)
         for attempt in range(1, _DUMP_ATTEMPTS + 1):
             try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ from typing import Any
 from ..config import Settings
 from ..engine import cuda
 from ..engine.criu import CriuEngine, find_criu
+from ..engine.fds import carries_inet_sockets
 from ..engine.page_file import fuse_available
 from ..errors import CedanaError, GpuUnavailable
 from ..store import open_store
@@ -46,7 +48,7 @@ def _criu(settings: Settings) -> list[Check]:
     except CedanaError as e:
         return [Check("criu", "fail", *_cause_and_fix(str(e)))]
     out = [Check("criu", "ok", f"{binary.path} (from {binary.source})"),
-           Check("criu version", "ok", binary.version)]
+           Check("criu version", "ok", binary.version), _sockets(binary.version)]
     if os.geteuid() == 0:
         engine = CriuEngine(binary)
         ok, last = engine.check()
@@ -56,6 +58,16 @@ def _criu(settings: Settings) -> list[Check]:
     else:
         out.append(Check("criu check", "skip", "needs root"))
     return out
+
+
+def _sockets(version: str) -> Check:
+    """What this CRIU carries of a workload that talks (issue 47): TCP and UDP sockets need 4.2 on Linux 6.16+."""
+    if carries_inet_sockets(version):
+        return Check("criu sockets", "ok", f"CRIU {version} carries TCP and UDP sockets on Linux {platform.release()}; "
+                     "not an io_uring (docs/compatibility.md)")
+    return Check("criu sockets", "warn", f"CRIU {version} cannot dump a TCP or UDP socket on Linux {platform.release()} "
+                 "(criu#2718): a workload that holds one is not checkpointed",
+                 "install CRIU 4.2 or later (scripts/install-criu.sh) or set CEDANA_CRIU to one")
 
 
 def _restore_mode(settings: Settings, engine: CriuEngine) -> Check:

@@ -185,7 +185,8 @@ def run_workload(
                     assert command is not None
                     asked = settings.mode != "transparent"  # a transparent workload is never asked: no contract
                     workload = Workload.start(command, cwd=cwd, env={**env, **coop.env()} if asked else env,
-                                              stdout=stdout, stderr=stderr, isolate=isolate)
+                                              stdout=stdout, stderr=stderr, isolate=isolate,
+                                              deny_io_uring=engine is not None and settings.io_uring == "deny")
                     log.info("workload started checkpoint_id=%s pid=%d node=%s", checkpoint_id, workload.pid, cp.node)
                 result = _supervise(settings, cp, workload, result, handle_signals, stop, stopped)
                 why = cp.lazy_failure()

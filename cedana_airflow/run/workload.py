@@ -32,6 +32,7 @@ from typing import Protocol
 
 from ..engine.procfs import tree_pids
 from ..errors import CommandNotFound, EngineError, EngineUnavailable
+from .no_io_uring import without_io_uring
 
 __all__ = ["Sink", "Workload", "become_subreaper", "exit_code_of", "run_unprotected"]
 
@@ -149,16 +150,19 @@ class Workload:
 
     @classmethod
     def start(cls, command: Sequence[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
-              stdout: Sink | None = None, stderr: Sink | None = None, isolate: bool = True) -> Workload:
+              stdout: Sink | None = None, stderr: Sink | None = None, isolate: bool = True,
+              deny_io_uring: bool = False) -> Workload:
         """Start ``command`` as the init of a new PID namespace (what CRIU dumps as one tree); with
-        ``isolate=False`` (no root: a cooperative run) as the leader of a new session instead."""
+        ``isolate=False`` (no root: a cooperative run) as the leader of a new session instead.
+        ``deny_io_uring``: the tree gets no io_uring, which CRIU cannot dump (no_io_uring.py)."""
         cwd = cwd or os.getcwd()
         _check_command(command, cwd, env)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         try:
+            inner = without_io_uring(command) if deny_io_uring and isolate else list(command)
             launcher = subprocess.Popen(
-                ["unshare", "--pid", "--fork", "setsid", *command] if isolate else list(command),
+                ["unshare", "--pid", "--fork", "setsid", *inner] if isolate else list(command),
                 stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, cwd=cwd, env=env,
                 start_new_session=True,
             )

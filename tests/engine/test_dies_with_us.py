@@ -49,7 +49,7 @@ def test_a_dump_ended_by_a_signal_says_so_not_what_its_log_last_said(tmp_path, m
     # Seen under load: a SIGTERM to the supervisor's process group ended a heartbeat's criu, and the line
     # blamed CRIU's non-fatal rlimit message ("CRIU needs root"). A signal is named as the cause now.
     monkeypatch.setattr(criu, "_dies_with_us", lambda: ["sh", "-c", "kill -TERM $$", "criu-stand-in"])
-    engine = criu.CriuEngine(criu.CriuBinary("/nonexistent/criu", "test", "4.1.1"))
+    engine = criu.CriuEngine(criu.CriuBinary("/nonexistent/criu", "test", "4.2.1"))
     with pytest.raises(criu.DumpFailed) as e:
         engine.dump(os.getpid(), tmp_path / "images")
     said = str(e.value)
