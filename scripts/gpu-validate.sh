@@ -303,15 +303,18 @@ read -r venv_torch venv_cuda <<<"$venv_imports"
 [ "$venv_cuda" = True ] || [ "$DRY" = 1 ] || fail 1 "in the venv, PyTorch $venv_torch sees no CUDA device, where $PY's did"
 fact interpreters "{\"workload\": \"$PY\", \"venv\": \"$VENV/bin/python\", \"venv_torch\": \"$venv_torch\", \"venv_cuda\": $( [ "$venv_cuda" = True ] && echo true || echo false)}"
 
+CRIU_PREFIX=${CEDANA_CRIU_PREFIX:-/opt/cedana-airflow/criu}
 criu_major() { "$@" --version 2>/dev/null | sed -n 's/^Version: *\([0-9]*\)\..*/\1/p' | head -n1; }
 CRIU=""
 if [ -n "${CEDANA_CRIU:-}" ]; then
   [ "$(criu_major "$CEDANA_CRIU")" -ge 4 ] 2>/dev/null || fail 1 "CEDANA_CRIU=$CEDANA_CRIU is not a working CRIU 4 or later"
   CRIU=$CEDANA_CRIU
+elif [ "$(criu_major "$CRIU_PREFIX/bin/criu")" -ge 4 ] 2>/dev/null; then
+  CRIU=$CRIU_PREFIX/bin/criu  # where scripts/install-criu.sh puts it, and where the engine looks before PATH
 elif command -v criu >/dev/null && [ "$(criu_major criu)" -ge 4 ] 2>/dev/null; then
   CRIU=$(command -v criu)
 elif [ -z "$BUNDLE" ]; then
-  fail 1 "no CRIU 4 or later here (CEDANA_CRIU, PATH) and no .gpu-bundle/ to take it from: set CEDANA_CRIU or run scripts/install-criu.sh"
+  fail 1 "no CRIU 4 or later here (CEDANA_CRIU, $CRIU_PREFIX, PATH) and no .gpu-bundle/ to take it from: set CEDANA_CRIU or run scripts/install-criu.sh"
 else
   prefix="$WORK/criu"
   mkdir -p "$prefix"
@@ -389,8 +392,10 @@ CEDANA_NODE=gpu-validate-a CEDANA_WORK_DIR="$WORK/work-a" \
 SUP=$!
 t0=$SECONDS
 gpu_checkpoints() {  # a dry run's CPU workload holds no GPU state: any checkpoint counts there
-  if [ "$DRY" = 1 ]; then ls "$STORE/$ID"/*/manifest.json 2>/dev/null | wc -l
-  else grep -l '"gpu":' "$STORE/$ID"/*/manifest.json 2>/dev/null | wc -l; fi
+  # (none yet is 0, not a failure: ls and grep exit 2 on a glob that matched nothing, which pipefail and
+  # set -e would turn into the script's silent exit 2 when the workload steps before the first commit)
+  if [ "$DRY" = 1 ]; then { ls "$STORE/$ID"/*/manifest.json 2>/dev/null || true; } | wc -l
+  else { grep -l '"gpu":' "$STORE/$ID"/*/manifest.json 2>/dev/null || true; } | wc -l; fi
 }
 # The manifests' figures into $WORK/$1, and the latest one's workload pid. Taken before the restore
 # too: the restored workload's heartbeats may prune the run's checkpoints (keep_checkpoints).
