@@ -38,6 +38,8 @@ __all__ = [
     "EngineError",
     "EngineUnavailable",
     "GpuCheckpointFailed",
+    "NodeInTheWay",
+    "NotRestorableHere",
     "RestoreFailed",
     "SlurmError",
     "SlurmRefused",
@@ -133,6 +135,13 @@ class NotRestorableHere(RestoreFailed):
     workload reads is missing or changed, a socket directory cannot be created safely). Older
     checkpoints of the same workload need the same, so none is tried: the run starts fresh, or the
     operator makes the node match (run/preflight.py)."""
+
+
+class NodeInTheWay(RestoreFailed):
+    """The checkpoint is sound, but something on this node stands where it must go: a port a live process
+    holds, an address this node does not have (run/sockets.py). Older checkpoints need the same, and a
+    fresh start would bury this one under newer checkpoints, so the try fails with the cause named: the
+    checkpoint stays the latest, and the next try (on another node, or here once it is free) resumes it."""
 
 
 class GpuUnavailable(CedanaError):

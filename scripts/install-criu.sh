@@ -1,28 +1,32 @@
 #!/usr/bin/env bash
-# Make a CRIU >= 4 available that passes `criu check` on this kernel.
+# Make a CRIU >= 4.2 available that passes `criu check` on this kernel.
+#
+# 4.2, not 4.0: before 4.2 CRIU reads SO_PASSCRED from every socket, which Linux 6.16 and later refuse
+# on TCP and UDP sockets (checkpoint-restore/criu#2718), so no workload that holds one (a serving
+# worker, every torchrun job) can be checkpointed there (issue 47).
 #
 #   1. A system CRIU that is new enough is used as it is.
-#   2. Where apt offers criu >= 4 (Debian 13), it is installed with apt.
-#   3. Otherwise (Debian 12 ships 3.17, which fails `criu check` on kernel 6.x with a vDSO error)
-#      Debian 13's criu package and the libraries it needs are fetched by package name with apt
-#      and unpacked into a private prefix, run through the loader shipped in that prefix, so the
-#      system's own libc is never touched.
+#   2. Where apt offers criu >= 4.2, it is installed with apt.
+#   3. Otherwise (Debian 12 ships 3.17, which fails `criu check` on kernel 6.x with a vDSO error;
+#      Debian 13 ships 4.1.1) Debian forky's criu package and the libraries it needs are fetched by
+#      package name with apt and unpacked into a private prefix, run through the loader shipped in
+#      that prefix, so the system's own libc is never touched.
 #
-# Idempotent: a prefix that already answers `criu --version` >= 4 is kept.
+# Idempotent: a prefix that already answers `criu --version` >= 4.2 is kept; an older one is replaced.
 # Prefix: $CEDANA_CRIU_PREFIX (default /opt/cedana-airflow/criu); the engine looks there too.
 set -euo pipefail
 
 PREFIX="${CEDANA_CRIU_PREFIX:-/opt/cedana-airflow/criu}"
-SUITE="${CEDANA_CRIU_SUITE:-trixie}"
+SUITE="${CEDANA_CRIU_SUITE:-forky}"  # Debian 14 (testing): criu 4.2.1 on 2026-12-05
 MIRROR="${CEDANA_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 
 say() { echo "install-criu: $*" >&2; }
 
-major_of() {  # prints the major version of the criu at "$@", or nothing
-  "$@" --version 2>/dev/null | sed -n 's/^Version: *\([0-9]*\)\..*/\1/p' | head -n1
+version_of() {  # prints the version of the criu at "$@" as MAJOR*100+MINOR (4.2.1: 402), or nothing
+  "$@" --version 2>/dev/null | sed -n 's/^Version: *\([0-9]*\)\.\([0-9]*\).*/\1 \2/p' | head -n1 | { read -r a b && echo $((a * 100 + b)) || true; }
 }
 
-new_enough() { local m; m=$(major_of "$@"); [ -n "$m" ] && [ "$m" -ge 4 ]; }
+new_enough() { local v; v=$(version_of "$@"); [ -n "$v" ] && [ "$v" -ge 402 ]; }
 
 if [ "$(id -u)" != 0 ]; then
   say "must run as root (CRIU checkpoints need CAP_SYS_ADMIN and apt needs root); rerun with sudo"
@@ -42,15 +46,17 @@ export DEBIAN_FRONTEND=noninteractive
 # util-linux gives unshare/setsid (the workload's PID namespace); always present on Debian, but be sure.
 command -v unshare >/dev/null && command -v setsid >/dev/null || { apt-get update -qq; apt-get install -y -qq util-linux; }
 
-candidate=$(apt-cache policy criu 2>/dev/null | sed -n 's/^ *Candidate: *\([0-9]*\)\..*/\1/p')
-if [ -z "$candidate" ]; then apt-get update -qq; candidate=$(apt-cache policy criu 2>/dev/null | sed -n 's/^ *Candidate: *\([0-9]*\)\..*/\1/p'); fi
-if [ -n "$candidate" ] && [ "$candidate" -ge 4 ]; then
+candidate_of() { apt-cache policy criu 2>/dev/null | sed -n 's/^ *Candidate: *\([0-9]*\)\.\([0-9]*\).*/\1 \2/p' | { read -r a b && echo $((a * 100 + b)) || true; }; }
+candidate=$(candidate_of)
+if [ -z "$candidate" ]; then apt-get update -qq; candidate=$(candidate_of); fi
+if [ -n "$candidate" ] && [ "$candidate" -ge 402 ]; then
   say "installing criu from this system's apt sources"
   apt-get install -y -qq --no-install-recommends criu
   new_enough criu && exit 0
 fi
 
-say "system apt offers criu ${candidate:-none}; unpacking Debian $SUITE's criu into $PREFIX"
+shown=none; [ -n "$candidate" ] && shown="$((candidate / 100)).$((candidate % 100))"
+say "system apt offers criu $shown (4.2 needed); unpacking Debian $SUITE's criu into $PREFIX"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/lists/partial" "$work/cache/archives/partial" "$work/debs"

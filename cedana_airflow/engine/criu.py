@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import DumpFailed, EngineUnavailable, RestoreFailed
+from ..errors import DumpFailed, EngineUnavailable, NodeInTheWay, RestoreFailed
 from . import fds, proc_mountpoint
 from .capture import CaptureOnFreeze
 from .images import read_dump_stats
@@ -162,9 +162,17 @@ _HINTS = [
     ("Operation not permitted", "CRIU needs root (CAP_SYS_ADMIN); run as root"),
     ("--tcp-established", "the workload holds an established TCP connection, which CRIU refuses to dump by default; connect only between checkpoints or keep connections out of the workload"),
     ("External socket", "the workload holds a UNIX socket to a process outside its tree, which CRIU cannot carry"),
+    ("Address already in use", "a port of the checkpoint is held on this node; the checkpoint stays the latest for "
+     "the next try"),
+    ("Cannot assign requested address", "an address of the checkpoint is not on this node, or its connection's "
+     "address pair is still in use here; the checkpoint stays the latest for the next try"),
     ("Unknown shit", "the workload holds a kind of file CRIU has no dumper for (named above); keep it out of the "
      "workload"),
 ]
+
+
+#: What a restore's log says when the node, not the checkpoint, is in the way.
+_NODE_IN_THE_WAY = ("Address already in use", "Cannot assign requested address")
 
 
 def _signal_name(signum: int) -> str:
@@ -264,7 +272,7 @@ class CriuEngine:
         side = _beside(image_dir, ".captured")
         side.mkdir()
         cmd = [self.binary.path, "dump", "-t", str(pid), "-D", str(image_dir), "-o", str(log_path), "--file-locks",
-               "-L", no_plugins_dir()]
+               "-L", no_plugins_dir(), *self._socket_flags()]
         if leave_running:
             cmd.append("--leave-running")
         with contextlib.ExitStack() as stack:
@@ -353,6 +361,12 @@ class CriuEngine:
             raise RestoreFailed(f"criu lazy-pages for {image_dir} did not start: {tail}. {_hint(tail)}; log: {log_path}.")
         return proc
 
+    def _socket_flags(self) -> list[str]:
+        """Established TCP connections are carried (a torchrun job's store and gloo connections, both ends
+        in the tree) where this CRIU can dump sockets at all; run/sockets.py decides what a restore does
+        with a connection whose peer was outside the tree."""
+        return ["--tcp-established"] if fds.carries_inet_sockets(self.binary.version) else []
+
     def restore(self, image_dir: Path, *, inherit: dict[int, str], pidfile: Path, lazy: bool = False) -> int:
         """Restore the tree detached (``-d``); return the host PID of its root.
 
@@ -364,7 +378,7 @@ class CriuEngine:
         self._require_root("restoring")
         log_path = image_dir.with_name(image_dir.name + ".restore.log")
         cmd = [self.binary.path, "restore", "-D", str(image_dir), "-d", "--pidfile", str(pidfile),
-               "-o", str(log_path), "--file-locks", "-L", no_plugins_dir()]
+               "-o", str(log_path), "--file-locks", "-L", no_plugins_dir(), *self._socket_flags()]
         for fd, name in inherit.items():
             cmd += ["--inherit-fd", f"fd[{fd}]:{name}"]
         if lazy:
@@ -372,7 +386,9 @@ class CriuEngine:
         proc = subprocess.run(cmd, capture_output=True, text=True, pass_fds=tuple(inherit))
         if proc.returncode != 0:
             tail = _log_tail(log_path) or proc.stderr.strip()[-300:]
-            raise RestoreFailed(
+            # A port taken or an address missing here between run/sockets.py's look and CRIU's bind: the node's.
+            kind = NodeInTheWay if any(n in tail for n in _NODE_IN_THE_WAY) else RestoreFailed
+            raise kind(
                 f"criu restore from {image_dir} failed (exit {proc.returncode}): {tail}. "
                 f"{_hint(tail)}; log: {log_path}."
             )

@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["Uncarried", "carries_inet_sockets", "inet_sockets", "uncarried", "version_tuple"]
+__all__ = ["Uncarried", "carries_inet_sockets", "command_of", "inet_sockets", "uncarried", "version_tuple"]
 
 #: anon_inode kinds CRIU has a dumper for (criu/*.c, each ``is_anon_link_type``; 4.1 and 4.2 alike).
 #: Any other stops a dump; only those below are refused here, by name: another (a driver's) may be
@@ -78,13 +78,14 @@ def _links(pid: int) -> Iterable[tuple[int, str]]:
             continue  # closed meanwhile
 
 
-def _command(pid: int) -> str:
+def command_of(pid: int) -> str:
+    """A process's command line as one line of at most 60 characters (\"?\" once it is gone)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             raw = f.read()
     except OSError:
         return "?"
-    text = raw.replace(b"\0", b" ").decode(errors="replace").strip()
+    text = " ".join(raw.replace(b"\0", b" ").decode(errors="replace").split())  # one line, whatever it held
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -131,13 +132,13 @@ def uncarried(pids: Iterable[int], criu_version: str, kernel: str | None = None)
             if link.startswith("anon_inode:"):
                 remedy = REMEDIES.get(link[len("anon_inode:"):])
                 if remedy is not None:
-                    out.append(Uncarried(pid, fd, link, _command(pid), remedy))
+                    out.append(Uncarried(pid, fd, link, command_of(pid), remedy))
             elif sockets_fail and link.startswith("socket:["):
                 if inet is None:
                     inet = inet_sockets(pid)
                 what = inet.get(int(link[8:-1]))
                 if what is not None:
-                    out.append(Uncarried(pid, fd, f"a socket ({what})", _command(pid), (
+                    out.append(Uncarried(pid, fd, f"a socket ({what})", command_of(pid), (
                         f"CRIU {criu_version} cannot dump a TCP or UDP socket on Linux {kernel or platform.release()} "
                         "(the kernel refuses SO_PASSCRED on inet sockets from 6.16 on: checkpoint-restore/criu#2718); "
                         "install CRIU 4.2 or later (scripts/install-criu.sh) or set CEDANA_CRIU to one")))

@@ -28,7 +28,7 @@ from ..engine.criu import CriuEngine
 from ..engine.images import read_restore_stats
 from ..engine.page_file import sweep
 from ..engine.uffd import kernel_lazy_pages
-from ..errors import CorruptCheckpoint, NotRestorableHere, RestoreFailed, StoreUnavailable, WriterFenced
+from ..errors import CorruptCheckpoint, NodeInTheWay, NotRestorableHere, RestoreFailed, StoreUnavailable, WriterFenced
 from ..failpoints import failpoint
 from ..format.chunking import MAX_CHUNK_FACTOR, SegmentMemo
 from ..format.manifest import CAPTURED_DIR, AirflowTask, Manifest, ProcessInfo
@@ -46,6 +46,7 @@ from .estimate import captured_too_large, dump_too_large, estimate_checkpoint, t
 from .gpu_state import GpuGate
 from .lazy_restore import LazyFeed, lazy_files
 from .preflight import preflight
+from .sockets import prepare_sockets
 from .streamed_restore import PageStream, can_stream, streamed_files
 from .timeline import Timeline
 from .workload import Sink, Workload, become_subreaper
@@ -477,6 +478,8 @@ class Checkpointer:
                 try:
                     workload, feed = self._attempt(m, mode, hot, stdout, stderr, roots)
                 except (CorruptCheckpoint, RestoreFailed, OSError, ValueError, MemoryError) as e:
+                    if isinstance(e, NodeInTheWay):  # the node's fault, not the checkpoint's: this try ends
+                        raise
                     if mode != "lazy" or isinstance(e, (CorruptCheckpoint, NotRestorableHere)):
                         raise
                     # The lazy machinery failed (a page file, the daemon, a write), not the checkpoint,
@@ -485,6 +488,10 @@ class Checkpointer:
                                 self.checkpoint_id, m.seq, _what(e))
                     mode = "full"
                     workload, feed = self._attempt(m, mode, hot, stdout, stderr, roots)
+            except NodeInTheWay as e:
+                log.warning("checkpoint not restorable on this node now checkpoint_id=%s seq=%d: %s", self.checkpoint_id,
+                            m.seq, e)
+                raise
             except (CorruptCheckpoint, RestoreFailed, OSError, ValueError, MemoryError) as e:
                 # Whatever a fetched checkpoint makes fail here refuses it; only the store being down
                 # (StoreUnavailable) is not the checkpoint's fault, and goes up.
@@ -639,6 +646,10 @@ class Checkpointer:
                       roots: Sequence[PurePosixPath], feed: LazyFeed | None) -> Workload:
         with CapturedFilesBack(m, dest / CAPTURED_DIR, roots) as files_back, preflight(dest, m, roots):
             ensure_cwd(m, roots)
+            try:
+                prepare_sockets(dest, f"checkpoint {self.checkpoint_id} seq={m.seq}")
+            except ValueError as e:  # a files.img we cannot read: CRIU will judge it, as before
+                log.debug("sockets not prepared checkpoint_id=%s seq=%d: %s", self.checkpoint_id, m.seq, e)
             become_subreaper()
             tl = self.timeline
             with self._phase("criu_restore"):

@@ -1,0 +1,250 @@
+"""A checkpoint's TCP and UDP sockets, and what a restore on this node does with each (issue 47).
+
+CRIU (with ``--tcp-established``, 4.2 on Linux 6.16+) carries a tree's sockets, but restores every one
+exactly: the same addresses, ports and connection state. What that means depends on the other end:
+
+- **A connection with both ends in the tree** (a torchrun job's store and gloo connections, a worker
+  and its sidecar) is restored whole, both ends, and the job goes on without noticing. Its address
+  pair may still be in TIME_WAIT here, left by the tree's own previous life on this node (a restore
+  on the same node after a crash), where the kernel refuses to connect it again ("Can't connect inet
+  socket back: Cannot assign requested address"): those leftovers are destroyed first
+  (:func:`clear_time_wait`, sock_diag's SOCK_DESTROY, as ``ss -K`` does). They are the same
+  connection's past; nothing else is touched.
+- **A connection to a peer outside the tree** (an HTTP keep-alive pool, a database client) cannot be
+  resumed: on another node its local address is not there, and on this one the peer saw it reset
+  when the tree died. Its image entry is rewritten (:func:`close_outside_connections`) so that CRIU
+  makes a socket that is shut down both ways and never bound: the process reads EOF and a write
+  fails with EPIPE, never a hang, and a library that reconnects does.
+- **A connected UDP socket** (a metrics client) that cannot bind its old address here is rewritten
+  unbound (:func:`unbind_datagrams`): ``connect`` then binds it as it did the first time.
+- **A listening socket or a bound UDP socket** is bound again; an address this node does not have,
+  or a port a live process here holds, stands in the way (run/sockets.py says which).
+
+Field numbers from CRIU's images/fdinfo.proto (``file_entry``) and sk-inet.proto (``inet_sk_entry``),
+the same in 4.1 and 4.2. The rewrite keeps every other byte of the image as it was.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shutil
+import socket
+import struct
+import subprocess
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .images import _payload_start, _varint, message_values
+
+__all__ = ["InetSk", "close_outside_connections", "clear_time_wait", "in_tree", "read_inet_sockets",
+           "unbind_datagrams"]
+
+_FE_TYPE, _FE_ISK, _FD_INETSK = 1, 4, 4
+# inet_sk_entry
+_ISK_ID, _ISK_INO, _ISK_FAMILY, _ISK_TYPE, _ISK_PROTO, _ISK_STATE = 1, 2, 3, 4, 5, 6
+_ISK_SRC_PORT, _ISK_DST_PORT, _ISK_SRC_ADDR, _ISK_DST_ADDR, _ISK_SHUTDOWN = 7, 8, 11, 12, 19
+_TCP_CLOSE, _SK_SHUTDOWN_BOTH = 7, 3
+_TCP_STATES = {1: "ESTABLISHED", 2: "SYN_SENT", 3: "SYN_RECV", 4: "FIN_WAIT1", 5: "FIN_WAIT2", 6: "TIME_WAIT",
+               7: "CLOSE", 8: "CLOSE_WAIT", 9: "LAST_ACK", 10: "LISTEN", 11: "CLOSING"}
+
+
+@dataclass(frozen=True)
+class InetSk:
+    """One TCP or UDP socket of ``files.img`` (``index``: its entry there)."""
+
+    index: int
+    ino: int
+    family: int
+    proto: int
+    state: int
+    src: tuple[str, int]
+    dst: tuple[str, int]
+
+    @property
+    def connection(self) -> bool:
+        """What CRIU restores as a connection (sk-inet.c, ``tcp_connection``): TCP with a peer port."""
+        return self.proto == socket.IPPROTO_TCP and self.dst[1] != 0
+
+    def describe(self) -> str:
+        proto = "TCP" if self.proto == socket.IPPROTO_TCP else "UDP" if self.proto == socket.IPPROTO_UDP else str(self.proto)
+        what = f"{proto} {_show(self.src)}"
+        if self.proto == socket.IPPROTO_TCP:
+            what += f" {_TCP_STATES.get(self.state, self.state)}"
+        return what + (f" to {_show(self.dst)}" if self.dst[1] else "")
+
+
+def _show(end: tuple[str, int]) -> str:
+    return f"[{end[0]}]:{end[1]}" if ":" in end[0] else f"{end[0]}:{end[1]}"
+
+
+def _addr(words: list[int], family: int) -> str:
+    raw = b"".join(struct.pack("<I", w) for w in words)  # the kernel's bytes, as CRIU copied them
+    if family == socket.AF_INET:
+        return str(ipaddress.IPv4Address(raw[:4]))
+    a = ipaddress.IPv6Address(raw[:16])
+    return str(a.ipv4_mapped) if a.ipv4_mapped is not None else str(a)  # a v4 peer of a dual-stack socket
+
+
+def _entries(path: Path) -> tuple[bytes, list[tuple[int, int, bytes]]]:
+    """The image's bytes and each entry as (offset of its length, its length, its message)."""
+    buf = path.read_bytes()
+    off, out = _payload_start(buf), []
+    while off + 4 <= len(buf):
+        (n,) = struct.unpack_from("<I", buf, off)
+        if off + 4 + n > len(buf):
+            raise ValueError(f"{path} is truncated")
+        out.append((off, n, buf[off + 4 : off + 4 + n]))
+        off += 4 + n
+    return buf, out
+
+
+def _ints(f: dict[int, list[int | bytes]], num: int) -> list[int]:
+    return [v for v in f.get(num, []) if isinstance(v, int)]
+
+
+def read_inet_sockets(image_dir: Path) -> list[InetSk]:
+    """Every TCP and UDP socket of the image set (none without a files.img); ValueError when malformed."""
+    path = image_dir / "files.img"
+    if not path.exists():
+        return []
+    out = []
+    try:
+        for index, (_, _, msg) in enumerate(_entries(path)[1]):
+            fe = message_values(msg)
+            isk = fe.get(_FE_ISK)
+            if _ints(fe, _FE_TYPE)[-1:] != [_FD_INETSK] or not isk or not isinstance(isk[-1], bytes):
+                continue
+            f = message_values(isk[-1])
+            family, proto = _ints(f, _ISK_FAMILY)[-1], _ints(f, _ISK_PROTO)[-1]
+            if proto not in (socket.IPPROTO_TCP, socket.IPPROTO_UDP):
+                continue
+            out.append(InetSk(index, _ints(f, _ISK_INO)[-1], family, proto, _ints(f, _ISK_STATE)[-1],
+                              (_addr(_ints(f, _ISK_SRC_ADDR), family), _ints(f, _ISK_SRC_PORT)[-1]),
+                              (_addr(_ints(f, _ISK_DST_ADDR), family), _ints(f, _ISK_DST_PORT)[-1])))
+    except (IndexError, struct.error, ValueError) as e:
+        raise ValueError(f"{path} is malformed ({e})") from None
+    return out
+
+
+def in_tree(sockets: Iterable[InetSk]) -> tuple[list[InetSk], list[InetSk]]:
+    """The connections whose other end is in the image too, and those whose peer is outside."""
+    conns = [s for s in sockets if s.connection]
+    ends = {(s.src, s.dst) for s in conns}
+    inside = [s for s in conns if (s.dst, s.src) in ends]
+    return inside, [s for s in conns if (s.dst, s.src) not in ends]
+
+
+def _encode_varint(v: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, v = v & 0x7F, v >> 7
+        out.append(b | (0x80 if v else 0))
+        if not v:
+            return bytes(out)
+
+
+def _set_varints(msg: bytes, values: dict[int, int]) -> bytes:
+    """``msg`` with the given varint fields set (replaced where present, appended where not), every
+    other field kept byte for byte."""
+    out, i, seen = bytearray(), 0, set()
+    while i < len(msg):
+        start = i
+        key, i = _varint(msg, i)
+        num, wire = key >> 3, key & 7
+        if wire == 0:
+            _, i = _varint(msg, i)
+        elif wire == 1:
+            i += 8
+        elif wire == 5:
+            i += 4
+        elif wire == 2:
+            n, i = _varint(msg, i)
+            i += n
+        else:
+            raise ValueError(f"field {num} has wire type {wire}")
+        if num in values and wire == 0:
+            if num not in seen:
+                out += _encode_varint(num << 3) + _encode_varint(values[num])
+                seen.add(num)
+        else:
+            out += msg[start:i]
+    for num, v in values.items():
+        if num not in seen:
+            out += _encode_varint(num << 3) + _encode_varint(v)
+    return bytes(out)
+
+
+def _set_message(msg: bytes, num: int, value: bytes) -> bytes:
+    """``msg`` with length-delimited field ``num`` replaced by ``value`` (it must be there once)."""
+    out, i = bytearray(), 0
+    while i < len(msg):
+        start = i
+        key, i = _varint(msg, i)
+        fnum, wire = key >> 3, key & 7
+        if wire == 0:
+            _, i = _varint(msg, i)
+        elif wire == 1:
+            i += 8
+        elif wire == 5:
+            i += 4
+        elif wire == 2:
+            n, i = _varint(msg, i)
+            i += n
+        if fnum == num and wire == 2:
+            out += _encode_varint(key) + _encode_varint(len(value)) + value
+        else:
+            out += msg[start:i]
+    return bytes(out)
+
+
+def close_outside_connections(image_dir: Path, which: Iterable[InetSk]) -> None:
+    """Rewrite ``which`` (connections of ``image_dir``'s files.img) as sockets CRIU restores shut down
+    both ways and unbound: state CLOSE, no ports, ``shutdown`` BOTH (sk-inet.c then calls
+    ``shutdown(SHUT_RDWR)`` on it, which marks it so even unconnected)."""
+    _rewrite(image_dir, {s.index: {_ISK_STATE: _TCP_CLOSE, _ISK_SRC_PORT: 0, _ISK_DST_PORT: 0,
+                                   _ISK_SHUTDOWN: _SK_SHUTDOWN_BOTH} for s in which})
+
+
+def unbind_datagrams(image_dir: Path, which: Iterable[InetSk]) -> None:
+    """Rewrite ``which`` (connected UDP sockets) without their local port: CRIU then does not bind
+    them, and ``connect`` picks this node's address and a free port, as the first connect did."""
+    _rewrite(image_dir, {s.index: {_ISK_SRC_PORT: 0} for s in which})
+
+
+def _rewrite(image_dir: Path, changes: dict[int, dict[int, int]]) -> None:
+    """Set varint fields of the inet_sk_entry of files.img entries (by index). Every other byte is kept;
+    atomic (a new file renamed over the old)."""
+    if not changes:
+        return
+    path = image_dir / "files.img"
+    buf, entries = _entries(path)
+    out = bytearray(buf[: _payload_start(buf)])
+    for index, (_, _, msg) in enumerate(entries):
+        if index in changes:
+            isk = message_values(msg)[_FE_ISK][-1]
+            assert isinstance(isk, bytes)
+            msg = _set_message(msg, _FE_ISK, _set_varints(isk, changes[index]))
+        out += struct.pack("<I", len(msg)) + msg
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(out)
+    os.replace(tmp, path)
+
+
+def clear_time_wait(connections: Iterable[InetSk]) -> int:
+    """Destroy this node's TIME_WAIT sockets with the address pair of one of ``connections`` (either
+    direction): the tree's own past here, which would refuse the connection's restore. How many
+    pairs were asked for (``ss`` from iproute2; none asked without it)."""
+    ss = shutil.which("ss")
+    pairs = {(s.src, s.dst) for s in connections}
+    if ss is None or not pairs:
+        return 0
+    for src, dst in pairs:
+        forms = [(src, dst)]
+        if "." in src[0] and "." in dst[0]:  # also as a dual-stack socket saw it: ::ffff:a.b.c.d
+            forms.append(((f"::ffff:{src[0]}", src[1]), (f"::ffff:{dst[0]}", dst[1])))
+        for a, b in forms:
+            subprocess.run([ss, "-K", "-tn", "state", "time-wait", "src", _show(a), "dst", _show(b)],
+                           capture_output=True, timeout=10)
+    return len(pairs)

@@ -1,0 +1,108 @@
+"""Before CRIU restores a checkpoint's sockets on this node: carry what can be carried, close what
+cannot, and name what on the node stands in the way (issue 47; the image side is engine/inet_image.py).
+
+- Connections with both ends in the tree are restored whole; their own TIME_WAIT leftovers on this
+  node (the tree's previous life here) are cleared first.
+- Connections to peers outside the tree are restored closed: EOF on read, EPIPE on write, so the
+  library reconnects (docs/compatibility.md lists which do by themselves).
+- Connected UDP sockets that cannot bind their old address here are restored unbound (connect binds them).
+- Listening and bound UDP sockets must bind again here: each is probed as CRIU will bind it
+  (``SO_REUSEADDR`` and ``SO_REUSEPORT``: a TIME_WAIT leftover does not block it, a live listener
+  does). A port held by a live process is waited for a few seconds (a tree whose supervisor died here
+  is killed by its watchdog within one), then raises :class:`NodeInTheWay` naming the holder; an
+  address this node does not have raises it at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ..engine.fds import command_of, inet_sockets
+from ..engine.inet_image import (InetSk, clear_time_wait, close_outside_connections, in_tree, read_inet_sockets,
+                                 unbind_datagrams)
+from ..errors import NodeInTheWay
+
+__all__ = ["PORT_WAIT_SECONDS", "holder_of", "prepare_sockets"]
+
+log = logging.getLogger(__name__)
+
+#: How long a port held here is waited for: the watchdog of a tree whose supervisor died polls once a second.
+PORT_WAIT_SECONDS = 5.0
+
+_WILDCARDS = ("0.0.0.0", "::")
+
+
+def _probe(s: InetSk) -> int:
+    """0 when ``s`` can be bound here as CRIU binds it, else the errno."""
+    family = socket.AF_INET6 if s.family == socket.AF_INET6 else socket.AF_INET
+    addr = s.src[0]
+    if family == socket.AF_INET6 and "." in addr:
+        addr = f"::ffff:{addr}"
+    kind = socket.SOCK_STREAM if s.proto == socket.IPPROTO_TCP else socket.SOCK_DGRAM
+    with socket.socket(family, kind) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            probe.bind((addr, s.src[1]))
+            if kind == socket.SOCK_STREAM and s.state == 10:  # a listener conflicts with listeners only at listen()
+                probe.listen(1)
+        except OSError as e:
+            return e.errno or errno.EINVAL
+    return 0
+
+
+def holder_of(s: InetSk) -> str:
+    """Who holds ``s``'s port here: ``pid 123 (python3 serve.py)``, or what the kernel says of it."""
+    proto = "TCP" if s.proto == socket.IPPROTO_TCP else "UDP"
+    inodes = {ino for ino, what in inet_sockets(os.getpid()).items()
+              if what.startswith(f"{proto} ") and what.split()[1].rsplit(":", 1)[1] == str(s.src[1])}
+    if not inodes:
+        return "no process found (a socket the kernel still holds)"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:[") and int(link[8:-1]) in inodes:
+                        return f"pid {pid} ({command_of(int(pid))})"
+    return "a process this one cannot see"
+
+
+def prepare_sockets(image_dir: Path, what: str, *, wait: float = PORT_WAIT_SECONDS,
+                    sleep: Callable[[float], None] = time.sleep) -> list[InetSk]:
+    """Make ``image_dir``'s sockets restorable here (see the module doc); the outside connections it
+    closed. ``what``: the checkpoint, as the error names it. Raises NodeInTheWay."""
+    sockets = read_inet_sockets(image_dir)
+    if not sockets:
+        return []
+    inside, outside = in_tree(sockets)
+    bound = [s for s in sockets if not s.connection and s.src[1] != 0]
+    datagrams = [s for s in bound if s.proto == socket.IPPROTO_UDP and s.dst[1] != 0]
+    rebind = [s for s in datagrams if _probe(s) != 0]  # connected: connect() binds it here as it did there
+    bound = [s for s in bound if s not in datagrams]
+    deadline = time.monotonic() + wait
+    for s in bound:
+        while (err := _probe(s)) == errno.EADDRINUSE and time.monotonic() < deadline:
+            sleep(0.2)
+        if err == errno.EADDRNOTAVAIL:
+            raise NodeInTheWay(f"{what} cannot be restored on this node: its socket {s.describe()} is bound to "
+                               f"{s.src[0]}, an address this node does not have. Bind the workload to 0.0.0.0 (or "
+                               "::) to move between nodes; the checkpoint stays the latest for a node that has it")
+        if err == errno.EADDRINUSE:
+            raise NodeInTheWay(f"{what} cannot be restored on this node: the port of its socket {s.describe()} is "
+                               f"held here by {holder_of(s)}. Stop that process, or let the retry run on another "
+                               "node; the checkpoint stays the latest")
+    close_outside_connections(image_dir, outside)
+    unbind_datagrams(image_dir, rebind)
+    if outside:
+        log.info("restore closes %d connection(s) to peers outside the tree (the process reads EOF and "
+                 "reconnects): %s", len(outside), "; ".join(s.describe() for s in outside[:5]))
+    clear_time_wait(inside)
+    return outside

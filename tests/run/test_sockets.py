@@ -1,0 +1,121 @@
+"""A checkpoint's sockets on the node that restores it (issue 47), against a real CRIU dump: a tree with
+a listener, a connection inside it, a connection to a peer outside, and a connected UDP socket. What
+stands in the way on the node is named (NodeInTheWay), never taken for a bad checkpoint."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cedana_airflow.config import DEFAULT_CRIU_PREFIX
+from cedana_airflow.engine import inet_image
+from cedana_airflow.engine.criu import CriuEngine, find_criu
+from cedana_airflow.errors import NodeInTheWay
+from cedana_airflow.run.sockets import prepare_sockets
+from cedana_airflow.run.workload import Workload
+
+pytestmark = pytest.mark.integration
+
+_TREE = """
+import os, socket, sys, time
+port, peer, udp_peer = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+srv = socket.create_server(("127.0.0.1", port))
+inner = socket.create_connection(("127.0.0.1", port)); accepted, _ = srv.accept()
+outer = socket.create_connection(("127.0.0.1", peer))
+udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); udp.connect(("127.0.0.1", udp_peer))
+print("ready", flush=True)
+while True: time.sleep(0.05)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def images(tmp_path):
+    """The images of the tree above, dumped by CRIU and the tree gone; its listener's port; the peer."""
+    peer = socket.create_server(("127.0.0.1", 0))
+    udp_peer = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp_peer.bind(("127.0.0.1", 0))
+    port = _free_port()
+    out = open(tmp_path / "tree.out", "w+b")
+    w = Workload.start([sys.executable, "-c", _TREE, str(port), str(peer.getsockname()[1]),
+                        str(udp_peer.getsockname()[1])], stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 20
+        while b"ready" not in (tmp_path / "tree.out").read_bytes():
+            assert w.poll() is None and time.monotonic() < deadline, (tmp_path / "tree.out").read_bytes()
+            time.sleep(0.05)
+        r = CriuEngine(find_criu("", Path(DEFAULT_CRIU_PREFIX))).dump(w.pid, tmp_path / "images")
+    finally:
+        w.stop(1, 9)
+    yield r.image_dir, port, peer.getsockname()[1]
+    peer.close()
+    udp_peer.close()
+
+
+def test_the_image_tells_inside_from_outside_and_a_rewrite_closes_only_the_outside_one(images):
+    image_dir, port, peer = images
+    socks = inet_image.read_inet_sockets(image_dir)
+    inside, outside = inet_image.in_tree(socks)
+    assert sorted(s.describe().split(" to ")[0].split()[-1] for s in inside) == ["ESTABLISHED", "ESTABLISHED"]
+    assert [s.describe().rsplit(" ", 1)[-1] for s in outside] == [f"127.0.0.1:{peer}"]
+    assert [s.describe() for s in socks if s.state == 10] == [f"TCP 127.0.0.1:{port} LISTEN"]
+    before = (image_dir / "files.img").read_bytes()
+    assert prepare_sockets(image_dir, "checkpoint t seq=1") == outside
+    after = {s.index: s for s in inet_image.read_inet_sockets(image_dir)}
+    [closed] = [after[s.index] for s in outside]
+    assert (closed.state, closed.src[1], closed.dst[1]) == (7, 0, 0)  # CLOSE, unbound, unconnected
+    assert all(after[s.index] == s for s in inside)  # carried whole
+    assert len((image_dir / "files.img").read_bytes()) > len(before) - 16  # nothing else lost
+
+
+def test_a_port_a_live_process_holds_is_waited_for_then_named(images):
+    image_dir, port, _ = images
+    holder = subprocess.Popen([sys.executable, "-c", f"import socket, time\ns = socket.create_server(('127.0.0.1', {port}))"
+                               "\nprint('held', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline() == b"held\n"
+        t0 = time.monotonic()
+        with pytest.raises(NodeInTheWay) as e:
+            prepare_sockets(image_dir, "checkpoint t seq=1", wait=0.6)
+        assert time.monotonic() - t0 >= 0.6
+    finally:
+        holder.kill()
+        holder.wait()
+    assert str(e.value).startswith(f"checkpoint t seq=1 cannot be restored on this node: the port of its socket TCP "
+                                   f"127.0.0.1:{port} LISTEN is held here by pid {holder.pid} ({sys.executable} -c ")
+    assert str(e.value).endswith("). Stop that process, or let the retry run on another node; the checkpoint stays "
+                                 "the latest")
+    prepare_sockets(image_dir, "checkpoint t seq=1", wait=0.6)  # the holder gone, the port binds
+
+
+def test_a_port_freed_while_waiting_is_taken(images):
+    image_dir, port, _ = images
+    holder = socket.create_server(("127.0.0.1", port))
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:  # the dying previous tree lets go of it
+        slept.append(s)
+        holder.close()
+
+    prepare_sockets(image_dir, "checkpoint t seq=1", sleep=sleep)
+    assert slept == [0.2]
+
+
+def test_an_address_this_node_does_not_have_is_named(images):
+    image_dir, port, _ = images
+    [listener] = [s for s in inet_image.read_inet_sockets(image_dir) if s.state == 10]
+    foreign = int.from_bytes(socket.inet_aton("192.0.2.7"), "little")  # TEST-NET-1: no node has it
+    inet_image._rewrite(image_dir, {listener.index: {11: foreign}})
+    with pytest.raises(NodeInTheWay, match=rf"its socket TCP 192\.0\.2\.7:{port} LISTEN is bound to 192\.0\.2\.7, an "
+                                           "address this node does not have. Bind the workload to 0.0.0.0"):
+        prepare_sockets(image_dir, "checkpoint t seq=1", wait=0.1)
