@@ -28,8 +28,9 @@ CARRIED_ANON = frozenset({"[eventfd]", "[eventpoll]", "inotify", "[fanotify]", "
 
 #: The anon inodes workloads are known to hold that CRIU cannot dump, and what to do about each.
 REMEDIES = {
-    "[io_uring]": "CRIU cannot checkpoint an io_uring; run the workload with its library's setting that "
-                  "avoids one (libuv, as in PyTorch's TCPStore and Node.js: UV_USE_IO_URING=0; see docs/compatibility.md)",
+    "[io_uring]": "CRIU cannot checkpoint an io_uring; set io_uring = deny (the default: the workload is refused "
+                  "one, and libuv, in PyTorch's TCPStore and Node.js, falls back to epoll; UV_USE_IO_URING=0 no longer "
+                  "does since libuv 1.50)",
     "[perf_event]": "CRIU cannot checkpoint a perf event; stop profiling the workload while it is opted in",
     "[userfaultfd]": "CRIU cannot checkpoint a userfaultfd; a workload that uses one cannot be checkpointed",
 }

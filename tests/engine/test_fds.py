@@ -44,7 +44,7 @@ def test_an_io_uring_is_named_with_its_process_and_remedy_and_epoll_and_eventfd_
     pid, ring, *_ = child
     [u] = fds.uncarried([pid], "4.2.1")
     assert (u.pid, u.fd, u.what) == (pid, ring, "anon_inode:[io_uring]")
-    assert u.line().startswith(f"pid {pid} ({sys.executable} -c ") and "UV_USE_IO_URING=0" in u.line()
+    assert u.line().startswith(f"pid {pid} ({sys.executable} -c ") and "set io_uring = deny" in u.line()
 
 
 def test_sockets_are_named_only_where_this_criu_cannot_dump_them(child):
