@@ -5,7 +5,7 @@
 #   wheels/   cedana-airflow's wheel (built from this work tree), its runtime dependencies plus the
 #             gpu extra (pynvml) for CPython 3.12 manylinux x86_64, and pip itself (the venv there is
 #             made --without-pip: Debian and Ubuntu split ensurepip into a package that may be absent)
-#   debs/     Debian trixie's criu 4.1 and every library it needs, libc included, resolved by apt the
+#   debs/     Debian forky's criu 4.2 and every library it needs, libc included, resolved by apt the
 #             way scripts/install-criu.sh does: unpacked into a private prefix there and run through
 #             its own loader, so the host's libc (whatever its distribution) is never touched
 #   PYTHON    the CPython version the wheels are for (CEDANA_GPU_BUNDLE_PYTHON, default 3.12)
@@ -18,7 +18,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUNDLE="${CEDANA_GPU_BUNDLE:-.gpu-bundle}"
 PY=.venv/bin/python
-SUITE="${CEDANA_CRIU_SUITE:-trixie}"
+SUITE="${CEDANA_CRIU_SUITE:-forky}"  # criu 4.2.1: TCP and UDP sockets on Linux 6.16+ (criu#2718)
 MIRROR="${CEDANA_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 TARGET_PY="${CEDANA_GPU_BUNDLE_PYTHON:-3.12}"  # the GPU machine's Python
 LIMIT=$((60 << 20))

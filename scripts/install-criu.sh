@@ -33,6 +33,16 @@ if [ "$(id -u)" != 0 ]; then
   exit 2
 fi
 
+export DEBIAN_FRONTEND=noninteractive
+# util-linux gives unshare/setsid (the workload's PID namespace); always present on Debian, but be sure.
+# iptables-restore: CRIU holds a TCP connection's packets with it while it dumps the connection
+# (--tcp-established); ss (iproute2) clears a restored connection's TIME_WAIT leftovers.
+need=()
+command -v unshare >/dev/null && command -v setsid >/dev/null || need+=(util-linux)
+command -v iptables-restore >/dev/null || need+=(iptables)
+command -v ss >/dev/null || need+=(iproute2)
+if [ "${#need[@]}" -gt 0 ]; then apt-get update -qq; apt-get install -y -qq --no-install-recommends "${need[@]}"; fi
+
 if command -v criu >/dev/null && new_enough criu; then
   say "system criu is new enough: $(command -v criu) ($(criu --version | head -n1))"
   exit 0
@@ -41,10 +51,6 @@ if [ -x "$PREFIX/bin/criu" ] && new_enough "$PREFIX/bin/criu"; then
   say "private criu already present: $PREFIX/bin/criu ($("$PREFIX/bin/criu" --version | head -n1))"
   exit 0
 fi
-
-export DEBIAN_FRONTEND=noninteractive
-# util-linux gives unshare/setsid (the workload's PID namespace); always present on Debian, but be sure.
-command -v unshare >/dev/null && command -v setsid >/dev/null || { apt-get update -qq; apt-get install -y -qq util-linux; }
 
 candidate_of() { apt-cache policy criu 2>/dev/null | sed -n 's/^ *Candidate: *\([0-9]*\)\.\([0-9]*\).*/\1 \2/p' | { read -r a b && echo $((a * 100 + b)) || true; }; }
 candidate=$(candidate_of)
