@@ -10,12 +10,13 @@ import _shape
 
 ap = _shape.parser(__doc__)
 ap.add_argument("--port", type=int, required=True)
+ap.add_argument("--host", default="127.0.0.1")
 args = ap.parse_args()
-_shape.start(f"connecting to 127.0.0.1:{args.port}")
+_shape.start(f"connecting to {args.host}:{args.port}")
 
 
 def connect():
-    return socket.create_connection(("127.0.0.1", args.port)).makefile("rwb")
+    return socket.create_connection((args.host, args.port)).makefile("rwb")
 
 
 stream = connect()

@@ -9,12 +9,13 @@ import socket
 import _shape
 
 ap = _shape.parser(__doc__)
+ap.add_argument("--host", default="127.0.0.1", help="the address they talk over (the node's own, or loopback)")
 args = ap.parse_args()
-_shape.start("a parent and a child over loopback TCP")
-srv = socket.create_server(("127.0.0.1", 0))
+_shape.start(f"a parent and a child over TCP on {args.host}")
+srv = socket.create_server((args.host, 0))
 port = srv.getsockname()[1]
 if os.fork() == 0:  # the child: answers each number with its square, keeping a running sum
-    c = socket.create_connection(("127.0.0.1", port)).makefile("rwb")
+    c = socket.create_connection((args.host, port)).makefile("rwb")
     total = 0
     while line := c.readline():
         total += int(line) ** 2

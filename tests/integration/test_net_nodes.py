@@ -1,0 +1,165 @@
+"""Workloads that talk, on nodes as they are in life (issue 47): node-a and node-b each in a network
+namespace of their own with their own address (scripts/netns_nodes.py), services outside the workload
+on the machine's side of their bridge. ``cedana-airflow run`` runs inside a node, so the workload it
+starts and the CRIU it calls see that node's addresses only: a restored socket binds as it would on
+another machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, cli_env, manifests
+from netns_nodes import NetNode, NetNodes
+
+pytestmark = pytest.mark.integration
+
+SHAPES = REPO / "tests" / "integration" / "shapes"
+SERVE = REPO / "tests" / "workloads" / "serve_counter.py"
+
+
+@pytest.fixture
+def nodes():
+    with NetNodes(2) as pair:
+        yield pair
+
+
+class _Echo:
+    """An echo service outside the nodes (a database, an API): one thread per connection."""
+
+    def __init__(self, host: str) -> None:
+        self.sock = socket.create_server((host, 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _echo(conn: socket.socket) -> None:
+        with conn:
+            while data := conn.recv(4096):
+                conn.sendall(data)
+
+
+def _run(node: NetNode, tmp_path: Path, cid: str, cmd: list[str], *, resume: bool, heartbeat: str,
+         out: str) -> subprocess.Popen[bytes]:
+    env = cli_env(tmp_path, node.name, f"work-{node.name}")
+    argv = [sys.executable, "-m", "cedana_airflow", "run", *(["--resume"] if resume else []), "--id", cid,
+            "--heartbeat", heartbeat, "--json-file", str(tmp_path / f"{out}.json"), "--", *cmd]
+    return subprocess.Popen(node.cmd(argv), env=env, cwd=tmp_path, stdout=open(tmp_path / f"{out}.out", "wb"),
+                            stderr=open(tmp_path / f"{out}.err", "wb"))
+
+
+def _wait(pred, what: str, proc: subprocess.Popen[bytes], err: Path, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert proc.poll() is None, f"exited {proc.returncode} before {what}: {err.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what}: {err.read_text()[-3000:]}"
+        time.sleep(0.1)
+
+
+def _lose(proc: subprocess.Popen[bytes], workload_pid: int) -> None:
+    """node-a dies: its supervisor and the workload's PID namespace, SIGKILLed."""
+    proc.kill()
+    proc.wait()
+    try:
+        os.kill(workload_pid, 9)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{workload_pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _reference(cmd: list[str], tmp_path: Path) -> str:
+    return subprocess.run([*cmd, "--step-seconds", "0"], capture_output=True, text=True, check=True, cwd=tmp_path,
+                          timeout=120).stdout.strip().splitlines()[-1]
+
+
+def test_a_connection_to_a_service_outside_moves_to_another_node_closed_and_the_client_reconnects(nodes, tmp_path):
+    """Its local address was node-a's, which node-b has not: restored exactly, CRIU could not bind it.
+    Restored closed, the client reconnects from node-b and ends as an uninterrupted run."""
+    a, b = nodes
+    echo = _Echo(a.gateway)
+    cmd = [sys.executable, str(SHAPES / "tcp_client.py"), "--steps", "60", "--step-seconds", "0.1",
+           "--host", a.gateway, "--port", str(echo.port)]
+    reference = _reference(cmd, tmp_path)
+    run_a = _run(a, tmp_path, "out", cmd, resume=False, heartbeat="0.5", out="a")
+    _wait(lambda: len(manifests(tmp_path / "store", "out")) >= 2 and "step 3/" in (tmp_path / "a.out").read_text(),
+          "two checkpoints in the loop", run_a, tmp_path / "a.err")
+    _lose(run_a, manifests(tmp_path / "store", "out")[-1]["process"]["pid"])
+    run_b = _run(b, tmp_path, "out", cmd, resume=True, heartbeat="0", out="b")
+    assert run_b.wait(timeout=120) == 0, (tmp_path / "b.err").read_text()[-3000:]
+    err = (tmp_path / "b.err").read_text()
+    assert f"restore closes 1 connection(s) to peers outside the tree (the process reads EOF and reconnects): TCP " \
+           f"{a.address}:" in err and f"ESTABLISHED to {a.gateway}:{echo.port}" in err, err[-3000:]
+    out = (tmp_path / "b.out").read_text().splitlines()
+    assert not out[0].startswith("start-up") and out[-1] == reference, (out[:2], out[-1], reference)
+
+
+def test_a_connection_inside_the_tree_over_the_nodes_own_address_resumes_on_the_same_node(nodes, tmp_path):
+    """A restore on the same node after a crash: the tree's connection over node-a's address left
+    TIME_WAIT behind there, which refuses the same address pair (outside loopback, tcp_tw_reuse does not
+    apply); the restore clears the tree's own leftovers, and the job goes on without noticing."""
+    a, _ = nodes
+    # Without TCP timestamps (some operators turn them off) the kernel lets no connect reuse a TIME_WAIT
+    # pair (tcp_twsk_unique); with them, a bound connect may, and the leftover would go unnoticed.
+    subprocess.run(a.cmd(["sysctl", "-q", "-w", "net.ipv4.tcp_timestamps=0"]), check=True)
+    cmd = [sys.executable, str(SHAPES / "tcp_pair.py"), "--steps", "60", "--step-seconds", "0.1", "--host", a.address]
+    reference = _reference([*cmd[:-2], "--host", "127.0.0.1"], tmp_path)
+    run_1 = _run(a, tmp_path, "pair", cmd, resume=False, heartbeat="0.5", out="a")
+    _wait(lambda: len(manifests(tmp_path / "store", "pair")) >= 2 and "step 3/" in (tmp_path / "a.out").read_text(),
+          "two checkpoints in the loop", run_1, tmp_path / "a.err")
+    _lose(run_1, manifests(tmp_path / "store", "pair")[-1]["process"]["pid"])
+    leftovers = subprocess.run(a.cmd(["ss", "-tan", "state", "time-wait"]), capture_output=True, text=True).stdout
+    assert a.address in leftovers, leftovers  # the tree's own connection, in TIME_WAIT on node-a
+    run_2 = _run(a, tmp_path, "pair", cmd, resume=True, heartbeat="0", out="b")
+    assert run_2.wait(timeout=120) == 0, (tmp_path / "b.err").read_text()[-3000:]
+    summary = json.loads((tmp_path / "b.json").read_text())
+    assert summary["outcome"] == "restored" and summary["refused"] == [], summary
+    out = (tmp_path / "b.out").read_text().splitlines()
+    assert not out[0].startswith("start-up") and out[-1] == reference, (out[:2], out[-1], leftovers)
+
+
+def test_a_serving_worker_resumes_on_another_node_on_the_same_port_with_its_memory(nodes, tmp_path):
+    """A server holding state in memory (a request counter, as a model and its caches): node-a dies, the
+    retry on node-b listens on the same port at node-b's address and answers with the count it had."""
+    a, b = nodes
+    port = 18000 + os.getpid() % 1000
+    cmd = [sys.executable, str(SERVE), "--port", str(port)]
+    run_a = _run(a, tmp_path, "serve", cmd, resume=False, heartbeat="0.5", out="a")
+
+    def get(host: str) -> str:
+        with urllib.request.urlopen(f"http://{host}:{port}/", timeout=5) as r:
+            return r.read().decode().strip()
+
+    _wait(lambda: "serving" in (tmp_path / "a.out").read_text(), "the server", run_a, tmp_path / "a.err")
+    assert [get(a.address) for _ in range(3)] == ["hits 1", "hits 2", "hits 3"]
+    seen = len(manifests(tmp_path / "store", "serve"))
+    _wait(lambda: len(manifests(tmp_path / "store", "serve")) >= seen + 2, "a checkpoint after the third hit",
+          run_a, tmp_path / "a.err")
+    _lose(run_a, manifests(tmp_path / "store", "serve")[-1]["process"]["pid"])
+    run_b = _run(b, tmp_path, "serve", cmd, resume=True, heartbeat="0", out="b")
+    try:
+        _wait(lambda: "restored checkpoint_id=serve" in (tmp_path / "b.err").read_text(), "the restore", run_b,
+              tmp_path / "b.err")
+        assert get(b.address) == "hits 4"
+        assert "serving" not in (tmp_path / "b.out").read_text()  # restored, not started again
+    finally:
+        run_b.kill()
+        run_b.wait()
