@@ -69,6 +69,11 @@ mkdir -p "$work/lists/partial" "$work/cache/archives/partial" "$work/debs"
 echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $MIRROR $SUITE main" >"$work/sources.list"
 APT_OPTS=(-o "Dir::Etc::SourceList=$work/sources.list" -o "Dir::Etc::SourceParts=/dev/null"
           -o "Dir::State::Lists=$work/lists" -o "Dir::Cache=$work/cache" -o "APT::Sandbox::User=root")
+# A mirror that serves a snapshot (an artifact registry) serves a testing suite's Release past its
+# Valid-Until. A host whose apt accepts that (Acquire::Check-Valid-Until "false") applies it here
+# itself; CEDANA_APT_ALLOW_EXPIRED=1 says so for a build on such a host (the pod image's, whose base
+# has no such setting). The Release's signature is checked either way.
+if [ "${CEDANA_APT_ALLOW_EXPIRED:-}" = 1 ]; then APT_OPTS+=(-o "Acquire::Check-Valid-Until=false"); fi
 [ -f /usr/share/keyrings/debian-archive-keyring.gpg ] || apt-get install -y -qq debian-archive-keyring
 apt-get "${APT_OPTS[@]}" update -qq
 # criu plus everything it needs at run time, resolved by apt for that suite (libc included, since

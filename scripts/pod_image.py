@@ -103,6 +103,13 @@ def base_rootfs(codename: str, mirror: str, cache: Path) -> tuple[Path, str, str
     return tar, ref, python.read_text().strip()
 
 
+def _apt_allows_expired() -> bool:
+    """Whether this host's apt accepts a Release past its Valid-Until (a snapshot mirror's setting): the
+    image's build then does too, for the testing suite install-criu.sh takes CRIU from."""
+    r = subprocess.run(["apt-config", "dump"], capture_output=True, text=True)
+    return 'Acquire::Check-Valid-Until "false"' in r.stdout
+
+
 def build(cache: Path = DEFAULT_CACHE, rt: PodRuntime | None = None, python: str = sys.executable) -> tuple[Path, str]:
     """(the image tarball, its reference), built or found in ``cache``. ``rt``: a runtime to build in
     (a private throwaway one by default); the image is left loaded in it."""
@@ -151,8 +158,9 @@ def build(cache: Path = DEFAULT_CACHE, rt: PodRuntime | None = None, python: str
             runtime.podman("import", "--change", f"ENV {PATH_ENV}", str(base_tar), base, timeout=600)
             t0 = time.monotonic()
             _say(f"podman build -f deploy/Containerfile (BASE {base}, Python {pyver})")
-            runtime.podman("build", "-q", "-f", str(CONTAINERFILE), "--build-arg", f"BASE={base}", "-t", ref,
-                           str(ctx), timeout=900)
+            runtime.podman("build", "-q", "-f", str(CONTAINERFILE), "--build-arg", f"BASE={base}",
+                           "--build-arg", f"CEDANA_APT_ALLOW_EXPIRED={'1' if _apt_allows_expired() else ''}",
+                           "-t", ref, str(ctx), timeout=900)
             part = tar.with_suffix(".part")
             part.unlink(missing_ok=True)
             runtime.podman("save", "-q", "-o", str(part), ref, timeout=600)
