@@ -230,3 +230,77 @@ def test_heartbeat_auto_chooses_from_what_it_measured_and_what_airflow_saw_fail(
 
 def _auto_manifests(store: Path, dag_id: str) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(store.glob(f"{dag_id}.train.*/*/manifest.json"))]
+
+
+def test_a_transparent_torchrun_job_and_a_serving_worker_resume_through_airflows_retry(airflow_stack, tmp_path):
+    """Issue 47, through Airflow: a two-rank gloo DDP task with no checkpoint code and a serving worker, both
+    in transparent mode with default settings, lose their node; Airflow's retries resume them on node-b. The
+    job ends with an uninterrupted run's parameters; the server answers with the count it had."""
+    import urllib.request
+
+    from conftest import _free_port
+
+    stack, store, root = airflow_stack, tmp_path / "store", tmp_path / "talk"
+    root.mkdir()
+    (root / "node").write_text("node-a\n")
+    port = _free_port()
+
+    def get(path: str = "/") -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.read().decode().strip()
+
+    dag_id = stack.add_dag("talk", "dags_torch:talk_dag", root=str(root), store=f"file://{store}", port=port)
+    run_id = stack.trigger(dag_id)
+    deadline = time.monotonic() + 240
+    hits: list[str] = []
+    base: dict[str, int] = {}  # checkpoints before it was in its loop: two more are taken after
+    running = ["ddp", "serve"]
+    while running:
+        assert time.monotonic() < deadline, stack.logs()
+        for task in list(running):
+            assert stack.task_instance(dag_id, run_id, task)["state"] not in ("failed", "success"), stack.logs()
+            if task == "serve" and not hits:
+                try:
+                    hits = [get() for _ in range(3)]
+                except OSError:
+                    continue  # not listening yet
+            if task == "ddp" and not re.search(r"^.*step 3/150", stack.task_log_files(dag_id, 1), re.M):
+                continue  # still starting up (torch, rendezvous)
+            base.setdefault(task, len(_coop_manifests(store, dag_id, task)))
+            ms = _coop_manifests(store, dag_id, task)
+            if len(ms) >= base[task] + 2:
+                (root / "node").write_text("node-b\n")
+                pid = ms[-1]["process"]["pid"]
+                os.kill(pid, signal.SIGKILL)  # the node dies under it
+                assert wait_gone(pid, 10)
+                running.remove(task)
+        time.sleep(0.2)
+    assert hits == ["hits 1", "hits 2", "hits 3"]
+
+    deadline = time.monotonic() + 300
+    while True:  # try 2 of the server restores it: it answers with its count
+        assert time.monotonic() < deadline, stack.logs()
+        try:
+            answer = get()
+            break
+        except OSError:
+            time.sleep(0.5)
+    assert answer == "hits 4"
+    assert get("/quit") == "bye after 4"
+    tis = {}
+    for task in ("ddp", "serve"):
+        while (ti := stack.task_instance(dag_id, run_id, task))["state"] not in ("success", "failed"):
+            assert time.monotonic() < deadline, stack.logs()
+            time.sleep(1)
+        tis[task] = ti
+    ddp, serve = stack.task_log(dag_id, run_id, "ddp", 2), stack.task_log(dag_id, run_id, "serve", 2)
+    for task, log in (("ddp", ddp), ("serve", serve)):
+        assert tis[task]["state"] == "success" and tis[task]["try_number"] == 2, log[-4000:]
+        assert re.search(r"cedana: restored seq \d+ of try 1 \(node node-a\) on node node-b", log), log[-4000:]
+        assert "heartbeat failed" not in stack.task_log(dag_id, run_id, task, 1)
+    assert not re.search(r"\bserving$", serve, re.M) and "served 4" in serve  # restored, not started again
+    reference = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                str(REPO / "tests" / "workloads" / "ddp_transparent.py"), "--steps", "150",
+                                "--step-seconds", "0"], capture_output=True, text=True, check=True, timeout=300).stdout
+    assert re.findall(r"done digest=\w+", ddp) == re.findall(r"done digest=\w+", reference), ddp[-4000:]
+    assert not re.search(r"^step 1/150$", ddp, re.M)  # went on from its checkpoint

@@ -70,3 +70,20 @@ def auto_dag(dag_id: str, *, store: str, work_dir: str, queue: str, args: list[s
             heartbeat_max=timedelta(seconds=heartbeat_max), store=store, settings={"keep_checkpoints": 50, "work_dir": work_dir},
             command=[sys.executable, str(WORKLOADS / "train.py"), *args],
         )
+
+
+def talk_dag(dag_id: str, *, root: str, store: str, port: int) -> None:
+    """Workloads that talk, transparent and with default settings (issue 47): two-rank DDP under torchrun with
+    no checkpoint code, and a serving worker holding its state in memory."""
+    here = {"work_dir": f"{root}/work", **_node(root)}
+    with DAG(dag_id, schedule=None, start_date=datetime(2026, 1, 1), catchup=False,
+             default_args={"retries": 1, "retry_delay": timedelta(seconds=1)}):
+        CheckpointedCommandOperator(
+            task_id="ddp", heartbeat=timedelta(seconds=2), store=store, settings=here,
+            command=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                     str(WORKLOADS / "ddp_transparent.py"), "--steps", "150", "--step-seconds", "0.1"],
+        )
+        CheckpointedCommandOperator(
+            task_id="serve", heartbeat=timedelta(seconds=1), store=store, settings=here,
+            command=[sys.executable, str(WORKLOADS / "serve_counter.py"), "--port", str(port)],
+        )

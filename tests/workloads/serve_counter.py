@@ -1,8 +1,10 @@
 """A serving worker as people write one: an HTTP server holding its state in memory (here a request
-counter; in life a model and its caches), on all addresses of its node. ``GET /`` answers ``hits N``."""
+counter; in life a model and its caches), on all addresses of its node. ``GET /`` answers ``hits N``;
+``GET /quit`` answers ``bye after N`` and ends the server (exit 0), as a drain would."""
 
 import argparse
 import http.server
+import threading
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--port", type=int, required=True)
@@ -15,8 +17,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         global hits
-        hits += 1
-        body = f"hits {hits}\n".encode()
+        if self.path == "/quit":
+            body = f"bye after {hits}\n".encode()
+            threading.Thread(target=server.shutdown).start()
+        else:
+            hits += 1
+            body = f"hits {hits}\n".encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -29,3 +35,4 @@ class Handler(http.server.BaseHTTPRequestHandler):
 server = http.server.ThreadingHTTPServer(("0.0.0.0", args.port), Handler)
 print("serving", flush=True)
 server.serve_forever()
+print(f"served {hits}", flush=True)
