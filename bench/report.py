@@ -13,11 +13,12 @@ from harness import BENCH, MB, med
 
 from cedana_airflow.run.cadence import duration_text
 
-PARTS = ("local", "lazy", "lazy-growth", "lazy-freeze", "cooperative", "s3-transfer", "s3-listing", "heartbeat")
+PARTS = ("local", "lazy", "lazy-growth", "lazy-freeze", "talkers", "cooperative", "s3-transfer", "s3-listing", "heartbeat")
 PART_TITLES = {"local": "local (freeze, stored bytes, restore from file://)",
                "lazy": "lazy restore (file:// and S3)",
                "lazy-growth": "lazy restore by image size (file://)",
                "lazy-freeze": "freeze per heartbeat after a restore (lazy and full, file://)",
+               "talkers": "workloads that talk: torchrun DDP and a serving worker vs bare CRIU",
                "cooperative": "cooperative heartbeat (S3)",
                "s3-transfer": "S3 first checkpoint, heartbeats, restore",
                "s3-listing": "S3 listing",
@@ -54,6 +55,8 @@ def table_rows(res: dict[str, Any]) -> list[list[str]]:
                      f"<= {g['target']:.1f}x", _ok(g["pass"])])
     if "lazy_freeze" in res:
         rows += _lazy_freeze_rows(res["lazy_freeze"])
+    if "talkers" in res:
+        rows += _talkers_rows(res["talkers"])
     if "cooperative" in res:
         c = res["cooperative"]
         rows += [
@@ -124,6 +127,22 @@ def _lazy_freeze_rows(lf: dict[str, Any]) -> list[list[str]]:
         else:
             rows.append([f"  ({name}, info)", ms(before["freeze_seconds"]), ms(t[name]["freeze_seconds"], t[name]["spread"]),
                          f"{ratio:.2f}x", "", ""])
+    return rows
+
+
+def _talkers_rows(t: dict[str, Any]) -> list[list[str]]:
+    """Per workload: our freeze and restore against bare CRIU's on the same images (bench/talkers.py)."""
+    from talkers import TARGET
+
+    rows = []
+    for name, r in t.items():
+        sp = r["spread"]
+        rows += [[f"{name}: freeze (ours vs bare criu dump)", secs(r["bare_freeze_seconds"], sp["bare_freeze"]),
+                  secs(r["ours_freeze_seconds"], sp["ours_freeze"]), f"{r['freeze_ratio']:.2f}x", f"<= {TARGET:.2f}x",
+                  _ok(r["freeze_ratio"] <= TARGET)],
+                 [f"{name}: restore (ours vs bare criu restore)", secs(r["bare_restore_seconds"], sp["bare_restore"]),
+                  secs(r["ours_restore_seconds"], sp["ours_restore"]), f"{r['restore_ratio']:.2f}x", f"<= {TARGET:.2f}x",
+                  _ok(r["restore_ratio"] <= TARGET)]]
     return rows
 
 
@@ -231,6 +250,12 @@ def details(res: dict[str, Any]) -> list[str]:
                          f"every page in {v['all_pages_in_seconds']:.2f} s" for v in g["sizes"].values()))
     if "lazy_freeze" in res:
         lines.append(_lazy_freeze_details(res["lazy_freeze"]))
+    if "talkers" in res:
+        lines.append("workloads that talk (bench/talkers.py; medians (min-max) of the reps; io_uring refused, "
+                     "--tcp-established on both sides; ours adds the /proc scan and capture to a dump, and closing "
+                     "outside connections, probing ports and clearing TIME_WAIT to a restore): " + "; ".join(
+                         f"{n}: images {r['image_bytes'] / MB:.0f} MB, dump wall {r['ours_dump_seconds']:.3f} s vs bare "
+                         f"{r['bare_dump_seconds']:.3f} s" for n, r in res["talkers"].items()))
     if "cooperative" in res:
         c = res["cooperative"]
         lines.append(
@@ -431,7 +456,7 @@ def command_of(args: dict[str, Any], part: str) -> str:
                                f"--lazy-freeze-rounds {args.get('lazy_freeze_rounds', 5)}"])
     if part not in ("s3-listing", "lazy-growth"):  # the growth part has its own sizes
         cmd.append(f"--mb {args['mb']}")
-    if part in ("local", "lazy", "lazy-growth", "cooperative"):
+    if part in ("local", "lazy", "lazy-growth", "cooperative", "talkers"):
         cmd.append(f"--reps {args['reps']}")
     if part == "s3-transfer":
         cmd.append(f"--s3-reps {args['s3_reps']}")

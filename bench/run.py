@@ -78,7 +78,7 @@ def parse_only(text: str) -> list[str]:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", type=parse_only, default=list(PARTS),
-                    help="run only these parts, comma-separated: local, lazy, lazy-growth, lazy-freeze, cooperative, s3 (= s3-transfer,"
+                    help="run only these parts, comma-separated: local, lazy, lazy-growth, lazy-freeze, talkers, cooperative, s3 (= s3-transfer,"
                          "s3-listing), s3-transfer, s3-listing, heartbeat (default: all); the others keep their previous results in bench/results.*")
     ap.add_argument("--mb", type=int, default=1024, help="workload state size in MB (default 1024; 200 for a quick run)")
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions for freeze and restore (default 5)")
@@ -149,6 +149,10 @@ def run_parts(parts: Parts, engine: CriuEngine, settings: Settings, work: Path) 
 
         new.update(parts.run("lazy-freeze", lambda: bench_lazy_freeze(engine, args.lazy_freeze_mb, args.lazy_freeze_rounds,
                                                                       work, settings)))
+    if "talkers" in args.only:
+        from talkers import bench_talkers
+
+        new.update(parts.run("talkers", lambda: bench_talkers(engine, args.reps, work)))
     if "cooperative" in args.only:
         from cooperative import bench_cooperative
 
@@ -179,7 +183,7 @@ def run_parts(parts: Parts, engine: CriuEngine, settings: Settings, work: Path) 
 
 def main() -> int:
     args = parse_args()
-    if os.geteuid() != 0 and ({"local", "lazy", "lazy-growth", "lazy-freeze", "s3-transfer"} & set(args.only)):
+    if os.geteuid() != 0 and ({"local", "lazy", "lazy-growth", "lazy-freeze", "talkers", "s3-transfer"} & set(args.only)):
         print("bench/run.py needs root (CRIU uses CAP_SYS_ADMIN and ptrace); run it with sudo.", file=sys.stderr)
         return 2
     t_start = time.monotonic()

@@ -13,8 +13,8 @@ exactly: the same addresses, ports and connection state. What that means depends
 - **A connection to a peer outside the tree** (an HTTP keep-alive pool, a database client) cannot be
   resumed: on another node its local address is not there, and on this one the peer saw it reset
   when the tree died. Its image entry is rewritten (:func:`close_outside_connections`) so that CRIU
-  makes a socket that is shut down both ways and never bound: the process reads EOF and a write
-  fails with EPIPE, never a hang, and a library that reconnects does.
+  makes a socket that is closed and never connected: a read fails with ENOTCONN, a write with EPIPE,
+  never a hang nor an EOF that would pass a cut stream for a whole one, and a library that reconnects does.
 - **A connected UDP socket** (a metrics client) that cannot bind its old address here is rewritten
   unbound (:func:`unbind_datagrams`): ``connect`` then binds it as it did the first time.
 - **A listening socket or a bound UDP socket** is bound again; an address this node does not have,
@@ -44,8 +44,8 @@ __all__ = ["InetSk", "close_outside_connections", "clear_time_wait", "in_tree", 
 _FE_TYPE, _FE_ISK, _FD_INETSK = 1, 4, 4
 # inet_sk_entry
 _ISK_ID, _ISK_INO, _ISK_FAMILY, _ISK_TYPE, _ISK_PROTO, _ISK_STATE = 1, 2, 3, 4, 5, 6
-_ISK_SRC_PORT, _ISK_DST_PORT, _ISK_SRC_ADDR, _ISK_DST_ADDR, _ISK_SHUTDOWN = 7, 8, 11, 12, 19
-_TCP_CLOSE, _SK_SHUTDOWN_BOTH = 7, 3
+_ISK_SRC_PORT, _ISK_DST_PORT, _ISK_SRC_ADDR, _ISK_DST_ADDR = 7, 8, 11, 12
+_TCP_CLOSE = 7
 _TCP_STATES = {1: "ESTABLISHED", 2: "SYN_SENT", 3: "SYN_RECV", 4: "FIN_WAIT1", 5: "FIN_WAIT2", 6: "TIME_WAIT",
                7: "CLOSE", 8: "CLOSE_WAIT", 9: "LAST_ACK", 10: "LISTEN", 11: "CLOSING"}
 
@@ -200,11 +200,11 @@ def _set_message(msg: bytes, num: int, value: bytes) -> bytes:
 
 
 def close_outside_connections(image_dir: Path, which: Iterable[InetSk]) -> None:
-    """Rewrite ``which`` (connections of ``image_dir``'s files.img) as sockets CRIU restores shut down
-    both ways and unbound: state CLOSE, no ports, ``shutdown`` BOTH (sk-inet.c then calls
-    ``shutdown(SHUT_RDWR)`` on it, which marks it so even unconnected)."""
-    _rewrite(image_dir, {s.index: {_ISK_STATE: _TCP_CLOSE, _ISK_SRC_PORT: 0, _ISK_DST_PORT: 0,
-                                   _ISK_SHUTDOWN: _SK_SHUTDOWN_BOTH} for s in which})
+    """Rewrite ``which`` (connections of ``image_dir``'s files.img) as sockets CRIU restores closed and
+    never connected: state CLOSE, no ports. A read then fails with ENOTCONN and a write with EPIPE, and
+    poll says POLLHUP: an error, never an EOF, which a reader of a stream would take for its end (data
+    the socket held unread is lost with the connection, and must not look complete)."""
+    _rewrite(image_dir, {s.index: {_ISK_STATE: _TCP_CLOSE, _ISK_SRC_PORT: 0, _ISK_DST_PORT: 0} for s in which})
 
 
 def unbind_datagrams(image_dir: Path, which: Iterable[InetSk]) -> None:

@@ -17,36 +17,52 @@ that then takes an io_uring is named at its first heartbeat (engine/fds.py).
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 __all__ = ["EXEC_WITHOUT_IO_URING", "without_io_uring"]
 
-#: The wrapper: ``python -I -S -c EXEC_WITHOUT_IO_URING cmd args...`` installs the filter and execs cmd.
-#: Self-contained (it runs with no site-packages). The filter, in classic BPF over ``seccomp_data``:
-#: an architecture it does not know is let through; io_uring_setup (425 on every architecture, and
-#: x32's 0x40000000 | 425) gets ENOSYS; everything else is allowed.
+#: The wrapper: ``python -I -S -c EXEC_WITHOUT_IO_URING =LC_CTYPE|'' cmd args...`` installs the filter and
+#: execs cmd. Self-contained (it runs with no site-packages). The filter, in classic BPF over
+#: ``seccomp_data``: io_uring_setup (425 on every architecture, native, compat or x32's 0x40000000 | 425)
+#: gets ENOSYS; every other call, and every call of an architecture it does not know, is allowed.
 EXEC_WITHOUT_IO_URING = r"""
-import ctypes, os, struct, sys
-AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}.get(os.uname().machine)
-if AUDIT_ARCH is not None:
+import ctypes, os, signal, struct, sys
+lc_ctype, argv = sys.argv[1], sys.argv[2:]  # "=VALUE" as the workload was given it, or "" for none
+# (native, compat) audit arches: x86_64 and i386 (int 0x80, 32-bit programs), aarch64 and arm
+ARCH = {"x86_64": (0xC000003E, 0x40000003), "aarch64": (0xC00000B7, 0x40000028)}.get(os.uname().machine)
+if ARCH is not None:
     LD, JEQ, RET = 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
     ALLOW, ENOSYS = 0x7FFF0000, 0x00050000 | 38  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | ENOSYS
-    prog = [(LD, 0, 0, 4), (JEQ, 0, 4, AUDIT_ARCH), (LD, 0, 0, 0), (JEQ, 1, 0, 425),
-            (JEQ, 0, 1, 0x40000000 | 425), (RET, 0, 0, ENOSYS), (RET, 0, 0, ALLOW)]
+    prog = [(LD, 0, 0, 4), (JEQ, 0, 3, ARCH[0]), (LD, 0, 0, 0), (JEQ, 4, 0, 425), (JEQ, 3, 4, 0x40000000 | 425),
+            (JEQ, 0, 3, ARCH[1]), (LD, 0, 0, 0), (JEQ, 0, 1, 425), (RET, 0, 0, ENOSYS), (RET, 0, 0, ALLOW)]
     raw = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in prog))
     class Prog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
     fprog = Prog(len(prog), ctypes.addressof(raw))
-    ctypes.CDLL(None, use_errno=True).prctl(22, 2, ctypes.byref(fprog), 0, 0)  # PR_SET_SECCOMP, MODE_FILTER
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        sys.stderr.write(f"cedana: io_uring is not refused to this workload ({os.strerror(ctypes.get_errno())}); "
+                         "one it takes cannot be checkpointed\n")
+# what CPython's start-up changed, put back: the exec'd program gets the dispositions and environment
+# the workload was started with (SIGPIPE and SIGXFSZ ignored, LC_CTYPE coerced: PEP 538)
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+if lc_ctype:
+    os.environ["LC_CTYPE"] = lc_ctype[1:]
+else:
+    os.environ.pop("LC_CTYPE", None)
 try:
-    os.execvp(sys.argv[1], sys.argv[1:])
+    os.execvp(argv[0], argv)
 except OSError as e:
-    sys.stderr.write(f"{sys.argv[1]}: {e.strerror}\n")
+    sys.stderr.write(f"{argv[0]}: {e.strerror}\n")
     sys.exit(127)
 """
 
 
-def without_io_uring(command: Sequence[str]) -> list[str]:
-    """``command`` run under the filter (its pid, environment and arguments unchanged)."""
-    return [sys.executable, "-I", "-S", "-c", EXEC_WITHOUT_IO_URING, *command]
+def without_io_uring(command: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
+    """``command`` run under the filter, with its pid, arguments, environment (``env``, else ours) and
+    signal dispositions unchanged."""
+    lc_ctype = (env if env is not None else os.environ).get("LC_CTYPE")
+    return [sys.executable, "-I", "-S", "-c", EXEC_WITHOUT_IO_URING, "" if lc_ctype is None else f"={lc_ctype}", *command]

@@ -3,7 +3,7 @@ cannot, and name what on the node stands in the way (issue 47; the image side is
 
 - Connections with both ends in the tree are restored whole; their own TIME_WAIT leftovers on this
   node (the tree's previous life here) are cleared first.
-- Connections to peers outside the tree are restored closed: EOF on read, EPIPE on write, so the
+- Connections to peers outside the tree are restored closed: ENOTCONN on read, EPIPE on write, so the
   library reconnects (docs/compatibility.md lists which do by themselves).
 - Connected UDP sockets that cannot bind their old address here are restored unbound (connect binds them).
 - Listening and bound UDP sockets must bind again here: each is probed as CRIU will bind it
@@ -102,7 +102,7 @@ def prepare_sockets(image_dir: Path, what: str, *, wait: float = PORT_WAIT_SECON
     close_outside_connections(image_dir, outside)
     unbind_datagrams(image_dir, rebind)
     if outside:
-        log.info("restore closes %d connection(s) to peers outside the tree (the process reads EOF and "
+        log.info("restore closes %d connection(s) to peers outside the tree (the process gets an error and "
                  "reconnects): %s", len(outside), "; ".join(s.describe() for s in outside[:5]))
     clear_time_wait(inside)
     return outside

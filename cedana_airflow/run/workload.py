@@ -160,7 +160,7 @@ class Workload:
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         try:
-            inner = without_io_uring(command) if deny_io_uring and isolate else list(command)
+            inner = without_io_uring(command, env) if deny_io_uring and isolate else list(command)
             launcher = subprocess.Popen(
                 ["unshare", "--pid", "--fork", "setsid", *inner] if isolate else list(command),
                 stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, cwd=cwd, env=env,

@@ -106,7 +106,7 @@ def test_a_connection_to_a_service_outside_moves_to_another_node_closed_and_the_
     run_b = _run(b, tmp_path, "out", cmd, resume=True, heartbeat="0", out="b")
     assert run_b.wait(timeout=120) == 0, (tmp_path / "b.err").read_text()[-3000:]
     err = (tmp_path / "b.err").read_text()
-    assert f"restore closes 1 connection(s) to peers outside the tree (the process reads EOF and reconnects): TCP " \
+    assert f"restore closes 1 connection(s) to peers outside the tree (the process gets an error and reconnects): TCP " \
            f"{a.address}:" in err and f"ESTABLISHED to {a.gateway}:{echo.port}" in err, err[-3000:]
     out = (tmp_path / "b.out").read_text().splitlines()
     assert not out[0].startswith("start-up") and out[-1] == reference, (out[:2], out[-1], reference)

@@ -43,3 +43,53 @@ def test_the_tree_and_its_children_get_enosys_from_io_uring_setup():
 
 def test_without_the_filter_the_workload_gets_its_ring():
     assert _run(deny=False) == "child: ring\nparent: ring seccomp 0\n"
+
+
+def test_what_the_workload_is_started_with_is_what_it_gets():
+    """The wrapper is Python: its start-up ignores SIGPIPE and SIGXFSZ and coerces LC_CTYPE (PEP 538); the
+    workload must see neither (a pipeline's `yes | head` would print 'Broken pipe')."""
+    import os
+    import subprocess
+
+    from cedana_airflow.run.no_io_uring import without_io_uring
+
+    cmd = ["sh", "-c", "grep SigIgn /proc/self/status; echo LC_CTYPE=${LC_CTYPE-unset}; yes | head -1"]
+    for env in ({k: v for k, v in os.environ.items() if not k.startswith("LC_") and k != "LANG"},
+                {**os.environ, "LC_CTYPE": "de_DE.UTF-8"}):
+        plain = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        wrapped = subprocess.run(without_io_uring(cmd, env), env=env, capture_output=True, text=True)
+        assert (wrapped.stdout, wrapped.stderr) == (plain.stdout, plain.stderr), (wrapped, plain)
+
+
+def test_a_32_bit_call_gets_no_ring_either(tmp_path):
+    """On x86-64, io_uring_setup through the i386 ABI (int 0x80, or a 32-bit program) is refused too."""
+    import platform
+    import shutil
+    import subprocess
+
+    import pytest
+
+    from cedana_airflow.run.no_io_uring import without_io_uring
+
+    if platform.machine() != "x86_64" or shutil.which("gcc") is None:
+        pytest.skip("needs x86-64 and gcc")
+    src = tmp_path / "uring32.c"
+    src.write_text(r"""
+#include <stdio.h>
+#include <string.h>
+int main(void) {
+    static unsigned char params[120];
+    long r;
+    memset(params, 0, sizeof params);
+    __asm__ volatile ("int $0x80" : "=a"(r) : "a"(425), "b"(4), "c"((long)(unsigned long)params) : "memory");
+    printf("%ld\n", r);
+    return 0;
+}
+""")
+    exe = tmp_path / "uring32"
+    # the buffer must be addressable with 32 bits: a non-PIE binary keeps its .bss low
+    subprocess.run(["gcc", "-O0", "-no-pie", "-o", str(exe), str(src)], check=True)
+    plain = subprocess.run([str(exe)], capture_output=True, text=True).stdout.strip()
+    wrapped = subprocess.run(without_io_uring([str(exe)]), capture_output=True, text=True).stdout.strip()
+    assert int(plain) >= 0, plain  # a ring, where nothing refuses it (the test can fail)
+    assert wrapped == "-38", wrapped  # -ENOSYS
