@@ -272,7 +272,7 @@ class CriuEngine:
         side = _beside(image_dir, ".captured")
         side.mkdir()
         cmd = [self.binary.path, "dump", "-t", str(pid), "-D", str(image_dir), "-o", str(log_path), "--file-locks",
-               "-L", no_plugins_dir(), *self._socket_flags()]
+               "-L", no_plugins_dir(), *self._socket_flags(dump=True)]
         if leave_running:
             cmd.append("--leave-running")
         with contextlib.ExitStack() as stack:
@@ -361,11 +361,15 @@ class CriuEngine:
             raise RestoreFailed(f"criu lazy-pages for {image_dir} did not start: {tail}. {_hint(tail)}; log: {log_path}.")
         return proc
 
-    def _socket_flags(self) -> list[str]:
+    def _socket_flags(self, dump: bool) -> list[str]:
         """Established TCP connections are carried (a torchrun job's store and gloo connections, both ends
         in the tree) where this CRIU can dump sockets at all; run/sockets.py decides what a restore does
-        with a connection whose peer was outside the tree."""
-        return ["--tcp-established"] if fds.carries_inet_sockets(self.binary.version) else []
+        with a connection whose peer was outside the tree. A dump also leaves out connections a listener
+        has not accepted yet (``--skip-in-flight``: CRIU refuses the whole dump otherwise, and a serving
+        worker under load always has one); the live tree keeps them, a restore never had them."""
+        if not fds.carries_inet_sockets(self.binary.version):
+            return []
+        return ["--tcp-established", "--skip-in-flight"] if dump else ["--tcp-established"]
 
     def restore(self, image_dir: Path, *, inherit: dict[int, str], pidfile: Path, lazy: bool = False) -> int:
         """Restore the tree detached (``-d``); return the host PID of its root.
@@ -378,7 +382,7 @@ class CriuEngine:
         self._require_root("restoring")
         log_path = image_dir.with_name(image_dir.name + ".restore.log")
         cmd = [self.binary.path, "restore", "-D", str(image_dir), "-d", "--pidfile", str(pidfile),
-               "-o", str(log_path), "--file-locks", "-L", no_plugins_dir(), *self._socket_flags()]
+               "-o", str(log_path), "--file-locks", "-L", no_plugins_dir(), *self._socket_flags(dump=False)]
         for fd, name in inherit.items():
             cmd += ["--inherit-fd", f"fd[{fd}]:{name}"]
         if lazy:

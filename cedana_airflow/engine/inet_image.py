@@ -44,7 +44,7 @@ __all__ = ["InetSk", "close_outside_connections", "clear_time_wait", "in_tree", 
 _FE_TYPE, _FE_ISK, _FD_INETSK = 1, 4, 4
 # inet_sk_entry
 _ISK_ID, _ISK_INO, _ISK_FAMILY, _ISK_TYPE, _ISK_PROTO, _ISK_STATE = 1, 2, 3, 4, 5, 6
-_ISK_SRC_PORT, _ISK_DST_PORT, _ISK_SRC_ADDR, _ISK_DST_ADDR = 7, 8, 11, 12
+_ISK_SRC_PORT, _ISK_DST_PORT, _ISK_SRC_ADDR, _ISK_DST_ADDR, _ISK_V6ONLY = 7, 8, 11, 12, 15
 _TCP_CLOSE = 7
 _TCP_STATES = {1: "ESTABLISHED", 2: "SYN_SENT", 3: "SYN_RECV", 4: "FIN_WAIT1", 5: "FIN_WAIT2", 6: "TIME_WAIT",
                7: "CLOSE", 8: "CLOSE_WAIT", 9: "LAST_ACK", 10: "LISTEN", 11: "CLOSING"}
@@ -61,6 +61,7 @@ class InetSk:
     state: int
     src: tuple[str, int]
     dst: tuple[str, int]
+    v6only: bool = False  # IPV6_V6ONLY: an IPv6 socket that leaves IPv4 to others
 
     @property
     def connection(self) -> bool:
@@ -122,7 +123,8 @@ def read_inet_sockets(image_dir: Path) -> list[InetSk]:
                 continue
             out.append(InetSk(index, _ints(f, _ISK_INO)[-1], family, proto, _ints(f, _ISK_STATE)[-1],
                               (_addr(_ints(f, _ISK_SRC_ADDR), family), _ints(f, _ISK_SRC_PORT)[-1]),
-                              (_addr(_ints(f, _ISK_DST_ADDR), family), _ints(f, _ISK_DST_PORT)[-1])))
+                              (_addr(_ints(f, _ISK_DST_ADDR), family), _ints(f, _ISK_DST_PORT)[-1]),
+                              bool(_ints(f, _ISK_V6ONLY)[-1:] == [1])))
     except (IndexError, struct.error, ValueError) as e:
         raise ValueError(f"{path} is malformed ({e})") from None
     return out
@@ -234,17 +236,36 @@ def _rewrite(image_dir: Path, changes: dict[int, dict[int, int]]) -> None:
 
 def clear_time_wait(connections: Iterable[InetSk]) -> int:
     """Destroy this node's TIME_WAIT sockets with the address pair of one of ``connections`` (either
-    direction): the tree's own past here, which would refuse the connection's restore. How many
-    pairs were asked for (``ss`` from iproute2; none asked without it)."""
+    direction): the tree's own past here, which would refuse the connection's restore where the kernel
+    lets no connect reuse the pair (TCP timestamps off). One listing, then one ``ss -K`` per leftover
+    found (``ss`` from iproute2; nothing without it). How many were destroyed."""
     ss = shutil.which("ss")
-    pairs = {(s.src, s.dst) for s in connections}
-    if ss is None or not pairs:
+    wanted = {(s.src, s.dst) for s in connections}
+    if ss is None or not wanted:
         return 0
-    for src, dst in pairs:
-        forms = [(src, dst)]
-        if "." in src[0] and "." in dst[0]:  # also as a dual-stack socket saw it: ::ffff:a.b.c.d
-            forms.append(((f"::ffff:{src[0]}", src[1]), (f"::ffff:{dst[0]}", dst[1])))
-        for a, b in forms:
-            subprocess.run([ss, "-K", "-tn", "state", "time-wait", "src", _show(a), "dst", _show(b)],
-                           capture_output=True, timeout=10)
-    return len(pairs)
+    listing = subprocess.run([ss, "-Htan", "state", "time-wait"], capture_output=True, text=True, timeout=10).stdout
+    found = []
+    for row in listing.splitlines():
+        cols = row.split()
+        if len(cols) < 4:
+            continue
+        local, peer = _parse_end(cols[-2]), _parse_end(cols[-1])
+        if (local, peer) in wanted or (peer, local) in wanted:
+            found.append((cols[-2], cols[-1]))
+    for local_text, peer_text in found:
+        subprocess.run([ss, "-K", "-tn", "state", "time-wait", "src", local_text, "dst", peer_text],
+                       capture_output=True, timeout=10)
+    return len(found)
+
+
+def _parse_end(text: str) -> tuple[str, int]:
+    """``ss``'s ``10.0.0.5:41709`` or ``[::ffff:10.0.0.5]:41709`` as an InetSk end (v4-mapped as v4)."""
+    host, _, port = text.rpartition(":")
+    host = host.strip("[]")
+    try:
+        a = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return host, int(port) if port.isdigit() else 0
+    if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None:
+        a = a.ipv4_mapped
+    return str(a), int(port)

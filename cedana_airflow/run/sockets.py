@@ -40,7 +40,10 @@ _WILDCARDS = ("0.0.0.0", "::")
 
 
 def _probe(s: InetSk) -> int:
-    """0 when ``s`` can be bound here as CRIU binds it, else the errno."""
+    """0 when ``s`` can be bound here, else the errno. As CRIU binds it (``SO_REUSEADDR``, so a TIME_WAIT
+    leftover does not count; ``IPV6_V6ONLY`` as the image says) but without ``SO_REUSEPORT``, which CRIU
+    sets on every socket it restores: with it, a live listener of another process that set it too
+    (nginx ``reuseport``, uvicorn ``--reuse-port``) would pass, and share its port with the restored tree."""
     family = socket.AF_INET6 if s.family == socket.AF_INET6 else socket.AF_INET
     addr = s.src[0]
     if family == socket.AF_INET6 and "." in addr:
@@ -48,7 +51,8 @@ def _probe(s: InetSk) -> int:
     kind = socket.SOCK_STREAM if s.proto == socket.IPPROTO_TCP else socket.SOCK_DGRAM
     with socket.socket(family, kind) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(s.v6only))
         try:
             probe.bind((addr, s.src[1]))
             if kind == socket.SOCK_STREAM and s.state == 10:  # a listener conflicts with listeners only at listen()

@@ -119,3 +119,37 @@ def test_an_address_this_node_does_not_have_is_named(images):
     with pytest.raises(NodeInTheWay, match=rf"its socket TCP 192\.0\.2\.7:{port} LISTEN is bound to 192\.0\.2\.7, an "
                                            "address this node does not have. Bind the workload to 0.0.0.0"):
         prepare_sockets(image_dir, "checkpoint t seq=1", wait=0.1)
+
+
+def test_a_foreign_listener_that_shares_ports_is_in_the_way_too(images):
+    """A live server with SO_REUSEPORT (nginx reuseport, uvicorn --reuse-port) on the port: CRIU, which sets
+    SO_REUSEPORT on every socket it restores, would bind beside it and take its connections."""
+    image_dir, port, _ = images
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (the tree's own connections left TIME_WAIT)
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    try:
+        with pytest.raises(NodeInTheWay, match=rf"TCP 127\.0\.0\.1:{port} LISTEN is held here by pid "):
+            prepare_sockets(image_dir, "checkpoint t seq=1", wait=0.3)
+    finally:
+        holder.close()
+
+
+def test_a_connection_the_listener_has_not_accepted_yet_does_not_fail_the_dump(tmp_path):
+    """A serving worker under load always has one: CRIU refuses the dump without --skip-in-flight."""
+    out = open(tmp_path / "tree.out", "w+b")
+    port = _free_port()
+    w = Workload.start([sys.executable, "-c", f"import socket, time\ns = socket.create_server(('127.0.0.1', {port}))\n"
+                        "print('listening', flush=True)\ntime.sleep(60)"], stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 20
+        while b"listening" not in (tmp_path / "tree.out").read_bytes():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with socket.create_connection(("127.0.0.1", port)):  # in its accept queue, never accepted
+            r = CriuEngine(find_criu("", Path(DEFAULT_CRIU_PREFIX))).dump(w.pid, tmp_path / "images")
+        assert r.freeze_seconds > 0 and w.poll() is None
+    finally:
+        w.stop(1, 9)
