@@ -164,15 +164,15 @@ _HINTS = [
     ("External socket", "the workload holds a UNIX socket to a process outside its tree, which CRIU cannot carry"),
     ("Address already in use", "a port of the checkpoint is held on this node; the checkpoint stays the latest for "
      "the next try"),
-    ("Cannot assign requested address", "an address of the checkpoint is not on this node, or its connection's "
-     "address pair is still in use here; the checkpoint stays the latest for the next try"),
+    ("Cannot assign requested address", "an address of the checkpoint is not on this node (run/sockets.py moves "
+     "the tree's own; this one it could not), or a connection's address pair is still in use here"),
     ("Unknown shit", "the workload holds a kind of file CRIU has no dumper for (named above); keep it out of the "
      "workload"),
 ]
 
 
 #: What a restore's log says when the node, not the checkpoint, is in the way.
-_NODE_IN_THE_WAY = ("Address already in use", "Cannot assign requested address")
+_NODE_IN_THE_WAY = ("Address already in use",)
 
 
 def _signal_name(signum: int) -> str:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from .images import _payload_start, _varint, message_values
 
-__all__ = ["InetSk", "close_outside_connections", "clear_time_wait", "in_tree", "read_inet_sockets",
+__all__ = ["InetSk", "close_outside_connections", "clear_time_wait", "in_tree", "move_addresses", "read_inet_sockets",
            "unbind_datagrams"]
 
 _FE_TYPE, _FE_ISK, _FD_INETSK = 1, 4, 4
@@ -178,6 +178,61 @@ def _set_varints(msg: bytes, values: dict[int, int]) -> bytes:
     return bytes(out)
 
 
+def _set_repeated(msg: bytes, num: int, values: list[int]) -> bytes:
+    """``msg`` with every value of repeated varint field ``num`` replaced by ``values`` (written where the
+    first one was), every other field kept byte for byte."""
+    out, i, written = bytearray(), 0, False
+    while i < len(msg):
+        start = i
+        key, i = _varint(msg, i)
+        fnum, wire = key >> 3, key & 7
+        if wire == 0:
+            _, i = _varint(msg, i)
+        elif wire == 1:
+            i += 8
+        elif wire == 5:
+            i += 4
+        elif wire == 2:
+            n, i = _varint(msg, i)
+            i += n
+        if fnum == num and wire == 0:
+            if not written:
+                out += b"".join(_encode_varint(num << 3) + _encode_varint(v) for v in values)
+                written = True
+        else:
+            out += msg[start:i]
+    return bytes(out)
+
+
+def _words(addr: str, family: int, count: int) -> list[int]:
+    """An address as CRIU stores it: the kernel's bytes in little-endian 32-bit words (``count`` of them:
+    1 for IPv4, 4 for IPv6, where an IPv4 address is v4-mapped)."""
+    a = ipaddress.ip_address(addr)
+    if family == socket.AF_INET6 and isinstance(a, ipaddress.IPv4Address):
+        a = ipaddress.IPv6Address(f"::ffff:{a}")
+    raw = a.packed.ljust(4 * count, b"\0")
+    return [struct.unpack_from("<I", raw, 4 * i)[0] for i in range(count)]
+
+
+def move_addresses(image_dir: Path, sockets: Iterable[InetSk], moves: dict[str, str]) -> int:
+    """Give ``sockets`` (connections with both ends in the tree, and listening or bound ones) this node's
+    addresses in place of the checkpoint node's: ``moves`` maps one to the other. A connection keeps its
+    ports and sequence numbers (TCP repair does not care which addresses carry them), and both of its ends
+    move together. How many sockets changed."""
+    changes: dict[int, dict[int, int | list[int]]] = {}
+    for s in sockets:
+        count = 1 if s.family == socket.AF_INET else 4
+        change: dict[int, int | list[int]] = {}
+        if s.src[0] in moves:
+            change[_ISK_SRC_ADDR] = _words(moves[s.src[0]], s.family, count)
+        if s.connection and s.dst[0] in moves:
+            change[_ISK_DST_ADDR] = _words(moves[s.dst[0]], s.family, count)
+        if change:
+            changes[s.index] = change
+    _rewrite(image_dir, changes)
+    return len(changes)
+
+
 def _set_message(msg: bytes, num: int, value: bytes) -> bytes:
     """``msg`` with length-delimited field ``num`` replaced by ``value`` (it must be there once)."""
     out, i = bytearray(), 0
@@ -215,9 +270,10 @@ def unbind_datagrams(image_dir: Path, which: Iterable[InetSk]) -> None:
     _rewrite(image_dir, {s.index: {_ISK_SRC_PORT: 0} for s in which})
 
 
-def _rewrite(image_dir: Path, changes: dict[int, dict[int, int]]) -> None:
-    """Set varint fields of the inet_sk_entry of files.img entries (by index). Every other byte is kept;
-    atomic (a new file renamed over the old)."""
+def _rewrite(image_dir: Path, changes: dict[int, dict[int, int | list[int]]]) -> None:
+    """Set varint fields of the inet_sk_entry of files.img entries (by index): an int sets a field, a
+    list replaces every value of a repeated one (an address). Every other byte is kept; atomic (a new
+    file renamed over the old)."""
     if not changes:
         return
     path = image_dir / "files.img"
@@ -227,7 +283,11 @@ def _rewrite(image_dir: Path, changes: dict[int, dict[int, int]]) -> None:
         if index in changes:
             isk = message_values(msg)[_FE_ISK][-1]
             assert isinstance(isk, bytes)
-            msg = _set_message(msg, _FE_ISK, _set_varints(isk, changes[index]))
+            single = {k: v for k, v in changes[index].items() if isinstance(v, int)}
+            for num, values in changes[index].items():
+                if isinstance(values, list):
+                    isk = _set_repeated(isk, num, values)
+            msg = _set_message(msg, _FE_ISK, _set_varints(isk, single))
         out += struct.pack("<I", len(msg)) + msg
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(out)

@@ -2,7 +2,11 @@
 cannot, and name what on the node stands in the way (issue 47; the image side is engine/inet_image.py).
 
 - Connections with both ends in the tree are restored whole; their own TIME_WAIT leftovers on this
-  node (the tree's previous life here) are cleared first.
+  node (the tree's previous life here) are cleared first. Where they, or listeners, used the address of
+  the node the checkpoint was taken on (not loopback), and this node lacks it, they move to this
+  node's address for it (``ip route get``): a tree that talks to itself over its hostname's address
+  (torchrun in a pod) restores on another node too. Its memory may still hold the old address (a
+  store's host name resolved once): a new connection to it fails, and the job's own retry decides.
 - Connections to peers outside the tree are restored closed: ENOTCONN on read, EPIPE on write, so the
   library reconnects (docs/compatibility.md lists which do by themselves).
 - Connected UDP sockets that cannot bind their old address here are restored unbound (connect binds them).
@@ -17,17 +21,21 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
+import json
 import logging
 import os
+import shutil
 import socket
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from ..engine.fds import command_of, inet_sockets
-from ..engine.inet_image import (InetSk, clear_time_wait, close_outside_connections, in_tree, read_inet_sockets,
-                                 unbind_datagrams)
-from ..errors import NodeInTheWay
+from ..engine.inet_image import (InetSk, clear_time_wait, close_outside_connections, in_tree, move_addresses,
+                                 read_inet_sockets, unbind_datagrams)
+from ..errors import NodeInTheWay, NotRestorableHere
 
 __all__ = ["PORT_WAIT_SECONDS", "holder_of", "prepare_sockets"]
 
@@ -62,6 +70,47 @@ def _probe(s: InetSk) -> int:
     return 0
 
 
+def _here(addr: str) -> bool:
+    """Whether this node has ``addr`` (a wildcard and loopback it always has)."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((addr, 0))
+        except OSError as e:
+            return e.errno != errno.EADDRNOTAVAIL
+    return True
+
+
+def _route_source(addr: str) -> str | None:
+    """The address this node sends from to reach ``addr`` (``ip route get``): on a node in the same
+    network, its own address there; in a pod, the pod's new IP."""
+    ip = shutil.which("ip")
+    if ip is None:
+        return None
+    r = subprocess.run([ip, "-j", "route", "get", addr], capture_output=True, text=True, timeout=10)
+    try:
+        return str(json.loads(r.stdout)[0]["prefsrc"])
+    except (ValueError, LookupError, TypeError):
+        return None
+
+
+def _moves(sockets: list[InetSk], what: str) -> dict[str, str]:
+    """The checkpoint node's own addresses among ``sockets`` that this node lacks, each to this node's
+    address for it. A tree that talks to itself over its node's address (torchrun's store and gloo bind
+    the address its hostname resolves to: a pod's IP) would otherwise never restore anywhere else."""
+    out: dict[str, str] = {}
+    for addr in sorted({s.src[0] for s in sockets} | {s.dst[0] for s in sockets if s.connection}):
+        if addr in _WILDCARDS or ipaddress.ip_address(addr).is_loopback or _here(addr):
+            continue
+        to = _route_source(addr)
+        if to is None:
+            raise NotRestorableHere(f"{what} cannot be restored on this node: its tree talks to itself over "
+                                    f"{addr}, the address of the node it ran on, and this node has no route to "
+                                    "choose an address of its own in its place. Check the node's network")
+        out[addr] = to
+    return out
+
+
 def holder_of(s: InetSk) -> str:
     """Who holds ``s``'s port here: ``pid 123 (python3 serve.py)``, or what the kernel says of it."""
     proto = "TCP" if s.proto == socket.IPPROTO_TCP else "UDP"
@@ -86,6 +135,12 @@ def prepare_sockets(image_dir: Path, what: str, *, wait: float = PORT_WAIT_SECON
     sockets = read_inet_sockets(image_dir)
     if not sockets:
         return []
+    inside, _ = in_tree(sockets)
+    if moves := _moves(inside + [s for s in sockets if not s.connection and s.src[1] != 0], what):
+        moved = move_addresses(image_dir, sockets, moves)
+        log.info("restore moves the tree's address %s on this node (%d socket(s): its connections inside the "
+                 "tree and its listeners)", ", ".join(f"{a} to {b}" for a, b in moves.items()), moved)
+        sockets = read_inet_sockets(image_dir)
     inside, outside = in_tree(sockets)
     bound = [s for s in sockets if not s.connection and s.src[1] != 0]
     datagrams = [s for s in bound if s.proto == socket.IPPROTO_UDP and s.dst[1] != 0]
