@@ -36,11 +36,13 @@ fi
 export DEBIAN_FRONTEND=noninteractive
 # util-linux gives unshare/setsid (the workload's PID namespace); always present on Debian, but be sure.
 # iptables-restore: CRIU holds a TCP connection's packets with it while it dumps the connection
-# (--tcp-established); ss (iproute2) clears a restored connection's TIME_WAIT leftovers.
+# (--tcp-established; nftables where CRIU can, in-process); ss (iproute2) clears a restored
+# connection's TIME_WAIT leftovers; nft removes the lock a killed dump left.
 need=()
 command -v unshare >/dev/null && command -v setsid >/dev/null || need+=(util-linux)
 command -v iptables-restore >/dev/null || need+=(iptables)
 command -v ss >/dev/null || need+=(iproute2)
+command -v nft >/dev/null || need+=(nftables)  # removing the network lock a killed criu dump left (engine/net_lock.py)
 if [ "${#need[@]}" -gt 0 ]; then apt-get update -qq; apt-get install -y -qq --no-install-recommends "${need[@]}"; fi
 
 if command -v criu >/dev/null && new_enough criu; then

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import DumpFailed, EngineUnavailable, NodeInTheWay, RestoreFailed
-from . import fds, proc_mountpoint
+from . import fds, net_lock, proc_mountpoint
 from .capture import CaptureOnFreeze
 from .images import read_dump_stats
 from .procfs import tree_pids
@@ -252,9 +252,13 @@ class CriuEngine:
             raise DumpFailed(f"criu dump of pid {pid} not started: {bad[0].line()}{more}.")
         dirs = proc_mountpoint.working_dirs(pids)
         proc_mountpoint.clear_stale(dirs)
+        pairs: set[net_lock.Pair] = set()
+        if fds.carries_inet_sockets(self.binary.version):
+            net_lock.sweep()  # a killed dump's lock would drop new connections on its address pairs
+            pairs = net_lock.tree_pairs(pids)
         for attempt in range(1, _DUMP_ATTEMPTS + 1):
             try:
-                return self._dump_once(pid, image_dir, leave_running, capture, dirs)
+                return self._dump_once(pid, image_dir, leave_running, capture, dirs, pairs)
             except _Collided as e:
                 if attempt == _DUMP_ATTEMPTS:
                     raise DumpFailed(e.line) from None
@@ -266,7 +270,8 @@ class CriuEngine:
                 time.sleep(random.uniform(0.05, 0.25) * attempt)  # jittered: the colliders do not meet again
         raise AssertionError("unreachable")
 
-    def _dump_once(self, pid: int, image_dir: Path, leave_running: bool, capture: bool, dirs: set[str]) -> DumpResult:
+    def _dump_once(self, pid: int, image_dir: Path, leave_running: bool, capture: bool, dirs: set[str],
+                   pairs: set[net_lock.Pair]) -> DumpResult:
         image_dir.mkdir(parents=True, exist_ok=False)
         log_path = _beside(image_dir, ".dump.log")
         side = _beside(image_dir, ".captured")
@@ -284,7 +289,8 @@ class CriuEngine:
                                   text=True) as running:
                 self._dumping = running
                 try:
-                    _, stderr = running.communicate()
+                    with net_lock.recorded(running, pairs):  # what its lock holds, if it is killed
+                        _, stderr = running.communicate()
                 finally:
                     self._dumping = None
             proc = subprocess.CompletedProcess(cmd, running.returncode, "", stderr)
@@ -314,6 +320,7 @@ class CriuEngine:
         if running is not None and running.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 running.kill()
+            # (its network lock, left behind, is removed by net_lock.recorded once it has died)
 
     @functools.cached_property
     def lazy_pages(self) -> tuple[bool, str]:
@@ -369,7 +376,8 @@ class CriuEngine:
         worker under load always has one); the live tree keeps them, a restore never had them."""
         if not fds.carries_inet_sockets(self.binary.version):
             return []
-        return ["--tcp-established", "--skip-in-flight"] if dump else ["--tcp-established"]
+        lock = list(net_lock.lock_flags(self.binary.path))
+        return ["--tcp-established", "--skip-in-flight", *lock] if dump else ["--tcp-established", *lock]
 
     def restore(self, image_dir: Path, *, inherit: dict[int, str], pidfile: Path, lazy: bool = False) -> int:
         """Restore the tree detached (``-d``); return the host PID of its root.
