@@ -45,7 +45,8 @@ def image_set_problems(image_dir: Path) -> list[str]:
             head, *rest = entries
             pages = f"pages-{head.get(1)!s}.img"
             present = [e for e in rest if int(e.get(4, _PE_PRESENT)) & _PE_PRESENT]
-            want = sum(int(e.get(2, 0)) for e in present) * os.sysconf("SC_PAGE_SIZE")
+            # nr_pages: field 5 (uint64) from CRIU 4.2, compat_nr_pages (2) before (pagemap.proto)
+            want = sum(int(e.get(5, e.get(2, 0))) for e in present) * os.sysconf("SC_PAGE_SIZE")
             have = (image_dir / pages).stat().st_size if pages in names else -1
             if have != want:
                 problems.append(f"{pages} holds {have} bytes where {name} indexes {want}")

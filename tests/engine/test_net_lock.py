@@ -88,7 +88,14 @@ def test_the_lock_of_a_killed_dump_is_removed_and_the_address_pair_works_again(t
     time.sleep(0.2)  # the peer closes its end
     with socket.socket() as again:  # the same address pair connects at once
         again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        again.bind(("127.0.0.1", client_port))
+        deadline = time.monotonic() + 10
+        while True:  # once the old end has closed (TIME_WAIT, which SO_REUSEADDR on both sides lets us reuse)
+            try:
+                again.bind(("127.0.0.1", client_port))
+                break
+            except OSError:
+                assert time.monotonic() < deadline, subprocess.run(["ss", "-tan"], capture_output=True, text=True).stdout
+                time.sleep(0.1)
         again.settimeout(3)
         again.connect(("127.0.0.1", port))
     server.close()
