@@ -122,12 +122,8 @@ def _dead_records() -> tuple[set[Pair], list[Path]]:
     pairs: set[Pair] = set()
     paths = []
     for path in RECORDS.glob("*.json") if RECORDS.is_dir() else []:
-        try:
-            with open(f"/proc/{int(path.stem)}/comm") as f:
-                if f.read().strip() == "criu":
-                    continue  # still dumping
-        except (OSError, ValueError):
-            pass
+        if path.stem.isdigit() and _is_criu(int(path.stem)):
+            continue  # still dumping
         try:
             pairs |= {(str(a), int(b), str(c), int(d)) for a, b, c, d in json.loads(path.read_text())["pairs"]}
         except (OSError, ValueError, KeyError, TypeError):
@@ -170,15 +166,19 @@ def _nft_stale(dead: set[Pair]) -> list[str]:
     return stale
 
 
+def _is_criu(pid: int) -> bool:
+    """Whether ``pid`` runs criu: by its command line, not its name, which is the loader's where criu runs
+    through one (scripts/install-criu.sh's private prefix: ``ld-linux-x86-64.so.2 ... criu dump``)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().split(b"\0")
+    except OSError:
+        return False
+    return any(os.path.basename(a) == b"criu" for a in args)
+
+
 def _criu_running() -> bool:
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                if f.read().strip() == "criu":
-                    return True
-        except OSError:
-            continue
-    return False
+    return any(_is_criu(int(pid)) for pid in os.listdir("/proc") if pid.isdigit())
 
 
 def _iptables_stale(dead: set[Pair]) -> list[str]:
