@@ -42,7 +42,7 @@ from ..store.transfer import CapturedSource, CheckpointMeta, fetch_checkpoint, r
 from ..store.writer_lease import WriterLease
 from .captured import CapturedFilesBack, ensure_cwd, refusal, restore_roots
 from .cooperative import Cooperation
-from .estimate import captured_too_large, dump_too_large, estimate_checkpoint, too_large
+from .estimate import captured_too_large, copies_too_large, dump_too_large, estimate_checkpoint, too_large
 from .gpu_state import GpuGate
 from .lazy_restore import LazyFeed, lazy_files
 from .preflight import preflight
@@ -197,7 +197,8 @@ class Checkpointer:
                         failpoint("heartbeat.freeze", workload=workload.pid, work_dir=self.work_dir)
                         dump = self.engine.dump(workload.pid, dump_dir / "images", leave_running=leave_running)
                         failpoint("heartbeat.dump", workload=workload.pid, work_dir=self.work_dir)
-                grew = dump_too_large(dump, self.settings.max_checkpoint_bytes)
+                grew = (dump_too_large(dump, self.settings.max_checkpoint_bytes)
+                        or copies_too_large(dump, self.settings.max_captured_bytes))
                 if grew and leave_running:  # the tree grew after its estimate: the limit still holds for the store
                     shutil.rmtree(dump_dir, ignore_errors=True)
                     self._skip(grew)

@@ -130,6 +130,18 @@ def captured_too_large(pids: list[int], max_bytes: int) -> str | None:
             sizes[path] = os.stat(path).st_size
         except OSError:
             continue
+    return _captured_line(sizes, max_bytes)
+
+
+def copies_too_large(dump: DumpResult, max_bytes: int) -> str | None:
+    """Why the copies a dump took are above max_captured_bytes, or None: a file that grew between the
+    estimate and the freeze (the time the dump's checks before CRIU take) is judged on what was copied."""
+    if not max_bytes:
+        return None
+    return _captured_line({path: copy.stat().st_size for path, copy, _ in dump.captured}, max_bytes)
+
+
+def _captured_line(sizes: dict[str, int], max_bytes: int) -> str | None:
     total = sum(sizes.values())
     if total <= max_bytes:
         return None

@@ -100,9 +100,10 @@ def test_a_client_whose_connection_a_restore_closed(client, tmp_path):
         r = cli("run", "--resume", "--id", "cl", "--heartbeat", "0", "--", *cmd, env=cli_env(tmp_path, "node-b", "work-b"),
                 timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
-    # moto's server (werkzeug) closes each connection after its answer: boto3 held none to close
+    # moto's server (werkzeug) closes each connection after its answer: boto3 holds one only if the checkpoint
+    # came before it noticed (CLOSE_WAIT), and then it too is closed
     closed = "restore closes 1 connection(s) to peers outside the tree" in r.stderr
-    assert closed == (client != "boto3"), r.stderr[-3000:]
+    assert closed or client == "boto3", r.stderr[-3000:]
     steps = [ln for ln in r.stdout.splitlines() if ln.startswith("step ")]
     first = "ok" if steps[0].endswith(" ok") else "failed"
     assert first == EXPECTED_FIRST_CALL[client], steps[:3]
