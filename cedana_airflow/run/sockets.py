@@ -11,10 +11,10 @@ cannot, and name what on the node stands in the way (issue 47; the image side is
   library reconnects (docs/compatibility.md lists which do by themselves).
 - Connected UDP sockets that cannot bind their old address here are restored unbound (connect binds them).
 - Listening and bound UDP sockets must bind again here: each is probed as CRIU will bind it
-  (``SO_REUSEADDR`` and ``SO_REUSEPORT``: a TIME_WAIT leftover does not block it, a live listener
-  does). A port held by a live process is waited for a few seconds (a tree whose supervisor died here
-  is killed by its watchdog within one), then raises :class:`NodeInTheWay` naming the holder; an
-  address this node does not have raises it at once.
+  (``SO_REUSEADDR``: a TIME_WAIT leftover does not block it), but without ``SO_REUSEPORT``, so that a
+  live listener of another process blocks it even where it shares ports. A port held by a live
+  process is waited for a few seconds (a tree whose supervisor died here is killed by its watchdog
+  within one), then raises :class:`NodeInTheWay` naming the holder.
 """
 
 from __future__ import annotations
@@ -136,8 +136,9 @@ def prepare_sockets(image_dir: Path, what: str, *, wait: float = PORT_WAIT_SECON
     if not sockets:
         return []
     inside, _ = in_tree(sockets)
-    if moves := _moves(inside + [s for s in sockets if not s.connection and s.src[1] != 0], what):
-        moved = move_addresses(image_dir, sockets, moves)
+    own = inside + [s for s in sockets if not s.connection and s.src[1] != 0]
+    if moves := _moves(own, what):
+        moved = move_addresses(image_dir, own, moves)
         log.info("restore moves the tree's address %s on this node (%d socket(s): its connections inside the "
                  "tree and its listeners)", ", ".join(f"{a} to {b}" for a, b in moves.items()), moved)
         sockets = read_inet_sockets(image_dir)
