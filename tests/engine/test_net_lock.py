@@ -124,7 +124,7 @@ def test_the_lock_of_a_dump_whose_supervisor_died_goes_at_the_next_dump_and_no_o
     live_record.write_text('{"pairs": [["127.0.0.1", 40003, "127.0.0.1", 40004]]}')
     try:
         time.sleep(0.3)  # it has become criu
-        assert net_lock.sweep() >= 1
+        net_lock.sweep()  # (another worker's dump may have swept it first: every dump on the node does)
         assert dead not in _tables() and other in _tables() and not record.exists() and live_record.exists()
     finally:
         live.kill()
