@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ __all__ = [
     "OpenFiles",
     "RegFile",
     "UnixSocket",
+    "fields",
     "image_entries",
     "image_messages",
     "message_fields",
@@ -55,13 +57,24 @@ def message_values(msg: bytes) -> dict[int, list[int | bytes]]:
     :func:`message_fields` keeps the last). Varints as ints, length-delimited fields as bytes
     (strings, bytes and nested messages alike: decode them with :func:`message_values` again)."""
     out: dict[int, list[int | bytes]] = {}
+    for num, _, value, _, _ in fields(msg):
+        if value is not None:
+            out.setdefault(num, []).append(value)
+    return out
+
+
+def fields(msg: bytes) -> Iterator[tuple[int, int, int | bytes | None, int, int]]:
+    """Each field of ``msg`` in order: (number, wire type, value, start, end), the value an int for a
+    varint, bytes for a length-delimited field, None for a fixed-size one; ``msg[start:end]`` is the
+    whole field, key included (what a rewrite keeps byte for byte)."""
     i = 0
     while i < len(msg):
+        start = i
         key, i = _varint(msg, i)
         num, wire = key >> 3, key & 7
+        value: int | bytes | None = None
         if wire == 0:
-            v, i = _varint(msg, i)
-            out.setdefault(num, []).append(v)
+            value, i = _varint(msg, i)
         elif wire == 1:
             i += 8
         elif wire == 5:
@@ -70,11 +83,11 @@ def message_values(msg: bytes) -> dict[int, list[int | bytes]]:
             n, i = _varint(msg, i)
             if i + n > len(msg):
                 raise ValueError(f"field {num} runs {i + n - len(msg)} bytes past the end of its message")
-            out.setdefault(num, []).append(msg[i : i + n])
+            value = msg[i : i + n]
             i += n
         else:
             raise ValueError(f"field {num} has wire type {wire}, which CRIU images do not use")
-    return out
+        yield num, wire, value, start, i
 
 
 def _payload_start(buf: bytes) -> int:

@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .images import _payload_start, _varint, message_values
+from .images import _payload_start, fields, message_values
 
 __all__ = ["InetSk", "close_outside_connections", "clear_time_wait", "in_tree", "move_addresses", "read_inet_sockets",
            "unbind_datagrams"]
@@ -147,61 +147,33 @@ def _encode_varint(v: int) -> bytes:
             return bytes(out)
 
 
+def _varint_field(num: int, value: int) -> bytes:
+    return _encode_varint(num << 3) + _encode_varint(value)
+
+
+def _replaced(msg: bytes, num: int, encoded: bytes) -> bytes:
+    """``msg`` with every field ``num`` taken out and ``encoded`` (whole fields, keys included) written
+    where the first one was, or at the end where there was none; every other field kept byte for byte."""
+    out, written = bytearray(), False
+    for fnum, _, _, start, end in fields(msg):
+        if fnum != num:
+            out += msg[start:end]
+        elif not written:
+            out += encoded
+            written = True
+    return bytes(out if written else out + encoded)
+
+
 def _set_varints(msg: bytes, values: dict[int, int]) -> bytes:
-    """``msg`` with the given varint fields set (replaced where present, appended where not), every
-    other field kept byte for byte."""
-    out, i, seen = bytearray(), 0, set()
-    while i < len(msg):
-        start = i
-        key, i = _varint(msg, i)
-        num, wire = key >> 3, key & 7
-        if wire == 0:
-            _, i = _varint(msg, i)
-        elif wire == 1:
-            i += 8
-        elif wire == 5:
-            i += 4
-        elif wire == 2:
-            n, i = _varint(msg, i)
-            i += n
-        else:
-            raise ValueError(f"field {num} has wire type {wire}")
-        if num in values and wire == 0:
-            if num not in seen:
-                out += _encode_varint(num << 3) + _encode_varint(values[num])
-                seen.add(num)
-        else:
-            out += msg[start:i]
+    """``msg`` with the given varint fields set (replaced where present, appended where not)."""
     for num, v in values.items():
-        if num not in seen:
-            out += _encode_varint(num << 3) + _encode_varint(v)
-    return bytes(out)
+        msg = _replaced(msg, num, _varint_field(num, v))
+    return msg
 
 
 def _set_repeated(msg: bytes, num: int, values: list[int]) -> bytes:
-    """``msg`` with every value of repeated varint field ``num`` replaced by ``values`` (written where the
-    first one was), every other field kept byte for byte."""
-    out, i, written = bytearray(), 0, False
-    while i < len(msg):
-        start = i
-        key, i = _varint(msg, i)
-        fnum, wire = key >> 3, key & 7
-        if wire == 0:
-            _, i = _varint(msg, i)
-        elif wire == 1:
-            i += 8
-        elif wire == 5:
-            i += 4
-        elif wire == 2:
-            n, i = _varint(msg, i)
-            i += n
-        if fnum == num and wire == 0:
-            if not written:
-                out += b"".join(_encode_varint(num << 3) + _encode_varint(v) for v in values)
-                written = True
-        else:
-            out += msg[start:i]
-    return bytes(out)
+    """``msg`` with every value of repeated varint field ``num`` replaced by ``values``."""
+    return _replaced(msg, num, b"".join(_varint_field(num, v) for v in values))
 
 
 def _words(addr: str, family: int, count: int) -> list[int]:
@@ -234,26 +206,8 @@ def move_addresses(image_dir: Path, sockets: Iterable[InetSk], moves: dict[str, 
 
 
 def _set_message(msg: bytes, num: int, value: bytes) -> bytes:
-    """``msg`` with length-delimited field ``num`` replaced by ``value`` (it must be there once)."""
-    out, i = bytearray(), 0
-    while i < len(msg):
-        start = i
-        key, i = _varint(msg, i)
-        fnum, wire = key >> 3, key & 7
-        if wire == 0:
-            _, i = _varint(msg, i)
-        elif wire == 1:
-            i += 8
-        elif wire == 5:
-            i += 4
-        elif wire == 2:
-            n, i = _varint(msg, i)
-            i += n
-        if fnum == num and wire == 2:
-            out += _encode_varint(key) + _encode_varint(len(value)) + value
-        else:
-            out += msg[start:i]
-    return bytes(out)
+    """``msg`` with length-delimited field ``num`` set to ``value`` (CRIU writes it once)."""
+    return _replaced(msg, num, _encode_varint(num << 3 | 2) + _encode_varint(len(value)) + value)
 
 
 def close_outside_connections(image_dir: Path, which: Iterable[InetSk]) -> None:
