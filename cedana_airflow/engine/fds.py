@@ -15,10 +15,12 @@ import ipaddress
 import os
 import platform
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["Uncarried", "carries_inet_sockets", "command_of", "inet_sockets", "uncarried", "version_tuple"]
+__all__ = ["NetRow", "Uncarried", "carries_inet_sockets", "command_of", "inet_sockets", "net_rows", "open_links",
+           "uncarried",
+           "version_tuple"]
 
 #: anon_inode kinds CRIU has a dumper for (criu/*.c, each ``is_anon_link_type``; 4.1 and 4.2 alike).
 #: Any other stops a dump; only those below are refused here, by name: another (a driver's) may be
@@ -67,7 +69,8 @@ class Uncarried:
         return f"pid {self.pid} ({self.command}) holds {self.what} on fd {self.fd}: {self.remedy}"
 
 
-def _links(pid: int) -> Iterable[tuple[int, str]]:
+def open_links(pid: int) -> Iterable[tuple[int, str]]:
+    """(fd, what it links to) of each open file of ``pid`` (none once it is gone)."""
     try:
         names = os.listdir(f"/proc/{pid}/fd")
     except OSError:
@@ -90,21 +93,37 @@ def command_of(pid: int) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _endpoint(hex_addr: str) -> str:
+def _end(hex_addr: str) -> tuple[str, int]:
+    """A /proc/net endpoint (``0100007F:1F90``) as (address, port)."""
     host, port = hex_addr.split(":")
     raw = bytes.fromhex(host)
     if len(raw) == 4:
         addr = str(ipaddress.IPv4Address(raw[::-1]))  # one little-endian word
     else:  # four little-endian words
-        addr = f"[{ipaddress.IPv6Address(b''.join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))}]"
-    return f"{addr}:{int(port, 16)}"
+        addr = str(ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))))
+    return addr, int(port, 16)
 
 
-def inet_sockets(pid: int) -> dict[int, str]:
-    """Socket inode -> ``"TCP 127.0.0.1:8000 LISTEN"`` for the inet sockets of ``pid``'s network
-    namespace (its /proc/PID/net tables)."""
-    out: dict[int, str] = {}
-    for table in _NET_TABLES:
+def _endpoint(hex_addr: str) -> str:
+    addr, port = _end(hex_addr)
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+
+
+@dataclass(frozen=True)
+class NetRow:
+    """One socket of a /proc/PID/net table."""
+
+    proto: str  # "TCP", "UDP", "UDPLITE", "RAW"
+    local: tuple[str, int]
+    remote: tuple[str, int]
+    state: int  # TCP's state number (10: LISTEN)
+    inode: int
+    text: str  # as a person reads it: "TCP 127.0.0.1:8000 LISTEN"
+
+
+def net_rows(pid: int, tables: tuple[str, ...] = _NET_TABLES) -> Iterator[NetRow]:
+    """The sockets of ``pid``'s network namespace, from its /proc/PID/net ``tables``."""
+    for table in tables:
         try:
             with open(f"/proc/{pid}/net/{table}") as f:
                 rows = f.read().splitlines()[1:]
@@ -115,12 +134,17 @@ def inet_sockets(pid: int) -> dict[int, str]:
             cols = row.split()
             if len(cols) < 10:
                 continue
-            local, remote, state, inode = cols[1], cols[2], int(cols[3], 16), int(cols[9])
-            what = f"{proto} {_endpoint(local)}"
+            state = int(cols[3], 16)
+            text = f"{proto} {_endpoint(cols[1])}"
             if proto == "TCP":
-                what += f" {_TCP_STATES.get(state, state)}" + (f" to {_endpoint(remote)}" if state != 10 else "")
-            out[inode] = what
-    return out
+                text += f" {_TCP_STATES.get(state, state)}" + (f" to {_endpoint(cols[2])}" if state != 10 else "")
+            yield NetRow(proto, _end(cols[1]), _end(cols[2]), state, int(cols[9]), text)
+
+
+def inet_sockets(pid: int) -> dict[int, str]:
+    """Socket inode -> ``"TCP 127.0.0.1:8000 LISTEN"`` for the inet sockets of ``pid``'s network
+    namespace (its /proc/PID/net tables)."""
+    return {r.inode: r.text for r in net_rows(pid)}
 
 
 def uncarried(pids: Iterable[int], criu_version: str, kernel: str | None = None) -> list[Uncarried]:
@@ -129,7 +153,7 @@ def uncarried(pids: Iterable[int], criu_version: str, kernel: str | None = None)
     out: list[Uncarried] = []
     for pid in sorted(pids):
         inet: dict[int, str] | None = None
-        for fd, link in sorted(_links(pid)):
+        for fd, link in sorted(open_links(pid)):
             if link.startswith("anon_inode:"):
                 remedy = REMEDIES.get(link[len("anon_inode:"):])
                 if remedy is not None:

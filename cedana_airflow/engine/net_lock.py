@@ -32,7 +32,7 @@ import subprocess
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from .fds import _endpoint
+from .fds import net_rows, open_links
 
 __all__ = ["RECORDS", "lock_flags", "recorded", "sweep", "tree_pairs"]
 
@@ -65,35 +65,18 @@ Pair = tuple[str, int, str, int]
 
 def tree_pairs(pids: Iterable[int]) -> set[Pair]:
     """The address pairs of the tree's TCP connections (both directions), as CRIU's lock names them."""
-    wanted: set[int] = set()
-    for pid in pids:
-        try:
-            names = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for name in names:
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{name}")
-            except OSError:
-                continue
-            if link.startswith("socket:["):
-                wanted.add(int(link[8:-1]))
+    wanted = {int(link[8:-1]) for pid in pids for _, link in open_links(pid) if link.startswith("socket:[")}
     out: set[Pair] = set()
-    if not wanted:
-        return out
-    for table in ("tcp", "tcp6"):
-        try:
-            with open(f"/proc/net/{table}") as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            if len(cols) < 10 or int(cols[9]) not in wanted or int(cols[3], 16) == 10:  # not listeners
-                continue
-            (la, lp), (ra, rp) = (_split(_endpoint(c)) for c in cols[1:3])
+    for r in net_rows(os.getpid(), ("tcp", "tcp6")) if wanted else ():
+        if r.inode in wanted and r.state != 10:  # not listeners
+            (la, lp), (ra, rp) = (_v4(r.local), _v4(r.remote))
             out |= {(la, lp, ra, rp), (ra, rp, la, lp)}
     return out
+
+
+def _v4(end: tuple[str, int]) -> tuple[str, int]:
+    """An IPv4 peer of a dual-stack socket as CRIU's lock names it: without ``::ffff:``."""
+    return end[0].removeprefix("::ffff:"), end[1]
 
 
 @contextlib.contextmanager
@@ -130,12 +113,6 @@ def _dead_records() -> tuple[set[Pair], list[Path]]:
             pass
         paths.append(path)
     return pairs, paths
-
-
-def _split(end: str) -> tuple[str, int]:
-    host, _, port = end.rpartition(":")
-    host = host.strip("[]")
-    return host.removeprefix("::ffff:"), int(port)
 
 
 def _nft_stale(dead: set[Pair]) -> list[str]:

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..engine.fds import command_of, inet_sockets
+from ..engine.fds import command_of, net_rows
 from ..engine.inet_image import (InetSk, clear_time_wait, close_outside_connections, in_tree, move_addresses,
                                  read_inet_sockets, unbind_datagrams)
 from ..errors import NodeInTheWay, NotRestorableHere
@@ -114,8 +114,7 @@ def _moves(sockets: list[InetSk], what: str) -> dict[str, str]:
 def holder_of(s: InetSk) -> str:
     """Who holds ``s``'s port here: ``pid 123 (python3 serve.py)``, or what the kernel says of it."""
     proto = "TCP" if s.proto == socket.IPPROTO_TCP else "UDP"
-    inodes = {ino for ino, what in inet_sockets(os.getpid()).items()
-              if what.startswith(f"{proto} ") and what.split()[1].rsplit(":", 1)[1] == str(s.src[1])}
+    inodes = {r.inode for r in net_rows(os.getpid()) if r.proto == proto and r.local[1] == s.src[1]}
     if not inodes:
         return "no process found (a socket the kernel still holds)"
     for pid in filter(str.isdigit, os.listdir("/proc")):
