@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -264,6 +265,32 @@ def wait_for_line(path: Path, text: str, proc: subprocess.Popen[bytes], timeout:
         assert time.monotonic() < deadline, f"{path} never said {text!r}: {log[-2000:]}"
         time.sleep(0.1)
     return log
+
+
+class Echo:
+    """An echo service outside the workload (a database, an API) on ``host``: one thread per connection."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.sock = socket.create_server((host, 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _echo(conn: socket.socket) -> None:
+        with conn:
+            while data := conn.recv(4096):
+                conn.sendall(data)
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def kill_node(proc: subprocess.Popen[bytes], workload_pid: int) -> None:

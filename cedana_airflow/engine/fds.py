@@ -19,8 +19,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 __all__ = ["NetRow", "Uncarried", "carries_inet_sockets", "command_of", "inet_sockets", "net_rows", "open_links",
-           "uncarried",
-           "version_tuple"]
+           "uncarried", "version_tuple"]
 
 #: anon_inode kinds CRIU has a dumper for (criu/*.c, each ``is_anon_link_type``; 4.1 and 4.2 alike).
 #: Any other stops a dump; only those below are refused here, by name: another (a driver's) may be

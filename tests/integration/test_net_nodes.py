@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli_env, manifests
+from conftest import REPO, Echo, cli_env, manifests
 from netns_nodes import NetNode, NetNodes
 
 pytestmark = pytest.mark.integration
@@ -31,29 +29,6 @@ SERVE = REPO / "tests" / "workloads" / "serve_counter.py"
 def nodes():
     with NetNodes(2) as pair:
         yield pair
-
-
-class _Echo:
-    """An echo service outside the nodes (a database, an API): one thread per connection."""
-
-    def __init__(self, host: str) -> None:
-        self.sock = socket.create_server((host, 0))
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
-
-    @staticmethod
-    def _echo(conn: socket.socket) -> None:
-        with conn:
-            while data := conn.recv(4096):
-                conn.sendall(data)
 
 
 def _run(node: NetNode, tmp_path: Path, cid: str, cmd: list[str], *, resume: bool, heartbeat: str,
@@ -95,7 +70,7 @@ def test_a_connection_to_a_service_outside_moves_to_another_node_closed_and_the_
     """Its local address was node-a's, which node-b has not: restored exactly, CRIU could not bind it.
     Restored closed, the client reconnects from node-b and ends as an uninterrupted run."""
     a, b = nodes
-    echo = _Echo(a.gateway)
+    echo = Echo(a.gateway)
     cmd = [sys.executable, str(SHAPES / "tcp_client.py"), "--steps", "60", "--step-seconds", "0.1",
            "--host", a.gateway, "--port", str(echo.port)]
     reference = _reference(cmd, tmp_path)

@@ -18,14 +18,13 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from conftest import _free_port, cli, cli_env, descendants, drop_pymp, kill_node, manifests, pymp_dirs_held, start_cli
+from conftest import Echo, _free_port, cli, cli_env, descendants, drop_pymp, kill_node, manifests, pymp_dirs_held, start_cli
 
 pytestmark = pytest.mark.integration
 
@@ -309,32 +308,6 @@ def tcp_listen(tmp_path: Path) -> None:
     _assert_continued(r, "listen", reference)
 
 
-class _Echo:
-    """A tiny local TCP echo service (one thread per connection)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
-
-    @staticmethod
-    def _echo(conn: socket.socket) -> None:
-        with conn:
-            while data := conn.recv(4096):
-                conn.sendall(data)
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 def tcp_port_taken(tmp_path: Path) -> None:
     """The node, not the checkpoint: a process took the serving worker's port on the node that restores
     it. The try fails with one line naming that process (exit 1, nothing started fresh), the checkpoint
@@ -365,7 +338,7 @@ def tcp_established(tmp_path: Path) -> None:
     """A connection to a service outside the tree: checkpointed with it (--tcp-established), restored
     closed (the peer saw it reset when the node died), so the client's next call fails, it reconnects as client
     libraries do, and ends as an uninterrupted run does."""
-    echo = _Echo()
+    echo = Echo()
     try:
         cmd = _py("tcp_client.py", "--steps", STEPS, "--step-seconds", 0.1, "--port", echo.port)
         reference = _reference(cmd, tmp_path / "ref")
