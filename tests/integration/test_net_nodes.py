@@ -61,6 +61,14 @@ def _lose(proc: subprocess.Popen[bytes], workload_pid: int) -> None:
         time.sleep(0.05)
 
 
+def _checkpointed_then_lost(node: NetNode, tmp_path: Path, cid: str, cmd: list[str]) -> None:
+    """``cmd`` run on ``node`` until two checkpoints are in and it is in its loop; then the node dies."""
+    run = _run(node, tmp_path, cid, cmd, resume=False, heartbeat="0.5", out="a")
+    _wait(lambda: len(manifests(tmp_path / "store", cid)) >= 2 and "step 3/" in (tmp_path / "a.out").read_text(),
+          "two checkpoints in the loop", run, tmp_path / "a.err")
+    _lose(run, manifests(tmp_path / "store", cid)[-1]["process"]["pid"])
+
+
 def _reference(cmd: list[str], tmp_path: Path) -> str:
     return subprocess.run([*cmd, "--step-seconds", "0"], capture_output=True, text=True, check=True, cwd=tmp_path,
                           timeout=120).stdout.strip().splitlines()[-1]
@@ -74,10 +82,7 @@ def test_a_connection_to_a_service_outside_moves_to_another_node_closed_and_the_
     cmd = [sys.executable, str(SHAPES / "tcp_client.py"), "--steps", "60", "--step-seconds", "0.1",
            "--host", a.gateway, "--port", str(echo.port)]
     reference = _reference(cmd, tmp_path)
-    run_a = _run(a, tmp_path, "out", cmd, resume=False, heartbeat="0.5", out="a")
-    _wait(lambda: len(manifests(tmp_path / "store", "out")) >= 2 and "step 3/" in (tmp_path / "a.out").read_text(),
-          "two checkpoints in the loop", run_a, tmp_path / "a.err")
-    _lose(run_a, manifests(tmp_path / "store", "out")[-1]["process"]["pid"])
+    _checkpointed_then_lost(a, tmp_path, "out", cmd)
     run_b = _run(b, tmp_path, "out", cmd, resume=True, heartbeat="0", out="b")
     assert run_b.wait(timeout=120) == 0, (tmp_path / "b.err").read_text()[-3000:]
     err = (tmp_path / "b.err").read_text()
@@ -97,10 +102,7 @@ def test_a_connection_inside_the_tree_over_the_nodes_own_address_resumes_on_the_
     subprocess.run(a.cmd(["sysctl", "-q", "-w", "net.ipv4.tcp_timestamps=0"]), check=True)
     cmd = [sys.executable, str(SHAPES / "tcp_pair.py"), "--steps", "60", "--step-seconds", "0.1", "--host", a.address]
     reference = _reference([*cmd[:-2], "--host", "127.0.0.1"], tmp_path)
-    run_1 = _run(a, tmp_path, "pair", cmd, resume=False, heartbeat="0.5", out="a")
-    _wait(lambda: len(manifests(tmp_path / "store", "pair")) >= 2 and "step 3/" in (tmp_path / "a.out").read_text(),
-          "two checkpoints in the loop", run_1, tmp_path / "a.err")
-    _lose(run_1, manifests(tmp_path / "store", "pair")[-1]["process"]["pid"])
+    _checkpointed_then_lost(a, tmp_path, "pair", cmd)
     leftovers = subprocess.run(a.cmd(["ss", "-tan", "state", "time-wait"]), capture_output=True, text=True).stdout
     assert a.address in leftovers, leftovers  # the tree's own connection, in TIME_WAIT on node-a
     run_2 = _run(a, tmp_path, "pair", cmd, resume=True, heartbeat="0", out="b")
@@ -147,10 +149,7 @@ def test_a_tree_that_talks_to_itself_over_its_nodes_address_moves_to_the_next_no
     a, b = nodes
     cmd = [sys.executable, str(SHAPES / "tcp_pair.py"), "--steps", "60", "--step-seconds", "0.1", "--host", a.address]
     reference = _reference([*cmd[:-2], "--host", "127.0.0.1"], tmp_path)
-    run_a = _run(a, tmp_path, "self", cmd, resume=False, heartbeat="0.5", out="a")
-    _wait(lambda: len(manifests(tmp_path / "store", "self")) >= 2 and "step 3/" in (tmp_path / "a.out").read_text(),
-          "two checkpoints in the loop", run_a, tmp_path / "a.err")
-    _lose(run_a, manifests(tmp_path / "store", "self")[-1]["process"]["pid"])
+    _checkpointed_then_lost(a, tmp_path, "self", cmd)
     run_b = _run(b, tmp_path, "self", cmd, resume=True, heartbeat="0", out="b")
     assert run_b.wait(timeout=120) == 0, (tmp_path / "b.err").read_text()[-3000:]
     err = (tmp_path / "b.err").read_text()
