@@ -257,6 +257,21 @@ def wait_for_checkpoints(store: Path, checkpoint_id: str, n: int, proc: subproce
     raise AssertionError(f"no {n} checkpoint(s) under {checkpoint_id} within {timeout}s")
 
 
+def wait_for_checkpoint_after(store: Path, checkpoint_id: str, out: Path, text: str, proc: subprocess.Popen[bytes],
+                              timeout: float = 180) -> list[dict]:
+    """Until a checkpoint exists that froze the workload after it printed ``text`` to ``out``; the
+    manifests. The one in flight when ``text`` appears may have frozen it before, so it waits for the
+    one after that: a restore from it must go on from a later point, never from the start."""
+    wait_for_line(out, text, proc, timeout)
+    after = max((m["seq"] for m in manifests(store, checkpoint_id)), default=0) + 2
+    deadline = time.monotonic() + timeout
+    while (ms := manifests(store, checkpoint_id)) == [] or ms[-1]["seq"] < after:
+        assert proc.poll() is None, f"supervisor exited early with {proc.returncode}"
+        assert time.monotonic() < deadline, f"no checkpoint of {checkpoint_id} after {text!r} within {timeout}s"
+        time.sleep(0.2)
+    return ms
+
+
 def wait_for_line(path: Path, text: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> str:
     """Until the supervisor's log at ``path`` says ``text``; the log."""
     deadline = time.monotonic() + timeout

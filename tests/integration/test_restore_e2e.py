@@ -12,8 +12,8 @@ import time
 import boto3
 import pytest
 
-from conftest import (TRAIN, cli, cli_env, kill_node, manifests, start_cli, uninterrupted_digest, wait_for_checkpoints,
-                      wait_for_line, wait_gone)
+from conftest import (TRAIN, cli, cli_env, kill_node, manifests, start_cli, uninterrupted_digest,
+                      wait_for_checkpoint_after, wait_for_checkpoints, wait_for_line, wait_gone)
 
 pytestmark = pytest.mark.integration
 
@@ -23,13 +23,14 @@ def _train(*extra: str) -> list[str]:
 
 
 def test_numpy_workload_survives_node_loss_and_resumes_on_another_node(tmp_path):
-    # 12 s of steps: two 1.5 s heartbeats of 300 MB come well before the end, on a busy machine too
-    args = ["--mb", "300", "--steps", "80", "--step-seconds", "0.15"]
+    # 18 s of steps: two 1.5 s heartbeats of 300 MB after the first step come well before the end, on a busy
+    # machine too
+    args = ["--mb", "300", "--steps", "120", "--step-seconds", "0.15"]
     env_a = cli_env(tmp_path, "node-a", "work-a")
     proc = start_cli("run", "--id", "train-1", "--heartbeat", "1.5", "--", *_train(*args), env=env_a, out=tmp_path / "a")
-    # The second checkpoint: on a loaded machine the first can come before the first step (start-up allocates
+    # A checkpoint taken after step 1: on a loaded machine the first two can come before it (start-up allocates
     # 300 MB), and the test is that a restore goes on from where the workload was, not from step 1.
-    ms = wait_for_checkpoints(tmp_path / "store", "train-1", 2, proc)
+    ms = wait_for_checkpoint_after(tmp_path / "store", "train-1", tmp_path / "a.out", "step 1/", proc)
     kill_node(proc, ms[0]["process"]["pid"])
     shutil.rmtree(tmp_path / "work-a")  # the new node has nothing but the store
 
