@@ -308,6 +308,36 @@ class Echo:
         self.sock.close()
 
 
+class UdpEcho:
+    """A UDP service outside the workload (a resolver, a collector that answers) on ``host``: each
+    datagram is sent back to whoever sent it; ``senders`` are the addresses it heard from, in order."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((host, 0))
+        self.port = self.sock.getsockname()[1]
+        self.senders: list[str] = []
+        self._open = True
+        self.sock.settimeout(0.2)  # to see close() without a datagram
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while self._open:
+            try:
+                data, peer = self.sock.recvfrom(64)
+            except TimeoutError:
+                continue
+            if not self.senders or self.senders[-1] != peer[0]:
+                self.senders.append(peer[0])
+            self.sock.sendto(data, peer)
+
+    def close(self) -> None:
+        self._open = False
+        self._thread.join()
+        self.sock.close()
+
+
 def kill_node(proc: subprocess.Popen[bytes], workload_pid: int) -> None:
     """Simulate losing the node: SIGKILL the supervisor and the workload's whole PID namespace."""
     proc.send_signal(signal.SIGKILL)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Echo, cli_env, manifests
+from conftest import REPO, Echo, UdpEcho, cli_env, manifests
 from netns_nodes import NetNode, NetNodes
 
 pytestmark = pytest.mark.integration
@@ -90,6 +90,28 @@ def test_a_connection_to_a_service_outside_moves_to_another_node_closed_and_the_
            f"{a.address}:" in err and f"ESTABLISHED to {a.gateway}:{echo.port}" in err, err[-3000:]
     out = (tmp_path / "b.out").read_text().splitlines()
     assert not out[0].startswith("start-up") and out[-1] == reference, (out[:2], out[-1], reference)
+
+
+def test_a_udp_client_moves_to_another_node_and_its_service_hears_it_from_there(nodes, tmp_path):
+    """A connected UDP socket (a resolver's or a collector's client) bound to node-a's address, which
+    node-b has not: it is restored sending from node-b's address, the service's answers reach it there,
+    and the job ends as an uninterrupted run, resending nothing."""
+    a, b = nodes
+    echo = UdpEcho(a.gateway)
+    try:
+        cmd = [sys.executable, str(SHAPES / "udp_client.py"), "--steps", "60", "--step-seconds", "0.1",
+               "--host", a.gateway, "--port", str(echo.port)]
+        reference = _reference(cmd, tmp_path)
+        _checkpointed_then_lost(a, tmp_path, "udp", cmd)
+        run_b = _run(b, tmp_path, "udp", cmd, resume=True, heartbeat="0", out="b")
+        assert run_b.wait(timeout=120) == 0, (tmp_path / "b.err").read_text()[-3000:]
+        err = (tmp_path / "b.err").read_text()
+        assert "no answer" not in err and "restore closes" not in err, err[-3000:]
+        out = (tmp_path / "b.out").read_text().splitlines()
+        assert not out[0].startswith("start-up") and out[-1] == reference, (out[:2], out[-1], reference)
+        assert echo.senders[-2:] == [a.address, b.address], echo.senders
+    finally:
+        echo.close()
 
 
 def test_a_connection_inside_the_tree_over_the_nodes_own_address_resumes_on_the_same_node(nodes, tmp_path):

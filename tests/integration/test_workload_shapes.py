@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Echo, _free_port, cli, cli_env, descendants, drop_pymp, kill_node, manifests, pymp_dirs_held, start_cli
+from conftest import Echo, UdpEcho, _free_port, cli, cli_env, descendants, drop_pymp, kill_node, manifests, pymp_dirs_held, start_cli
 
 pytestmark = pytest.mark.integration
 
@@ -369,6 +369,48 @@ def tcp_pair(tmp_path: Path) -> None:
     assert "restore closes" not in r.stderr
 
 
+def udp_serve(tmp_path: Path) -> None:
+    """A bound UDP socket (a serving worker's health or metrics endpoint): bound again on the same port
+    after the restore, and a datagram sent to it then is answered by the restored process."""
+    port = _free_port()
+    cmd = _py("udp_serve.py", "--steps", STEPS, "--step-seconds", 0.1, "--port", port)
+    node = Node(tmp_path, "udp-serve", cmd, _env(tmp_path, "node-a"), tmp_path / "job")
+    reference = _reference(_py("udp_serve.py", "--steps", STEPS, "--port", _free_port()), tmp_path / "ref")
+    node.lose(node.checkpoints_after_first_step(2))
+    proc = start_cli("run", "--resume", "--id", "udp-serve", "--heartbeat", "0", "--", *cmd,
+                     env=_env(tmp_path, "node-b"), out=tmp_path / "b", cwd=tmp_path / "job")
+    _STARTED.append(proc)
+    deadline = time.monotonic() + 60
+    while "step " not in (tmp_path / "b.out").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "b.err").read_text()[-3000:]
+        time.sleep(0.05)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as c:
+        c.settimeout(5)
+        c.sendto(b"?", ("127.0.0.1", port))
+        answer = c.recv(64).decode()
+    assert re.fullmatch(r"at step \d+", answer), answer
+    assert proc.wait(timeout=60) == 0
+    r = subprocess.CompletedProcess(proc.args, 0, (tmp_path / "b.out").read_text(), (tmp_path / "b.err").read_text())
+    out = _assert_continued(r, "udp-serve", reference)
+    assert f"step {answer.split()[-1]}/{STEPS}" in out  # it answered from the restored run's steps
+
+
+def udp_client(tmp_path: Path) -> None:
+    """A connected UDP socket to a service outside the tree (a resolver, a collector): restored with its
+    addresses, it sends from the same port, and the answers reach it; nothing to reconnect."""
+    echo = UdpEcho()
+    try:
+        cmd = _py("udp_client.py", "--steps", STEPS, "--step-seconds", 0.1, "--port", echo.port)
+        reference = _reference(cmd, tmp_path / "ref")
+        node = Node(tmp_path, "udp-client", cmd, _env(tmp_path, "node-a"), tmp_path / "job")
+        node.lose(node.checkpoints_after_first_step(2))
+        r = _resume(tmp_path, "udp-client", cmd, _env(tmp_path, "node-b"), tmp_path / "job")
+        _assert_continued(r, "udp-client", reference)
+        assert "no answer" not in r.stderr and "restore closes" not in r.stderr, r.stderr[-2000:]
+    finally:
+        echo.close()
+
+
 def env_credential(tmp_path: Path) -> None:
     """A credential the job was given in its environment is still there after the restore; the store's
     own credential never reaches the workload (nor its checkpoint images)."""
@@ -405,6 +447,8 @@ SHAPE_CASES = [
     pytest.param(tcp_established, id="tcp-established"),
     pytest.param(tcp_pair, id="tcp-pair"),
     pytest.param(tcp_port_taken, id="tcp-port-taken"),
+    pytest.param(udp_serve, id="udp-serve"),
+    pytest.param(udp_client, id="udp-client"),
     pytest.param(env_credential, id="env-credential"),
 ]
 
