@@ -147,8 +147,10 @@ def _talkers_rows(t: dict[str, Any]) -> list[list[str]]:
 
 
 def secs(x: float, within: list[float] | None = None) -> str:
-    """Seconds, with the runs' [min, max] when known: a median alone hides a noisy figure."""
-    return f"{x:.2f} s" + (f" ({within[0]:.2f}-{within[1]:.2f})" if within else "")
+    """Seconds, with the runs' [min, max] when known: a median alone hides a noisy figure. Under 0.1 s
+    in milliseconds' precision: a 12 ms freeze and a 15 ms one are not both "0.01 s"."""
+    d = 3 if x < 0.1 else 2
+    return f"{x:.{d}f} s" + (f" ({within[0]:.{d}f}-{within[1]:.{d}f})" if within else "")
 
 
 def _lazy_rows(lz: dict[str, Any]) -> list[list[str]]:

@@ -10,6 +10,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
+from cedana_airflow.engine import capture
 from cedana_airflow.engine.capture import CaptureOnFreeze
 from cedana_airflow.engine.procfs import open_for_writing, tree_pids
 
@@ -31,9 +34,18 @@ def _holder(tmp_path):
     return p
 
 
+@pytest.fixture(autouse=True, params=["bash", "sh"])
+def shell(request, monkeypatch):
+    """Each handshake test with the script a node with bash gets, and the one a node without it does."""
+    if request.param == "sh":
+        monkeypatch.setattr(capture, "BASH", None)
+    return request.param
+
+
 def _run_script(cap: CaptureOnFreeze, pid: int, action: str = "post-dump") -> int:
+    """As CRIU runs it (action-scripts.c: ``sh -c <path>``, so its own first line chooses the shell)."""
     env = dict(os.environ, CRTOOLS_SCRIPT_ACTION=action, CRTOOLS_INIT_PID=str(pid))
-    return subprocess.run(["sh", str(cap.script)], env=env, timeout=30).returncode
+    return subprocess.run(["sh", "-c", str(cap.script)], env=env, timeout=30).returncode
 
 
 def test_files_open_for_writing_in_the_whole_tree_are_found(tmp_path):
@@ -106,6 +118,11 @@ def test_the_action_script_gives_up_when_the_supervisor_is_gone(tmp_path):
     with CaptureOnFreeze(side, timeout=3) as cap:
         pass  # out of the block: the supervisor's side is closed, as if it had died
     t0 = time.monotonic()
-    rc = subprocess.run(["sh", str(cap.script)], env=dict(os.environ, CRTOOLS_SCRIPT_ACTION="post-dump",
-                                                           CRTOOLS_INIT_PID="1"), timeout=60).returncode
+    rc = _run_script(cap, 1)
     assert rc != 0 and time.monotonic() - t0 < 30
+
+
+def test_the_script_chooses_its_shell(shell, tmp_path):
+    with CaptureOnFreeze(tmp_path) as cap:
+        first = cap.script.read_text().splitlines()[0]
+    assert first == ("#!/bin/sh" if shell == "sh" else f"#!{capture.BASH}"), first
