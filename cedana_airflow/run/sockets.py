@@ -57,7 +57,11 @@ def _probe(s: InetSk) -> int:
     if family == socket.AF_INET6 and "." in addr:
         addr = f"::ffff:{addr}"
     kind = socket.SOCK_STREAM if s.proto == socket.IPPROTO_TCP else socket.SOCK_DGRAM
-    with socket.socket(family, kind) as probe:
+    try:
+        probe = socket.socket(family, kind)
+    except OSError as e:  # a node booted without IPv6 (ipv6.disable=1): EAFNOSUPPORT
+        return e.errno or errno.EAFNOSUPPORT
+    with probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if family == socket.AF_INET6:
             probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(s.v6only))
@@ -73,11 +77,24 @@ def _probe(s: InetSk) -> int:
 def _here(addr: str) -> bool:
     """Whether this node has ``addr`` (a wildcard and loopback it always has)."""
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+    try:
+        probe = socket.socket(family, socket.SOCK_DGRAM)
+    except OSError:  # no IPv6 on this node: not its address
+        return False
+    with probe:
         try:
             probe.bind((addr, 0))
         except OSError as e:
             return e.errno != errno.EADDRNOTAVAIL
+    return True
+
+
+def _has_ipv6() -> bool:
+    """Whether this node has IPv6 at all (a kernel booted with ``ipv6.disable=1`` refuses AF_INET6)."""
+    try:
+        socket.socket(socket.AF_INET6, socket.SOCK_DGRAM).close()
+    except OSError:
+        return False
     return True
 
 
@@ -134,6 +151,10 @@ def prepare_sockets(image_dir: Path, what: str, *, wait: float = PORT_WAIT_SECON
     sockets = read_inet_sockets(image_dir)
     if not sockets:
         return []
+    if (v6 := next((s for s in sockets if s.family == socket.AF_INET6), None)) and not _has_ipv6():
+        raise NodeInTheWay(f"{what} cannot be restored on this node: its socket {v6.describe()} is IPv6, and this "
+                           "node runs without IPv6 (booted with ipv6.disable=1). Let the retry run on a node with "
+                           "IPv6; the checkpoint stays the latest")
     inside, _ = in_tree(sockets)
     own = inside + [s for s in sockets if not s.connection and s.src[1] != 0]
     if moves := _moves(own, what):

@@ -369,6 +369,37 @@ def tcp_pair(tmp_path: Path) -> None:
     assert "restore closes" not in r.stderr
 
 
+def tcp_ipv6(tmp_path: Path) -> None:
+    """IPv6 listeners on ``[::]``, one IPv6-only and one dual-stack, restored on a node where a process holds
+    the IPv6-only one's port on IPv4 (which does not conflict with it, and must not be taken for a port in
+    the way): each answers after the restore, the dual-stack one over IPv4 too."""
+    v6only, dual = _free_port(), _free_port()
+    cmd = _py("tcp_ipv6.py", "--steps", STEPS, "--step-seconds", 0.1, "--port-v6only", v6only, "--port-dual", dual)
+    node = Node(tmp_path, "ipv6", cmd, _env(tmp_path, "node-a"), tmp_path / "job")
+    reference = _reference(_py("tcp_ipv6.py", "--steps", STEPS, "--port-v6only", _free_port(), "--port-dual",
+                               _free_port()), tmp_path / "ref")
+    node.lose(node.checkpoints_after_first_step(2))
+    ipv4_holder = socket.create_server(("0.0.0.0", v6only))
+    try:
+        proc = start_cli("run", "--resume", "--id", "ipv6", "--heartbeat", "0", "--", *cmd,
+                         env=_env(tmp_path, "node-b"), out=tmp_path / "b", cwd=tmp_path / "job")
+        _STARTED.append(proc)
+        deadline = time.monotonic() + 60
+        while "step " not in (tmp_path / "b.out").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "b.err").read_text()[-3000:]
+            time.sleep(0.05)
+        answers = []
+        for host, port in (("::1", v6only), ("::1", dual), ("127.0.0.1", dual)):
+            with socket.create_connection((host, port), timeout=10) as c:
+                answers.append(c.makefile().readline())
+        assert proc.wait(timeout=60) == 0
+    finally:
+        ipv4_holder.close()
+    assert [re.fullmatch(r"at step \d+ (\w+)\n", a).group(1) for a in answers] == ["v6only", "dual", "dual"], answers
+    r = subprocess.CompletedProcess(proc.args, 0, (tmp_path / "b.out").read_text(), (tmp_path / "b.err").read_text())
+    _assert_continued(r, "ipv6", reference)
+
+
 def udp_serve(tmp_path: Path) -> None:
     """A bound UDP socket (a serving worker's health or metrics endpoint): bound again on the same port
     after the restore, and a datagram sent to it then is answered by the restored process."""
@@ -447,6 +478,7 @@ SHAPE_CASES = [
     pytest.param(tcp_established, id="tcp-established"),
     pytest.param(tcp_pair, id="tcp-pair"),
     pytest.param(tcp_port_taken, id="tcp-port-taken"),
+    pytest.param(tcp_ipv6, id="tcp-ipv6"),
     pytest.param(udp_serve, id="udp-serve"),
     pytest.param(udp_client, id="udp-client"),
     pytest.param(env_credential, id="env-credential"),

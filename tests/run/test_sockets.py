@@ -4,6 +4,7 @@ stands in the way on the node is named (NodeInTheWay), never taken for a bad che
 
 from __future__ import annotations
 
+import errno
 import json
 import socket
 import subprocess
@@ -165,3 +166,34 @@ def test_a_connection_the_listener_has_not_accepted_yet_does_not_fail_the_dump(t
         assert r.freeze_seconds > 0 and w.poll() is None
     finally:
         w.stop(1, 9)
+
+
+def test_an_ipv6_socket_on_a_node_booted_without_ipv6_is_named_mocked_no_such_node_here(tmp_path, monkeypatch):
+    """A node booted with ``ipv6.disable=1`` refuses every AF_INET6 socket (EAFNOSUPPORT); none exists here,
+    so the socket module is made to answer as one does. The restore says so in one line, NodeInTheWay:
+    the node, not the checkpoint."""
+    out = open(tmp_path / "tree.out", "w+b")
+    port = _free_port()
+    w = Workload.start([sys.executable, "-c", f"import socket, time\ns = socket.create_server(('::1', {port}), "
+                        "family=socket.AF_INET6)\nprint('listening', flush=True)\ntime.sleep(60)"], stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 20
+        while b"listening" not in (tmp_path / "tree.out").read_bytes():
+            assert w.poll() is None and time.monotonic() < deadline, (tmp_path / "tree.out").read_bytes()
+            time.sleep(0.05)
+        r = CriuEngine(find_criu("", Path(DEFAULT_CRIU_PREFIX))).dump(w.pid, tmp_path / "images")
+    finally:
+        w.stop(1, 9)
+    real = socket.socket
+
+    def no_ipv6(family=socket.AF_INET, *a, **k):
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+        return real(family, *a, **k)
+
+    monkeypatch.setattr(socket, "socket", no_ipv6)
+    with pytest.raises(NodeInTheWay) as e:
+        prepare_sockets(r.image_dir, "checkpoint t seq=1", wait=0.1)
+    assert str(e.value) == (f"checkpoint t seq=1 cannot be restored on this node: its socket TCP [::1]:{port} LISTEN "
+                            "is IPv6, and this node runs without IPv6 (booted with ipv6.disable=1). Let the retry run "
+                            "on a node with IPv6; the checkpoint stays the latest")
