@@ -22,6 +22,7 @@ import signal
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 __all__ = ["NetNode", "NetNodes"]
 
@@ -45,6 +46,15 @@ class NetNode:
     def cmd(self, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside this node's network namespace."""
         return ["ip", "netns", "exec", self.ns, *argv]
+
+    def pod(self, argv: Sequence[str], hostname: str, hosts: str) -> list[str]:
+        """``argv`` run as in a pod on this node: its own hostname, which ``/etc/hosts`` resolves to this
+        node's address (as Kubernetes writes a pod's), so what binds "my hostname" (torchrun's gloo)
+        binds this node's address. ``hosts``: a file to write that ``/etc/hosts`` to."""
+        Path(hosts).write_text(f"127.0.0.1 localhost\n::1 localhost\n{self.address} {hostname}\n")
+        script = 'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec "$@"'
+        return self.cmd(["unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c", script, hostname,
+                         hosts, *argv])
 
 
 class NetNodes:

@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Echo, UdpEcho, cli_env, manifests
+from conftest import REPO, Echo, UdpEcho, cli_env, descendants, manifests, wait_for_checkpoint_after
 from netns_nodes import NetNode, NetNodes
 
 pytestmark = pytest.mark.integration
 
 SHAPES = REPO / "tests" / "integration" / "shapes"
 SERVE = REPO / "tests" / "workloads" / "serve_counter.py"
+DDP = REPO / "tests" / "workloads" / "ddp_transparent.py"
 
 
 @pytest.fixture
@@ -32,11 +33,13 @@ def nodes():
 
 
 def _run(node: NetNode, tmp_path: Path, cid: str, cmd: list[str], *, resume: bool, heartbeat: str,
-         out: str) -> subprocess.Popen[bytes]:
+         out: str, pod: str | None = None) -> subprocess.Popen[bytes]:
+    """``cedana-airflow run`` on ``node``; with ``pod``, in a pod of that hostname there (NetNode.pod)."""
     env = cli_env(tmp_path, node.name, f"work-{node.name}")
     argv = [sys.executable, "-m", "cedana_airflow", "run", *(["--resume"] if resume else []), "--id", cid,
             "--heartbeat", heartbeat, "--json-file", str(tmp_path / f"{out}.json"), "--", *cmd]
-    return subprocess.Popen(node.cmd(argv), env=env, cwd=tmp_path, stdout=open(tmp_path / f"{out}.out", "wb"),
+    argv = node.pod(argv, pod, str(tmp_path / f"hosts-{pod}")) if pod else node.cmd(argv)
+    return subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=open(tmp_path / f"{out}.out", "wb"),
                             stderr=open(tmp_path / f"{out}.err", "wb"))
 
 
@@ -179,3 +182,47 @@ def test_a_tree_that_talks_to_itself_over_its_nodes_address_moves_to_the_next_no
     assert "restore closes" not in err, err[-3000:]
     out = (tmp_path / "b.out").read_text().splitlines()
     assert not out[0].startswith("start-up") and out[-1] == reference, (out[:2], out[-1], reference)
+
+
+def test_a_torchrun_job_in_a_pod_resumes_in_a_pod_on_another_node_with_an_uninterrupted_runs_parameters(nodes, tmp_path):
+    """torchrun as a pod runs it (issue 47): ``--standalone``, two ranks, gloo DDP, no checkpoint code, and
+    gloo bound to the address the pod's hostname resolves to, node-a's. Checkpointed on its heartbeat (the
+    launcher's io_uring refused, its store and gloo connections carried), node-a dies, and the retry in a
+    pod on node-b moves the tree's address to node-b's, goes on from a later step and ends with the
+    parameters of an uninterrupted run."""
+    pytest.importorskip("torch")
+    a, b = nodes
+    job = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(DDP),
+           "--steps", "200"]
+    reference = subprocess.run([*job, "--step-seconds", "0"], capture_output=True, text=True, timeout=300, check=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"}).stdout.splitlines()[-1]
+    assert reference.startswith("done digest=")
+    run_a = _run(a, tmp_path, "ddp", job, resume=False, heartbeat="2", out="a", pod="pod-a")
+    try:
+        wait_for_checkpoint_after(tmp_path / "store", "ddp", tmp_path / "a.out", "step 2/", run_a)
+        held = [p for p in descendants(run_a.pid)[1:] for fd in _fds(p) if "io_uring" in fd]
+        assert held == [], f"pids {held} hold an io_uring"  # the launcher's libuv stores, refused
+        _lose(run_a, manifests(tmp_path / "store", "ddp")[-1]["process"]["pid"])
+    finally:
+        if run_a.poll() is None:
+            run_a.kill()
+    err = (tmp_path / "a.err").read_text()
+    assert "heartbeat failed" not in err, err[-3000:]
+    assert "done digest" not in (tmp_path / "a.out").read_text(), "the job ended before the node was lost"
+    run_b = _run(b, tmp_path, "ddp", job, resume=True, heartbeat="0", out="b", pod="pod-b")
+    assert run_b.wait(timeout=300) == 0, (tmp_path / "b.err").read_text()[-3000:]
+    err = (tmp_path / "b.err").read_text()
+    assert "restored checkpoint_id=ddp seq=" in err and "from_node=node-a node=node-b" in err, err[-3000:]
+    assert f"restore moves the tree's address {a.address} to {b.address} on this node" in err, err[-3000:]
+    out = (tmp_path / "b.out").read_text().splitlines()
+    printed_on_a = [ln for ln in (tmp_path / "a.out").read_text().splitlines() if ln.startswith("step ")]
+    first, last_on_a = (int(ln.split()[1].split("/")[0]) for ln in (out[0], printed_on_a[-1]))
+    assert 2 < first <= last_on_a + 1, (out[:2], printed_on_a[-2:])  # went on from where it was
+    assert out[-1] == reference, (out[-2:], reference)
+
+
+def _fds(pid: int) -> list[str]:
+    try:
+        return [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    except OSError:
+        return []
