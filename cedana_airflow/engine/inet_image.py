@@ -45,6 +45,7 @@ _FE_TYPE, _FE_ISK, _FD_INETSK = 1, 4, 4
 # inet_sk_entry
 _ISK_ID, _ISK_INO, _ISK_FAMILY, _ISK_TYPE, _ISK_PROTO, _ISK_STATE = 1, 2, 3, 4, 5, 6
 _ISK_SRC_PORT, _ISK_DST_PORT, _ISK_SRC_ADDR, _ISK_DST_ADDR, _ISK_V6ONLY = 7, 8, 11, 12, 15
+_ISK_SHUTDOWN = 19  # sk-inet.proto: which halves the kernel had shut (a peer's FIN shuts the read half)
 _TCP_CLOSE = 7
 _TCP_STATES = {1: "ESTABLISHED", 2: "SYN_SENT", 3: "SYN_RECV", 4: "FIN_WAIT1", 5: "FIN_WAIT2", 6: "TIME_WAIT",
                7: "CLOSE", 8: "CLOSE_WAIT", 9: "LAST_ACK", 10: "LISTEN", 11: "CLOSING"}
@@ -191,10 +192,10 @@ def move_addresses(image_dir: Path, sockets: Iterable[InetSk], moves: dict[str, 
     addresses in place of the checkpoint node's: ``moves`` maps one to the other. A connection keeps its
     ports and sequence numbers (TCP repair does not care which addresses carry them), and both of its ends
     move together. How many sockets changed."""
-    changes: dict[int, dict[int, int | list[int]]] = {}
+    changes: dict[int, dict[int, int | list[int] | None]] = {}
     for s in sockets:
         count = 1 if s.family == socket.AF_INET else 4
-        change: dict[int, int | list[int]] = {}
+        change: dict[int, int | list[int] | None] = {}
         if s.src[0] in moves:
             change[_ISK_SRC_ADDR] = _words(moves[s.src[0]], s.family, count)
         if s.connection and s.dst[0] in moves:
@@ -212,10 +213,14 @@ def _set_message(msg: bytes, num: int, value: bytes) -> bytes:
 
 def close_outside_connections(image_dir: Path, which: Iterable[InetSk]) -> None:
     """Rewrite ``which`` (connections of ``image_dir``'s files.img) as sockets CRIU restores closed and
-    never connected: state CLOSE, no ports. A read then fails with ENOTCONN and a write with EPIPE, and
-    poll says POLLHUP: an error, never an EOF, which a reader of a stream would take for its end (data
-    the socket held unread is lost with the connection, and must not look complete)."""
-    _rewrite(image_dir, {s.index: {_ISK_STATE: _TCP_CLOSE, _ISK_SRC_PORT: 0, _ISK_DST_PORT: 0} for s in which})
+    never connected: state CLOSE, no ports, no shutdown. A read then fails with ENOTCONN and a write with
+    EPIPE, and poll says POLLHUP: an error, never an EOF, which a reader of a stream would take for its
+    end (data the socket held unread is lost with the connection, and must not look complete). The
+    shutdown goes too: CRIU records one for every connection whose peer had sent its FIN (CLOSE_WAIT: a
+    server that sent its answer and closed) and shuts the restored socket's read half with it, which
+    reads as that EOF."""
+    _rewrite(image_dir, {s.index: {_ISK_STATE: _TCP_CLOSE, _ISK_SRC_PORT: 0, _ISK_DST_PORT: 0, _ISK_SHUTDOWN: None}
+                         for s in which})
 
 
 def unbind_datagrams(image_dir: Path, which: Iterable[InetSk]) -> None:
@@ -224,10 +229,10 @@ def unbind_datagrams(image_dir: Path, which: Iterable[InetSk]) -> None:
     _rewrite(image_dir, {s.index: {_ISK_SRC_PORT: 0} for s in which})
 
 
-def _rewrite(image_dir: Path, changes: dict[int, dict[int, int | list[int]]]) -> None:
+def _rewrite(image_dir: Path, changes: dict[int, dict[int, int | list[int] | None]]) -> None:
     """Set varint fields of the inet_sk_entry of files.img entries (by index): an int sets a field, a
-    list replaces every value of a repeated one (an address). Every other byte is kept; atomic (a new
-    file renamed over the old)."""
+    list replaces every value of a repeated one (an address), None removes it. Every other byte is kept;
+    atomic (a new file renamed over the old)."""
     if not changes:
         return
     path = image_dir / "files.img"
@@ -241,6 +246,8 @@ def _rewrite(image_dir: Path, changes: dict[int, dict[int, int | list[int]]]) ->
             for num, values in changes[index].items():
                 if isinstance(values, list):
                     isk = _set_repeated(isk, num, values)
+                elif values is None:
+                    isk = _replaced(isk, num, b"")
             msg = _set_message(msg, _FE_ISK, _set_varints(isk, single))
         out += struct.pack("<I", len(msg)) + msg
     tmp = path.with_name(path.name + ".tmp")

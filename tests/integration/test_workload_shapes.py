@@ -11,6 +11,7 @@ so the cases that keep such files open run signed, and say so in their id.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import secrets
@@ -18,6 +19,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -356,6 +358,50 @@ def tcp_established(tmp_path: Path) -> None:
         echo.close()
 
 
+class _DocService:
+    """A service outside the tree that answers each connection with one 32 KiB document and closes."""
+
+    DOC = b"".join(hashlib.sha256(str(i).encode()).digest() for i in range(1024))
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.makefile("rb").readline()
+                conn.sendall(self.DOC)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def tcp_close_wait(tmp_path: Path) -> None:
+    """A connection whose peer outside had sent everything and closed (CLOSE_WAIT, most of the document
+    unread): restored closed, so its next read fails and the client fetches again, where an EOF would have
+    ended the document short. The output equals an uninterrupted run's, the whole document read."""
+    docs = _DocService()
+    try:
+        cmd = _py("tcp_slow_reader.py", "--steps", STEPS, "--step-seconds", 0.1, "--port", docs.port)
+        reference = _reference(cmd, tmp_path / "ref")
+        assert reference.endswith(f" bytes={len(_DocService.DOC)}"), reference
+        node = Node(tmp_path, "close-wait", cmd, _env(tmp_path, "node-a"), tmp_path / "job")
+        ms = node.checkpoints_after_first_step(2)
+        node.lose(ms)
+        r = _resume(tmp_path, "close-wait", cmd, _env(tmp_path, "node-b"), tmp_path / "job")
+        _assert_continued(r, "close-wait", reference)
+        assert "CLOSE_WAIT to 127.0.0.1:" in r.stderr, r.stderr[-2000:]  # what the restore closed
+        assert re.search(r"connection closed \(OSError\) at byte \d+; fetching again", r.stderr), r.stderr[-2000:]
+    finally:
+        docs.close()
+
+
 def tcp_pair(tmp_path: Path) -> None:
     """A connection with both ends in the tree (a parent and its child, as torchrun's ranks and store):
     carried whole, so neither end notices the restore (no reconnect, the same answers)."""
@@ -477,6 +523,7 @@ SHAPE_CASES = [
     pytest.param(tcp_listen, id="tcp-listen"),
     pytest.param(tcp_established, id="tcp-established"),
     pytest.param(tcp_pair, id="tcp-pair"),
+    pytest.param(tcp_close_wait, id="tcp-close-wait"),
     pytest.param(tcp_port_taken, id="tcp-port-taken"),
     pytest.param(tcp_ipv6, id="tcp-ipv6"),
     pytest.param(udp_serve, id="udp-serve"),
