@@ -182,6 +182,17 @@ def _signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
+def _pairs_now(pid: int, image_dir: Path) -> set[net_lock.Pair]:
+    """The connections a dump that just ended may have locked: the live tree's (killed mid-dump, it runs
+    on) and its images' (a final dump: the tree is gone)."""
+    out: set[net_lock.Pair] = set()
+    with contextlib.suppress(OSError, ValueError):
+        out |= net_lock.tree_pairs(tree_pids(pid))
+    with contextlib.suppress(OSError, ValueError):
+        out |= net_lock.image_pairs(image_dir)
+    return out
+
+
 def _beside(image_dir: Path, suffix: str) -> Path:
     return image_dir.with_name(image_dir.name + suffix)
 
@@ -289,7 +300,9 @@ class CriuEngine:
                                   text=True) as running:
                 self._dumping = running
                 try:
-                    with net_lock.recorded(running, pairs):  # what its lock holds, if it is killed
+                    # what its lock holds, if it is killed or if it is a final dump (CRIU keeps that one)
+                    with net_lock.recorded(running, pairs, final=not leave_running,
+                                           now=lambda: _pairs_now(pid, image_dir)):
                         _, stderr = running.communicate()
                 finally:
                     self._dumping = None
@@ -393,6 +406,8 @@ class CriuEngine:
         child subreaper (see :mod:`cedana_airflow.run.workload`) so the restored root becomes its child.
         """
         self._require_root("restoring")
+        if fds.carries_inet_sockets(self.binary.version):
+            net_lock.sweep()  # a dead dump's lock here would drop the restored connections' packets
         log_path = image_dir.with_name(image_dir.name + ".restore.log")
         cmd = [self.binary.path, "restore", "-D", str(image_dir), "-d", "--pidfile", str(pidfile),
                "-o", str(log_path), "--file-locks", "-L", no_plugins_dir(), *self._socket_flags(dump=False)]

@@ -5,11 +5,12 @@ exactly: the same addresses, ports and connection state. What that means depends
 
 - **A connection with both ends in the tree** (a torchrun job's store and gloo connections, a worker
   and its sidecar) is restored whole, both ends, and the job goes on without noticing. Its address
-  pair may still be in TIME_WAIT here, left by the tree's own previous life on this node (a restore
-  on the same node after a crash), where the kernel refuses to connect it again ("Can't connect inet
-  socket back: Cannot assign requested address"): those leftovers are destroyed first
-  (:func:`clear_time_wait`, sock_diag's SOCK_DESTROY, as ``ss -K`` does). They are the same
-  connection's past; nothing else is touched.
+  pair may still be in use here, left by the tree's own previous life on this node (a restore on the
+  same node after a crash): in TIME_WAIT, or in FIN_WAIT/LAST_ACK/CLOSING where a dead dump's lock
+  dropped the close's packets. The kernel then refuses to connect it again ("Can't connect inet
+  socket back: Cannot assign requested address"): those leftovers, sockets no process holds, are
+  destroyed first (:func:`clear_leftovers`, sock_diag's SOCK_DESTROY, as ``ss -K`` does). They are
+  the same connection's past; nothing else is touched.
 - **A connection to a peer outside the tree** (an HTTP keep-alive pool, a database client) cannot be
   resumed: on another node its local address is not there, and on this one the peer saw it reset
   when the tree died. Its image entry is rewritten (:func:`close_outside_connections`) so that CRIU
@@ -38,7 +39,7 @@ from pathlib import Path
 
 from .images import _payload_start, fields, message_values
 
-__all__ = ["InetSk", "close_outside_connections", "clear_time_wait", "in_tree", "move_addresses", "read_inet_sockets",
+__all__ = ["InetSk", "close_outside_connections", "clear_leftovers", "in_tree", "move_addresses", "read_inet_sockets",
            "unbind_datagrams"]
 
 _FE_TYPE, _FE_ISK, _FD_INETSK = 1, 4, 4
@@ -255,16 +256,22 @@ def _rewrite(image_dir: Path, changes: dict[int, dict[int, int | list[int] | Non
     os.replace(tmp, path)
 
 
-def clear_time_wait(connections: Iterable[InetSk]) -> int:
-    """Destroy this node's TIME_WAIT sockets with the address pair of one of ``connections`` (either
-    direction): the tree's own past here, which would refuse the connection's restore where the kernel
-    lets no connect reuse the pair (TCP timestamps off). One listing, then one ``ss -K`` per leftover
-    found (``ss`` from iproute2; nothing without it). How many were destroyed."""
+#: The states a connection is left in once no process holds it: closing, or closed and waiting.
+_LEFTOVER_STATES = [arg for state in ("time-wait", "fin-wait-1", "fin-wait-2", "last-ack", "closing")
+                    for arg in ("state", state)]
+
+
+def clear_leftovers(connections: Iterable[InetSk]) -> int:
+    """Destroy this node's closing and closed sockets (TIME_WAIT, FIN_WAIT, LAST_ACK, CLOSING) with the
+    address pair of one of ``connections`` (either direction): the tree's own past here, which would
+    refuse the connection's restore (TIME_WAIT, where the kernel lets no connect reuse the pair: TCP
+    timestamps off; the others always). One listing, then one ``ss -K`` per leftover found (``ss`` from
+    iproute2; nothing without it). How many were destroyed."""
     ss = shutil.which("ss")
     wanted = {(s.src, s.dst) for s in connections}
     if ss is None or not wanted:
         return 0
-    listing = subprocess.run([ss, "-Htan", "state", "time-wait"], capture_output=True, text=True, timeout=10).stdout
+    listing = subprocess.run([ss, "-Htan", *_LEFTOVER_STATES], capture_output=True, text=True, timeout=10).stdout
     found = []
     for row in listing.splitlines():
         cols = row.split()
@@ -274,7 +281,7 @@ def clear_time_wait(connections: Iterable[InetSk]) -> int:
         if (local, peer) in wanted or (peer, local) in wanted:
             found.append((cols[-2], cols[-1]))
     for local_text, peer_text in found:
-        subprocess.run([ss, "-K", "-tn", "state", "time-wait", "src", local_text, "dst", peer_text],
+        subprocess.run([ss, "-K", "-tn", *_LEFTOVER_STATES, "src", local_text, "dst", peer_text],
                        capture_output=True, timeout=10)
     return len(found)
 

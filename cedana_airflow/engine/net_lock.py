@@ -16,8 +16,11 @@ same ephemeral port to the same database) hangs until it times out, whoever make
   (marked ``0xc114``, CRIU's SOCCR_MARK, on those pairs) are removed. Whether the connections still
   look alive cannot tell: the lock itself dropped the dead tree's FIN, so a peer on this node still
   holds its end. Locks of dumps under way, or of other tools, are never touched. Run before each dump
-  (any supervisor's on the node) and after one is killed; needs ``nft`` / ``iptables``, and skips
-  what is missing.
+  and each restore (any supervisor's on the node: a restore here would otherwise put the tree's
+  connections back into a dead dump's lock), after one is killed, and after a final dump, whose lock
+  CRIU keeps on purpose. Needs ``nft`` / ``iptables``, and skips what is missing. Not covered: a
+  supervisor that dies while it dumps a tree whose first connection appeared between the scan and the
+  freeze leaves that connection's lock unrecorded (a window of milliseconds).
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from .fds import net_rows, open_links
+from .inet_image import read_inet_sockets
 
-__all__ = ["RECORDS", "lock_flags", "recorded", "sweep", "tree_pairs"]
+__all__ = ["RECORDS", "image_pairs", "lock_flags", "recorded", "sweep", "tree_pairs"]
 
 log = logging.getLogger(__name__)
 
@@ -75,30 +79,53 @@ def tree_pairs(pids: Iterable[int]) -> set[Pair]:
     return out
 
 
+def image_pairs(image_dir: Path) -> set[Pair]:
+    """The address pairs of the TCP connections in a dump's images (both directions): what a dump whose
+    tree is gone had locked."""
+    out: set[Pair] = set()
+    for s in read_inet_sockets(image_dir):
+        if s.connection:
+            (la, lp), (ra, rp) = _v4(s.src), _v4(s.dst)
+            out |= {(la, lp, ra, rp), (ra, rp, la, lp)}
+    return out
+
+
 def _v4(end: tuple[str, int]) -> tuple[str, int]:
     """An IPv4 peer of a dual-stack socket as CRIU's lock names it: without ``::ffff:``."""
     return end[0].removeprefix("::ffff:"), end[1]
 
 
 @contextlib.contextmanager
-def recorded(criu: subprocess.Popen[str], pairs: set[Pair]) -> Iterator[None]:
+def recorded(criu: subprocess.Popen[str], pairs: set[Pair], *, final: bool = False,
+             now: Callable[[], set[Pair]] = set) -> Iterator[None]:
     """While ``criu`` dumps a tree with ``pairs``: a record :func:`sweep` reads if it is killed. Killed
-    under a living supervisor (a stop's abort), the sweep runs at once; under a dead one, the next dump on
-    this node runs it."""
-    if not pairs:
-        yield
-        return
+    under a living supervisor (a stop's abort), the sweep runs at once, with the tree's pairs as they are
+    ``now`` (the tree lives on, and a connection made after the scan is locked too); under a dead one, the
+    next dump or restore on this node runs it.
+
+    A ``final`` dump (no ``--leave-running``: a stop's last checkpoint) that succeeded keeps its lock on
+    purpose (cr-dump.c: for a ``criu restore`` on this node to take over), and nothing would ever lift
+    it: its pairs are swept at once, with ``now`` read from its images (the tree is gone). The restore
+    closes every connection to a peer outside anyway, and carries the tree's own whole without it."""
     path = RECORDS / f"{criu.pid}.json"
-    try:
-        RECORDS.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"pairs": sorted(pairs)}))
-    except OSError as e:  # a read-only /run: only a killed dump's lock is at stake
-        log.debug("network lock record not written: %s", e)
+    if pairs:
+        try:
+            RECORDS.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"pairs": sorted(pairs)}))
+        except OSError as e:  # a read-only /run: only a killed dump's lock is at stake
+            log.debug("network lock record not written: %s", e)
     try:
         yield
     finally:
-        if criu.poll() is not None and criu.returncode < 0:  # killed by a signal: its lock is left
-            sweep()
+        code = criu.poll()
+        killed = code is not None and code < 0  # by a signal: its lock is left
+        if killed or (final and code == 0):
+            try:
+                more = now()
+            except (OSError, ValueError) as e:
+                log.debug("the tree's connections not read again: %s", e)
+                more = set()
+            sweep(pairs | more, quiet=not killed)
         path.unlink(missing_ok=True)
 
 
@@ -178,13 +205,18 @@ def _iptables_stale(dead: set[Pair]) -> list[str]:
     return out
 
 
-def sweep() -> int:
-    """Remove the network locks of dumps that are gone (see the module doc); how many."""
+def sweep(ended: Iterable[Pair] = (), *, quiet: bool = False) -> int:
+    """Remove the network locks of dumps that are gone (see the module doc), and those on the pairs of
+    ``ended`` (a dump this supervisor saw end); how many. ``quiet``: a lock left on purpose, said at info."""
     dead, records = _dead_records()
+    dead |= set(ended)
     gone = _nft_stale(dead) + _iptables_stale(dead)
     for path in records:
         path.unlink(missing_ok=True)
-    if gone:
+    if gone and quiet:
+        log.info("removed the network lock a final criu dump keeps for a restore on this node (%d): %s", len(gone),
+                 ", ".join(gone[:5]))
+    elif gone:
         log.warning("removed %d network lock(s) a killed criu dump left (they dropped new connections on the "
                     "same address pairs): %s", len(gone), ", ".join(gone[:5]))
     return len(gone)

@@ -1,8 +1,9 @@
 """Before CRIU restores a checkpoint's sockets on this node: carry what can be carried, close what
 cannot, and name what on the node stands in the way (issue 47; the image side is engine/inet_image.py).
 
-- Connections with both ends in the tree are restored whole; their own TIME_WAIT leftovers on this
-  node (the tree's previous life here) are cleared first. Where they, or listeners, used the address of
+- Connections with both ends in the tree are restored whole; their own leftovers on this node (the
+  tree's previous life here: TIME_WAIT, or a close a dead dump's lock held up) are cleared first, and
+  so is a dead dump's lock (engine/criu.py sweeps before each restore). Where they, or listeners, used the address of
   the node the checkpoint was taken on (not loopback), and this node lacks it, they move to this
   node's address for it (``ip route get``): a tree that talks to itself over its hostname's address
   (torchrun in a pod) restores on another node too. Its memory may still hold the old address (a
@@ -33,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..engine.fds import command_of, net_rows
-from ..engine.inet_image import (InetSk, clear_time_wait, close_outside_connections, in_tree, move_addresses,
+from ..engine.inet_image import (InetSk, clear_leftovers, close_outside_connections, in_tree, move_addresses,
                                  read_inet_sockets, unbind_datagrams)
 from ..errors import NodeInTheWay, NotRestorableHere
 
@@ -184,5 +185,5 @@ def prepare_sockets(image_dir: Path, what: str, *, wait: float = PORT_WAIT_SECON
     if outside:
         log.info("restore closes %d connection(s) to peers outside the tree (the process gets an error and "
                  "reconnects): %s", len(outside), "; ".join(s.describe() for s in outside[:5]))
-    clear_time_wait(inside)
+    clear_leftovers(inside)
     return outside

@@ -5,7 +5,9 @@ any process. The lock of a dump that is gone is removed; a dump under way keeps 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -19,21 +21,38 @@ import pytest
 from cedana_airflow.config import DEFAULT_CRIU_PREFIX
 from cedana_airflow.engine import net_lock
 from cedana_airflow.engine.criu import CriuEngine, find_criu
+from cedana_airflow.run.sockets import prepare_sockets
 from cedana_airflow.run.workload import Workload
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("nft") is None, reason="needs root and nft")]
 
-#: A client of a service outside the tree, with 300 MB to dump: time enough to kill the dump mid-way.
+#: A client of a service outside the tree, with 300 MB to dump: time enough to kill the dump mid-way. Its
+#: own port is the test's choice (_quiet_port): the test takes the address pair again once the tree is gone.
 _TREE = """
 import os, socket, sys, time
 c = socket.socket()
 c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # so that the test can take its address pair again
+c.bind(("127.0.0.1", int(sys.argv[2])))
 c.connect(("127.0.0.1", int(sys.argv[1])))
 blob = bytearray(os.urandom(1 << 20)) * 300
 print(c.getsockname()[1], flush=True)
 while True: time.sleep(0.1)
 """
+
+
+def _quiet_port() -> int:
+    """A free port below the kernel's ephemeral range (32768 and up by default), where no connection of
+    another test on this machine is given it the moment the tree lets go of it."""
+    for _ in range(200):
+        port = random.randint(21000, 29999)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port in 21000-29999")
 
 
 def _tables() -> list[str]:
@@ -65,7 +84,7 @@ def test_the_lock_of_a_killed_dump_is_removed_and_the_address_pair_works_again(t
 
     threading.Thread(target=serve, daemon=True).start()
     out = open(tmp_path / "out", "w+b")
-    w = Workload.start([sys.executable, "-c", _TREE, str(port)], stdout=out, stderr=out)
+    w = Workload.start([sys.executable, "-c", _TREE, str(port), str(_quiet_port())], stdout=out, stderr=out)
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "out").read_text().strip():
@@ -133,3 +152,110 @@ def test_the_lock_of_a_dump_whose_supervisor_died_goes_at_the_next_dump_and_no_o
             subprocess.run(["nft", "delete", "table", "inet", name], capture_output=True)
         record.unlink(missing_ok=True)
         live_record.unlink(missing_ok=True)
+
+
+def test_a_final_dump_leaves_no_lock_and_the_address_pair_works_again(tmp_path):
+    """A stop's last checkpoint (no --leave-running): CRIU keeps that dump's lock for a restore on this node
+    to take over, and nothing else would ever lift it. Review 2 saw a new connection on the pair time out
+    after such a stop, and the service's end never hear the FIN."""
+    engine = CriuEngine(find_criu("", Path(DEFAULT_CRIU_PREFIX)))
+    if not net_lock.lock_flags(engine.binary.path):
+        pytest.skip("this CRIU cannot lock with nftables")
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    out = open(tmp_path / "out", "w+b")
+    w = Workload.start([sys.executable, "-c", _TREE.replace("* 300", "* 1"), str(port), str(_quiet_port())],
+                       stdout=out, stderr=out)
+    try:
+        conn, _ = server.accept()
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "out").read_text().strip():
+            assert w.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        client_port = int((tmp_path / "out").read_text().split()[0])
+        engine.dump(w.pid, tmp_path / "img", leave_running=False)
+        assert w.wait(timeout=30) != 0  # CRIU ended the tree
+    finally:
+        w.stop(0, 9)
+    assert _locking(client_port) == [], _tables()
+    # The tree's end went silently (CRIU closes sockets in repair mode); the service's next packet is answered
+    # with a reset, where the lock would have dropped it and the service waited, holding its session.
+    conn.settimeout(5)
+    conn.send(b"x")
+    with pytest.raises(ConnectionResetError):
+        conn.recv(1)
+    conn.close()
+    with socket.socket() as again:  # and the same address pair connects at once
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", client_port))
+        again.settimeout(3)
+        again.connect(("127.0.0.1", port))
+    server.close()
+
+
+#: A connection with both ends in the tree, used every 0.1 s; each round's outcome appended to a log.
+_PAIR = """
+import socket, sys, time
+srv = socket.create_server(("127.0.0.1", 0))
+c = socket.create_connection(srv.getsockname()); a, _ = srv.accept()
+c.settimeout(1)
+i = 0
+while True:
+    i += 1
+    try:
+        c.send(b"%08d" % i); a.send(a.recv(8)); c.recv(8); what = "ok"
+    except OSError as e:
+        what = type(e).__name__
+    with open(sys.argv[1], "a") as f: f.write(f"round {i} {what}\\n")
+    time.sleep(0.1)
+"""
+
+
+def test_a_restore_on_the_node_of_a_dead_dump_lifts_its_lock_first(tmp_path, monkeypatch):
+    """The supervisor died mid-dump (its record left, its criu gone) and the retry resumes the previous
+    checkpoint on the same node: the connections it restores have the locked address pairs. Review 2 saw
+    them carry nothing for 6 s, until the next heartbeat's sweep; the restore now sweeps first. (The
+    records in a folder of the test's own: another test's dump on this machine would sweep the record.)"""
+    monkeypatch.setattr(net_lock, "RECORDS", tmp_path / "net-locks")
+    engine = CriuEngine(find_criu("", Path(DEFAULT_CRIU_PREFIX)))
+    if not net_lock.lock_flags(engine.binary.path):
+        pytest.skip("this CRIU cannot lock with nftables")
+    log = tmp_path / "rounds.log"
+    sink = open(tmp_path / "out", "w+b")
+    w = Workload.start([sys.executable, "-c", _PAIR, str(log)], stdout=sink, stderr=sink)
+    name = f"CRIU-cedana-test-{os.getpid()}"
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # the dead dump's criu
+    record = net_lock.RECORDS / f"{gone.pid}.json"
+    pid = None
+    try:
+        deadline = time.monotonic() + 30
+        while not log.exists():
+            assert w.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        engine.dump(w.pid, tmp_path / "img", capture=False)
+        pairs = net_lock.tree_pairs([w.pid])
+        elements = ", ".join(f"{a} . {b} . {c} . {d}" for a, b, c, d in sorted(pairs))
+        subprocess.run(["nft", "-f", "-"], text=True, check=True, input=(
+            f"table inet {name} {{\n set conns4 {{\n  type ipv4_addr . inet_service . ipv4_addr . inet_service\n"
+            f"  elements = {{ {elements} }}\n }}\n chain input {{\n  type filter hook input priority 0;\n"
+            f"  ip saddr . tcp sport . ip daddr . tcp dport @conns4 drop\n }}\n}}\n"))
+        net_lock.RECORDS.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps({"pairs": sorted(pairs)}))
+        w.stop(0, 9)
+        w.wait(timeout=30)
+        rounds = len(log.read_text().splitlines())
+        assert name in _tables()
+        prepare_sockets(tmp_path / "img", "checkpoint t seq=1")  # as the checkpointer does: TIME_WAIT cleared
+        pid = engine.restore(tmp_path / "img", inherit={}, pidfile=tmp_path / "pid")
+        time.sleep(1.5)
+        after = log.read_text().splitlines()[rounds:]
+        assert name not in _tables() and not record.exists(), _tables()
+        assert len(after) >= 5 and all(ln.endswith(" ok") for ln in after), after
+    finally:
+        w.stop(0, 9)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        subprocess.run(["nft", "delete", "table", "inet", name], capture_output=True)
+        record.unlink(missing_ok=True)
