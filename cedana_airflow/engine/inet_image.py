@@ -48,6 +48,7 @@ _ISK_ID, _ISK_INO, _ISK_FAMILY, _ISK_TYPE, _ISK_PROTO, _ISK_STATE = 1, 2, 3, 4, 
 _ISK_SRC_PORT, _ISK_DST_PORT, _ISK_SRC_ADDR, _ISK_DST_ADDR, _ISK_V6ONLY = 7, 8, 11, 12, 15
 _ISK_SHUTDOWN = 19  # sk-inet.proto: which halves the kernel had shut (a peer's FIN shuts the read half)
 _TCP_CLOSE = 7
+_ANY = {socket.AF_INET: "0.0.0.0", socket.AF_INET6: "::"}
 _TCP_STATES = {1: "ESTABLISHED", 2: "SYN_SENT", 3: "SYN_RECV", 4: "FIN_WAIT1", 5: "FIN_WAIT2", 6: "TIME_WAIT",
                7: "CLOSE", 8: "CLOSE_WAIT", 9: "LAST_ACK", 10: "LISTEN", 11: "CLOSING"}
 
@@ -199,7 +200,7 @@ def move_addresses(image_dir: Path, sockets: Iterable[InetSk], moves: dict[str, 
         change: dict[int, int | list[int] | None] = {}
         if s.src[0] in moves:
             change[_ISK_SRC_ADDR] = _words(moves[s.src[0]], s.family, count)
-        if s.connection and s.dst[0] in moves:
+        if s.dst[1] != 0 and s.dst[0] in moves:  # a connection, or a connected UDP socket, in the tree
             change[_ISK_DST_ADDR] = _words(moves[s.dst[0]], s.family, count)
         if change:
             changes[s.index] = change
@@ -225,9 +226,11 @@ def close_outside_connections(image_dir: Path, which: Iterable[InetSk]) -> None:
 
 
 def unbind_datagrams(image_dir: Path, which: Iterable[InetSk]) -> None:
-    """Rewrite ``which`` (connected UDP sockets) without their local port: CRIU then does not bind
-    them, and ``connect`` picks this node's address and a free port, as the first connect did."""
-    _rewrite(image_dir, {s.index: {_ISK_SRC_PORT: 0} for s in which})
+    """Rewrite ``which`` (connected UDP sockets) without their local address and port: CRIU then does not
+    bind them, and ``connect`` picks this node's address and a free port, as the first connect did."""
+    _rewrite(image_dir, {s.index: {_ISK_SRC_PORT: 0, _ISK_SRC_ADDR: _words(_ANY[s.family], s.family,
+                                                                           1 if s.family == socket.AF_INET else 4)}
+                         for s in which})
 
 
 def _rewrite(image_dir: Path, changes: dict[int, dict[int, int | list[int] | None]]) -> None:

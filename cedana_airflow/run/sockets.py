@@ -10,7 +10,9 @@ cannot, and name what on the node stands in the way (issue 47; the image side is
   store's host name resolved once): a new connection to it fails, and the job's own retry decides.
 - Connections to peers outside the tree are restored closed: ENOTCONN on read, EPIPE on write, so the
   library reconnects (docs/compatibility.md lists which do by themselves).
-- Connected UDP sockets that cannot bind their old address here are restored unbound (connect binds them).
+- Connected UDP sockets that cannot bind their old address here are restored unbound (connect binds them
+  to this node's address); one whose peer is a UDP server of the tree on the node's address moves with
+  that address, destination included.
 - Listening and bound UDP sockets must bind again here: each is probed as CRIU will bind it
   (``SO_REUSEADDR``: a TIME_WAIT leftover does not block it), but without ``SO_REUSEPORT``, so that a
   live listener of another process blocks it even where it shares ports. A port held by a live
@@ -49,10 +51,12 @@ _WILDCARDS = ("0.0.0.0", "::")
 
 
 def _probe(s: InetSk) -> int:
-    """0 when ``s`` can be bound here, else the errno. As CRIU binds it (``SO_REUSEADDR``, so a TIME_WAIT
-    leftover does not count; ``IPV6_V6ONLY`` as the image says) but without ``SO_REUSEPORT``, which CRIU
-    sets on every socket it restores: with it, a live listener of another process that set it too
-    (nginx ``reuseport``, uvicorn ``--reuse-port``) would pass, and share its port with the restored tree."""
+    """0 when ``s`` can be bound here, else the errno. As CRIU binds it (``IPV6_V6ONLY`` as the image says;
+    for TCP ``SO_REUSEADDR``, so a TIME_WAIT leftover does not count) but without ``SO_REUSEPORT``, which
+    CRIU sets on every socket it restores: with it, a live listener of another process that set it too
+    (nginx ``reuseport``, uvicorn ``--reuse-port``) would pass, and share its port with the restored tree.
+    A UDP socket is probed without ``SO_REUSEADDR`` as well: a UDP service that set it (DNS, syslog,
+    statsd daemons do) would pass, and the restored tree would take its datagrams."""
     family = socket.AF_INET6 if s.family == socket.AF_INET6 else socket.AF_INET
     addr = s.src[0]
     if family == socket.AF_INET6 and "." in addr:
@@ -63,7 +67,8 @@ def _probe(s: InetSk) -> int:
     except OSError as e:  # a node booted without IPv6 (ipv6.disable=1): EAFNOSUPPORT
         return e.errno or errno.EAFNOSUPPORT
     with probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if kind == socket.SOCK_STREAM:  # UDP has no TIME_WAIT, and two UDP sockets that set it share a port
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if family == socket.AF_INET6:
             probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(s.v6only))
         try:
@@ -117,7 +122,7 @@ def _moves(sockets: list[InetSk], what: str) -> dict[str, str]:
     address for it. A tree that talks to itself over its node's address (torchrun's store and gloo bind
     the address its hostname resolves to: a pod's IP) would otherwise never restore anywhere else."""
     out: dict[str, str] = {}
-    for addr in sorted({s.src[0] for s in sockets} | {s.dst[0] for s in sockets if s.connection}):
+    for addr in sorted({s.src[0] for s in sockets} | {s.dst[0] for s in sockets if s.dst[1] != 0}):
         if addr in _WILDCARDS or ipaddress.ip_address(addr).is_loopback or _here(addr):
             continue
         to = _route_source(addr)
@@ -127,6 +132,24 @@ def _moves(sockets: list[InetSk], what: str) -> dict[str, str]:
                                     "choose an address of its own in its place. Check the node's network")
         out[addr] = to
     return out
+
+
+def _bound_server(s: InetSk) -> bool:
+    """A listener, or a UDP socket bound to a port and not connected (a server's)."""
+    return not s.connection and s.src[1] != 0 and not (s.proto == socket.IPPROTO_UDP and s.dst[1] != 0)
+
+
+def _to_tree_datagrams(sockets: list[InetSk]) -> list[InetSk]:
+    """The connected UDP sockets whose peer is a UDP server of the tree itself (a metrics sidecar reached
+    over the node's address): their destination is the tree's own address, and moves with it."""
+    servers = {(_plain(s.src[0]), s.src[1]) for s in sockets if s.proto == socket.IPPROTO_UDP and _bound_server(s)}
+    return [s for s in sockets if s.proto == socket.IPPROTO_UDP and s.dst[1] != 0 and s.src[1] != 0
+            and ((_plain(s.dst[0]), s.dst[1]) in servers or any((w, s.dst[1]) in servers for w in _WILDCARDS))]
+
+
+def _plain(addr: str) -> str:
+    """An IPv4 peer of a dual-stack socket without ``::ffff:``."""
+    return addr.removeprefix("::ffff:")
 
 
 def holder_of(s: InetSk) -> str:
@@ -157,17 +180,16 @@ def prepare_sockets(image_dir: Path, what: str, *, wait: float = PORT_WAIT_SECON
                            "node runs without IPv6 (booted with ipv6.disable=1). Let the retry run on a node with "
                            "IPv6; the checkpoint stays the latest")
     inside, _ = in_tree(sockets)
-    own = inside + [s for s in sockets if not s.connection and s.src[1] != 0]
+    own = inside + [s for s in sockets if _bound_server(s)] + _to_tree_datagrams(sockets)
     if moves := _moves(own, what):
         moved = move_addresses(image_dir, own, moves)
         log.info("restore moves the tree's address %s on this node (%d socket(s): its connections inside the "
-                 "tree and its listeners)", ", ".join(f"{a} to {b}" for a, b in moves.items()), moved)
+                 "tree, its listeners and its UDP sockets)", ", ".join(f"{a} to {b}" for a, b in moves.items()), moved)
         sockets = read_inet_sockets(image_dir)
     inside, outside = in_tree(sockets)
-    bound = [s for s in sockets if not s.connection and s.src[1] != 0]
-    datagrams = [s for s in bound if s.proto == socket.IPPROTO_UDP and s.dst[1] != 0]
+    datagrams = [s for s in sockets if s.proto == socket.IPPROTO_UDP and s.dst[1] != 0 and s.src[1] != 0]
     rebind = [s for s in datagrams if _probe(s) != 0]  # connected: connect() binds it here as it did there
-    bound = [s for s in bound if s not in datagrams]
+    bound = [s for s in sockets if _bound_server(s)]
     deadline = time.monotonic() + wait
     for s in bound:
         while (err := _probe(s)) == errno.EADDRINUSE and time.monotonic() < deadline:

@@ -167,18 +167,22 @@ def test_a_serving_worker_resumes_on_another_node_on_the_same_port_with_its_memo
         run_b.wait()
 
 
-def test_a_tree_that_talks_to_itself_over_its_nodes_address_moves_to_the_next_nodes(nodes, tmp_path):
+@pytest.mark.parametrize(("shape", "moved"), [("tcp_pair.py", 3), ("udp_pair.py", 1)], ids=["tcp", "udp"])
+def test_a_tree_that_talks_to_itself_over_its_nodes_address_moves_to_the_next_nodes(nodes, tmp_path, shape, moved):
     """As torchrun in a pod does (its store and gloo bind the address the hostname resolves to, the pod's
     IP): the listener and both ends of the connection are on node-a's address, which node-b has not. They
-    move to node-b's address, keeping their ports and their connection; the job goes on without noticing."""
+    move to node-b's address, keeping their ports and their connection; the job goes on without noticing.
+    Over UDP (a worker and its metrics sidecar, reached at the node's address): the sender's address and
+    its destination move, and the sidecar, on every address, hears it on node-b's."""
     a, b = nodes
-    cmd = [sys.executable, str(SHAPES / "tcp_pair.py"), "--steps", "60", "--step-seconds", "0.1", "--host", a.address]
+    cmd = [sys.executable, str(SHAPES / shape), "--steps", "60", "--step-seconds", "0.1", "--host", a.address]
     reference = _reference([*cmd[:-2], "--host", "127.0.0.1"], tmp_path)
     _checkpointed_then_lost(a, tmp_path, "self", cmd)
     run_b = _run(b, tmp_path, "self", cmd, resume=True, heartbeat="0", out="b")
     assert run_b.wait(timeout=120) == 0, (tmp_path / "b.err").read_text()[-3000:]
     err = (tmp_path / "b.err").read_text()
-    assert f"restore moves the tree's address {a.address} to {b.address} on this node (3 socket(s)" in err, err[-3000:]
+    assert f"restore moves the tree's address {a.address} to {b.address} on this node ({moved} socket(s)" in err, \
+        err[-3000:]
     assert "restore closes" not in err, err[-3000:]
     out = (tmp_path / "b.out").read_text().splitlines()
     assert not out[0].startswith("start-up") and out[-1] == reference, (out[:2], out[-1], reference)

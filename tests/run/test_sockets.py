@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import errno
 import json
+import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -197,3 +199,56 @@ def test_an_ipv6_socket_on_a_node_booted_without_ipv6_is_named_mocked_no_such_no
     assert str(e.value) == (f"checkpoint t seq=1 cannot be restored on this node: its socket TCP [::1]:{port} LISTEN "
                             "is IPv6, and this node runs without IPv6 (booted with ipv6.disable=1). Let the retry run "
                             "on a node with IPv6; the checkpoint stays the latest")
+
+
+def _dumped(tmp_path: Path, code: str) -> Path:
+    """The images of a one-process tree running ``code`` (it prints ``ready``), the tree gone."""
+    out = open(tmp_path / "tree.out", "w+b")
+    w = Workload.start([sys.executable, "-c", code], stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 20
+        while b"ready" not in (tmp_path / "tree.out").read_bytes():
+            assert w.poll() is None and time.monotonic() < deadline, (tmp_path / "tree.out").read_bytes()
+            time.sleep(0.05)
+        return CriuEngine(find_criu("", Path(DEFAULT_CRIU_PREFIX))).dump(w.pid, tmp_path / "images").image_dir
+    finally:
+        w.stop(1, 9)
+
+
+def test_a_udp_service_that_shares_ports_holds_a_udp_servers_port_too(tmp_path):
+    """A live UDP service with SO_REUSEADDR (DNS, syslog and statsd daemons set it) on the port of the
+    tree's UDP server: two UDP sockets that both set it share the port, and CRIU sets it on what it
+    restores, so the restored tree would take the service's datagrams. Review 2 saw it answer all 8."""
+    port = _free_port()
+    image_dir = _dumped(tmp_path, f"import socket, time\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                                  f"s.bind(('127.0.0.1', {port}))\nprint('ready', flush=True)\ntime.sleep(60)")
+    holder = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("127.0.0.1", port))
+    try:
+        with pytest.raises(NodeInTheWay, match=rf"UDP 127\.0\.0\.1:{port} is held here by pid {os.getpid()} "):
+            prepare_sockets(image_dir, "checkpoint t seq=1", wait=0.3)
+    finally:
+        holder.close()
+    prepare_sockets(image_dir, "checkpoint t seq=1", wait=0.3)  # the service gone, the port binds
+
+
+def test_a_udp_client_of_a_service_outside_restores_unbound_on_a_node_without_ip(tmp_path, monkeypatch):
+    """A connected UDP socket to a service outside, bound (by its connect) to the checkpoint node's address:
+    nothing of the tree is at that address, so nothing moves; it is restored unbound, and connect binds it
+    here. Review 2 saw a node without ``ip`` call it a tree talking to itself (NotRestorableHere) and start
+    the job over."""
+    peer = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    peer.bind(("127.0.0.1", 0))
+    image_dir = _dumped(tmp_path, f"import socket, time\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                                  f"s.connect(('127.0.0.1', {peer.getsockname()[1]}))\nprint('ready', flush=True)\n"
+                                  "time.sleep(60)")
+    peer.close()
+    [client] = inet_image.read_inet_sockets(image_dir)
+    elsewhere = int.from_bytes(socket.inet_aton("192.0.2.7"), "little")  # TEST-NET-1: the node that is gone
+    inet_image._rewrite(image_dir, {client.index: {11: elsewhere}})
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "ip" else real_which(name, *a, **k))
+    assert prepare_sockets(image_dir, "checkpoint t seq=1", wait=0.1) == []
+    [after] = inet_image.read_inet_sockets(image_dir)
+    assert after.src == ("0.0.0.0", 0) and after.dst == client.dst, after
