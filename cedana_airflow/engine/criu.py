@@ -182,6 +182,15 @@ def _signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
+def _holds_connections(image_dir: Path) -> bool:
+    """Whether the images hold a TCP connection CRIU restores as one (run/sockets.py has rewritten those to
+    peers outside as closed): only then is a restore's nftables lock worth its table."""
+    try:
+        return bool(net_lock.image_pairs(image_dir))
+    except (OSError, ValueError):
+        return True  # CRIU will say what is wrong with the images
+
+
 def _pairs_now(pid: int, image_dir: Path) -> set[net_lock.Pair]:
     """The connections a dump that just ended may have locked: the live tree's (killed mid-dump, it runs
     on) and its images' (a final dump: the tree is gone)."""
@@ -410,7 +419,8 @@ class CriuEngine:
             net_lock.sweep()  # a dead dump's lock here would drop the restored connections' packets
         log_path = image_dir.with_name(image_dir.name + ".restore.log")
         cmd = [self.binary.path, "restore", "-D", str(image_dir), "-d", "--pidfile", str(pidfile),
-               "-o", str(log_path), "--file-locks", "-L", no_plugins_dir(), *self._socket_flags(dump=False)]
+               "-o", str(log_path), "--file-locks", "-L", no_plugins_dir(),
+               *self._socket_flags(dump=False, connections=_holds_connections(image_dir))]
         for fd, name in inherit.items():
             cmd += ["--inherit-fd", f"fd[{fd}]:{name}"]
         if lazy:
