@@ -87,7 +87,7 @@ test-fast: setup
 test-unit: test-fast
 
 # Checkpoint -> kill -> restore cycles compared with uninterrupted runs (scripts/soak.py):
-# `make soak` runs each shape x (mode, store, lazy-pages daemon) once (66 rounds); ROUNDS=N or MINUTES=M
+# `make soak` runs each shape x (mode, store, lazy-pages daemon) once (72 rounds); ROUNDS=N or MINUTES=M
 # for a long one; ALONGSIDE=1 runs the end-to-end tests beside it all the while (they need `make test`'s
 # services installed).
 soak: setup torch soak-tools

@@ -82,7 +82,7 @@ class Tool:
 
 
 #: Every shape, in the order a soak goes through them (the first four were the soak's first shapes).
-SHAPES = ("numpy", "torch", "pool", "files", "maps", "churn", "forks", "preexec", "jvm", "go", "node")
+SHAPES = ("numpy", "torch", "pool", "files", "talk", "maps", "churn", "forks", "preexec", "jvm", "go", "node")
 
 TOOLS: dict[str, Tool] = {
     "torch": Tool((), "torch (make torch)"),
@@ -145,6 +145,9 @@ def shapes(big_mb: int, s3_mb: int) -> dict[tuple[str, str], Shape]:
                  1.0, ("--step-seconds", "0"))
     files = Shape("files", (PY, str(WORKLOADS / "open_files.py"), "--dir", "{out}", "--seed", "5", "--steps", "200",
                             "--step-seconds", "0.05"), 1.0, ("--step-seconds", "0"), writes_files=True)
+    # A tree that talks to itself over TCP and UDP (issue 47): both carried whole, nothing lost or repeated.
+    talk = Shape("talk", (PY, str(WORKLOADS / "talk_tree.py"), "--seed", "7", "--steps", "150", "--step-seconds", "0.08"),
+                 1.0, ("--step-seconds", "0"))
     # The shapes below change their mappings while they run (mprotect, fork, munmap, madvise, arenas that
     # grow and shrink, garbage collectors): each about 12-15 s of steps on 2 idle cores, like the ones above.
     def maps(mb: int) -> Shape:  # 120 steps of 0.1 s, a fork per step, a munmap every 10th
@@ -166,7 +169,7 @@ def shapes(big_mb: int, s3_mb: int) -> dict[tuple[str, str], Shape]:
     out: dict[tuple[str, str], Shape] = {}
     for store in ("file", "s3"):
         mb = big_mb if store == "file" else s3_mb
-        for s in (numpy(mb), torch, pool, files, maps(max(16, mb // 4)), churn, forks, preexec, jvm, go, node):
+        for s in (numpy(mb), torch, pool, files, talk, maps(max(16, mb // 4)), churn, forks, preexec, jvm, go, node):
             out[(s.name, store)] = s
     return out
 
