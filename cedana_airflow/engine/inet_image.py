@@ -47,8 +47,9 @@ _FE_TYPE, _FE_ISK, _FD_INETSK = 1, 4, 4
 _ISK_ID, _ISK_INO, _ISK_FAMILY, _ISK_TYPE, _ISK_PROTO, _ISK_STATE = 1, 2, 3, 4, 5, 6
 _ISK_SRC_PORT, _ISK_DST_PORT, _ISK_SRC_ADDR, _ISK_DST_ADDR, _ISK_V6ONLY = 7, 8, 11, 12, 15
 _ISK_SHUTDOWN = 19  # sk-inet.proto: which halves the kernel had shut (a peer's FIN shuts the read half)
+_ISK_OPTS, _OPTS_REUSEADDR = 14, 7  # sk_opts_entry (sk-opts.proto)
 _TCP_CLOSE = 7
-_ANY = {socket.AF_INET: "0.0.0.0", socket.AF_INET6: "::"}
+_ANY: dict[int, str] = {socket.AF_INET: "0.0.0.0", socket.AF_INET6: "::"}
 _TCP_STATES = {1: "ESTABLISHED", 2: "SYN_SENT", 3: "SYN_RECV", 4: "FIN_WAIT1", 5: "FIN_WAIT2", 6: "TIME_WAIT",
                7: "CLOSE", 8: "CLOSE_WAIT", 9: "LAST_ACK", 10: "LISTEN", 11: "CLOSING"}
 
@@ -65,6 +66,7 @@ class InetSk:
     src: tuple[str, int]
     dst: tuple[str, int]
     v6only: bool = False  # IPV6_V6ONLY: an IPv6 socket that leaves IPv4 to others
+    reuseaddr: bool = False  # SO_REUSEADDR: a UDP socket that set it shares its port with others that did
 
     @property
     def connection(self) -> bool:
@@ -124,10 +126,12 @@ def read_inet_sockets(image_dir: Path) -> list[InetSk]:
             family, proto = _ints(f, _ISK_FAMILY)[-1], _ints(f, _ISK_PROTO)[-1]
             if proto not in (socket.IPPROTO_TCP, socket.IPPROTO_UDP):
                 continue
+            opts = [o for o in f.get(_ISK_OPTS, []) if isinstance(o, bytes)]
+            reuseaddr = bool(opts) and _ints(message_values(opts[-1]), _OPTS_REUSEADDR)[-1:] == [1]
             out.append(InetSk(index, _ints(f, _ISK_INO)[-1], family, proto, _ints(f, _ISK_STATE)[-1],
                               (_addr(_ints(f, _ISK_SRC_ADDR), family), _ints(f, _ISK_SRC_PORT)[-1]),
                               (_addr(_ints(f, _ISK_DST_ADDR), family), _ints(f, _ISK_DST_PORT)[-1]),
-                              bool(_ints(f, _ISK_V6ONLY)[-1:] == [1])))
+                              bool(_ints(f, _ISK_V6ONLY)[-1:] == [1]), reuseaddr))
     except (IndexError, struct.error, ValueError) as e:
         raise ValueError(f"{path} is malformed ({e})") from None
     return out
@@ -265,36 +269,56 @@ _LEFTOVER_STATES = [arg for state in ("time-wait", "fin-wait-1", "fin-wait-2", "
 
 
 def clear_leftovers(connections: Iterable[InetSk]) -> int:
-    """Destroy this node's closing and closed sockets (TIME_WAIT, FIN_WAIT, LAST_ACK, CLOSING) with the
-    address pair of one of ``connections`` (either direction): the tree's own past here, which would
-    refuse the connection's restore (TIME_WAIT, where the kernel lets no connect reuse the pair: TCP
-    timestamps off; the others always). One listing, then one ``ss -K`` for all it found (``ss`` from
-    iproute2; nothing without it). How many were destroyed."""
+    """Destroy this node's closing and closed sockets (TIME_WAIT, FIN_WAIT, LAST_ACK, CLOSING) that no
+    process holds, with the address pair of one of ``connections`` (either direction): the tree's own
+    past here, which would refuse the connection's restore (TIME_WAIT, where the kernel lets no connect
+    reuse the pair: TCP timestamps off; the others always). A half-closed socket a live process still
+    holds is left alone: its pair is in use, and the restore says so. One listing, then one ``ss -K``
+    for all it found (one per leftover where that fails); ``ss`` from iproute2, nothing without it. How
+    many are gone."""
     ss = shutil.which("ss")
     wanted = {(s.src, s.dst) for s in connections}
     if ss is None or not wanted:
         return 0
-    listing = subprocess.run([ss, "-Htan", *_LEFTOVER_STATES], capture_output=True, text=True, timeout=10).stdout
+    found = _leftovers(ss, wanted)
+    for i in range(0, len(found), 64):  # one ss per 64 leftovers: a torchrun job leaves one per connection
+        chunk = found[i:i + 64]
+        expr = " or ".join(f"( src {local} and dst {peer} )" for local, peer in chunk)
+        if subprocess.run([ss, "-K", "-tn", *_LEFTOVER_STATES, expr], capture_output=True, timeout=10).returncode:
+            for local, peer in chunk:  # one ss cannot parse spoils only itself
+                subprocess.run([ss, "-K", "-tn", *_LEFTOVER_STATES, "src", local, "dst", peer], capture_output=True,
+                               timeout=10)
+    return len(found) - len(_leftovers(ss, wanted)) if found else 0
+
+
+def _leftovers(ss: str, wanted: set[tuple[tuple[str, int], tuple[str, int]]]) -> list[tuple[str, str]]:
+    """The leftovers of ``wanted``'s pairs here that no process holds (inode 0), as ``ss`` can filter them."""
+    listing = subprocess.run([ss, "-Hetan", *_LEFTOVER_STATES], capture_output=True, text=True, timeout=10).stdout
     found = []
     for row in listing.splitlines():
         cols = row.split()
-        if len(cols) < 4:
+        ends = [c for c in cols if ":" in c and not c.startswith(("ino:", "sk:", "cgroup:", "uid:", "timer:"))]
+        if len(ends) < 2 or "ino:0" not in cols:  # a live process's half-closed socket: not ours to destroy
             continue
-        local, peer = _parse_end(cols[-2]), _parse_end(cols[-1])
+        local, peer = _parse_end(ends[0]), _parse_end(ends[1])
         if (local, peer) in wanted or (peer, local) in wanted:
-            found.append((cols[-2], cols[-1]))
-    for i in range(0, len(found), 64):  # one ss per 64 leftovers: a torchrun job leaves one per connection
-        expr = " or ".join(f"( src {local} and dst {peer} )" for local, peer in found[i:i + 64])
-        subprocess.run([ss, "-K", "-tn", *_LEFTOVER_STATES, expr], capture_output=True, timeout=10)
-    return len(found)
+            found.append((_filterable(ends[0]), _filterable(ends[1])))
+    return found
+
+
+def _filterable(end: str) -> str:
+    """``ss``'s printed end as its filter takes it: without the ``%dev`` of a socket bound to a device or
+    of an IPv6 link-local address, which its parser refuses (the address and port name it already)."""
+    host, _, port = end.rpartition(":")
+    return f"{host.split('%')[0]}:{port}"
 
 
 def _parse_end(text: str) -> tuple[str, int]:
     """``ss``'s ``10.0.0.5:41709`` or ``[::ffff:10.0.0.5]:41709`` as an InetSk end (v4-mapped as v4)."""
     host, _, port = text.rpartition(":")
-    host = host.strip("[]")
+    host = host.split("%")[0].strip("[]")  # "127.0.0.1%lo", "[fe80::1]%eth0": the device is not the address
     try:
-        a = ipaddress.ip_address(host.split("%")[0])
+        a = ipaddress.ip_address(host)
     except ValueError:
         return host, int(port) if port.isdigit() else 0
     if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None:

@@ -55,8 +55,8 @@ def _probe(s: InetSk) -> int:
     for TCP ``SO_REUSEADDR``, so a TIME_WAIT leftover does not count) but without ``SO_REUSEPORT``, which
     CRIU sets on every socket it restores: with it, a live listener of another process that set it too
     (nginx ``reuseport``, uvicorn ``--reuse-port``) would pass, and share its port with the restored tree.
-    A UDP socket is probed without ``SO_REUSEADDR`` as well: a UDP service that set it (DNS, syslog,
-    statsd daemons do) would pass, and the restored tree would take its datagrams."""
+    A UDP socket is probed without ``SO_REUSEADDR`` unless it had set it: a UDP service that set it (DNS,
+    syslog, statsd daemons do) would pass, and the restored tree would take its datagrams."""
     family = socket.AF_INET6 if s.family == socket.AF_INET6 else socket.AF_INET
     addr = s.src[0]
     if family == socket.AF_INET6 and "." in addr:
@@ -67,7 +67,9 @@ def _probe(s: InetSk) -> int:
     except OSError as e:  # a node booted without IPv6 (ipv6.disable=1): EAFNOSUPPORT
         return e.errno or errno.EAFNOSUPPORT
     with probe:
-        if kind == socket.SOCK_STREAM:  # UDP has no TIME_WAIT, and two UDP sockets that set it share a port
+        # TCP: a TIME_WAIT leftover must not count. UDP has none, and two UDP sockets that both set it share a
+        # port: only where the tree's own did (a multicast receiver beside avahi, by choice) may this one
+        if kind == socket.SOCK_STREAM or s.reuseaddr:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if family == socket.AF_INET6:
             probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(s.v6only))
@@ -141,10 +143,20 @@ def _bound_server(s: InetSk) -> bool:
 
 def _to_tree_datagrams(sockets: list[InetSk]) -> list[InetSk]:
     """The connected UDP sockets whose peer is a UDP server of the tree itself (a metrics sidecar reached
-    over the node's address): their destination is the tree's own address, and moves with it."""
+    over the node's address): their destination is the tree's own address, and moves with it. A server
+    on every address (a wildcard) is the peer only where the destination is the node's own address: the
+    sender's own (the kernel sends to a local address from it), or one the tree bound; a relay that serves
+    a port and sends to the same port elsewhere (statsd, DNS, syslog) must keep its destination."""
     servers = {(_plain(s.src[0]), s.src[1]) for s in sockets if s.proto == socket.IPPROTO_UDP and _bound_server(s)}
-    return [s for s in sockets if s.proto == socket.IPPROTO_UDP and s.dst[1] != 0 and s.src[1] != 0
-            and ((_plain(s.dst[0]), s.dst[1]) in servers or any((w, s.dst[1]) in servers for w in _WILDCARDS))]
+    own = {_plain(s.src[0]) for s in sockets} - set(_WILDCARDS)
+
+    def to_tree(s: InetSk) -> bool:
+        dst = _plain(s.dst[0])
+        if (dst, s.dst[1]) in servers:
+            return True
+        return any((w, s.dst[1]) in servers for w in _WILDCARDS) and (dst == _plain(s.src[0]) or dst in own)
+
+    return [s for s in sockets if s.proto == socket.IPPROTO_UDP and s.dst[1] != 0 and s.src[1] != 0 and to_tree(s)]
 
 
 def _plain(addr: str) -> str:

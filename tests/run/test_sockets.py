@@ -252,3 +252,38 @@ def test_a_udp_client_of_a_service_outside_restores_unbound_on_a_node_without_ip
     assert prepare_sockets(image_dir, "checkpoint t seq=1", wait=0.1) == []
     [after] = inet_image.read_inet_sockets(image_dir)
     assert after.src == ("0.0.0.0", 0) and after.dst == client.dst, after
+
+
+def test_a_relay_that_serves_a_port_and_sends_to_it_elsewhere_keeps_its_destination(tmp_path):
+    """A statsd, DNS or syslog relay: a UDP server on every address at port P, and a client connected to the
+    same port P of a service elsewhere. The client's peer is not the tree's own server: review 3 saw its
+    destination "moved" to this node, its datagrams going to itself, even on the node it ran on."""
+    port = _free_port()
+    image_dir = _dumped(tmp_path, f"import socket, time\nsrv = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                                  f"srv.bind(('0.0.0.0', {port}))\nc = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                                  f"c.connect(('127.0.0.1', {port}))\nprint('ready', flush=True)\ntime.sleep(60)")
+    [client] = [s for s in inet_image.read_inet_sockets(image_dir) if s.dst[1] == port]
+    elsewhere = int.from_bytes(socket.inet_aton("192.0.2.9"), "little")  # TEST-NET-1: the service's host
+    inet_image._rewrite(image_dir, {client.index: {12: elsewhere}})
+    prepare_sockets(image_dir, "checkpoint t seq=1", wait=0.1)
+    [after] = [s for s in inet_image.read_inet_sockets(image_dir) if s.index == client.index]
+    assert after.dst == ("192.0.2.9", port), after
+
+
+def test_a_udp_port_the_tree_shared_by_choice_binds_beside_its_sharer_again(tmp_path):
+    """A multicast receiver beside avahi, two statsd listeners: both set SO_REUSEADDR and share the port. The
+    tree's socket did, so it binds beside the other again, as it did in its first life; review 3 saw it
+    refused (NodeInTheWay) on the very node it ran on."""
+    port = _free_port()
+    sharer = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sharer.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sharer.bind(("127.0.0.1", port))
+    try:
+        image_dir = _dumped(tmp_path, f"import socket, time\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                                      "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+                                      f"s.bind(('127.0.0.1', {port}))\nprint('ready', flush=True)\ntime.sleep(60)")
+        [s] = inet_image.read_inet_sockets(image_dir)
+        assert s.reuseaddr
+        prepare_sockets(image_dir, "checkpoint t seq=1", wait=0.1)
+    finally:
+        sharer.close()
