@@ -310,7 +310,7 @@ class CriuEngine:
                 self._dumping = running
                 try:
                     # what its lock holds, if it is killed or if it is a final dump (CRIU keeps that one)
-                    with net_lock.recorded(running, pairs, final=not leave_running,
+                    with net_lock.recorded(running, pairs, image_dir, final=not leave_running,
                                            now=lambda: _pairs_now(pid, image_dir)):
                         _, stderr = running.communicate()
                 finally:
