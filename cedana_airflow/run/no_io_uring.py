@@ -25,24 +25,31 @@ __all__ = ["EXEC_WITHOUT_IO_URING", "without_io_uring"]
 
 #: The wrapper: ``python -I -S -c EXEC_WITHOUT_IO_URING =LC_CTYPE|'' cmd args...`` installs the filter and
 #: execs cmd. Self-contained (it runs with no site-packages). The filter, in classic BPF over
-#: ``seccomp_data``: io_uring_setup (425 on every architecture, native, compat or x32's 0x40000000 | 425)
-#: gets ENOSYS; every other call, and every call of an architecture it does not know, is allowed.
+#: ``seccomp_data``: io_uring_setup (425 on every architecture it knows, 64-bit or 32-bit, or x32's
+#: 0x40000000 | 425) gets ENOSYS; every other call, and every call of an architecture it does not know
+#: (MIPS and Alpha number it otherwise), is allowed.
 EXEC_WITHOUT_IO_URING = r"""
 import ctypes, os, signal, struct, sys
 lc_ctype, argv = sys.argv[1], sys.argv[2:]  # "=VALUE" as the workload was given it, or "" for none
-# (native, compat) audit arches: x86_64 and i386 (int 0x80, 32-bit programs), aarch64 and arm, s390x and
-# s390; ppc64le has no compat ABI (its own twice: the second test never runs)
-MACHINE = os.uname().machine
-ARCH = {"x86_64": (0xC000003E, 0x40000003), "aarch64": (0xC00000B7, 0x40000028),
-        "ppc64le": (0xC0000015, 0xC0000015), "s390x": (0x80000016, 0x00000016)}.get(MACHINE)
-if ARCH is None:
-    sys.stderr.write(f"cedana: io_uring is not refused to this workload (no filter for {MACHINE}); one it "
-                     "takes cannot be checkpointed\n")
+# Every audit arch whose io_uring_setup is 425 (audit.h): x86_64, i386, aarch64, arm, ppc64le, ppc64,
+# s390x, s390, riscv64, loongarch64. The filter checks the arch of each call, not uname's, so a 32-bit
+# program (int 0x80, setarch i686) meets it too. x32 calls are x86_64's with bit 30 set; no other arch
+# has a call numbered that high.
+ARCHES = (0xC000003E, 0x40000003, 0xC00000B7, 0x40000028, 0xC0000015, 0x80000015, 0x80000016, 0x00000016,
+          0xC00000F3, 0xC0000102)
+KNOWN = ("x86_64", "i386", "i686", "aarch64", "armv7l", "armv8l", "ppc64le", "ppc64", "s390x", "riscv64",
+         "loongarch64")
+if os.uname().machine not in KNOWN:
+    sys.stderr.write(f"cedana: io_uring is not refused to this workload (no filter for {os.uname().machine}); one "
+                     "it takes cannot be checkpointed\n")
 else:
     LD, JEQ, RET = 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
     ALLOW, ENOSYS = 0x7FFF0000, 0x00050000 | 38  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | ENOSYS
-    prog = [(LD, 0, 0, 4), (JEQ, 0, 3, ARCH[0]), (LD, 0, 0, 0), (JEQ, 4, 0, 425), (JEQ, 3, 4, 0x40000000 | 425),
-            (JEQ, 0, 3, ARCH[1]), (LD, 0, 0, 0), (JEQ, 0, 1, 425), (RET, 0, 0, ENOSYS), (RET, 0, 0, ALLOW)]
+    n = len(ARCHES)
+    prog = [(LD, 0, 0, 4)]  # seccomp_data.arch
+    prog += [(JEQ, n - i, 0, a) for i, a in enumerate(ARCHES)]  # a known arch: on to the number
+    prog += [(RET, 0, 0, ALLOW), (LD, 0, 0, 0),  # seccomp_data.nr
+             (JEQ, 2, 0, 425), (JEQ, 1, 0, 0x40000000 | 425), (RET, 0, 0, ALLOW), (RET, 0, 0, ENOSYS)]
     raw = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in prog))
     class Prog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]

@@ -93,3 +93,20 @@ int main(void) {
     wrapped = subprocess.run(without_io_uring([str(exe)]), capture_output=True, text=True).stdout.strip()
     assert int(plain) >= 0, plain  # a ring, where nothing refuses it (the test can fail)
     assert wrapped == "-38", wrapped  # -ENOSYS
+
+
+def test_under_setarch_i686_the_filter_is_there_too():
+    """``setarch i686`` makes uname say i686: the filter is chosen by each call's arch, not by uname's, so
+    the workload still gets no ring (review 3 saw none installed)."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    from cedana_airflow.run.no_io_uring import without_io_uring
+
+    if shutil.which("setarch") is None or subprocess.run(["setarch", "i686", "true"]).returncode != 0:
+        pytest.skip("setarch i686 is not available here")
+    r = subprocess.run(["setarch", "i686", *without_io_uring([sys.executable, "-c", _PROBE])], capture_output=True,
+                       text=True, timeout=60)
+    assert r.stdout == "child: Function not implemented\nparent: Function not implemented seccomp 2\n", r
