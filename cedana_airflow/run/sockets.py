@@ -3,8 +3,8 @@ cannot, and name what on the node stands in the way (issue 47; the image side is
 
 - Connections with both ends in the tree are restored whole; their own leftovers on this node (the
   tree's previous life here: TIME_WAIT, or a close a dead dump's lock held up) are cleared first, and
-  so is a dead dump's lock (engine/criu.py sweeps before each restore). Where they, or listeners, used the address of
-  the node the checkpoint was taken on (not loopback), and this node lacks it, they move to this
+  so is a dead dump's lock (engine/criu.py sweeps before each restore). Where they, or listeners, used
+  the address of the node the checkpoint was taken on (not loopback), and this node lacks it, they move to this
   node's address for it (``ip route get``): a tree that talks to itself over its hostname's address
   (torchrun in a pod) restores on another node too. Its memory may still hold the old address (a
   store's host name resolved once): a new connection to it fails, and the job's own retry decides.
@@ -14,7 +14,8 @@ cannot, and name what on the node stands in the way (issue 47; the image side is
   to this node's address); one whose peer is a UDP server of the tree on the node's address moves with
   that address, destination included.
 - Listening and bound UDP sockets must bind again here: each is probed as CRIU will bind it
-  (``SO_REUSEADDR``: a TIME_WAIT leftover does not block it), but without ``SO_REUSEPORT``, so that a
+  (TCP with ``SO_REUSEADDR``: a TIME_WAIT leftover does not block it; UDP only where the tree's socket
+  set it, so that a UDP service sharing its port is not missed), but without ``SO_REUSEPORT``, so that a
   live listener of another process blocks it even where it shares ports. A port held by a live
   process is waited for a few seconds (a tree whose supervisor died here is killed by its watchdog
   within one), then raises :class:`NodeInTheWay` naming the holder.
