@@ -159,6 +159,28 @@ def encode(data: bytes | memoryview, compression: str) -> bytes:
     return _RAW + bytes(data)
 
 
+#: The most a stored chunk may decompress to when it is judged on its own (intact): 64x the largest
+#: average a store is made with, bounding what a forged frame header can make a reader allocate.
+_INTACT_MAX = 256 << 20
+
+
+def intact(blob: bytes, expected_digest: str) -> bool:
+    """Whether a stored chunk is good on its own: its content hashes to its name, whatever size a
+    manifest claims for it. A manifest can be wrong (forged, or naming the chunk with another size); the
+    chunk cannot, and other checkpoints may need it."""
+    codec, payload = blob[:1], memoryview(blob)[1:]
+    try:
+        if codec == _RAW:
+            raw: bytes | memoryview = payload
+        elif codec == _ZSTD:
+            raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=_INTACT_MAX)
+        else:
+            return False
+    except zstandard.ZstdError:
+        return False
+    return digest(raw) == expected_digest
+
+
 def decode(blob: bytes, expected_digest: str, expected_size: int) -> bytes | memoryview:
     """Return the raw bytes of a stored chunk, or raise CorruptCheckpoint if they are not what was named.
 

@@ -35,16 +35,28 @@ __all__ = ["heal_known", "quarantined", "read_chunk", "records", "set_aside"]
 
 log = logging.getLogger(__name__)
 
+def _intact(store: Store, digest: str) -> bool:
+    try:
+        return chunking.intact(store.get_chunk(digest), digest)
+    except CorruptCheckpoint:  # missing
+        return False
+
+
 def set_aside(store: Store, digest: str, size: int, reader: str, why: str) -> bool:
-    """Record ``digest`` as bad and remove it from ``chunks/`` if it is still bad; True when removed."""
+    """Record ``digest`` as bad and remove it from ``chunks/`` if it is still bad; True when removed.
+
+    The chunk is judged on its own (its content against its name), never by the size the manifest that
+    named it claims: a manifest written by whoever can write the store could otherwise name another
+    checkpoint's good chunk with a wrong size and have every reader delete it."""
+    if _intact(store, digest):
+        log.warning("chunk %s is intact: what named it with size %d does not match it (%s); kept", digest, size, why)
+        return False
     record = {"digest": digest, "at": time.time(), "node": reader or socket.gethostname(), "why": why}
     store.put_if_absent(quarantine_key(digest), json.dumps(record).encode())  # the first finding is kept
-    try:
-        chunking.decode(store.get_chunk(digest), digest, size)
+    if _intact(store, digest):
         log.warning("chunk %s was bad but a good copy is in the store now; kept", digest)
         return False
-    except CorruptCheckpoint:
-        store.delete(chunk_key(digest))
+    store.delete(chunk_key(digest))
     log.warning("chunk set aside digest=%s reason=%s: the next heartbeat of a writer that has it uploads it "
                 "again", digest, why)
     return True

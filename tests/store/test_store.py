@@ -152,3 +152,23 @@ def test_a_manifest_whose_chunks_do_not_cover_a_file_is_refused(store, tmp_path)
 def test_captured_files_must_be_absolute_normalised_and_without_special_bits(path, mode):
     with pytest.raises(ValidationError):
         CapturedFile(path=path, size=0, mode=mode, chunks=())
+
+
+def test_a_manifest_naming_a_good_chunk_with_a_wrong_size_is_refused_and_the_chunk_kept(store, tmp_path):
+    """Whoever can write the store writes a manifest that names another checkpoint's chunk with a wrong
+    size: the reader refuses that manifest, and must not take the chunk for bad. Issue 48's design review
+    saw every reader (restore, drill verify, check --repair) delete it, breaking the good checkpoint."""
+    s, cfg = store
+    good = save_checkpoint(s, cfg, _meta(), _images(tmp_path / "img", os.urandom(11)))
+    victim = good.files[0].chunks[0]
+    first = good.files[0]
+    lying = type(good).model_validate({**good.model_dump(), "files": [  # a manifest that validates
+        {**first.model_dump(), "size": first.size - 1,
+         "chunks": [{"digest": victim.digest, "size": victim.size - 1}, *[c.model_dump() for c in first.chunks[1:]]]},
+        *[f.model_dump() for f in good.files[1:]]]})
+    with pytest.raises(CorruptCheckpoint):
+        fetch_checkpoint(s, lying, tmp_path / "forged")
+    assert (s.root / chunk_key(victim.digest)).exists()
+    assert not (s.root / "quarantine" / f"{victim.digest}.json").exists()
+    fetch_checkpoint(s, good, tmp_path / "out")  # the good checkpoint still restores
+    assert (tmp_path / "out" / "pages-1.img").read_bytes() == (tmp_path / "img" / "pages-1.img").read_bytes()
