@@ -18,6 +18,7 @@ import re
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -65,12 +66,24 @@ def no_plugins_dir() -> str:
     lock and checkpoint the same CUDA processes our engine drives through the driver (engine/cuda.py),
     and bring them back at restore on its own: the two collide. Ours is the one that acts (it needs
     no ``cuda-checkpoint`` binary, and knows the tree's other GPU processes); docs/gpu.md. Made with
-    mkdtemp, never a shared path: CRIU dlopens every ``.so`` in it, as root."""
+    mkdtemp, never a shared path: CRIU dlopens every ``.so`` in it, as root. Checked again at each use,
+    not by its name only: a ``/tmp`` cleaner may remove it, and whoever makes a folder of that name
+    next (its name is in our command lines) must not choose what CRIU loads."""
     global _no_plugins
-    if _no_plugins is None or not os.path.isdir(_no_plugins):
+    if _no_plugins is None or not _still_ours_and_empty(_no_plugins):
         _no_plugins = tempfile.mkdtemp(prefix="cedana-criu-no-plugins-")
         atexit.register(_remove_dir, _no_plugins)  # one per supervisor: a worker runs thousands of them
     return _no_plugins
+
+
+def _still_ours_and_empty(path: str) -> bool:
+    """A real directory (not a link), ours, closed to others (mkdtemp's 0700) and empty."""
+    try:
+        st = os.lstat(path)
+        return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700
+                and not os.listdir(path))
+    except OSError:
+        return False
 
 
 def _remove_dir(path: str) -> None:
