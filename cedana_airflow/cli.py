@@ -536,7 +536,8 @@ def _cmd_drill(args: argparse.Namespace) -> int:
     else:
         for c in report.checked:
             print(f"{'OK  ' if c.ok else 'FAIL'} {c.checkpoint_id} seq {c.seq}: "
-                  + (f"{c.bytes_fetched / 1e6:.1f} MB verified in {c.fetch_seconds:.2f} s" if c.ok else c.problem))
+                  + (f"{c.bytes_fetched / 1e6:.1f} MB verified in {c.fetch_seconds:.2f} s" if c.ok else c.problem)
+                  + (f"; {c.note}" if c.note else ""))
         per_id = {f"{c.checkpoint_id}: {c.problem}" for c in report.checked if not c.ok}
         print(f"drill {report.drill_id}: {'passed' if report.ok else 'FAILED'}"
               + "".join(f"\n  {p}" for p in report.problems if p not in per_id))

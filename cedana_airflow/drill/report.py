@@ -38,6 +38,7 @@ class CheckedId(BaseModel):
     bytes_fetched: int = 0
     fetch_seconds: float = 0.0
     problem: str = ""
+    note: str = ""  # what was left undone and why (a recorded verify command not run: unverified)
 
 
 class LiveTarget(BaseModel):

@@ -6,9 +6,12 @@ node has a signing key, every chunk fetched and verified, and the image set chec
 would read it (engine/image_check.py). Once per drill: ``criu check`` on this node.
 
 A cooperative checkpoint (the workload wrote it: docs/cooperative.md) has no image set: its files are
-put back in a scratch directory and the workload's own verify command, when it recorded one
-(``cooperative_verify_command``), runs there with CEDANA_RESTORE_DIR naming them; exit 0 is good.
-It runs with this node's environment less the store's credentials, as a restore would start it.
+put back in a scratch directory and a verify command runs there with CEDANA_RESTORE_DIR naming them;
+exit 0 is good. It runs with this node's environment less the store's credentials, as a restore would
+start it. Which command: this node's own ``cooperative_verify_command`` where it sets one, else the one
+the workload recorded in its manifest, but only where this node's key verified that manifest: a
+command read from the store is code, and whoever can write the store must not choose what a drill runs
+(issue 48). An unverified manifest's command is not run, and the report says so (``note``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import random
+import shlex
 import shutil
 import subprocess
 import time
@@ -42,7 +46,8 @@ VERIFY_COMMAND_SECONDS = 600.0
 __all__ = ["verify"]
 
 
-def _check_one(store: Store, cfg: StoreConfig, cid: str, key: bytes | None, work: Path) -> CheckedId:
+def _check_one(store: Store, cfg: StoreConfig, cid: str, key: bytes | None, own_command: tuple[str, ...],
+               work: Path) -> CheckedId:
     manifests = load_manifests(store, cid)
     if not manifests:
         return CheckedId(checkpoint_id=cid, ok=False, problem="no readable manifest")
@@ -51,25 +56,41 @@ def _check_one(store: Store, cfg: StoreConfig, cid: str, key: bytes | None, work
         return CheckedId(checkpoint_id=cid, ok=False, seq=m.seq, node=m.node, problem=f"seq {m.seq}: {why}")
     dest = work / cid
     t0 = time.monotonic()
+    note = ""
     try:
         fetch_checkpoint(store, m, dest, max_chunk_bytes=MAX_CHUNK_FACTOR * cfg.chunk_avg_bytes)
         seconds = time.monotonic() - t0
-        problems = _state_problems(m, dest) if m.is_cooperative else image_set_problems(dest)
+        if m.is_cooperative:
+            argv, note = _verify_command(m, verified=key is not None, own=own_command)
+            problems = _state_problems(m, dest, argv)
+        else:
+            problems = image_set_problems(dest)
     except CedanaError as e:  # a chunk missing or wrong: the message names it
         return CheckedId(checkpoint_id=cid, ok=False, seq=m.seq, node=m.node, problem=str(e))
     finally:
         shutil.rmtree(dest, ignore_errors=True)
     if problems:
         return CheckedId(checkpoint_id=cid, ok=False, seq=m.seq, node=m.node, bytes_fetched=m.image_bytes,
-                         fetch_seconds=round(seconds, 3), problem=f"seq {m.seq}: " + "; ".join(problems))
+                         fetch_seconds=round(seconds, 3), problem=f"seq {m.seq}: " + "; ".join(problems), note=note)
     return CheckedId(checkpoint_id=cid, ok=True, seq=m.seq, node=m.node, bytes_fetched=m.image_bytes,
-                     fetch_seconds=round(seconds, 3))
+                     fetch_seconds=round(seconds, 3), note=note)
 
 
-def _state_problems(m: Manifest, dest: Path) -> list[str]:
-    """A cooperative checkpoint's files, judged by the workload's own verify command (if it gave one)."""
+def _verify_command(m: Manifest, *, verified: bool, own: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
+    """The command that judges a cooperative checkpoint here, and a note when the recorded one is not run."""
     assert m.cooperative is not None
-    argv = m.cooperative.verify_command
+    if own:
+        return own, ""
+    recorded = tuple(m.cooperative.verify_command)
+    if recorded and not verified:
+        return (), (f"seq {m.seq}: its recorded verify command was not run: no key on this node verified the "
+                    "manifest that names it (set signing_key_file on this node, or cooperative_verify_command "
+                    "to run a command of this node's own)")
+    return recorded, ""
+
+
+def _state_problems(m: Manifest, dest: Path, argv: tuple[str, ...]) -> list[str]:
+    """A cooperative checkpoint's files, judged by ``argv`` (see _verify_command), if any."""
     if not argv:
         return []  # every chunk verified: all that can be said without the workload's help
     env = {**workload_env(os.environ), ENV_RESTORE: str(dest), "CEDANA_CHECKPOINT_ID": m.checkpoint_id}
@@ -107,7 +128,8 @@ def verify(store: Store, cfg: StoreConfig, settings: Settings, engine: CriuEngin
     key = settings.resolved_signing_key()
     work = scratch_dir(settings, "cedana-verify-")
     try:
-        checked = tuple(_check_one(store, cfg, cid, key, work) for cid in chosen)
+        own = tuple(shlex.split(settings.cooperative_verify_command))
+        checked = tuple(_check_one(store, cfg, cid, key, own, work) for cid in chosen)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     problems += [f"{c.checkpoint_id}: {c.problem}" for c in checked if not c.ok]

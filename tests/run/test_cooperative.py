@@ -239,18 +239,44 @@ def test_the_verify_drill_runs_the_workloads_own_check_on_a_cooperative_checkpoi
                      "step, total = map(int, (pathlib.Path(os.environ['CEDANA_RESTORE_DIR']) / 'rank-0' / 'counter')"
                      ".read_text().split())\n"
                      "sys.exit(0 if step >= int(sys.argv[1]) else f'step {step} is before {sys.argv[1]}')\n")
+    key = "k" * 32
     for cid, least in (("good", "1"), ("early", "1000")):
-        env = cli_env(tmp_path, "n", "w", CEDANA_COOPERATIVE_VERIFY_COMMAND=f"{sys.executable} {check} {least}")
+        env = cli_env(tmp_path, "n", "w", CEDANA_SIGNING_KEY=key,
+                      CEDANA_COOPERATIVE_VERIFY_COMMAND=f"{sys.executable} {check} {least}")
         r = cli("run", "--id", cid, "--mode", "cooperative", "--heartbeat", "0.2", "--", sys.executable, COUNTER,
                 "--steps", "12", "--step-seconds", "0.05", env=env)
         assert r.returncode == 0 and manifests(tmp_path / "store", cid), r.stderr
-    env = cli_env(tmp_path, "n", "w")  # the drill's node needs no setting: the command is in each manifest
+    env = cli_env(tmp_path, "n", "w", CEDANA_SIGNING_KEY=key)  # the command is in each manifest its key verifies
     good = json.loads(cli("drill", "verify", "--ids", "good", "--json", env=env).stdout)
-    assert good["ok"] and good["checked"][0]["ok"], good
+    assert good["ok"] and good["checked"][0]["ok"] and good["checked"][0]["note"] == "", good
     r = cli("drill", "verify", "--ids", "early", "--json", env=env)
     early = json.loads(r.stdout)
     assert r.returncode != 0 and not early["ok"], early
     assert re.search(r"the workload's verify command exited 1: step \d+ is before 1000", early["checked"][0]["problem"])
+
+
+def test_the_verify_drill_never_runs_a_command_read_from_an_unverified_manifest(tmp_path):
+    """The store is not trusted: a manifest nobody's key vouches for names ``verify_command``, and a drill on
+    a node without a key, documented as read-only, ran it as root (issue 48 saw it write ``uid=0(root)``).
+    It is not run, and the report says why; the node's own command is."""
+    evil = tmp_path / "evil.sh"
+    evil.write_text(f"#!/bin/sh\nid > {tmp_path / 'ran'}\n")
+    evil.chmod(0o755)
+    env = cli_env(tmp_path, "n", "w", CEDANA_COOPERATIVE_VERIFY_COMMAND=str(evil))
+    r = cli("run", "--id", "forged", "--mode", "cooperative", "--heartbeat", "0.2", "--", sys.executable, COUNTER,
+            "--steps", "6", "--step-seconds", "0.05", env=env)
+    assert r.returncode == 0 and manifests(tmp_path / "store", "forged"), r.stderr
+    r = cli("drill", "verify", "--ids", "forged", "--json", env=cli_env(tmp_path, "n", "w"))
+    report = json.loads(r.stdout)
+    assert r.returncode == 0 and report["ok"] and not (tmp_path / "ran").exists(), report
+    assert "its recorded verify command was not run: no key on this node verified the manifest" in \
+        report["checked"][0]["note"], report
+    own = tmp_path / "own.sh"
+    own.write_text(f"#!/bin/sh\necho mine > {tmp_path / 'own-ran'}\n")
+    own.chmod(0o755)
+    r = cli("drill", "verify", "--ids", "forged", "--json",
+            env=cli_env(tmp_path, "n", "w", CEDANA_COOPERATIVE_VERIFY_COMMAND=str(own)))
+    assert r.returncode == 0 and (tmp_path / "own-ran").read_text() == "mine\n" and not (tmp_path / "ran").exists()
 
 
 def test_explain_says_the_mode_and_what_it_means_on_this_machine(tmp_path):
