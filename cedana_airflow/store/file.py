@@ -3,15 +3,22 @@
 Every write goes to a temporary name in the destination folder and is renamed (chunks) or
 hard-linked (manifests, so an existing one is never replaced) into place: a reader never sees half
 a file, and a crash leaves at most a stray ``.tmp-*`` file that garbage collection removes.
+
+Below the root every path is walked one folder at a time, each opened relative to its parent with
+``O_NOFOLLOW`` (and made with ``mkdir`` relative to it): whoever can write the store, but nothing
+else on the node, must not turn a folder or a lock file into a symbolic link and have a writer
+running as root create or write files where the link points (issue 48). The root itself is the
+operator's choice and may be a link.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,26 +47,58 @@ class FileStore(RequiredReads):
                 f"store {self.url}: writing {key} failed: {e.strerror or e}. Free space or fix permissions on {self.root}."
             ) from None
 
-    def _write(self, key: str, data: bytes, *, exclusive: bool) -> bool:
-        dest = self.root / key
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=layout.TEMP_PREFIX, dir=dest.parent)
+    def _folder(self, key: str, *, create: bool) -> int:
+        """A descriptor of ``key``'s folder, walked from the root one name at a time without following a
+        link (see the module doc); FileNotFoundError where a folder is missing and not ``create``."""
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)  # the root and above: the operator's path
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            if exclusive:
+            for name in key.split("/")[:-1]:
+                if name in ("", ".", ".."):
+                    raise OSError(errno.EINVAL, f"not a store key: {key!r}")
+                if create:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(name, 0o755, dir_fd=fd)
                 try:
-                    os.link(tmp, dest)
-                except FileExistsError:
-                    return False
-            else:
-                os.replace(tmp, dest)
-            return True
+                    child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                except OSError as e:
+                    if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise OSError(errno.ELOOP, f"{name!r} in {key!r} is a link or not a folder: the store "
+                                      "never follows one") from None
+                    raise
+                os.close(fd)
+                fd = child
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _write(self, key: str, data: bytes, *, exclusive: bool) -> bool:
+        name = key.rsplit("/", 1)[-1]
+        folder = self._folder(key, create=True)
+        tmp = f"{layout.TEMP_PREFIX}{secrets.token_hex(8)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=folder)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                if exclusive:
+                    try:
+                        os.link(tmp, name, src_dir_fd=folder, dst_dir_fd=folder, follow_symlinks=False)
+                    except FileExistsError:
+                        return False
+                else:
+                    os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+                return True
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=folder)
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            os.close(folder)
 
     # -- Store ----------------------------------------------------------------------------------
     def open(self, *, create: bool, chunk_avg_bytes: int) -> StoreConfig:
@@ -96,17 +135,24 @@ class FileStore(RequiredReads):
     def list_ids(self) -> list[str]:
         if not self.root.is_dir():
             return []
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and p.name not in layout.TOP_LEVEL_NAMES)
+        return sorted(p.name for p in self.root.iterdir()
+                      if p.is_dir() and not p.is_symlink() and p.name not in layout.TOP_LEVEL_NAMES)
 
     def list_seqs(self, checkpoint_id: str) -> list[int]:
         d = self.root / checkpoint_id
-        if not d.is_dir():
+        if not d.is_dir() or d.is_symlink():
             return []
         return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and (p / layout.MANIFEST_NAME).is_file())
 
     def get(self, key: str) -> bytes | None:
         try:
-            return (self.root / key).read_bytes()
+            folder = self._folder(key, create=False)
+            try:
+                fd = os.open(key.rsplit("/", 1)[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+            finally:
+                os.close(folder)
+            with os.fdopen(fd, "rb") as f:
+                return f.read()
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -156,11 +202,16 @@ class FileStore(RequiredReads):
     def put_if_version(self, key: str, data: bytes, token: str) -> bool:
         # Readers never lock (the write is a rename); writers of one key queue on a sidecar lock,
         # the file-store equivalent of S3's If-Match / If-None-Match.
-        lock_path = self.root / layout.cas_lock_key(key)
+        lock_key = layout.cas_lock_key(key)
+        lock_path = self.root / lock_key
         for attempt in range(1000):
             try:
-                lock_path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+                folder = self._folder(lock_key, create=True)
+                try:
+                    fd = os.open(lock_path.name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                                 dir_fd=folder)
+                finally:
+                    os.close(folder)
             except FileNotFoundError:
                 if attempt < 999:  # the folder, emptied, was removed between the two: make it again
                     continue

@@ -172,3 +172,32 @@ def test_a_manifest_naming_a_good_chunk_with_a_wrong_size_is_refused_and_the_chu
     assert not (s.root / "quarantine" / f"{victim.digest}.json").exists()
     fetch_checkpoint(s, good, tmp_path / "out")  # the good checkpoint still restores
     assert (tmp_path / "out" / "pages-1.img").read_bytes() == (tmp_path / "img" / "pages-1.img").read_bytes()
+
+
+def test_links_in_the_store_are_never_followed_by_a_writer(store, tmp_path):
+    """Whoever can write the store turns a chunk folder and a lock file into symbolic links to places of
+    the node: a writer running as root created a file at the lock link's target and wrote chunks through
+    the folder link (issue 48). Each write now fails in one line, and nothing appears at the targets."""
+    s, cfg = store
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    blob = b"\x00" + b"x" * 100  # a raw chunk
+    from cedana_airflow.format.chunking import digest as chunk_digest
+    d = chunk_digest(b"x" * 100)
+    folder = s.root / chunk_key(d)
+    folder.parent.parent.mkdir(parents=True, exist_ok=True)
+    folder.parent.symlink_to(outside)
+    with pytest.raises(StoreUnavailable, match="is a link or not a folder: the store never follows one"):
+        s.put_chunk(d, blob)
+    assert list(outside.iterdir()) == []
+    lock_target = tmp_path / "root-owned"
+    key = "index/ids.json"
+    from cedana_airflow.format import layout
+    lock = s.root / layout.cas_lock_key(key)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.symlink_to(lock_target)
+    with pytest.raises(StoreUnavailable, match="locking index/ids.json failed"):
+        s.put_if_version(key, b"{}", "")
+    assert not lock_target.exists()
+    with pytest.raises(StoreUnavailable, match="is a link or not a folder"):  # a read does not follow either
+        s.get(chunk_key(d))
