@@ -93,12 +93,7 @@ def tree_pairs(pids: Iterable[int]) -> set[Pair]:
 def image_pairs(image_dir: Path) -> set[Pair]:
     """The TCP connections in a dump's images, each from the tree's end: what a dump whose tree is gone had
     locked."""
-    out: set[Pair] = set()
-    for s in read_inet_sockets(image_dir):
-        if s.connection:
-            (la, lp), (ra, rp) = _v4(s.src), _v4(s.dst)
-            out.add((la, lp, ra, rp))
-    return out
+    return {(*s.src, *s.dst) for s in read_inet_sockets(image_dir) if s.connection}  # IPv4 peers already as IPv4
 
 
 def run_table(image_dir: Path) -> str | None:

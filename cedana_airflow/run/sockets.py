@@ -148,21 +148,16 @@ def _to_tree_datagrams(sockets: list[InetSk]) -> list[InetSk]:
     on every address (a wildcard) is the peer only where the destination is the node's own address: the
     sender's own (the kernel sends to a local address from it), or one the tree bound; a relay that serves
     a port and sends to the same port elsewhere (statsd, DNS, syslog) must keep its destination."""
-    servers = {(_plain(s.src[0]), s.src[1]) for s in sockets if s.proto == socket.IPPROTO_UDP and _bound_server(s)}
-    own = {_plain(s.src[0]) for s in sockets} - set(_WILDCARDS)
+    # (read_inet_sockets gives a dual-stack socket's IPv4 peer as IPv4: the addresses compare as they are)
+    servers = {s.src for s in sockets if s.proto == socket.IPPROTO_UDP and _bound_server(s)}
+    own = {s.src[0] for s in sockets} - set(_WILDCARDS)
 
     def to_tree(s: InetSk) -> bool:
-        dst = _plain(s.dst[0])
-        if (dst, s.dst[1]) in servers:
+        if s.dst in servers:
             return True
-        return any((w, s.dst[1]) in servers for w in _WILDCARDS) and (dst == _plain(s.src[0]) or dst in own)
+        return any((w, s.dst[1]) in servers for w in _WILDCARDS) and (s.dst[0] == s.src[0] or s.dst[0] in own)
 
     return [s for s in sockets if s.proto == socket.IPPROTO_UDP and s.dst[1] != 0 and s.src[1] != 0 and to_tree(s)]
-
-
-def _plain(addr: str) -> str:
-    """An IPv4 peer of a dual-stack socket without ``::ffff:``."""
-    return addr.removeprefix("::ffff:")
 
 
 def holder_of(s: InetSk) -> str:
