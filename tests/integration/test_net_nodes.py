@@ -65,11 +65,20 @@ def _lose(proc: subprocess.Popen[bytes], workload_pid: int) -> None:
 
 
 def _checkpointed_then_lost(node: NetNode, tmp_path: Path, cid: str, cmd: list[str]) -> None:
-    """``cmd`` run on ``node`` until two checkpoints are in and it is in its loop; then the node dies."""
+    """``cmd`` run on ``node`` until a checkpoint froze it in its loop (after step 3); then the node dies."""
     run = _run(node, tmp_path, cid, cmd, resume=False, heartbeat="0.5", out="a")
-    _wait(lambda: len(manifests(tmp_path / "store", cid)) >= 2 and "step 3/" in (tmp_path / "a.out").read_text(),
-          "two checkpoints in the loop", run, tmp_path / "a.err")
-    _lose(run, manifests(tmp_path / "store", cid)[-1]["process"]["pid"])
+    ms = wait_for_checkpoint_after(tmp_path / "store", cid, tmp_path / "a.out", "step 3/", run, timeout=90)
+    _lose(run, ms[-1]["process"]["pid"])
+
+
+def _resumed_as_uninterrupted(node: NetNode, tmp_path: Path, cid: str, cmd: list[str], reference: str) -> str:
+    """``run --resume`` of ``cid`` on ``node``: it exits 0, goes on from where it was (no start-up again) and
+    ends as an uninterrupted run; its log."""
+    run = _run(node, tmp_path, cid, cmd, resume=True, heartbeat="0", out="b")
+    assert run.wait(timeout=120) == 0, (tmp_path / "b.err").read_text()[-3000:]
+    out = (tmp_path / "b.out").read_text().splitlines()
+    assert not out[0].startswith("start-up") and out[-1] == reference, (out[:2], out[-1], reference)
+    return (tmp_path / "b.err").read_text()
 
 
 def _reference(cmd: list[str], tmp_path: Path) -> str:
@@ -86,13 +95,9 @@ def test_a_connection_to_a_service_outside_moves_to_another_node_closed_and_the_
            "--host", a.gateway, "--port", str(echo.port)]
     reference = _reference(cmd, tmp_path)
     _checkpointed_then_lost(a, tmp_path, "out", cmd)
-    run_b = _run(b, tmp_path, "out", cmd, resume=True, heartbeat="0", out="b")
-    assert run_b.wait(timeout=120) == 0, (tmp_path / "b.err").read_text()[-3000:]
-    err = (tmp_path / "b.err").read_text()
+    err = _resumed_as_uninterrupted(b, tmp_path, "out", cmd, reference)
     assert f"restore closes 1 connection(s) to peers outside the tree (the process gets an error and reconnects): TCP " \
            f"{a.address}:" in err and f"ESTABLISHED to {a.gateway}:{echo.port}" in err, err[-3000:]
-    out = (tmp_path / "b.out").read_text().splitlines()
-    assert not out[0].startswith("start-up") and out[-1] == reference, (out[:2], out[-1], reference)
 
 
 def test_a_udp_client_moves_to_another_node_and_its_service_hears_it_from_there(nodes, tmp_path):
@@ -106,12 +111,8 @@ def test_a_udp_client_moves_to_another_node_and_its_service_hears_it_from_there(
                "--host", a.gateway, "--port", str(echo.port)]
         reference = _reference(cmd, tmp_path)
         _checkpointed_then_lost(a, tmp_path, "udp", cmd)
-        run_b = _run(b, tmp_path, "udp", cmd, resume=True, heartbeat="0", out="b")
-        assert run_b.wait(timeout=120) == 0, (tmp_path / "b.err").read_text()[-3000:]
-        err = (tmp_path / "b.err").read_text()
+        err = _resumed_as_uninterrupted(b, tmp_path, "udp", cmd, reference)
         assert "no answer" not in err and "restore closes" not in err, err[-3000:]
-        out = (tmp_path / "b.out").read_text().splitlines()
-        assert not out[0].startswith("start-up") and out[-1] == reference, (out[:2], out[-1], reference)
         assert echo.senders[-2:] == [a.address, b.address], echo.senders
     finally:
         echo.close()
@@ -130,12 +131,9 @@ def test_a_connection_inside_the_tree_over_the_nodes_own_address_resumes_on_the_
     _checkpointed_then_lost(a, tmp_path, "pair", cmd)
     leftovers = subprocess.run(a.cmd(["ss", "-tan", "state", "time-wait"]), capture_output=True, text=True).stdout
     assert a.address in leftovers, leftovers  # the tree's own connection, in TIME_WAIT on node-a
-    run_2 = _run(a, tmp_path, "pair", cmd, resume=True, heartbeat="0", out="b")
-    assert run_2.wait(timeout=120) == 0, (tmp_path / "b.err").read_text()[-3000:]
+    _resumed_as_uninterrupted(a, tmp_path, "pair", cmd, reference)
     summary = json.loads((tmp_path / "b.json").read_text())
     assert summary["outcome"] == "restored" and summary["refused"] == [], summary
-    out = (tmp_path / "b.out").read_text().splitlines()
-    assert not out[0].startswith("start-up") and out[-1] == reference, (out[:2], out[-1], leftovers)
 
 
 def test_a_serving_worker_resumes_on_another_node_on_the_same_port_with_its_memory(nodes, tmp_path):
@@ -178,14 +176,10 @@ def test_a_tree_that_talks_to_itself_over_its_nodes_address_moves_to_the_next_no
     cmd = [sys.executable, str(SHAPES / shape), "--steps", "60", "--step-seconds", "0.1", "--host", a.address]
     reference = _reference([*cmd[:-2], "--host", "127.0.0.1"], tmp_path)
     _checkpointed_then_lost(a, tmp_path, "self", cmd)
-    run_b = _run(b, tmp_path, "self", cmd, resume=True, heartbeat="0", out="b")
-    assert run_b.wait(timeout=120) == 0, (tmp_path / "b.err").read_text()[-3000:]
-    err = (tmp_path / "b.err").read_text()
+    err = _resumed_as_uninterrupted(b, tmp_path, "self", cmd, reference)
     assert f"restore moves the tree's address {a.address} to {b.address} on this node ({moved} socket(s)" in err, \
         err[-3000:]
     assert "restore closes" not in err, err[-3000:]
-    out = (tmp_path / "b.out").read_text().splitlines()
-    assert not out[0].startswith("start-up") and out[-1] == reference, (out[:2], out[-1], reference)
 
 
 def test_a_torchrun_job_in_a_pod_resumes_in_a_pod_on_another_node_with_an_uninterrupted_runs_parameters(nodes, tmp_path):

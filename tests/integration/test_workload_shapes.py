@@ -119,6 +119,26 @@ def _resume(tmp_path: Path, cid: str, cmd: list[str], env: dict[str, str], cwd: 
     return cli("run", "--resume", "--id", cid, "--heartbeat", "0", "--", *cmd, env=env, cwd=cwd, timeout=120)
 
 
+def _resume_serving(tmp_path: Path, cid: str, cmd: list[str]) -> subprocess.Popen[bytes]:
+    """``run --resume`` of a serving shape on node-b, left running once the restored process has printed a
+    step: the test talks to it, then waits for its end (_ended_as_uninterrupted)."""
+    proc = start_cli("run", "--resume", "--id", cid, "--heartbeat", "0", "--", *cmd,
+                     env=_env(tmp_path, "node-b"), out=tmp_path / "b", cwd=tmp_path / "job")
+    _STARTED.append(proc)
+    deadline = time.monotonic() + 60
+    while "step " not in (tmp_path / "b.out").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "b.err").read_text()[-3000:]
+        time.sleep(0.05)
+    return proc
+
+
+def _ended_as_uninterrupted(proc: subprocess.Popen[bytes], tmp_path: Path, cid: str, reference: str) -> list[str]:
+    """_assert_continued for a run started by _resume_serving, once it has ended."""
+    assert proc.wait(timeout=60) == 0
+    r = subprocess.CompletedProcess(proc.args, 0, (tmp_path / "b.out").read_text(), (tmp_path / "b.err").read_text())
+    return _assert_continued(r, cid, reference)
+
+
 def _assert_continued(r: subprocess.CompletedProcess[str], cid: str, reference: str) -> list[str]:
     """It restored node-a's checkpoint on node-b, went on from a later step, and ended as an
     uninterrupted run does."""
@@ -295,19 +315,11 @@ def tcp_listen(tmp_path: Path) -> None:
     reference = _reference(_py("tcp_listen.py", "--steps", STEPS, "--port", _free_port()), tmp_path / "ref")
     ms = node.checkpoints_after_first_step(2)
     node.lose(ms)
-    proc = start_cli("run", "--resume", "--id", "listen", "--heartbeat", "0", "--", *cmd,
-                     env=_env(tmp_path, "node-b"), out=tmp_path / "b", cwd=tmp_path / "job")
-    _STARTED.append(proc)
-    deadline = time.monotonic() + 60
-    while "step " not in (tmp_path / "b.out").read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "b.err").read_text()[-3000:]
-        time.sleep(0.05)
+    proc = _resume_serving(tmp_path, "listen", cmd)
     with socket.create_connection(("127.0.0.1", port), timeout=10) as c:  # the restored listener answers
         answer = c.makefile().readline()
     assert re.fullmatch(r"at step \d+\n", answer), answer
-    assert proc.wait(timeout=60) == 0
-    r = subprocess.CompletedProcess(proc.args, 0, (tmp_path / "b.out").read_text(), (tmp_path / "b.err").read_text())
-    _assert_continued(r, "listen", reference)
+    _ended_as_uninterrupted(proc, tmp_path, "listen", reference)
 
 
 def tcp_port_taken(tmp_path: Path) -> None:
@@ -427,13 +439,7 @@ def tcp_ipv6(tmp_path: Path) -> None:
     node.lose(node.checkpoints_after_first_step(2))
     ipv4_holder = socket.create_server(("0.0.0.0", v6only))
     try:
-        proc = start_cli("run", "--resume", "--id", "ipv6", "--heartbeat", "0", "--", *cmd,
-                         env=_env(tmp_path, "node-b"), out=tmp_path / "b", cwd=tmp_path / "job")
-        _STARTED.append(proc)
-        deadline = time.monotonic() + 60
-        while "step " not in (tmp_path / "b.out").read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "b.err").read_text()[-3000:]
-            time.sleep(0.05)
+        proc = _resume_serving(tmp_path, "ipv6", cmd)
         answers = []
         for host, port in (("::1", v6only), ("::1", dual), ("127.0.0.1", dual)):
             with socket.create_connection((host, port), timeout=10) as c:
@@ -442,8 +448,7 @@ def tcp_ipv6(tmp_path: Path) -> None:
     finally:
         ipv4_holder.close()
     assert [re.fullmatch(r"at step \d+ (\w+)\n", a).group(1) for a in answers] == ["v6only", "dual", "dual"], answers
-    r = subprocess.CompletedProcess(proc.args, 0, (tmp_path / "b.out").read_text(), (tmp_path / "b.err").read_text())
-    _assert_continued(r, "ipv6", reference)
+    _ended_as_uninterrupted(proc, tmp_path, "ipv6", reference)
 
 
 def udp_serve(tmp_path: Path) -> None:
@@ -454,21 +459,13 @@ def udp_serve(tmp_path: Path) -> None:
     node = Node(tmp_path, "udp-serve", cmd, _env(tmp_path, "node-a"), tmp_path / "job")
     reference = _reference(_py("udp_serve.py", "--steps", STEPS, "--port", _free_port()), tmp_path / "ref")
     node.lose(node.checkpoints_after_first_step(2))
-    proc = start_cli("run", "--resume", "--id", "udp-serve", "--heartbeat", "0", "--", *cmd,
-                     env=_env(tmp_path, "node-b"), out=tmp_path / "b", cwd=tmp_path / "job")
-    _STARTED.append(proc)
-    deadline = time.monotonic() + 60
-    while "step " not in (tmp_path / "b.out").read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "b.err").read_text()[-3000:]
-        time.sleep(0.05)
+    proc = _resume_serving(tmp_path, "udp-serve", cmd)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as c:
         c.settimeout(5)
         c.sendto(b"?", ("127.0.0.1", port))
         answer = c.recv(64).decode()
     assert re.fullmatch(r"at step \d+", answer), answer
-    assert proc.wait(timeout=60) == 0
-    r = subprocess.CompletedProcess(proc.args, 0, (tmp_path / "b.out").read_text(), (tmp_path / "b.err").read_text())
-    out = _assert_continued(r, "udp-serve", reference)
+    out = _ended_as_uninterrupted(proc, tmp_path, "udp-serve", reference)
     assert f"step {answer.split()[-1]}/{STEPS}" in out  # it answered from the restored run's steps
 
 

@@ -43,6 +43,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _dumped(tmp_path: Path, code: str, *args: object) -> Path:
+    """The images of a tree running ``code`` with ``args`` (it prints ``ready``), dumped by CRIU and gone."""
+    out = open(tmp_path / "tree.out", "w+b")
+    w = Workload.start([sys.executable, "-c", code, *map(str, args)], stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 20
+        while b"ready" not in (tmp_path / "tree.out").read_bytes():
+            assert w.poll() is None and time.monotonic() < deadline, (tmp_path / "tree.out").read_bytes()
+            time.sleep(0.05)
+        return CriuEngine(find_criu("", Path(DEFAULT_CRIU_PREFIX))).dump(w.pid, tmp_path / "images").image_dir
+    finally:
+        w.stop(1, 9)
+
+
 @pytest.fixture
 def images(tmp_path):
     """The images of the tree above, dumped by CRIU and the tree gone; its listener's port; the peer."""
@@ -50,18 +64,8 @@ def images(tmp_path):
     udp_peer = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     udp_peer.bind(("127.0.0.1", 0))
     port = _free_port()
-    out = open(tmp_path / "tree.out", "w+b")
-    w = Workload.start([sys.executable, "-c", _TREE, str(port), str(peer.getsockname()[1]),
-                        str(udp_peer.getsockname()[1])], stdout=out, stderr=out)
-    try:
-        deadline = time.monotonic() + 20
-        while b"ready" not in (tmp_path / "tree.out").read_bytes():
-            assert w.poll() is None and time.monotonic() < deadline, (tmp_path / "tree.out").read_bytes()
-            time.sleep(0.05)
-        r = CriuEngine(find_criu("", Path(DEFAULT_CRIU_PREFIX))).dump(w.pid, tmp_path / "images")
-    finally:
-        w.stop(1, 9)
-    yield r.image_dir, port, peer.getsockname()[1]
+    image_dir = _dumped(tmp_path, _TREE, port, peer.getsockname()[1], udp_peer.getsockname()[1])
+    yield image_dir, port, peer.getsockname()[1]
     peer.close()
     udp_peer.close()
 
@@ -174,18 +178,9 @@ def test_an_ipv6_socket_on_a_node_booted_without_ipv6_is_named_mocked_no_such_no
     """A node booted with ``ipv6.disable=1`` refuses every AF_INET6 socket (EAFNOSUPPORT); none exists here,
     so the socket module is made to answer as one does. The restore says so in one line, NodeInTheWay:
     the node, not the checkpoint."""
-    out = open(tmp_path / "tree.out", "w+b")
     port = _free_port()
-    w = Workload.start([sys.executable, "-c", f"import socket, time\ns = socket.create_server(('::1', {port}), "
-                        "family=socket.AF_INET6)\nprint('listening', flush=True)\ntime.sleep(60)"], stdout=out, stderr=out)
-    try:
-        deadline = time.monotonic() + 20
-        while b"listening" not in (tmp_path / "tree.out").read_bytes():
-            assert w.poll() is None and time.monotonic() < deadline, (tmp_path / "tree.out").read_bytes()
-            time.sleep(0.05)
-        r = CriuEngine(find_criu("", Path(DEFAULT_CRIU_PREFIX))).dump(w.pid, tmp_path / "images")
-    finally:
-        w.stop(1, 9)
+    image_dir = _dumped(tmp_path, f"import socket, time\ns = socket.create_server(('::1', {port}), "
+                                  "family=socket.AF_INET6)\nprint('ready', flush=True)\ntime.sleep(60)")
     real = socket.socket
 
     def no_ipv6(family=socket.AF_INET, *a, **k):
@@ -195,24 +190,10 @@ def test_an_ipv6_socket_on_a_node_booted_without_ipv6_is_named_mocked_no_such_no
 
     monkeypatch.setattr(socket, "socket", no_ipv6)
     with pytest.raises(NodeInTheWay) as e:
-        prepare_sockets(r.image_dir, "checkpoint t seq=1", wait=0.1)
+        prepare_sockets(image_dir, "checkpoint t seq=1", wait=0.1)
     assert str(e.value) == (f"checkpoint t seq=1 cannot be restored on this node: its socket TCP [::1]:{port} LISTEN "
                             "is IPv6, and this node runs without IPv6 (booted with ipv6.disable=1). Let the retry run "
                             "on a node with IPv6; the checkpoint stays the latest")
-
-
-def _dumped(tmp_path: Path, code: str) -> Path:
-    """The images of a one-process tree running ``code`` (it prints ``ready``), the tree gone."""
-    out = open(tmp_path / "tree.out", "w+b")
-    w = Workload.start([sys.executable, "-c", code], stdout=out, stderr=out)
-    try:
-        deadline = time.monotonic() + 20
-        while b"ready" not in (tmp_path / "tree.out").read_bytes():
-            assert w.poll() is None and time.monotonic() < deadline, (tmp_path / "tree.out").read_bytes()
-            time.sleep(0.05)
-        return CriuEngine(find_criu("", Path(DEFAULT_CRIU_PREFIX))).dump(w.pid, tmp_path / "images").image_dir
-    finally:
-        w.stop(1, 9)
 
 
 def test_a_udp_service_that_shares_ports_holds_a_udp_servers_port_too(tmp_path):
