@@ -168,17 +168,23 @@ def intact(blob: bytes, expected_digest: str) -> bool:
     """Whether a stored chunk is good on its own: its content hashes to its name, whatever size a
     manifest claims for it. A manifest can be wrong (forged, or naming the chunk with another size); the
     chunk cannot, and other checkpoints may need it."""
-    codec, payload = blob[:1], memoryview(blob)[1:]
     try:
-        if codec == _RAW:
-            raw: bytes | memoryview = payload
-        elif codec == _ZSTD:
-            raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=_INTACT_MAX)
-        else:
-            return False
-    except zstandard.ZstdError:
+        return digest(_unpack(blob, expected_digest, _INTACT_MAX)) == expected_digest
+    except CorruptCheckpoint:
         return False
-    return digest(raw) == expected_digest
+
+
+def _unpack(blob: bytes, name: str, limit: int) -> bytes | memoryview:
+    """A stored chunk's content, decompressed to at most ``limit`` bytes; CorruptCheckpoint when it cannot be."""
+    codec, payload = blob[:1], memoryview(blob)[1:]
+    if codec == _RAW:
+        return payload
+    if codec != _ZSTD:
+        raise CorruptCheckpoint(f"chunk {name}: unknown codec byte {codec!r}")
+    try:
+        return zstandard.ZstdDecompressor().decompress(payload, max_output_size=limit)
+    except zstandard.ZstdError as e:
+        raise CorruptCheckpoint(f"chunk {name}: does not decompress ({e})") from None
 
 
 def decode(blob: bytes, expected_digest: str, expected_size: int) -> bytes | memoryview:
@@ -186,17 +192,7 @@ def decode(blob: bytes, expected_digest: str, expected_size: int) -> bytes | mem
 
     A raw chunk comes back as a view into ``blob`` (no copy: restores move gigabytes of them).
     """
-    codec, payload = blob[:1], memoryview(blob)[1:]
-    try:
-        raw: bytes | memoryview
-        if codec == _RAW:
-            raw = payload
-        elif codec == _ZSTD:
-            raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=expected_size)
-        else:
-            raise CorruptCheckpoint(f"chunk {expected_digest}: unknown codec byte {codec!r}")
-    except zstandard.ZstdError as e:
-        raise CorruptCheckpoint(f"chunk {expected_digest}: does not decompress ({e})") from None
+    raw = _unpack(blob, expected_digest, expected_size)
     if len(raw) != expected_size or digest(raw) != expected_digest:
         raise CorruptCheckpoint(f"chunk {expected_digest}: content does not match its digest")
     return raw
