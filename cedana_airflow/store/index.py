@@ -49,12 +49,15 @@ class IndexRow(_Model):
     stored_bytes: int = 0
     freeze_seconds: float = 0.0
     engine: str = "criu"  # or "cooperative" (0.6.0; rows written before it are all CRIU's)
+    # Its own manifest's DAG, so that a reader authorizes each row, not an ID by its newest manifest (issue 48);
+    # "": taken outside Airflow; None: a row written before, which listings read from the manifests instead.
+    dag_id: str | None = None
 
     @classmethod
     def of(cls, m: Manifest) -> IndexRow:
         return cls(seq=m.seq, try_number=m.try_number, node=m.node, created_at=m.created_at,
                    image_bytes=m.image_bytes, stored_bytes=m.stored_bytes, freeze_seconds=m.freeze_seconds,
-                   engine=m.engine)
+                   engine=m.engine, dag_id=m.airflow.dag_id if m.airflow else "")
 
 
 class HeartbeatRow(_Model):

@@ -64,6 +64,12 @@ def _from_manifests(store: Store, ids: list[str], entries: dict[str, IndexEntry]
     return out
 
 
+def _rows_known(e: IndexEntry) -> bool:
+    """Rows the index can answer for: each names its own DAG (issue 48); rows written before are read
+    from the manifests until the ID's next checkpoint or gc rewrites them."""
+    return bool(e.checkpoints) and all(r.dag_id is not None for r in e.checkpoints)
+
+
 def list_store(store: Store, checkpoint_id: str | None = None, *, exact: bool = False,
                cache: index.ShardCache | None = None) -> list[IdListing]:
     """Every checkpoint ID with its complete checkpoints and skipped or failed heartbeats, sorted by ID.
@@ -79,8 +85,8 @@ def list_store(store: Store, checkpoint_id: str | None = None, *, exact: bool = 
         unknown = sorted(present)
         known: list[IdListing] = []
     else:
-        unknown = sorted(c for c in present if not entries.get(c, IndexEntry()).checkpoints)
-        known = [IdListing.of(c, e, "index") for c, e in entries.items() if c in present and e.checkpoints]
+        unknown = sorted(c for c in present if not _rows_known(entries.get(c, IndexEntry())))
+        known = [IdListing.of(c, e, "index") for c, e in entries.items() if c in present and _rows_known(e)]
     # IDs with skipped or failed heartbeats but no checkpoint have no folder: only the index knows them.
     index_only = [IdListing.of(c, e, "index", rows=()) for c, e in entries.items()
                   if c not in present and (e.skipped_heartbeats or e.failed_heartbeats)]

@@ -2,10 +2,11 @@
 
 A mounted plugin app inherits no auth from Airflow's core API, so every route here depends on
 Airflow's own ``get_user`` (a Bearer token or the UI's cookie: 401 without one, or with one that is
-not valid) and asks the auth manager about each DAG (data.py filters by it). A route for one ID
-answers 404 alike when the store has none and when its DAG is not the user's: IDs derive from DAG,
-task and run, so a 403 would tell who may not read a DAG that it has checkpoints. Deleting needs
-edit permission on the DAG. No route shows a credential: pages show the store's URL (credentials
+not valid) and asks the auth manager about the DAG of each manifest, restore record and index row
+(data.py filters by it: an ID is no one DAG's). A route for one ID answers 404 alike when the store
+has none and when none of it is the user's: IDs derive from DAG, task and run, so a 403 would tell
+who may not read a DAG that it has checkpoints. Deleting an ID needs edit permission on every DAG
+named under it. No route shows a credential: pages show the store's URL (credentials
 in URLs are masked) and what manifests and restore records hold.
 
 The JSON API answers with an ETag (a hash of the body; ``If-None-Match`` gets 304) and
@@ -29,7 +30,8 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Set
+from functools import cache
 from typing import Annotated, Any
 from urllib.parse import unquote
 
@@ -48,7 +50,7 @@ from ...store.base import Store
 from ...store.gc import delete_checkpoint_id
 from ...store.listing import IdListing, as_json, list_store
 from . import views
-from .data import AirflowTry, IdDetail, MayRead, StoreCache, dag_of, fleet, id_detail, visible
+from .data import AirflowTry, IdDetail, MayRead, StoreCache, fleet, id_detail, scoped, visible
 
 __all__ = ["app", "store_cache"]
 
@@ -84,8 +86,8 @@ def _allowed(user: Any, dag_id: str | None, method: str = "GET") -> bool:
     return bool(get_auth_manager().is_authorized_dag(method=method, details=details, user=user))  # type: ignore[arg-type]
 
 
-def _may_read(user: Any) -> MayRead:
-    return lambda dag_id: _allowed(user, dag_id)
+def _may_read(user: Any, method: str = "GET") -> MayRead:
+    return cache(lambda dag_id: _allowed(user, dag_id, method))  # one question per DAG a request
 
 
 #: Opened stores by (URL, connection): building an S3 client (its service model, a connection lookup)
@@ -112,21 +114,22 @@ def _listing(store: Store) -> list[IdListing]:
     return store_cache.listing(store)
 
 
-def _one(store: Store, checkpoint_id: str, user: Any) -> IdListing:
-    """One ID the user may read: 404 when the store has none, and the same 404 when its DAG is not
-    theirs (a 403 would confirm that a DAG they may not read has checkpoints)."""
+def _one(store: Store, checkpoint_id: str, may_read: MayRead) -> IdListing:
+    """One ID the user may read some of, as listed (id_detail scopes it): 404 when the store has none,
+    and the same 404 when none of it is theirs (a 403 would confirm that a DAG they may not read has
+    checkpoints)."""
     try:
         validate_checkpoint_id(checkpoint_id)
     except CheckpointIdError as e:
         raise HTTPException(400, str(e)) from None
     found = next((x for x in _listing(store) if x.checkpoint_id == checkpoint_id), None)
-    if found is None or not _allowed(user, dag_of(found)):
+    if found is None or scoped(found, may_read) is None:
         # Not in the cached listing (maybe newer than it) or not the user's: read this one ID from the
         # store either way (a handful of reads, never the whole store), so that a forbidden ID costs the
         # time a missing one does and the answer's timing tells nothing either.
         fresh = list_store(store, checkpoint_id)
         found = fresh[0] if fresh else None
-    if found is None or not _allowed(user, dag_of(found)):
+    if found is None or scoped(found, may_read) is None:
         raise HTTPException(404, f"no checkpoints under checkpoint ID {checkpoint_id!r} that you may read")
     return found
 
@@ -156,9 +159,9 @@ def api_checkpoints(request: Request, user: User) -> Response:
     return _json(request, [as_json(x) for x in listed])
 
 
-def _detail(checkpoint_id: str, user: Any) -> IdDetail:
-    store = _store()
-    return id_detail(store, _one(store, checkpoint_id, user))
+def _detail(store: Store, checkpoint_id: str, user: Any) -> IdDetail:
+    may_read = _may_read(user)
+    return id_detail(store, _one(store, checkpoint_id, may_read), may_read)
 
 
 @app.get("/api/v1/checkpoints/{checkpoint_id}")
@@ -168,12 +171,12 @@ def api_checkpoint(request: Request, checkpoint_id: str, user: User, files: bool
     image file with its chunk list: about 8 KB per checkpoint of a 77 MiB job): ``files=false``
     leaves those lists out, ``manifests=false`` every manifest (the ``checkpoints`` rows remain)."""
     try:
-        detail = _detail(checkpoint_id, user)
+        detail = _detail(_store(), checkpoint_id, user)
     except CedanaError as e:
         return JSONResponse({"detail": _store_problem(e)}, status_code=503)
     x = detail.listing
     out: dict[str, Any] = {**as_json(x), "restores": [r.model_dump(mode="json") for r in detail.restores],
-                           "restore_count": x.restores}
+                           "restore_count": x.restores, "partial": detail.partial}
     if manifests:
         out["manifests"] = [m.model_dump(mode="json", exclude=m.absent_blocks() | (set() if files else {"files"}))
                             for m in detail.manifests]
@@ -184,30 +187,52 @@ def api_checkpoint(request: Request, checkpoint_id: str, user: User, files: bool
 def api_delete(checkpoint_id: str, user: User) -> JSONResponse:
     try:
         store = _store()
-        x = _one(store, checkpoint_id, user)
-        if not _allowed(user, dag_of(x), "PUT"):
-            raise HTTPException(403, f"deleting checkpoint ID {checkpoint_id!r} needs edit permission on its DAG")
+        detail = _detail(store, checkpoint_id, user)  # its manifests and records read now, not the index's word
+        refused = _may_not_delete(checkpoint_id, detail.dags, user)
+        if refused:
+            raise HTTPException(403, refused)
         removed = delete_checkpoint_id(store, checkpoint_id)
     except CedanaError as e:
         return JSONResponse({"detail": _store_problem(e)}, status_code=503)
     store_cache.clear()
     who = getattr(user, "get_name", lambda: "?")()
-    log.warning("cedana: checkpoint ID %s (DAG %s) deleted by %s: %d checkpoint(s)", checkpoint_id, dag_of(x), who, removed)
-    _audit(who, x, removed)
+    dags = sorted(detail.dags, key=lambda d: (d is None, d or ""))
+    log.warning("cedana: checkpoint ID %s (DAG %s) deleted by %s: %d checkpoint(s)", checkpoint_id,
+                ", ".join(map(str, dags)), who, removed)
+    _audit(who, checkpoint_id, dags, removed)
     return JSONResponse({"id": checkpoint_id, "deleted_checkpoints": removed})
 
 
-def _audit(who: str, x: IdListing, removed: int) -> None:
-    """Airflow's audit log (Browse > Audit Log) records who deleted what."""
+def _may_not_delete(checkpoint_id: str, dags: Set[str | None], user: Any) -> str:
+    """Why the user may not delete an ID ("" when they may): deleting takes every item under it, so it
+    needs edit permission on each DAG they name (an item no DAG owns: on every DAG). The line names
+    only DAGs the user may read: no other answer tells which DAGs have checkpoints."""
+    may_edit, may_read = _may_read(user, "PUT"), _may_read(user)
+    missing = [d for d in dags if not may_edit(d)]
+    if not missing:
+        return ""
+    named = sorted(f"{d!r}" for d in missing if d is not None and may_read(d))
+    unread = sum(1 for d in missing if d is not None and not may_read(d))
+    parts = named + ([f"{unread} DAG(s) you may not read"] if unread else []) + \
+        (["every DAG (some of it was taken outside Airflow)"] if None in missing else [])
+    return (f"deleting checkpoint ID {checkpoint_id!r} needs edit permission on every DAG that has checkpoints "
+            f"or restores under it; missing: {', '.join(parts)}")
+
+
+def _audit(who: str, checkpoint_id: str, dags: list[str | None], removed: int) -> None:
+    """Airflow's audit log (Browse > Audit Log) records who deleted what: a row for each DAG involved."""
+    extra = f"checkpoint_id={checkpoint_id} checkpoints={removed}"
+    if len(dags) > 1:
+        extra += " dags=" + ",".join(d or "-" for d in dags)
     try:
         from airflow.models.log import Log
         from airflow.utils.session import create_session
 
         with create_session() as session:
-            session.add(Log(event="cedana.delete_checkpoint_id", owner=who, dag_id=dag_of(x),
-                            extra=f"checkpoint_id={x.checkpoint_id} checkpoints={removed}"))
+            for dag in dags:
+                session.add(Log(event="cedana.delete_checkpoint_id", owner=who, dag_id=dag, extra=extra))
     except Exception as e:  # the deletion happened; a missing audit row is logged, not hidden
-        log.warning("cedana: audit log not written for the deletion of %s: %s", x.checkpoint_id, e)
+        log.warning("cedana: audit log not written for the deletion of %s: %s", checkpoint_id, e)
 
 
 def _drill_reports(user: Any) -> list[DrillReport]:
@@ -260,10 +285,10 @@ def page_fleet(request: Request, user: User, q: str = "", dag: str = "", sort: s
 @app.get("/ids/{checkpoint_id}", response_class=HTMLResponse)
 def page_id(request: Request, checkpoint_id: str, user: User) -> HTMLResponse:
     try:
-        detail = _detail(checkpoint_id, user)
+        detail = _detail(_store(), checkpoint_id, user)
     except CedanaError as e:
         return _problem(request, _store_problem(e), 503)
-    return HTMLResponse(views.id_page(detail, may_delete=_allowed(user, dag_of(detail.listing), "PUT"),
+    return HTMLResponse(views.id_page(detail, may_delete=not _may_not_delete(checkpoint_id, detail.dags, user),
                                       tz=_tz(request)))
 
 
@@ -303,10 +328,12 @@ def page_task_instance(request: Request, user: User, dag_id: str, run_id: str, t
     try:
         store = _store()
         default = derive_checkpoint_id(dag_id, task_id, run_id, map_index=index)
-        mine = visible([x for x in _listing(store) if x.checkpoint_id == default or (
+        may_read = _may_read(user)
+        mine = [x for x in _listing(store) if x.checkpoint_id == default or (
             x.airflow is not None and (x.airflow.dag_id, x.airflow.task_id, x.airflow.run_id, x.airflow.map_index)
-            == (dag_id, task_id, run_id, index))], _may_read(user))  # an ID's own DAG decides, not the URL's
-        details = [id_detail(store, x) for x in mine]
+            == (dag_id, task_id, run_id, index))]
+        # each manifest's and record's own DAG decides what shows, neither the URL's nor the ID's newest
+        details = [id_detail(store, x, may_read) for x in mine if scoped(x, may_read) is not None]
     except CedanaError as e:
         return _problem(request, _store_problem(e), 503)
     return HTMLResponse(views.task_instance_page(dag_id, run_id, task_id, index, default, details,

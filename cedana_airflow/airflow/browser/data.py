@@ -1,9 +1,11 @@
 """What the checkpoint browser shows, filtered by what a user may read: no FastAPI, no HTML here.
 
-A checkpoint ID belongs to the DAG its manifests name (their ``airflow`` block, carried by the
-listing index). A user sees an ID when the auth manager lets them read its DAG; an ID no DAG owns
-(taken by the CLI) only when they may read every DAG. The store is the api-server's: the ``[cedana]``
-store, through ``aws_conn_id`` for S3, exactly as a task reaches it.
+Each item under a checkpoint ID belongs to the DAG its own ``airflow`` block names: a manifest, a
+restore record, a row of the listing index (which carries its manifest's DAG). An ID is no one
+DAG's: an author may set any ID, so a manifest of DAG A under DAG B's ID must not show A's users
+B's checkpoints (issue 48). A user sees the items of DAGs the auth manager lets them read, and an
+item no DAG owns (taken by the CLI) only when they may read every DAG. The store is the
+api-server's: the ``[cedana]`` store, through ``aws_conn_id`` for S3, exactly as a task reaches it.
 """
 
 from __future__ import annotations
@@ -13,17 +15,19 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from functools import cache
 
 from ...format.manifest import Manifest
 from ...store.base import Store
-from ...store.index import ShardCache
+from ...store.index import IndexRow, ShardCache
 from ...store.listing import IdListing, list_store
 from ...store.restores import RestoreRecord, list_restores
 from ...store.transfer import load_manifests
 
-__all__ = ["AirflowTry", "Fleet", "IdDetail", "MayRead", "StoreCache", "TryRow", "fleet", "id_detail", "tries", "visible"]
+__all__ = ["AirflowTry", "Fleet", "IdDetail", "MayRead", "StoreCache", "TryRow", "dag_of", "fleet", "id_detail",
+           "scoped", "tries", "visible"]
 
-#: Whether the user may read a DAG's checkpoints; ``None``: an ID no DAG owns (needs every DAG).
+#: Whether the user may read (or edit) a DAG's checkpoints; ``None``: an item no DAG owns (needs every DAG).
 MayRead = Callable[[str | None], bool]
 
 
@@ -38,25 +42,42 @@ class Fleet:
 
 @dataclass(frozen=True)
 class IdDetail:
-    listing: IdListing
-    manifests: tuple[Manifest, ...]  # oldest first
-    restores: tuple[RestoreRecord, ...]  # oldest first
+    listing: IdListing  # the part the user may read (scoped)
+    manifests: tuple[Manifest, ...]  # oldest first; those of DAGs the user may read
+    restores: tuple[RestoreRecord, ...]  # oldest first; likewise
+    partial: bool = False  # items of DAGs the user may not read were left out
+    dags: frozenset[str | None] = frozenset()  # every DAG named under the ID, left-out items' too (delete needs each)
 
 
-def dag_of(x: IdListing) -> str | None:
+def dag_of(x: Manifest | RestoreRecord | IdListing) -> str | None:
+    """The DAG an item names itself: a manifest, a restore record, an ID's index entry."""
     return x.airflow.dag_id if x.airflow else None
 
 
+def _row_dag(r: IndexRow) -> str | None:
+    return r.dag_id or None  # "" (taken outside Airflow) and None (not recorded) need every DAG
+
+
+def _dags(x: IdListing) -> set[str | None]:
+    """Every DAG an ID's rows and its index entry name."""
+    return {_row_dag(r) for r in x.checkpoints} | {dag_of(x)}
+
+
+def scoped(x: IdListing, may_read: MayRead) -> IdListing | None:
+    """The part of an ID a user may read, or None when no part: each row by its own DAG. What the
+    entry holds for the whole ID (skips, failures, restores, the heartbeat, the restore warning) has
+    no DAG of its own, so it stays only for a user who may read every DAG the ID names."""
+    if all(may_read(d) for d in _dags(x)):
+        return x
+    rows = tuple(r for r in x.checkpoints if may_read(_row_dag(r)))
+    if not rows:
+        return None
+    return IdListing(x.checkpoint_id, rows, source=x.source, airflow=x.airflow if may_read(dag_of(x)) else None)
+
+
 def visible(listed: Sequence[IdListing], may_read: MayRead) -> list[IdListing]:
-    answers: dict[str | None, bool] = {}  # one question per DAG, however many IDs it has
-    out = []
-    for x in listed:
-        dag = dag_of(x)
-        if dag not in answers:
-            answers[dag] = may_read(dag)
-        if answers[dag]:
-            out.append(x)
-    return out
+    may_read = cache(may_read)  # one question per DAG, however many IDs and rows name it
+    return [s for x in listed if (s := scoped(x, may_read)) is not None]
 
 
 class StoreCache:
@@ -104,9 +125,21 @@ def fleet(listed: Sequence[IdListing], may_read: MayRead, now: datetime | None =
     )
 
 
-def id_detail(store: Store, listing: IdListing) -> IdDetail:
+def id_detail(store: Store, listing: IdListing, may_read: MayRead) -> IdDetail:
+    """One ID (``listing`` as the store lists it, not scoped), each manifest and restore record shown
+    by its own DAG; read now, so a manifest newer than the listing is judged by itself too."""
+    may_read = cache(may_read)
     ms = sorted(load_manifests(store, listing.checkpoint_id), key=lambda m: (m.try_number, m.seq))
-    return IdDetail(listing, tuple(ms), tuple(list_restores(store, listing.checkpoint_id)))
+    rs = list_restores(store, listing.checkpoint_id)
+    shown_ms = tuple(m for m in ms if may_read(dag_of(m)))
+    shown_rs = tuple(r for r in rs if may_read(dag_of(r)))
+    x = scoped(listing, may_read) or IdListing(listing.checkpoint_id, ())
+    partial = x is not listing or len(shown_ms) < len(ms) or len(shown_rs) < len(rs)
+    if partial:  # the ID's own lines go (see scoped); its task is the newest shown manifest's
+        x = IdListing(x.checkpoint_id, x.checkpoints, source=x.source, restores=len(shown_rs),
+                      airflow=next((m.airflow for m in reversed(shown_ms) if m.airflow), x.airflow))
+    dags = _dags(listing) | {dag_of(m) for m in ms} | {dag_of(r) for r in rs}
+    return IdDetail(x, shown_ms, shown_rs, partial, frozenset(dags))
 
 
 @dataclass(frozen=True)
