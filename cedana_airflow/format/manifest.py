@@ -13,8 +13,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from ..errors import CheckpointIdError, UnknownRequiredBlock
+from ..errors import CheckpointIdError, CorruptCheckpoint, UnknownRequiredBlock
 from ..ids import validate_checkpoint_id
+from . import limits
 
 __all__ = [
     "MANIFEST_FORMAT_VERSION",
@@ -310,10 +311,15 @@ def parse_manifest(raw: bytes | str) -> Manifest:
     """A stored manifest, read by this version's rules for every format version (docs/store-format.md,
     "Forward compatibility"): from version 4 on, a top-level block this reader does not know is skipped
     unless the manifest's ``required`` names it; then the manifest is refused in one line naming the
-    block and its writer. Raises ValueError (pydantic's included) for a manifest that does not parse."""
+    block and its writer. Raises ValueError (pydantic's included) for a manifest that does not parse,
+    and CorruptCheckpoint for one over a count of format/limits.py."""
     doc = json.loads(raw)
     if not isinstance(doc, dict):
         raise ValueError("a manifest is a JSON object")
+    # Counted on the JSON: validation would build an object per entry first.
+    problem = limits.count_problem(doc.get("checkpoint_id"), doc.get("seq"), limits.doc_counts(doc))
+    if problem:
+        raise CorruptCheckpoint(problem)
     version = doc.get("format_version")
     unknown: dict[str, object] = {}
     if isinstance(version, int) and not isinstance(version, bool) and version >= MARKED_BLOCKS_VERSION:

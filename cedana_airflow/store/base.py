@@ -18,6 +18,8 @@ from ..config import default
 from ..errors import CorruptCheckpoint, StoreUnavailable
 from ..format.chunking import CHUNKER_NAME
 from ..format.layout import chunk_key, manifest_key
+from ..format import limits
+from ..format.limits import TooLarge
 from ..ids import RESERVED_NAMES
 
 __all__ = ["RequiredReads", "Store", "StoreConfig", "StoredObject", "STORE_FORMAT_VERSION", "RESERVED_NAMES", "chunk_key", "manifest_key", "parse_store_config"]
@@ -70,8 +72,20 @@ class RequiredReads:
             raise CorruptCheckpoint(f"chunk {digest} is missing from {self.url}")
         return blob
 
+    def get_bounded(self, key: str, limit: int) -> bytes | None:
+        """:meth:`get`, but TooLarge for an object over ``limit`` bytes. Backends override it to refuse
+        one from its size, before reading its body; this fallback reads it first."""
+        data = self.get(key)
+        if data is not None and len(data) > limit:
+            raise TooLarge(len(data), limit)
+        return data
+
     def get_manifest(self, checkpoint_id: str, seq: int) -> bytes:
-        raw = self.get(manifest_key(checkpoint_id, seq))
+        try:
+            raw = self.get_bounded(manifest_key(checkpoint_id, seq), limits.MAX_MANIFEST_BYTES)
+        except TooLarge as e:  # a restore falls back as for any bad manifest; the api-server skips it
+            raise CorruptCheckpoint(f"checkpoint {checkpoint_id} seq={seq} is refused unread: its manifest is "
+                                    f"{e.size} bytes, more than the {e.limit} a reader accepts") from None
         if raw is None:  # removed between listing and reading (retention, gc)
             raise CorruptCheckpoint(f"manifest {checkpoint_id}/{seq} disappeared from {self.url}")
         return raw
@@ -103,7 +117,10 @@ class Store(Protocol):
         """Write a manifest atomically, only if that (id, seq) is free. False when it was taken."""
         ...
 
-    def get_manifest(self, checkpoint_id: str, seq: int) -> bytes: ...
+    def get_manifest(self, checkpoint_id: str, seq: int) -> bytes:
+        """The stored manifest; CorruptCheckpoint when it is gone, or over format/limits.py's byte cap
+        (judged before its body is read)."""
+        ...
 
     def list_ids(self) -> list[str]: ...
 

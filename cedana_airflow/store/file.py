@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..errors import StoreUnavailable
 from ..format import layout
+from ..format.limits import TooLarge
 from .base import RequiredReads, StoreConfig, StoredObject, parse_store_config
 
 __all__ = ["FileStore"]
@@ -145,6 +146,11 @@ class FileStore(RequiredReads):
         return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and (p / layout.MANIFEST_NAME).is_file())
 
     def get(self, key: str) -> bytes | None:
+        return self.get_bounded(key, -1)
+
+    def get_bounded(self, key: str, limit: int) -> bytes | None:
+        """``limit`` < 0: no cap. Else judged by ``fstat`` first, and never more than ``limit`` + 1 bytes read
+        (the file may grow in between)."""
         try:
             folder = self._folder(key, create=False)
             try:
@@ -152,7 +158,16 @@ class FileStore(RequiredReads):
             finally:
                 os.close(folder)
             with os.fdopen(fd, "rb") as f:
-                return f.read()
+                if limit < 0:
+                    return f.read()
+                if (size := os.fstat(fd).st_size) > limit:
+                    raise TooLarge(size, limit)
+                data = f.read(size + 1)  # read(n) allocates n first: never the cap for a small file
+                if len(data) > size:  # grew since fstat
+                    data += f.read(limit + 1 - len(data))
+                    if len(data) > limit:
+                        raise TooLarge(len(data), limit)
+                return data
         except FileNotFoundError:
             return None
         except OSError as e:

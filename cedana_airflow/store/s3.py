@@ -20,6 +20,7 @@ from typing import Any
 from ..config import Settings, redact
 from ..errors import StoreUnavailable
 from ..format import layout
+from ..format.limits import TooLarge
 from .base import RequiredReads, StoreConfig, StoredObject, parse_store_config
 
 __all__ = ["S3Store", "client_config", "make_s3_client"]
@@ -243,6 +244,28 @@ class S3Store(RequiredReads):
                 if str(e.response.get("Error", {}).get("Code")) in _MISSING:
                     return None, ""
                 raise
+
+    def get_bounded(self, key: str, limit: int) -> bytes | None:
+        """One GET, judged by its Content-Length: the body of an object over ``limit`` is closed unread."""
+        from botocore.exceptions import ClientError
+
+        with self._errors(f"reading {key}"):
+            try:
+                r = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+            except ClientError as e:
+                if str(e.response.get("Error", {}).get("Code")) in _MISSING:
+                    return None
+                raise
+            body, size = r["Body"], int(r.get("ContentLength", limit))
+            try:
+                if size > limit:
+                    raise TooLarge(size, limit)
+                data = bytes(body.read(size + 1))  # read(n) allocates n first: never the cap for a small object
+            finally:
+                body.close()
+            if len(data) > limit:
+                raise TooLarge(len(data), limit)
+            return data
 
     def get_if_changed(self, key: str, token: str) -> tuple[bytes | None, str] | None:
         from botocore.exceptions import ClientError

@@ -12,7 +12,7 @@ import os
 import shutil
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -22,9 +22,9 @@ from pydantic import ValidationError
 
 from .. import __version__
 from ..config import default
-from ..errors import CheckpointNotFound, CorruptCheckpoint
+from ..errors import CheckpointNotFound, CorruptCheckpoint, StoreError
 from ..failpoints import failpoint
-from ..format import chunking, layout
+from ..format import chunking, layout, limits
 from ..format.manifest import (CAPTURED_DIR, COOPERATIVE_ENGINE, MARKED_BLOCKS_VERSION, AirflowTask, CapturedFile,
                                ChunkRef, CooperativeState, FileEntry, GpuState, Manifest, ProcessInfo, StateFile,
                                parse_manifest)
@@ -233,11 +233,14 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path 
         )
         if signing_key is not None:
             manifest = sign(manifest, signing_key)
+        data = manifest.to_json()
+        if problem := _over_limits(manifest, len(data)):  # what every reader would refuse is not worth writing
+            raise StoreError(f"{problem}; not stored, as every reader would refuse it (docs/store-format.md, Limits)")
         if before_commit is not None:
             before_commit()
         failpoint("heartbeat.manifest")
         # The commit point: until this write succeeds the checkpoint does not exist.
-        if store.put_manifest(meta.checkpoint_id, seq, manifest.to_json()):
+        if store.put_manifest(meta.checkpoint_id, seq, data):
             break
         seq += 1  # another writer took this seq first; ours goes after it
     log.info(
@@ -247,6 +250,15 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path 
         w.segments, w.recalled,
     )
     return manifest
+
+
+def _over_limits(m: Manifest, size: int = 0) -> str | None:
+    """A reader's refusal of ``m`` by format/limits.py's node-independent caps (its JSON's ``size`` too)."""
+    if size > limits.MAX_MANIFEST_BYTES:
+        return (f"checkpoint {m.checkpoint_id} seq={m.seq} is refused: its manifest is {size} bytes, more than "
+                f"the {limits.MAX_MANIFEST_BYTES} a reader accepts")
+    return (limits.count_problem(m.checkpoint_id, m.seq, limits.manifest_counts(m))
+            or limits.total_problem(m, limits.MAX_DECLARED_BYTES))
 
 
 def load_manifests(store: Store, checkpoint_id: str) -> list[Manifest]:
@@ -288,15 +300,20 @@ def load_manifests_of(store: Store, checkpoint_ids: Sequence[str]) -> dict[str, 
 
 def fetch_checkpoint(store: Store, manifest: Manifest, dest: Path, progress_mode: str = "never", *,
                      max_chunk_bytes: int | None = None, leave_sparse: frozenset[str] = frozenset(),
-                     reader: str = "") -> None:
+                     reader: str = "", max_total_bytes: int = limits.MAX_DECLARED_BYTES) -> None:
     """Download and verify every chunk of a checkpoint into ``dest`` (image files, then captured/).
     Image files named in ``leave_sparse`` are only created at their size, holes all through (a lazy
     restore fills what it needs of them). A bad chunk is set aside (store/quarantine.py) in the name
     of node ``reader``.
 
     Raises CorruptCheckpoint, leaving nothing usable in ``dest``, if any chunk is missing or wrong,
-    or (with ``max_chunk_bytes``, the store's cap) declared longer than any chunk the store can hold.
+    or (with ``max_chunk_bytes``, the store's cap) declared longer than any chunk the store can hold;
+    before touching ``dest``, if it is over format/limits.py's caps or declares more than ``max_total_bytes``.
     """
+    # Manifests are refused over these when read; this is for one that was not (and the node's total).
+    problem = _over_limits(manifest) or limits.total_problem(manifest, max_total_bytes)
+    if problem:
+        raise CorruptCheckpoint(problem)
     if max_chunk_bytes is not None:
         big = next((c for c in manifest.chunk_refs() if c.size > max_chunk_bytes), None)
         if big is not None:
@@ -319,7 +336,6 @@ def fetch_checkpoint(store: Store, manifest: Manifest, dest: Path, progress_mode
     progress = Progress(f"restore {manifest.checkpoint_id}#{manifest.seq}", total, progress_mode)
     # A file is opened per chunk written, not held open for the whole fetch: a state of thousands of
     # files must not run out of descriptors.
-    jobs: list[tuple[Path, int, ChunkRef]] = []
     try:
         for path, size, refs in targets:
             if path.parent != dest:
@@ -331,10 +347,13 @@ def fetch_checkpoint(store: Store, manifest: Manifest, dest: Path, progress_mode
                 os.ftruncate(fd, size)
             finally:
                 os.close(fd)
-            off = 0
-            for ref in refs:
-                jobs.append((path, off, ref))
-                off += ref.size
+
+        def jobs() -> Iterator[tuple[Path, int, ChunkRef]]:
+            for path, _, refs in targets:
+                off = 0
+                for ref in refs:
+                    yield path, off, ref
+                    off += ref.size
 
         def get(job: tuple[Path, int, ChunkRef]) -> None:
             path, off, ref = job
@@ -347,9 +366,21 @@ def fetch_checkpoint(store: Store, manifest: Manifest, dest: Path, progress_mode
                 os.close(fd)
             progress.advance(ref.size)
 
+        # A few jobs per worker in flight, not a future per ref (Executor.map submits them all): a
+        # chunk named a million times costs a million gets, in memory only one at a time per worker.
         with ThreadPoolExecutor(store.parallelism, thread_name_prefix="cedana-get") as pool:
-            for _ in pool.map(get, jobs):
-                pass
+            pending: deque[Future[None]] = deque()
+            try:
+                for job in jobs():
+                    pending.append(pool.submit(get, job))
+                    if len(pending) > 2 * store.parallelism:
+                        pending.popleft().result()
+                while pending:
+                    pending.popleft().result()
+            except BaseException:
+                for f in pending:
+                    f.cancel()
+                raise
     except CorruptCheckpoint as e:
         shutil.rmtree(dest, ignore_errors=True)
         raise CorruptCheckpoint(f"checkpoint {manifest.checkpoint_id} seq={manifest.seq}: {e}") from None
