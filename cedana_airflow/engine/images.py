@@ -3,11 +3,13 @@
 A CRIU image is ``u32 magic`` (plus a second ``u32`` for common/service images), then entries of
 ``u32 length`` + a protobuf message. We read varints and nested messages: all that ``stats-dump``
 and ``pagemap`` need, and, for a restore's preflight (run/preflight.py), the open files of
-``files.img`` (regular files and unix sockets) and the ones CRIU remaps itself (``remap-fpath.img``).
+``files.img`` (regular files and unix sockets) and the ones CRIU remaps itself (``remap-fpath.img``),
+and the file-system credentials of the tree (``pstree.img``, ``core-<tid>.img``: run/captured.py).
 
 Field numbers come from CRIU's ``images/*.proto`` (checked against 4.1.1): ``file_entry`` in
 fdinfo.proto, ``reg_file_entry`` in regfile.proto, ``unix_sk_entry`` in sk-unix.proto,
-``remap_file_path_entry`` in remap-file-path.proto.
+``remap_file_path_entry`` in remap-file-path.proto; ``pstree_entry`` in pstree.proto, ``core_entry`` and
+``thread_core_entry`` in core.proto, ``creds_entry`` in creds.proto (checked against 4.2).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from pathlib import Path
 
 __all__ = [
     "OpenFiles",
+    "ROOT_CREDS",
     "RegFile",
+    "TreeCreds",
     "UnixSocket",
     "fields",
     "image_entries",
@@ -29,6 +33,7 @@ __all__ = [
     "message_values",
     "read_dump_stats",
     "read_image",
+    "read_creds",
     "read_open_files",
 ]
 
@@ -268,3 +273,72 @@ def read_open_files(image_dir: Path) -> OpenFiles | None:
         raise ValueError(f"{image_dir / 'files.img'} or remap-fpath.img is malformed ({e})") from None
     remapped = frozenset(v for r in remaps if isinstance(v := r.get(_REMAP_ORIG_ID), int))
     return OpenFiles(tuple(regular), tuple(sockets), remapped)
+
+
+@dataclass(frozen=True)
+class TreeCreds:
+    """Who a restored tree writes files as: fsuid, fsgid and supplementary groups (creds.proto)."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+
+
+#: A tree with a task whose fsuid is 0: CRIU restores it as root, so root is what its files may be.
+ROOT_CREDS = TreeCreds(0, 0)
+
+# pstree.proto, pstree_entry: pid = 1, threads = 5 (repeated). core.proto: core_entry.thread_core = 5,
+# thread_core_entry.creds = 10. creds.proto, creds_entry: fsuid = 7, fsgid = 8, groups = 14 (repeated).
+_PSTREE_PID, _PSTREE_THREADS = 1, 5
+_CORE_THREAD, _THREAD_CREDS = 5, 10
+_FSUID, _FSGID, _GROUPS = 7, 8, 14
+
+
+def _uints(f: dict[int, list[int | bytes]], num: int) -> list[int]:
+    """A repeated uint32 field, written unpacked (proto2's default) or packed."""
+    out: list[int] = []
+    for v in f.get(num, ()):
+        if isinstance(v, int):
+            out.append(v)
+        else:
+            i = 0
+            while i < len(v):
+                n, i = _varint(v, i)
+                out.append(n)
+    return out
+
+
+def read_creds(image_dir: Path) -> TreeCreds | None:
+    """The credentials a restore of this image set writes files with: the root task's (its first
+    ``pstree.img`` entry's main thread), or :data:`ROOT_CREDS` when any thread of any task has fsuid 0.
+    None when there is no pstree.img (not a process tree: CRIU refuses it itself). Raises ValueError
+    when pstree.img or a core image is missing or malformed, or the root task has no creds."""
+    try:
+        tasks = image_messages(image_dir / "pstree.img")
+    except FileNotFoundError:
+        return None
+    except (IndexError, struct.error) as e:
+        raise ValueError(f"{image_dir / 'pstree.img'} is malformed ({e})") from None
+    found: list[TreeCreds] = []
+    try:
+        for task in tasks:
+            t = message_values(task)
+            pid = _int(t, _PSTREE_PID)
+            for tid in _uints(t, _PSTREE_THREADS) or ([pid] if pid is not None else []):
+                core = image_messages(image_dir / f"core-{tid}.img")
+                thread = _bytes(message_values(core[0]), _CORE_THREAD) if core else None
+                creds = _bytes(message_values(thread), _THREAD_CREDS) if thread is not None else None
+                if creds is None:
+                    if not found:  # the root task's main thread: what every file would be written as
+                        raise ValueError(f"core-{tid}.img holds no credentials")
+                    continue
+                c = message_values(creds)
+                uid, gid = _int(c, _FSUID), _int(c, _FSGID)
+                if uid is None or gid is None:
+                    raise ValueError(f"core-{tid}.img has credentials without fsuid or fsgid")
+                found.append(TreeCreds(uid, gid, tuple(_uints(c, _GROUPS))))
+    except (OSError, IndexError, struct.error) as e:
+        raise ValueError(f"the process tree's core images in {image_dir} cannot be read ({e})") from None
+    if not found:
+        raise ValueError(f"{image_dir / 'pstree.img'} names no task")
+    return ROOT_CREDS if any(c.uid == 0 for c in found) else found[0]

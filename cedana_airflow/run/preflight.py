@@ -21,10 +21,11 @@ one line:
   listeners in ``/tmp/pymp-XXXX/``, and a fresh node's ``/tmp`` has none) get that directory, mode
   0700, owned like the socket was. Only for absolute socket paths (abstract and relative names are
   skipped), only under the restore roots (run/captured.py) or this node's temp directories (``/tmp``,
-  ``/var/tmp``, ``$TMPDIR``), never in a system tree, and each component below the root is opened
-  with ``O_NOFOLLOW``, so a symlink on the way refuses the directory instead of redirecting it. A
-  directory that cannot be created that way raises :class:`NotRestorableHere` before anything is
-  created. Sockets CRIU does not bind (connected streams, external peers, deleted paths, which CRIU
+  ``/var/tmp``, ``$TMPDIR``), never in a system tree or on the deny-list, and each component below the
+  root is opened with ``O_NOFOLLOW``, so a symlink on the way refuses the directory instead of
+  redirecting it; below ``/`` and the temp directories, each directory on the way is judged by
+  captured.py's owner rule for the tree's credentials. A directory that cannot be created that way
+  raises :class:`NotRestorableHere` before anything is created. Sockets CRIU does not bind (connected streams, external peers, deleted paths, which CRIU
   rebuilds and removes itself) are skipped.
 
 Everything is judged before anything is created. :class:`Prepared` says what was created, and
@@ -40,10 +41,10 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
-from ..engine.images import OpenFiles, RegFile, UnixSocket, read_open_files
+from ..engine.images import ROOT_CREDS, OpenFiles, RegFile, TreeCreds, UnixSocket, read_open_files
 from ..errors import NotRestorableHere
 from ..format.manifest import Manifest
-from .captured import open_dir, refusal, root_of, system_tree
+from .captured import ANYWHERE, DenyList, blocked, node_denied, open_dir, refusal, root_of, system_tree
 
 __all__ = ["Prepared", "preflight"]
 
@@ -110,12 +111,15 @@ class Prepared:
         self._made.clear()
 
 
-def preflight(image_dir: Path, m: Manifest, roots: Sequence[PurePosixPath]) -> Prepared:
+def preflight(image_dir: Path, m: Manifest, roots: Sequence[PurePosixPath], denied: DenyList | None = None,
+              creds: TreeCreds = ROOT_CREDS) -> Prepared:
     """Check what the image set in ``image_dir`` (checkpoint ``m``) needs from this node before
     ``criu restore`` runs, and create the missing directories of its unix sockets.
 
     ``roots``: this node's restore roots (:func:`cedana_airflow.run.captured.restore_roots`); socket
-    directories may also be created under the temp directories. Raises NotRestorableHere (one line:
+    directories may also be created under the temp directories, never on ``denied`` (default: the
+    node's deny-list without settings), and through directories judged for ``creds`` (the tree's:
+    engine/images.py ``read_creds``). Raises NotRestorableHere (one line:
     the path, what differs, the remedy) before creating anything, and ValueError when files.img is
     malformed. An image set without files.img (not a CRIU dump) needs nothing.
     """
@@ -124,11 +128,13 @@ def preflight(image_dir: Path, m: Manifest, roots: Sequence[PurePosixPath]) -> P
     if files is None:
         return prepared
     _check_read_only(files, m)
-    allowed = _socket_roots(roots)
-    wanted = _socket_dirs(files, m, allowed)
+    temp = _temp_roots()
+    allowed = tuple(dict.fromkeys(r for r in [*roots, *temp] if system_tree(r) is None))
+    wanted = _socket_dirs(files, m, allowed, denied if denied is not None else node_denied())
     try:
         for directory, uid, gid in wanted:
-            _make_dir(directory, allowed, uid, gid, prepared, m)
+            # the temp dirs are everyone's: judged like / (no operator vouched for what is below them)
+            _make_dir(directory, allowed, uid, gid, prepared, m, creds, (ANYWHERE, *temp))
     except BaseException:
         prepared.undo()
         raise
@@ -205,24 +211,32 @@ def _bound_path(s: UnixSocket) -> str | None:
     return os.fsdecode(path) if path.startswith(b"/") else None
 
 
-def _socket_roots(roots: Sequence[PurePosixPath]) -> tuple[PurePosixPath, ...]:
+def _temp_roots() -> tuple[PurePosixPath, ...]:
     temp = [*_TEMP_DIRS, os.environ.get("TMPDIR", "")]
-    extra = [PurePosixPath(os.path.normpath(t)) for t in temp if t.startswith("/")]
-    return tuple(dict.fromkeys(r for r in [*roots, *extra] if system_tree(r) is None))
+    return tuple(PurePosixPath(os.path.normpath(t)) for t in temp if t.startswith("/"))
 
 
-def _socket_dirs(files: OpenFiles, m: Manifest, allowed: Sequence[PurePosixPath]) -> list[tuple[PurePosixPath, int, int]]:
-    """The missing directories of bound sockets (under ``allowed``: _socket_roots), each with the owner
-    its socket had; raises when one may not be created here."""
+def _is_dir(path: PurePosixPath) -> bool:
+    """A directory there, not a symlink to one (a link there now is created through, so refused)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _socket_dirs(files: OpenFiles, m: Manifest, allowed: Sequence[PurePosixPath],
+                 denied: DenyList) -> list[tuple[PurePosixPath, int, int]]:
+    """The missing directories of bound sockets (under ``allowed``: the roots and temp dirs), each with
+    the owner its socket had; raises when one may not be created here."""
     out: dict[PurePosixPath, tuple[int, int]] = {}
     for s in files.unix_sockets:
         path = _bound_path(s)
         if path is None:
             continue
         directory = PurePosixPath(path).parent
-        if directory in out or os.path.isdir(directory):
-            continue  # there already (through whatever links the original bind went through too)
-        why = refusal(path, allowed)
+        if directory in out or _is_dir(directory):
+            continue  # there already: CRIU binds in it, nothing is created
+        why = refusal(path, allowed, denied)
         if why is not None:
             fix = ("" if system_tree(PurePosixPath(path)) is not None
                    else ", add a directory above it to restore_roots (CEDANA_RESTORE_ROOTS)")
@@ -234,7 +248,7 @@ def _socket_dirs(files: OpenFiles, m: Manifest, allowed: Sequence[PurePosixPath]
 
 
 def _make_dir(directory: PurePosixPath, roots: Sequence[PurePosixPath], uid: int, gid: int, prepared: Prepared,
-              m: Manifest) -> None:
+              m: Manifest, creds: TreeCreds, checked: Sequence[PurePosixPath]) -> None:
     """Create ``directory``'s missing components below its root (0700, owned ``uid``:``gid``) through
     captured.py's guarded walk (the root is the node's own setting, as /tmp may be a symlink; nothing
     below it may be); what was created goes into ``prepared``."""
@@ -244,7 +258,8 @@ def _make_dir(directory: PurePosixPath, roots: Sequence[PurePosixPath], uid: int
         prepared._made.append((os.dup(parent_fd), name, str(path)))
 
     try:
-        os.close(open_dir(directory, roots, create=True, mode=0o700, owner=(uid, gid), created=made))
+        os.close(open_dir(directory, roots, create=True, mode=0o700, owner=(uid, gid), created=made, creds=creds,
+                          checked=checked))
     except OSError as e:
         if str(e.filename) == str(root):  # the walk never started
             raise NotRestorableHere(f"{_what(m)} binds a unix socket in {directory}, which is missing on this node, "
@@ -252,5 +267,4 @@ def _make_dir(directory: PurePosixPath, roots: Sequence[PurePosixPath], uid: int
                                     "start fresh") from None
         raise NotRestorableHere(
             f"{_what(m)} binds a unix socket in {directory}, which is missing on this node and cannot be created "
-            f"safely: {e.filename} gives {e.strerror} (a symlink or a file on the way). Create {directory} on this "
-            "node, or start fresh") from None
+            f"safely ({blocked(e)}). Create {directory} on this node, or start fresh") from None

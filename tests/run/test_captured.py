@@ -9,16 +9,24 @@ runs, so the images are random bytes.
 from __future__ import annotations
 
 import os
+import pwd
+import shutil
 import stat
+import sys
+import sysconfig
+import tempfile
 import uuid
+from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
+from types import SimpleNamespace
 
 import pytest
 
 from cedana_airflow.config import DEFAULT_CRIU_PREFIX, Settings
 from cedana_airflow.engine.criu import CriuEngine, find_criu
 from cedana_airflow.errors import CorruptCheckpoint
-from cedana_airflow.format.manifest import ProcessInfo
+from cedana_airflow.format.manifest import CapturedFile, Manifest, ProcessInfo
+from cedana_airflow.run import captured
 from cedana_airflow.run.captured import CapturedFilesBack, refusal, restore_roots
 from cedana_airflow.run.checkpointer import Checkpointer
 from cedana_airflow.store import open_store
@@ -44,7 +52,8 @@ def _stored(tmp_path: Path, captured: dict[str, bytes], cwd: str | None = None, 
 
 def _restore(tmp_path: Path, store, cfg, roots: tuple[Path, ...] = (), cwd: Path | None = None) -> str:
     engine = CriuEngine(find_criu("", Path(DEFAULT_CRIU_PREFIX)))
-    cp = Checkpointer(engine, store, cfg, "job", Settings(node="node-b", restore_roots=roots),
+    # a node that accepts unsigned manifests: whose captured files are held to the roots
+    cp = Checkpointer(engine, store, cfg, "job", Settings(node="node-b", restore_roots=roots, allow_unsigned=True),
                       work_dir=tmp_path / "work")
     with pytest.raises(CorruptCheckpoint) as e:
         cp.restore(cwd=str(cwd or tmp_path / "job-cwd"))
@@ -158,7 +167,8 @@ def test_a_listed_root_in_a_system_tree_is_warned_about_and_a_working_directory_
 def test_a_signed_checkpoint_may_write_anywhere_but_a_system_tree_and_restore_roots_narrow_it():
     anywhere = restore_roots([], "/srv/job", signed=True)
     assert refusal("/data/runs/7/train.log", anywhere) is None  # where the workload had it, no setting needed
-    assert refusal("/home/me/.cache/x", anywhere) is None
+    assert refusal("/home/me/data/x", anywhere) is None
+    assert "a hidden entry of the home /home/me" in refusal("/home/me/.cache/x", anywhere)  # see the deny-list tests
     for system in ("/etc/passwd", "/usr/lib/x.so", "/lib64/ld.so", "/proc/1/mem", "/dev/sda", "/boot/vmlinuz"):
         assert "which a restore never writes" in refusal(system, anywhere), system
     narrowed = restore_roots([Path("/data/out")], "/srv/job", signed=True)  # listed: only there (and the cwd)
@@ -216,3 +226,179 @@ def test_an_existing_file_keeps_its_inode_a_hard_linked_one_is_not_written_throu
     assert db.read_bytes() == b"rows written after the checkpoint" and db.stat().st_ino == ino
     assert (outputs / "steps.db-journal").read_bytes() == b"a transaction after the checkpoint"
     assert sorted(p.name for p in outputs.iterdir()) == ["linked.bin", "steps.db", "steps.db-journal"]
+
+
+# Issue 48: where a restore writes. The deny-list, and files going back as the workload's own user,
+# through directories that user could write (no CRIU: CapturedFilesBack and refusal directly).
+# New names are read through the module (captured.X): on code without them, each test fails alone.
+
+NOBODY = (65534, 65534)
+
+
+def _back(tmp_path: Path, files: dict[str, bytes], mode: int = 0o640) -> tuple[Manifest, Path]:
+    """A manifest capturing ``files`` {path: content} and the fetched copies, as a restore has them."""
+    source = Path(tempfile.mkdtemp(prefix="fetched-", dir=tmp_path))
+    for i, data in enumerate(files.values()):
+        (source / str(i)).write_bytes(data)
+    m = Manifest(checkpoint_id="job", seq=1, node="node-a", created_at=datetime.now(timezone.utc),
+                 engine_version="4.2.1", files=(), image_bytes=0, stored_bytes=0,
+                 process=ProcessInfo(pid=1, command=("x",), cwd=str(tmp_path), stdout_pipe="pipe:[1]",
+                                     stderr_pipe="pipe:[2]"),
+                 captured=tuple(CapturedFile(path=p, size=0, mode=mode, chunks=()) for p in files))
+    return m, source
+
+
+def _dir(path: Path, mode: int, owner: tuple[int, int] = (0, 0)) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    os.chown(path, *owner)
+    path.chmod(mode)  # after chown, which would clear a setgid bit
+    return path
+
+
+ANYWHERE = (PurePosixPath("/"),)
+SITE_PACKAGES = sysconfig.get_paths()["purelib"]
+
+
+@pytest.mark.parametrize("path", [
+    "/root/.ssh/authorized_keys", "/var/spool/cron/crontabs/root", "/run/systemd/system/x.service", "/var/run/x",
+    "/var/lib/dpkg/info/x.postinst", f"{SITE_PACKAGES}/x.py", f"{sys.prefix}/bin/python3", "/home/u/.bashrc",
+    "/home/u/.ssh/authorized_keys-journal"])
+def test_the_deny_list_refuses_each_named_path_whatever_the_signature(path):
+    why = refusal(path, ANYWHERE)  # the roots of a signed checkpoint with no restore_roots
+    assert why is not None and path in why
+
+
+def test_a_dags_folder_in_restore_deny_is_never_written(tmp_path):
+    dags = _dir(tmp_path / "dags", 0o755)
+    (dags / "etl.py").write_text("the node's DAG\n")
+    denied = captured.node_denied(SimpleNamespace(restore_deny=(dags,)))
+    assert "(restore_deny), which a restore never writes" in refusal(str(dags / "etl.py"), ANYWHERE, denied)
+    m, source = _back(tmp_path, {str(dags / "etl.py"): b"import os; os.system('id')\n", str(tmp_path / "ok"): b"x"})
+    with pytest.raises(CorruptCheckpoint, match=r"etl.py is in .*dags \(restore_deny\), which a restore never writes$"):
+        with CapturedFilesBack(m, source, ANYWHERE, denied):
+            pass
+    assert (dags / "etl.py").read_text() == "the node's DAG\n" and not (tmp_path / "ok").exists()
+
+
+def test_a_sys_path_dir_of_the_restoring_interpreter_is_never_written(tmp_path, monkeypatch):
+    lib = _dir(tmp_path / "pylib", 0o755)
+    monkeypatch.syspath_prepend(str(lib))  # what root imports next: a planted json.py would run as root
+    m, source = _back(tmp_path, {str(lib / "json.py"): b"import os; os.system('id')\n"})
+    with pytest.raises(CorruptCheckpoint, match="code the restoring interpreter imports"):
+        with CapturedFilesBack(m, source, ANYWHERE):
+            pass
+    assert list(lib.iterdir()) == []
+
+
+def test_a_hidden_entry_of_a_home_is_refused_unless_a_restore_root_lies_within_it(tmp_path, monkeypatch):
+    home = _dir(tmp_path / "alice", 0o755)
+    users = [*pwd.getpwall(), pwd.struct_passwd(("alice", "x", 0, 0, "", str(home), "/bin/sh"))]
+    monkeypatch.setattr(pwd, "getpwall", lambda: users)  # a temp dir registered as a home
+    keys = home / ".ssh" / "authorized_keys"
+    m, source = _back(tmp_path, {str(keys): b"ssh-ed25519 AAAA attacker\n"})
+    with pytest.raises(CorruptCheckpoint, match=r"is in .*alice/\.ssh, a hidden entry of the home .*alice.*"
+                                                r"add the directory to restore_roots"):
+        with CapturedFilesBack(m, source, ANYWHERE):
+            pass
+    assert not (home / ".ssh").exists()
+    # the operator lists a dir at or below the hidden entry: its files go back there, only there
+    cache = home / ".cache" / "hf"
+    roots = restore_roots([cache], str(tmp_path / "cwd"), signed=True)
+    assert refusal(str(cache / "model.bin"), roots) is None
+    assert "a hidden entry of the home" in refusal(str(home / ".cache" / "other"), (*roots, *ANYWHERE))
+
+
+def test_other_users_directories_and_squatted_names_are_refused_for_a_root_workload(tmp_path):
+    bob = _dir(tmp_path / "home" / "bob", 0o755, NOBODY)  # another user's home
+    m, source = _back(tmp_path, {str(bob / "notes" / "x.txt"): b"payload"})
+    with pytest.raises(CorruptCheckpoint, match=r"cannot be reached safely \(.*bob: owned by uid 65534, neither root "
+                                                r"nor the workload's user \(uid 0\)\)"):
+        with CapturedFilesBack(m, source, ANYWHERE):
+            pass
+    assert list(bob.iterdir()) == []
+    shared = _dir(tmp_path / "shared", 0o1777)  # /tmp's shape: others' names may be squatted there
+    squatted = shared / "out.log"
+    squatted.write_text("bob's own\n")
+    os.chown(squatted, *NOBODY)
+    m, source = _back(tmp_path, {str(squatted): b"payload"})
+    with pytest.raises(CorruptCheckpoint, match=r"out.log is owned by uid 65534, not by the workload's user \(uid 0\)"):
+        with CapturedFilesBack(m, source, ANYWHERE):
+            pass
+    assert squatted.read_text() == "bob's own\n" and os.listdir(shared) == ["out.log"]
+    loose = _dir(tmp_path / "loose", 0o777)  # writable by others, not sticky: anyone could swap names in it
+    m, source = _back(tmp_path, {str(loose / "x"): b"payload"})
+    with pytest.raises(CorruptCheckpoint, match="writable by others, and not a sticky directory of root's"):
+        with CapturedFilesBack(m, source, ANYWHERE):
+            pass
+
+
+@pytest.fixture
+def enterable(tmp_path):
+    """A root-owned 0755 directory under /tmp, which any user may enter (pytest's own are 0700)."""
+    d = Path(tempfile.mkdtemp(prefix="cedana-test-"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d)
+
+
+def test_a_restore_writes_only_where_the_workloads_user_could(tmp_path, enterable):
+    user = captured.TreeCreds(*NOBODY)  # the tree's fsuid/fsgid, as read_creds gives them
+    own = _dir(enterable / "own", 0o755, NOBODY)
+    root_only = _dir(enterable / "root-only", 0o755)
+    new = own / "run" / "steps.log"
+    m, source = _back(tmp_path, {str(new): b"step 1\n"}, mode=0o600)
+    with CapturedFilesBack(m, source, ANYWHERE, None, user) as back:
+        back.keep()
+    st, dst = new.stat(), new.parent.stat()
+    assert new.read_bytes() == b"step 1\n" and (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (*NOBODY, 0o600)
+    assert (dst.st_uid, dst.st_gid) == NOBODY  # the directory the restore made is the user's too
+    (own / "root-file").write_text("root's\n")
+    for path, why in [(root_only / "x", "may not write it"),  # root's 0755 directory: the user could not create x
+                      (root_only / "sub" / "x", "may not create it in its parent"),
+                      (own / "root-file", r"is owned by uid 0, not by the workload's user \(uid 65534\)")]:
+        m, source = _back(tmp_path, {str(path): b"payload"})
+        with pytest.raises(CorruptCheckpoint, match=why):
+            with CapturedFilesBack(m, source, ANYWHERE, None, user):
+                pass
+    assert list(root_only.iterdir()) == [] and (own / "root-file").read_text() == "root's\n"
+    # the working directory a restore creates is the user's, through the same rules
+    cwd = own / "job" / "cwd"
+    m, _ = _back(tmp_path, {})
+    captured.ensure_cwd(m.model_copy(update={"process": m.process.model_copy(update={"cwd": str(cwd)})}), ANYWHERE,
+                        None, user)
+    assert (cwd.stat().st_uid, (own / "job").stat().st_uid) == (65534, 65534)
+
+
+def test_a_journal_that_may_not_be_set_aside_refuses_the_checkpoint(tmp_path):
+    # (a) a journal owned by someone else: refused (was: renamed aside and deleted), the file put back
+    out = _dir(tmp_path / "out", 0o755)
+    db, journal = out / "steps.db", out / "steps.db-journal"
+    db.write_bytes(b"node's db")
+    journal.write_bytes(b"bob's journal")
+    os.chown(journal, *NOBODY)
+    m, source = _back(tmp_path, {str(db): b"checkpoint's db"})
+    with pytest.raises(CorruptCheckpoint, match=r"journal .*steps.db-journal .* is owned by uid 65534, not by the "
+                                                r"workload's user \(uid 0\), so it cannot be set aside"):
+        with CapturedFilesBack(m, source, ANYWHERE):
+            pass
+    assert db.read_bytes() == b"node's db" and journal.read_bytes() == b"bob's journal"
+    assert sorted(os.listdir(out)) == ["steps.db", "steps.db-journal"]
+    # (b) under a denied directory: the file and its journal both stay as they are
+    dags = _dir(tmp_path / "dags", 0o755)
+    (dags / "state.db").write_bytes(b"node's db")
+    (dags / "state.db-journal").write_bytes(b"node's journal")
+    denied = captured.node_denied(SimpleNamespace(restore_deny=(dags,)))
+    m, source = _back(tmp_path, {str(dags / "state.db"): b"checkpoint's db"})
+    with pytest.raises(CorruptCheckpoint, match="never writes"):
+        with CapturedFilesBack(m, source, ANYWHERE, denied):
+            pass
+    assert sorted(os.listdir(dags)) == ["state.db", "state.db-journal"]
+    assert (dags / "state.db-journal").read_bytes() == b"node's journal"
+    # (c) a journal that is itself denied, beside an allowed file
+    os.chown(journal, 0, 0)
+    only = captured.node_denied(SimpleNamespace(restore_deny=(journal,)))
+    m, source = _back(tmp_path, {str(db): b"checkpoint's db"})
+    with pytest.raises(CorruptCheckpoint, match=r"journal .*steps.db-journal is in .*restore_deny"):
+        with CapturedFilesBack(m, source, ANYWHERE, only):
+            pass
+    assert db.read_bytes() == b"node's db" and journal.read_bytes() == b"bob's journal"

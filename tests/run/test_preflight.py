@@ -11,10 +11,12 @@ directories are never created in a system tree, outside the allowed roots, or th
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import stat
 import struct
 import sys
+import tempfile
 import time
 import uuid
 from datetime import datetime, timezone
@@ -27,6 +29,7 @@ from conftest import varint
 
 from cedana_airflow.config import DEFAULT_CRIU_PREFIX
 from cedana_airflow.engine.criu import CriuEngine, find_criu
+from cedana_airflow.engine import images
 from cedana_airflow.engine.images import read_open_files
 from cedana_airflow.errors import NotRestorableHere, RestoreFailed
 from cedana_airflow.format.manifest import CapturedFile, Manifest, ProcessInfo
@@ -111,6 +114,7 @@ def test_the_image_set_lists_what_a_restore_reopens(dumped: Dumped) -> None:
     assert gone.id in files.remapped and data.id not in files.remapped  # paths are stored absolute, "/..."
     [listener] = [s for s in files.unix_sockets if s.name.startswith(str(dumped.pymp).encode())]
     assert listener.name == dumped.address.encode() + b"\0"  # Python binds with the terminating NUL
+    assert images.read_creds(dumped.images) == images.ROOT_CREDS  # files go back as the tree's user: root here
 
 
 @integration
@@ -252,6 +256,29 @@ def test_created_directories_are_owned_like_the_socket_and_undone_with_what_criu
         s.bind(str(sock))
         prepared.undo()
     assert not (tmp_path / "a").exists() and prepared.created == ()
+
+
+def test_a_socket_directory_through_another_users_directory_or_on_the_deny_list_is_not_created(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 48: under /tmp (everyone's), another user's directory is not written through; nor is a
+    directory the restoring interpreter imports from, whatever the roots."""
+    theirs = Path(tempfile.mkdtemp(prefix="cedana-test-"))  # under /tmp: a temp dir, not a configured root
+    try:
+        os.chown(theirs, 65534, 65534)
+        images_dir = _images(tmp_path, _sock(f"{theirs}/pymp-x/listener-1".encode()))
+        with pytest.raises(NotRestorableHere, match="owned by uid 65534, neither root nor the workload's user"):
+            preflight(images_dir, _manifest(), ())
+        assert os.listdir(theirs) == []
+    finally:
+        shutil.rmtree(theirs)
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    monkeypatch.syspath_prepend(str(lib))
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(NotRestorableHere, match="code the restoring interpreter imports"):
+        preflight(_images(other, _sock(f"{lib}/pymp-y/listener-1".encode())), _manifest(), (PurePosixPath(tmp_path),))
+    assert os.listdir(lib) == []
 
 
 def test_sockets_criu_does_not_bind_by_path_need_nothing(tmp_path: Path) -> None:

@@ -1,0 +1,57 @@
+"""The credentials a restore writes files with, read from a CRIU image set (issue 48).
+
+Image sets written by hand (field numbers from CRIU 4.2's images/pstree.proto, core.proto and
+creds.proto); a real dump's (root: 0) is checked in tests/run/test_preflight.py.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from conftest import varint
+
+from cedana_airflow.engine import images
+
+
+def _msg(*fields: tuple[int, int | bytes]) -> bytes:
+    out = b""
+    for num, v in fields:
+        out += varint(num << 3) + varint(v) if isinstance(v, int) else varint(num << 3 | 2) + varint(len(v)) + v
+    return out
+
+
+def _img(path: Path, *entries: bytes) -> None:
+    path.write_bytes(struct.pack("<II", 0x54564319, 0x1) + b"".join(struct.pack("<I", len(e)) + e for e in entries))
+
+
+def _core(fsuid: int, fsgid: int, groups: tuple[int, ...] = (), *, uid: int = 0, packed: bool = False) -> bytes:
+    gs = [(14, b"".join(varint(g) for g in groups))] if packed and groups else [(14, g) for g in groups]
+    creds = _msg((1, uid), (2, uid), (3, uid), (4, uid), (5, uid), (6, uid), (7, fsuid), (8, fsgid), (13, 0), *gs)
+    return _msg((1, 1), (5, _msg((1, 0), (10, creds))))  # core_entry.thread_core.creds
+
+
+def _tree(d: Path, cores: dict[int, bytes]) -> Path:
+    """Task 1 (threads 1 and 2) and its child, task 3."""
+    d.mkdir()
+    _img(d / "pstree.img", _msg((1, 1), (2, 0), (3, 1), (4, 1), (5, 1), (5, 2)), _msg((1, 3), (2, 1), (3, 1), (4, 1), (5, 3)))
+    for tid, core in cores.items():
+        _img(d / f"core-{tid}.img", core)
+    return d
+
+
+def test_a_trees_files_go_back_as_its_root_tasks_fsuid_unless_any_task_is_root(tmp_path):
+    # fsuid, not uid: what the kernel checks files against (a root launcher that setfsuid'd)
+    user = _tree(tmp_path / "user", {1: _core(1000, 1000, (1000, 27), uid=0), 2: _core(1000, 1000),
+                                     3: _core(1001, 1001, (5, 6), packed=True)})
+    assert images.read_creds(user) == images.TreeCreds(1000, 1000, (1000, 27))
+    rooted = _tree(tmp_path / "rooted", {1: _core(1000, 1000), 2: _core(1000, 1000), 3: _core(0, 0)})
+    assert images.read_creds(rooted) == images.ROOT_CREDS  # CRIU restores that child as root
+    (tmp_path / "none").mkdir()
+    assert images.read_creds(tmp_path / "none") is None  # not a process tree: CRIU refuses it itself
+    with pytest.raises(ValueError, match="cannot be read"):
+        images.read_creds(_tree(tmp_path / "missing", {1: _core(1000, 1000), 2: _core(1000, 1000)}))
+    with pytest.raises(ValueError, match="holds no credentials"):
+        images.read_creds(_tree(tmp_path / "bare", {1: _msg((1, 1)), 2: _core(0, 0), 3: _core(0, 0)}))
