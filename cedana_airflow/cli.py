@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
@@ -120,7 +121,39 @@ def _parser() -> argparse.ArgumentParser:
     doc = sub.add_parser("doctor", help="check that checkpointing can work here")
     doc.add_argument("--json", action="store_true")
     _common(doc)
+
+    key = sub.add_parser("key", help="the node key that signs and verifies checkpoints (docs/security.md)")
+    key.add_argument("action", choices=("init", "show"), help="init: create it (never replaces one); show: where "
+                     "it is and its public key ID (never the key)")
+    key.add_argument("--file", type=Path, default=None, help="the key file (default: signing_key_file, else "
+                     "/etc/cedana-airflow/node.key)")
+    key.add_argument("--json", action="store_true")
     return ap
+
+
+def _cmd_key(args: argparse.Namespace) -> int:
+    from .keys import DEFAULT_KEY_FILE, init_key, node_key, read_key_file
+    from .format.signing import key_id
+
+    settings = load_settings()
+    path = args.file or settings.signing_key_file or DEFAULT_KEY_FILE
+    if args.action == "init":
+        made = init_key(path)
+        out = {"file": str(path), "key_id": made.key_id, "created": True}
+    elif args.file is not None:
+        out = {"file": str(path), "key_id": key_id(read_key_file(path, "node key", "--file")), "created": False}
+    else:
+        if settings.signing_key_file is None and settings.signing_key is None and not path.exists():
+            raise ConfigError(f"no node key at {path} (the default). Create it with 'cedana-airflow key init' as root, "
+                              "or copy the key of the other nodes of this store there.")
+        k = node_key(settings)
+        out = {"file": k.where, "key_id": k.key_id, "created": False}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"node key {out['file']}: key {out['key_id']}" + (" (created now: copy it to every node of this store)"
+                                                                 if out["created"] else ""))
+    return 0
 
 
 def _heartbeat(text: str) -> float | str:
@@ -601,6 +634,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_drill(args)
         if args.verb == "drills":
             return _cmd_drills(args)
+        if args.verb == "key":
+            return _cmd_key(args)
     except CedanaError as e:
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return e.exit_code

@@ -25,7 +25,8 @@ MIN_SUPERVISOR_ENV = "CEDANA_MIN_SUPERVISOR"
 OPERATOR_VERSION_ENV = "CEDANA_OPERATOR_VERSION"
 #: The oldest supervisor that understands every flag and CEDANA_* variable this version's routes write
 #: (raise it when a route starts to use something newer).
-SUPERVISOR_FLOOR = "0.5.1"
+#: 0.8.0: an older supervisor accepts unsigned manifests and skips the owner check (docs/security.md).
+SUPERVISOR_FLOOR = "0.8.0"
 #: ... and the oldest that knows ``mode`` and the cooperative settings (0.6.0), for a command that carries them.
 COOPERATIVE_FLOOR = "0.6.0"
 #: ... and ``--heartbeat auto`` with its settings (0.7.0).
@@ -46,7 +47,8 @@ def handshake_env(carried: Mapping[str, str] | None = None, *, heartbeat_auto: b
     cooperative = any(k.startswith("CEDANA_COOPERATIVE_") or (k == "CEDANA_MODE" and v != "transparent")
                       for k, v in carried.items())
     auto = heartbeat_auto or any(k in _AUTO_SETTINGS for k in carried)
-    floor = HEARTBEAT_AUTO_FLOOR if auto else COOPERATIVE_FLOOR if cooperative else SUPERVISOR_FLOOR
+    feature = HEARTBEAT_AUTO_FLOOR if auto else COOPERATIVE_FLOOR if cooperative else SUPERVISOR_FLOOR
+    floor = max(feature, SUPERVISOR_FLOOR, key=lambda v: _parse(v) or ())
     return {MIN_SUPERVISOR_ENV: floor, OPERATOR_VERSION_ENV: __version__}
 
 

@@ -26,10 +26,15 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from .errors import ConfigError
 
 __all__ = ["FailureHistory", "HEARTBEAT_AUTO_SETTINGS", "Layer", "Settings", "default", "env_text", "env_var",
-           "load_settings", "redact", "DEFAULT_CRIU_PREFIX", "STORE_URL_HINT"]
+           "load_settings", "redact", "NODE_SETTINGS", "node_settings_refusal", "DEFAULT_CRIU_PREFIX", "STORE_URL_HINT"]
 
 #: Where scripts/install-criu.sh unpacks a private CRIU on machines whose apt has no CRIU >= 4.
 DEFAULT_CRIU_PREFIX = "/opt/cedana-airflow/criu"
+
+#: Settings only a node's own configuration may give (its environment, a CEDANA_CONFIG root owns,
+#: airflow.cfg): an operator argument, the opt-in list's defaults, a pod's or a batch job's environment
+#: naming one is refused, since whoever chooses the key that verifies chooses what the node runs (keys.py).
+NODE_SETTINGS = frozenset({"signing_key", "signing_key_file", "allow_unsigned", "legacy_key_file"})
 
 _ENV_PREFIX = "CEDANA_"
 STORE_URL_HINT = "use file:///abs/dir or s3://bucket/prefix"
@@ -242,11 +247,27 @@ class Settings(BaseModel):
         "again: exit 0 restores, anything else starts fresh."
     )
     signing_key: SecretStr | None = Field(
-        default=None, description="Key that signs every manifest written and that every restore requires "
-        "(HMAC-SHA256). Prefer signing_key_file, or CEDANA_SIGNING_KEY; never in a config file others read."
+        default=None, description="A node setting: the node key inline (tests, the CLI by hand). Prefer "
+        "signing_key_file; never in a config file others read."
     )
     signing_key_file: Path | None = Field(
-        default=None, description="A file holding the signing key (its first line); wins over signing_key."
+        default=None, description="A node setting: the node key, the file that signs every manifest this node writes "
+        "and verifies every one it restores (its first line; root-only, mode 0400). Unset: "
+        "/etc/cedana-airflow/node.key, created on first use by a supervisor running as root "
+        "(docs/security.md#the-node-key)."
+    )
+    allow_unsigned: bool = Field(
+        default=False, description="A node setting: restore unsigned manifests too (each such restore is logged). "
+        "Whoever can write the store then chooses what this node runs. Writers sign whatever it says."
+    )
+    legacy_key_file: Path | None = Field(
+        default=None, description="A node setting: verify-only keys, one per line, for checkpoints signed before a "
+        "key change (e.g. the Airflow Variable cedana_signing_secret before 0.8.0): they verify, never sign."
+    )
+    taskflow_dir: Path | None = Field(
+        default=None, description="@task.checkpointed's folders (<taskflow_dir>/<checkpoint ID>): the same real path "
+        "on every node, outside the work dir; every folder on the way root's or the worker's and writable by nobody "
+        "else. Unset: /var/lib/cedana-airflow/taskflow for a root worker, else ~/.local/state/cedana-airflow/taskflow."
     )
     store_credentials_dir: Path | None = Field(
         default=None, description="A directory of files named AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (optional: "
@@ -260,11 +281,16 @@ class Settings(BaseModel):
     )
     restore_roots: tuple[Path, ...] = Field(
         default=(), description="Where a restore may put back captured files (files the workload held open for "
-        "writing) and create its working directory. Signed checkpoints (a signing key; under Airflow, by default): "
-        "anywhere but a system tree when unset, only under these (and the working directory) when set. Unsigned: "
-        "only under these and the restoring command's working directory, and the first checkpoint says which "
-        "files a restore would refuse. Never a system tree, never through a symlink. Several: separated by ':' "
-        "(CEDANA_RESTORE_ROOTS)."
+        "writing) and create its working directory. Signed checkpoints (every one since 0.8.0): anywhere the "
+        "workload's own user could write when unset, only under these (and the working directory) when set. "
+        "Unsigned (allow_unsigned): only under these and the restoring command's working directory. Never a system "
+        "tree or the deny-list (docs/security.md#where-a-restore-writes), never through a symlink; the first "
+        "checkpoint says which files a restore would refuse. Several: separated by ':' (CEDANA_RESTORE_ROOTS)."
+    )
+    restore_deny: tuple[Path, ...] = Field(
+        default=(), description="More paths a restore never writes, at or below each, whatever the manifest, its "
+        "signature and restore_roots say (docs/security.md#where-a-restore-writes); the Airflow side adds its "
+        "dags_folder, plugins_folder and airflow.cfg. Several: separated by ':' (CEDANA_RESTORE_DENY)."
     )
 
     @field_validator("store")
@@ -281,14 +307,22 @@ class Settings(BaseModel):
             return tuple(n.strip() for n in v.split(",") if n.strip())
         return v
 
-    @field_validator("restore_roots", mode="before")
+    @field_validator("keep_env")
+    @classmethod
+    def _never_the_key(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if "CEDANA_SIGNING_KEY" in v:
+            raise ValueError("CEDANA_SIGNING_KEY is the node key: a workload holding it could sign any checkpoint. "
+                             "Remove it from keep_env")
+        return v
+
+    @field_validator("restore_roots", "restore_deny", mode="before")
     @classmethod
     def _roots_from_text(cls, v: object) -> object:
         if isinstance(v, str):  # CEDANA_RESTORE_ROOTS, [cedana] restore_roots: a PATH-like list
             return tuple(p for p in v.split(":") if p)
         return v
 
-    @field_validator("restore_roots")
+    @field_validator("restore_roots", "restore_deny")
     @classmethod
     def _roots_absolute(cls, v: tuple[Path, ...]) -> tuple[Path, ...]:
         for p in v:
@@ -363,23 +397,6 @@ class Settings(BaseModel):
             raise ValueError("s3_sse_kms_key_id is set but s3_sse is not 'aws:kms'; set both or neither")
         return self
 
-    def resolved_signing_key(self) -> bytes | None:
-        """The signing key's bytes (read from signing_key_file when set), or None when signing is off."""
-        if self.signing_key_file is not None:
-            try:
-                key = self.signing_key_file.read_bytes().splitlines()[0].strip() if self.signing_key_file.stat().st_size else b""
-            except OSError as e:
-                raise ConfigError(f"signing key file {self.signing_key_file} cannot be read: {e.strerror}. "
-                                  "Fix signing_key_file / CEDANA_SIGNING_KEY_FILE.") from None
-        elif self.signing_key is not None:
-            key = self.signing_key.get_secret_value().encode()
-        else:
-            return None
-        if len(key) < 16:
-            raise ConfigError("the signing key is shorter than 16 bytes (or empty). Use a random one, e.g. "
-                              "'openssl rand -hex 32'.")
-        return key
-
     def resolved_store(self) -> str:
         return self.store or f"file://{Path.cwd() / '.cedana' / 'store'}"
 
@@ -406,7 +423,7 @@ def env_text(name: str, value: Any) -> str:
     """Setting ``name``'s ``value`` as its CEDANA_* variable spells it, so that :func:`load_settings` reads
     it back (what the routes put into a pod or a batch job)."""
     if isinstance(value, (tuple, list)):  # restore_roots reads like PATH, keep_env like a list
-        return (":" if name == "restore_roots" else ",").join(str(v) for v in value)
+        return (":" if name in ("restore_roots", "restore_deny") else ",").join(str(v) for v in value)
     if isinstance(value, BaseModel):  # failure_history: JSON
         return value.model_dump_json()
     if isinstance(value, bool):
@@ -434,7 +451,22 @@ def _from_file(path: str) -> dict[str, Any]:
     table = doc.get("cedana", {})
     if not isinstance(table, dict):
         raise ConfigError(f"config file {path}: [cedana] must be a table. Write it as '[cedana]' followed by key = value lines.")
+    if NODE_SETTINGS & table.keys():  # a DAG may name the file (the Slurm route's node_config=): root must own it
+        st = os.stat(path)
+        if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
+            raise ConfigError(f"config file {path} sets {', '.join(sorted(NODE_SETTINGS & table.keys()))}, node settings, "
+                              f"but root does not own it alone (uid {st.st_uid}, mode {st.st_mode & 0o777:04o}). "
+                              f"Run 'chown root: {path}; chmod go-w {path}'.")
     return table
+
+
+def node_settings_refusal(values: Mapping[str, Any], source: str) -> None:
+    """Refuse node settings (the key, allow_unsigned) from ``source``: a DAG's arguments, the opt-in list."""
+    named = sorted(k for k, v in values.items() if k in NODE_SETTINGS and v is not None)
+    if named:
+        raise ConfigError(f"setting {named[0]} (from {source}) is a node setting: a DAG cannot choose the key that "
+                          "signs and verifies its checkpoints. Remove it; the node's configuration names the key "
+                          "(docs/security.md#the-node-key).")
 
 
 #: A layer of settings between the environment and the overrides: (how to name a key's source, values).

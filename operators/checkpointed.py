@@ -25,6 +25,7 @@ from cedana_airflow.airflow.task_state import STATE_KEY, TaskState, airflow_task
 from cedana_airflow.config import Settings
 from cedana_airflow.engine.cuda import load_driver
 from cedana_airflow.errors import ConfigError, EngineUnavailable, GpuUnavailable
+from cedana_airflow.keys import node_key
 from cedana_airflow.run.environment import workload_env
 from cedana_airflow.run.runner import RunResult, run_workload, usable_engine
 from cedana_airflow.run.stop import UNPROTECTED_GRACE_SECONDS
@@ -123,7 +124,8 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
                                  "its own state can be protected here with mode = auto or cooperative "
                                  "(docs/cooperative.md).", why)
                 return self._run_unprotected(argv, self._workload_env(context, None, setup.settings), setup.settings)
-            setup = _with_stop_window(setup.signed())
+            setup = _with_stop_window(setup)
+            node_key(setup.settings)  # fail closed now, before the workload starts: one line naming the key
             store = setup.store()
 
         cid, settings = setup.checkpoint_id, setup.settings

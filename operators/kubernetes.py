@@ -107,7 +107,7 @@ class CedanaKubernetesPodOperator(CedanaTask, KubernetesPodOperator):
         earlier = TaskState.of(context, self.log).earlier_nodes(ti.try_number)
         if earlier:
             self.log.info("cedana: this retry's pod avoids node(s) %s, where earlier tries ran", ", ".join(earlier))
-        options = airflow_options("k8s_runtime_class", "k8s_heartbeat_seconds")
+        options = airflow_options("k8s_runtime_class", "k8s_heartbeat_seconds", "k8s_key_secret")
         settings = setup.settings
         route = Route(kind=self.route, checkpoint_id=setup.checkpoint_id,  # type: ignore[arg-type]
                       heartbeat_seconds=route_heartbeat(settings, self.route, options.k8s_heartbeat_seconds),
@@ -115,7 +115,7 @@ class CedanaKubernetesPodOperator(CedanaTask, KubernetesPodOperator):
                       runtime_class=options.k8s_runtime_class, store=settings.store or "",
                       store_secret=self.store_secret or "", try_number=ti.try_number, airflow=airflow_task(context),
                       env={**self.cedana_env(None), **restore_rules_env(settings)},
-                      resume=self.route == "wrap" or self._may_resume(setup))
+                      resume=self.route == "wrap" or self._may_resume(setup), key_secret=options.k8s_key_secret)
         return apply_route(pod, route)
 
     def _may_resume(self, setup: TaskSetup) -> bool:

@@ -110,10 +110,6 @@ class CedanaSlurmOperator(CedanaTask, BaseOperator):
     def _spec(self, context: Context) -> JobSpec:
         ti = context["ti"]
         setup = self.cedana_setup(context, self._placement)
-        if setup.options.signing_conn_id and not self.node_config:
-            raise ConfigError(f"manifest signing takes its key from Airflow connection {setup.options.signing_conn_id!r}, "
-                              "which the Slurm route does not put into a job. Give the compute nodes the key as a "
-                              "file in a node_config= (signing_key_file).")
         decision, settings = setup.decision, setup.settings
         if decision.in_scope and self.nodes > 1:
             self.log.info("cedana: a job on %d nodes runs unprotected: only the batch host's processes could be "

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import sys
 import tempfile
@@ -123,8 +124,11 @@ class Cluster:
 
     def __init__(self, root: Path, image: str, rt: PodRuntime, s3_url: str, canary: str) -> None:
         self.root, self.image, self.rt, self.s3_url = root, image, rt, s3_url
+        # The node key Secret every cluster running the wrap route has ([cedana] k8s_key_secret): made as
+        # `kubectl create secret generic cedana-node-key --from-file=node.key=...` would make it.
         self.secrets = {"ckpt-s3": {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": canary,
-                                    "AWS_ENDPOINT_URL": s3_url, "AWS_REGION": "us-east-1"}}
+                                    "AWS_ENDPOINT_URL": s3_url, "AWS_REGION": "us-east-1"},
+                        "cedana-node-key": {"node.key": secrets.token_hex(32) + "\n"}}
 
     def operator(self, prefix: str) -> Any:
         from kubernetes.client import models as k8s

@@ -134,6 +134,8 @@ def translate(pod: Mapping[str, Any], node: Node, secrets: Mapping[str, Mapping[
         if secret is None:
             continue
         name = secret["secretName"]
+        if name not in secrets and secret.get("optional"):  # the kubelet mounts an empty volume
+            secrets = {**secrets, name: {}}
         if name not in secrets:
             raise PodError(f"pod {pod['metadata']['name']} mounts Secret {name!r}, which does not exist here")
         where = secrets_dir / name

@@ -245,6 +245,27 @@ def manifests(store: Path, checkpoint_id: str) -> list[dict]:
     return [json.loads((p / "manifest.json").read_text()) for p in sorted(d.iterdir()) if (p / "manifest.json").exists()]
 
 
+def forge_unsigned(manifest: Path, **changes: Any) -> dict:
+    """Rewrite a stored manifest as a store writer without the node key could: ``changes`` applied, the
+    signature dropped (version 2 becomes 1, as an unsigned writer writes it)."""
+    doc = json.loads(manifest.read_text())
+    doc.update(changes)
+    doc.pop("signature", None)
+    if doc["format_version"] == 2:
+        doc["format_version"] = 1
+    manifest.write_text(json.dumps(doc))
+    return doc
+
+
+def node_key_bytes() -> bytes:
+    """The key the tests' nodes sign with: this machine's default node key (created on first use, as a
+    supervisor running as root creates it)."""
+    from cedana_airflow.config import Settings
+    from cedana_airflow.keys import node_key
+
+    return node_key(Settings()).key
+
+
 def wait_for_checkpoints(store: Path, checkpoint_id: str, n: int, proc: subprocess.Popen[bytes],
                          timeout: float = 120) -> list[dict]:
     deadline = time.monotonic() + timeout

@@ -27,7 +27,7 @@ from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..config import Settings, load_settings, redact
+from ..config import Settings, load_settings, node_settings_refusal, redact
 from ..errors import ConfigError
 
 __all__ = ["AirflowOptions", "ConfigOption", "airflow_options", "config_options", "task_settings",
@@ -56,14 +56,10 @@ class AirflowOptions(BaseModel):
     k8s_heartbeat_seconds: int = Field(
         default=600, gt=0, description="A pod's heartbeat when neither its operator's heartbeat nor heartbeat_seconds "
         "gives one: both Kubernetes routes need an interval.")
-    signing_conn_id: str | None = Field(
-        default=None, description="Airflow connection whose password is the signing key (format/signing.py), looked "
-        "up when a task runs; it wins over signing_key_file / CEDANA_SIGNING_KEY on the worker.")
-    signing_variable: str = Field(
-        default="cedana_signing_secret", description="Airflow Variable holding the signing key when neither "
-        "signing_conn_id nor a worker's signing_key_file / CEDANA_SIGNING_KEY gives one: created with a random key "
-        "on a task's first use, so manifests are signed (and captured files restored where the workload had them) "
-        "with no set-up. Empty: manifests are unsigned unless a key is configured.")
+    k8s_key_secret: str = Field(
+        default="cedana-node-key", description="The Kubernetes Secret (key node.key) the wrap route mounts, "
+        "read-only and mode 0400, for the in-pod supervisor's node key: the same key as the workers' "
+        "(kubectl create secret generic cedana-node-key --from-file=node.key=/etc/cedana-airflow/node.key).")
     drill_schedule: str = Field(
         default="@daily", description="Schedule of the cedana_fleet_drill DAG (a cron expression or preset).")
     drill_notifier: str | None = Field(
@@ -146,7 +142,7 @@ _warned: set[str] = set()
 def _warn_unknown_options(environ: Mapping[str, str]) -> None:
     """An AIRFLOW__CEDANA__* variable no option reads is a typo until shown otherwise: say so once per
     process, with the closest option, instead of ignoring it in silence."""
-    known = [*Settings.model_fields, *AirflowOptions.model_fields]
+    known = [*Settings.model_fields, *AirflowOptions.model_fields, *_REMOVED]
     for var in environ:
         if not var.startswith(_ENV_PREFIX):
             continue
@@ -192,6 +188,14 @@ def airflow_options(*names: str, overrides: Mapping[str, Any] | None = None) -> 
                           f"is invalid: {why}.") from None
 
 
+def _airflow_paths() -> tuple[Path, ...]:
+    from airflow.configuration import AIRFLOW_HOME, conf
+
+    home = Path(AIRFLOW_HOME)
+    found = [conf.get("core", "dags_folder", fallback=None), conf.get("core", "plugins_folder", fallback=None)]
+    return (*(Path(p) for p in found if p and os.path.isabs(p)), home / "airflow.cfg", home / "webserver_config.py")
+
+
 def _default_store() -> str:
     from airflow.configuration import AIRFLOW_HOME
 
@@ -200,7 +204,7 @@ def _default_store() -> str:
 
 def task_settings(overrides: Mapping[str, Any] | None = None) -> tuple[Settings, AirflowOptions]:
     """A task's core settings and the options every route reads (aws_conn_id, same_node_retry,
-    signing_conn_id). The opt-in list's defaults come on top later (:func:`with_scope_defaults`), once
+    k8s_key_secret). Node settings (the key) come only from the node's own configuration. The opt-in list's defaults come on top later (:func:`with_scope_defaults`), once
     the list has admitted the task."""
     _warn_unknown_options(os.environ)
     section = _section(tuple(Settings.model_fields))
@@ -208,17 +212,33 @@ def task_settings(overrides: Mapping[str, Any] | None = None) -> tuple[Settings,
     # Every override but the Airflow-only options goes to the core, so a misspelt setting is an
     # "unknown setting" error when the DAG is parsed, never silently ignored.
     core = {k: v for k, v in (overrides or {}).items() if k not in AirflowOptions.model_fields}
+    node_settings_refusal(core, "operator argument settings")
+    _removed_options()
     settings = load_settings(core, layers=layers, overrides_source=lambda k: f"operator argument {k}")
     if not settings.store:
         settings = settings.model_copy(update={"store": _default_store()})
+    # Airflow's code and configuration are never a restore's to write, whatever a DAG's settings say.
+    settings = settings.model_copy(update={"restore_deny": (*settings.restore_deny, *_airflow_paths())})
     # aws_conn_id is an operator argument; same_node_retry only a deployment's choice ([cedana]).
-    return settings, airflow_options("aws_conn_id", "same_node_retry", "signing_conn_id", "signing_variable",
+    return settings, airflow_options("aws_conn_id", "same_node_retry", "k8s_key_secret",
                                      overrides={"aws_conn_id": (overrides or {}).get("aws_conn_id")})
+
+
+#: [cedana] options 0.8.0 no longer reads, and why: set, they fail the task rather than be ignored.
+_REMOVED = {"signing_variable": "any task could read that Variable and anyone who may edit Variables could replace it",
+            "signing_conn_id": "any task could read that connection's password"}
+
+
+def _removed_options() -> None:
+    for name, value in _section(tuple(_REMOVED)).items():
+        raise ConfigError(f"[cedana] {name} = {value!r} is no longer read (0.8.0): {_REMOVED[name]}. The key is now "
+                          "the node key file; remove the option (docs/security.md#migration).")
 
 
 def with_scope_defaults(settings: Settings, defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> Settings:
     """``settings`` narrowed by what the opt-in list sets for the scopes that admitted the task: above
     [cedana] and the environment, below the operator's arguments (``overrides``, which keep their values)."""
+    node_settings_refusal(defaults, "the opt-in list's defaults")
     update = {k: v for k, v in defaults.items() if overrides.get(k) is None}
     if not update:
         return settings

@@ -16,7 +16,7 @@ from typing import Any
 from ..drill import run as drill
 from ..drill.report import DrillReport
 from ..errors import ConfigError
-from ..hooks.store import task_store, with_signing_key
+from ..hooks.store import task_store
 from ..scope.optin import load_optin
 from .config import airflow_options, task_settings
 from .live_fleet import ApiFleet, api_base_url
@@ -84,7 +84,6 @@ def run_drill(mode: str, settings: Mapping[str, Any] | None = None, **params: An
     settings by name over [cedana] (a drill DAG of its own store or opt-in list), as an operator's."""
     with airflow_errors():
         core, options = task_settings(settings)
-        core = with_signing_key(core, options.signing_conn_id, options.signing_variable)  # verify checks them
         store = task_store(core, options.aws_conn_id)
         cfg = store.open(create=True, chunk_avg_bytes=core.chunk_avg_bytes)
         fleet = None

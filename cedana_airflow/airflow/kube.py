@@ -25,13 +25,14 @@ from typing import Any, Literal
 from kubernetes.client import models as k8s
 
 from ..compat import handshake_env
-from ..config import HEARTBEAT_AUTO_SETTINGS, Settings, env_text, env_var
+from ..config import HEARTBEAT_AUTO_SETTINGS, NODE_SETTINGS, Settings, env_text, env_var
+from ..errors import ConfigError
 from ..format.manifest import AirflowTask
 from ..ids import validate_checkpoint_id
 from ..run.cadence import FREEZE_SECONDS_PER_GIB, Cadence
 from ..scope.optin import DEFAULT_NODE_LABEL, OptInList
 
-__all__ = ["HEARTBEAT_LABEL", "CHECKPOINT_ENV", "CREDENTIALS_MOUNT", "NOT_READY_TAINT", "Route", "apply_route", "route_heartbeat",
+__all__ = ["HEARTBEAT_LABEL", "CHECKPOINT_ENV", "CREDENTIALS_MOUNT", "KEY_MOUNT", "NOT_READY_TAINT", "Route", "apply_route", "route_heartbeat",
            "kubernetes_executor_route", "node_label_of", "restore_rules_env", "uses_gpu", "with_env"]
 
 HEARTBEAT_LABEL = "cedana.ai/heartbeat-checkpoint"
@@ -41,6 +42,11 @@ HOSTNAME_LABEL = "kubernetes.io/hostname"
 #: Where the wrap route mounts the store Secret (read-only, root only) for the CLI's store_credentials_dir.
 CREDENTIALS_MOUNT = "/var/run/secrets/cedana/store"
 _CREDENTIALS_VOLUME = "cedana-store-credentials"
+#: Where the wrap route mounts the node key Secret (read-only, 0400) for the in-pod supervisor.
+KEY_MOUNT = "/var/run/secrets/cedana/key"
+_KEY_VOLUME = "cedana-node-key"
+#: What a workload container's own env may not set: the node settings, and a config file that could.
+_NODE_ENV = frozenset({*(env_var(n) for n in NODE_SETTINGS), "CEDANA_CONFIG"})
 #: The settings the wrap route's in-pod CLI needs to judge a restore as the worker would.
 _RESTORE_RULES = ("max_restore_gap_seconds", "lease_seconds", "lease_renew_command")
 #: ... and how it checkpoints, when that is not the default (docs/cooperative.md).
@@ -62,6 +68,7 @@ class Route:
     airflow: AirflowTask | None = None  # wrap: the task instance, recorded in its manifests
     env: Mapping[str, str] = field(default_factory=dict)  # more for the workload's container (ours: CEDANA_*)
     resume: bool = True  # False: the pod starts fresh (cedana route: no CEDANA_CHECKPOINT to restore from)
+    key_secret: str = "cedana-node-key"  # wrap: the Secret holding node.key, the workers' node key
 
 
 def uses_gpu(pod: k8s.V1Pod) -> bool:
@@ -116,6 +123,10 @@ def apply_route(pod: k8s.V1Pod, route: Route) -> k8s.V1Pod:
     pod.metadata.labels = {**(pod.metadata.labels or {}), HEARTBEAT_LABEL: str(route.heartbeat_seconds)}
     _affinity(pod, route)
     main = pod.spec.containers[0]
+    if route.kind == "wrap" and (named := sorted(e.name for e in main.env or [] if e.name in _NODE_ENV)):
+        raise ConfigError(f"the pod's env sets {', '.join(named)}: node settings (the key that signs and verifies "
+                          f"checkpoints) come from the deployment's Secret {route.key_secret!r}, never from a DAG. "
+                          "Remove them.")
     if route.resume or route.kind == "wrap":  # wrap: the in-pod CLI judges the restore itself
         _env(main, CHECKPOINT_ENV, route.checkpoint_id)
     if route.kind == "cedana":
@@ -147,6 +158,13 @@ def apply_route(pod: k8s.V1Pod, route: Route) -> k8s.V1Pod:
         main.volume_mounts = [*(m for m in main.volume_mounts or [] if m.name != _CREDENTIALS_VOLUME),
                               k8s.V1VolumeMount(name=_CREDENTIALS_VOLUME, mount_path=CREDENTIALS_MOUNT, read_only=True)]
         _env(main, "CEDANA_STORE_CREDENTIALS_DIR", CREDENTIALS_MOUNT)
+    # The node key, as files for the CLI: optional, so that a missing Secret fails the supervisor in one
+    # line naming it (keys.py) instead of leaving the pod pending.
+    pod.spec.volumes = [*(v for v in pod.spec.volumes or [] if v.name != _KEY_VOLUME), k8s.V1Volume(
+        name=_KEY_VOLUME, secret=k8s.V1SecretVolumeSource(secret_name=route.key_secret, default_mode=0o400, optional=True))]
+    main.volume_mounts = [*(m for m in main.volume_mounts or [] if m.name != _KEY_VOLUME),
+                          k8s.V1VolumeMount(name=_KEY_VOLUME, mount_path=KEY_MOUNT, read_only=True)]
+    _env(main, "CEDANA_SIGNING_KEY_FILE", f"{KEY_MOUNT}/node.key")
     main.security_context = main.security_context or k8s.V1SecurityContext()
     main.security_context.privileged = True  # CRIU: ptrace, namespaces, /proc/sys writes
     return pod

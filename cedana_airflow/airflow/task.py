@@ -29,7 +29,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from ..config import Settings
 from ..errors import CedanaError, CheckpointIdError, ConfigError, SlurmRefused
-from ..hooks.store import task_store, with_signing_key
+from ..hooks.store import task_store
 from ..ids import derive_checkpoint_id, validate_checkpoint_id
 from ..scope.optin import Decision, OptInList, Where, decide, load_optin
 from ..store import Store
@@ -89,11 +89,6 @@ class TaskSetup:
     @property
     def in_scope(self) -> bool:
         return self.decision.in_scope
-
-    def signed(self) -> TaskSetup:
-        """With the deployment's signing key (hooks/store.py; looked up now, never at parse time)."""
-        return dataclasses.replace(self, settings=with_signing_key(self.settings, self.options.signing_conn_id,
-                                                                   self.options.signing_variable))
 
     def store(self) -> Store:
         """The task's store; an s3:// one through the ``aws_conn_id`` connection when one is named."""

@@ -33,7 +33,8 @@ from ..engine.image_check import image_set_problems
 from ..errors import CedanaError
 from ..format.chunking import MAX_CHUNK_FACTOR
 from ..format.manifest import Manifest
-from ..format.signing import signature_problem
+from ..format.trust import Trust
+from ..keys import legacy_keys, node_key
 from ..run.environment import workload_env
 from ..store.base import Store, StoreConfig
 from ..store.listing import list_store
@@ -46,13 +47,13 @@ VERIFY_COMMAND_SECONDS = 600.0
 __all__ = ["verify"]
 
 
-def _check_one(store: Store, cfg: StoreConfig, cid: str, key: bytes | None, own_command: tuple[str, ...],
+def _check_one(store: Store, cfg: StoreConfig, cid: str, trust: Trust, own_command: tuple[str, ...],
                work: Path) -> CheckedId:
     manifests = load_manifests(store, cid)
     if not manifests:
         return CheckedId(checkpoint_id=cid, ok=False, problem="no readable manifest")
     m = manifests[0]
-    if key is not None and (why := signature_problem(m, key)):
+    if why := trust.signature_refusal(m):  # a restore would refuse it: so does the drill
         return CheckedId(checkpoint_id=cid, ok=False, seq=m.seq, node=m.node, problem=f"seq {m.seq}: {why}")
     dest = work / cid
     t0 = time.monotonic()
@@ -61,7 +62,7 @@ def _check_one(store: Store, cfg: StoreConfig, cid: str, key: bytes | None, own_
         fetch_checkpoint(store, m, dest, max_chunk_bytes=MAX_CHUNK_FACTOR * cfg.chunk_avg_bytes)
         seconds = time.monotonic() - t0
         if m.is_cooperative:
-            argv, note = _verify_command(m, verified=key is not None, own=own_command)
+            argv, note = _verify_command(m, verified=trust.signed_by(m) is not None, own=own_command)
             problems = _state_problems(m, dest, argv)
         else:
             problems = image_set_problems(dest)
@@ -84,8 +85,8 @@ def _verify_command(m: Manifest, *, verified: bool, own: tuple[str, ...]) -> tup
     recorded = tuple(m.cooperative.verify_command)
     if recorded and not verified:
         return (), (f"seq {m.seq}: its recorded verify command was not run: no key on this node verified the "
-                    "manifest that names it (set signing_key_file on this node, or cooperative_verify_command "
-                    "to run a command of this node's own)")
+                    "manifest that names it (it is unsigned: set cooperative_verify_command to run a command of "
+                    "this node's own)")
     return recorded, ""
 
 
@@ -125,11 +126,11 @@ def verify(store: Store, cfg: StoreConfig, settings: Settings, engine: CriuEngin
     chosen = sorted(random.Random(seed).sample(candidates, min(sample, len(candidates))))
     if not chosen:
         problems.append(f"no checkpoint ID in {store.url} matches {ids!r}: nothing was verified")
-    key = settings.resolved_signing_key()
+    trust = Trust(node_key(settings).key, legacy_keys(settings), settings.allow_unsigned)
     work = scratch_dir(settings, "cedana-verify-")
     try:
         own = tuple(shlex.split(settings.cooperative_verify_command))
-        checked = tuple(_check_one(store, cfg, cid, key, own, work) for cid in chosen)
+        checked = tuple(_check_one(store, cfg, cid, trust, own, work) for cid in chosen)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     problems += [f"{c.checkpoint_id}: {c.problem}" for c in checked if not c.ok]

@@ -1,10 +1,10 @@
 """Signed manifests: what makes write access to a store stop meaning code execution on restoring nodes.
 
-Digests prove a chunk is the one its manifest names; nothing proves who wrote the manifest. With a
-signing key configured (``signing_key_file``, ``CEDANA_SIGNING_KEY``, or an Airflow connection's
-password), every manifest a writer commits carries an HMAC-SHA256 over its canonical bytes, and a
-restoring node with the key refuses a manifest that is unsigned, signed with another key, or signed
-wrongly: a store writer without the key can no longer choose what a node runs. The canonical bytes
+Digests prove a chunk is the one its manifest names; nothing proves who wrote the manifest. Every
+manifest a writer commits carries an HMAC-SHA256 over its canonical bytes with the node key
+(keys.py), and a restoring node refuses a manifest that is unsigned (unless its operator set
+allow_unsigned), signed with another key, or signed wrongly: a store writer without the key cannot
+choose what a node runs (format/trust.py judges). The canonical bytes
 are the manifest's JSON without the signature, keys sorted, no whitespace: any change to any field
 (paths, modes, chunk digests, the command) breaks the signature.
 
@@ -50,7 +50,7 @@ def sign(m: Manifest, key: bytes) -> Manifest:
 def signature_problem(m: Manifest, key: bytes) -> str | None:
     """Why ``m`` must not be restored by a node holding ``key``, or None when its signature holds."""
     if m.signature is None:
-        return "it is not signed, and this node requires signed manifests (signing key configured)"
+        return "it is not signed, and this node refuses unsigned manifests (allow_unsigned = false)"
     if m.signature.key_id != key_id(key):
         return (f"it is signed with key {m.signature.key_id}, not this node's key {key_id(key)}; give both "
                 "nodes the same signing key")

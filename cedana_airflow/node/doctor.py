@@ -212,6 +212,21 @@ def _gpu_state(settings: Settings) -> Check:
     return Check("gpu", "warn" if warnings else "ok", detail, "; ".join(warnings), info)
 
 
+def _node_key(settings: Settings) -> Check:
+    """The key this node signs and verifies with: its ID, never the key; not created here."""
+    from ..keys import DEFAULT_KEY_FILE, node_key
+
+    if settings.signing_key_file is None and settings.signing_key is None and not os.path.lexists(DEFAULT_KEY_FILE):
+        return Check("node key", "warn", f"{DEFAULT_KEY_FILE} does not exist yet: the first supervisor creates it",
+                     "copy the key of this store's other nodes there (root, 0400), or 'cedana-airflow key init' "
+                     "on the first node")
+    try:
+        k = node_key(settings)
+    except CedanaError as e:
+        return Check("node key", "fail", str(e), "see docs/security.md#the-node-key")
+    return Check("node key", "ok", f"{k.where}: key {k.key_id}")
+
+
 def run_checks(settings: Settings) -> list[Check]:
     checks = _criu(settings)
     root = os.geteuid() == 0
@@ -222,6 +237,7 @@ def run_checks(settings: Settings) -> list[Check]:
         checks.append(Check(tool, "ok" if path else "fail", path or "not found",
                             "" if path else "apt-get install util-linux"))
     checks.append(_store(settings))
+    checks.append(_node_key(settings))
     checks.extend(_gpu())
     checks.append(_gpu_state(settings))
     return checks

@@ -25,22 +25,25 @@ from .. import __version__
 from ..config import Settings
 from ..engine import thp
 from ..engine.criu import CriuEngine
-from ..engine.images import read_restore_stats
+from ..engine.images import read_creds, read_restore_stats
 from ..engine.page_file import sweep
 from ..engine.uffd import kernel_lazy_pages
-from ..errors import CorruptCheckpoint, NodeInTheWay, NotRestorableHere, RestoreFailed, StoreUnavailable, WriterFenced
+from ..errors import ConfigError, CorruptCheckpoint, NodeInTheWay, NotRestorableHere, RestoreFailed, StoreUnavailable, WriterFenced
 from ..failpoints import failpoint
 from ..format.chunking import MAX_CHUNK_FACTOR, SegmentMemo
 from ..format.manifest import CAPTURED_DIR, AirflowTask, Manifest, ProcessInfo
 from ..format.selection import AgeLimit, limits_exceeded
-from ..format.signing import signature_problem
+from ..format.limits import restore_refusal
+from ..format.trust import Trust
 from ..ids import validate_checkpoint_id
+from ..keys import legacy_keys, node_key
 from ..store import index
 from ..store.base import Store, StoreConfig
 from ..store.gc import prune_checkpoints
-from ..store.transfer import CapturedSource, CheckpointMeta, fetch_checkpoint, require_latest, save_checkpoint
+from ..store.transfer import (CapturedSource, CheckpointMeta, fetch_checkpoint, load_manifests, require_latest,
+                              save_checkpoint)
 from ..store.writer_lease import WriterLease
-from .captured import CapturedFilesBack, ensure_cwd, refusal, restore_roots
+from .captured import NOBODY, CapturedFilesBack, ensure_cwd, node_denied, refusal, restore_roots
 from .cooperative import Cooperation
 from .estimate import captured_too_large, copies_too_large, dump_too_large, estimate_checkpoint, too_large
 from .gpu_state import GpuGate
@@ -113,12 +116,15 @@ class Checkpointer:
         self.checkpoint_id = validate_checkpoint_id(checkpoint_id)
         self.settings = settings
         self.node, self.work_dir, self.try_number = settings.resolved_node(), work_dir, try_number
-        self._key = settings.resolved_signing_key()  # read once: a heartbeat must not fail on a moved file
+        # Read once: a heartbeat must not fail on a moved file. No key fails here, before anything starts.
+        self.node_key = node_key(settings)
+        self._key = self.node_key.key
         self.skipped = 0  # heartbeats skipped as too large
         self._on_phase = on_phase
         self.lease = lease
         self.gpu = gpu or GpuGate(settings)
         self.airflow = airflow  # the task instance that owns this ID, written into every manifest
+        self.trust = Trust(self._key, legacy_keys(settings), settings.allow_unsigned, airflow)
         self._lock = threading.Lock()
         self._count = 0
         self._known: set[str] = set()
@@ -237,7 +243,7 @@ class Checkpointer:
                     shutil.rmtree(dump_dir, ignore_errors=True)
             self._known = manifest.chunk_digests()
             self._check_stop_window(manifest, time.monotonic() - started, freeze)
-            kept = prune_checkpoints(self.store, self.checkpoint_id, self.settings.keep_checkpoints)[0]
+            kept = prune_checkpoints(self.store, self.checkpoint_id, self.settings.keep_checkpoints, self.trusted)[0]
             failpoint("heartbeat.index", workload=workload.pid)
             index.record_checkpoint(self.store, manifest, kept)
             self._check_restorable(manifest)  # after the row: an index entry without checkpoints is dropped
@@ -305,7 +311,7 @@ class Checkpointer:
                 shutil.rmtree(taken.where, ignore_errors=True)
         self._known = manifest.chunk_digests()
         self._check_stop_window(manifest, time.monotonic() - started, taken.source.write_seconds)
-        kept = prune_checkpoints(self.store, self.checkpoint_id, self.settings.keep_checkpoints)[0]
+        kept = prune_checkpoints(self.store, self.checkpoint_id, self.settings.keep_checkpoints, self.trusted)[0]
         index.record_checkpoint(self.store, manifest, kept)
         log.info("cooperative checkpoint checkpoint_id=%s seq=%d request=%d ranks=%d files=%d write_seconds=%.3f",
                  self.checkpoint_id, manifest.seq, taken.source.request, taken.source.ranks,
@@ -313,27 +319,31 @@ class Checkpointer:
         return manifest
 
     def _check_restorable(self, m: Manifest) -> None:
-        """Say at the first checkpoint, not at the first restore, when a restore would refuse it: an
-        unsigned checkpoint's captured files must lie under restore_roots or the working directory
-        (captured.py). Once per supervisor, and recorded for `checkpoints`/`explain`: at the first
+        """Say at the first checkpoint, not at the first restore, when a restore would refuse it: its
+        captured files must lie under restore_roots when set, or the working directory, and never on the
+        deny-list (captured.py). Once per supervisor, and recorded for `checkpoints`/`explain`: at the first
         checkpoint that captured files (a workload can open its files after its first heartbeat)."""
         if self._restorable_said:
             return
-        roots = restore_roots(self.settings.restore_roots, m.process.cwd, signed=self._key is not None)
+        roots = restore_roots(self.settings.restore_roots, m.process.cwd, signed=True)  # what we write is signed
         # The working directory is the restoring command's own on a retry (the same task), so only the
         # captured files are judged.
-        refused = {c.path: why for c in m.captured if (why := refusal(c.path, roots)) is not None}
+        # the restore's own deny-list (_restore_from), read on this node: the restoring one is alike
+        denied = node_denied(self.settings, self.work_dir, getattr(self.store, "root", None),
+                             self.engine and os.path.dirname(self.engine.binary.path)) if m.captured else None
+        refused = {c.path: why for c in m.captured if (why := refusal(c.path, roots, denied)) is not None}
         self._restorable_said = bool(m.captured)  # nothing captured yet: a later checkpoint's files are judged
         if not refused:
             if not self._stale_warning_checked and index.read_entry(self.store, self.checkpoint_id).restore_warning:
                 index.record_restore_warning(self.store, self.checkpoint_id, "")  # fixed since: say no more
             self._stale_warning_checked = True
             return
-        dirs = sorted({os.path.dirname(path) for path in refused})
+        # Only a file outside the roots is a setting away from restorable; the deny-list is not.
+        dirs = sorted({os.path.dirname(path) for path, w in refused.items() if "outside the restore roots" in w})
         files = "; ".join(f"captured file {why}" for why in refused.values())
-        why = (f"a restore would refuse this checkpoint: {files}. Sign manifests (signing_key_file or "
-               f"CEDANA_SIGNING_KEY on every node; under Airflow they are signed by default) or set restore_roots "
-               f"(CEDANA_RESTORE_ROOTS={':'.join(dirs) or m.process.cwd}) on the restoring nodes")
+        fix = (f"set restore_roots (CEDANA_RESTORE_ROOTS={':'.join(dirs)}) on the restoring nodes" if dirs
+               else "the workload must keep such files elsewhere")
+        why = f"a restore would refuse this checkpoint: {files}. Fix: {fix}"
         # recorded before it is said: whoever reads the line (an operator, a test) finds it in `checkpoints` too
         index.record_restore_warning(self.store, self.checkpoint_id, why)
         log.warning("checkpoint_id=%s seq=%d: %s", self.checkpoint_id, m.seq, why)
@@ -441,8 +451,7 @@ class Checkpointer:
         CheckpointNotFound when there is none, and CorruptCheckpoint (with every reason) when none
         could be restored.
         """
-        # With a key every candidate is verified below (an unsigned one is refused), so "signed" holds for all.
-        roots = restore_roots(self.settings.restore_roots, cwd, signed=self._key is not None)
+        roots: Sequence[PurePosixPath] = ()
         tl = self.timeline = Timeline()
         stdout, stderr = _FirstOutput.wrap(stdout, tl), _FirstOutput.wrap(stderr, tl)
         if stale := sweep(self.work_dir):
@@ -459,6 +468,8 @@ class Checkpointer:
                 skipped.append(why_not)
                 log.warning("checkpoint refused checkpoint_id=%s seq=%d: %s", self.checkpoint_id, m.seq, why_not)
                 continue
+            # Only what a key of this node vouches for may put files back outside restore_roots and the cwd.
+            roots = restore_roots(self.settings.restore_roots, cwd, signed=self._vouched(m))
             if m.is_cooperative:
                 try:
                     workload = self._restore_cooperative(m, stdout, stderr)
@@ -593,10 +604,10 @@ class Checkpointer:
     def _refusal(self, m: Manifest) -> str | None:
         """Why a candidate is refused before any chunk is fetched: a bad signature, too old, GPU state
         this node cannot take, or a kind of checkpoint this run cannot restore."""
-        if self._key is not None:
-            problem = signature_problem(m, self._key)
-            if problem is not None:
-                return f"checkpoint {self.checkpoint_id} seq={m.seq} is refused: {problem}"
+        if (problem := self.trust.refusal(m)) is not None:
+            return f"checkpoint {self.checkpoint_id} seq={m.seq} is refused: {problem}"
+        if (too_big := restore_refusal(m, self.settings)) is not None:  # before any chunk is fetched
+            return too_big
         if m.is_cooperative and (self.coop is None or self._start is None):
             return (f"checkpoint {self.checkpoint_id} seq={m.seq} was written by the workload (cooperative), which "
                     "this caller cannot start")
@@ -611,6 +622,36 @@ class Checkpointer:
             return None
         gap, beyond = limits_exceeded(m, datetime.now(timezone.utc), [AgeLimit("max_restore_gap", limit)])
         return f"seq {m.seq} is {gap:.0f} s old, beyond max_restore_gap = {limit:.0f} s" if beyond else None
+
+    def trusted(self, m: Manifest) -> bool:
+        """Whether this node would restore ``m``'s signature and owner (other checks come per restore)."""
+        return self.trust.refusal(m) is None
+
+    def _vouched(self, m: Manifest) -> bool:
+        """Whether a key of this node signed ``m`` (said when it is an old key, or none under allow_unsigned)."""
+        by = self.trust.signed_by(m)
+        if by == "legacy":
+            log.warning("checkpoint_id=%s seq=%d is signed with legacy key %s (legacy_key_file): new checkpoints are "
+                        "signed with node key %s; drop legacy_key_file once old runs are done", self.checkpoint_id,
+                        m.seq, m.signature.key_id if m.signature else "?", self.node_key.key_id)
+        elif by is None:
+            log.warning("restoring unsigned checkpoint checkpoint_id=%s seq=%d (allow_unsigned = true): whoever can "
+                        "write store %s chose what this node runs", self.checkpoint_id, m.seq, self.store.url)
+        return by is not None
+
+    def check_owner(self) -> None:
+        """Before this supervisor writes under its ID: the newest checkpoint there that this node's key
+        vouches for must be this task's, or its retention would prune another task's checkpoints and its
+        retry would find them. Unverifiable manifests never block: a store writer cannot lock a task out."""
+        if self.airflow is None:
+            return
+        for m in load_manifests(self.store, self.checkpoint_id):
+            if self.trust.signed_by(m) is None:
+                continue
+            if (why := self.trust.owner_refusal(m)) is not None:
+                raise ConfigError(f"checkpoint ID {self.checkpoint_id} (seq {m.seq}) may be neither written nor restored "
+                                  f"by this task: {why}")
+            return
 
     def _go_on_as(self, kind: str, m: Manifest) -> None:
         """After a restore, heartbeats go on the way the restored checkpoint was taken when the mode would
@@ -645,8 +686,16 @@ class Checkpointer:
 
     def _restore_from(self, dest: Path, m: Manifest, stdout: Sink | None, stderr: Sink | None,
                       roots: Sequence[PurePosixPath], feed: LazyFeed | None) -> Workload:
-        with CapturedFilesBack(m, dest / CAPTURED_DIR, roots) as files_back, preflight(dest, m, roots):
-            ensure_cwd(m, roots)
+        # Files go back as the tree's own user, never where the deny-list forbids (captured.py).
+        try:
+            creds = read_creds(dest) or NOBODY  # no pstree.img: CRIU refuses it first thing; until then, nobody
+        except ValueError as e:
+            raise CorruptCheckpoint(f"checkpoint {self.checkpoint_id} seq={m.seq} is refused: {e}") from None
+        denied = node_denied(self.settings, self.work_dir, getattr(self.store, "root", None),
+                             self.engine and os.path.dirname(self.engine.binary.path))
+        with CapturedFilesBack(m, dest / CAPTURED_DIR, roots, denied, creds) as files_back, \
+                preflight(dest, m, roots, denied, creds):
+            ensure_cwd(m, roots, denied, creds)
             try:
                 prepare_sockets(dest, f"checkpoint {self.checkpoint_id} seq={m.seq}")
             except ValueError as e:  # a files.img we cannot read: CRIU will judge it, as before

@@ -27,5 +27,5 @@ def is_store_credential(name: str) -> bool:
 
 def workload_env(inherited: Mapping[str, str], keep: Iterable[str] = ()) -> dict[str, str]:
     """``inherited`` less the store's credentials, except the names in ``keep``."""
-    kept = set(keep)
+    kept = set(keep) - {"CEDANA_SIGNING_KEY"}  # the node key is never the workload's: it would sign anything
     return {k: v for k, v in inherited.items() if k in kept or not is_store_credential(k)}

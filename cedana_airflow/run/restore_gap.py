@@ -16,12 +16,13 @@ import logging
 import os
 import shlex
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from ..config import Settings
 from ..errors import CedanaError
+from ..format.manifest import Manifest
 from ..format.selection import AgeLimit, limits_exceeded
 from ..store.base import Store
 from ..store.transfer import load_manifests
@@ -39,12 +40,15 @@ class GapVerdict:
 
 
 def judge_restore_gap(store: Store, checkpoint_id: str, limits: Sequence[AgeLimit],
-                      renew_command: Sequence[str] = (), now: datetime | None = None) -> GapVerdict:
-    """Resume unless the latest checkpoint is older than one of ``limits`` (a lease may be renewed)."""
+                      renew_command: Sequence[str] = (), now: datetime | None = None,
+                      trusted: Callable[[Manifest], bool] | None = None) -> GapVerdict:
+    """Resume unless the latest checkpoint is older than one of ``limits`` (a lease may be renewed).
+    With ``trusted``, the latest one it accepts: a forged old manifest must not start a task fresh,
+    nor run the renew command."""
     if not limits:
         return GapVerdict(True)
     try:
-        latest = load_manifests(store, checkpoint_id)
+        latest = [m for m in load_manifests(store, checkpoint_id) if trusted is None or trusted(m)]
     except CedanaError:
         return GapVerdict(True)  # the restore itself will report the store's problem
     if not latest:
@@ -60,14 +64,16 @@ def judge_restore_gap(store: Store, checkpoint_id: str, limits: Sequence[AgeLimi
     return GapVerdict(True, tuple(notes))
 
 
-def judge_settings(store: Store, checkpoint_id: str, settings: Settings, *, include_gap: bool) -> GapVerdict:
+def judge_settings(store: Store, checkpoint_id: str, settings: Settings, *, include_gap: bool,
+                   trusted: Callable[[Manifest], bool] | None = None) -> GapVerdict:
     """The verdict of the limits ``settings`` set: the lease (``lease_renew_command`` may renew it), and
     ``max_restore_gap_seconds`` when the caller's restore does not refuse each candidate itself
     (run_workload's does; Cedana's runtime, on the Kubernetes ``cedana`` route, does not)."""
     gap = settings.max_restore_gap_seconds if include_gap else None
     limits = [AgeLimit(name, float(v)) for name, v in (("max_restore_gap", gap), ("lease", settings.lease_seconds))
               if v is not None]
-    return judge_restore_gap(store, checkpoint_id, limits, shlex.split(settings.lease_renew_command or ""))
+    return judge_restore_gap(store, checkpoint_id, limits, shlex.split(settings.lease_renew_command or ""),
+                             trusted=trusted)
 
 
 def _renew_lease(argv: Sequence[str], checkpoint_id: str, gap: float, notes: list[tuple[int, str]]) -> bool:

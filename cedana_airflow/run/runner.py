@@ -177,7 +177,8 @@ def run_workload(
                           start=start_cooperative, engine_why=engine_why)
         result = RunResult(exit_code=0, outcome="fresh")
         try:
-            restore = command is None or (resume and _lease_allows(settings, store, checkpoint_id))
+            cp.check_owner()  # another task's ID: neither restored nor written, before anything starts
+            restore = command is None or (resume and _lease_allows(settings, store, checkpoint_id, cp))
             while True:
                 workload = _resume(cp, result, must_restore=command is None, cwd=cwd, stdout=stdout, stderr=stderr,
                                    on_restore=on_restore) if restore else None
@@ -203,11 +204,12 @@ def run_workload(
         return result
 
 
-def _lease_allows(settings: Settings, store: Store, checkpoint_id: str) -> bool:
+def _lease_allows(settings: Settings, store: Store, checkpoint_id: str, cp: Checkpointer) -> bool:
     """The license lease (cedana:license=NAME): a checkpoint older than ``lease_seconds`` holds a dead
     license, so the workload starts fresh unless ``lease_renew_command`` renews it. Judged here, where
     every route's restore happens (a worker, a pod, a Slurm job), so it is one rule on all of them."""
-    verdict = judge_settings(store, checkpoint_id, settings, include_gap=False)  # the gap: per candidate, below
+    # the gap: per candidate, below; only what this node would restore is judged
+    verdict = judge_settings(store, checkpoint_id, settings, include_gap=False, trusted=cp.trusted)
     for level, note in verdict.notes:
         log.log(level, "%s", note)
     return verdict.resume

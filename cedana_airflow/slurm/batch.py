@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..compat import handshake_env
-from ..config import Settings, env_text, env_var
+from ..config import NODE_SETTINGS, Settings, env_text, env_var
 from ..errors import ConfigError
 from ..ids import validate_checkpoint_id
 
@@ -141,18 +141,15 @@ def shell_command(command: str | Sequence[str]) -> tuple[str, ...]:
 
 
 #: Set by the script itself, or meaningless on another machine.
-_NOT_CARRIED = frozenset({"store", "node", "work_dir", "optin_file", "heartbeat_seconds", "signing_key", "progress"})
+#: The node settings (the key) never are: each compute node holds its own (keys.py).
+_NOT_CARRIED = frozenset({"store", "node", "work_dir", "optin_file", "heartbeat_seconds", "progress", *NODE_SETTINGS})
 
 
 def job_settings_env(settings: Settings, node_config: str = "") -> dict[str, str]:
     """The task's settings that differ from the defaults, as the CEDANA_* variables a compute node's CLI
     reads, plus ``CEDANA_CONFIG`` (a config file on the compute nodes) when given. Paths are carried as
-    paths (signing_key_file, store_credentials_dir: the nodes hold those files); a secret never is."""
-    if settings.signing_key is not None and settings.signing_key_file is None and not node_config:
-        raise ConfigError("manifest signing is on with an inline key ([cedana] signing_key or CEDANA_SIGNING_KEY), "
-                          "which the Slurm route does not put into a job (its environment is in every checkpoint). "
-                          "Give the compute nodes the key as a file (signing_key_file, carried as a path) or a "
-                          "node_config= that names one.")
+    paths (store_credentials_dir: the nodes hold those files); a secret never is, nor the node key's
+    settings: each compute node signs with its own /etc/cedana-airflow/node.key (or its node config's)."""
     out = {"CEDANA_CONFIG": node_config} if node_config else {}
     defaults = Settings()
     for name in Settings.model_fields:

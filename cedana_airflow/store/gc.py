@@ -14,6 +14,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..format.layout import CHUNKS, checkpoint_prefix, chunk_digest, is_temp, manifest_key
@@ -36,11 +37,14 @@ DEFAULT_GRACE_SECONDS = 3600.0
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 
-def prune_checkpoints(store: Store, checkpoint_id: str, keep: int) -> tuple[list[Manifest], list[Manifest]]:
-    """Remove all but the newest ``keep`` checkpoints of an ID; return (kept, removed), newest first."""
+def prune_checkpoints(store: Store, checkpoint_id: str, keep: int,
+                      trusted: Callable[[Manifest], bool] | None = None) -> tuple[list[Manifest], list[Manifest]]:
+    """Remove all but the newest ``keep`` checkpoints of an ID; return (kept, removed), newest first.
+    With ``trusted`` (the writer's key), only checkpoints it vouches for count and are pruned: a forged
+    manifest ranked newest (a high try number) must not push the real ones out."""
     if keep < 1:
         raise ValueError("keep must be at least 1: the newest checkpoint is never pruned")
-    found = load_manifests(store, checkpoint_id)
+    found = [m for m in load_manifests(store, checkpoint_id) if trusted is None or trusted(m)]
     kept, removed = found[:keep], found[keep:]
     for m in removed:
         store.delete(manifest_key(checkpoint_id, m.seq))

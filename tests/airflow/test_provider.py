@@ -94,16 +94,13 @@ def test_an_unknown_cedana_variable_is_a_warning_naming_the_closest_option(monke
     assert "AIRFLOW__CEDANA__COMPRESSION is not" not in caplog.text
 
 
-def test_the_signing_key_can_come_from_an_airflow_connection_when_the_task_runs(monkeypatch):
-    from cedana_airflow.hooks.store import with_signing_key
-
+def test_the_removed_signing_options_fail_the_task_in_one_line_instead_of_being_ignored(monkeypatch):
+    """0.8.0 no longer reads the key from an Airflow connection or Variable: a deployment still naming one
+    is told, not left believing its checkpoints are signed with it."""
     monkeypatch.setenv("AIRFLOW__CEDANA__SIGNING_CONN_ID", "signkey")
-    monkeypatch.setenv("AIRFLOW_CONN_SIGNKEY", '{"conn_type": "generic", "password": "0123456789abcdef0123456789abcdef"}')
-    settings, options = task_settings({})
-    assert options.signing_conn_id == "signkey" and settings.resolved_signing_key() is None  # not at parse time
-    assert with_signing_key(settings, options.signing_conn_id).resolved_signing_key() == b"0123456789abcdef0123456789abcdef"
-    with pytest.raises(ConfigError, match=r"Airflow connection 'nokey' \(signing_conn_id\) is not defined\. Create it"):
-        with_signing_key(settings, "nokey")
+    with pytest.raises(ConfigError, match=r"\[cedana\] signing_conn_id = 'signkey' is no longer read \(0\.8\.0\): any "
+                       r"task could read that connection's password\. The key is now the node key file"):
+        task_settings({})
 
 
 def test_a_bad_cedana_option_is_one_line_naming_its_source(monkeypatch):

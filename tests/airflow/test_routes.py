@@ -11,11 +11,9 @@ server here (pods are spec-checked) and these build Slurm jobs without submittin
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
-import threading
 import time
 import types
 from datetime import timedelta
@@ -53,6 +51,16 @@ def _context(dag_id="train_llm", task_id="finetune"):
             "task_state_store": _StateStore()}
 
 
+@pytest.fixture(autouse=True)
+def taskflow_base(tmp_path, monkeypatch):
+    """@task.checkpointed's folders go under tmp_path (walked from it: /tmp is everyone's), not /var/lib."""
+    from cedana_airflow.airflow import decorators
+
+    folder = decorators.taskflow_folder
+    monkeypatch.setattr(decorators, "taskflow_dir", lambda settings: tmp_path / "taskflow")
+    monkeypatch.setattr(decorators, "taskflow_folder", lambda base, cid: folder(base, cid, below=tmp_path))
+
+
 @pytest.fixture
 def store_url(tmp_path, monkeypatch):
     url = f"file://{tmp_path / 'store'}"
@@ -77,16 +85,28 @@ def in_scope(tmp_path, monkeypatch, store_url):
     return p
 
 
-def _stale_checkpoint(store_url: str, checkpoint_id: str, tmp_path: Path) -> None:
-    """A checkpoint of ``checkpoint_id`` that is older than LEASE by the time the test goes on."""
+def _stale_checkpoint(store_url: str, checkpoint_id: str, tmp_path: Path, airflow=None, stale: bool = True) -> None:
+    """A checkpoint of ``checkpoint_id``, signed with the node key, that is older than LEASE by the time the
+    test goes on (``stale``)."""
+    from conftest import node_key_bytes
+
     store = open_store(store_url, load_settings(environ={}))
     cfg = store.open(create=True, chunk_avg_bytes=64 << 10)
     images = tmp_path / "img"
     images.mkdir(exist_ok=True)
     (images / "pages-1.img").write_bytes(os.urandom(5000))
     proc = ProcessInfo(pid=1, command=("x",), cwd="/", stdout_pipe="pipe:[1]", stderr_pipe="pipe:[2]")
-    save_checkpoint(store, cfg, CheckpointMeta(checkpoint_id, "node-a", "4.1.1", proc), images)
-    time.sleep(LEASE.total_seconds() + 0.3)
+    save_checkpoint(store, cfg, CheckpointMeta(checkpoint_id, "node-a", "4.1.1", proc, airflow=airflow), images,
+                    signing_key=node_key_bytes())
+    if stale:
+        time.sleep(LEASE.total_seconds() + 0.3)
+
+
+def _task(task_id: str, dag_id: str = "train_llm"):
+    """The owner _context's task instance records in its manifests."""
+    from cedana_airflow.format.manifest import AirflowTask
+
+    return AirflowTask(dag_id=dag_id, task_id=task_id, run_id="manual__2026-12-02")
 
 
 def _pod_op(**kw):
@@ -155,7 +175,7 @@ def test_slurm_route_a_broken_list_submits_the_job_without_cedana_enable(broken_
 
 # -- the lease: a checkpoint older than it is not restored, on every route --------------------------------------
 def test_command_route_a_checkpoint_older_than_the_lease_starts_fresh(in_scope, store_url, tmp_path, log):
-    _stale_checkpoint(store_url, "lease-cmd", tmp_path)
+    _stale_checkpoint(store_url, "lease-cmd", tmp_path, airflow=_task("finetune"))
     op = CheckpointedCommandOperator(task_id="finetune", command=["true"], checkpoint_id="lease-cmd", lease=LEASE,
                                      lease_renew_command="false")
     summary = op.execute(_context())
@@ -166,7 +186,7 @@ def test_command_route_a_checkpoint_older_than_the_lease_starts_fresh(in_scope, 
 def test_taskflow_route_a_checkpoint_older_than_the_lease_starts_the_function_fresh(in_scope, store_url, tmp_path, log):
     from airflow.sdk import DAG, task
 
-    _stale_checkpoint(store_url, "lease-tf", tmp_path)
+    _stale_checkpoint(store_url, "lease-tf", tmp_path, airflow=_task("add"))
     with DAG("train_llm", schedule=None):
         @task.checkpointed(checkpoint_id="lease-tf", lease=LEASE)
         def add(x: int) -> int:
@@ -258,121 +278,79 @@ def test_a_slurm_jobs_stop_window_is_the_smaller_of_its_signal_lead_and_killwait
     assert window(signal_before_end=timedelta(seconds=20)) == ["export CEDANA_STOP_WINDOW_SECONDS=20"]
 
 
-# -- the signing key: no set-up under Airflow, said once; a worker's own key or a connection wins --------------
-def test_outside_a_task_runtime_the_variable_cannot_be_reached_and_manifests_are_unsigned_with_one_line(caplog):
-    from cedana_airflow.hooks.store import with_signing_key
+# -- the node key (issue 48): every route signs with it; a DAG can neither read, choose nor bypass it -----------
+def test_the_command_route_signs_with_the_node_key_and_never_touches_the_old_variable(in_scope, tmp_path, monkeypatch):
+    """0.7.0 signed with the Airflow Variable cedana_signing_secret: any task could read it (Variable.get),
+    and anyone who may edit Variables could replace it with a key they know. Here the Variable holds such
+    a key and every Variable call is recorded: the checkpoint is signed with the node key, and no call
+    was made."""
+    from airflow.sdk import Variable
 
-    settings = load_settings(environ={})
-    with caplog.at_level(logging.WARNING):
-        assert with_signing_key(settings, None, "cedana_signing_secret").resolved_signing_key() is None
-    assert any("manifests are not signed: the Airflow Variable 'cedana_signing_secret' could not be read or created"
-               in r.getMessage() for r in caplog.records)
-
-
-def test_a_workers_own_key_and_a_named_connection_win_over_the_variable_and_only_the_key_id_is_said(
-        monkeypatch, caplog):
     from cedana_airflow.format.signing import key_id
-    from cedana_airflow.hooks.store import with_signing_key
+    from conftest import manifests, node_key_bytes
 
-    own = "0123456789abcdef0123456789abcdef"
-    with caplog.at_level(logging.INFO):
-        s = with_signing_key(load_settings(environ={"CEDANA_SIGNING_KEY": own}), None, "cedana_signing_secret")
-    assert s.resolved_signing_key() == own.encode()
-    said = " ".join(r.getMessage() for r in caplog.records)
-    assert f"signed and verified with key {key_id(own.encode())} from CEDANA_SIGNING_KEY" in said and own not in said
-    conn = "fedcba9876543210fedcba9876543210"
-    monkeypatch.setenv("AIRFLOW_CONN_CKPT_SIGNING", f'{{"conn_type": "generic", "password": "{conn}"}}')
-    s = with_signing_key(load_settings(environ={"CEDANA_SIGNING_KEY": own}), "ckpt_signing", "cedana_signing_secret")
-    assert s.resolved_signing_key() == conn.encode()
-
-
-class _StandInVariables:
-    """Airflow's Variables as the execution API serves them (get, and a set that upserts), with every
-    first read held until ``racers`` tasks have read and the writes landing 50 ms apart: the
-    interleaving a real deployment's parallel first tasks produce now and then, made certain."""
-
-    def __init__(self, racers: int) -> None:
-        self.values: dict[str, str] = {}
-        self.lock = threading.Lock()
-        self.read_first = threading.Barrier(racers, timeout=10)
-        self.first = threading.local()
-        self.writes = 0
-
-    def get(self, key, default=None):
-        with self.lock:
-            value = self.values.get(key, default)
-        if not getattr(self.first, "done", False):
-            self.first.done = True
-            with contextlib.suppress(threading.BrokenBarrierError):  # a racer held behind the node lock
-                self.read_first.wait(timeout=0.5)
-        return value
-
-    def set(self, key, value, description=None):
-        with self.lock:
-            self.writes += 1
-            delay = 0.05 * (self.writes - 1)
-        time.sleep(delay)
-        with self.lock:
-            self.values[key] = value
+    calls = []
+    monkeypatch.setattr(Variable, "get", classmethod(lambda cls, *a, **k: calls.append(("get", a)) or "attacker-key-0123456789abcdef"))
+    monkeypatch.setattr(Variable, "set", classmethod(lambda cls, *a, **k: calls.append(("set", a))))
+    monkeypatch.setenv("AIRFLOW_VAR_CEDANA_SIGNING_SECRET", "attacker-key-0123456789abcdef")
+    op = CheckpointedCommandOperator(task_id="finetune", command=[sys.executable, "-c", "import time; time.sleep(1.5)"],
+                                     checkpoint_id="signed-cmd", heartbeat=timedelta(seconds=0.4))
+    assert op.execute(_context())["outcome"] == "fresh"
+    written = manifests(tmp_path / "store", "signed-cmd")
+    assert written and {m["signature"]["key_id"] for m in written} == {key_id(node_key_bytes())}
+    assert calls == []
 
 
-@pytest.mark.parametrize("one_node", [True, False], ids=["one-node", "two-nodes"])
-def test_first_tasks_racing_to_create_the_signing_variable_all_sign_with_the_key_that_stays_stand_in_variables(
-        tmp_path, one_node):
-    """A DAG's parallel tasks on a fresh deployment: each found no Variable and wrote its own key, the
-    last write stayed, and a task that signed with an earlier one made checkpoints its retry refused
-    ("every checkpoint was refused", a live drill in CI). Every task must sign with the key that stays."""
-    from cedana_airflow.hooks.store import _variable_key
+def test_a_key_that_cannot_be_read_fails_the_try_in_one_line_before_the_workload_starts(in_scope, tmp_path, monkeypatch):
+    """0.7.0 went on unsigned when its key could not be had (a Variable the API server did not serve)."""
+    from airflow.sdk.exceptions import AirflowFailException
 
-    racers = 4
-    variables = _StandInVariables(racers)
-    got: list[tuple[str, bool]] = []
-
-    def task(i: int) -> None:
-        lock = tmp_path / ("node.lock" if one_node else f"node-{i}.lock")
-        # 1 s to settle (the racers' writes are 0.05 s apart): enough on a machine busy with other tests too
-        got.append(_variable_key("cedana_signing_secret", variables=variables, lock=lock, settle=1.0))
-
-    threads = [threading.Thread(target=task, args=(i,)) for i in range(racers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert {key for key, _ in got} == {variables.values["cedana_signing_secret"]}
-    created = sum(c for _, c in got)
-    assert created == 1 if one_node else created == racers  # on one node the lock lets only the first write
+    monkeypatch.setenv("AIRFLOW__CEDANA__SIGNING_KEY_FILE", str(tmp_path / "absent.key"))
+    ran = tmp_path / "ran"
+    op = CheckpointedCommandOperator(task_id="finetune", command=["touch", str(ran)], checkpoint_id="no-key")
+    with pytest.raises(AirflowFailException, match=rf"node key {tmp_path / 'absent.key'} does not exist "
+                       r"\(signing_key_file\)\. Copy the key of the other nodes"):
+        op.execute(_context())
+    assert not ran.exists()
 
 
-def test_a_signing_variable_lock_held_forever_or_owned_by_another_user_never_holds_a_task(tmp_path):
-    """The node lock lives in a shared /tmp: a stuck holder, or a file another user made first, delays a
-    first task by its wait at most (the settle still makes every racer sign with the key that stays)."""
-    import fcntl
+def test_a_dag_can_neither_choose_the_key_nor_accept_unsigned_nor_hand_the_key_to_its_workload(in_scope, tmp_path,
+                                                                                              monkeypatch):
+    from airflow.sdk.exceptions import AirflowException
 
-    from cedana_airflow.hooks.store import _node_lock
+    for settings in ({"signing_key_file": str(tmp_path / "mine.key")}, {"allow_unsigned": True},
+                     {"signing_key": "0123456789abcdef0123456789abcdef"}, {"legacy_key_file": "/tmp/k"}):
+        with pytest.raises(AirflowException, match=f"setting {next(iter(settings))} \\(from operator argument "
+                           "settings\\) is a node setting: a DAG cannot choose the key"):
+            CheckpointedCommandOperator(task_id="t", command=["true"], settings=settings)
+    with pytest.raises(AirflowException, match="CEDANA_SIGNING_KEY is the node key"):
+        CheckpointedCommandOperator(task_id="t", command=["true"], settings={"keep_env": "CEDANA_SIGNING_KEY"})
+    with pytest.raises(AirflowException, match="the pod's env sets CEDANA_ALLOW_UNSIGNED, CEDANA_CONFIG: node settings"):
+        _pod_op(route="wrap", env_vars={"CEDANA_ALLOW_UNSIGNED": "true", "CEDANA_CONFIG": "/x"}).build_pod_request_obj(
+            _context(), dry_run=True)
+    # the opt-in list is the deployment's, but it admits DAGs by pattern: it may not name the key either
+    in_scope.write_text(IN_SCOPE.replace('dags = ["*"]\n', 'dags = ["*"]\n[workload.defaults]\nallow_unsigned = true\n'))
+    with pytest.raises(AirflowException, match="setting allow_unsigned \\(from the opt-in list's defaults\\) is a node"):
+        CheckpointedCommandOperator(task_id="t", command=["true"]).execute(_context())
+    in_scope.write_text(IN_SCOPE)
+    monkeypatch.setenv("AIRFLOW__CEDANA__SIGNING_VARIABLE", "cedana_signing_secret")
+    with pytest.raises(AirflowException, match=r"\[cedana\] signing_variable = 'cedana_signing_secret' is no longer "
+                       r"read \(0\.8\.0\)"):
+        CheckpointedCommandOperator(task_id="t", command=["true"]).execute(_context())
 
-    lock = tmp_path / "held.lock"
-    holder = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(holder, fcntl.LOCK_EX)
-    try:
-        t0 = time.monotonic()
-        with _node_lock(lock, wait=0.3):
-            pass
-        assert 0.3 <= time.monotonic() - t0 < 5
-    finally:
-        os.close(holder)
-    other = tmp_path / "other.lock"
-    other.touch()
-    os.chown(other, 65534, 65534)  # nobody's
-    blocker = os.open(other, os.O_RDWR)
-    fcntl.flock(blocker, fcntl.LOCK_EX)
-    try:
-        t0 = time.monotonic()
-        with _node_lock(other, wait=30):
-            pass
-        assert time.monotonic() - t0 < 1  # not waited on at all
-    finally:
-        os.close(blocker)
-    (tmp_path / "link.lock").symlink_to(tmp_path / "target")
-    with _node_lock(tmp_path / "link.lock"):
-        pass
-    assert not (tmp_path / "target").exists()  # never created through the link
+
+def test_a_task_of_one_dag_can_neither_write_nor_restore_under_another_dags_checkpoint_id(in_scope, store_url,
+                                                                                        tmp_path):
+    """0.7.0 never compared a manifest's task with the restoring one: a task of DAG A could write signed
+    checkpoints under DAG B's (predictable) ID, and B's retry ran A's process."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    _stale_checkpoint(store_url, "train_llm.finetune.manual__2026-12-02", tmp_path, airflow=_task("finetune"), stale=False)
+    ran = tmp_path / "ran"
+    op = CheckpointedCommandOperator(task_id="steal", command=["touch", str(ran)],
+                                     checkpoint_id="train_llm.finetune.manual__2026-12-02")
+    with pytest.raises(AirflowFailException, match=r"checkpoint ID train_llm.finetune.manual__2026-12-02 \(seq 1\) may "
+                       r"be neither written nor restored by this task: it belongs to DAG 'train_llm' task 'finetune' "
+                       r"\(map index -1\), not to this task \(DAG 'other_dag' task 'steal' \(map index -1\)\)"):
+        op.execute(_context(dag_id="other_dag", task_id="steal"))
+    assert not ran.exists()

@@ -14,6 +14,7 @@ from cedana_airflow.engine.criu import CriuEngine, find_criu
 from cedana_airflow.errors import ConfigError, CorruptCheckpoint
 from cedana_airflow.format.manifest import Manifest, ProcessInfo
 from cedana_airflow.format.signing import key_id, sign, signature_problem
+from cedana_airflow.keys import node_key
 from cedana_airflow.run.checkpointer import Checkpointer
 from cedana_airflow.store import open_store
 from cedana_airflow.store.transfer import CheckpointMeta, save_checkpoint
@@ -65,7 +66,7 @@ def test_a_node_with_a_key_refuses_unsigned_and_forged_manifests_before_fetching
     engine = CriuEngine(find_criu("", Path(DEFAULT_CRIU_PREFIX)))
     store, cfg, _, path = _save(tmp_path, None)  # written by someone without the key
     node = Checkpointer(engine, store, cfg, "job", Settings(node="b", signing_key=KEY.decode()), work_dir=tmp_path / "w")
-    with pytest.raises(CorruptCheckpoint, match="seq=1 is refused: it is not signed, and this node requires"):
+    with pytest.raises(CorruptCheckpoint, match=r"seq=1 is refused: it is not signed, and this node refuses unsigned manifests \(allow_unsigned = false\)"):
         node.restore(cwd=str(tmp_path))
     doc = json.loads(path.read_text())
     signed = json.loads(sign(Manifest.model_validate(doc), KEY).to_json())
@@ -76,13 +77,14 @@ def test_a_node_with_a_key_refuses_unsigned_and_forged_manifests_before_fetching
     assert not list((tmp_path / "w").rglob("pages-1.img"))  # refused before any chunk was fetched
 
 
-def test_the_signing_key_comes_from_a_file_or_the_environment_and_must_be_long_enough(tmp_path):
+def test_the_node_key_comes_from_a_file_or_the_environment_and_must_be_long_enough(tmp_path):
     keyfile = tmp_path / "key"
     keyfile.write_text("0123456789abcdef0123456789abcdef\n")
+    keyfile.chmod(0o400)
     s = load_settings(environ={"CEDANA_SIGNING_KEY_FILE": str(keyfile), "CEDANA_SIGNING_KEY": "ignored-because-file"})
-    assert s.resolved_signing_key() == b"0123456789abcdef0123456789abcdef"
+    assert node_key(s).key == b"0123456789abcdef0123456789abcdef"
     assert "0123456789abcdef" not in repr(load_settings(environ={"CEDANA_SIGNING_KEY": "0123456789abcdef0"}))
     with pytest.raises(ConfigError, match="shorter than 16 bytes"):
-        load_settings(environ={"CEDANA_SIGNING_KEY": "short"}).resolved_signing_key()
-    with pytest.raises(ConfigError, match=f"signing key file {tmp_path / 'nope'} cannot be read"):
-        load_settings(environ={"CEDANA_SIGNING_KEY_FILE": str(tmp_path / "nope")}).resolved_signing_key()
+        node_key(load_settings(environ={"CEDANA_SIGNING_KEY": "short"}))
+    with pytest.raises(ConfigError, match=f"node key {tmp_path / 'nope'} does not exist \\(signing_key_file\\)"):
+        node_key(load_settings(environ={"CEDANA_SIGNING_KEY_FILE": str(tmp_path / "nope")}))

@@ -75,18 +75,35 @@ def assert_resumed(text: str) -> None:
 
 
 def test_dags_test_try_2_resumes_from_try_1s_signed_checkpoint(tmp_path, airflow_db):
-    key = "0123456789abcdef0123456789abcdef"
-    # the signing key lives in an Airflow connection: every checkpoint is signed, and the retry checks it
-    env = airflow_env(tmp_path, airflow_db, AIRFLOW__CEDANA__SIGNING_CONN_ID="ckpt_signing",
-                      AIRFLOW_CONN_CKPT_SIGNING=json.dumps({"conn_type": "generic", "password": key}))
+    from conftest import node_key_bytes
+
+    from cedana_airflow.format.signing import key_id
+
+    # No key configured: the node key (/etc/cedana-airflow/node.key) signs. The Variable that held the key
+    # before 0.8.0 is set to a key an attacker knows: it is never read.
+    attacker = "attacker-known-key-0123456789abcdef"
+    env = airflow_env(tmp_path, airflow_db, AIRFLOW_VAR_CEDANA_SIGNING_SECRET=attacker)
     text = run_dag_killing_try_1(env, tmp_path, file_manifest(tmp_path / "store", "cedana_e2e.train."))
     assert_resumed(text)
     signed = [json.loads(p.read_text()) for p in (tmp_path / "store").glob("cedana_e2e.train.*/*/manifest.json")]
-    # version 3: signed, and carrying the task that wrote it (signed with the rest)
-    assert signed and all(m["format_version"] == 3 and m["signature"]["key_id"] for m in signed)
+    # version 3: signed with the node key, and carrying the task that wrote it (signed with the rest)
+    assert signed and all(m["format_version"] == 3 and m["signature"]["key_id"] == key_id(node_key_bytes())
+                          for m in signed)
     assert {(m["airflow"]["dag_id"], m["airflow"]["task_id"], m["airflow"]["map_index"]) for m in signed} == {
         ("cedana_e2e", "train", -1)}
-    assert key not in text
+    assert attacker not in text and node_key_bytes().decode() not in text
+
+    # A DAG author's task replaces the Variable, then writes under train's checkpoint ID: refused in one
+    # line before its workload starts, and train's checkpoints are untouched.
+    target = signed[0]["checkpoint_id"]
+    before = sorted(p.name for p in (tmp_path / "store" / target).iterdir())
+    intruder = subprocess.run([*AIRFLOW, "dags", "test", "cedana_e2e_intruder"], capture_output=True, text=True,
+                              timeout=300, env={**env, "CEDANA_E2E_TARGET_ID": target})
+    said = intruder.stdout + intruder.stderr
+    assert intruder.returncode != 0 and "intruder ran" not in said, said[-4000:]
+    assert f"checkpoint ID {target} (seq " in said and "it belongs to DAG 'cedana_e2e' task 'train' (map index -1), " \
+        "not to this task (DAG 'cedana_e2e_intruder' task 'intrude'" in said, said[-4000:]
+    assert sorted(p.name for p in (tmp_path / "store" / target).iterdir()) == before
     # the retry's resume is in the store's restore history, and the listing knows the ID's task
     from cedana_airflow.config import load_settings
     from cedana_airflow.store import open_store

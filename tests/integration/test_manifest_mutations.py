@@ -89,7 +89,9 @@ def test_hundreds_of_mutated_manifests_are_each_refused_cleanly(tmp_path):
     base = _checkpoint(store, cfg, tmp_path, root, 2)
     newest = tmp_path / "store" / "job" / "0000000002" / "manifest.json"
     engine = CriuEngine(find_criu("", Path(DEFAULT_CRIU_PREFIX)))
-    cp = Checkpointer(engine, store, cfg, "job", Settings(node="node-b"), work_dir=tmp_path / "work")
+    # A node that accepts unsigned manifests (allow_unsigned): a signing node refuses every mutation
+    # on its signature (tests/format/test_signing.py); this is the parsing and placing behind it.
+    cp = Checkpointer(engine, store, cfg, "job", Settings(node="node-b", allow_unsigned=True), work_dir=tmp_path / "work")
     children_before = own_processes()
     rng = random.Random(20261130)
     seen: dict[str, int] = {}

@@ -60,8 +60,10 @@ def test_numpy_workload_survives_node_loss_and_resumes_on_another_node(tmp_path)
 def test_threads_child_process_and_appended_file_are_restored(tmp_path):
     log = tmp_path / "steps.log"
     args = ["--mb", "20", "--steps", "30", "--step-seconds", "0.1", "--threads", "2", "--child", "--log", str(log)]
+    # Signed (the node key), but this node's operator narrowed restore_roots to a folder the log is not in.
+    narrowed = {"CEDANA_RESTORE_ROOTS": str(tmp_path / "outputs")}
     proc = start_cli("run", "--id", "tree", "--heartbeat", "1", "--dag-id", "nightly", "--task-id", "train",
-                     "--run-id", "manual__1", "--", *_train(*args), env=cli_env(tmp_path, "node-a", "work-a"),
+                     "--run-id", "manual__1", "--", *_train(*args), env=cli_env(tmp_path, "node-a", "work-a", **narrowed),
                      out=tmp_path / "a")
     ms = wait_for_checkpoints(tmp_path / "store", "tree", 1, proc)
     # said once the first checkpoint is committed: the node is lost after that, not before (on a loaded
@@ -70,17 +72,17 @@ def test_threads_child_process_and_appended_file_are_restored(tmp_path):
     kill_node(proc, ms[0]["process"]["pid"])
     assert [c["path"] for c in ms[0]["captured"]] == [str(log)]
     log.write_text("garbage written after the checkpoint\n" * 3)  # the restore must put back the captured state
-    # Unsigned: the first checkpoint already said that a restore would refuse it, and what fixes it.
+    # The first checkpoint already said that a restore would refuse it, and what fixes it.
     said = [ln for ln in (tmp_path / "a.err").read_text().splitlines() if "a restore would refuse this checkpoint" in ln]
     assert len(said) == 1 and f"captured file {log} is outside the restore roots" in said[0], said
-    assert f"CEDANA_RESTORE_ROOTS={tmp_path}" in said[0] and "CEDANA_SIGNING_KEY" in said[0]
+    assert f"CEDANA_RESTORE_ROOTS={tmp_path}" in said[0]
     listed = cli("checkpoints", env=cli_env(tmp_path, "node-b", "work-b")).stdout
     assert f"tree: a restore would refuse this checkpoint: captured file {log}" in listed
     explained = cli("explain", "nightly", "train", env=cli_env(tmp_path, "node-b", "work-b")).stdout
     assert f"its checkpoints: tree: a restore would refuse this checkpoint: captured file {log}" in explained
 
-    # the log lies outside the restoring command's working directory: refused until this node allows it
-    refused = cli("restore", "--id", "tree", env=cli_env(tmp_path, "node-b", "work-b"))
+    # the log lies outside the restoring node's roots too: refused until this node allows it
+    refused = cli("restore", "--id", "tree", env=cli_env(tmp_path, "node-b", "work-b", **narrowed))
     assert refused.returncode == 1 and f"captured file {log} is outside the restore roots" in refused.stderr
     assert log.read_text() == "garbage written after the checkpoint\n" * 3  # nothing was written
     r = cli("restore", "--id", "tree", env=cli_env(tmp_path, "node-b", "work-b", CEDANA_RESTORE_ROOTS=str(tmp_path)))

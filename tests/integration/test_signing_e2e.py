@@ -13,20 +13,38 @@ pytestmark = pytest.mark.integration
 
 
 def test_a_signed_checkpoint_resumes_with_the_key_and_is_refused_with_another(tmp_path):
+    """No key configured: the node key (/etc/cedana-airflow/node.key, created on first use) signs, as in
+    0.8.0's default; 0.7.0 signed nothing and accepted anything (issue 48)."""
+    from conftest import forge_unsigned, node_key_bytes
+
+    from cedana_airflow.format.signing import key_id
+
     args = ["--mb", "10", "--steps", "40", "--step-seconds", "0.1"]
-    key = {"CEDANA_SIGNING_KEY": "0123456789abcdef0123456789abcdef"}
     proc = start_cli("run", "--id", "signed", "--heartbeat", "1", "--", sys.executable, str(TRAIN), *args,
-                     env=cli_env(tmp_path, "node-a", "work-a", **key), out=tmp_path / "a")
+                     env=cli_env(tmp_path, "node-a", "work-a"), out=tmp_path / "a")
     ms = wait_for_checkpoints(tmp_path / "store", "signed", 1, proc)
     kill_node(proc, ms[0]["process"]["pid"])
-    assert ms[0]["signature"]["key_id"]
+    assert ms[0]["signature"]["key_id"] == key_id(node_key_bytes())
 
     other = cli("restore", "--id", "signed", env=cli_env(tmp_path, "node-b", "work-b",
                                                           CEDANA_SIGNING_KEY="fedcba9876543210fedcba9876543210"))
     assert other.returncode == 1 and "is signed with key" in other.stderr.strip().splitlines()[-1]
-    r = cli("restore", "--id", "signed", env=cli_env(tmp_path, "node-b", "work-c", **key))
+    # the owner: a task restores only its own checkpoints (this one was taken by hand, outside Airflow)
+    task = cli("restore", "--id", "signed", "--dag-id", "d", "--task-id", "t", "--run-id", "r",
+               env=cli_env(tmp_path, "node-b", "work-b"))
+    assert task.returncode == 2 and ") may be neither written nor restored by this task: it " \
+        "was written outside Airflow, not by this task (DAG 'd' task 't' (map index -1))" in task.stderr, task.stderr
+    # a store writer without the key strips the signatures: refused by default, in one line
+    for m in sorted((tmp_path / "store" / "signed").glob("*/manifest.json")):
+        forge_unsigned(m)
+    refused = cli("restore", "--id", "signed", env=cli_env(tmp_path, "node-b", "work-b"))
+    assert refused.returncode == 1 and "is refused: it is not signed, and this node refuses unsigned manifests " \
+        "(allow_unsigned = false)" in refused.stderr.strip().splitlines()[-1], refused.stderr
+    # a node whose operator accepts unsigned manifests restores it, and says so each time
+    r = cli("restore", "--id", "signed", env=cli_env(tmp_path, "node-b", "work-c", CEDANA_ALLOW_UNSIGNED="true"))
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
+    assert "restoring unsigned checkpoint checkpoint_id=signed seq=" in r.stderr and "(allow_unsigned = true)" in r.stderr
 
 
 def test_a_signed_checkpoint_puts_its_files_back_where_the_workload_had_them_with_default_roots(tmp_path):

@@ -546,18 +546,21 @@ def _stop_started() -> None:
             p.wait()
 
 
-def test_unsigned_first_heartbeat_names_what_a_restore_would_refuse(tmp_path: Path) -> None:
+def test_narrowed_roots_first_heartbeat_names_what_a_restore_would_refuse(tmp_path: Path) -> None:
     try:
-        _unsigned_first_heartbeat(tmp_path)
+        _narrowed_first_heartbeat(tmp_path)
     finally:
         _stop_started()
 
 
-def _unsigned_first_heartbeat(tmp_path: Path) -> None:
+def _narrowed_first_heartbeat(tmp_path: Path) -> None:
+    """Signed by the node key, on a node whose restore_roots leave the database out: its first heartbeat
+    says so; a node with the default roots restores it where it was."""
     (tmp_path / "data").mkdir()
     db = tmp_path / "data" / "steps.db"
     cmd = _py("sqlite_loop.py", "--steps", STEPS, "--step-seconds", 0.1, "--db", db)
-    node = Node(tmp_path, "unsigned", cmd, _env(tmp_path, "node-a"), tmp_path / "job")
+    node = Node(tmp_path, "unsigned", cmd, _env(tmp_path, "node-a", CEDANA_RESTORE_ROOTS=str(tmp_path / "job")),
+                tmp_path / "job")
     ms = node.checkpoints_after_first_step(1)
     # the heartbeat's last line: everything it had to say about this checkpoint is said by then
     node.wait_for(lambda: f"freeze checkpoint_id=unsigned seq={ms[-1]['seq']}" in node.err, "the heartbeat's log")

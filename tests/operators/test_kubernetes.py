@@ -14,7 +14,7 @@ pytest.importorskip("airflow.providers.cncf.kubernetes")
 from kubernetes.client import ApiClient  # noqa: E402
 from kubernetes.client import models as k8s  # noqa: E402
 
-from cedana_airflow.airflow.kube import CREDENTIALS_MOUNT, HEARTBEAT_LABEL  # noqa: E402
+from cedana_airflow.airflow.kube import CREDENTIALS_MOUNT, HEARTBEAT_LABEL, KEY_MOUNT  # noqa: E402
 from cedana_airflow.operators import CedanaKubernetesPodOperator  # noqa: E402
 
 OPTIN = '[node]\nlabels = { "cedana.ai/enabled" = "true" }\n[queue]\nqueues = ["*"]\n[workload]\ndags = ["*"]\n'
@@ -101,10 +101,15 @@ def test_spec_wrap_route_wraps_the_command_with_the_cli_and_mounts_the_secret_as
     assert env["CEDANA_MIN_SUPERVISOR"].value and env["CEDANA_OPERATOR_VERSION"].value  # the image's CLI may be older
     # The Secret is files for the CLI (read-only, root only), never the workload's environment.
     assert not main.env_from
-    [vol] = [v for v in pod.spec.volumes if v.secret is not None]
-    assert (vol.secret.secret_name, vol.secret.default_mode) == ("ckpt-s3", 0o400)
+    [vol] = [v for v in pod.spec.volumes if v.secret is not None and v.secret.secret_name == "ckpt-s3"]
+    assert vol.secret.default_mode == 0o400
     [mount] = [m for m in main.volume_mounts if m.name == vol.name]
     assert mount.read_only and env["CEDANA_STORE_CREDENTIALS_DIR"].value == mount.mount_path == CREDENTIALS_MOUNT
+    # the node key: the deployment's Secret, read-only and root-only, for the in-pod supervisor (issue 48)
+    [key] = [v for v in pod.spec.volumes if v.secret is not None and v.secret.secret_name == "cedana-node-key"]
+    assert (key.secret.default_mode, key.secret.optional) == (0o400, True)
+    [mount] = [m for m in main.volume_mounts if m.name == key.name]
+    assert mount.read_only and env["CEDANA_SIGNING_KEY_FILE"].value == f"{mount.mount_path}/node.key" == f"{KEY_MOUNT}/node.key"
     assert main.security_context.privileged is True and pod.spec.runtime_class_name is None
     assert "AWS_SECRET_ACCESS_KEY" not in str(data)  # credentials only by reference
 
@@ -114,9 +119,9 @@ def test_spec_wrap_route_carries_a_cooperative_mode_and_asks_for_a_supervisor_th
         _context(), dry_run=True)
     env = {e.name: e.value for e in pod.spec.containers[0].env}
     assert env["CEDANA_MODE"] == "cooperative" and env["CEDANA_COOPERATIVE_TIMEOUT_SECONDS"] == "60.0"
-    assert env["CEDANA_MIN_SUPERVISOR"] == "0.6.0"  # a 0.5 CLI in the image refuses in one line, not on a setting
+    assert env["CEDANA_MIN_SUPERVISOR"] == "0.8.0"  # an older CLI in the image refuses in one line, not on a setting
     plain = {e.name: e.value for e in _op(route="wrap").build_pod_request_obj(_context(), dry_run=True).spec.containers[0].env}
-    assert "CEDANA_MODE" not in plain and plain["CEDANA_MIN_SUPERVISOR"] == "0.5.1"
+    assert "CEDANA_MODE" not in plain and plain["CEDANA_MIN_SUPERVISOR"] == "0.8.0"  # 0.8.0: signing and the owner check
 
 
 def test_spec_out_of_scope_pods_are_left_alone_and_a_gpu_pod_says_it_runs_unprotected(tmp_path, monkeypatch, caplog):
@@ -169,7 +174,7 @@ def test_spec_heartbeat_auto_stays_auto_in_the_wrap_routes_pod_and_is_chosen_now
     main = pod.spec.containers[0]
     assert main.command[main.command.index("--heartbeat") + 1] == "auto"
     env = {e.name: e.value for e in main.env}
-    assert env["CEDANA_MIN_SUPERVISOR"] == "0.7.0" and env["CEDANA_HEARTBEAT_MAX_SECONDS"] == "1200.0"
+    assert env["CEDANA_MIN_SUPERVISOR"] == "0.8.0" and env["CEDANA_HEARTBEAT_MAX_SECONDS"] == "1200.0"
     history = json.loads(env["CEDANA_FAILURE_HISTORY"])
     assert history["failures"] == 0 and history["note"].startswith("history not read")
     back = load_settings(environ={k: v for k, v in env.items() if k.startswith("CEDANA_") and v})  # the pod's CLI

@@ -256,17 +256,25 @@ def test_the_verify_drill_runs_the_workloads_own_check_on_a_cooperative_checkpoi
 
 
 def test_the_verify_drill_never_runs_a_command_read_from_an_unverified_manifest(tmp_path):
-    """The store is not trusted: a manifest nobody's key vouches for names ``verify_command``, and a drill on
-    a node without a key, documented as read-only, ran it as root (issue 48 saw it write ``uid=0(root)``).
-    It is not run, and the report says why; the node's own command is."""
+    """The store is not trusted: a store writer rewrites a manifest (unsigned) to name ``verify_command``,
+    and a drill, documented as read-only, ran it as root (issue 48 saw it write ``uid=0(root)``). By default
+    the drill refuses the unsigned manifest as a restore would; on a node that accepts unsigned ones the
+    command is still not run, and the report says why; the node's own command is."""
+    from conftest import forge_unsigned
+
     evil = tmp_path / "evil.sh"
     evil.write_text(f"#!/bin/sh\nid > {tmp_path / 'ran'}\n")
     evil.chmod(0o755)
-    env = cli_env(tmp_path, "n", "w", CEDANA_COOPERATIVE_VERIFY_COMMAND=str(evil))
     r = cli("run", "--id", "forged", "--mode", "cooperative", "--heartbeat", "0.2", "--", sys.executable, COUNTER,
-            "--steps", "6", "--step-seconds", "0.05", env=env)
+            "--steps", "6", "--step-seconds", "0.05", env=cli_env(tmp_path, "n", "w"))
     assert r.returncode == 0 and manifests(tmp_path / "store", "forged"), r.stderr
+    newest = sorted((tmp_path / "store" / "forged").glob("*/manifest.json"))[-1]
+    coop = json.loads(newest.read_text())["cooperative"]
+    forge_unsigned(newest, cooperative={**coop, "verify_command": [str(evil)]})
     r = cli("drill", "verify", "--ids", "forged", "--json", env=cli_env(tmp_path, "n", "w"))
+    report = json.loads(r.stdout)
+    assert r.returncode == 1 and "is not signed, and this node refuses unsigned manifests" in report["problems"][0], report
+    r = cli("drill", "verify", "--ids", "forged", "--json", env=cli_env(tmp_path, "n", "w", CEDANA_ALLOW_UNSIGNED="true"))
     report = json.loads(r.stdout)
     assert r.returncode == 0 and report["ok"] and not (tmp_path / "ran").exists(), report
     assert "its recorded verify command was not run: no key on this node verified the manifest" in \
@@ -274,8 +282,8 @@ def test_the_verify_drill_never_runs_a_command_read_from_an_unverified_manifest(
     own = tmp_path / "own.sh"
     own.write_text(f"#!/bin/sh\necho mine > {tmp_path / 'own-ran'}\n")
     own.chmod(0o755)
-    r = cli("drill", "verify", "--ids", "forged", "--json",
-            env=cli_env(tmp_path, "n", "w", CEDANA_COOPERATIVE_VERIFY_COMMAND=str(own)))
+    r = cli("drill", "verify", "--ids", "forged", "--json", env=cli_env(tmp_path, "n", "w", CEDANA_ALLOW_UNSIGNED="true",
+                                                                        CEDANA_COOPERATIVE_VERIFY_COMMAND=str(own)))
     assert r.returncode == 0 and (tmp_path / "own-ran").read_text() == "mine\n" and not (tmp_path / "ran").exists()
 
 

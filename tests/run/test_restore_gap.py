@@ -66,7 +66,8 @@ def test_a_fallback_never_restores_a_checkpoint_older_than_max_restore_gap(tmp_p
 
     _two_checkpoints_the_newest_corrupt(tmp_path)
     # full: its corrupt chunk is in pages-1.img, which a lazy restore would meet only while streaming
-    env = cli_env(tmp_path, "node-b", "work", CEDANA_RESTORE_MODE="full")
+    # a node that accepts unsigned manifests (seq 1 was rewritten by hand): the gap is judged per candidate there too
+    env = cli_env(tmp_path, "node-b", "work", CEDANA_RESTORE_MODE="full", CEDANA_ALLOW_UNSIGNED="true")
     r = cli("restore", "--id", "rt", "--max-restore-gap", "600", env=env)
     last = r.stderr.strip().splitlines()[-1]  # each refusal is logged as it happens; the error is the last line
     assert r.returncode == 1 and last.startswith("CorruptCheckpoint: no checkpoint under checkpoint ID 'rt'"), r.stderr

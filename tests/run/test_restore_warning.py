@@ -23,11 +23,11 @@ def test_the_warning_comes_at_the_first_checkpoint_that_captured_files_and_once(
     cp._check_restorable(first)  # nothing captured yet: nothing to judge
     assert index.read_entry(store, "job").restore_warning == ""
 
-    outside = CapturedFile(path="/var/tmp/elsewhere/steps.log", size=0, mode=0o644, chunks=())
+    outside = CapturedFile(path="/var/spool/elsewhere/steps.log", size=0, mode=0o644, chunks=())
     second = first.model_copy(update={"seq": 2, "captured": (outside,)})
     cp._check_restorable(second)
     said = index.read_entry(store, "job").restore_warning
-    assert said.startswith("a restore would refuse this checkpoint: captured file /var/tmp/elsewhere/steps.log")
+    assert said.startswith("a restore would refuse this checkpoint: captured file /var/spool/elsewhere/steps.log")
 
     index.record_restore_warning(store, "job", "")
     cp._check_restorable(second.model_copy(update={"seq": 3}))  # once per supervisor

@@ -69,7 +69,8 @@ def test_translation_changes_only_what_podman_cannot_take_and_says_so(optin, tmp
     assert stat.S_IMODE(where.stat().st_mode) == 0o700
     for key, value in SECRETS["ckpt-s3"].items():  # the values themselves (podman 4.3 wrote them base64-encoded)
         assert (where / key).read_text() == value and stat.S_IMODE((where / key).stat().st_mode) == 0o400
-    assert len(notes) == 3 and any("spec.nodeName" in n for n in notes) and any("Secret volume" in n for n in notes)
+    # two Secret volumes: the store's, and the node key's (optional: absent here, mounted empty as the kubelet does)
+    assert len(notes) == 4 and any("spec.nodeName" in n for n in notes) and sum("Secret volume" in n for n in notes) == 2
     # everything else arrives as the operator built it
     drop = lambda d: {k: v for k, v in d.items() if k not in ("affinity", "nodeSelector", "tolerations", "nodeName", "volumes", "containers")}  # noqa: E731
     assert drop(out["spec"]) == drop(pod["spec"]) and out["metadata"] == pod["metadata"]

@@ -127,16 +127,16 @@ def test_the_tasks_settings_reach_the_job_as_cedana_variables_but_never_a_secret
     settings = load_settings({"keep_checkpoints": 5, "compression": "none", "signing_key_file": str(key),
                               "restore_roots": f"{tmp_path}:/data", "store": "s3://b/p", "node": "worker-1"})
     env = job_settings_env(settings, node_config="/etc/cedana/node.toml")
+    # the node key's settings never travel: each compute node signs with its own (issue 48)
     assert env == {"CEDANA_CONFIG": "/etc/cedana/node.toml", "CEDANA_KEEP_CHECKPOINTS": "5", "CEDANA_COMPRESSION": "none",
-                   "CEDANA_SIGNING_KEY_FILE": str(key), "CEDANA_RESTORE_ROOTS": f"{tmp_path}:/data"}
+                   "CEDANA_RESTORE_ROOTS": f"{tmp_path}:/data"}
     node = tmp_path / "node.toml"
     node.write_text("[cedana]\nwork_dir = '/scratch/cedana'\n")
     back = load_settings(environ={**env, "CEDANA_CONFIG": str(node)})  # what the job's CLI reads
     assert (back.keep_checkpoints, back.compression, str(back.work_dir)) == (5, "none", "/scratch/cedana")
-    with pytest.raises(ConfigError, match="signing is on with an inline key"):
-        job_settings_env(load_settings({"signing_key": "s3cret"}))
+    assert job_settings_env(load_settings({"signing_key": "s3cret-0123456789abcdef", "allow_unsigned": True})) == {}
     script = batch_script(JobSpec(**{**SPEC, "settings_env": env}))
-    assert "export CEDANA_KEEP_CHECKPOINTS=5" in script and "s3cret" not in script
+    assert "export CEDANA_KEEP_CHECKPOINTS=5" in script and "SIGNING" not in script
 
 
 def test_heartbeat_auto_reaches_the_job_with_its_history_and_asks_for_a_supervisor_that_knows_it():
@@ -148,6 +148,6 @@ def test_heartbeat_auto_reaches_the_job_with_its_history_and_asks_for_a_supervis
                                                                 scope="queue gpu")})
     env = job_settings_env(settings)
     script = batch_script(JobSpec(**{**SPEC, "heartbeat_seconds": "auto", "settings_env": env}))
-    assert "--heartbeat auto" in script and "export CEDANA_MIN_SUPERVISOR=0.7.0" in script
+    assert "--heartbeat auto" in script and "export CEDANA_MIN_SUPERVISOR=0.8.0" in script
     back = load_settings(environ=env)  # what the job's CLI reads
     assert back.mtbf_hours == 6 and back.failure_history == settings.failure_history

@@ -42,8 +42,13 @@ def test_a_store_of_an_earlier_release_lists_checks_gcs_and_restores(release, wo
     assert checked.returncode == 0 and checked.stdout.rstrip().endswith("clean"), checked.stdout + checked.stderr
     collected = cli("gc", "--grace", "0", "--json", env=env)  # everything old enough: only what no checkpoint names goes
     assert collected.returncode == 0 and json.loads(collected.stdout)["chunks_kept"] > 0, collected.stderr
-    restored = cli("restore", "--id", cid, env=env)
+    # those releases' CLI signed nothing: 0.8.0 refuses that by default, and restores it where the node's
+    # operator said allow_unsigned (each restore logged)
+    refused = cli("restore", "--id", cid, env=env)
+    assert refused.returncode == 1 and "it is not signed, and this node refuses unsigned manifests" in refused.stderr
+    restored = cli("restore", "--id", cid, env={**env, "CEDANA_ALLOW_UNSIGNED": "true"})
     assert restored.returncode == 0, restored.stderr[-2000:]
+    assert "restoring unsigned checkpoint" in restored.stderr
     out = restored.stdout.splitlines()
     assert out[0].startswith("step ") and int(out[0].split()[1]) > 1  # it continued, it did not start over
     assert out[-1] == workload
