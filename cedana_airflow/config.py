@@ -443,6 +443,7 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
 def _from_file(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
+            st = os.fstat(f.fileno())  # the file read is the file judged below: no swap between them
             doc = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} (CEDANA_CONFIG) does not exist. Create it or unset CEDANA_CONFIG.") from None
@@ -452,7 +453,6 @@ def _from_file(path: str) -> dict[str, Any]:
     if not isinstance(table, dict):
         raise ConfigError(f"config file {path}: [cedana] must be a table. Write it as '[cedana]' followed by key = value lines.")
     if NODE_SETTINGS & table.keys():  # a DAG may name the file (the Slurm route's node_config=): root must own it
-        st = os.stat(path)
         if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
             raise ConfigError(f"config file {path} sets {', '.join(sorted(NODE_SETTINGS & table.keys()))}, node settings, "
                               f"but root does not own it alone (uid {st.st_uid}, mode {st.st_mode & 0o777:04o}). "
@@ -501,6 +501,7 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
         if err["type"] == "extra_forbidden":
             known = ", ".join(sorted(Settings.model_fields))
             raise ConfigError(f"unknown setting {field!r} (from {where}). Known settings: {known}.") from None
+        shown = "***" if field in ("signing_key",) else redact(merged.get(field))  # a key is never said, even a bad one
         raise ConfigError(
-            f"setting {field} = {redact(merged.get(field))!r} (from {where}) is invalid: {err['msg']}. Fix or remove it."
+            f"setting {field} = {shown!r} (from {where}) is invalid: {err['msg']}. Fix or remove it."
         ) from None

@@ -16,7 +16,7 @@ import logging
 import os
 import secrets
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import NODE_SETTINGS, Settings
@@ -35,7 +35,7 @@ _MIN_BYTES = 16
 
 @dataclass(frozen=True)
 class NodeKey:
-    key: bytes
+    key: bytes = field(repr=False)  # never in a log line, a traceback's locals or an error report
     where: str  # for every line that names it: "/etc/cedana-airflow/node.key (the default)"
 
     @property
@@ -86,6 +86,9 @@ def read_key_file(path: Path, what: str, setting: str) -> bytes:
     text = _read_checked(path, what, setting)
     key = text.splitlines()[0].strip() if text.strip() else b""
     _long_enough(key, f"{what} {path}")
+    if key.startswith(b"-----") or len(set(key)) < 8:  # a PEM file's first line is public; so is "0000..."
+        raise ConfigError(f"{what} {path} does not hold a random key on its first line (a PEM header, or too few "
+                          "distinct bytes). Point it at a node key: 'cedana-airflow key init'.")
     return key
 
 
@@ -102,6 +105,11 @@ def _read_checked(path: Path, what: str, setting: str) -> bytes:
                           "supervisor as root, or fix the file (root, mode 0400).") from None
     try:
         st = os.fstat(fd)
+        folder = os.stat(os.path.dirname(os.path.abspath(path)))
+        if folder.st_mode & 0o022 and not (folder.st_mode & stat.S_ISVTX and folder.st_uid == 0):
+            # whoever may write the folder may swap the name for a link to any root-owned file
+            raise ConfigError(f"{what} {path} lies in a folder others may write (mode "
+                              f"{stat.S_IMODE(folder.st_mode):04o}): keep the key in a folder only root may change.")
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError(f"{what} {path} is not a regular file ({setting}). Point {setting} at the key file.")
         if st.st_uid not in (0, os.geteuid()):

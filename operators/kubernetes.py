@@ -22,6 +22,8 @@ from cedana_airflow.airflow.kube import (Route, apply_route, node_label_of, rest
 from cedana_airflow.airflow.task import CEDANA_TEMPLATE_FIELDS, CedanaTask, Placement, TaskSetup, airflow_errors
 from cedana_airflow.airflow.task_state import TaskState, airflow_task
 from cedana_airflow.config import Settings
+from cedana_airflow.format.trust import Trust
+from cedana_airflow.keys import legacy_keys, node_key
 from cedana_airflow.run.restore_gap import judge_settings
 from cedana_airflow.scope.optin import OptInList
 
@@ -115,16 +117,20 @@ class CedanaKubernetesPodOperator(CedanaTask, KubernetesPodOperator):
                       runtime_class=options.k8s_runtime_class, store=settings.store or "",
                       store_secret=self.store_secret or "", try_number=ti.try_number, airflow=airflow_task(context),
                       env={**self.cedana_env(None), **restore_rules_env(settings)},
-                      resume=self.route == "wrap" or self._may_resume(setup), key_secret=options.k8s_key_secret)
+                      resume=self.route == "wrap" or self._may_resume(setup, context), key_secret=options.k8s_key_secret)
         return apply_route(pod, route)
 
-    def _may_resume(self, setup: TaskSetup) -> bool:
+    def _may_resume(self, setup: TaskSetup, context: Context) -> bool:
         """The ``cedana`` route: Cedana's runtime restores whatever CEDANA_CHECKPOINT names, so the restore
         gap and the lease are judged here, against the store, before the pod exists."""
         s = setup.settings
         if s.max_restore_gap_seconds is None and s.lease_seconds is None:
             return True  # no limit: the store is not read
-        verdict = judge_settings(setup.store(), setup.checkpoint_id, s, include_gap=True)  # ages: no key needed
+        # only a checkpoint this worker's key vouches for is judged: a forged old one must not start the pod
+        # fresh nor run lease_renew_command
+        trust = Trust(node_key(s).key, legacy_keys(s), s.allow_unsigned, airflow_task(context))
+        verdict = judge_settings(setup.store(), setup.checkpoint_id, s, include_gap=True,
+                                 trusted=lambda m: trust.refusal(m) is None)
         for level, note in verdict.notes:
             self.log.log(level, "cedana: %s", note)
         return verdict.resume

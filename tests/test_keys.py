@@ -173,3 +173,32 @@ def test_retention_and_the_lease_judge_only_what_this_node_would_restore(tmp_pat
     kept, removed = prune_checkpoints(store, "job", 1, lambda x: trust.refusal(x) is None)
     assert [k.seq for k in kept] == [2] and [r.seq for r in removed] == [1]
     assert sorted(x.seq for x in load_manifests(store, "job")) == [2, 3]  # the forged one is no writer's to prune
+
+
+def test_a_pem_file_a_uniform_key_or_a_key_in_a_folder_others_may_write_is_refused_and_no_key_is_ever_said(tmp_path):
+    """Review of issue 48: the first line of a PEM file (an SSH host key linked from a writable folder) is
+    a public constant; reprs and error reports must never carry the key."""
+    pem = tmp_path / "pem.key"
+    pem.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAA\n")
+    pem.chmod(0o400)
+    with pytest.raises(ConfigError, match="does not hold a random key on its first line"):
+        keys.read_key_file(pem, "node key", "signing_key_file")
+    (tmp_path / "zeros.key").write_text("0" * 64 + "\n")
+    (tmp_path / "zeros.key").chmod(0o400)
+    with pytest.raises(ConfigError, match="too few distinct bytes"):
+        keys.read_key_file(tmp_path / "zeros.key", "node key", "signing_key_file")
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    (shared / "node.key").write_bytes(KEY + b"\n")
+    (shared / "node.key").chmod(0o400)
+    with pytest.raises(ConfigError, match=r"lies in a folder others may write \(mode 0777\)"):
+        keys.read_key_file(shared / "node.key", "node key", "signing_key_file")
+    made = keys.init_key(tmp_path / "etc" / "node.key")
+    assert made.key.decode() not in repr(made) + repr(Trust(made.key, legacy=(LEGACY,)))
+    assert LEGACY.decode() not in repr(Trust(made.key, legacy=(LEGACY,)))
+    conf = tmp_path / "node.toml"
+    conf.write_text("[cedana]\nsigning_key = 1234567890123456789\n")  # TOML reads an integer: invalid
+    with pytest.raises(ConfigError, match=r"setting signing_key = '\*\*\*'") as bad:
+        load_settings(environ={"CEDANA_CONFIG": str(conf)})
+    assert "1234567890123456789" not in str(bad.value)

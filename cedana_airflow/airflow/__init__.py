@@ -52,8 +52,9 @@ def get_provider_info() -> dict[str, Any]:
             "cedana": {
                 "description": "cedana-airflow: where checkpoints go and how often they are taken. Also AIRFLOW__CEDANA__<OPTION>.",
                 "options": {
+                    # the inline node key is masked by Airflow's config API and UI, and may come from _SECRET/_CMD
                     o.name: {"description": o.description, "version_added": None, "type": o.type, "example": None,
-                             "default": o.default}
+                             "default": o.default, **({"sensitive": True} if o.name == "signing_key" else {})}
                     for o in config_options()
                 },
             }

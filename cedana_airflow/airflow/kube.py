@@ -165,6 +165,8 @@ def apply_route(pod: k8s.V1Pod, route: Route) -> k8s.V1Pod:
     main.volume_mounts = [*(m for m in main.volume_mounts or [] if m.name != _KEY_VOLUME),
                           k8s.V1VolumeMount(name=_KEY_VOLUME, mount_path=KEY_MOUNT, read_only=True)]
     _env(main, "CEDANA_SIGNING_KEY_FILE", f"{KEY_MOUNT}/node.key")
+    for name in sorted(_NODE_ENV - {"CEDANA_SIGNING_KEY_FILE"}):  # env wins over envFrom: a ConfigMap cannot set them
+        _env(main, name, "false" if name == "CEDANA_ALLOW_UNSIGNED" else "")
     main.security_context = main.security_context or k8s.V1SecurityContext()
     main.security_context.privileged = True  # CRIU: ptrace, namespaces, /proc/sys writes
     return pod

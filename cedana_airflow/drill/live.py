@@ -14,11 +14,16 @@ Clear does, and follows the new try (follow.py).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+
+from ..format.manifest import AirflowTask
+from ..format.trust import Trust
+from ..store.transfer import load_manifests
 
 from ..format.layout import lease_key
 from ..scope.optin import Drills
@@ -69,12 +74,26 @@ def _why_not(task: RunningTask, latest: _Latest | None, limits: Drills, at: date
     return ""
 
 
+def _unverified(store: Store, latest: _Latest, task: RunningTask, trust: Trust | None) -> str:
+    """Why the listing's latest checkpoint of ``task`` is not one this node would restore for it, or "".
+    The listing is the store's word: a drill fails a real try only on a checkpoint the key vouches for."""
+    if trust is None:
+        return ""
+    owner = AirflowTask(dag_id=task.dag_id, task_id=task.task_id, run_id=task.run_id, map_index=task.map_index)
+    judge = dataclasses.replace(trust, owner=owner)
+    m = next((m for m in load_manifests(store, latest.checkpoint_id) if m.seq == latest.seq), None)
+    why = "it is gone" if m is None else judge.refusal(m)
+    return f"its latest checkpoint (seq {latest.seq}) is not one this node would restore: {why}" if why else ""
+
+
 def choose(tasks: Sequence[RunningTask], store: Store, limits: Drills, at: datetime,
-           seed: int | None = None) -> list[tuple[RunningTask, LiveTarget]]:
+           seed: int | None = None, trust: Trust | None = None) -> list[tuple[RunningTask, LiveTarget]]:
     """Every running task with the verdict on it: eligible ones in a random order (no task is always
-    first), chosen until a blast-radius limit is reached; each passed-over one says why."""
+    first), chosen until a blast-radius limit is reached; each passed-over one says why. ``trust``:
+    this node's key, which must vouch for the checkpoint a chosen task would resume from."""
     latest = _latest_by_task(store)
     verdicts = [(t, _why_not(t, latest.get(t.key()), limits, at)) for t in tasks]
+    verdicts = [(t, why or _unverified(store, latest[t.key()], t, trust)) for t, why in verdicts]
     eligible = [t for t, why in verdicts if not why]
     random.Random(seed).shuffle(eligible)
     chosen: list[RunningTask] = []
@@ -135,7 +154,7 @@ def _drill_one(store: Store, fleet: Fleet, limits: Drills, task: RunningTask, ta
 
 
 def live(store: Store, fleet: Fleet, limits: Drills, *, node: str, dry_run: bool = False, seed: int | None = None,
-         poll: float = 1.0) -> DrillReport:
+         poll: float = 1.0, trust: Trust | None = None) -> DrillReport:
     started = utc()
     drill_id = new_drill_id("live", started)
 
@@ -150,7 +169,7 @@ def live(store: Store, fleet: Fleet, limits: Drills, *, node: str, dry_run: bool
     if not in_any_window(limits.parsed_windows(), started):
         return report(True, stopped=f"outside the drill windows {list(limits.windows)} (UTC)")
     running = fleet.running_tasks()
-    verdicts = choose(running, store, limits, utc(), seed)
+    verdicts = choose(running, store, limits, utc(), seed, trust)
     if dry_run or not any(t.chosen for _, t in verdicts):
         return report(True, targets=tuple(t for _, t in verdicts),
                       stopped="" if dry_run else f"no running task is eligible ({len(verdicts)} running)")

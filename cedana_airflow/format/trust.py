@@ -8,7 +8,7 @@ manifest is refused unless the node's operator set ``allow_unsigned``; it is nev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .manifest import AirflowTask, Manifest
 from .signing import key_id, signature_problem
@@ -22,8 +22,8 @@ def owner_text(a: AirflowTask) -> str:
 
 @dataclass(frozen=True)
 class Trust:
-    key: bytes
-    legacy: tuple[bytes, ...] = ()
+    key: bytes = field(repr=False)  # never in a log line or an error report
+    legacy: tuple[bytes, ...] = field(default=(), repr=False)
     allow_unsigned: bool = False
     owner: AirflowTask | None = None  # the restoring task; None: a restore by hand (the node's operator)
 

@@ -96,6 +96,21 @@ def _drop_all_but_logs(folder: Path) -> None:
         folder.rmdir()  # empty: nothing failed, no log was written
 
 
+def check_owner(store: Store, checkpoint_id: str, trust: Trust) -> None:
+    """Before a supervisor writes under its ID: the newest checkpoint there that this node's key vouches
+    for must be its task's, or its retention would prune another task's checkpoints and its retry would
+    find them. Unverifiable manifests never block: a store writer cannot lock a task out."""
+    if trust.owner is None:
+        return
+    for m in load_manifests(store, checkpoint_id):
+        if trust.signed_by(m) is None:
+            continue
+        if (why := trust.owner_refusal(m)) is not None:
+            raise ConfigError(f"checkpoint ID {checkpoint_id} (seq {m.seq}) may be neither written nor restored "
+                              f"by this task: {why}")
+        return
+
+
 class Checkpointer:
     """Checkpoints and restores under one checkpoint ID, as ``settings`` say (node, compression,
     retention, size limit, progress display, whether local dumps are kept). With a ``lease`` (held
@@ -628,30 +643,21 @@ class Checkpointer:
         return self.trust.refusal(m) is None
 
     def _vouched(self, m: Manifest) -> bool:
-        """Whether a key of this node signed ``m`` (said when it is an old key, or none under allow_unsigned)."""
+        """Whether this node's own key signed ``m`` (said when it is an old key, or none under allow_unsigned).
+        A legacy key verifies but does not vouch: it was 0.7.0's Variable, which others could read."""
         by = self.trust.signed_by(m)
         if by == "legacy":
-            log.warning("checkpoint_id=%s seq=%d is signed with legacy key %s (legacy_key_file): new checkpoints are "
-                        "signed with node key %s; drop legacy_key_file once old runs are done", self.checkpoint_id,
-                        m.seq, m.signature.key_id if m.signature else "?", self.node_key.key_id)
+            log.warning("checkpoint_id=%s seq=%d is signed with legacy key %s (legacy_key_file), which others may "
+                        "have read: its captured files stay under restore_roots and the working directory. New "
+                        "checkpoints are signed with node key %s; drop legacy_key_file once old runs are done",
+                        self.checkpoint_id, m.seq, m.signature.key_id if m.signature else "?", self.node_key.key_id)
         elif by is None:
             log.warning("restoring unsigned checkpoint checkpoint_id=%s seq=%d (allow_unsigned = true): whoever can "
                         "write store %s chose what this node runs", self.checkpoint_id, m.seq, self.store.url)
-        return by is not None
+        return by == "node"
 
     def check_owner(self) -> None:
-        """Before this supervisor writes under its ID: the newest checkpoint there that this node's key
-        vouches for must be this task's, or its retention would prune another task's checkpoints and its
-        retry would find them. Unverifiable manifests never block: a store writer cannot lock a task out."""
-        if self.airflow is None:
-            return
-        for m in load_manifests(self.store, self.checkpoint_id):
-            if self.trust.signed_by(m) is None:
-                continue
-            if (why := self.trust.owner_refusal(m)) is not None:
-                raise ConfigError(f"checkpoint ID {self.checkpoint_id} (seq {m.seq}) may be neither written nor restored "
-                                  f"by this task: {why}")
-            return
+        check_owner(self.store, self.checkpoint_id, self.trust)
 
     def _go_on_as(self, kind: str, m: Manifest) -> None:
         """After a restore, heartbeats go on the way the restored checkpoint was taken when the mode would

@@ -34,14 +34,16 @@ from ..engine.criu import CriuEngine, find_criu
 from ..engine.procfs import has_cap_sys_admin
 from ..errors import CedanaError, CheckpointNotFound, ConfigError, CorruptCheckpoint, EngineUnavailable
 from ..format.manifest import AirflowTask, Manifest
+from ..format.trust import Trust
 from ..ids import validate_checkpoint_id
+from ..keys import legacy_keys, node_key
 from ..store import Store, index, open_store
 from ..store.gc import delete_checkpoint_id
 from ..store.restores import RestoreRecord, record_restore
 from ..store.writer_lease import WriterLease
 from .cadence import COST_WINDOW, Cadence, HeartbeatChoice, checkpoint_cost, estimated_cost
 from .checkpoint_triggers import Failures, Heartbeat, MemoryWatch
-from .checkpointer import Checkpointer
+from .checkpointer import Checkpointer, check_owner
 from .cooperative import Cooperation
 from .environment import workload_env
 from .estimate import estimate_checkpoint
@@ -153,8 +155,14 @@ def run_workload(
         gpu.require()  # gpu = require: a node that cannot checkpoint GPU state fails here, before anything starts
     store = store or open_store(settings.resolved_store(), settings)
     store_cfg = store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
+    # Another task's ID is refused before its lease is touched: a newer try of another task must not fence
+    # the owner's running supervisor (read-only here; judged again once the lease is held, below).
+    trust = Trust(node_key(settings).key, legacy_keys(settings), settings.allow_unsigned, airflow)
+    check_owner(store, checkpoint_id, trust)
+    owner = f"{airflow.dag_id}/{airflow.task_id}/{airflow.map_index}" if airflow else ""
     lease = (WriterLease(store, checkpoint_id, node=settings.resolved_node(), try_number=try_number,
-                         ttl_seconds=settings.writer_lease_seconds) if settings.writer_lease_seconds > 0 else None)
+                         ttl_seconds=settings.writer_lease_seconds, owner=owner)
+             if settings.writer_lease_seconds > 0 else None)
     # The lease comes first: a second supervisor of this ID must neither restore nor start anything.
     with _stop_line(checkpoint_id, lease) as stopped, \
             lease.held() if lease is not None else contextlib.nullcontext(), _work_dir(settings) as work_dir:

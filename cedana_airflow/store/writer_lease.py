@@ -66,6 +66,7 @@ class LeaseRecord(BaseModel):
     ttl_seconds: float
     acquired_at: float
     renewed_at: float
+    owner: str = ""  # the Airflow task that holds it ("dag/task/map index"); "" outside Airflow (0.8.0)
 
     def describe(self, now: float) -> str:
         return (f"node {self.node} (try {self.try_number}, pid {self.pid} on host {self.host}), "
@@ -108,9 +109,10 @@ def _parse(raw: bytes | None) -> LeaseRecord | None:
 class WriterLease:
     """This supervisor's lease on one checkpoint ID: acquire, renew (a thread), confirm, release."""
 
-    def __init__(self, store: Store, checkpoint_id: str, *, node: str, try_number: int, ttl_seconds: float) -> None:
+    def __init__(self, store: Store, checkpoint_id: str, *, node: str, try_number: int, ttl_seconds: float,
+                 owner: str = "") -> None:
         self.store, self.checkpoint_id, self.key = store, checkpoint_id, lease_key(checkpoint_id)
-        self.node, self.try_number, self.ttl = node, try_number, ttl_seconds
+        self.node, self.try_number, self.ttl, self.owner = node, try_number, ttl_seconds, owner
         self.holder = uuid.uuid4().hex
         self._acquired_at = 0.0
         self._fenced: str | None = None
@@ -125,15 +127,22 @@ class WriterLease:
         return LeaseRecord(
             holder=self.holder, node=self.node, try_number=self.try_number, host=self._host, boot_id=boot,
             pid_ns=pid_ns, pid=os.getpid(), pid_start=self._pid_start, ttl_seconds=self.ttl,
-            acquired_at=self._acquired_at or now, renewed_at=now,
+            acquired_at=self._acquired_at or now, renewed_at=now, owner=self.owner,
         ).model_dump_json().encode()
 
+    def _ttl(self, cur: LeaseRecord) -> float:
+        # The record's TTL, but never far beyond ours: a record with a TTL of years must not hold us forever.
+        return min(cur.ttl_seconds, 4 * self.ttl)
+
     def _takeover_reason(self, cur: LeaseRecord) -> str | None:
+        lapsed = time.time() - cur.renewed_at
+        if lapsed > 2 * self._ttl(cur):  # twice the TTL: a clock skew of up to one TTL cannot fake it
+            return f"it lapsed {lapsed:.0f} s ago"
+        if cur.owner and self.owner and cur.owner != self.owner:
+            raise self._held(cur, f"it is held for another task ({cur.owner}), not this one ({self.owner}); a newer "
+                                  "try takes over only its own task's lease. Give this task its own checkpoint_id.")
         if cur.try_number < self.try_number:
             return f"its try {cur.try_number} is older than ours ({self.try_number})"
-        lapsed = time.time() - cur.renewed_at
-        if lapsed > 2 * cur.ttl_seconds:  # twice the TTL: a clock skew of up to one TTL cannot fake it
-            return f"it lapsed {lapsed:.0f} s ago"
         if cur.try_number == self.try_number and _gone_here(cur):
             return f"its process {cur.pid} on this machine is gone"
         return None
@@ -165,15 +174,15 @@ class WriterLease:
                     seen, seen_since = cur, now
                     log.warning("writer lease of checkpoint ID %s is held by %s; waiting up to %.0f s to learn "
                                 "whether that supervisor is still alive", self.checkpoint_id,
-                                cur.describe(time.time()), cur.ttl_seconds)
+                                cur.describe(time.time()), self._ttl(cur))
                 elif cur.renewed_at != seen.renewed_at:
                     raise self._held(cur, "it is alive (it renewed the lease while we waited). Two supervisors must "
                                           "not write one ID: stop the other one, or start this one with a higher "
                                           "try number (--try-number; Airflow raises it on every retry) to take over.")
-                elif now - seen_since >= cur.ttl_seconds:
-                    reason = f"it was not renewed for {now - seen_since:.0f} s (its TTL is {cur.ttl_seconds:.0f} s)"
+                elif now - seen_since >= self._ttl(cur):
+                    reason = f"it was not renewed for {now - seen_since:.0f} s (its TTL is {self._ttl(cur):.0f} s)"
                 if reason is None:
-                    time.sleep(min(_POLL_SECONDS, cur.ttl_seconds / 4))
+                    time.sleep(min(_POLL_SECONDS, self._ttl(cur) / 4))
                     continue
             self._acquired_at = time.time()
             if self.store.put_if_version(self.key, self._record(), token):

@@ -218,12 +218,15 @@ def test_kubernetes_wrap_route_carries_the_lease_and_the_key_to_the_pods_supervi
 
 def test_kubernetes_cedana_route_a_checkpoint_older_than_the_lease_gives_a_pod_that_starts_fresh(
         in_scope, store_url, tmp_path, log):
-    _stale_checkpoint(store_url, "lease-pod", tmp_path)
+    _stale_checkpoint(store_url, "lease-pod", tmp_path, airflow=_task("finetune"))
     fresh = _pod_op(checkpoint_id="lease-pod", lease=LEASE).build_pod_request_obj(_context(), dry_run=True)
     assert "CEDANA_CHECKPOINT" not in _env(fresh) and fresh.spec.runtime_class_name == "cedana"
     assert log.said("beyond lease = 1 s: starting fresh")
     kept = _pod_op(checkpoint_id="lease-pod", lease=timedelta(hours=1)).build_pod_request_obj(_context(), dry_run=True)
     assert _env(kept)["CEDANA_CHECKPOINT"] == "lease-pod"
+    # another task's stale checkpoint under this ID is not this task's to judge: it does not start the pod fresh
+    other = _pod_op(checkpoint_id="lease-pod", lease=LEASE).build_pod_request_obj(_context(dag_id="other"), dry_run=True)
+    assert _env(other)["CEDANA_CHECKPOINT"] == "lease-pod"
 
 
 def test_slurm_route_carries_the_lease_and_the_key_into_the_job(in_scope):

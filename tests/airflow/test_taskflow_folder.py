@@ -152,7 +152,11 @@ def test_a_checkpoint_taken_in_the_old_tmp_folder_is_not_restored(tmp_path, base
     (tmp_path / "img" / "pages-1.img").write_bytes(os.urandom(5000))
     proc = ProcessInfo(pid=1, command=("python",), cwd=f"/tmp/cedana-taskflow/{CID}", stdout_pipe="pipe:[1]",
                        stderr_pipe="pipe:[2]")
-    save_checkpoint(store, cfg, CheckpointMeta(CID, "node-a", "4.1.1", proc), tmp_path / "img")
+    from conftest import node_key_bytes
+
+    # a checkpoint this node trusts (signed with its key); an unsigned one is a store writer's, judged as such
+    save_checkpoint(store, cfg, CheckpointMeta(CID, "node-a", "4.1.1", proc), tmp_path / "img",
+                    signing_key=node_key_bytes())
     op = _probe()
     with pytest.raises(AirflowFailException) as e:
         op.execute(_context(op.task_id))

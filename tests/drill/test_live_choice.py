@@ -66,6 +66,21 @@ def test_only_checkpointed_tasks_with_a_retry_left_and_a_fresh_checkpoint_are_ch
     assert not v["a.train"][0] and "above max_checkpoint_age_seconds 600: too much work would be lost" in v["a.train"][1]
 
 
+def test_a_task_is_failed_only_on_a_checkpoint_this_nodes_key_vouches_for(store):
+    """The listing is the store's word: one unsigned manifest naming a running task made 0.7.0's drill fail
+    that task's try, and its retry started fresh (issue 48)."""
+    from conftest import node_key_bytes
+
+    from cedana_airflow.format.trust import Trust
+
+    store.checkpoint("a", "train")  # written by a store writer without the key: unsigned
+    v = {f"{t.dag_id}.{t.task_id}": (c.chosen, c.reason) for t, c in choose(
+        [_task("a", "train")], store, Drills(live=True), datetime.now(timezone.utc), seed=1,
+        trust=Trust(node_key_bytes()))}
+    assert v["a.train"] == (False, "its latest checkpoint (seq 1) is not one this node would restore: it is not "
+                                   "signed, and this node refuses unsigned manifests (allow_unsigned = false)")
+
+
 def test_blast_radius_limits_per_run_per_dag_and_per_pool(store):
     for dag, task in [("a", "t1"), ("a", "t2"), ("b", "t1"), ("c", "t1")]:
         store.checkpoint(dag, task)

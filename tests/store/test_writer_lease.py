@@ -126,3 +126,21 @@ def test_a_damaged_lease_protects_nobody_and_is_replaced(store):
     store.put_if_absent(lease_key(CID), b"{not json")
     _lease(store, "node-b").acquire()
     assert _record(store)["node"] == "node-b"
+
+
+def test_a_newer_try_of_another_task_never_fences_the_owner_and_a_forged_ttl_holds_nobody_long(store):
+    """Review of issue 48: a task of another DAG naming the same ID with a higher try took the lease over
+    and fenced the running owner; a lease record with a TTL of years held every newcomer forever."""
+    owner = WriterLease(store, CID, node="node-a", try_number=1, ttl_seconds=30, owner="dag_a/train/-1")
+    with owner.held():
+        intruder = WriterLease(store, CID, node="node-b", try_number=2, ttl_seconds=30, owner="dag_b/steal/-1")
+        with pytest.raises(WriterLeaseHeld, match=r"held for another task \(dag_a/train/-1\), not this one"):
+            intruder.acquire()
+        owner.confirm()  # still the owner's: not fenced
+        retry = WriterLease(store, CID, node="node-c", try_number=2, ttl_seconds=30, owner="dag_a/train/-1")
+        retry.acquire()  # the owner's own retry takes over at once, as before
+        retry.release()
+    _plant(store, ttl_seconds=1e9)
+    t0 = time.monotonic()
+    _lease(store, "node-b", ttl=0.5).acquire()
+    assert time.monotonic() - t0 < 10  # waited 4 x its own TTL at most, not the record's
