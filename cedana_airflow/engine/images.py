@@ -331,6 +331,8 @@ def read_creds(image_dir: Path) -> TreeCreds | None:
                 if creds is None:
                     if not found:  # the root task's main thread: what every file would be written as
                         raise ValueError(f"core-{tid}.img holds no credentials")
+                    # CRIU then leaves that task as it restores it: root (or an old creds-<pid>.img)
+                    found.append(ROOT_CREDS)
                     continue
                 c = message_values(creds)
                 uid, gid = _int(c, _FSUID), _int(c, _FSGID)

@@ -182,6 +182,12 @@ def _unpack(blob: bytes, name: str, limit: int) -> bytes | memoryview:
     if codec != _ZSTD:
         raise CorruptCheckpoint(f"chunk {name}: unknown codec byte {codec!r}")
     try:
+        # python-zstandard allocates what a frame header states, whatever max_output_size says: judge it
+        # first (a stored chunk is unsigned; a store writer chooses its header). Ours always state it.
+        declared = zstandard.frame_content_size(payload)
+        if declared < 0 or declared > limit:
+            raise CorruptCheckpoint(f"chunk {name}: its frame declares {declared} bytes, more than the {limit} "
+                                    "it may hold" if declared > limit else f"chunk {name}: its frame states no size")
         return zstandard.ZstdDecompressor().decompress(payload, max_output_size=limit)
     except zstandard.ZstdError as e:
         raise CorruptCheckpoint(f"chunk {name}: does not decompress ({e})") from None

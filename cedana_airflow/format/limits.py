@@ -24,7 +24,8 @@ from ..errors import CorruptCheckpoint
 if TYPE_CHECKING:
     from .manifest import Manifest
 
-__all__ = ["MAX_CAPTURED_FILES", "MAX_CHUNK_REFS", "MAX_DECLARED_BYTES", "MAX_FILES", "MAX_MANIFEST_BYTES", "TooLarge",
+__all__ = ["MAX_CAPTURED_FILES", "MAX_CHUNK_REFS", "MAX_DECLARED_BYTES", "MAX_FILES", "MAX_MANIFEST_BYTES",
+           "MAX_UNKNOWN_BLOCK_BYTES", "TooLarge",
            "count_problem", "declared_bytes", "doc_counts", "manifest_counts", "restore_limit", "restore_refusal",
            "total_problem"]
 
@@ -39,6 +40,9 @@ MAX_CAPTURED_FILES = 10_000
 #: The declared raw total a restore takes at most (the only bound where the node sets no
 #: max_checkpoint_bytes): MAX_CHUNK_REFS references of 2 MiB, as chunks run up to 4 x the average.
 MAX_DECLARED_BYTES = 4 << 40
+#: Blocks of a later format this reader skips but keeps (the signature covers them), as JSON: parsed
+#: JSON takes ~20x its text in memory, so the manifest's own cap does not bound them usefully.
+MAX_UNKNOWN_BLOCK_BYTES = 1 << 20
 
 
 class TooLarge(CorruptCheckpoint):

@@ -313,7 +313,10 @@ def parse_manifest(raw: bytes | str) -> Manifest:
     unless the manifest's ``required`` names it; then the manifest is refused in one line naming the
     block and its writer. Raises ValueError (pydantic's included) for a manifest that does not parse,
     and CorruptCheckpoint for one over a count of format/limits.py."""
-    doc = json.loads(raw)
+    try:
+        doc = json.loads(raw)
+    except RecursionError:  # a nesting bomb: not a ValueError, and would escape every reader's handler
+        raise ValueError("a manifest nests deeper than a reader parses") from None
     if not isinstance(doc, dict):
         raise ValueError("a manifest is a JSON object")
     # Counted on the JSON: validation would build an object per entry first.
@@ -327,6 +330,10 @@ def parse_manifest(raw: bytes | str) -> Manifest:
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise ValueError("required is a list of block names")
         unknown = {k: v for k, v in doc.items() if k not in _FIELDS}
+        # kept as objects (the signature covers them): their size is bounded, not only the manifest's
+        if unknown and len(json.dumps(unknown)) > limits.MAX_UNKNOWN_BLOCK_BYTES:
+            raise CorruptCheckpoint(f"checkpoint {doc.get('checkpoint_id')} seq {doc.get('seq')} is refused: blocks "
+                                    f"this reader does not know take more than {limits.MAX_UNKNOWN_BLOCK_BYTES} bytes")
         needed = [k for k in required if k not in _FIELDS]
         if needed:
             raise UnknownRequiredBlock(

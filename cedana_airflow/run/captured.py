@@ -98,6 +98,9 @@ _NEVER = (
     ("package and service state root acts on", ("/var/lib/systemd", "/var/lib/dpkg", "/var/lib/rpm", "/var/lib/apt",
                                                 "/var/lib/dnf", "/var/lib/yum", "/var/lib/polkit-1", "/var/lib/sudo",
                                                 "/var/lib/AccountsService")),
+    ("what root runs at boot or a cluster agent trusts", ("/var/lib/cloud", "/opt/cni", "/var/lib/kubelet",
+                                                          "/var/lib/rancher", "/var/lib/docker",
+                                                          "/var/lib/containerd")),
 )
 
 
@@ -121,8 +124,10 @@ class DenyList:
         for home in (*self.homes, *under_home):
             if home in p.parents:
                 hidden = home / p.relative_to(home).parts[0]
+                # only a configured root lifts it: the working directory is the DAG's choice (Unvouched)
                 if hidden.name.startswith(".") and not any(
-                        r in p.parents and (r == hidden or hidden in r.parents) for r in roots):
+                        r in p.parents and (r == hidden or hidden in r.parents) and not isinstance(r, Unvouched)
+                        for r in roots):
                     return (f"{p} is in {hidden}, a hidden entry of the home {home}, which a restore writes only "
                             "under a restore root at or below it")
         return None
@@ -168,15 +173,24 @@ def node_denied(settings: Any = None, *anchors: Any) -> DenyList:
     return DenyList(tuple(dict.fromkeys(never)), tuple(dict.fromkeys(map(PurePosixPath, _absolute(homes)))))
 
 
+class Unvouched(PurePosixPath):
+    """A restore root nobody configured (the restoring command's working directory, which a DAG's
+    ``cwd=`` chooses): it bounds where files go, but the walk to it starts at ``/`` and judges every
+    directory on the way (open_dir), as for a signed checkpoint with no roots configured."""
+
+
 def restore_roots(configured: Sequence[Path], cwd: str | None, *, signed: bool = False) -> tuple[PurePosixPath, ...]:
     """The roots a restore may write under: for a ``signed`` checkpoint with none configured, anywhere
     but a system tree; otherwise the configured ones and ``cwd`` (default: ours), less any that is
-    ``/`` or a system tree (logged: listing one is a mistake, never a permission)."""
+    ``/`` or a system tree (logged: listing one is a mistake, never a permission). Each is resolved
+    now, on this node (CRIU records resolved paths too), so a link cannot carry one into a system tree
+    or the deny-list; ``cwd`` comes back :class:`Unvouched`."""
     if signed and not configured:
         return (ANYWHERE,)
     out: list[PurePosixPath] = []
     for root in [*configured, Path(cwd or os.getcwd())]:
-        p = PurePosixPath(os.path.normpath(os.path.abspath(root)))
+        real = os.path.realpath(os.path.abspath(root))
+        p = PurePosixPath(real) if root in configured else Unvouched(real)
         tree = system_tree(p)
         if tree is not None:
             # A listed one is a mistake worth a warning; the working directory is only a default (a
@@ -249,6 +263,8 @@ def open_dir(directory: PurePosixPath, roots: Sequence[PurePosixPath], *, create
     must be writable by ``creds``, and so must ``directory`` itself when ``write``. An OSError from
     below the root names the path the walk had reached."""
     root = root_of(directory, roots)
+    if isinstance(root, Unvouched):  # nobody vouched for the way there: walked from / and judged
+        root = ANYWHERE
     judged = creds if root in checked else None
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     path, made = root, False
@@ -333,15 +349,24 @@ def _copy_fd(src: int, dst: int) -> None:
         os.write(dst, data)
 
 
-def _write_back(dfd: int, name: str, backup: str, st_mode: int) -> None:
-    """Put a file's own content (kept in ``backup``) back into its inode, as it was."""
-    fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dfd)
+def _write_back(dfd: int, name: str, backup: str, st: os.stat_result) -> None:
+    """Put a file's own content (kept in ``backup``) back into its inode, as it was: only the same inode
+    (``st``), alone at its name. What the user put at the name meanwhile (a hard link to root's file)
+    is never written through."""
+    fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+    try:
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or not stat.S_ISREG(now.st_mode) or now.st_nlink != 1:
+            raise OSError(errno.ESTALE, "another file is at its name now; its own content is kept in the backup")
+    except BaseException:
+        os.close(fd)
+        raise
     bfd = os.open(backup, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
     try:
         os.ftruncate(fd, 0)
         os.lseek(fd, 0, os.SEEK_SET)
         _copy_fd(bfd, fd)
-        os.fchmod(fd, st_mode & 0o7777)
+        os.fchmod(fd, st.st_mode & 0o777)
     finally:
         os.close(bfd)
         os.close(fd)
@@ -356,7 +381,7 @@ class CapturedFilesBack:
         self.m, self.source, self.roots, self.creds = m, source, roots, creds
         self.denied = denied if denied is not None else node_denied()
         # (directory fd, name, backup name, the file's own mode when it was written in place)
-        self._placed: list[tuple[int, str, str | None, int | None]] = []
+        self._placed: list[tuple[int, str, str | None, os.stat_result | None]] = []
         self._kept = False
 
     def __enter__(self) -> CapturedFilesBack:
@@ -406,7 +431,7 @@ class CapturedFilesBack:
                 if (why := self._not_theirs(st)) is not None:
                     raise _refused(self.m, f"captured file {target} {why}")
                 if st.st_nlink == 1:  # its own inode: written in place (see _in_place)
-                    self._placed.append((dfd, name, self._in_place(dfd, name, st, copy, mode, target), st.st_mode))
+                    self._placed.append((dfd, name, self._in_place(dfd, name, st, copy, mode, target), st))
                     return
                 backup = f".{name}.cedana-orig-{secrets.token_hex(6)}"  # never someone else's name in a shared dir
                 os.replace(name, backup, src_dir_fd=dfd, dst_dir_fd=dfd)
@@ -484,7 +509,7 @@ class CapturedFilesBack:
         except BaseException:
             if fd >= 0 and os.lseek(bfd, 0, os.SEEK_CUR) == st.st_size:  # the copy is whole: put it back
                 with contextlib.suppress(OSError):
-                    _write_back(dfd, name, backup, st.st_mode)
+                    _write_back(dfd, name, backup, st)
             os.unlink(backup, dir_fd=dfd)
             raise
         finally:
@@ -498,13 +523,13 @@ class CapturedFilesBack:
 
     def __exit__(self, *exc: object) -> None:
         # Never raises: after a restore, a leftover backup must not cost the restored workload.
-        for dfd, name, backup, in_place_mode in reversed(self._placed):
+        for dfd, name, backup, in_place in reversed(self._placed):
             try:
                 if self._kept:
                     if backup is not None:
                         os.unlink(backup, dir_fd=dfd)
-                elif in_place_mode is not None and backup is not None:
-                    _write_back(dfd, name, backup, in_place_mode)
+                elif in_place is not None and backup is not None:
+                    _write_back(dfd, name, backup, in_place)
                     os.unlink(backup, dir_fd=dfd)
                 elif backup is not None:
                     os.replace(backup, name, src_dir_fd=dfd, dst_dir_fd=dfd)

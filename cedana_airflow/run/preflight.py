@@ -128,6 +128,8 @@ def preflight(image_dir: Path, m: Manifest, roots: Sequence[PurePosixPath], deni
     if files is None:
         return prepared
     _check_read_only(files, m)
+    if creds.uid != 0:
+        _check_links(files, m, creds)
     temp = _temp_roots()
     allowed = tuple(dict.fromkeys(r for r in [*roots, *temp] if system_tree(r) is None))
     wanted = _socket_dirs(files, m, allowed, denied if denied is not None else node_denied())
@@ -142,6 +144,29 @@ def preflight(image_dir: Path, m: Manifest, roots: Sequence[PurePosixPath], deni
         log.info("socket directories created checkpoint_id=%s seq=%d dirs=%s", m.checkpoint_id, m.seq,
                  ",".join(prepared.created))
     return prepared
+
+
+def _check_links(files: OpenFiles, m: Manifest, creds: TreeCreds) -> None:
+    """CRIU reopens a tree's files and binds its sockets by path, as root: for a tree that is not root, a
+    link its user placed on such a path (``/tmp/u -> /run``) would hand it root's files or sockets. So
+    no path CRIU opens for it may pass through a link that is not root's. (What its user swaps in while
+    the restore runs is left open: restoring as that user is the fix, its own issue.)"""
+    paths = [f.name for f in files.regular if f.id not in files.remapped]
+    paths += [p for s in files.unix_sockets if (p := _bound_path(s)) is not None]
+    for name in dict.fromkeys(paths):
+        if not name.startswith("/"):
+            continue
+        at = "/"
+        for part in PurePosixPath(name).parts[1:]:
+            at = os.path.join(at, part)
+            try:
+                st = os.lstat(at)
+            except OSError:
+                break  # missing from here on: nothing to follow (CRIU or the checks above say what is missing)
+            if stat.S_ISLNK(st.st_mode) and st.st_uid != 0:
+                raise NotRestorableHere(
+                    f"{_what(m)} reopens {name} for a tree of uid {creds.uid}, but {at} on this node is a link of uid "
+                    f"{st.st_uid}: the restore (root) would follow it. Remove the link, or start fresh")
 
 
 def _what(m: Manifest) -> str:

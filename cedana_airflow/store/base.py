@@ -19,6 +19,9 @@ from ..errors import CorruptCheckpoint, StoreUnavailable
 from ..format.chunking import CHUNKER_NAME
 from ..format.layout import chunk_key, manifest_key
 from ..format import limits
+
+#: The largest stored chunk object: 4 x a 64 MiB average, plus the codec byte (format/chunking.py).
+MAX_STORED_CHUNK_BYTES = (256 << 20) + 1
 from ..format.limits import TooLarge
 from ..ids import RESERVED_NAMES
 
@@ -67,7 +70,9 @@ class RequiredReads:
         raise NotImplementedError
 
     def get_chunk(self, digest: str) -> bytes:
-        blob = self.get(chunk_key(digest))
+        # A chunk holds at most 4 x the largest average a store is made with (64 MiB), plus its codec
+        # byte: an object beyond that is refused from its size, never read into memory.
+        blob = self.get_bounded(chunk_key(digest), MAX_STORED_CHUNK_BYTES)
         if blob is None:
             raise CorruptCheckpoint(f"chunk {digest} is missing from {self.url}")
         return blob

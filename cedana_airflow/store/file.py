@@ -19,10 +19,11 @@ import fcntl
 import hashlib
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import StoreUnavailable
+from ..errors import CorruptCheckpoint, StoreUnavailable
 from ..format import layout
 from ..format.limits import TooLarge
 from .base import RequiredReads, StoreConfig, StoredObject, parse_store_config
@@ -154,9 +155,15 @@ class FileStore(RequiredReads):
         try:
             folder = self._folder(key, create=False)
             try:
-                fd = os.open(key.rsplit("/", 1)[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+                # O_NONBLOCK: a FIFO planted at a key must not hang the reader; only a regular file is read
+                fd = os.open(key.rsplit("/", 1)[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                             dir_fd=folder)
             finally:
                 os.close(folder)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                why = f"store {self.url}: {key} is not a regular file. Remove it from the store."
+                raise CorruptCheckpoint(why) if key.startswith(layout.CHUNKS) else StoreUnavailable(why)
             with os.fdopen(fd, "rb") as f:
                 if limit < 0:
                     return f.read()

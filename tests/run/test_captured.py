@@ -402,3 +402,47 @@ def test_a_journal_that_may_not_be_set_aside_refuses_the_checkpoint(tmp_path):
         with CapturedFilesBack(m, source, ANYWHERE, only):
             pass
     assert db.read_bytes() == b"node's db" and journal.read_bytes() == b"bob's journal"
+
+
+def test_the_working_directory_root_is_resolved_and_walked_from_the_top_never_vouched_for(tmp_path):
+    """Review of issue 48: a DAG's cwd= became a restore root opened through links and never judged: with
+    cwd a link to a deny-listed folder a file landed there, and nobody's file was made in root's folder."""
+    from cedana_airflow.engine.images import ROOT_CREDS
+
+    data, spool = tmp_path / "data", tmp_path / "spool"
+    data.mkdir()
+    spool.mkdir()
+    (tmp_path / "work").symlink_to(spool)
+    roots = restore_roots([data], str(tmp_path / "work"))
+    assert roots == (PurePosixPath(data), PurePosixPath(spool)) and isinstance(roots[1], captured.Unvouched)
+    denied = captured.DenyList(never=((PurePosixPath(spool), "a test's crontabs"),))
+    assert "outside the restore roots" in refusal(str(tmp_path / "work" / "root"), roots, denied)  # the link's name
+    assert "a test's crontabs" in refusal(str(spool / "root"), roots, denied)  # where it leads
+    theirs = tmp_path / "job"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    (theirs / "out").mkdir()
+    job_roots = restore_roots([data], str(theirs / "out"))
+    with pytest.raises(PermissionError, match="owned by uid 65534, neither root nor the workload's user"):
+        captured.open_dir(PurePosixPath(theirs / "out"), job_roots, create=False, creds=ROOT_CREDS)
+    fd = captured.open_dir(PurePosixPath(data), job_roots, create=False, creds=ROOT_CREDS)  # configured: vouched
+    os.close(fd)
+
+
+def test_a_failed_restore_never_writes_back_through_what_was_put_at_the_name_meanwhile(tmp_path):
+    """Review of issue 48: the roll-back reopened the file by name, so a hard link swapped in while CRIU
+    ran (fs.protected_hardlinks=0) got root's file overwritten and chmodded."""
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    db, victim = outputs / "state.db", tmp_path / "victim"
+    db.write_bytes(b"the user's own rows")
+    victim.write_bytes(b"root's own secret")
+    victim.chmod(0o600)
+    store, cfg, m = _stored(tmp_path, {str(db): b"rows at the checkpoint"})
+    fetched = tmp_path / "fetched"
+    fetch_checkpoint(store, m, fetched)
+    with pytest.raises(RuntimeError), CapturedFilesBack(m, fetched / "captured", restore_roots([outputs], str(tmp_path))):
+        db.unlink()
+        os.link(victim, db)  # what a user could do while criu restore ran
+        raise RuntimeError("criu restore failed")
+    assert victim.read_bytes() == b"root's own secret" and stat.S_IMODE(victim.stat().st_mode) == 0o600

@@ -327,3 +327,23 @@ def test_no_files_img_needs_nothing_and_a_malformed_one_is_a_value_error(tmp_pat
     (images / "files.img").write_bytes((images / "files.img").read_bytes()[:-5])
     with pytest.raises(ValueError, match="malformed|past the end"):
         preflight(images, _manifest(), ())
+
+
+def test_a_link_of_the_trees_user_on_a_path_criu_reopens_refuses_a_tree_that_is_not_root(tmp_path: Path) -> None:
+    """Review of issue 48: CRIU reopens files and binds sockets by path as root, so `u -> victim` made by
+    the tree's user handed a non-root tree a root daemon's socket and a root-only file."""
+    from cedana_airflow.engine.images import ROOT_CREDS, TreeCreds
+
+    victim = tmp_path / "victim"
+    (victim / "data").mkdir(parents=True)
+    (victim / "data" / "secret").write_bytes(b"root's")
+    (tmp_path / "u").symlink_to(victim)
+    os.chown(tmp_path / "u", 65534, 65534, follow_symlinks=False)
+    images = _images(tmp_path, _reg(f"{tmp_path}/u/data/secret", 6, fid=1))
+    nobody = TreeCreds(65534, 65534, ())
+    with pytest.raises(NotRestorableHere, match=rf"reopens {tmp_path}/u/data/secret for a tree of uid 65534, but "
+                       rf"{tmp_path}/u on this node is a link of uid 65534: the restore \(root\) would follow it"):
+        preflight(images, _manifest(), (PurePosixPath(tmp_path),), creds=nobody)
+    assert preflight(images, _manifest(), (PurePosixPath(tmp_path),), creds=ROOT_CREDS).created == ()  # root's own
+    os.chown(tmp_path / "u", 0, 0, follow_symlinks=False)  # a link of root's is the node's layout
+    assert preflight(images, _manifest(), (PurePosixPath(tmp_path),), creds=nobody).created == ()

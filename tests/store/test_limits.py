@@ -153,3 +153,34 @@ def test_a_writer_never_commits_a_manifest_readers_would_refuse(store, tmp_path,
     with pytest.raises(StoreError, match="lists 1 files, more than the 0 a restore accepts; not stored"):
         _saved(s, cfg, tmp_path)
     assert s.list_seqs("job") == []
+
+
+def test_a_stored_chunk_is_judged_by_its_header_and_its_kind_before_anything_is_allocated_or_waited_on(store, tmp_path):
+    """Review of issue 48: a 512 KB zstd frame whose header states 16 GiB made decode and intact allocate
+    that; a chunk object made a FIFO hung the file store's reader; a nesting bomb escaped every handler
+    as RecursionError; a later version's unknown block was parsed at ~20x its size."""
+    import zstandard
+
+    from cedana_airflow.format import chunking
+    from cedana_airflow.format.manifest import parse_manifest
+
+    s, cfg = store
+    huge = zstandard.ZstdCompressor(level=1).compress(bytes(64 << 20))  # states 64 MiB in its header
+    tracemalloc.start()
+    with pytest.raises(CorruptCheckpoint, match="its frame declares 67108864 bytes, more than the 4096"):
+        chunking.decode(b"\x01" + huge, "0" * 64, 4096)
+    assert tracemalloc.get_traced_memory()[1] < 8 << 20  # never allocated what the header says
+    tracemalloc.stop()
+    m = _saved(s, cfg, tmp_path)
+    digest = m.files[0].chunks[0].digest
+    chunk = tmp_path / "store" / "chunks" / digest[:2] / digest
+    chunk.unlink()
+    os.mkfifo(chunk)
+    with pytest.raises(CorruptCheckpoint, match="is not a regular file"):
+        s.get_chunk(digest)  # at once: a FIFO is never waited on
+    with pytest.raises(ValueError, match="nests deeper than a reader parses"):
+        parse_manifest("[" * 200_000 + "]" * 200_000)
+    doc = json.loads(m.to_json())
+    doc.update(format_version=4, required=[], later={"x": ["y" * 1000] * 2000})
+    with pytest.raises(CorruptCheckpoint, match="blocks this reader does not know take more than 1048576 bytes"):
+        parse_manifest(json.dumps(doc))
