@@ -125,7 +125,8 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
                                  "(docs/cooperative.md).", why)
                 return self._run_unprotected(argv, self._workload_env(context, None, setup.settings), setup.settings)
             setup = _with_stop_window(setup)
-            node_key(setup.settings)  # fail closed now, before the workload starts: one line naming the key
+            key = node_key(setup.settings)  # fail closed now, before the workload starts: one line naming the key
+            self.log.info("cedana: manifests are signed and verified with node key %s from %s", key.key_id, key.where)
             store = setup.store()
 
         cid, settings = setup.checkpoint_id, setup.settings

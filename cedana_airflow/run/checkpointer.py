@@ -134,6 +134,7 @@ class Checkpointer:
         # Read once: a heartbeat must not fail on a moved file. No key fails here, before anything starts.
         self.node_key = node_key(settings)
         self._key = self.node_key.key
+        log.debug("manifests are signed and verified with node key %s from %s", self.node_key.key_id, self.node_key.where)
         self.skipped = 0  # heartbeats skipped as too large
         self._on_phase = on_phase
         self.lease = lease

@@ -312,8 +312,19 @@ def test_a_checkpoint_of_a_later_version_restores_unless_it_needs_a_block_this_v
     *_, older, newest = manifests(tmp_path / "store", "later")
 
     def rewrite(doc: dict, **blocks) -> None:
+        """As a later version's writer on a node with the same key writes it: signed, its blocks too."""
+        from conftest import node_key_bytes
+
+        from cedana_airflow.format.manifest import parse_manifest
+        from cedana_airflow.format.signing import sign
+
         path = tmp_path / "store" / "later" / f"{doc['seq']:010d}" / "manifest.json"
-        path.write_text(json.dumps({**doc, "format_version": 7, "writer": "cedana-airflow 0.9.0", **blocks}))
+        later = {k: v for k, v in doc.items() if k != "signature"}
+        later.update(format_version=7, writer="cedana-airflow 0.9.0", **blocks)
+        if "zstd_dictionary" in later["required"]:  # this version cannot parse it: written as such a writer would
+            path.write_text(json.dumps(later))
+            return
+        path.write_bytes(sign(parse_manifest(json.dumps(later)), node_key_bytes()).to_json())
 
     rewrite(older, required=[], telemetry={"gpu_watts": 300})
     rewrite(newest, required=["zstd_dictionary"], zstd_dictionary={"id": 3})

@@ -20,7 +20,7 @@ from cedana_airflow.run.checkpointer import Checkpointer
 from cedana_airflow.run.workload import Workload
 from cedana_airflow.store import open_store
 from cedana_airflow.store.transfer import CheckpointMeta, fetch_checkpoint, load_manifests, save_checkpoint
-from conftest import TRAIN, uninterrupted_digest
+from conftest import TRAIN, node_key_bytes, uninterrupted_digest
 
 pytestmark = pytest.mark.integration
 
@@ -33,12 +33,14 @@ from pathlib import Path
 from cedana_airflow.config import load_settings
 from cedana_airflow.format.manifest import ProcessInfo
 from cedana_airflow.store import open_store
+from cedana_airflow.keys import node_key
 from cedana_airflow.store.transfer import CheckpointMeta, save_checkpoint
 url, image_dir, process = sys.argv[1], Path(sys.argv[2]), ProcessInfo.model_validate_json(sys.argv[3])
 store = open_store(url, load_settings(environ={}))
 cfg = store.open(create=True, chunk_avg_bytes=1 << 20)
 print("uploading", flush=True)
-save_checkpoint(store, cfg, CheckpointMeta("job", "node-a", "4.1.1", process, try_number=1), image_dir)
+save_checkpoint(store, cfg, CheckpointMeta("job", "node-a", "4.1.1", process, try_number=1), image_dir,
+                signing_key=node_key(load_settings(environ={})).key)  # as a supervisor signs
 print("committed", flush=True)
 """
 
@@ -77,7 +79,7 @@ def test_sigkilled_uploads_never_leave_a_partial_latest(tmp_path, bucket, s3_env
         store = open_store(url, load_settings(environ={}))
         cfg = store.open(create=True, chunk_avg_bytes=1 << 20)
         previous = save_checkpoint(store, cfg, CheckpointMeta("job", "node-a", "4.1.1", process, try_number=1),
-                                   base.image_dir)
+                                   base.image_dir, signing_key=node_key_bytes())
         t0 = time.monotonic()
         up = subprocess.Popen([sys.executable, "-c", UPLOADER, url, str(newer.image_dir), process.model_dump_json()],
                               stdout=subprocess.PIPE, text=True)
