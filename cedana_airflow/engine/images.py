@@ -291,6 +291,7 @@ ROOT_CREDS = TreeCreds(0, 0)
 # thread_core_entry.creds = 10. creds.proto, creds_entry: fsuid = 7, fsgid = 8, groups = 14 (repeated).
 _PSTREE_PID, _PSTREE_THREADS = 1, 5
 _CORE_THREAD, _THREAD_CREDS = 5, 10
+_CORE_TC, _TC_STATE, _TASK_DEAD = 3, 1, 2  # core_entry.tc.task_state; TASK_DEAD: a zombie (cr-dump.c)
 _FSUID, _FSGID, _GROUPS = 7, 8, 14
 
 
@@ -324,6 +325,12 @@ def read_creds(image_dir: Path) -> TreeCreds | None:
         for task in tasks:
             t = message_values(task)
             pid = _int(t, _PSTREE_PID)
+            if pid is not None and (main := image_messages(image_dir / f"core-{pid}.img")):
+                tc = _bytes(message_values(main[0]), _CORE_TC)
+                if tc is not None and _int(message_values(tc), _TC_STATE) == _TASK_DEAD:
+                    # A zombie holds no file and comes back a zombie; CRIU 4.2 writes no thread ID of
+                    # its own for it (pstree.c: threads[0].ns[0].virt is never set), so none is read.
+                    continue
             for tid in _uints(t, _PSTREE_THREADS) or ([pid] if pid is not None else []):
                 core = image_messages(image_dir / f"core-{tid}.img")
                 thread = _bytes(message_values(core[0]), _CORE_THREAD) if core else None

@@ -335,3 +335,29 @@ def test_a_checkpoint_of_a_later_version_restores_unless_it_needs_a_block_this_v
     *out, last = r.stdout.splitlines()
     assert json.loads(last)["restored_from"]["seq"] == older["seq"]
     assert out[-1] == uninterrupted_digest(*args)
+
+
+ZOMBIE = """
+import os, sys, time
+if os.fork() == 0:
+    os._exit(0)  # never reaped: a zombie in every checkpoint
+for i in range(int(sys.argv[1])):
+    print(f"step {i}", flush=True)
+    time.sleep(0.1)
+print("done", flush=True)
+"""
+
+
+def test_a_tree_holding_a_zombie_resumes_on_another_node(tmp_path):
+    """CRIU 4.2 writes a zombie's thread ID into pstree.img without setting it; reading the tree's
+    credentials (issue 48) looked for core-<that garbage>.img and refused every checkpoint (seen in CI)."""
+    script = tmp_path / "zombie.py"
+    script.write_text(ZOMBIE)
+    proc = start_cli("run", "--id", "zombie", "--heartbeat", "0.5", "--", sys.executable, str(script), "40",
+                     env=cli_env(tmp_path, "node-a", "work-a"), out=tmp_path / "a")
+    ms = wait_for_checkpoints(tmp_path / "store", "zombie", 1, proc)
+    kill_node(proc, ms[0]["process"]["pid"])
+    r = cli("restore", "--id", "zombie", env=cli_env(tmp_path, "node-b", "work-b"))
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    assert out[-1] == "done" and int(out[0].split()[1]) > 0, out[:3]  # it went on from its checkpoint
