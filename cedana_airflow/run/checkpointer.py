@@ -111,6 +111,23 @@ def check_owner(store: Store, checkpoint_id: str, trust: Trust) -> None:
         return
 
 
+#: Free space a fetch leaves on the work dir's file system at least (CRIU's logs, a pidfile, the page cache).
+ROOM_MARGIN_BYTES = 64 << 20
+
+
+def _room_for(m: Manifest, sparse: frozenset[str], restore_dir: Path) -> None:
+    """A node whose work dir cannot hold what the fetch writes fails the try before the first get, naming
+    both (a disk filling mid-fetch failed every candidate the same way, then started fresh)."""
+    state = m.cooperative.files if m.cooperative is not None else ()
+    needed = (sum(f.size for f in m.files if f.name not in sparse) + sum(c.size for c in m.captured)
+              + sum(f.size for f in state))
+    st = os.statvfs(restore_dir)
+    free = st.f_bavail * st.f_frsize
+    if needed + ROOM_MARGIN_BYTES > free:
+        raise NodeInTheWay(f"checkpoint {m.checkpoint_id} seq={m.seq} needs {needed} bytes in {restore_dir}, whose file "
+                           f"system has {free} free: free space there (work_dir), or let the retry run on another node")
+
+
 class Checkpointer:
     """Checkpoints and restores under one checkpoint ID, as ``settings`` say (node, compression,
     retention, size limit, progress display, whether local dumps are kept). With a ``lease`` (held
@@ -560,13 +577,14 @@ class Checkpointer:
         stream = None
         self.timeline.facts["mode"] = mode  # before the tree can print: a lazy timeline is complete only with its pages in
         streamed = mode == "full" and self._stream_full()
+        sparse = lazy_files(m) if mode == "lazy" else streamed_files(m) if streamed else frozenset()
         try:
+            _room_for(m, sparse, restore_dir)
             with self._phase("fetch"):
                 with self.timeline.span("fetch"):  # the images fetched whole (all, in a plain full restore)
                     fetch_checkpoint(self.store, m, restore_dir / "images", self.settings.progress,
                                      max_chunk_bytes=MAX_CHUNK_FACTOR * self.store_cfg.chunk_avg_bytes,
-                                     leave_sparse=lazy_files(m) if mode == "lazy" else streamed_files(m) if streamed
-                                     else frozenset(), reader=self.node)
+                                     leave_sparse=sparse, reader=self.node)
                 if mode == "lazy":
                     feed = LazyFeed(self.engine, self.store, m, restore_dir / "images", hot,
                                     keep_dir=self.settings.keep_local, via=self.settings.lazy_pages_via,

@@ -14,7 +14,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from ..format.layout import CHUNKS, checkpoint_prefix, chunk_digest, is_temp, manifest_key
@@ -53,16 +53,23 @@ def prune_checkpoints(store: Store, checkpoint_id: str, keep: int,
     return kept, removed
 
 
-def delete_checkpoint_id(store: Store, checkpoint_id: str) -> int:
-    """Remove every checkpoint of an ID (its task succeeded); return how many."""
+def delete_checkpoint_id(store: Store, checkpoint_id: str, seqs: Collection[int] | None = None) -> int:
+    """Remove every checkpoint of an ID (its task succeeded), or only ``seqs`` (those a user was allowed
+    to delete: one written since is another's to judge); return how many."""
     validate_checkpoint_id(checkpoint_id)
-    seqs = store.list_seqs(checkpoint_id)
-    for seq in seqs:
+    chosen = store.list_seqs(checkpoint_id) if seqs is None else sorted(seqs)
+    for seq in chosen:
         store.delete(manifest_key(checkpoint_id, seq))
     delete_restores(store, checkpoint_id)  # its history goes with it: nothing is left to resume
-    index.forget(store, checkpoint_id)
-    log.info("checkpoints deleted checkpoint_id=%s removed=%d", checkpoint_id, len(seqs))
-    return len(seqs)
+    left = load_manifests(store, checkpoint_id) if seqs is not None else []
+    if left:  # written meanwhile: kept, and listed as what is left
+        log.warning("checkpoint ID %s: %d checkpoint(s) written after the delete was allowed are kept",
+                    checkpoint_id, len(left))
+        index.record_checkpoint(store, left[0], left)
+    else:
+        index.forget(store, checkpoint_id)
+    log.info("checkpoints deleted checkpoint_id=%s removed=%d", checkpoint_id, len(chosen))
+    return len(chosen)
 
 
 @dataclass(frozen=True)

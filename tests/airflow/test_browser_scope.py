@@ -175,3 +175,34 @@ def test_index_rows_written_before_they_named_their_dag_are_read_from_the_manife
     [x] = list_store(store)
     assert x.source == "manifests" and [r.dag_id for r in x.checkpoints] == ["dag_b", "dag_b", "dag_a"]
     assert [c["seq"] for c in _listed("alice@dag_a")["checkpoints"]] == [3]
+
+
+def test_a_checkpoint_written_after_a_delete_was_allowed_is_kept(store, monkeypatch):
+    """Review of issue 48 (L5): the permission was judged on the items read, then every seq present at
+    delete time went, so another DAG's checkpoint committed in between was deleted by a user who may
+    not even read it."""
+    monkeypatch.setattr(browser_app, "_audit", lambda *args: None)
+    store.delete(next(o.key for o in store.list_objects(f"{X}/restores/") if b"the CLI's" in (store.get(o.key) or b"")))
+    judged = browser_app._detail
+
+    def then_another_commits(s, cid, user):  # what a supervisor of dag_c does between the read and the delete
+        detail = judged(s, cid, user)
+        cfg = s.open(create=False, chunk_avg_bytes=64 << 10)
+        m = load_manifests(s, X)[0]
+        save_checkpoint(s, cfg, CheckpointMeta(X, "node-9", "4.1.1", m.process, try_number=3,
+                                               airflow=m.airflow.model_copy(update={"dag_id": "dag_c"})),
+                        _images(s))
+        return detail
+
+    monkeypatch.setattr(browser_app, "_detail", then_another_commits)
+    done = browser_app.api_delete(X, user=_user("dan@dag_a+dag_b"))
+    assert json.loads(bytes(done.body))["deleted_checkpoints"] == 3
+    assert [m.airflow.dag_id for m in load_manifests(store, X)] == ["dag_c"]  # not dan's to delete
+    assert [r.seq for r in index.read_entry(store, X).checkpoints] == [4]
+
+
+def _images(s: Store) -> Path:
+    d = Path(s.root) / ".." / "img-late"
+    d.mkdir(exist_ok=True)
+    (d / "pages-1.img").write_bytes(os.urandom(4096))
+    return d

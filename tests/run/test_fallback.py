@@ -70,3 +70,20 @@ def test_a_checkpoint_criu_refuses_keeps_the_log_its_message_names(tmp_path):
     assert log, str(e.value)
     assert Path(log.group(1)).is_file()  # the log the message points to is there to read
     assert not list((tmp_path / "work").rglob("pages-1.img"))  # the images are not
+
+
+def test_a_work_dir_without_room_for_the_fetch_ends_the_try_naming_both_and_keeps_the_checkpoint(tmp_path, monkeypatch):
+    """Review of issue 48: nothing checked free disk before a fetch; a full disk failed every candidate
+    the same way mid-fetch, and the run started fresh, burying the checkpoint."""
+    import types
+
+    from cedana_airflow.errors import NodeInTheWay
+    from cedana_airflow.run import checkpointer
+
+    store, cfg, _ = _one_checkpoint(tmp_path)
+    full = types.SimpleNamespace(f_bavail=10, f_frsize=4096)  # 40 KB free
+    monkeypatch.setattr(checkpointer.os, "statvfs", lambda path: full)
+    with pytest.raises(NodeInTheWay, match=r"checkpoint job seq=1 needs \d+ bytes in .*restore-\d+-1-\w+, whose file "
+                       r"system has 40960 free: free space there \(work_dir\), or let the retry run on another node"):
+        _checkpointer(tmp_path, store, cfg).restore(cwd=str(tmp_path))
+    assert not list((tmp_path / "work").glob("restore-*/images"))  # nothing was fetched

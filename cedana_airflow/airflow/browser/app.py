@@ -191,7 +191,8 @@ def api_delete(checkpoint_id: str, user: User) -> JSONResponse:
         refused = _may_not_delete(checkpoint_id, detail.dags, user)
         if refused:
             raise HTTPException(403, refused)
-        removed = delete_checkpoint_id(store, checkpoint_id)
+        # only what was judged: a checkpoint written since (another DAG's, maybe) is not this user's to take
+        removed = delete_checkpoint_id(store, checkpoint_id, detail.seqs)
     except CedanaError as e:
         return JSONResponse({"detail": _store_problem(e)}, status_code=503)
     store_cache.clear()

@@ -47,6 +47,7 @@ class IdDetail:
     restores: tuple[RestoreRecord, ...]  # oldest first; likewise
     partial: bool = False  # items of DAGs the user may not read were left out
     dags: frozenset[str | None] = frozenset()  # every DAG named under the ID, left-out items' too (delete needs each)
+    seqs: frozenset[int] = frozenset()  # every checkpoint read now, shown or not: what a delete judged, and takes
 
 
 def dag_of(x: Manifest | RestoreRecord | IdListing) -> str | None:
@@ -129,6 +130,7 @@ def id_detail(store: Store, listing: IdListing, may_read: MayRead) -> IdDetail:
     """One ID (``listing`` as the store lists it, not scoped), each manifest and restore record shown
     by its own DAG; read now, so a manifest newer than the listing is judged by itself too."""
     may_read = cache(may_read)
+    seqs = frozenset(store.list_seqs(listing.checkpoint_id))  # before the reads: a later one is not judged
     ms = sorted(load_manifests(store, listing.checkpoint_id), key=lambda m: (m.try_number, m.seq))
     rs = list_restores(store, listing.checkpoint_id)
     shown_ms = tuple(m for m in ms if may_read(dag_of(m)))
@@ -139,7 +141,7 @@ def id_detail(store: Store, listing: IdListing, may_read: MayRead) -> IdDetail:
         x = IdListing(x.checkpoint_id, x.checkpoints, source=x.source, restores=len(shown_rs),
                       airflow=next((m.airflow for m in reversed(shown_ms) if m.airflow), x.airflow))
     dags = _dags(listing) | {dag_of(m) for m in ms} | {dag_of(r) for r in rs}
-    return IdDetail(x, shown_ms, shown_rs, partial, frozenset(dags))
+    return IdDetail(x, shown_ms, shown_rs, partial, frozenset(dags), seqs)
 
 
 @dataclass(frozen=True)
