@@ -312,9 +312,10 @@ def open_dir(directory: PurePosixPath, roots: Sequence[PurePosixPath], *, create
 def _refused(m: Manifest, what: str) -> CorruptCheckpoint:
     if NEVER_WRITES in what:  # no setting lifts it: naming one would mislead
         return CorruptCheckpoint(f"checkpoint {m.checkpoint_id} seq {m.seq} is refused: {what}")
+    # an unsigned one got here only under allow_unsigned: its writer holds no key, and signing is ours to do
     fix = ("add the directory to restore_roots (CEDANA_RESTORE_ROOTS)" if m.signature is not None else
-           "sign manifests (signing_key_file or CEDANA_SIGNING_KEY on every node; under Airflow they are signed "
-           "by default) or add the directory to restore_roots (CEDANA_RESTORE_ROOTS)")
+           "add the directory to restore_roots (CEDANA_RESTORE_ROOTS); it is unsigned: a checkpoint a node "
+           "signed with the node key goes back where it was")
     return CorruptCheckpoint(
         f"checkpoint {m.checkpoint_id} seq {m.seq} is refused: {what}. If this node should write there, {fix}; "
         "otherwise the store holds a manifest nobody here wrote")

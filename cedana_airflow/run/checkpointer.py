@@ -115,17 +115,25 @@ def check_owner(store: Store, checkpoint_id: str, trust: Trust) -> None:
 ROOM_MARGIN_BYTES = 64 << 20
 
 
-def _room_for(m: Manifest, sparse: frozenset[str], restore_dir: Path) -> None:
+def _room_for(m: Manifest, sparse: frozenset[str], restore_dir: Path, max_chunk_bytes: int) -> None:
     """A node whose work dir cannot hold what the fetch writes fails the try before the first get, naming
-    both (a disk filling mid-fetch failed every candidate the same way, then started fresh)."""
+    both (a disk filling mid-fetch failed every candidate the same way, then started fresh). Only for
+    sizes a signature vouches for: an unsigned manifest's are its writer's word, refused like a corrupt
+    one (the restore falls back), so that a store writer cannot end every try; a chunk larger than any
+    the store holds is the fetch's to refuse."""
+    if any(c.size > max_chunk_bytes for c in m.chunk_refs()):
+        return
     state = m.cooperative.files if m.cooperative is not None else ()
     needed = (sum(f.size for f in m.files if f.name not in sparse) + sum(c.size for c in m.captured)
               + sum(f.size for f in state))
     st = os.statvfs(restore_dir)
     free = st.f_bavail * st.f_frsize
     if needed + ROOM_MARGIN_BYTES > free:
-        raise NodeInTheWay(f"checkpoint {m.checkpoint_id} seq={m.seq} needs {needed} bytes in {restore_dir}, whose file "
-                           f"system has {free} free: free space there (work_dir), or let the retry run on another node")
+        why = (f"checkpoint {m.checkpoint_id} seq={m.seq} needs {needed} bytes in {restore_dir}, whose file system has "
+               f"{free} free")
+        if m.signature is None:
+            raise CorruptCheckpoint(f"{why}, by what its unsigned manifest declares")
+        raise NodeInTheWay(f"{why}: free space there (work_dir), or let the retry run on another node")
 
 
 class Checkpointer:
@@ -579,7 +587,7 @@ class Checkpointer:
         streamed = mode == "full" and self._stream_full()
         sparse = lazy_files(m) if mode == "lazy" else streamed_files(m) if streamed else frozenset()
         try:
-            _room_for(m, sparse, restore_dir)
+            _room_for(m, sparse, restore_dir, MAX_CHUNK_FACTOR * self.store_cfg.chunk_avg_bytes)
             with self._phase("fetch"):
                 with self.timeline.span("fetch"):  # the images fetched whole (all, in a plain full restore)
                     fetch_checkpoint(self.store, m, restore_dir / "images", self.settings.progress,

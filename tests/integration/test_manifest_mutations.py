@@ -1,10 +1,11 @@
 """Mutation test of the restore against a hostile store writer (issue 11, "done when").
 
-A few hundred manifests, each the store's newest checkpoint with one field changed at random (paths,
+A hundred and fifty manifests (every kind of mutation a dozen times), each the store's newest checkpoint with one field changed at random (paths,
 modes, sizes, names, digests, seq, cwd, version), are restored by the real Checkpointer with real
 CRIU. Each must end as one of our errors with a one-line message (after falling back to the older
 checkpoint), nothing may be written outside the restore roots, and no process may be left behind.
-The images are random bytes, so no mutation can restore: CRIU refuses whatever gets that far.
+The images are random bytes but for a root tree's pstree and core (so files are placed as for a real
+tree), so no mutation can restore: CRIU refuses whatever gets that far.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import copy
 import json
 import os
 import random
+import struct
 from pathlib import Path
 
 import pytest
@@ -28,14 +30,30 @@ from conftest import own_processes
 
 pytestmark = pytest.mark.integration
 
-MUTATIONS = 300
+MUTATIONS = 150
+
+
+def _msg(*fields: tuple[int, int | bytes]) -> bytes:
+    from conftest import varint
+
+    out = b""
+    for num, v in fields:
+        out += varint(num << 3) + varint(v) if isinstance(v, int) else varint(num << 3 | 2) + varint(len(v)) + v
+    return out
+
+
+def _image(*entries: bytes) -> bytes:
+    return struct.pack("<II", 0x54564319, 0x1) + b"".join(struct.pack("<I", len(e)) + e for e in entries)
 
 
 def _checkpoint(store, cfg, tmp_path: Path, root: Path, n: int) -> dict:
     images = tmp_path / f"img{n}"
     images.mkdir()
-    for name in ("pages-1.img", "core-1.img"):
-        (images / name).write_bytes(os.urandom(3000))
+    (images / "pages-1.img").write_bytes(os.urandom(3000))
+    # a root tree's pstree and core (what read_creds reads before placing files), the rest random: CRIU
+    # refuses whatever gets that far, after the files were placed as root would place them
+    (images / "pstree.img").write_bytes(_image(_msg((1, 1), (2, 0), (3, 1), (4, 1), (5, 1))))
+    (images / "core-1.img").write_bytes(_image(_msg((1, 1), (5, _msg((1, 0), (10, _msg((7, 0), (8, 0))))))))
     copy_ = tmp_path / f"copy{n}"
     copy_.write_bytes(b"step 1\n")
     proc = ProcessInfo(pid=1, command=("python", "train.py"), cwd=str(root), stdout_pipe="pipe:[1]", stderr_pipe="pipe:[2]")

@@ -74,16 +74,27 @@ def test_a_checkpoint_criu_refuses_keeps_the_log_its_message_names(tmp_path):
 
 def test_a_work_dir_without_room_for_the_fetch_ends_the_try_naming_both_and_keeps_the_checkpoint(tmp_path, monkeypatch):
     """Review of issue 48: nothing checked free disk before a fetch; a full disk failed every candidate
-    the same way mid-fetch, and the run started fresh, burying the checkpoint."""
+    the same way mid-fetch, and the run started fresh, burying the checkpoint. Sizes only a signature
+    vouches for end the try: an unsigned manifest's (allow_unsigned) are refused like a corrupt one."""
     import types
+
+    from conftest import node_key_bytes
 
     from cedana_airflow.errors import NodeInTheWay
     from cedana_airflow.run import checkpointer
 
-    store, cfg, _ = _one_checkpoint(tmp_path)
+    store, cfg, _ = _one_checkpoint(tmp_path)  # seq 1, unsigned
+    images = tmp_path / "img"
+    proc = ProcessInfo(pid=1, command=("x",), cwd=str(tmp_path), stdout_pipe="pipe:[1]", stderr_pipe="pipe:[2]")
+    save_checkpoint(store, cfg, CheckpointMeta("job", "node-a", "4.1.1", proc), images, signing_key=node_key_bytes())
     full = types.SimpleNamespace(f_bavail=10, f_frsize=4096)  # 40 KB free
     monkeypatch.setattr(checkpointer.os, "statvfs", lambda path: full)
-    with pytest.raises(NodeInTheWay, match=r"checkpoint job seq=1 needs \d+ bytes in .*restore-\d+-1-\w+, whose file "
+    engine = CriuEngine(find_criu("", Path(DEFAULT_CRIU_PREFIX)))
+    with pytest.raises(NodeInTheWay, match=r"checkpoint job seq=2 needs \d+ bytes in .*restore-\d+-2-\w+, whose file "
                        r"system has 40960 free: free space there \(work_dir\), or let the retry run on another node"):
-        _checkpointer(tmp_path, store, cfg).restore(cwd=str(tmp_path))
+        Checkpointer(engine, store, cfg, "job", Settings(node="node-b"), work_dir=tmp_path / "work").restore(
+            cwd=str(tmp_path))
     assert not list((tmp_path / "work").glob("restore-*/images"))  # nothing was fetched
+    store.delete("job/0000000002/manifest.json")  # left: the unsigned one, on a node that accepts such
+    with pytest.raises(CorruptCheckpoint, match=r"seq=1 needs \d+ bytes .* by what its unsigned manifest declares"):
+        _checkpointer(tmp_path, store, cfg).restore(cwd=str(tmp_path))
