@@ -480,7 +480,11 @@ def udp_client(tmp_path: Path) -> None:
         node.lose(node.checkpoints_after_first_step(2))
         r = _resume(tmp_path, "udp-client", cmd, _env(tmp_path, "node-b"), tmp_path / "job")
         _assert_continued(r, "udp-client", reference)
-        assert "no answer" not in r.stderr and "restore closes" not in r.stderr, r.stderr[-2000:]
+        # A datagram in flight when the tree froze is lost, as UDP loses any (the answer reached the
+        # old process): one resend, of the exchange the restored process resumes in, and no other.
+        lost = [int(s) for s in re.findall(r"no answer \(\w+\) at step (\d+)", r.stderr)]
+        first = int(re.search(r"^step (\d+)/", r.stdout, re.M).group(1))
+        assert lost in ([], [first]) and "restore closes" not in r.stderr, r.stderr[-2000:]
     finally:
         echo.close()
 

@@ -17,9 +17,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         global hits
-        if self.path == "/quit":
+        quitting = self.path == "/quit"
+        if quitting:
             body = f"bye after {hits}\n".encode()
-            threading.Thread(target=server.shutdown).start()
         else:
             hits += 1
             body = f"hits {hits}\n".encode()
@@ -27,6 +27,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+        self.wfile.flush()
+        if quitting:  # after the answer is out: the server's threads die with the process
+            threading.Thread(target=server.shutdown).start()
 
     def log_message(self, *a: object) -> None:
         pass
