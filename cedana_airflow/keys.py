@@ -21,9 +21,12 @@ from pathlib import Path
 
 from .config import NODE_SETTINGS, Settings
 from .errors import ConfigError
+from .format.manifest import AirflowTask
 from .format.signing import key_id
+from .format.trust import Trust
 
-__all__ = ["DEFAULT_KEY_FILE", "NODE_SETTINGS", "NodeKey", "init_key", "legacy_keys", "node_key", "read_key_file"]
+__all__ = ["DEFAULT_KEY_FILE", "NODE_SETTINGS", "NodeKey", "init_key", "legacy_keys", "node_key", "node_trust",
+           "read_key_file"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,12 @@ def node_key(settings: Settings, *, default_file: Path | None = None) -> NodeKey
                               "signing_key_file.") from None
     made = init_key(path, exist_ok=True)
     return NodeKey(made.key, f"{path} (the default)")
+
+
+def node_trust(settings: Settings, owner: AirflowTask | None = None, key: NodeKey | None = None) -> Trust:
+    """What this node accepts from the store (format/trust.py): its key (``key``, else read now), the
+    legacy keys, allow_unsigned, and ``owner``, the task that restores (None: a restore by hand)."""
+    return Trust((key or node_key(settings)).key, legacy_keys(settings), settings.allow_unsigned, owner)
 
 
 def legacy_keys(settings: Settings) -> tuple[bytes, ...]:

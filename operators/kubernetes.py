@@ -22,8 +22,7 @@ from cedana_airflow.airflow.kube import (Route, apply_route, node_label_of, rest
 from cedana_airflow.airflow.task import CEDANA_TEMPLATE_FIELDS, CedanaTask, Placement, TaskSetup, airflow_errors
 from cedana_airflow.airflow.task_state import TaskState, airflow_task
 from cedana_airflow.config import Settings
-from cedana_airflow.format.trust import Trust
-from cedana_airflow.keys import legacy_keys, node_key
+from cedana_airflow.keys import node_trust
 from cedana_airflow.run.restore_gap import judge_settings
 from cedana_airflow.scope.optin import OptInList
 
@@ -128,7 +127,7 @@ class CedanaKubernetesPodOperator(CedanaTask, KubernetesPodOperator):
             return True  # no limit: the store is not read
         # only a checkpoint this worker's key vouches for is judged: a forged old one must not start the pod
         # fresh nor run lease_renew_command
-        trust = Trust(node_key(s).key, legacy_keys(s), s.allow_unsigned, airflow_task(context))
+        trust = node_trust(s, airflow_task(context))
         verdict = judge_settings(setup.store(), setup.checkpoint_id, s, include_gap=True,
                                  trusted=lambda m: trust.refusal(m) is None)
         for level, note in verdict.notes:

@@ -31,9 +31,8 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from cedana_airflow.airflow.config import task_settings
 from cedana_airflow.airflow.task import airflow_errors
-from cedana_airflow.format.trust import Trust
 from cedana_airflow.fsafe import UnsafePath, private_folder, read_bounded, replace_file, secure_base, unlink
-from cedana_airflow.keys import legacy_keys, node_key
+from cedana_airflow.keys import node_trust
 from cedana_airflow.operators.checkpointed import CheckpointedCommandOperator
 from cedana_airflow.store.transfer import load_manifests
 
@@ -209,7 +208,7 @@ class _CheckpointedDecoratedOperator(DecoratedOperator, CheckpointedCommandOpera
         setup: TaskSetup = super().cedana_setup(context, placement)
         if setup.in_scope and self._folder_path is not None:
             s = setup.settings
-            trust = Trust(node_key(s).key, legacy_keys(s), s.allow_unsigned)
+            trust = node_trust(s)
             for m in load_manifests(setup.store(), setup.checkpoint_id):
                 # only what a restore would accept: a store writer's manifest must not fail the task
                 if trust.signature_refusal(m) is None and _legacy(m.process.cwd, setup.checkpoint_id, self._folder_path):

@@ -7,8 +7,7 @@ from typing import Any
 
 from ..config import Settings
 from ..errors import ConfigError, EngineUnavailable
-from ..format.trust import Trust
-from ..keys import legacy_keys, node_key
+from ..keys import node_trust
 from ..run.runner import make_engine
 from ..scope.optin import load_optin
 from ..store.base import Store, StoreConfig
@@ -36,9 +35,8 @@ def run_drill(mode: str, store: Store, cfg: StoreConfig, settings: Settings, *, 
     if mode == "live":
         if fleet is None:
             raise ConfigError(LIVE_NEEDS_AIRFLOW)
-        trust = Trust(node_key(settings).key, legacy_keys(settings), settings.allow_unsigned)
-        report = live(store, fleet, load_optin(settings.optin_file).drills, node=settings.resolved_node(), trust=trust,
-                      **params)
+        report = live(store, fleet, load_optin(settings.optin_file).drills, node=settings.resolved_node(),
+                      trust=node_trust(settings), **params)
     elif mode == "canary":
         make_engine(settings)  # a canary needs CRIU here: say so before anything starts
         report = canary(store, settings, **params)

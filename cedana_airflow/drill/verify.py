@@ -34,7 +34,7 @@ from ..errors import CedanaError
 from ..format.chunking import MAX_CHUNK_FACTOR
 from ..format.manifest import Manifest
 from ..format.trust import Trust
-from ..keys import legacy_keys, node_key
+from ..keys import node_trust
 from ..run.environment import workload_env
 from ..store.base import Store, StoreConfig
 from ..store.listing import list_store
@@ -126,7 +126,7 @@ def verify(store: Store, cfg: StoreConfig, settings: Settings, engine: CriuEngin
     chosen = sorted(random.Random(seed).sample(candidates, min(sample, len(candidates))))
     if not chosen:
         problems.append(f"no checkpoint ID in {store.url} matches {ids!r}: nothing was verified")
-    trust = Trust(node_key(settings).key, legacy_keys(settings), settings.allow_unsigned)
+    trust = node_trust(settings)
     work = scratch_dir(settings, "cedana-verify-")
     try:
         own = tuple(shlex.split(settings.cooperative_verify_command))

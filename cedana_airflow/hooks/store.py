@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from ..config import Settings
@@ -12,8 +11,6 @@ from ..store import Store, open_store
 from ..store.s3 import client_config
 
 __all__ = ["named_connection", "task_store", "s3_client_for"]
-
-log = logging.getLogger(__name__)
 
 
 def s3_client_for(aws_conn_id: str, settings: Settings) -> Any:

@@ -36,14 +36,14 @@ from ..format.selection import AgeLimit, limits_exceeded
 from ..format.limits import restore_refusal
 from ..format.trust import Trust
 from ..ids import validate_checkpoint_id
-from ..keys import legacy_keys, node_key
+from ..keys import NodeKey, node_key, node_trust
 from ..store import index
 from ..store.base import Store, StoreConfig
 from ..store.gc import prune_checkpoints
 from ..store.transfer import (CapturedSource, CheckpointMeta, fetch_checkpoint, load_manifests, require_latest,
                               save_checkpoint)
 from ..store.writer_lease import WriterLease
-from .captured import NOBODY, CapturedFilesBack, ensure_cwd, node_denied, refusal, restore_roots
+from .captured import NOBODY, CapturedFilesBack, DenyList, ensure_cwd, node_denied, refusal, restore_roots
 from .cooperative import Cooperation
 from .estimate import captured_too_large, copies_too_large, dump_too_large, estimate_checkpoint, too_large
 from .gpu_state import GpuGate
@@ -148,7 +148,7 @@ class Checkpointer:
                  settings: Settings, *, work_dir: Path, try_number: int = 0, on_phase: PhaseHook | None = None,
                  lease: WriterLease | None = None, gpu: GpuGate | None = None,
                  airflow: AirflowTask | None = None, coop: Cooperation | None = None,
-                 start: StartCooperative | None = None, engine_why: str = "") -> None:
+                 start: StartCooperative | None = None, engine_why: str = "", key: NodeKey | None = None) -> None:
         self.engine, self.store, self.store_cfg = engine, store, store_cfg
         self.coop, self._start, self.engine_why = coop, start, engine_why
         self._route_said = ""  # the last "how heartbeats are taken" line said (auto mode), said once per change
@@ -156,8 +156,9 @@ class Checkpointer:
         self.checkpoint_id = validate_checkpoint_id(checkpoint_id)
         self.settings = settings
         self.node, self.work_dir, self.try_number = settings.resolved_node(), work_dir, try_number
-        # Read once: a heartbeat must not fail on a moved file. No key fails here, before anything starts.
-        self.node_key = node_key(settings)
+        # Read once (the runner's, when it read it): a heartbeat must not fail on a moved file. No key fails
+        # here, before anything starts.
+        self.node_key = key or node_key(settings)
         self._key = self.node_key.key
         log.debug("manifests are signed and verified with node key %s from %s", self.node_key.key_id, self.node_key.where)
         self.skipped = 0  # heartbeats skipped as too large
@@ -165,7 +166,7 @@ class Checkpointer:
         self.lease = lease
         self.gpu = gpu or GpuGate(settings)
         self.airflow = airflow  # the task instance that owns this ID, written into every manifest
-        self.trust = Trust(self._key, legacy_keys(settings), settings.allow_unsigned, airflow)
+        self.trust = node_trust(settings, airflow, self.node_key)
         self._lock = threading.Lock()
         self._count = 0
         self._known: set[str] = set()
@@ -370,8 +371,7 @@ class Checkpointer:
         # The working directory is the restoring command's own on a retry (the same task), so only the
         # captured files are judged.
         # the restore's own deny-list (_restore_from), read on this node: the restoring one is alike
-        denied = node_denied(self.settings, self.work_dir, getattr(self.store, "root", None),
-                             self.engine and os.path.dirname(self.engine.binary.path)) if m.captured else None
+        denied = self._denied() if m.captured else None
         refused = {c.path: why for c in m.captured if (why := refusal(c.path, roots, denied)) is not None}
         self._restorable_said = bool(m.captured)  # nothing captured yet: a later checkpoint's files are judged
         if not refused:
@@ -665,6 +665,11 @@ class Checkpointer:
         gap, beyond = limits_exceeded(m, datetime.now(timezone.utc), [AgeLimit("max_restore_gap", limit)])
         return f"seq {m.seq} is {gap:.0f} s old, beyond max_restore_gap = {limit:.0f} s" if beyond else None
 
+    def _denied(self) -> DenyList:
+        """This node's deny-list, with what this checkpointer holds: its work dir, store and CRIU."""
+        return node_denied(self.settings, self.work_dir, getattr(self.store, "root", None),
+                           self.engine and os.path.dirname(self.engine.binary.path))
+
     def trusted(self, m: Manifest) -> bool:
         """Whether this node would restore ``m``'s signature and owner (other checks come per restore)."""
         return self.trust.refusal(m) is None
@@ -724,8 +729,7 @@ class Checkpointer:
             creds = read_creds(dest) or NOBODY  # no pstree.img: CRIU refuses it first thing; until then, nobody
         except ValueError as e:
             raise CorruptCheckpoint(f"checkpoint {self.checkpoint_id} seq={m.seq} is refused: {e}") from None
-        denied = node_denied(self.settings, self.work_dir, getattr(self.store, "root", None),
-                             self.engine and os.path.dirname(self.engine.binary.path))
+        denied = self._denied()
         with CapturedFilesBack(m, dest / CAPTURED_DIR, roots, denied, creds) as files_back, \
                 preflight(dest, m, roots, denied, creds):
             ensure_cwd(m, roots, denied, creds)

@@ -34,9 +34,8 @@ from ..engine.criu import CriuEngine, find_criu
 from ..engine.procfs import has_cap_sys_admin
 from ..errors import CedanaError, CheckpointNotFound, ConfigError, CorruptCheckpoint, EngineUnavailable
 from ..format.manifest import AirflowTask, Manifest
-from ..format.trust import Trust
 from ..ids import validate_checkpoint_id
-from ..keys import legacy_keys, node_key
+from ..keys import node_key, node_trust
 from ..store import Store, index, open_store
 from ..store.gc import delete_checkpoint_id
 from ..store.restores import RestoreRecord, record_restore
@@ -157,8 +156,8 @@ def run_workload(
     store_cfg = store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
     # Another task's ID is refused before its lease is touched: a newer try of another task must not fence
     # the owner's running supervisor (read-only here; judged again once the lease is held, below).
-    trust = Trust(node_key(settings).key, legacy_keys(settings), settings.allow_unsigned, airflow)
-    check_owner(store, checkpoint_id, trust)
+    key = node_key(settings)  # read once for the run; no key fails here, before anything starts
+    check_owner(store, checkpoint_id, node_trust(settings, airflow, key))
     owner = f"{airflow.dag_id}/{airflow.task_id}/{airflow.map_index}" if airflow else ""
     lease = (WriterLease(store, checkpoint_id, node=settings.resolved_node(), try_number=try_number,
                          ttl_seconds=settings.writer_lease_seconds, owner=owner)
@@ -181,7 +180,7 @@ def run_workload(
                                   isolate=isolate)
 
         cp = Checkpointer(engine, store, store_cfg, checkpoint_id, settings, work_dir=work_dir, try_number=try_number,
-                          lease=lease, gpu=gpu, airflow=airflow, coop=coop,
+                          lease=lease, gpu=gpu, airflow=airflow, coop=coop, key=key,
                           start=start_cooperative, engine_why=engine_why)
         result = RunResult(exit_code=0, outcome="fresh")
         try:
