@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from local_parts import AIRFLOW, Deployment, Postgres, descendants, free_port, stop_parts, tail  # noqa: E402  (scripts/ is on sys.path)
+from local_parts import AIRFLOW, MOTO_S3, Deployment, Postgres, descendants, free_port, stop_parts, tail  # noqa: E402  (scripts/ is on sys.path)
 HERE = Path(__file__).resolve().parent
 BUCKET = "cedana-fleet"
 
@@ -100,7 +100,7 @@ class FleetStack(Deployment):
 
     def _moto(self) -> str:
         port = free_port()
-        self._start("s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=dict(os.environ))
+        self._start("s3", [*MOTO_S3, "-H", "127.0.0.1", "-p", str(port)], env=dict(os.environ))
         url = f"http://127.0.0.1:{port}"
 
         def up() -> bool:

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Self
 
-__all__ = ["AIRFLOW", "Deployment", "Postgres", "descendants", "free_port", "moto_server", "reap", "stop_parts",
+__all__ = ["AIRFLOW", "Deployment", "Postgres", "descendants", "free_port", "MOTO_S3", "moto_server", "reap", "stop_parts",
            "tail"]
 
 #: Airflow's CLI in this interpreter. ``-P``: the working directory stays off sys.path. Run from a
@@ -130,6 +130,10 @@ class Deployment:
         return self
 
 
+#: moto's S3 server with its conditional writes made atomic (moto_s3.py says why).
+MOTO_S3 = [sys.executable, str(Path(__file__).with_name("moto_s3.py"))]
+
+
 @contextlib.contextmanager
 def moto_server(host: str = "127.0.0.1", **env: str) -> Iterator[str]:
     """moto's S3 server as a subprocess on a free port of ``host`` (loopback unless a pod must reach it),
@@ -138,7 +142,7 @@ def moto_server(host: str = "127.0.0.1", **env: str) -> Iterator[str]:
     import urllib.request
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", host, "-p", str(port)],
+    proc = subprocess.Popen(MOTO_S3 + ["-H", host, "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
     url = f"http://{host}:{port}"
     try:

@@ -241,9 +241,10 @@ def test_an_unreachable_store_never_kills_the_workload(tmp_path):
     import subprocess as sp
 
     from conftest import _free_port
+    from local_parts import MOTO_S3
 
     port = _free_port()
-    moto = sp.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+    moto = sp.Popen([*MOTO_S3, "-H", "127.0.0.1", "-p", str(port)],
                     stdout=sp.DEVNULL, stderr=sp.DEVNULL)
     env = cli_env(tmp_path, "node-a", "work-a", CEDANA_STORE="s3://flaky/c", AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
                   AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
