@@ -20,6 +20,10 @@
         └── RestoreFailed            `criu restore` failed
     └── SlurmError                   a Slurm job could not be submitted or followed
         └── SlurmRefused             sbatch refused it (unknown partition, bad resources): retrying cannot help
+    └── Refused                      the node agent will not do this for this caller (not its workload, a
+                                     node setting, a malformed request); said in one line and audited
+    EngineUnavailable
+        └── AgentUnavailable         no node agent answers on this node's socket, or it is not ready
 
 Messages are one line: "<what failed>: <cause>. <fix>." and name the key, path or value involved.
 """
@@ -27,6 +31,7 @@ Messages are one line: "<what failed>: <cause>. <fix>." and name the key, path o
 from __future__ import annotations
 
 __all__ = [
+    "AgentUnavailable",
     "CedanaError",
     "CheckpointIdError",
     "CheckpointNotFound",
@@ -40,6 +45,7 @@ __all__ = [
     "GpuCheckpointFailed",
     "NodeInTheWay",
     "NotRestorableHere",
+    "Refused",
     "RestoreFailed",
     "SlurmError",
     "SlurmRefused",
@@ -118,6 +124,10 @@ class EngineUnavailable(EngineError):
     """The engine cannot run here: CRIU missing or too old, or not running as root."""
 
 
+class AgentUnavailable(EngineUnavailable):
+    """No node agent answers on this node's socket, or it answers that it is not ready (agent/)."""
+
+
 class DumpFailed(EngineError):
     """`criu dump` failed. With --leave-running the workload keeps running."""
 
@@ -155,5 +165,12 @@ class SlurmError(CedanaError):
 class SlurmRefused(SlurmError):
     """sbatch refused the job as asked (an unknown partition, impossible resources): the same
     submission fails again, so a retry cannot help."""
+
+    exit_code = 2
+
+
+class Refused(CedanaError):
+    """The node agent will not do this for this caller: a workload of another uid, a node setting in a
+    task's request, a malformed request. The agent audits it; retrying the same request cannot help."""
 
     exit_code = 2

@@ -24,6 +24,7 @@ LAYERS = [
     {"cedana_airflow.store", "cedana_airflow.engine", "cedana_airflow.keys"},
     {"cedana_airflow.node"},
     {"cedana_airflow.run", "cedana_airflow.scope", "cedana_airflow.slurm"},
+    {"cedana_airflow.agent"},
     {"cedana_airflow.drill"},
     {"cedana_airflow.hooks"},
     {"cedana_airflow.triggers"},

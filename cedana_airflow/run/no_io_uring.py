@@ -18,38 +18,56 @@ that then takes an io_uring is named at its first heartbeat (engine/fds.py).
 from __future__ import annotations
 
 import os
+import struct
 import sys
 from collections.abc import Mapping, Sequence
 
-__all__ = ["EXEC_WITHOUT_IO_URING", "without_io_uring"]
+__all__ = ["EXEC_WITHOUT_IO_URING", "KNOWN_MACHINES", "filter_program", "without_io_uring"]
 
-#: The wrapper: ``python -I -S -c EXEC_WITHOUT_IO_URING =LC_CTYPE|'' cmd args...`` installs the filter and
-#: execs cmd. Self-contained (it runs with no site-packages). The filter, in classic BPF over
-#: ``seccomp_data``: io_uring_setup (425 on every architecture it knows, 64-bit or 32-bit, or x32's
-#: 0x40000000 | 425) gets ENOSYS; every other call, and every call of an architecture it does not know
-#: (MIPS and Alpha number it otherwise), is allowed.
-EXEC_WITHOUT_IO_URING = r"""
-import ctypes, os, signal, struct, sys
-lc_ctype, argv = sys.argv[1], sys.argv[2:]  # "=VALUE" as the workload was given it, or "" for none
 # Every audit arch whose io_uring_setup is 425 (audit.h): x86_64, i386, aarch64, arm, ppc64le, ppc64,
 # s390x, s390, riscv64, loongarch64. The filter checks the arch of each call, not uname's, so a 32-bit
 # program (int 0x80, setarch i686) meets it too. x32 calls are x86_64's with bit 30 set; no other arch
 # has a call numbered that high.
-ARCHES = (0xC000003E, 0x40000003, 0xC00000B7, 0x40000028, 0xC0000015, 0x80000015, 0x80000016, 0x00000016,
-          0xC00000F3, 0xC0000102)
-KNOWN = ("x86_64", "i386", "i686", "aarch64", "armv7l", "armv8l", "ppc64le", "ppc64", "s390x", "riscv64",
-         "loongarch64")
+_ARCHES = (0xC000003E, 0x40000003, 0xC00000B7, 0x40000028, 0xC0000015, 0x80000015, 0x80000016, 0x00000016,
+           0xC00000F3, 0xC0000102)
+#: The machines (uname) the filter knows: elsewhere (MIPS and Alpha number the call otherwise) none is installed.
+KNOWN_MACHINES = ("x86_64", "i386", "i686", "aarch64", "armv7l", "armv8l", "ppc64le", "ppc64", "s390x", "riscv64",
+                  "loongarch64")
+
+
+def _program() -> list[tuple[int, int, int, int]]:
+    """The filter, in classic BPF over ``seccomp_data``: io_uring_setup (425 on every architecture it
+    knows, 64-bit or 32-bit, or x32's 0x40000000 | 425) gets ENOSYS; every other call, and every call
+    of an architecture it does not know, is allowed."""
+    ld, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
+    allow, enosys = 0x7FFF0000, 0x00050000 | 38  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | ENOSYS
+    n = len(_ARCHES)
+    prog = [(ld, 0, 0, 4)]  # seccomp_data.arch
+    prog += [(jeq, n - i, 0, a) for i, a in enumerate(_ARCHES)]  # a known arch: on to the number
+    prog += [(ret, 0, 0, allow), (ld, 0, 0, 0),  # seccomp_data.nr
+             (jeq, 2, 0, 425), (jeq, 1, 0, 0x40000000 | 425), (ret, 0, 0, allow), (ret, 0, 0, enosys)]
+    return prog
+
+
+def filter_program(machine: str | None = None) -> bytes | None:
+    """The filter as ``struct sock_filter`` bytes, for a process that installs it itself before it execs
+    the workload (the agent's shim); None on a machine it does not know."""
+    if (machine or os.uname().machine) not in KNOWN_MACHINES:
+        return None
+    return b"".join(struct.pack("HBBI", *i) for i in _program())
+
+
+#: The wrapper: ``python -I -S -c EXEC_WITHOUT_IO_URING =LC_CTYPE|'' cmd args...`` installs the filter and
+#: execs cmd. Self-contained (it runs with no site-packages): the program and the machines are literals.
+EXEC_WITHOUT_IO_URING = r"""
+import ctypes, os, signal, struct, sys
+lc_ctype, argv = sys.argv[1], sys.argv[2:]  # "=VALUE" as the workload was given it, or "" for none
+KNOWN = """ + repr(KNOWN_MACHINES) + r"""
 if os.uname().machine not in KNOWN:
     sys.stderr.write(f"cedana: io_uring is not refused to this workload (no filter for {os.uname().machine}); one "
                      "it takes cannot be checkpointed\n")
 else:
-    LD, JEQ, RET = 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
-    ALLOW, ENOSYS = 0x7FFF0000, 0x00050000 | 38  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | ENOSYS
-    n = len(ARCHES)
-    prog = [(LD, 0, 0, 4)]  # seccomp_data.arch
-    prog += [(JEQ, n - i, 0, a) for i, a in enumerate(ARCHES)]  # a known arch: on to the number
-    prog += [(RET, 0, 0, ALLOW), (LD, 0, 0, 0),  # seccomp_data.nr
-             (JEQ, 2, 0, 425), (JEQ, 1, 0, 0x40000000 | 425), (RET, 0, 0, ALLOW), (RET, 0, 0, ENOSYS)]
+    prog = """ + repr(_program()) + r"""
     raw = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in prog))
     class Prog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]

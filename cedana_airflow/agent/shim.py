@@ -1,0 +1,236 @@
+"""The shim: one small root process per workload, started by the node agent, that outlives it.
+
+Its invariants (each has a test in tests/agent/test_shim.py):
+
+- **A tree never outlives its caller.** The caller (the Airflow task process, a Slurm job, a CLI)
+  holds the other end of the *lifeline*; when it closes (the caller died) or asks, the shim kills the
+  tree's PID namespace.
+- **A tree never outlives its shim.** The namespace's init carries the parent-death signal SIGKILL.
+- **A workload never depends on the agent to live.** The agent's end of the control socket may close
+  at any time (a restart, a crash); the workload runs on and its exit still reaches the caller.
+- **The workload runs as its caller and no more**: the caller's uid, gid and groups, an empty
+  capability bounding set, ``no_new_privs`` (setuid programs gain nothing), the seccomp filter it is
+  given (the io_uring filter, run/no_io_uring.py), and its cwd entered as that uid (a directory the
+  caller cannot enter fails as it would for the caller). Nothing is executed before the uid changes.
+
+It runs as ``python -I -S shim.py`` with its control socket (``SOCK_SEQPACKET``, to the agent) as
+stdin, and imports nothing outside the standard library: it starts in ~20 ms and nothing a caller can
+write reaches its ``sys.path``. The first message on the control socket is the spec, with the fds
+``[lifeline, stdout, stderr]``::
+
+    {"op": "start", "uid": U, "gid": G, "groups": [...], "argv": [...], "env": {...}, "cwd": "/abs",
+     "seccomp": "<struct sock_filter program, hex>" | null}
+
+It says ``{"ev": "started", "pid": P}`` (the namespace init's host pid) to both the agent and the
+caller, then ``{"ev": "exit", "code": C, "cause": ...}`` once, where code is a shell's (128 + signal for
+a signal) and cause is ``exited``, ``killed`` (asked), ``caller-lost``, or ``exec`` (the command did not
+start: code 127 or 126, and a ``line`` naming why). The caller may send ``{"op": "kill"}``.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import errno
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+_CLONE_NEWPID = 0x20000000
+_PR_SET_PDEATHSIG, _PR_SET_SECCOMP, _PR_CAPBSET_DROP, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 1, 22, 24, 36, 38
+_SECCOMP_MODE_FILTER = 2
+_MAX_MESSAGE = 64 << 10  # protocol.MAX_MESSAGE (this file imports nothing of ours)
+
+
+def spawn(spec: Mapping[str, Any], lifeline: int, out_w: int, err_w: int) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    """Start a shim for ``spec`` (the agent's side): the shim's process and the agent's end of its control
+    socket. ``lifeline``, ``out_w`` and ``err_w`` are duplicated into it; the caller of this closes its own."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        proc = subprocess.Popen([sys.executable, "-I", "-S", __file__], stdin=theirs.fileno(), close_fds=True)
+    finally:
+        theirs.close()
+    _send(mine, {"op": "start", **spec}, (lifeline, out_w, err_w))
+    return proc, mine
+
+
+def _send(sock: socket.socket, msg: Mapping[str, Any], fds: Sequence[int] = ()) -> None:
+    data = json.dumps(msg, separators=(",", ":")).encode()
+    try:
+        if fds:
+            socket.send_fds(sock, [data], list(fds), socket.MSG_NOSIGNAL)
+        else:
+            sock.send(data, socket.MSG_NOSIGNAL)
+    except OSError:
+        pass  # that end is gone: it has nothing more to learn
+
+
+def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    """The next message (None at the end, or for one that is not a JSON object) and its fds."""
+    try:  # not socket.recv_fds, which drops MSG_CMSG_CLOEXEC (CPython 3.11): the fds would reach the workload
+        data, ancdata, _, _ = sock.recvmsg(_MAX_MESSAGE + 1, socket.CMSG_LEN(4 * 4), socket.MSG_CMSG_CLOEXEC)
+    except OSError:
+        return None, []
+    fds = [fd for level, kind, raw in ancdata if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+           for fd in array.array("i", raw[: len(raw) - len(raw) % 4])]
+    try:
+        msg = json.loads(data) if data else None
+    except ValueError:
+        msg = None
+    return (msg if isinstance(msg, dict) else None), fds
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _prctl(what: str, *args: int) -> None:
+    if _libc.prctl(*args, *([0] * (5 - len(args)))) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+class _Fprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def _become(spec: Mapping[str, Any], out_w: int, err_w: int, report_w: int, alive_r: int) -> None:
+    """In the namespace's init, from the fork to the exec: become the caller, then the command. Never
+    returns; a step that fails is written to ``report_w`` (close-on-exec: its end at the exec says it
+    started) and ends the child."""
+    step = "a session"
+    try:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 0)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        step = "dropping capabilities"
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            last = int(f.read())
+        for cap in range(last + 1):
+            _prctl(step, _PR_CAPBSET_DROP, cap)
+        step = "becoming the caller"
+        os.setgroups([int(g) for g in spec["groups"]])
+        os.setresgid(int(spec["gid"]), int(spec["gid"]), int(spec["gid"]))
+        os.setresuid(int(spec["uid"]), int(spec["uid"]), int(spec["uid"]))  # the permitted set goes with uid 0
+        _prctl("no_new_privs", _PR_SET_NO_NEW_PRIVS, 1)
+        # Set only now: a change of uid clears it. The shim may have died since the fork; its end of
+        # ``alive`` is then closed (EOF), and nothing may run without it.
+        _prctl("the parent-death signal", _PR_SET_PDEATHSIG, signal.SIGKILL)
+        if select.select([alive_r], [], [], 0)[0]:
+            os._exit(137)
+        if spec.get("seccomp"):
+            step = "the seccomp filter"
+            raw = ctypes.create_string_buffer(bytes.fromhex(spec["seccomp"]))
+            prog = _Fprog(len(raw.raw) // 8, ctypes.addressof(raw))
+            if _libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
+                err = ctypes.get_errno()
+                os.write(2, f"cedana: io_uring is not refused to this workload ({os.strerror(err)}); one it takes "
+                            "cannot be checkpointed\n".encode())
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # what CPython's start-up ignored, as the workload expects it
+            signal.signal(sig, signal.SIG_DFL)
+        step = f"entering {spec['cwd']}"
+        os.chdir(spec["cwd"])
+        step = str(spec["argv"][0])
+        os.execvpe(spec["argv"][0], list(spec["argv"]), dict(spec["env"]))
+    except OSError as e:
+        code = 127 if e.errno == errno.ENOENT and step == str(spec["argv"][0]) else 126
+        os.write(report_w, json.dumps({"code": code, "line": f"{step}: {e.strerror}"}).encode())
+    except BaseException as e:  # noqa: BLE001 (a malformed spec): said, never a traceback into the caller's log
+        os.write(report_w, json.dumps({"code": 126, "line": f"{step}: {type(e).__name__}: {e}"}).encode())
+    os._exit(126)
+
+
+def _exit_code(status: int) -> int:
+    return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def main() -> int:
+    ctl = socket.socket(fileno=os.dup(0))  # dup: non-inheritable, and fd 0 becomes /dev/null
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    spec, fds = _recv(ctl)
+    if spec is None or spec.get("op") != "start" or len(fds) != 3:
+        return 2
+    lifeline, out_w, err_w = socket.socket(fileno=fds[0]), fds[1], fds[2]
+    os.setsid()  # out of the agent's session: what ends the agent does not reach the workload
+    _prctl("becoming a subreaper", _PR_SET_CHILD_SUBREAPER, 1)
+    report_r, report_w = os.pipe()  # close-on-exec, as os.pipe makes them
+    alive_r, alive_w = os.pipe()
+    if _libc.unshare(_CLONE_NEWPID) != 0:
+        err = ctypes.get_errno()
+        end = {"ev": "exit", "code": 126, "cause": "exec", "line": f"a PID namespace: {os.strerror(err)}"}
+        _send(lifeline, end)
+        _send(ctl, end)
+        return 1
+    pid = os.fork()  # the namespace's init
+    if pid == 0:
+        os.close(report_r)
+        os.close(alive_w)
+        _become(spec, out_w, err_w, report_w, alive_r)
+    for fd in (report_w, alive_r, out_w, err_w):
+        os.close(fd)
+    failed = b""
+    while chunk := os.read(report_r, 65536):
+        failed += chunk
+    if failed:
+        _, status = os.waitpid(pid, 0)
+        end = {"ev": "exit", "code": 126, "cause": "exec", "line": "the workload did not start"}
+        try:
+            end.update(json.loads(failed))
+        except ValueError:
+            pass
+        _send(lifeline, end)
+        _send(ctl, end)
+        return 0
+    started = {"ev": "started", "pid": pid}
+    _send(lifeline, started)
+    _send(ctl, started)
+    cause = _watch(pid, lifeline, ctl)
+    _, status = os.waitpid(pid, 0)
+    end = {"ev": "exit", "code": _exit_code(status), "cause": cause}
+    _send(lifeline, end)
+    _send(ctl, end)
+    return 0
+
+
+def _watch(pid: int, lifeline: socket.socket, ctl: socket.socket | None) -> str:
+    """Until the init ends: its cause. The caller's end closing, or its kill, kills the namespace; the
+    agent's end closing is only forgotten."""
+    pidfd = os.pidfd_open(pid)
+    cause = "exited"
+    poll = select.poll()
+    for fd in (pidfd, lifeline.fileno(), ctl.fileno() if ctl else -1):
+        if fd >= 0:
+            poll.register(fd, select.POLLIN)
+    while True:
+        for fd, _ in poll.poll():
+            if fd == pidfd:
+                return cause
+            if fd == lifeline.fileno():
+                msg, extra = _recv(lifeline)
+                for x in extra:
+                    os.close(x)
+                if msg is None or msg.get("op") == "kill":
+                    cause = "killed" if msg is not None else "caller-lost"
+                    os.kill(pid, signal.SIGKILL)  # our unreaped child: the pid is still its
+                    poll.unregister(lifeline.fileno())
+            elif ctl is not None and fd == ctl.fileno():
+                msg, extra = _recv(ctl)
+                for x in extra:
+                    os.close(x)
+                if msg is None:  # the agent is gone: the workload is not
+                    poll.unregister(ctl.fileno())
+                    ctl = None
+                elif msg.get("op") == "kill":
+                    cause = "killed"
+                    os.kill(pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The node agent as a node runs it (``python -m cedana_airflow.agent``, root) and callers as the
+Airflow worker's user would be (forked children that became ``nobody`` or another uid): a caller's
+workload runs as that caller; another uid cannot see, stop or ask about it; every request is audited;
+the agent's death leaves workloads running; bad requests are one line each."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cedana_airflow import errors
+from cedana_airflow.agent import protocol
+from cedana_airflow.agent.client import AgentClient
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent runs as root")
+
+NOBODY, OTHER = 65534, 65533
+
+
+@pytest.fixture
+def agent(tmp_path) -> Iterator[tuple[Path, Path]]:
+    """A running agent: its socket (in a 0755 root folder every uid can reach) and its audit log."""
+    folder = Path(f"/run/cedana-test-agent-{os.getpid()}-{tmp_path.name}")
+    sock, audit = folder / "agent.sock", tmp_path / "audit.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "cedana_airflow.agent", "--socket", str(sock), "--node", "node-a",
+                             "--audit", str(audit)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 15
+        while not sock.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, f"the agent did not start: {proc.stderr.read()}"
+            time.sleep(0.05)
+        yield sock, audit
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def as_uid(uid: int, fn: Callable[[], tuple[Any, list[int]]]) -> tuple[dict[str, Any], list[int]]:
+    """``fn`` run by a forked child that became ``uid`` (no groups): what it returned (or raised, as
+    ``{"error": class, "line": ...}``) and the fds it sent back."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            mine.close()
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            try:
+                result, fds = fn()
+                protocol.send(theirs, {"ok": result}, fds)
+            except errors.CedanaError as e:
+                protocol.send(theirs, {"error": type(e).__name__, "line": str(e)})
+            except BaseException as e:  # noqa: BLE001 (said to the test, not lost with the child)
+                protocol.send(theirs, {"error": type(e).__name__, "line": repr(e)})
+        finally:
+            os._exit(0)
+    theirs.close()
+    msg, fds = protocol.recv(mine)
+    os.waitpid(pid, 0)
+    mine.close()
+    assert msg is not None, "the child died before it answered"
+    return msg, fds
+
+
+def _read_all(fd: int) -> str:
+    out = b""
+    while chunk := os.read(fd, 1 << 16):
+        out += chunk
+    os.close(fd)
+    return out.decode()
+
+
+def _event(sock: socket.socket, timeout: float = 10) -> dict[str, Any]:
+    sock.settimeout(timeout)
+    msg, _ = protocol.recv(sock)
+    assert msg is not None
+    return msg
+
+
+def _start(sock_path: Path, argv: list[str], out_w: int) -> Callable[[], tuple[Any, list[int]]]:
+    def run() -> tuple[Any, list[int]]:
+        with AgentClient.connect(sock_path) as c:
+            hello = c.hello()
+            s = c.start(argv, cwd="/tmp", env={"PATH": "/usr/bin:/bin"}, stdout=out_w, stderr=out_w)
+            return {"hello": hello, "wid": s.wid, "handle": s.handle, "pid": s.pid}, [s.lifeline.detach()]
+    return run
+
+
+def test_a_caller_s_workload_runs_as_that_caller_and_its_exit_reaches_it(agent):
+    sock, audit = agent
+    out_r, out_w = os.pipe()
+    msg, fds = as_uid(NOBODY, _start(sock, ["sh", "-c", "id -u; grep CapEff /proc/self/status; echo pid=$$"], out_w))
+    os.close(out_w)
+    assert "ok" in msg, msg
+    lifeline = socket.socket(fileno=fds[0])
+    assert msg["ok"]["hello"]["you"] == {"uid": NOBODY, "gid": NOBODY} and msg["ok"]["hello"]["node"] == "node-a"
+    assert _event(lifeline)["ev"] == "started"
+    assert _read_all(out_r) == f"{NOBODY}\nCapEff:\t0000000000000000\npid=1\n"
+    assert _event(lifeline) == {"ev": "exit", "code": 0, "cause": "exited"}
+    rows = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert [(r["op"], r["uid"], r["decision"]) for r in rows] == [("hello", NOBODY, "allowed"), ("start", NOBODY, "allowed")]
+    assert rows[1]["argv0"] == "sh" and "handle" not in json.dumps(rows) and "PATH" not in json.dumps(rows)
+
+
+def test_another_uid_can_neither_see_nor_stop_nor_ask_about_it_and_a_wrong_handle_is_refused(agent):
+    sock, audit = agent
+    out_r, out_w = os.pipe()
+    msg, fds = as_uid(NOBODY, _start(sock, ["sleep", "30"], out_w))
+    os.close(out_w)
+    os.close(out_r)
+    lifeline = socket.socket(fileno=fds[0])  # the caller's end, kept here: the workload lives while we hold it
+    wid, handle, pid = msg["ok"]["wid"], msg["ok"]["handle"], msg["ok"]["pid"]
+
+    def ops(h: str) -> Callable[[], tuple[Any, list[int]]]:
+        def run() -> tuple[Any, list[int]]:
+            out = {}
+            with AgentClient.connect(sock) as c:
+                out["list"] = c.list()
+                for op in ("status", "kill"):
+                    try:
+                        out[op] = getattr(c, op)(wid, h)
+                    except errors.Refused as e:
+                        out[op] = f"Refused: {e}"
+            return out, []
+        return run
+
+    other, _ = as_uid(OTHER, ops(handle))  # even with the right handle
+    assert other["ok"]["list"] == []
+    for op in ("status", "kill"):
+        assert other["ok"][op].startswith(f"Refused: workload {wid} belongs to uid {NOBODY}, not to uid {OTHER} (pid ")
+    guess, _ = as_uid(NOBODY, ops("0" * 32))
+    assert guess["ok"]["status"] == f"Refused: workload {wid}: that is not its handle. Use the handle its start returned"
+    assert [w["wid"] for w in guess["ok"]["list"]] == [wid] and "handle" not in guess["ok"]["list"][0]
+    assert os.path.exists(f"/proc/{pid}")  # none of that touched it
+    owner, _ = as_uid(NOBODY, ops(handle))
+    assert owner["ok"]["status"]["state"] == "running" and owner["ok"]["status"]["uid"] == NOBODY
+    assert owner["ok"]["kill"]["state"] == "ended" and owner["ok"]["kill"]["cause"] == "killed"
+    assert _event(lifeline) == {"ev": "started", "pid": pid}
+    assert _event(lifeline) == {"ev": "exit", "code": 128 + signal.SIGKILL, "cause": "killed"}
+    refused = [json.loads(line) for line in audit.read_text().splitlines() if '"refused' in line]
+    assert {(r["uid"], r["op"]) for r in refused} == {(OTHER, "status"), (OTHER, "kill"), (NOBODY, "status"), (NOBODY, "kill")}
+
+
+def test_the_agent_dying_leaves_the_workload_running_and_its_exit_still_reaches_the_caller(tmp_path):
+    folder = Path(f"/run/cedana-test-agent-{os.getpid()}-{tmp_path.name}")
+    sock = folder / "agent.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "cedana_airflow.agent", "--socket", str(sock), "--node", "n"],
+                            start_new_session=True)
+    try:
+        while not sock.exists():
+            time.sleep(0.05)
+        out_r, out_w = os.pipe()
+        msg, fds = as_uid(NOBODY, _start(sock, ["sh", "-c", "sleep 1; echo after-the-agent; exit 4"], out_w))
+        os.close(out_w)
+        lifeline = socket.socket(fileno=fds[0])
+        assert _event(lifeline)["ev"] == "started"
+        os.killpg(proc.pid, signal.SIGKILL)  # the agent and its process group: a shim is in its own session
+        proc.wait()
+        assert _event(lifeline) == {"ev": "exit", "code": 4, "cause": "exited"}
+        assert _read_all(out_r) == "after-the-agent\n"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_bad_requests_are_one_line_each(agent):
+    sock, _ = agent
+
+    def run() -> tuple[Any, list[int]]:
+        out = {}
+        r, w = os.pipe()
+        with AgentClient.connect(sock) as c:
+            for name, call in {
+                "unknown": lambda: c.request("dump"),
+                "no fds": lambda: c.request("start", argv=["true"], cwd="/"),
+                "relative cwd": lambda: c.start(["true"], cwd="tmp", stdout=w, stderr=w),
+                "empty argv": lambda: c.start([], cwd="/", stdout=w, stderr=w),
+                "missing": lambda: c.start(["no-such-command-here"], cwd="/", env={}, stdout=w, stderr=w),
+                "unknown wid": lambda: c.status("w-nope", "x"),
+            }.items():
+                try:
+                    call()
+                    out[name] = "accepted"
+                except errors.CedanaError as e:
+                    out[name] = f"{type(e).__name__}: {e}"
+        return out, []
+
+    msg, _ = as_uid(NOBODY, run)
+    got = msg["ok"]
+    assert got["unknown"].startswith("Refused: unknown op 'dump': this agent (") and "knows hello, kill, list" in got["unknown"]
+    assert got["no fds"] == "Refused: start needs the workload's stdout and stderr as 2 fds, got 0. Use the agent client"
+    assert got["relative cwd"] == "Refused: start: cwd must be an absolute path. Fix the request"
+    assert got["empty argv"].startswith("Refused: start: argv List should have at least 1 item")
+    assert got["missing"] == ("CommandNotFound: cannot start the workload: no-such-command-here: No such file or "
+                              "directory. Check the command and PATH")
+    assert got["unknown wid"] == "Refused: no workload 'w-nope' on node node-a. List yours with the list op"
+    assert all("\n" not in line for line in got.values())
+
+
+def test_no_agent_is_one_line_naming_the_socket_and_the_fix(tmp_path):
+    with pytest.raises(errors.AgentUnavailable, match=rf"^no cedana agent answers at {tmp_path}/agent.sock \(No such "
+                       r"file or directory\)\. Start `cedana-airflow agent` on this node"):
+        AgentClient.connect(tmp_path / "agent.sock")

@@ -1,0 +1,149 @@
+"""The shim's invariants (agent/shim.py), with the real shim as the agent starts it, as root, running
+workloads as ``nobody``: the workload runs as its caller and no more; it never outlives its caller or
+its shim; it does not need the agent to live; its output and exit reach the caller."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from cedana_airflow.agent import shim
+from cedana_airflow.run.no_io_uring import filter_program
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the shim runs as root, as the agent starts it")
+
+NOBODY = 65534
+
+
+@dataclass
+class Started:
+    proc: subprocess.Popen[bytes]
+    ctl: socket.socket  # the agent's end
+    lifeline: socket.socket  # the caller's end
+    out: int  # the caller's read end of the workload's stdout
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def event(self, sock: socket.socket, timeout: float = 10) -> dict[str, Any]:
+        sock.settimeout(timeout)
+        data = sock.recv(1 << 16)
+        assert data, "the shim closed its end before saying anything more"
+        return json.loads(data)
+
+    def output(self) -> str:
+        chunks = []
+        while chunk := os.read(self.out, 1 << 16):
+            chunks.append(chunk)
+        return b"".join(chunks).decode()
+
+
+@contextmanager
+def started(argv: list[str], cwd: str = "/", uid: int = NOBODY, **more: Any) -> Iterator[Started]:
+    """A workload started through a shim as the agent does it: the caller's ends are returned."""
+    caller, shim_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    out_r, out_w = os.pipe()
+    spec = {"uid": uid, "gid": uid, "groups": [], "argv": argv, "cwd": cwd,
+            "env": {"PATH": "/usr/bin:/bin"}, "seccomp": None, **more}
+    proc, ctl = shim.spawn(spec, shim_end.fileno(), out_w, out_w)
+    shim_end.close()
+    os.close(out_w)
+    s = Started(proc, ctl, caller, out_r)
+    try:
+        yield s
+    finally:
+        for sock in (ctl, caller):
+            sock.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        os.close(out_r)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_the_workload_runs_as_its_caller_with_no_capability_and_no_way_to_gain_one():
+    probe = "cat /proc/self/status; echo fds=$(ls /proc/self/fd)"
+    with started(["sh", "-c", probe], cwd="/tmp", seccomp=filter_program().hex()) as s:
+        assert s.event(s.lifeline)["ev"] == "started"
+        out = s.output()
+        status = dict(line.split(":\t", 1) for line in out.splitlines() if ":\t" in line)
+        end = s.event(s.lifeline)
+    assert end == {"ev": "exit", "code": 0, "cause": "exited"}
+    assert status.get("fds") is None and "fds=0 1 2 3\n" in out  # ls: stdin, stdout, stderr, its listing; nothing of the shim's
+    assert status["Uid"].split() == [str(NOBODY)] * 4 and status["Gid"].split() == [str(NOBODY)] * 4
+    assert status["Groups"].strip() == ""
+    for caps in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(status[caps], 16) == 0, caps
+    assert status["NoNewPrivs"].strip() == "1"
+    assert status["Seccomp"].strip() == "2" and status["Seccomp_filters"].strip() == "1"  # the io_uring filter
+
+
+def test_the_workload_is_the_init_of_its_own_pid_namespace_and_its_output_reaches_the_caller():
+    with started(["sh", "-c", "echo pid=$$; echo cwd=$(pwd); exit 3"], cwd="/tmp") as s:
+        started_ev = s.event(s.ctl)
+        assert s.event(s.lifeline) == started_ev
+        out = s.output()
+        assert s.event(s.ctl) == s.event(s.lifeline) == {"ev": "exit", "code": 3, "cause": "exited"}
+    assert started_ev["ev"] == "started" and started_ev["pid"] > 1
+    assert out == "pid=1\ncwd=/tmp\n"  # and the pipe ended with it: no write end leaked into the shim
+
+
+def test_a_command_that_does_not_exist_and_a_cwd_the_caller_cannot_enter_are_one_line_each(tmp_path):
+    with started(["no-such-command-here"]) as s:
+        assert s.event(s.lifeline) == {"ev": "exit", "code": 127, "cause": "exec",
+                                       "line": "no-such-command-here: No such file or directory"}
+    private = tmp_path / "root-only"
+    private.mkdir(mode=0o700)
+    with started(["true"], cwd=str(private)) as s:
+        end = s.event(s.lifeline)
+    assert end == {"ev": "exit", "code": 126, "cause": "exec", "line": f"entering {private}: Permission denied"}
+
+
+def test_the_caller_going_away_kills_the_tree_and_the_agent_going_away_does_not():
+    with started(["sh", "-c", "sleep 60 & sleep 60; wait"]) as s:
+        pid = s.event(s.lifeline)["pid"]
+        s.ctl.close()  # the agent dies: nothing happens to the workload
+        time.sleep(0.3)
+        assert _alive(pid)
+        s.lifeline.close()  # the caller dies
+        assert _gone_within(pid, 2)
+        assert s.proc.wait(5) == 0
+
+
+def test_the_caller_s_kill_ends_the_tree_and_says_so():
+    with started(["sleep", "60"]) as s:
+        pid = s.event(s.lifeline)["pid"]
+        s.lifeline.send(json.dumps({"op": "kill"}).encode())
+        assert s.event(s.lifeline) == {"ev": "exit", "code": 128 + signal.SIGKILL, "cause": "killed"}
+        assert not _alive(pid)
+
+
+def test_a_tree_never_outlives_its_shim():
+    with started(["sleep", "60"]) as s:
+        pid = s.event(s.lifeline)["pid"]
+        s.proc.kill()  # the shim is SIGKILLed: nothing will watch the tree any more
+        assert _gone_within(pid, 2)
