@@ -7,10 +7,11 @@ in-process path's errors.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,11 +91,19 @@ class AgentClient:
     def hello(self) -> dict[str, Any]:
         return self.request("hello", proto=protocol.PROTO)[0]
 
-    def start(self, argv: Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
-              stdout: int, stderr: int, deny_io_uring: bool = True) -> Started:
-        """Start ``argv`` as us; ``stdout``/``stderr``: write ends the workload gets (ours stay ours to close)."""
-        reply, fds = self.request("start", [stdout, stderr], argv=list(argv), cwd=cwd or os.getcwd(),
-                                  env=dict(os.environ if env is None else env), deny_io_uring=deny_io_uring)
+    def start(self, checkpoint_id: str, argv: Sequence[str], *, cwd: str | None = None,
+              env: Mapping[str, str] | None = None, stdout: int, stderr: int, try_number: int = 0,
+              settings: Mapping[str, Any] | None = None, claim: Mapping[str, Any] | None = None) -> Started:
+        """Start ``argv`` as us, checkpointed under ``checkpoint_id``; ``stdout``/``stderr``: write ends the
+        workload gets (ours stay ours to close); ``settings``: task settings (agent/workloads.py:
+        TASK_SETTINGS); ``claim``: the Airflow task this is (dag_id, task_id, run_id, map_index)."""
+        fields: dict[str, Any] = {"checkpoint_id": checkpoint_id, "argv": list(argv), "cwd": cwd or os.getcwd(),
+                                  "env": dict(os.environ if env is None else env), "try_number": try_number,
+                                  "settings": dict(settings or {})}
+        if claim is not None:
+            fields["claim"] = dict(claim)
+        with self._answer_within(None):  # the node's writer lease may make a start wait
+            reply, fds = self.request("start", [stdout, stderr], **fields)
         if len(fds) != 1:
             protocol.close_fds(fds)
             raise errors.AgentUnavailable(f"the cedana agent at {self.path} started {reply.get('wid')} but sent no "
@@ -104,8 +113,25 @@ class AgentClient:
     def status(self, wid: str, handle: str) -> dict[str, Any]:
         return self.request("status", wid=wid, handle=handle)[0]
 
+    def stop(self, wid: str, handle: str) -> dict[str, Any]:
+        """The final checkpoint, then the end (as SIGTERM to a supervisor); its status once ended."""
+        with self._answer_within(None):
+            return self.request("stop", wid=wid, handle=handle)[0]
+
     def kill(self, wid: str, handle: str) -> dict[str, Any]:
+        """The end, without a checkpoint; its status once ended."""
         return self.request("kill", wid=wid, handle=handle)[0]
+
+    @contextlib.contextmanager
+    def _answer_within(self, seconds: float | None) -> Iterator[None]:
+        """An op whose answer may take longer than :data:`ANSWER_SECONDS` (a lease, a final checkpoint); a
+        dead agent still ends it (the connection closes)."""
+        before = self._sock.gettimeout()
+        self._sock.settimeout(seconds)
+        try:
+            yield
+        finally:
+            self._sock.settimeout(before)
 
     def list(self) -> list[dict[str, Any]]:
         return list(self.request("list")[0]["workloads"])

@@ -12,8 +12,10 @@ Authorization, per request:
 - Every request is one JSON line in the audit log (peer, op, workload, decision), refusals a WARNING
   too; never an environment, an argument past argv[0], or a handle.
 
-Ops (protocol.py has the framing): ``hello``, ``start`` (fds: the workload's stdout and stderr; the
-reply carries the caller's end of the lifeline), ``status``, ``kill``, ``list``.
+Ops (protocol.py has the framing): ``hello``; ``start`` (fds: the workload's stdout and stderr; the
+reply carries the caller's end of the lifeline), which runs it as run/runner.py runs a workload, with
+heartbeat checkpoints signed by the node's key into the node's store (workloads.py); ``status``;
+``stop`` (the final checkpoint, then the end); ``kill`` (no checkpoint); ``list``. Not yet: restore.
 """
 
 from __future__ import annotations
@@ -23,23 +25,24 @@ import hmac
 import json
 import logging
 import os
-import secrets
 import socket
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .. import __version__, errors
+from ..config import load_settings
+from ..format.manifest import AirflowTask
 from ..fsafe import UnsafePath, secure_base
-from ..run.no_io_uring import filter_program
-from . import protocol, shim
+from ..ids import validate_checkpoint_id
+from . import protocol
 from .protocol import Peer
+from .workloads import UNPROTECTED_NON_ROOT, Run, task_settings
 
 __all__ = ["Agent", "DEFAULT_SOCKET"]
 
@@ -47,17 +50,20 @@ log = logging.getLogger(__name__)
 
 #: Where callers find the agent (a 0755 root folder: anyone may connect; what they may do is per op).
 DEFAULT_SOCKET = Path("/run/cedana-airflow/agent.sock")
-#: How long a shim has to say its workload started (today's _child_of waits as long).
-START_SECONDS = 10.0
+#: How long an ended run stays for its owner's ``status``.
+KEEP_ENDED_SECONDS = 600.0
 
 
 class _Start(BaseModel):
     model_config = ConfigDict(extra="ignore")  # fields a newer client adds are ignored (protocol.py)
 
+    checkpoint_id: str
     argv: list[str] = Field(min_length=1)
     cwd: str
     env: dict[str, str] = {}
-    deny_io_uring: bool = True
+    try_number: int = Field(ge=0, default=0)
+    settings: dict[str, Any] = {}
+    claim: AirflowTask | None = None  # the Airflow task it says it is: signed into its manifests, never proof
 
     @field_validator("cwd")
     @classmethod
@@ -74,39 +80,25 @@ class _Target(BaseModel):
     handle: str
 
 
-@dataclass
-class _Workload:
-    wid: str
-    uid: int
-    handle: str
-    pid: int
-    argv0: str
-    shim: Any  # subprocess.Popen[bytes]
-    ctl: socket.socket
-    started: float = field(default_factory=time.time)
-    code: int | None = None
-    cause: str = ""
-    ended: threading.Event = field(default_factory=threading.Event)
-
-    def public(self) -> dict[str, Any]:
-        """What its owner may see (never the handle)."""
-        return {"wid": self.wid, "uid": self.uid, "pid": self.pid, "argv0": self.argv0, "started": self.started,
-                "state": "ended" if self.ended.is_set() else "running", "code": self.code, "cause": self.cause}
-
-
 class Agent:
     """One per node. :meth:`serve` until :meth:`close`."""
 
-    def __init__(self, socket_path: Path = DEFAULT_SOCKET, *, node: str, audit: Path | None = None) -> None:
+    def __init__(self, socket_path: Path = DEFAULT_SOCKET, *, environ: Mapping[str, str],
+                 audit: Path | None = None) -> None:
+        """``environ``: the agent's own environment, where its node settings come from (CEDANA_*,
+        CEDANA_CONFIG): the store, the key, CRIU, the work dir."""
+        self._environ = dict(environ)
+        self.settings = load_settings(environ=self._environ)  # a bad node setting stops the agent here
+        self.node = self.settings.resolved_node()
         self.socket_path = socket_path
-        self.node = node
         self._audit_path = audit
         self._lock = threading.Lock()
-        self._workloads: dict[str, _Workload] = {}
+        self._runs: dict[str, Run] = {}
         self._closing = threading.Event()
         self._listener = self._bind(socket_path)
         self._ops: Mapping[str, Callable[[Peer, dict[str, Any], list[int]], tuple[dict[str, Any], list[int]]]] = {
-            "hello": self._hello, "start": self._start, "status": self._status, "kill": self._kill, "list": self._list}
+            "hello": self._hello, "start": self._start, "status": self._status, "stop": self._stop, "kill": self._kill,
+            "list": self._list}
 
     @staticmethod
     def _bind(path: Path) -> socket.socket:
@@ -148,9 +140,6 @@ class Agent:
         self._listener.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
-        with self._lock:
-            for w in self._workloads.values():
-                w.ctl.close()
 
     def _connection(self, conn: socket.socket) -> None:
         with conn:
@@ -209,83 +198,69 @@ class Agent:
     # -- ops ----------------------------------------------------------------------------------------
 
     def _hello(self, peer: Peer, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
-        return {"proto": protocol.PROTO, "agent": __version__, "node": self.node, "ready": True,
-                "features": ["start"], "you": {"uid": peer.uid, "gid": peer.gid}}, []
+        out = {"proto": protocol.PROTO, "agent": __version__, "node": self.node, "ready": True,
+               "features": ["start", "heartbeat", "stop"], "you": {"uid": peer.uid, "gid": peer.gid},
+               "protected": peer.uid == 0}
+        if peer.uid != 0:
+            out["why_unprotected"] = UNPROTECTED_NON_ROOT.format(uid=peer.uid)
+        return out, []
 
     def _start(self, peer: Peer, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
         req = _parsed(_Start, msg, "start")
         if len(fds) != 2:
             raise errors.Refused(f"start needs the workload's stdout and stderr as 2 fds, got {len(fds)}. "
                                  "Use the agent client")
-        seccomp = filter_program() if req.deny_io_uring else None
-        spec = {"uid": peer.uid, "gid": peer.gid, "groups": list(peer.groups), "argv": req.argv, "cwd": req.cwd,
-                "env": req.env, "seccomp": seccomp.hex() if seccomp else None}
-        caller_end, shim_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            proc, ctl = shim.spawn(spec, shim_end.fileno(), fds[0], fds[1])
-        except OSError as e:
-            caller_end.close()
-            raise errors.EngineUnavailable(f"the agent could not start a shim: {e}. Check the agent's log") from None
-        finally:
-            shim_end.close()
-        first = _first_event(ctl, START_SECONDS)
-        if first.get("ev") != "started":
-            caller_end.close()
-            ctl.close()
-            proc.wait()
-            line = str(first.get("line") or f"the shim ended without starting it ({first})")
-            if first.get("code") == 127:
-                raise errors.CommandNotFound(f"cannot start the workload: {line}. Check the command and PATH")
-            raise errors.Refused(f"cannot start the workload as {peer}: {line}")
-        w = _Workload(wid=f"w-{secrets.token_hex(6)}", uid=peer.uid, handle=secrets.token_hex(16),
-                      pid=int(first["pid"]), argv0=req.argv[0], shim=proc, ctl=ctl)
+        validate_checkpoint_id(req.checkpoint_id)
+        settings = task_settings(self._environ, req.settings)
+        self._forget_ended()
+        run = Run(peer, settings, req.checkpoint_id, node=self.node)
+        run.begin(req.argv, cwd=req.cwd, env=req.env, try_number=req.try_number, claim=req.claim,
+                  out_w=fds[0], err_w=fds[1])
         with self._lock:
-            self._workloads[w.wid] = w
-        threading.Thread(target=self._follow, args=(w,), name=f"cedana-agent-{w.wid}", daemon=True).start()
-        log.info("agent started %s for %s pid=%d argv0=%s", w.wid, peer, w.pid, w.argv0)
-        try:
-            return {"wid": w.wid, "handle": w.handle, "pid": w.pid, "node": self.node}, [caller_end.detach()]
-        finally:
-            caller_end.close()
+            self._runs[run.wid] = run
+        assert run.workload is not None and run.lifeline is not None
+        log.info("agent started %s for %s checkpoint_id=%s pid=%d", run.wid, peer, run.checkpoint_id, run.workload.pid)
+        lifeline, run.lifeline = run.lifeline.detach(), None  # the caller's from now: sent, then closed here
+        return {"wid": run.wid, "handle": run.handle, "pid": run.workload.pid, "node": self.node}, [lifeline]
 
     def _status(self, peer: Peer, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
         return self._owned(peer, msg).public(), []
 
+    def _stop(self, peer: Peer, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        """A clean cut, as SIGTERM to a supervisor: the final checkpoint, then the tree's end (run/stop.py)."""
+        run = self._owned(peer, msg)
+        run.stop.set()
+        run.wait(run.settings.stop_window_seconds + 30)
+        return run.public(), []
+
     def _kill(self, peer: Peer, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
-        w = self._owned(peer, msg)
-        if not w.ended.is_set():
-            w.ctl.send(json.dumps({"op": "kill"}).encode(), socket.MSG_NOSIGNAL)
-            w.ended.wait(10)
-        return w.public(), []
+        run = self._owned(peer, msg)
+        run.kill()
+        run.wait(30)
+        return run.public(), []
 
     def _list(self, peer: Peer, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
         with self._lock:
-            mine = [w.public() for w in self._workloads.values() if peer.uid == 0 or w.uid == peer.uid]
+            mine = [r.public() for r in self._runs.values() if peer.uid == 0 or r.uid == peer.uid]
         return {"workloads": mine}, []
 
-    def _owned(self, peer: Peer, msg: dict[str, Any]) -> _Workload:
+    def _owned(self, peer: Peer, msg: dict[str, Any]) -> Run:
         t = _parsed(_Target, msg, str(msg.get("op")))
         with self._lock:
-            w = self._workloads.get(t.wid)
-        if w is None:
+            run = self._runs.get(t.wid)
+        if run is None:
             raise errors.Refused(f"no workload {t.wid[:40]!r} on node {self.node}. List yours with the list op")
-        if peer.uid != 0 and w.uid != peer.uid:
-            raise errors.Refused(f"workload {w.wid} belongs to uid {w.uid}, not to {peer}")
-        if peer.uid != 0 and not hmac.compare_digest(t.handle.encode(), w.handle.encode()):
-            raise errors.Refused(f"workload {w.wid}: that is not its handle. Use the handle its start returned")
-        return w
+        if peer.uid != 0 and run.uid != peer.uid:
+            raise errors.Refused(f"workload {run.wid} belongs to uid {run.uid}, not to {peer}")
+        if peer.uid != 0 and not hmac.compare_digest(t.handle.encode(), run.handle.encode()):
+            raise errors.Refused(f"workload {run.wid}: that is not its handle. Use the handle its start returned")
+        return run
 
-    def _follow(self, w: _Workload) -> None:
-        """The shim's events until its workload ends (the agent's copy; the caller has its own)."""
-        for ev in _events(w.ctl):
-            if ev.get("ev") == "exit":
-                w.code, w.cause = int(ev.get("code", 255)), str(ev.get("cause", ""))
-                break
-        else:
-            w.cause = w.cause or "shim-lost"
-        w.ended.set()
-        w.shim.wait()
-        log.info("agent: %s ended code=%s cause=%s", w.wid, w.code, w.cause)
+    def _forget_ended(self) -> None:
+        cutoff = time.time() - KEEP_ENDED_SECONDS
+        with self._lock:
+            for wid in [w for w, r in self._runs.items() if r.ended_at is not None and r.ended_at < cutoff]:
+                del self._runs[wid]
 
 
 def _parsed(model: type[BaseModel], msg: Mapping[str, Any], op: str) -> Any:
@@ -295,29 +270,3 @@ def _parsed(model: type[BaseModel], msg: Mapping[str, Any], op: str) -> Any:
         err = e.errors()[0]
         where = ".".join(str(x) for x in err["loc"]) or op
         raise errors.Refused(f"{op}: {where} {err['msg'].removeprefix('Value error, ')}. Fix the request") from None
-
-
-def _events(ctl: socket.socket) -> Iterator[dict[str, Any]]:
-    while True:
-        try:
-            msg, fds = protocol.recv(ctl)
-        except (OSError, errors.Refused):
-            return
-        protocol.close_fds(fds)
-        if msg is None:
-            return
-        yield msg
-
-
-def _first_event(ctl: socket.socket, timeout: float) -> dict[str, Any]:
-    ctl.settimeout(timeout)
-    try:
-        msg, fds = protocol.recv(ctl)
-        protocol.close_fds(fds)
-        return msg if msg is not None else {"line": "the shim ended without a word"}
-    except TimeoutError:
-        return {"line": f"no word from the shim in {timeout:.0f} s"}
-    except (OSError, errors.Refused) as e:
-        return {"line": f"the shim's first word was unreadable ({e})"}
-    finally:
-        ctl.settimeout(None)

@@ -8,10 +8,11 @@ Its invariants (each has a test in tests/agent/test_shim.py):
 - **A tree never outlives its shim.** The namespace's init carries the parent-death signal SIGKILL.
 - **A workload never depends on the agent to live.** The agent's end of the control socket may close
   at any time (a restart, a crash); the workload runs on and its exit still reaches the caller.
-- **The workload runs as its caller and no more**: the caller's uid, gid and groups, an empty
-  capability bounding set, ``no_new_privs`` (setuid programs gain nothing), the seccomp filter it is
-  given (the io_uring filter, run/no_io_uring.py), and its cwd entered as that uid (a directory the
-  caller cannot enter fails as it would for the caller). Nothing is executed before the uid changes.
+- **The workload runs as its caller and no more**: the caller's uid, gid and groups, the seccomp
+  filter it is given (the io_uring filter, run/no_io_uring.py), and its cwd entered as that uid (a
+  directory the caller cannot enter fails as it would for the caller); for a caller other than root,
+  an empty capability bounding set and ``no_new_privs`` too (setuid programs gain nothing). A root
+  caller's tree is root's, as a supervisor's is today. Nothing is executed before the uid changes.
 
 It runs as ``python -I -S shim.py`` with its control socket (``SOCK_SEQPACKET``, to the agent) as
 stdin, and imports nothing outside the standard library: it starts in ~20 ms and nothing a caller can
@@ -22,8 +23,8 @@ write reaches its ``sys.path``. The first message on the control socket is the s
      "seccomp": "<struct sock_filter program, hex>" | null}
 
 It says ``{"ev": "started", "pid": P}`` (the namespace init's host pid) to both the agent and the
-caller, then ``{"ev": "exit", "code": C, "cause": ...}`` once, where code is a shell's (128 + signal for
-a signal) and cause is ``exited``, ``killed`` (asked), ``caller-lost``, or ``exec`` (the command did not
+caller, then ``{"ev": "exit", "code": C, "signal": S | null, "cause": ...}`` once, where code is a shell's
+(128 + S when signal S ended it) and cause is ``exited``, ``killed`` (asked), ``caller-lost``, or ``exec`` (the command did not
 start: code 127 or 126, and a ``line`` naming why). The caller may send ``{"op": "kill"}``.
 """
 
@@ -110,16 +111,19 @@ def _become(spec: Mapping[str, Any], out_w: int, err_w: int, report_w: int, aliv
         os.dup2(null, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        step = "dropping capabilities"
-        with open("/proc/sys/kernel/cap_last_cap") as f:
-            last = int(f.read())
-        for cap in range(last + 1):
-            _prctl(step, _PR_CAPBSET_DROP, cap)
+        confine = int(spec["uid"]) != 0
+        if confine:
+            step = "dropping capabilities"
+            with open("/proc/sys/kernel/cap_last_cap") as f:
+                last = int(f.read())
+            for cap in range(last + 1):
+                _prctl(step, _PR_CAPBSET_DROP, cap)
         step = "becoming the caller"
         os.setgroups([int(g) for g in spec["groups"]])
         os.setresgid(int(spec["gid"]), int(spec["gid"]), int(spec["gid"]))
         os.setresuid(int(spec["uid"]), int(spec["uid"]), int(spec["uid"]))  # the permitted set goes with uid 0
-        _prctl("no_new_privs", _PR_SET_NO_NEW_PRIVS, 1)
+        if confine:
+            _prctl("no_new_privs", _PR_SET_NO_NEW_PRIVS, 1)
         # Set only now: a change of uid clears it. The shim may have died since the fork; its end of
         # ``alive`` is then closed (EOF), and nothing may run without it.
         _prctl("the parent-death signal", _PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -164,7 +168,7 @@ def main() -> int:
     alive_r, alive_w = os.pipe()
     if _libc.unshare(_CLONE_NEWPID) != 0:
         err = ctypes.get_errno()
-        end = {"ev": "exit", "code": 126, "cause": "exec", "line": f"a PID namespace: {os.strerror(err)}"}
+        end = {"ev": "exit", "code": 126, "cause": "exec", "signal": None, "line": f"a PID namespace: {os.strerror(err)}"}
         _send(lifeline, end)
         _send(ctl, end)
         return 1
@@ -180,7 +184,7 @@ def main() -> int:
         failed += chunk
     if failed:
         _, status = os.waitpid(pid, 0)
-        end = {"ev": "exit", "code": 126, "cause": "exec", "line": "the workload did not start"}
+        end = {"ev": "exit", "code": 126, "cause": "exec", "signal": None, "line": "the workload did not start"}
         try:
             end.update(json.loads(failed))
         except ValueError:
@@ -193,7 +197,8 @@ def main() -> int:
     _send(ctl, started)
     cause = _watch(pid, lifeline, ctl)
     _, status = os.waitpid(pid, 0)
-    end = {"ev": "exit", "code": _exit_code(status), "cause": cause}
+    end = {"ev": "exit", "code": _exit_code(status), "cause": cause,
+           "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None}
     _send(lifeline, end)
     _send(ctl, end)
     return 0

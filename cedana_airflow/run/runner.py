@@ -50,7 +50,7 @@ from .gpu_state import GpuGate
 from .restore_gap import judge_settings
 from .stop import StopReport, clean_cut
 from .timeline import Timeline
-from .workload import Sink, Workload
+from .workload import Sink, Starter, Workload
 
 __all__ = ["RunResult", "engine_for", "ensure_work_dir", "make_engine", "run_workload", "usable_engine"]
 
@@ -125,6 +125,7 @@ def run_workload(
     store: Store | None = None,
     airflow: AirflowTask | None = None,
     on_restore: Callable[[RunResult], None] | None = None,
+    starter: Starter = Workload.start,
 ) -> RunResult:
     """Run ``command`` managed (or, with ``command=None``, only restore) and return how it ended.
 
@@ -141,6 +142,7 @@ def run_workload(
     ``on_restore``: called once a checkpoint is restored (``restored_from`` and the timings set), before
     any output of the restored workload reaches ``stdout``/``stderr``: a log can say what was restored
     ahead of what the workload prints next.
+    ``starter``: what starts a fresh tree (the node agent's starts it as its caller).
     """
     validate_checkpoint_id(checkpoint_id)
     if try_number < 0:
@@ -192,9 +194,9 @@ def run_workload(
                 if workload is None:
                     assert command is not None
                     asked = settings.mode != "transparent"  # a transparent workload is never asked: no contract
-                    workload = Workload.start(command, cwd=cwd, env={**env, **coop.env()} if asked else env,
-                                              stdout=stdout, stderr=stderr, isolate=isolate,
-                                              deny_io_uring=engine is not None and settings.io_uring == "deny")
+                    workload = starter(command, cwd=cwd, env={**env, **coop.env()} if asked else env,
+                                       stdout=stdout, stderr=stderr, isolate=isolate,
+                                       deny_io_uring=engine is not None and settings.io_uring == "deny")
                     log.info("workload started checkpoint_id=%s pid=%d node=%s", checkpoint_id, workload.pid, cp.node)
                 result = _supervise(settings, cp, workload, result, handle_signals, stop, stopped)
                 why = cp.lazy_failure()

@@ -34,7 +34,7 @@ from ..engine.procfs import tree_pids
 from ..errors import CommandNotFound, EngineError, EngineUnavailable
 from .no_io_uring import without_io_uring
 
-__all__ = ["Sink", "Workload", "become_subreaper", "exit_code_of", "run_unprotected"]
+__all__ = ["Sink", "Starter", "Workload", "become_subreaper", "exit_code_of", "pipe_name", "run_unprotected"]
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ class Sink(Protocol):
     def flush(self) -> None: ...
 
 
-def _pipe_name(fd: int) -> str:
+def pipe_name(fd: int) -> str:
+    """How /proc names the pipe ``fd`` is an end of (what a manifest records, and CRIU's --inherit-fd matches)."""
     return f"pipe:[{os.fstat(fd).st_ino}]"
 
 
@@ -135,8 +136,8 @@ class Workload:
         self.pid = pid  # host PID of the namespace's init: what CRIU dumps
         self.command = tuple(command)
         self.cwd = cwd
-        self.stdout_pipe = _pipe_name(out_fd)
-        self.stderr_pipe = _pipe_name(err_fd)
+        self.stdout_pipe = pipe_name(out_fd)
+        self.stderr_pipe = pipe_name(err_fd)
         self._launcher = launcher
         self._noise = _UnshareNoise(stderr) if launcher is not None else None
         self._pumps = [_Pump(out_fd, stdout, "cedana-stdout"), _Pump(err_fd, self._noise or stderr, "cedana-stderr")]
@@ -260,6 +261,15 @@ class Workload:
                 pass
             rc = self.wait(timeout=30)
         return rc
+
+
+class Starter(Protocol):
+    """What starts a fresh tree for a run: :meth:`Workload.start`, or the node agent's shim, which starts
+    it as the agent's caller (agent/workloads.py)."""
+
+    def __call__(self, command: Sequence[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
+                 stdout: Sink | None = None, stderr: Sink | None = None, isolate: bool = True,
+                 deny_io_uring: bool = False) -> Workload: ...
 
 
 def run_unprotected(command: Sequence[str], *, cwd: str | None, env: dict[str, str] | None, sink: Sink,

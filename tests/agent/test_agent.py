@@ -1,7 +1,9 @@
-"""The node agent as a node runs it (``python -m cedana_airflow.agent``, root) and callers as the
-Airflow worker's user would be (forked children that became ``nobody`` or another uid): a caller's
-workload runs as that caller; another uid cannot see, stop or ask about it; every request is audited;
-the agent's death leaves workloads running; bad requests are one line each."""
+"""The node agent as a node runs it (``python -m cedana_airflow.agent``, root, with real CRIU) and
+callers as the Airflow worker's user would be (forked children that became ``nobody`` or another
+uid): a caller's workload runs as that caller; another uid cannot see, stop or ask about it; every
+request is audited; the agent's death leaves workloads running; bad requests are one line each. A
+root caller's workload is checkpointed on its heartbeat, signed with the node's key, and its stop takes
+a final checkpoint; another caller's runs unprotected, and says so (agent/workloads.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import pytest
 from cedana_airflow import errors
 from cedana_airflow.agent import protocol
 from cedana_airflow.agent.client import AgentClient
+from conftest import cli_env, manifests
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent runs as root")
 
@@ -30,21 +33,25 @@ NOBODY, OTHER = 65534, 65533
 
 @pytest.fixture
 def agent(tmp_path) -> Iterator[tuple[Path, Path]]:
-    """A running agent: its socket (in a 0755 root folder every uid can reach) and its audit log."""
+    """A running agent: its socket (in a 0755 root folder every uid can reach) and its audit log. Its
+    store and work dir are under ``tmp_path`` (root's: no caller can reach them)."""
     folder = Path(f"/run/cedana-test-agent-{os.getpid()}-{tmp_path.name}")
     sock, audit = folder / "agent.sock", tmp_path / "audit.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "cedana_airflow.agent", "--socket", str(sock), "--node", "node-a",
-                             "--audit", str(audit)], stderr=subprocess.PIPE, text=True)
+    agent_log = tmp_path / "agent.log"
+    with open(agent_log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "cedana_airflow.agent", "--socket", str(sock), "--audit", str(audit)],
+                                env=cli_env(tmp_path, "node-a", "work"), stderr=f)
     try:
         deadline = time.monotonic() + 15
         while not sock.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, f"the agent did not start: {proc.stderr.read()}"
+            assert proc.poll() is None and time.monotonic() < deadline, f"the agent did not start: {agent_log.read_text()}"
             time.sleep(0.05)
         yield sock, audit
     finally:
         proc.terminate()
         proc.wait(10)
         shutil.rmtree(folder, ignore_errors=True)
+        print(agent_log.read_text()[-6000:])  # shown with a failure
 
 
 def as_uid(uid: int, fn: Callable[[], tuple[Any, list[int]]]) -> tuple[dict[str, Any], list[int]]:
@@ -90,11 +97,12 @@ def _event(sock: socket.socket, timeout: float = 10) -> dict[str, Any]:
     return msg
 
 
-def _start(sock_path: Path, argv: list[str], out_w: int) -> Callable[[], tuple[Any, list[int]]]:
+def _start(sock_path: Path, argv: list[str], out_w: int, **more: Any) -> Callable[[], tuple[Any, list[int]]]:
     def run() -> tuple[Any, list[int]]:
         with AgentClient.connect(sock_path) as c:
             hello = c.hello()
-            s = c.start(argv, cwd="/tmp", env={"PATH": "/usr/bin:/bin"}, stdout=out_w, stderr=out_w)
+            s = c.start(more.pop("checkpoint_id", "job"), argv, cwd="/tmp", env={"PATH": "/usr/bin:/bin"},
+                        stdout=out_w, stderr=out_w, **more)
             return {"hello": hello, "wid": s.wid, "handle": s.handle, "pid": s.pid}, [s.lifeline.detach()]
     return run
 
@@ -106,10 +114,12 @@ def test_a_caller_s_workload_runs_as_that_caller_and_its_exit_reaches_it(agent):
     os.close(out_w)
     assert "ok" in msg, msg
     lifeline = socket.socket(fileno=fds[0])
-    assert msg["ok"]["hello"]["you"] == {"uid": NOBODY, "gid": NOBODY} and msg["ok"]["hello"]["node"] == "node-a"
+    hello = msg["ok"]["hello"]
+    assert hello["you"] == {"uid": NOBODY, "gid": NOBODY} and hello["node"] == "node-a" and hello["protected"] is False
+    assert hello["why_unprotected"].startswith(f"checkpoints of a workload that runs as uid {NOBODY} are not built yet")
     assert _event(lifeline)["ev"] == "started"
     assert _read_all(out_r) == f"{NOBODY}\nCapEff:\t0000000000000000\npid=1\n"
-    assert _event(lifeline) == {"ev": "exit", "code": 0, "cause": "exited"}
+    assert _event(lifeline) == {"ev": "exit", "code": 0, "cause": "exited", "signal": None}
     rows = [json.loads(line) for line in audit.read_text().splitlines()]
     assert [(r["op"], r["uid"], r["decision"]) for r in rows] == [("hello", NOBODY, "allowed"), ("start", NOBODY, "allowed")]
     assert rows[1]["argv0"] == "sh" and "handle" not in json.dumps(rows) and "PATH" not in json.dumps(rows)
@@ -147,9 +157,10 @@ def test_another_uid_can_neither_see_nor_stop_nor_ask_about_it_and_a_wrong_handl
     assert os.path.exists(f"/proc/{pid}")  # none of that touched it
     owner, _ = as_uid(NOBODY, ops(handle))
     assert owner["ok"]["status"]["state"] == "running" and owner["ok"]["status"]["uid"] == NOBODY
+    assert owner["ok"]["status"]["protected"] is False and "unprotected" in owner["ok"]["status"]["why_unprotected"]
     assert owner["ok"]["kill"]["state"] == "ended" and owner["ok"]["kill"]["cause"] == "killed"
     assert _event(lifeline) == {"ev": "started", "pid": pid}
-    assert _event(lifeline) == {"ev": "exit", "code": 128 + signal.SIGKILL, "cause": "killed"}
+    assert _event(lifeline) == {"ev": "exit", "code": 128 + signal.SIGKILL, "cause": "killed", "signal": signal.SIGKILL}
     refused = [json.loads(line) for line in audit.read_text().splitlines() if '"refused' in line]
     assert {(r["uid"], r["op"]) for r in refused} == {(OTHER, "status"), (OTHER, "kill"), (NOBODY, "status"), (NOBODY, "kill")}
 
@@ -157,8 +168,8 @@ def test_another_uid_can_neither_see_nor_stop_nor_ask_about_it_and_a_wrong_handl
 def test_the_agent_dying_leaves_the_workload_running_and_its_exit_still_reaches_the_caller(tmp_path):
     folder = Path(f"/run/cedana-test-agent-{os.getpid()}-{tmp_path.name}")
     sock = folder / "agent.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "cedana_airflow.agent", "--socket", str(sock), "--node", "n"],
-                            start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "cedana_airflow.agent", "--socket", str(sock)],
+                            env=cli_env(tmp_path, "node-a", "work"), start_new_session=True)
     try:
         while not sock.exists():
             time.sleep(0.05)
@@ -169,7 +180,7 @@ def test_the_agent_dying_leaves_the_workload_running_and_its_exit_still_reaches_
         assert _event(lifeline)["ev"] == "started"
         os.killpg(proc.pid, signal.SIGKILL)  # the agent and its process group: a shim is in its own session
         proc.wait()
-        assert _event(lifeline) == {"ev": "exit", "code": 4, "cause": "exited"}
+        assert _event(lifeline) == {"ev": "exit", "code": 4, "cause": "exited", "signal": None}
         assert _read_all(out_r) == "after-the-agent\n"
     finally:
         if proc.poll() is None:
@@ -186,10 +197,13 @@ def test_bad_requests_are_one_line_each(agent):
         with AgentClient.connect(sock) as c:
             for name, call in {
                 "unknown": lambda: c.request("dump"),
-                "no fds": lambda: c.request("start", argv=["true"], cwd="/"),
-                "relative cwd": lambda: c.start(["true"], cwd="tmp", stdout=w, stderr=w),
-                "empty argv": lambda: c.start([], cwd="/", stdout=w, stderr=w),
-                "missing": lambda: c.start(["no-such-command-here"], cwd="/", env={}, stdout=w, stderr=w),
+                "no fds": lambda: c.request("start", checkpoint_id="job", argv=["true"], cwd="/"),
+                "relative cwd": lambda: c.start("job", ["true"], cwd="tmp", stdout=w, stderr=w),
+                "empty argv": lambda: c.start("job", [], cwd="/", stdout=w, stderr=w),
+                "missing": lambda: c.start("job", ["no-such-command-here"], cwd="/", env={}, stdout=w, stderr=w),
+                "node setting": lambda: c.start("job", ["true"], cwd="/", stdout=w, stderr=w,
+                                                settings={"lease_renew_command": "id > /etc/x"}),
+                "unsafe id": lambda: c.start("../etc", ["true"], cwd="/", stdout=w, stderr=w),
                 "unknown wid": lambda: c.status("w-nope", "x"),
             }.items():
                 try:
@@ -208,6 +222,9 @@ def test_bad_requests_are_one_line_each(agent):
     assert got["missing"] == ("CommandNotFound: cannot start the workload: no-such-command-here: No such file or "
                               "directory. Check the command and PATH")
     assert got["unknown wid"] == "Refused: no workload 'w-nope' on node node-a. List yours with the list op"
+    assert got["node setting"].startswith("Refused: setting lease_renew_command is the node's, not a task's: the "
+                                          "agent's configuration sets it. A request may set ")
+    assert got["unsafe id"].startswith("CheckpointIdError: ")
     assert all("\n" not in line for line in got.values())
 
 
@@ -215,3 +232,31 @@ def test_no_agent_is_one_line_naming_the_socket_and_the_fix(tmp_path):
     with pytest.raises(errors.AgentUnavailable, match=rf"^no cedana agent answers at {tmp_path}/agent.sock \(No such "
                        r"file or directory\)\. Start `cedana-airflow agent` on this node"):
         AgentClient.connect(tmp_path / "agent.sock")
+
+
+def test_a_root_caller_s_workload_is_checkpointed_on_its_heartbeat_and_its_stop_takes_a_final_checkpoint(agent, tmp_path):
+    sock, _ = agent
+    out_r, out_w = os.pipe()
+    counter = "i=0; while :; do i=$((i+1)); echo $i; sleep 0.1; done"
+    claim = {"dag_id": "d", "task_id": "t", "run_id": "r", "map_index": -1}
+    with AgentClient.connect(sock) as c:
+        s = c.start("agent-job", ["sh", "-c", counter], cwd="/tmp", env={"PATH": "/usr/bin:/bin"}, stdout=out_w,
+                    stderr=out_w, settings={"heartbeat_seconds": 0.5}, claim=claim)
+        os.close(out_w)
+        deadline = time.monotonic() + 60
+        while len(manifests(tmp_path / "store", "agent-job")) < 2:  # two heartbeats
+            assert time.monotonic() < deadline, "no heartbeat checkpoint within 60 s"
+            time.sleep(0.2)
+        status = c.stop(s.wid, s.handle)
+    assert status["state"] == "ended" and status["protected"] is True and "error" not in status, status
+    result = status["result"]
+    ms = manifests(tmp_path / "store", "agent-job")
+    assert result["final_checkpoint_seq"] == result["checkpoints"] == len(ms) >= 3, result
+    assert result["exit_code"] == 128 + signal.SIGTERM and result["failed_heartbeats"] == 0
+    assert [m["seq"] for m in ms] == list(range(1, len(ms) + 1))
+    assert all(m.get("signature") for m in ms)  # signed by the node's key, which the caller never saw
+    assert ms[-1]["airflow"] == claim and ms[-1]["node"] == "node-a"
+    assert _event(s.lifeline)["ev"] == "started"
+    assert _event(s.lifeline)["ev"] == "exit"
+    out = _read_all(out_r).split()
+    assert out == [str(i) for i in range(1, len(out) + 1)]  # it counted, untouched by the heartbeats, until the stop

@@ -92,7 +92,7 @@ def test_the_workload_runs_as_its_caller_with_no_capability_and_no_way_to_gain_o
         out = s.output()
         status = dict(line.split(":\t", 1) for line in out.splitlines() if ":\t" in line)
         end = s.event(s.lifeline)
-    assert end == {"ev": "exit", "code": 0, "cause": "exited"}
+    assert end == {"ev": "exit", "code": 0, "cause": "exited", "signal": None}
     assert status.get("fds") is None and "fds=0 1 2 3\n" in out  # ls: stdin, stdout, stderr, its listing; nothing of the shim's
     assert status["Uid"].split() == [str(NOBODY)] * 4 and status["Gid"].split() == [str(NOBODY)] * 4
     assert status["Groups"].strip() == ""
@@ -107,20 +107,20 @@ def test_the_workload_is_the_init_of_its_own_pid_namespace_and_its_output_reache
         started_ev = s.event(s.ctl)
         assert s.event(s.lifeline) == started_ev
         out = s.output()
-        assert s.event(s.ctl) == s.event(s.lifeline) == {"ev": "exit", "code": 3, "cause": "exited"}
+        assert s.event(s.ctl) == s.event(s.lifeline) == {"ev": "exit", "code": 3, "cause": "exited", "signal": None}
     assert started_ev["ev"] == "started" and started_ev["pid"] > 1
     assert out == "pid=1\ncwd=/tmp\n"  # and the pipe ended with it: no write end leaked into the shim
 
 
 def test_a_command_that_does_not_exist_and_a_cwd_the_caller_cannot_enter_are_one_line_each(tmp_path):
     with started(["no-such-command-here"]) as s:
-        assert s.event(s.lifeline) == {"ev": "exit", "code": 127, "cause": "exec",
+        assert s.event(s.lifeline) == {"ev": "exit", "code": 127, "cause": "exec", "signal": None,
                                        "line": "no-such-command-here: No such file or directory"}
     private = tmp_path / "root-only"
     private.mkdir(mode=0o700)
     with started(["true"], cwd=str(private)) as s:
         end = s.event(s.lifeline)
-    assert end == {"ev": "exit", "code": 126, "cause": "exec", "line": f"entering {private}: Permission denied"}
+    assert end == {"ev": "exit", "code": 126, "cause": "exec", "signal": None, "line": f"entering {private}: Permission denied"}
 
 
 def test_the_caller_going_away_kills_the_tree_and_the_agent_going_away_does_not():
@@ -138,7 +138,7 @@ def test_the_caller_s_kill_ends_the_tree_and_says_so():
     with started(["sleep", "60"]) as s:
         pid = s.event(s.lifeline)["pid"]
         s.lifeline.send(json.dumps({"op": "kill"}).encode())
-        assert s.event(s.lifeline) == {"ev": "exit", "code": 128 + signal.SIGKILL, "cause": "killed"}
+        assert s.event(s.lifeline) == {"ev": "exit", "code": 128 + signal.SIGKILL, "cause": "killed", "signal": signal.SIGKILL}
         assert not _alive(pid)
 
 

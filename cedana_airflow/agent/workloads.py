@@ -1,0 +1,254 @@
+"""One workload the agent runs for a caller: the whole run (writer lease, owner check, heartbeats, the
+final checkpoint at a stop) is run/runner.py's, in a thread of the agent; only the start differs: the
+tree is started by a shim (shim.py) as the caller, and the caller, not the agent, reads its output.
+
+What a request may set is a task's business only (:data:`TASK_SETTINGS`): the store, the key, CRIU,
+the work dir and every command the agent would run as root are the node's (its own configuration).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .. import errors
+from ..config import Settings, load_settings
+from ..format.manifest import AirflowTask
+from ..run.environment import workload_env
+from ..run.no_io_uring import filter_program
+from ..run.runner import RunResult, run_workload
+from ..run.summary import run_summary
+from ..run.workload import Sink, Workload, pipe_name
+from . import protocol, shim
+from .protocol import Peer
+
+__all__ = ["START_SECONDS", "TASK_SETTINGS", "Run", "ShimWorkload", "task_settings"]
+
+log = logging.getLogger(__name__)
+
+#: How long a shim has to say its workload started (today's _child_of waits as long).
+START_SECONDS = 10.0
+
+#: The settings a caller's request may carry: how often and when its own workload is checkpointed and
+#: kept. Anything else (where checkpoints go, which key signs them, which CRIU runs, commands run as
+#: root: lease_renew_command, cooperative_verify_command) is the node's.
+TASK_SETTINGS = frozenset({
+    "heartbeat_seconds", "heartbeat_min_seconds", "heartbeat_max_seconds", "mtbf_hours", "checkpoint_on_term",
+    "stop_grace_seconds", "stop_window_seconds", "keep_checkpoints", "delete_on_success", "max_restore_gap_seconds",
+    "progress",
+})
+
+
+#: Why a caller other than root gets no checkpoints yet: what a spike found (docs/agent.md, "Not yet").
+UNPROTECTED_NON_ROOT = ("checkpoints of a workload that runs as uid {uid} are not built yet (CRIU needs such a tree "
+                        "to have a /proc of its own, hence its own mount namespace, which it cannot restore yet); "
+                        "it runs as uid {uid}, unprotected")
+
+
+def task_settings(node: Mapping[str, str], requested: Mapping[str, Any]) -> Settings:
+    """The node's settings (``node``: the agent's environment) with a request's task settings over them;
+    a setting outside :data:`TASK_SETTINGS` is refused in one line."""
+    other = sorted(set(requested) - TASK_SETTINGS)
+    if other:
+        raise errors.Refused(f"setting {other[0]} is the node's, not a task's: the agent's configuration sets it. "
+                             f"A request may set {', '.join(sorted(TASK_SETTINGS))}")
+    return load_settings(dict(requested), node, overrides_source=lambda k: f"the request's settings.{k}")
+
+
+class ShimWorkload(Workload):
+    """A tree a shim started as the caller. The agent (root) dumps and signals it like any other; the
+    shim reaps it and says how it ended (:meth:`ended`). No output pumps (the caller reads its own
+    pipes) and no watchdog (the shim is one): hence not ``Workload.__init__``."""
+
+    def __init__(self, pid: int, command: Sequence[str], cwd: str, out_w: int, err_w: int) -> None:  # noqa: D107
+        self.pid = pid
+        self.command = tuple(command)
+        self.cwd = cwd
+        self.stdout_pipe = pipe_name(out_w)
+        self.stderr_pipe = pipe_name(err_w)
+        self.returncode: int | None = None
+        self.signal: int | None = None
+        self._reap_lock = threading.Lock()
+        self._ended = threading.Event()
+
+    def ended(self, code: int, sig: int | None) -> None:
+        self.returncode, self.signal = code, sig
+        self._ended.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._ended.wait(timeout)
+        return self.returncode
+
+
+class Run:
+    """One caller's workload, from its start request to its end; kept a while after for ``status``."""
+
+    def __init__(self, peer: Peer, settings: Settings, checkpoint_id: str, *, node: str) -> None:
+        self.wid = f"w-{secrets.token_hex(6)}"
+        self.handle = secrets.token_hex(16)  # the owner's proof (server.py); never listed or logged
+        self.uid = peer.uid
+        self.peer = peer
+        self.settings = settings
+        self.checkpoint_id = checkpoint_id
+        self.node = node
+        self.started_at = time.time()
+        self.ended_at: float | None = None
+        self.workload: ShimWorkload | None = None
+        self.result: RunResult | None = None
+        self.failure: errors.CedanaError | None = None
+        self.lifeline: socket.socket | None = None  # the caller's end, until the start reply carries it
+        self.stop = threading.Event()
+        self._shim: Any = None
+        self._ctl: socket.socket | None = None
+        self._started = threading.Event()
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.cause = ""  # how the tree ended, as its shim said (shim.py)
+        self.unprotected = "" if peer.uid == 0 else UNPROTECTED_NON_ROOT.format(uid=peer.uid)
+
+    def begin(self, argv: Sequence[str], *, cwd: str, env: Mapping[str, str], try_number: int,
+              claim: AirflowTask | None, out_w: int, err_w: int) -> None:
+        """Run in a thread of the agent; return once the tree started, or raise what stopped it (a lease
+        held, another task's checkpoint ID, a command that does not exist): nothing then runs."""
+
+        def starter(command: Sequence[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
+                    stdout: Sink | None = None, stderr: Sink | None = None, isolate: bool = True,
+                    deny_io_uring: bool = False) -> Workload:
+            return self._start_shim(command, cwd or "/", env or {}, deny_io_uring, out_w, err_w)
+
+        def run() -> None:
+            try:
+                env_ = workload_env(env, self.settings.keep_env)  # never the store's credentials, whoever sent them
+                if self.unprotected:
+                    log.warning("agent: %s for %s: %s", self.wid, self.peer, self.unprotected)
+                    self.result = self._unprotected(starter(argv, cwd=cwd, env=env_))
+                    return
+                self.result = run_workload(self.settings, self.checkpoint_id, list(argv), resume=False,
+                                           try_number=try_number, cwd=cwd, env=env_, handle_signals=False,
+                                           stop=self.stop, airflow=claim, starter=starter)
+            except errors.CedanaError as e:
+                self.failure = e
+            except Exception as e:  # noqa: BLE001 (a bug: said, and the caller is not left waiting)
+                log.exception("agent: %s failed", self.wid)
+                self.failure = errors.CedanaError(f"the agent failed running {self.wid}: {type(e).__name__}: {e}. "
+                                                  "Check the agent's log")
+            finally:
+                self.ended_at = time.time()
+                self._started.set()
+                self._done.set()
+                if self._ctl is not None:
+                    self._ctl.close()
+
+        self._thread = threading.Thread(target=run, name=f"cedana-agent-{self.wid}", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self.workload is None:
+            assert self.failure is not None or self.result is not None
+            raise self.failure or errors.CedanaError(f"{self.wid} ended before it started. Check the agent's log")
+
+    def _unprotected(self, workload: Workload) -> RunResult:
+        """Until the tree ends (a stop ends it at once: there is nothing to checkpoint it with)."""
+        while workload.wait(0.1) is None:
+            if self.stop.is_set():
+                workload.kill()
+        rc = workload.wait()
+        return RunResult(exit_code=rc if rc is not None else 255, outcome="fresh", killed_by_signal=workload.signal)
+
+    def _start_shim(self, command: Sequence[str], cwd: str, env: Mapping[str, str], deny_io_uring: bool,
+                    out_w: int, err_w: int) -> ShimWorkload:
+        seccomp = filter_program() if deny_io_uring else None
+        spec = {"uid": self.peer.uid, "gid": self.peer.gid, "groups": list(self.peer.groups), "argv": list(command),
+                "cwd": cwd, "env": dict(env), "seccomp": seccomp.hex() if seccomp else None}
+        caller_end, shim_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._shim, self._ctl = shim.spawn(spec, shim_end.fileno(), out_w, err_w)
+        except OSError as e:
+            caller_end.close()
+            raise errors.EngineUnavailable(f"the agent could not start a shim: {e}. Check the agent's log") from None
+        finally:
+            shim_end.close()
+        first = _first_event(self._ctl, START_SECONDS)
+        if first.get("ev") != "started":
+            caller_end.close()
+            self._shim.wait()
+            line = str(first.get("line") or f"the shim ended without starting it ({first})")
+            if first.get("code") == 127:
+                raise errors.CommandNotFound(f"cannot start the workload: {line}. Check the command and PATH")
+            raise errors.Refused(f"cannot start the workload as {self.peer}: {line}")
+        self.workload = ShimWorkload(int(first["pid"]), command, cwd, out_w, err_w)
+        self.lifeline = caller_end
+        threading.Thread(target=self._follow, name=f"cedana-agent-{self.wid}-shim", daemon=True).start()
+        self._started.set()
+        return self.workload
+
+    def _follow(self) -> None:
+        """The shim's events until its tree ends (the agent's copy; the caller has its own)."""
+        assert self._ctl is not None and self.workload is not None
+        code, cause = 128 + 9, "shim-lost"  # a shim gone without a word took its tree with it
+        sig: int | None = 9
+        while True:
+            try:
+                msg, fds = protocol.recv(self._ctl)
+            except (OSError, errors.Refused):
+                break
+            protocol.close_fds(fds)
+            if msg is None:
+                break
+            if msg.get("ev") == "exit":
+                code, cause = int(msg.get("code", 255)), str(msg.get("cause", ""))
+                sig = int(msg["signal"]) if isinstance(msg.get("signal"), int) else None
+                break
+        self.cause = cause
+        self.workload.ended(code, sig)
+        self._shim.wait()
+
+    def kill(self) -> None:
+        if self._ctl is not None and not self._done.is_set():
+            try:
+                self._ctl.send(b'{"op":"kill"}', socket.MSG_NOSIGNAL)
+            except OSError:
+                pass
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    @property
+    def ended(self) -> bool:
+        return self._done.is_set()
+
+    def public(self) -> dict[str, Any]:
+        """What its owner may see (never the handle)."""
+        out: dict[str, Any] = {
+            "wid": self.wid, "uid": self.uid, "checkpoint_id": self.checkpoint_id, "node": self.node,
+            "pid": self.workload.pid if self.workload else None, "started": self.started_at,
+            "state": "ended" if self.ended else "running", "cause": self.cause, "protected": not self.unprotected,
+            "checkpoints": len(self.result.checkpoints) if self.result else None}
+        if self.unprotected:
+            out["why_unprotected"] = self.unprotected
+        if self.result is not None:
+            out["result"] = run_summary(self.result, self.checkpoint_id, self.node)
+        if self.failure is not None:
+            out["error"] = {"class": type(self.failure).__name__, "line": str(self.failure)}
+        return out
+
+
+def _first_event(ctl: socket.socket, timeout: float) -> dict[str, Any]:
+    ctl.settimeout(timeout)
+    try:
+        msg, fds = protocol.recv(ctl)
+        protocol.close_fds(fds)
+        return msg if msg is not None else {"line": "the shim ended without a word"}
+    except TimeoutError:
+        return {"line": f"no word from the shim in {timeout:.0f} s"}
+    except (OSError, errors.Refused) as e:
+        return {"line": f"the shim's first word was unreadable ({e})"}
+    finally:
+        ctl.settimeout(None)
