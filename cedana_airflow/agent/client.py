@@ -35,6 +35,7 @@ class Started:
     handle: str
     pid: int
     lifeline: socket.socket
+    restored_seq: int | None = None  # the checkpoint it was restored from; None: started fresh
 
 
 class AgentClient:
@@ -93,13 +94,15 @@ class AgentClient:
 
     def start(self, checkpoint_id: str, argv: Sequence[str], *, cwd: str | None = None,
               env: Mapping[str, str] | None = None, stdout: int, stderr: int, try_number: int = 0,
-              settings: Mapping[str, Any] | None = None, claim: Mapping[str, Any] | None = None) -> Started:
+              settings: Mapping[str, Any] | None = None, claim: Mapping[str, Any] | None = None,
+              resume: bool = False) -> Started:
         """Start ``argv`` as us, checkpointed under ``checkpoint_id``; ``stdout``/``stderr``: write ends the
         workload gets (ours stay ours to close); ``settings``: task settings (agent/workloads.py:
-        TASK_SETTINGS); ``claim``: the Airflow task this is (dag_id, task_id, run_id, map_index)."""
+        TASK_SETTINGS); ``claim``: the Airflow task this is (dag_id, task_id, run_id, map_index);
+        ``resume``: restore the newest checkpoint of ``checkpoint_id`` when there is one (a retry)."""
         fields: dict[str, Any] = {"checkpoint_id": checkpoint_id, "argv": list(argv), "cwd": cwd or os.getcwd(),
                                   "env": dict(os.environ if env is None else env), "try_number": try_number,
-                                  "settings": dict(settings or {})}
+                                  "settings": dict(settings or {}), "resume": resume}
         if claim is not None:
             fields["claim"] = dict(claim)
         with self._answer_within(None):  # the node's writer lease may make a start wait
@@ -108,7 +111,9 @@ class AgentClient:
             protocol.close_fds(fds)
             raise errors.AgentUnavailable(f"the cedana agent at {self.path} started {reply.get('wid')} but sent no "
                                           "lifeline. Upgrade the agent")
-        return Started(str(reply["wid"]), str(reply["handle"]), int(reply["pid"]), socket.socket(fileno=fds[0]))
+        seq = reply.get("restored_seq")
+        return Started(str(reply["wid"]), str(reply["handle"]), int(reply["pid"]), socket.socket(fileno=fds[0]),
+                       int(seq) if isinstance(seq, int) else None)
 
     def status(self, wid: str, handle: str) -> dict[str, Any]:
         return self.request("status", wid=wid, handle=handle)[0]

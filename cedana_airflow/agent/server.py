@@ -15,7 +15,8 @@ Authorization, per request:
 Ops (protocol.py has the framing): ``hello``; ``start`` (fds: the workload's stdout and stderr; the
 reply carries the caller's end of the lifeline), which runs it as run/runner.py runs a workload, with
 heartbeat checkpoints signed by the node's key into the node's store (workloads.py); ``status``;
-``stop`` (the final checkpoint, then the end); ``kill`` (no checkpoint); ``list``. Not yet: restore.
+``stop`` (the final checkpoint, then the end); ``kill`` (no checkpoint); ``list``. A start with
+``resume`` restores the ID's newest checkpoint first (CRIU under the tree's shim, in full).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class _Start(BaseModel):
     try_number: int = Field(ge=0, default=0)
     settings: dict[str, Any] = {}
     claim: AirflowTask | None = None  # the Airflow task it says it is: signed into its manifests, never proof
+    resume: bool = False  # restore the ID's newest checkpoint when there is one (a retry), else start fresh
 
     @field_validator("cwd")
     @classmethod
@@ -215,13 +217,14 @@ class Agent:
         self._forget_ended()
         run = Run(peer, settings, req.checkpoint_id, node=self.node)
         run.begin(req.argv, cwd=req.cwd, env=req.env, try_number=req.try_number, claim=req.claim,
-                  out_w=fds[0], err_w=fds[1])
+                  out_w=fds[0], err_w=fds[1], resume=req.resume)
         with self._lock:
             self._runs[run.wid] = run
         assert run.workload is not None and run.lifeline is not None
         log.info("agent started %s for %s checkpoint_id=%s pid=%d", run.wid, peer, run.checkpoint_id, run.workload.pid)
         lifeline, run.lifeline = run.lifeline.detach(), None  # the caller's from now: sent, then closed here
-        return {"wid": run.wid, "handle": run.handle, "pid": run.workload.pid, "node": self.node}, [lifeline]
+        return {"wid": run.wid, "handle": run.handle, "pid": run.workload.pid, "node": self.node,
+                "restored_seq": run.restored_seq}, [lifeline]
 
     def _status(self, peer: Peer, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
         return self._owned(peer, msg).public(), []

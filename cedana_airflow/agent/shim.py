@@ -5,7 +5,10 @@ Its invariants (each has a test in tests/agent/test_shim.py):
 - **A tree never outlives its caller.** The caller (the Airflow task process, a Slurm job, a CLI)
   holds the other end of the *lifeline*; when it closes (the caller died) or asks, the shim kills the
   tree's PID namespace.
-- **A tree never outlives its shim.** The namespace's init carries the parent-death signal SIGKILL.
+- **A tree never outlives its shim, while the agent lives:** the agent kills a tree whose shim is
+  gone (through a pidfd; agent/workloads.py). Not a parent-death signal on the init: CRIU restores
+  it, and the restored tree would die with the ``criu restore -d`` that detached it (DESIGN.md: no
+  ``--kill-child``).
 - **A workload never depends on the agent to live.** The agent's end of the control socket may close
   at any time (a restart, a crash); the workload runs on and its exit still reaches the caller.
 - **The workload runs as its caller and no more**: the caller's uid, gid and groups, the seccomp
@@ -21,11 +24,17 @@ write reaches its ``sys.path``. The first message on the control socket is the s
 
     {"op": "start", "uid": U, "gid": G, "groups": [...], "argv": [...], "env": {...}, "cwd": "/abs",
      "seccomp": "<struct sock_filter program, hex>" | null}
+    {"op": "restore", "argv": ["<the agent's criu>", "restore", ..., "-d", ...], "pidfile": "/abs"}
+
+A restore runs the agent's ``criu restore -d`` (never a caller's program) as the shim's child, with the
+caller's pipes as its fds 3 and 4; the restored root, detached, becomes the shim's child. The agent
+checked the checkpoint and the tree's credentials before, and puts files back and GPU state after.
 
 It says ``{"ev": "started", "pid": P}`` (the namespace init's host pid) to both the agent and the
 caller, then ``{"ev": "exit", "code": C, "signal": S | null, "cause": ...}`` once, where code is a shell's
-(128 + S when signal S ended it) and cause is ``exited``, ``killed`` (asked), ``caller-lost``, or ``exec`` (the command did not
-start: code 127 or 126, and a ``line`` naming why). The caller may send ``{"op": "kill"}``.
+(128 + S when signal S ended it) and cause is ``exited``, ``killed`` (asked), ``caller-lost``, ``exec``
+(the command did not start: code 127 or 126, and a ``line`` naming why) or ``restore-failed`` (CRIU's
+exit code; its log is the agent's to read). The caller may send ``{"op": "kill"}``.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 _CLONE_NEWPID = 0x20000000
-_PR_SET_PDEATHSIG, _PR_SET_SECCOMP, _PR_CAPBSET_DROP, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 1, 22, 24, 36, 38
+_PR_SET_SECCOMP, _PR_CAPBSET_DROP, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 22, 24, 36, 38
 _SECCOMP_MODE_FILTER = 2
 _MAX_MESSAGE = 64 << 10  # protocol.MAX_MESSAGE (this file imports nothing of ours)
 
@@ -100,7 +109,7 @@ class _Fprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
-def _become(spec: Mapping[str, Any], out_w: int, err_w: int, report_w: int, alive_r: int) -> None:
+def _become(spec: Mapping[str, Any], out_w: int, err_w: int, report_w: int) -> None:
     """In the namespace's init, from the fork to the exec: become the caller, then the command. Never
     returns; a step that fails is written to ``report_w`` (close-on-exec: its end at the exec says it
     started) and ends the child."""
@@ -124,11 +133,6 @@ def _become(spec: Mapping[str, Any], out_w: int, err_w: int, report_w: int, aliv
         os.setresuid(int(spec["uid"]), int(spec["uid"]), int(spec["uid"]))  # the permitted set goes with uid 0
         if confine:
             _prctl("no_new_privs", _PR_SET_NO_NEW_PRIVS, 1)
-        # Set only now: a change of uid clears it. The shim may have died since the fork; its end of
-        # ``alive`` is then closed (EOF), and nothing may run without it.
-        _prctl("the parent-death signal", _PR_SET_PDEATHSIG, signal.SIGKILL)
-        if select.select([alive_r], [], [], 0)[0]:
-            os._exit(137)
         if spec.get("seccomp"):
             step = "the seccomp filter"
             raw = ctypes.create_string_buffer(bytes.fromhex(spec["seccomp"]))
@@ -159,38 +163,15 @@ def main() -> int:
     ctl = socket.socket(fileno=os.dup(0))  # dup: non-inheritable, and fd 0 becomes /dev/null
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     spec, fds = _recv(ctl)
-    if spec is None or spec.get("op") != "start" or len(fds) != 3:
+    if spec is None or spec.get("op") not in ("start", "restore") or len(fds) != 3:
         return 2
     lifeline, out_w, err_w = socket.socket(fileno=fds[0]), fds[1], fds[2]
     os.setsid()  # out of the agent's session: what ends the agent does not reach the workload
     _prctl("becoming a subreaper", _PR_SET_CHILD_SUBREAPER, 1)
-    report_r, report_w = os.pipe()  # close-on-exec, as os.pipe makes them
-    alive_r, alive_w = os.pipe()
-    if _libc.unshare(_CLONE_NEWPID) != 0:
-        err = ctypes.get_errno()
-        end = {"ev": "exit", "code": 126, "cause": "exec", "signal": None, "line": f"a PID namespace: {os.strerror(err)}"}
-        _send(lifeline, end)
-        _send(ctl, end)
-        return 1
-    pid = os.fork()  # the namespace's init
-    if pid == 0:
-        os.close(report_r)
-        os.close(alive_w)
-        _become(spec, out_w, err_w, report_w, alive_r)
-    for fd in (report_w, alive_r, out_w, err_w):
-        os.close(fd)
-    failed = b""
-    while chunk := os.read(report_r, 65536):
-        failed += chunk
-    if failed:
-        _, status = os.waitpid(pid, 0)
-        end = {"ev": "exit", "code": 126, "cause": "exec", "signal": None, "line": "the workload did not start"}
-        try:
-            end.update(json.loads(failed))
-        except ValueError:
-            pass
-        _send(lifeline, end)
-        _send(ctl, end)
+    pid = _start(spec, out_w, err_w) if spec["op"] == "start" else _restore(spec, out_w, err_w)
+    if isinstance(pid, dict):  # it did not start: said once, to both
+        _send(lifeline, pid)
+        _send(ctl, pid)
         return 0
     started = {"ev": "started", "pid": pid}
     _send(lifeline, started)
@@ -202,6 +183,59 @@ def main() -> int:
     _send(lifeline, end)
     _send(ctl, end)
     return 0
+
+
+def _start(spec: Mapping[str, Any], out_w: int, err_w: int) -> int | dict[str, Any]:
+    """The namespace's init, started as the caller: its pid, or the exit event saying why it did not start."""
+    report_r, report_w = os.pipe()  # close-on-exec, as os.pipe makes them
+    if _libc.unshare(_CLONE_NEWPID) != 0:
+        err = ctypes.get_errno()
+        return {"ev": "exit", "code": 126, "cause": "exec", "signal": None, "line": f"a PID namespace: {os.strerror(err)}"}
+    pid = os.fork()
+    if pid == 0:
+        os.close(report_r)
+        _become(spec, out_w, err_w, report_w)
+    for fd in (report_w, out_w, err_w):
+        os.close(fd)
+    failed = b""
+    while chunk := os.read(report_r, 65536):
+        failed += chunk
+    if not failed:
+        return pid
+    os.waitpid(pid, 0)
+    end = {"ev": "exit", "code": 126, "cause": "exec", "signal": None, "line": "the workload did not start"}
+    try:
+        end.update(json.loads(failed))
+    except ValueError:
+        pass
+    return end
+
+
+def _restore(spec: Mapping[str, Any], out_w: int, err_w: int) -> int | dict[str, Any]:
+    """``criu restore -d`` run as our child, the caller's pipes as its fds 3 and 4 (the agent named them
+    so in ``--inherit-fd``): the restored root, detached, becomes our child (we are a subreaper). Its pid
+    (from the pidfile), or the exit event of a restore that failed (the agent reads CRIU's log)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            high_out, high_err = os.dup(out_w), os.dup(err_w)  # out of the way of 3 and 4 first
+            os.dup2(high_out, 3)
+            os.dup2(high_err, 4)  # dup2's copies are inherited; every other fd here is close-on-exec
+            os.execv(spec["argv"][0], list(spec["argv"]))
+        except BaseException as e:  # noqa: BLE001
+            os.write(2, f"cedana shim: criu did not start: {e}\n".encode())
+        os._exit(127)
+    os.close(out_w)
+    os.close(err_w)
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        return {"ev": "exit", "code": _exit_code(status), "cause": "restore-failed", "signal": None}
+    try:
+        with open(spec["pidfile"]) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError) as e:
+        return {"ev": "exit", "code": 255, "cause": "restore-failed", "signal": None,
+                "line": f"criu restore wrote no pid to {spec['pidfile']} ({e})"}
 
 
 def _watch(pid: int, lifeline: socket.socket, ctl: socket.socket | None) -> str:

@@ -8,17 +8,23 @@ the work dir and every command the agent would run as root are the node's (its o
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import secrets
+import select
+import signal
 import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from .. import errors
 from ..config import Settings, load_settings
-from ..format.manifest import AirflowTask
+from ..engine.criu import CriuEngine
+from ..format.manifest import AirflowTask, Manifest
 from ..run.environment import workload_env
 from ..run.no_io_uring import filter_program
 from ..run.runner import RunResult, run_workload
@@ -75,10 +81,29 @@ class ShimWorkload(Workload):
         self.signal: int | None = None
         self._reap_lock = threading.Lock()
         self._ended = threading.Event()
+        # Opened while the tree is its shim's unreaped child: the pid cannot have been reused yet, and a
+        # signal through the fd reaches this tree or nothing, whoever its parent is later.
+        self.pidfd = os.pidfd_open(pid)
+        self._fd_lock = threading.Lock()  # a kill never signals through a number ended() closed and reused
 
     def ended(self, code: int, sig: int | None) -> None:
-        self.returncode, self.signal = code, sig
-        self._ended.set()
+        with self._fd_lock:
+            self.returncode, self.signal = code, sig
+            self._ended.set()
+            os.close(self.pidfd)
+
+    def kill(self) -> None:
+        """SIGKILL the namespace's init (the kernel ends the rest), through the pidfd; not waited for."""
+        with self._fd_lock:
+            if not self._ended.is_set():
+                with contextlib.suppress(OSError):  # ended already: ESRCH
+                    signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+
+    def lost(self) -> None:
+        """Its shim is gone: nothing watches the tree for its caller any more, so it ends here."""
+        self.kill()
+        select.select([self.pidfd], [], [], 30)  # readable once it has exited
+        self.ended(128 + signal.SIGKILL, signal.SIGKILL)
 
     def poll(self) -> int | None:
         return self.returncode
@@ -112,12 +137,25 @@ class Run:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self.cause = ""  # how the tree ended, as its shim said (shim.py)
+        self.restored_seq: int | None = None  # the checkpoint its tree was restored from (None: started fresh)
         self.unprotected = "" if peer.uid == 0 else UNPROTECTED_NON_ROOT.format(uid=peer.uid)
 
     def begin(self, argv: Sequence[str], *, cwd: str, env: Mapping[str, str], try_number: int,
-              claim: AirflowTask | None, out_w: int, err_w: int) -> None:
-        """Run in a thread of the agent; return once the tree started, or raise what stopped it (a lease
-        held, another task's checkpoint ID, a command that does not exist): nothing then runs."""
+              claim: AirflowTask | None, out_w: int, err_w: int, resume: bool = False) -> None:
+        """Run in a thread of the agent; return once the tree started (``resume``: restored from this
+        checkpoint ID's newest checkpoint when there is one), or raise what stopped it (a lease held,
+        another task's checkpoint ID, a command that does not exist): nothing then runs."""
+
+        def restore_tree(engine: CriuEngine, image_dir: Path, m: Manifest, pidfile: Path) -> Workload:
+            # The caller's pipes become the tree's stdout and stderr: fds 3 and 4 of CRIU, under the shim.
+            cmd, log_path = engine.restore_command(image_dir, inherit={3: m.process.stdout_pipe,
+                                                                       4: m.process.stderr_pipe}, pidfile=pidfile)
+            first = self._spawn({"op": "restore", "argv": cmd, "pidfile": str(pidfile)}, out_w, err_w)
+            if first.get("ev") != "started":
+                raise engine.restore_error(image_dir, int(first.get("code", 255)), log_path,
+                                           str(first.get("line", "")))
+            self.restored_seq = m.seq
+            return self._adopt(int(first["pid"]), m.process.command, m.process.cwd, out_w, err_w)
 
         def starter(command: Sequence[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
                     stdout: Sink | None = None, stderr: Sink | None = None, isolate: bool = True,
@@ -131,9 +169,10 @@ class Run:
                     log.warning("agent: %s for %s: %s", self.wid, self.peer, self.unprotected)
                     self.result = self._unprotected(starter(argv, cwd=cwd, env=env_))
                     return
-                self.result = run_workload(self.settings, self.checkpoint_id, list(argv), resume=False,
+                self.result = run_workload(self.settings, self.checkpoint_id, list(argv), resume=resume,
                                            try_number=try_number, cwd=cwd, env=env_, handle_signals=False,
-                                           stop=self.stop, airflow=claim, starter=starter)
+                                           stop=self.stop, airflow=claim, starter=starter,
+                                           restore_tree=restore_tree)
             except errors.CedanaError as e:
                 self.failure = e
             except Exception as e:  # noqa: BLE001 (a bug: said, and the caller is not left waiting)
@@ -165,38 +204,55 @@ class Run:
     def _start_shim(self, command: Sequence[str], cwd: str, env: Mapping[str, str], deny_io_uring: bool,
                     out_w: int, err_w: int) -> ShimWorkload:
         seccomp = filter_program() if deny_io_uring else None
-        spec = {"uid": self.peer.uid, "gid": self.peer.gid, "groups": list(self.peer.groups), "argv": list(command),
-                "cwd": cwd, "env": dict(env), "seccomp": seccomp.hex() if seccomp else None}
+        spec = {"op": "start", "uid": self.peer.uid, "gid": self.peer.gid, "groups": list(self.peer.groups),
+                "argv": list(command), "cwd": cwd, "env": dict(env), "seccomp": seccomp.hex() if seccomp else None}
+        first = self._spawn(spec, out_w, err_w)
+        self.restored_seq = None  # a fresh start (after a refused restore, too)
+        if first.get("ev") != "started":
+            line = str(first.get("line") or f"the shim ended without starting it ({first})")
+            if first.get("code") == 127:
+                raise errors.CommandNotFound(f"cannot start the workload: {line}. Check the command and PATH")
+            raise errors.Refused(f"cannot start the workload as {self.peer}: {line}")
+        return self._adopt(int(first["pid"]), command, cwd, out_w, err_w)
+
+    def _spawn(self, spec: Mapping[str, Any], out_w: int, err_w: int) -> dict[str, Any]:
+        """A shim for ``spec``, and its first word: ``started`` (its lifeline is then the caller's, in
+        :attr:`lifeline`), or the exit that says why not (the shim is then gone)."""
         caller_end, shim_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self._shim, self._ctl = shim.spawn(spec, shim_end.fileno(), out_w, err_w)
+            proc, ctl = shim.spawn(spec, shim_end.fileno(), out_w, err_w)
         except OSError as e:
             caller_end.close()
             raise errors.EngineUnavailable(f"the agent could not start a shim: {e}. Check the agent's log") from None
         finally:
             shim_end.close()
-        first = _first_event(self._ctl, START_SECONDS)
+        first = _first_event(ctl, START_SECONDS if spec["op"] == "start" else None)
         if first.get("ev") != "started":
             caller_end.close()
-            self._shim.wait()
-            line = str(first.get("line") or f"the shim ended without starting it ({first})")
-            if first.get("code") == 127:
-                raise errors.CommandNotFound(f"cannot start the workload: {line}. Check the command and PATH")
-            raise errors.Refused(f"cannot start the workload as {self.peer}: {line}")
-        self.workload = ShimWorkload(int(first["pid"]), command, cwd, out_w, err_w)
-        self.lifeline = caller_end
-        threading.Thread(target=self._follow, name=f"cedana-agent-{self.wid}-shim", daemon=True).start()
+            ctl.close()
+            proc.wait()
+            return first
+        if self.lifeline is not None:  # a restore that fell back to a fresh start: the newer shim is the one
+            self.lifeline.close()
+        if self._ctl is not None:
+            self._ctl.close()
+        self._shim, self._ctl, self.lifeline = proc, ctl, caller_end
+        return first
+
+    def _adopt(self, pid: int, command: Sequence[str], cwd: str, out_w: int, err_w: int) -> ShimWorkload:
+        self.workload = ShimWorkload(pid, command, cwd, out_w, err_w)
+        threading.Thread(target=self._follow, args=(self._ctl, self.workload, self._shim),
+                         name=f"cedana-agent-{self.wid}-shim", daemon=True).start()
         self._started.set()
         return self.workload
 
-    def _follow(self) -> None:
-        """The shim's events until its tree ends (the agent's copy; the caller has its own)."""
-        assert self._ctl is not None and self.workload is not None
-        code, cause = 128 + 9, "shim-lost"  # a shim gone without a word took its tree with it
-        sig: int | None = 9
+    def _follow(self, ctl: socket.socket, workload: ShimWorkload, proc: Any) -> None:
+        """A shim's events until its tree ends (the agent's copy; the caller has its own). A shim gone
+        without a word (SIGKILLed, OOM-killed) leaves its tree to us: it is killed."""
+        code, cause, sig = 0, "", None
         while True:
             try:
-                msg, fds = protocol.recv(self._ctl)
+                msg, fds = protocol.recv(ctl)
             except (OSError, errors.Refused):
                 break
             protocol.close_fds(fds)
@@ -206,9 +262,15 @@ class Run:
                 code, cause = int(msg.get("code", 255)), str(msg.get("cause", ""))
                 sig = int(msg["signal"]) if isinstance(msg.get("signal"), int) else None
                 break
-        self.cause = cause
-        self.workload.ended(code, sig)
-        self._shim.wait()
+        if cause:
+            self.cause = cause
+            workload.ended(code, sig)
+        else:
+            log.warning("agent: %s: its shim (pid %d) is gone; its tree is killed, nothing watches it for its caller",
+                        self.wid, proc.pid)
+            self.cause = "shim-lost"
+            workload.lost()
+        proc.wait()
 
     def kill(self) -> None:
         if self._ctl is not None and not self._done.is_set():
@@ -229,6 +291,7 @@ class Run:
         out: dict[str, Any] = {
             "wid": self.wid, "uid": self.uid, "checkpoint_id": self.checkpoint_id, "node": self.node,
             "pid": self.workload.pid if self.workload else None, "started": self.started_at,
+            "restored_seq": self.restored_seq,
             "state": "ended" if self.ended else "running", "cause": self.cause, "protected": not self.unprotected,
             "checkpoints": len(self.result.checkpoints) if self.result else None}
         if self.unprotected:
@@ -240,14 +303,14 @@ class Run:
         return out
 
 
-def _first_event(ctl: socket.socket, timeout: float) -> dict[str, Any]:
+def _first_event(ctl: socket.socket, timeout: float | None) -> dict[str, Any]:
     ctl.settimeout(timeout)
     try:
         msg, fds = protocol.recv(ctl)
         protocol.close_fds(fds)
         return msg if msg is not None else {"line": "the shim ended without a word"}
     except TimeoutError:
-        return {"line": f"no word from the shim in {timeout:.0f} s"}
+        return {"line": f"no word from the shim in {timeout or 0:.0f} s"}
     except (OSError, errors.Refused) as e:
         return {"line": f"the shim's first word was unreadable ({e})"}
     finally:

@@ -427,6 +427,17 @@ class CriuEngine:
         pages to the daemon :meth:`start_lazy_pages` started (the restore returns while they stream). The caller should be a
         child subreaper (see :mod:`cedana_airflow.run.workload`) so the restored root becomes its child.
         """
+        cmd, log_path = self.restore_command(image_dir, inherit=inherit, pidfile=pidfile, lazy=lazy)
+        proc = subprocess.run(cmd, capture_output=True, text=True, pass_fds=tuple(inherit))
+        if proc.returncode != 0:
+            raise self.restore_error(image_dir, proc.returncode, log_path, proc.stderr)
+        return self.restored_pid(pidfile)
+
+    def restore_command(self, image_dir: Path, *, inherit: dict[int, str], pidfile: Path,
+                        lazy: bool = False) -> tuple[list[str], Path]:
+        """The ``criu restore`` command :meth:`restore` runs, and its log: for a process that runs it as
+        its own child (the node agent's shim: the restored root becomes that process's child). ``inherit``'s
+        fds are the numbers they must have in CRIU."""
         self._require_root("restoring")
         if fds.carries_inet_sockets(self.binary.version):
             net_lock.sweep()  # a dead dump's lock here would drop the restored connections' packets
@@ -438,15 +449,18 @@ class CriuEngine:
             cmd += ["--inherit-fd", f"fd[{fd}]:{name}"]
         if lazy:
             cmd.append("--lazy-pages")
-        proc = subprocess.run(cmd, capture_output=True, text=True, pass_fds=tuple(inherit))
-        if proc.returncode != 0:
-            tail = _log_tail(log_path) or proc.stderr.strip()[-300:]
-            # A port taken or an address missing here between run/sockets.py's look and CRIU's bind: the node's.
-            kind = NodeInTheWay if any(n in tail for n in _NODE_IN_THE_WAY) else RestoreFailed
-            raise kind(
-                f"criu restore from {image_dir} failed (exit {proc.returncode}): {tail}. "
-                f"{_hint(tail)}; log: {log_path}."
-            )
+        return cmd, log_path
+
+    @staticmethod
+    def restore_error(image_dir: Path, returncode: int, log_path: Path, stderr: str) -> RestoreFailed:
+        """What a failed ``criu restore`` is: the node's (NodeInTheWay) or the checkpoint's (RestoreFailed)."""
+        tail = _log_tail(log_path) or stderr.strip()[-300:]
+        # A port taken or an address missing here between run/sockets.py's look and CRIU's bind: the node's.
+        kind = NodeInTheWay if any(n in tail for n in _NODE_IN_THE_WAY) else RestoreFailed
+        return kind(f"criu restore from {image_dir} failed (exit {returncode}): {tail}. {_hint(tail)}; log: {log_path}.")
+
+    @staticmethod
+    def restored_pid(pidfile: Path) -> int:
         try:
             return int(pidfile.read_text().strip())
         except (OSError, ValueError) as e:

@@ -77,6 +77,10 @@ PhaseHook = Callable[[str, float], None]
 #: Starts the command of a cooperative checkpoint's run, its state put back in the given directory
 #: (CEDANA_RESTORE_DIR), with the restore's stdout and stderr (the runner's: it knows the command).
 StartCooperative = Callable[[Manifest, Path, "Sink | None", "Sink | None"], Workload]
+#: What turns a checked image dir into a running tree (full restores only): the node agent's runs
+#: ``criu restore`` under the workload's shim, with its caller's pipes (agent/workloads.py). Given the
+#: engine, the images, the manifest and the pidfile CRIU writes. Default: CRIU as our child, adopted here.
+RestoreTree = Callable[[CriuEngine, Path, Manifest, Path], Workload]
 
 
 def _what(e: BaseException) -> str:
@@ -148,8 +152,12 @@ class Checkpointer:
                  settings: Settings, *, work_dir: Path, try_number: int = 0, on_phase: PhaseHook | None = None,
                  lease: WriterLease | None = None, gpu: GpuGate | None = None,
                  airflow: AirflowTask | None = None, coop: Cooperation | None = None,
-                 start: StartCooperative | None = None, engine_why: str = "", key: NodeKey | None = None) -> None:
+                 start: StartCooperative | None = None, engine_why: str = "", key: NodeKey | None = None,
+                 restore_tree: RestoreTree | None = None) -> None:
         self.engine, self.store, self.store_cfg = engine, store, store_cfg
+        self._restore_tree = restore_tree
+        if restore_tree is not None and settings.restore_mode != "full":  # its lazy pages would need a shim's watch
+            settings = settings.model_copy(update={"restore_mode": "full"})
         self.coop, self._start, self.engine_why = coop, start, engine_why
         self._route_said = ""  # the last "how heartbeats are taken" line said (auto mode), said once per change
         self.stopping: threading.Event | None = None  # set by the runner: a stop withdraws a heartbeat's request
@@ -745,21 +753,27 @@ class Checkpointer:
                         feed.start()
                 failpoint("restore.criu", work_dir=self.work_dir)
                 assert self.engine is not None
+                pidfile = dest.with_name(dest.name + ".pid")
                 with tl.span("criu_restore"):
-                    pid, out_r, err_r = self.engine.restore_piped(dest, m.process.stdout_pipe, m.process.stderr_pipe,
-                                                                  pidfile=dest.with_name(dest.name + ".pid"),
-                                                                  lazy=feed is not None)
+                    if self._restore_tree is not None:  # supervised by its shim from the first instant
+                        workload = self._restore_tree(self.engine, dest, m, pidfile)
+                    else:
+                        pid, out_r, err_r = self.engine.restore_piped(dest, m.process.stdout_pipe,
+                                                                      m.process.stderr_pipe, pidfile=pidfile,
+                                                                      lazy=feed is not None)
             tl.mark("resumed", latest=True)  # the tree runs (a fallback's later restore replaces it)
             tl.facts["criu"] = read_restore_stats(dest)
             adopting = time.monotonic()
-            # Supervised (watchdog on) before anything else can fail: a restored tree is never left alone.
-            holds = feed.held_copies() if feed is not None else []
-            try:
-                workload = Workload.adopt(pid, m.process.command, m.process.cwd, out_r, err_r, stdout, stderr,
-                                          watchdog_holds=tuple(holds))
-            finally:
-                for fd in holds:
-                    os.close(fd)
+            if self._restore_tree is None:
+                # Supervised (watchdog on) before anything else can fail: a restored tree is never left alone.
+                holds = feed.held_copies() if feed is not None else []
+                try:
+                    workload = Workload.adopt(pid, m.process.command, m.process.cwd, out_r, err_r, stdout, stderr,
+                                              watchdog_holds=tuple(holds))
+                finally:
+                    for fd in holds:
+                        os.close(fd)
+            pid = workload.pid
             if feed is not None:
                 feed.attach(pid)
             failpoint("restore.resume", workload=pid, work_dir=self.work_dir)

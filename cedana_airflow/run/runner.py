@@ -42,7 +42,7 @@ from ..store.restores import RestoreRecord, record_restore
 from ..store.writer_lease import WriterLease
 from .cadence import COST_WINDOW, Cadence, HeartbeatChoice, checkpoint_cost, estimated_cost
 from .checkpoint_triggers import Failures, Heartbeat, MemoryWatch
-from .checkpointer import Checkpointer, check_owner
+from .checkpointer import Checkpointer, RestoreTree, check_owner
 from .cooperative import Cooperation
 from .environment import workload_env
 from .estimate import estimate_checkpoint
@@ -126,6 +126,7 @@ def run_workload(
     airflow: AirflowTask | None = None,
     on_restore: Callable[[RunResult], None] | None = None,
     starter: Starter = Workload.start,
+    restore_tree: RestoreTree | None = None,
 ) -> RunResult:
     """Run ``command`` managed (or, with ``command=None``, only restore) and return how it ended.
 
@@ -142,7 +143,8 @@ def run_workload(
     ``on_restore``: called once a checkpoint is restored (``restored_from`` and the timings set), before
     any output of the restored workload reaches ``stdout``/``stderr``: a log can say what was restored
     ahead of what the workload prints next.
-    ``starter``: what starts a fresh tree (the node agent's starts it as its caller).
+    ``starter``: what starts a fresh tree (the node agent's starts it as its caller); ``restore_tree``:
+    what restores one (the node agent's runs CRIU under the tree's shim; restores are then full).
     """
     validate_checkpoint_id(checkpoint_id)
     if try_number < 0:
@@ -183,7 +185,7 @@ def run_workload(
 
         cp = Checkpointer(engine, store, store_cfg, checkpoint_id, settings, work_dir=work_dir, try_number=try_number,
                           lease=lease, gpu=gpu, airflow=airflow, coop=coop, key=key,
-                          start=start_cooperative, engine_why=engine_why)
+                          start=start_cooperative, engine_why=engine_why, restore_tree=restore_tree)
         result = RunResult(exit_code=0, outcome="fresh")
         try:
             cp.check_owner()  # another task's ID: neither restored nor written, before anything starts

@@ -260,3 +260,58 @@ def test_a_root_caller_s_workload_is_checkpointed_on_its_heartbeat_and_its_stop_
     assert _event(s.lifeline)["ev"] == "exit"
     out = _read_all(out_r).split()
     assert out == [str(i) for i in range(1, len(out) + 1)]  # it counted, untouched by the heartbeats, until the stop
+
+
+def test_a_root_caller_s_retry_resumes_from_the_newest_checkpoint_under_a_new_shim(agent, tmp_path):
+    """Try 1's caller dies (its lifeline closes: the shim kills the tree); try 2 asks to resume and the
+    same count goes on from the checkpoint, printed into try 2's own pipe, to its end."""
+    sock, _ = agent
+    counter = ["sh", "-c", "i=0; while [ $i -lt 40 ]; do i=$((i+1)); echo $i; sleep 0.1; done"]
+    with AgentClient.connect(sock) as c:
+        out_r, out_w = os.pipe()
+        first = c.start("agent-resume", counter, cwd="/tmp", env={"PATH": "/usr/bin:/bin"}, stdout=out_w,
+                        stderr=out_w, settings={"heartbeat_seconds": 0.5}, resume=True)
+        os.close(out_w)
+        assert first.restored_seq is None  # nothing to resume yet
+        deadline = time.monotonic() + 60
+        while len(manifests(tmp_path / "store", "agent-resume")) < 2:
+            assert time.monotonic() < deadline, "no heartbeat checkpoint within 60 s"
+            time.sleep(0.1)
+        first.lifeline.close()  # the caller is gone (its worker died): so is its tree
+        deadline = time.monotonic() + 30
+        while (status := c.status(first.wid, first.handle))["state"] != "ended":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert status["cause"] == "caller-lost", status
+        before = _read_all(out_r).split()
+        latest = manifests(tmp_path / "store", "agent-resume")[-1]["seq"]
+
+        out_r, out_w = os.pipe()
+        second = c.start("agent-resume", counter, cwd="/tmp", env={"PATH": "/usr/bin:/bin"}, stdout=out_w,
+                         stderr=out_w, settings={"heartbeat_seconds": 0.5}, resume=True, try_number=1)
+        os.close(out_w)
+        assert second.restored_seq == latest
+        assert _event(second.lifeline)["ev"] == "started"
+        assert _event(second.lifeline, timeout=60) == {"ev": "exit", "code": 0, "cause": "exited", "signal": None}
+        after = _read_all(out_r).split()
+    assert before and after and int(after[0]) > 1, (before, after)  # resumed, not started over
+    assert int(after[0]) <= int(before[-1]) + 1  # from a checkpoint of what try 1 had done
+    assert after == [str(i) for i in range(int(after[0]), 41)]  # and on to the end, nothing skipped
+
+
+def test_a_tree_whose_shim_is_killed_is_killed_by_the_agent(agent):
+    sock, _ = agent
+    out_r, out_w = os.pipe()
+    with AgentClient.connect(sock) as c:
+        s = c.start("agent-orphan", ["sleep", "60"], cwd="/tmp", env={"PATH": "/usr/bin:/bin"}, stdout=out_w,
+                    stderr=out_w, settings={"heartbeat_seconds": 0})
+        os.close(out_w)
+        with open(f"/proc/{s.pid}/stat") as f:
+            shim_pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        os.kill(shim_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while (status := c.status(s.wid, s.handle))["state"] != "ended":
+            assert time.monotonic() < deadline, "the agent left the tree of a dead shim running"
+            time.sleep(0.05)
+    assert status["cause"] == "shim-lost"
+    assert _read_all(out_r) == ""  # its write end is closed: the tree (sleep, the namespace's init) is gone
