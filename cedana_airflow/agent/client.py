@@ -69,19 +69,25 @@ class AgentClient:
     def request(self, op: str, fds: Sequence[int] = (), **fields: Any) -> tuple[dict[str, Any], list[int]]:
         """One request and its reply (and the fds that came with it); a failed reply raises."""
         req_id = next(self._ids)
+        closed = errors.AgentUnavailable(f"the cedana agent at {self.path} closed the connection during {op}. "
+                                         "Check the agent's log")
         try:
-            protocol.send(self._sock, {"op": op, "id": req_id, **fields}, fds)
+            try:
+                protocol.send(self._sock, {"op": op, "id": req_id, **fields}, fds)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # it refused the connection and closed it: its one line is waiting to be read below
             while True:
                 reply, got = protocol.recv(self._sock)
                 if reply is None:
-                    raise errors.AgentUnavailable(f"the cedana agent at {self.path} closed the connection during "
-                                                  f"{op}. Check the agent's log")
-                if reply.get("id") == req_id:
-                    break
+                    raise closed
+                if reply.get("id") == req_id or (reply.get("id") is None and reply.get("ok") is False):
+                    break  # ours, or the connection's own refusal (too many connections, a bad sender)
                 protocol.close_fds(got)  # an event, or a stale reply: not ours to keep
         except TimeoutError:
             raise errors.AgentUnavailable(f"the cedana agent at {self.path} did not answer {op} in "
                                           f"{ANSWER_SECONDS:.0f} s. Check the agent's log") from None
+        except (BrokenPipeError, ConnectionResetError):
+            raise closed from None
         try:
             protocol.raise_for(reply)
         except errors.CedanaError:

@@ -25,8 +25,8 @@ from typing import Any
 
 from .. import errors
 
-__all__ = ["MAX_FDS", "MAX_MESSAGE", "PROTO", "Peer", "close_fds", "error_reply", "raise_for", "recv", "recv_packet",
-           "send"]
+__all__ = ["MAX_FDS", "MAX_MESSAGE", "PROTO", "Peer", "Sender", "close_fds", "error_reply", "pass_credentials", "raise_for",
+           "recv", "recv_from", "recv_packet", "send"]
 
 #: The protocol's version (see the module doc for what may change within one).
 PROTO = 1
@@ -54,35 +54,64 @@ def recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
     """The next message and the fds that came with it (close-on-exec, the receiver's to close); ``(None,
     [])`` at end of stream. A message that is too large, carries too many fds or is not a JSON object is
     :class:`errors.Refused`, its fds closed."""
-    data, fds, flags = recv_packet(sock, MAX_MESSAGE + 1, MAX_FDS)
+    msg, fds, _ = recv_from(sock)
+    return msg, fds
+
+
+def recv_from(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int], Sender | None]:
+    """:func:`recv`, and who sent this message, as the kernel says (on a socket with ``SO_PASSCRED``:
+    see :func:`pass_credentials`; else None)."""
+    data, fds, flags, sender = recv_packet(sock, MAX_MESSAGE + 1, MAX_FDS)
     if not data and not fds:
-        return None, []
+        return None, [], sender
     try:
         if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(data) > MAX_MESSAGE:
             raise errors.Refused(f"agent message refused: larger than {MAX_MESSAGE} bytes or more than {MAX_FDS} "
                                  "fds. Send less")
         try:
             msg = json.loads(data)
-        except ValueError as e:
-            raise errors.Refused(f"agent message refused: not JSON ({e}). Send one JSON object per message") from None
+        except (ValueError, RecursionError) as e:  # RecursionError: "[[[[..." nested past the parser's depth
+            raise errors.Refused(f"agent message refused: not JSON ({str(e)[:80]}). Send one JSON object per "
+                                 "message") from None
         if not isinstance(msg, dict):
             raise errors.Refused(f"agent message refused: a JSON {type(msg).__name__}, not an object. "
                                  "Send one JSON object per message")
     except errors.Refused:
         close_fds(fds)
         raise
-    return msg, fds
+    return msg, fds, sender
 
 
-def recv_packet(sock: socket.socket, size: int, max_fds: int) -> tuple[bytes, list[int], int]:
-    """One packet, its fds (close-on-exec) and the message flags. ``socket.recv_fds`` drops its flags
-    argument (CPython 3.11), so its fds would be inherited by every program this process starts."""
-    data, ancdata, flags, _ = sock.recvmsg(size, socket.CMSG_LEN(max_fds * 4), socket.MSG_CMSG_CLOEXEC)
+@dataclass(frozen=True)
+class Sender:
+    """Who sent one message (``SCM_CREDENTIALS``): the kernel's word, which a sender cannot forge."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+def pass_credentials(sock: socket.socket) -> None:
+    """Have the kernel attach its sender's credentials to every message this socket receives. A
+    connection's ``SO_PEERCRED`` is its *connector's*, fixed at connect(2) (unix(7)); a root process that
+    connects and then drops to another uid, or hands the socket on, would otherwise act as root."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+
+
+def recv_packet(sock: socket.socket, size: int, max_fds: int) -> tuple[bytes, list[int], int, Sender | None]:
+    """One packet, its fds (close-on-exec), the message flags and its sender (where the socket passes
+    credentials). ``socket.recv_fds`` drops its flags argument (CPython 3.11), so its fds would be
+    inherited by every program this process starts."""
+    data, ancdata, flags, _ = sock.recvmsg(size, socket.CMSG_SPACE(max_fds * 4) + socket.CMSG_SPACE(12),
+                                           socket.MSG_CMSG_CLOEXEC)
     fds: list[int] = []
+    sender = None
     for level, kind, raw in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds += struct.unpack(f"{len(raw) // 4}i", raw[: len(raw) - len(raw) % 4])
-    return data, fds, flags
+        elif level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(raw) >= 12:
+            sender = Sender(*struct.unpack("3i", raw[:12]))
+    return data, fds, flags, sender
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ import hmac
 import json
 import logging
 import os
+import queue
+import re
 import socket
 import stat
 import threading
@@ -42,6 +44,7 @@ from ..format.manifest import AirflowTask
 from ..fsafe import UnsafePath, secure_base
 from ..ids import validate_checkpoint_id
 from . import protocol
+from .callers import Caller, read_caller, read_self
 from .protocol import Peer
 from .workloads import UNPROTECTED_NON_ROOT, Run, task_settings
 
@@ -53,6 +56,69 @@ log = logging.getLogger(__name__)
 DEFAULT_SOCKET = Path("/run/cedana-airflow/agent.sock")
 #: How long an ended run stays for its owner's ``status``.
 KEEP_ENDED_SECONDS = 600.0
+#: Connections one uid may hold open at once, and all callers together: each is a thread and an fd of
+#: the agent, so the caps keep one user from using them all up (the agent must outlast any caller).
+MAX_CONNECTIONS_PER_UID = 16
+MAX_CONNECTIONS = 256
+#: Workloads one uid other than root may have running at once: each is a root shim and two agent
+#: threads, which count against no limit of the caller's.
+MAX_RUNS_PER_UID = 32
+#: A connection that sends nothing for this long is closed (a caller connects again for its next request).
+IDLE_SECONDS = 300.0
+_WID = re.compile(r"^w-[0-9a-f]{12}$")
+
+
+class _Refuser:
+    """Closes refused connections after their callers could read why: one thread for all of them.
+
+    Closing a unix socket with a message of its caller's still unread resets the connection, and the
+    caller then reads ECONNRESET instead of the refusal queued for it (af_unix.c, unix_release_sock). So
+    a refused connection is kept a moment, its callers' messages drained, then closed, in one thread
+    with a bounded queue: a flood of refused connections costs neither threads nor the accept loop's
+    time (past the queue they are closed at once)."""
+
+    KEEP_SECONDS = 1.0
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[tuple[socket.socket, float]] = queue.Queue(maxsize=64)
+        threading.Thread(target=self._run, name="cedana-agent-refuser", daemon=True).start()
+
+    def refuse(self, conn: socket.socket, reply: Mapping[str, Any]) -> None:
+        with contextlib.suppress(OSError):
+            protocol.send(conn, reply)
+        conn.setblocking(False)
+        try:
+            self._queue.put_nowait((conn, time.monotonic() + self.KEEP_SECONDS))
+        except queue.Full:
+            conn.close()
+
+    def _run(self) -> None:
+        held: list[tuple[socket.socket, float]] = []
+        while True:
+            try:
+                held.append(self._queue.get(timeout=0.1 if held else None))
+            except queue.Empty:
+                pass
+            now, kept = time.monotonic(), []
+            for conn, until in held:
+                try:
+                    while conn.recv(protocol.MAX_MESSAGE + 1):  # drained: its close resets nothing
+                        pass
+                    done = True  # an empty read: the caller closed its end
+                except BlockingIOError:
+                    done = now >= until
+                except OSError:
+                    done = True
+                if done:
+                    conn.close()
+                else:
+                    kept.append((conn, until))
+            held = kept
+
+
+def _printable(text: str, limit: int = 300) -> str:
+    """``text`` cut to ``limit`` characters, each control character a ``?``: fit for one log line."""
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
 
 
 class _Start(BaseModel):
@@ -98,7 +164,10 @@ class Agent:
         self._runs: dict[str, Run] = {}
         self._closing = threading.Event()
         self._listener = self._bind(socket_path)
-        self._ops: Mapping[str, Callable[[Peer, dict[str, Any], list[int]], tuple[dict[str, Any], list[int]]]] = {
+        self._connections: dict[int, int] = {}  # uid -> connections open
+        self._refuser = _Refuser()
+        self._self = read_self()  # what a caller's namespaces and bounds are compared with
+        self._ops: Mapping[str, Callable[[Caller, dict[str, Any], list[int]], tuple[dict[str, Any], list[int]]]] = {
             "hello": self._hello, "start": self._start, "status": self._status, "stop": self._stop, "kill": self._kill,
             "list": self._list}
 
@@ -116,6 +185,9 @@ class Agent:
                                          "another path")
             os.unlink(path)  # a dead agent's: connecting to it would fail anyway
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # On the listener, so every accepted connection has it from its first message on (accept(2)
+        # copies it): set on the connection after accept, a message sent in between would come without.
+        protocol.pass_credentials(sock)
         sock.bind(str(path))
         os.chmod(path, 0o666)  # anyone local may ask; what they may do is decided per op
         sock.listen(64)
@@ -124,15 +196,57 @@ class Agent:
     # -- serving ------------------------------------------------------------------------------------
 
     def serve(self) -> None:
+        """Accept callers until :meth:`close`. Nothing a caller does ends this loop: a refused or failed
+        accept is said and the next one goes on (a flood of connections costs the flooder, not the node)."""
         log.info("agent serving on %s node=%s", self.socket_path, self.node)
         while not self._closing.is_set():
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
+            except OSError as e:
                 if self._closing.is_set():
                     return
-                raise
-            threading.Thread(target=self._connection, args=(conn,), name="cedana-agent-conn", daemon=True).start()
+                log.warning("agent: accepting a caller failed (%s); going on", e.strerror or e)
+                time.sleep(0.1)  # out of fds or memory: give the connections that hold them time to end
+                continue
+            try:
+                self._admit(conn)
+            except Exception:  # noqa: BLE001 (a bug here must not take the node's agent down)
+                log.exception("agent: a connection failed before it was served")
+                conn.close()
+
+    def _admit(self, conn: socket.socket) -> None:
+        """A connection's own thread, within the per-uid and total caps; else one line and closed."""
+        try:
+            peer = Peer.of(conn)
+        except (OSError, errors.Refused) as e:
+            log.warning("agent: a caller could not be identified (%s); closed", e)
+            conn.close()
+            return
+        with self._lock:
+            mine, total = self._connections.get(peer.uid, 0), sum(self._connections.values())
+            full = (f"{peer} already holds {mine} connections to the agent, at most {MAX_CONNECTIONS_PER_UID}"
+                    if mine >= MAX_CONNECTIONS_PER_UID else
+                    f"the agent holds {total} connections, at most {MAX_CONNECTIONS}" if total >= MAX_CONNECTIONS
+                    else "")
+            if not full:
+                self._connections[peer.uid] = mine + 1
+        if not full:
+            try:
+                threading.Thread(target=self._connection, args=(conn, peer), name="cedana-agent-conn",
+                                 daemon=True).start()
+                return
+            except RuntimeError:  # the agent's thread or task limit
+                self._release(peer)
+                full = "the agent cannot start another thread now (its task limit)"
+        refusal = errors.Refused(f"{full}. Close idle connections, or try again later")
+        self._audit(peer, {"op": "connect"}, str(refusal))
+        self._refuser.refuse(conn, protocol.error_reply(None, refusal))
+
+    def _release(self, peer: Peer) -> None:
+        with self._lock:
+            self._connections[peer.uid] -= 1
+            if not self._connections[peer.uid]:
+                del self._connections[peer.uid]
 
     def close(self) -> None:
         """Stop accepting; running workloads are left to their shims (they never depend on the agent)."""
@@ -143,29 +257,52 @@ class Agent:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
 
-    def _connection(self, conn: socket.socket) -> None:
-        with conn:
-            peer = Peer.of(conn)
-            while True:
+    def _connection(self, conn: socket.socket, peer: Peer) -> None:
+        try:
+            with conn:
+                conn.settimeout(IDLE_SECONDS)  # an idle caller's connection is closed; it reconnects
                 try:
-                    msg, fds = protocol.recv(conn)
+                    caller = read_caller(conn, peer)
                 except errors.Refused as e:
-                    self._audit(peer, {"op": "?"}, str(e))
+                    self._audit(peer, {"op": "connect"}, str(e))
                     protocol.send(conn, protocol.error_reply(None, e))
-                    continue
-                except OSError:
                     return
-                if msg is None:
-                    return
-                reply, out_fds = self._answer(peer, msg, fds)
-                try:
-                    protocol.send(conn, reply, out_fds)
-                except OSError:
-                    return
-                finally:
-                    protocol.close_fds(out_fds)
+                self._serve_caller(conn, caller)
+        except OSError:
+            return  # the caller went away mid-answer, or idled out
+        finally:
+            self._release(peer)
 
-    def _answer(self, peer: Peer, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+    def _serve_caller(self, conn: socket.socket, caller: Caller) -> None:
+        peer = caller.peer
+        while True:
+            try:
+                msg, fds, sender = protocol.recv_from(conn)
+            except errors.Refused as e:
+                self._audit(peer, {"op": "?"}, str(e))
+                protocol.send(conn, protocol.error_reply(None, e))
+                continue
+            if msg is None:
+                return
+            if sender is None or (sender.uid, sender.gid) != (peer.uid, peer.gid):
+                # SO_PEERCRED is the connector's: a socket handed on, or kept across a change of uid, is not
+                # its sender's to use (unix(7)); one line, and the connection ends.
+                protocol.close_fds(fds)
+                who = f"uid {sender.uid} (pid {sender.pid})" if sender else "a sender the kernel did not name"
+                refusal = errors.Refused(f"this connection was opened by {peer}; a message from {who} on it is "
+                                         "refused. Connect after the last change of uid, and do not hand the "
+                                         "connection on")
+                self._audit(peer, msg, str(refusal))
+                protocol.send(conn, protocol.error_reply(msg.get("id"), refusal))
+                return
+            reply, out_fds = self._answer(caller, msg, fds)
+            try:
+                protocol.send(conn, reply, out_fds)
+            finally:
+                protocol.close_fds(out_fds)
+
+    def _answer(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        peer = caller.peer
         req_id = msg.get("id")
         op = self._ops.get(str(msg.get("op")))
         try:
@@ -173,7 +310,7 @@ class Agent:
                 if op is None:
                     raise errors.Refused(f"unknown op {str(msg.get('op'))[:40]!r}: this agent ({__version__}) knows "
                                          f"{', '.join(sorted(self._ops))}. Upgrade the agent or the client")
-                reply, out_fds = op(peer, msg, fds)
+                reply, out_fds = op(caller, msg, fds)
             finally:
                 protocol.close_fds(fds)  # what an op keeps, it has duplicated
         except errors.CedanaError as e:
@@ -183,15 +320,19 @@ class Agent:
         return {"id": req_id, "ok": True, **reply}, out_fds
 
     def _audit(self, peer: Peer, msg: Mapping[str, Any], refused: str) -> None:
+        """One row per request. What a caller sent is cut short and kept printable (a row, or a log line,
+        is never a caller's to forge or to inflate): a wid only in the shape the agent gives them."""
+        wid = msg.get("wid")
         row = {"time": round(time.time(), 3), "pid": peer.pid, "uid": peer.uid, "gid": peer.gid,
-               "op": str(msg.get("op"))[:40], "wid": msg.get("wid"),
-               "decision": f"refused: {refused}" if refused else "allowed"}
+               "op": _printable(str(msg.get("op")), 40),
+               "wid": wid if isinstance(wid, str) and _WID.match(wid) else (None if wid is None else "?"),
+               "decision": f"refused: {_printable(refused)}" if refused else "allowed"}
         if msg.get("op") == "start" and isinstance(msg.get("argv"), list) and msg["argv"]:
-            row["argv0"] = str(msg["argv"][0])[:200]
+            row["argv0"] = _printable(str(msg["argv"][0]), 200)
         if refused:
-            log.warning("agent refused %s to %s: %s", row["op"], peer, refused)
+            log.warning("agent refused %s to %s: %s", row["op"], peer, _printable(refused))
         if self._audit_path is not None:
-            fd = os.open(self._audit_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(self._audit_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             try:
                 os.write(fd, (json.dumps(row) + "\n").encode())
             finally:
@@ -199,7 +340,8 @@ class Agent:
 
     # -- ops ----------------------------------------------------------------------------------------
 
-    def _hello(self, peer: Peer, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+    def _hello(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        peer = caller.peer
         out = {"proto": protocol.PROTO, "agent": __version__, "node": self.node, "ready": True,
                "features": ["start", "heartbeat", "stop"], "you": {"uid": peer.uid, "gid": peer.gid},
                "protected": peer.uid == 0}
@@ -207,15 +349,23 @@ class Agent:
             out["why_unprotected"] = UNPROTECTED_NON_ROOT.format(uid=peer.uid)
         return out, []
 
-    def _start(self, peer: Peer, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+    def _start(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        peer = caller.peer
         req = _parsed(_Start, msg, "start")
         if len(fds) != 2:
             raise errors.Refused(f"start needs the workload's stdout and stderr as 2 fds, got {len(fds)}. "
                                  "Use the agent client")
         validate_checkpoint_id(req.checkpoint_id)
+        if why := caller.refusal(self._self):
+            raise errors.Refused(why)
         settings = task_settings(self._environ, req.settings)
         self._forget_ended()
-        run = Run(peer, settings, req.checkpoint_id, node=self.node)
+        with self._lock:
+            running = sum(1 for r in self._runs.values() if r.uid == peer.uid and not r.ended)
+        if peer.uid != 0 and running >= MAX_RUNS_PER_UID:
+            raise errors.Refused(f"{peer} already has {running} workloads running under the agent, at most "
+                                 f"{MAX_RUNS_PER_UID}. Stop one first")
+        run = Run(caller, settings, req.checkpoint_id, node=self.node)
         run.begin(req.argv, cwd=req.cwd, env=req.env, try_number=req.try_number, claim=req.claim,
                   out_w=fds[0], err_w=fds[1], resume=req.resume)
         with self._lock:
@@ -226,29 +376,33 @@ class Agent:
         return {"wid": run.wid, "handle": run.handle, "pid": run.workload.pid, "node": self.node,
                 "restored_seq": run.restored_seq}, [lifeline]
 
-    def _status(self, peer: Peer, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+    def _status(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        peer = caller.peer
         return self._owned(peer, msg).public(), []
 
-    def _stop(self, peer: Peer, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+    def _stop(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        peer = caller.peer
         """A clean cut, as SIGTERM to a supervisor: the final checkpoint, then the tree's end (run/stop.py)."""
         run = self._owned(peer, msg)
         run.stop.set()
         run.wait(run.settings.stop_window_seconds + 30)
         return run.public(), []
 
-    def _kill(self, peer: Peer, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+    def _kill(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        peer = caller.peer
         run = self._owned(peer, msg)
         run.kill()
         run.wait(30)
         return run.public(), []
 
-    def _list(self, peer: Peer, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+    def _list(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        peer = caller.peer
         with self._lock:
             mine = [r.public() for r in self._runs.values() if peer.uid == 0 or r.uid == peer.uid]
         return {"workloads": mine}, []
 
     def _owned(self, peer: Peer, msg: dict[str, Any]) -> Run:
-        t = _parsed(_Target, msg, str(msg.get("op")))
+        t = _parsed(_Target, msg, _printable(str(msg.get("op")), 40))
         with self._lock:
             run = self._runs.get(t.wid)
         if run is None:
@@ -271,5 +425,5 @@ def _parsed(model: type[BaseModel], msg: Mapping[str, Any], op: str) -> Any:
         return model.model_validate(msg)
     except ValidationError as e:
         err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"]) or op
+        where = _printable(".".join(str(x) for x in err["loc"]), 80) or op
         raise errors.Refused(f"{op}: {where} {err['msg'].removeprefix('Value error, ')}. Fix the request") from None

@@ -44,11 +44,13 @@ import ctypes
 import errno
 import json
 import os
+import resource
 import select
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -63,7 +65,9 @@ def spawn(spec: Mapping[str, Any], lifeline: int, out_w: int, err_w: int) -> tup
     socket. ``lifeline``, ``out_w`` and ``err_w`` are duplicated into it; the caller of this closes its own."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        proc = subprocess.Popen([sys.executable, "-I", "-S", __file__], stdin=theirs.fileno(), close_fds=True)
+        # Not the agent's environment (its store credentials): the shim and CRIU under it need a PATH only.
+        proc = subprocess.Popen([sys.executable, "-I", "-S", __file__], stdin=theirs.fileno(), close_fds=True,
+                                env={"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"})
     finally:
         theirs.close()
     _send(mine, {"op": "start", **spec}, (lifeline, out_w, err_w))
@@ -82,18 +86,21 @@ def _send(sock: socket.socket, msg: Mapping[str, Any], fds: Sequence[int] = ()) 
 
 
 def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
-    """The next message (None at the end, or for one that is not a JSON object) and its fds."""
+    """The next message and its fds: None at the end only; one that is not a JSON object is ``{}``
+    (ignored by every reader here: a caller's garbage ends nothing)."""
     try:  # not socket.recv_fds, which drops MSG_CMSG_CLOEXEC (CPython 3.11): the fds would reach the workload
         data, ancdata, _, _ = sock.recvmsg(_MAX_MESSAGE + 1, socket.CMSG_LEN(4 * 4), socket.MSG_CMSG_CLOEXEC)
     except OSError:
         return None, []
     fds = [fd for level, kind, raw in ancdata if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
            for fd in array.array("i", raw[: len(raw) - len(raw) % 4])]
+    if not data and not fds:
+        return None, []
     try:
-        msg = json.loads(data) if data else None
-    except ValueError:
-        msg = None
-    return (msg if isinstance(msg, dict) else None), fds
+        msg = json.loads(data)
+    except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the parser's depth
+        msg = {}
+    return (msg if isinstance(msg, dict) else {}), fds
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -120,6 +127,7 @@ def _become(spec: Mapping[str, Any], out_w: int, err_w: int, report_w: int) -> N
         os.dup2(null, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
+        _inherit_from_caller(spec)  # still root: into the caller's cgroups, under its limits
         confine = int(spec["uid"]) != 0
         if confine:
             step = "dropping capabilities"
@@ -155,6 +163,41 @@ def _become(spec: Mapping[str, Any], out_w: int, err_w: int, report_w: int) -> N
     os._exit(126)
 
 
+def _lower(a: int, b: int) -> int:
+    """The lower of two limits, where a negative one (the caller's "unlimited") and RLIM_INFINITY are none."""
+    inf = resource.RLIM_INFINITY
+    a, b = (inf if a < 0 else a), (inf if b < 0 else b)
+    return b if a == inf else a if b == inf else min(a, b)
+
+
+def _inherit_from_caller(spec: Mapping[str, Any]) -> None:
+    """What a process the caller started would have had: its cgroups (so its limits and its job's or
+    unit's accounting hold), its resource limits (never above ours), its umask and nice value, and an
+    OOM score no lower than its. Raises OSError naming the step."""
+    for procs in spec.get("cgroup_procs", ()):
+        try:
+            with open(procs, "w") as f:
+                f.write("0")  # this process
+        except OSError as e:
+            raise OSError(e.errno, f"joining the caller's cgroup {os.path.dirname(procs)}: {e.strerror}") from None
+    for name, (soft, hard) in spec.get("limits", {}).items():
+        res = getattr(resource, name, None)
+        if res is None:
+            continue
+        cur_soft, cur_hard = resource.getrlimit(res)
+        new_hard = _lower(hard, cur_hard)
+        resource.setrlimit(res, (_lower(_lower(soft, cur_soft), new_hard), new_hard))
+    if "umask" in spec:
+        os.umask(int(spec["umask"]))
+    if "nice" in spec:
+        os.setpriority(os.PRIO_PROCESS, 0, int(spec["nice"]))
+    if "oom_score_adj" in spec:
+        with open("/proc/self/oom_score_adj", "r+") as f:
+            ours = int(f.read())
+            f.seek(0)
+            f.write(str(max(ours, int(spec["oom_score_adj"]))))
+
+
 def _exit_code(status: int) -> int:
     return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
@@ -168,7 +211,7 @@ def main() -> int:
     lifeline, out_w, err_w = socket.socket(fileno=fds[0]), fds[1], fds[2]
     os.setsid()  # out of the agent's session: what ends the agent does not reach the workload
     _prctl("becoming a subreaper", _PR_SET_CHILD_SUBREAPER, 1)
-    pid = _start(spec, out_w, err_w) if spec["op"] == "start" else _restore(spec, out_w, err_w)
+    pid = _start(spec, out_w, err_w, lifeline) if spec["op"] == "start" else _restore(spec, out_w, err_w)
     if isinstance(pid, dict):  # it did not start: said once, to both
         _send(lifeline, pid)
         _send(ctl, pid)
@@ -185,8 +228,10 @@ def main() -> int:
     return 0
 
 
-def _start(spec: Mapping[str, Any], out_w: int, err_w: int) -> int | dict[str, Any]:
-    """The namespace's init, started as the caller: its pid, or the exit event saying why it did not start."""
+def _start(spec: Mapping[str, Any], out_w: int, err_w: int, lifeline: socket.socket) -> int | dict[str, Any]:
+    """The namespace's init, started as the caller: its pid, or the exit event saying why it did not start.
+    One that has not exec'd within ``start_seconds`` (its cwd on a mount that never answers), or whose
+    caller goes away meanwhile, is killed."""
     report_r, report_w = os.pipe()  # close-on-exec, as os.pipe makes them
     if _libc.unshare(_CLONE_NEWPID) != 0:
         err = ctypes.get_errno()
@@ -197,9 +242,19 @@ def _start(spec: Mapping[str, Any], out_w: int, err_w: int) -> int | dict[str, A
         _become(spec, out_w, err_w, report_w)
     for fd in (report_w, out_w, err_w):
         os.close(fd)
-    failed = b""
-    while chunk := os.read(report_r, 65536):
-        failed += chunk
+    failed, deadline = b"", time.monotonic() + float(spec.get("start_seconds", 8))
+    while True:
+        ready = select.select([report_r, lifeline.fileno()], [], [], max(0.0, deadline - time.monotonic()))[0]
+        if report_r in ready:
+            if not (chunk := os.read(report_r, 65536)):
+                break
+            failed += chunk
+            continue
+        why = "its caller went away" if ready else f"it did not start within {float(spec.get('start_seconds', 8)):g} s"
+        os.kill(pid, signal.SIGKILL)  # our unreaped child: the pid is still its
+        os.waitpid(pid, 0)
+        return {"ev": "exit", "code": 126, "cause": "exec", "signal": None,
+                "line": f"{why} (a cwd or a command on a mount that does not answer?)"}
     if not failed:
         return pid
     os.waitpid(pid, 0)
@@ -255,7 +310,7 @@ def _watch(pid: int, lifeline: socket.socket, ctl: socket.socket | None) -> str:
                 msg, extra = _recv(lifeline)
                 for x in extra:
                     os.close(x)
-                if msg is None or msg.get("op") == "kill":
+                if msg is None or msg.get("op") == "kill":  # anything else from the caller is ignored
                     cause = "killed" if msg is not None else "caller-lost"
                     os.kill(pid, signal.SIGKILL)  # our unreaped child: the pid is still its
                     poll.unregister(lifeline.fileno())

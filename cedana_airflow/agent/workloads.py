@@ -15,6 +15,7 @@ import secrets
 import select
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -31,7 +32,7 @@ from ..run.runner import RunResult, run_workload
 from ..run.summary import run_summary
 from ..run.workload import Sink, Workload, pipe_name
 from . import protocol, shim
-from .protocol import Peer
+from .callers import Caller
 
 __all__ = ["START_SECONDS", "TASK_SETTINGS", "Run", "ShimWorkload", "task_settings"]
 
@@ -61,7 +62,7 @@ def task_settings(node: Mapping[str, str], requested: Mapping[str, Any]) -> Sett
     a setting outside :data:`TASK_SETTINGS` is refused in one line."""
     other = sorted(set(requested) - TASK_SETTINGS)
     if other:
-        raise errors.Refused(f"setting {other[0]} is the node's, not a task's: the agent's configuration sets it. "
+        raise errors.Refused(f"setting {other[0][:40]!r} is the node's, not a task's: the agent's configuration sets it. "
                              f"A request may set {', '.join(sorted(TASK_SETTINGS))}")
     return load_settings(dict(requested), node, overrides_source=lambda k: f"the request's settings.{k}")
 
@@ -116,11 +117,12 @@ class ShimWorkload(Workload):
 class Run:
     """One caller's workload, from its start request to its end; kept a while after for ``status``."""
 
-    def __init__(self, peer: Peer, settings: Settings, checkpoint_id: str, *, node: str) -> None:
+    def __init__(self, caller: Caller, settings: Settings, checkpoint_id: str, *, node: str) -> None:
         self.wid = f"w-{secrets.token_hex(6)}"
         self.handle = secrets.token_hex(16)  # the owner's proof (server.py); never listed or logged
-        self.uid = peer.uid
-        self.peer = peer
+        self.uid = caller.peer.uid
+        self.peer = peer = caller.peer
+        self.caller = caller
         self.settings = settings
         self.checkpoint_id = checkpoint_id
         self.node = node
@@ -167,7 +169,8 @@ class Run:
                 env_ = workload_env(env, self.settings.keep_env)  # never the store's credentials, whoever sent them
                 if self.unprotected:
                     log.warning("agent: %s for %s: %s", self.wid, self.peer, self.unprotected)
-                    self.result = self._unprotected(starter(argv, cwd=cwd, env=env_))
+                    self.result = self._unprotected(starter(argv, cwd=cwd, env=env_,
+                                                            deny_io_uring=self.settings.io_uring == "deny"))
                     return
                 self.result = run_workload(self.settings, self.checkpoint_id, list(argv), resume=resume,
                                            try_number=try_number, cwd=cwd, env=env_, handle_signals=False,
@@ -205,7 +208,8 @@ class Run:
                     out_w: int, err_w: int) -> ShimWorkload:
         seccomp = filter_program() if deny_io_uring else None
         spec = {"op": "start", "uid": self.peer.uid, "gid": self.peer.gid, "groups": list(self.peer.groups),
-                "argv": list(command), "cwd": cwd, "env": dict(env), "seccomp": seccomp.hex() if seccomp else None}
+                "argv": list(command), "cwd": cwd, "env": dict(env), "seccomp": seccomp.hex() if seccomp else None,
+                "start_seconds": START_SECONDS - 2, **self.caller.carried()}
         first = self._spawn(spec, out_w, err_w)
         self.restored_seq = None  # a fresh start (after a refused restore, too)
         if first.get("ev") != "started":
@@ -230,7 +234,11 @@ class Run:
         if first.get("ev") != "started":
             caller_end.close()
             ctl.close()
-            proc.wait()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:  # a shim that did not answer is not left running as root
+                proc.kill()
+                proc.wait()
             return first
         if self.lifeline is not None:  # a restore that fell back to a fresh start: the newer shim is the one
             self.lifeline.close()

@@ -222,7 +222,7 @@ def test_bad_requests_are_one_line_each(agent):
     assert got["missing"] == ("CommandNotFound: cannot start the workload: no-such-command-here: No such file or "
                               "directory. Check the command and PATH")
     assert got["unknown wid"] == "Refused: no workload 'w-nope' on node node-a. List yours with the list op"
-    assert got["node setting"].startswith("Refused: setting lease_renew_command is the node's, not a task's: the "
+    assert got["node setting"].startswith("Refused: setting 'lease_renew_command' is the node's, not a task's: the "
                                           "agent's configuration sets it. A request may set ")
     assert got["unsafe id"].startswith("CheckpointIdError: ")
     assert all("\n" not in line for line in got.values())
@@ -315,3 +315,203 @@ def test_a_tree_whose_shim_is_killed_is_killed_by_the_agent(agent):
             time.sleep(0.05)
     assert status["cause"] == "shim-lost"
     assert _read_all(out_r) == ""  # its write end is closed: the tree (sleep, the namespace's init) is gone
+
+
+# -- what a caller cannot get from the agent (review49-agent.md's findings, each reproduced first) --------
+
+
+def _start_as(sock: Path, uid: int, argv: list[str], prepare: Callable[[], None] = lambda: None,
+              settings: dict[str, Any] | None = None) -> tuple[dict[str, Any], str]:
+    """``argv`` started through the agent by a child that ran ``prepare`` as root and then became ``uid``;
+    what it got back, and the workload's output (once it ended)."""
+    out_r, out_w = os.pipe()
+
+    def run() -> tuple[Any, list[int]]:
+        with AgentClient.connect(sock) as c:
+            s = c.start("agent-caller", argv, cwd="/", env={"PATH": "/usr/bin:/bin"}, stdout=out_w, stderr=out_w,
+                        settings=settings or {"heartbeat_seconds": 0})
+            _event(s.lifeline)
+            return {"end": _event(s.lifeline, timeout=30)}, []
+
+    def as_prepared() -> tuple[Any, list[int]]:
+        raise AssertionError("unused")
+
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            mine.close()
+            try:
+                prepare()
+                os.setgroups([])
+                os.setresgid(uid, uid, uid)
+                os.setresuid(uid, uid, uid)
+                protocol.send(theirs, {"ok": run()[0]})
+            except errors.CedanaError as e:
+                protocol.send(theirs, {"error": type(e).__name__, "line": str(e)})
+            except BaseException as e:  # noqa: BLE001
+                protocol.send(theirs, {"error": type(e).__name__, "line": repr(e)})
+        finally:
+            os._exit(0)
+    theirs.close()
+    os.close(out_w)
+    msg, _ = protocol.recv(mine)
+    os.waitpid(pid, 0)
+    mine.close()
+    assert msg is not None
+    return msg, _read_all(out_r)
+
+
+def _unshare(flags: int) -> None:
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).unshare(flags) != 0:
+        raise OSError(ctypes.get_errno(), "unshare")
+
+
+def test_a_caller_in_another_namespace_and_a_confined_root_caller_are_refused_in_one_line(agent):
+    sock, audit = agent
+    netns, _ = _start_as(sock, NOBODY, ["true"], prepare=lambda: _unshare(0x40000000))  # CLONE_NEWNET
+    assert netns["error"] == "Refused" and netns["line"].startswith(f"uid {NOBODY} (pid ")
+    assert "is in another net namespace than the agent (a container or a sandbox); its workload would leave it" \
+        in netns["line"]
+
+    def bounded() -> None:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(24, 21, 0, 0, 0)  # PR_CAPBSET_DROP CAP_SYS_ADMIN
+
+    root, _ = _start_as(sock, 0, ["true"], prepare=bounded)
+    assert root["error"] == "Refused" and "is root with its capabilities bounded or no_new_privs set; its workload " \
+        "would be full root. Run the task as a user other than root" in root["line"]
+    assert sum('"refused: ' in line for line in audit.read_text().splitlines()) == 2
+
+
+def test_a_workload_keeps_its_caller_s_cgroup_limits_umask_nice_and_oom_score(agent):
+    sock, _ = agent
+    cgroup = Path(f"/sys/fs/cgroup/pids/cedana-agent-test-{os.getpid()}")
+    cgroup.mkdir()
+    (cgroup / "pids.max").write_text("20")
+
+    def confine() -> None:
+        import resource
+
+        (cgroup / "cgroup.procs").write_text("0")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        os.umask(0o077)
+        os.nice(5)
+        Path("/proc/self/oom_score_adj").write_text("500")
+
+    probe = ("grep pids /proc/self/cgroup; grep 'open files' /proc/self/limits; umask; "
+             "cut -d' ' -f19 /proc/self/stat; cat /proc/self/oom_score_adj")
+    try:
+        msg, out = _start_as(sock, NOBODY, ["sh", "-c", probe], prepare=confine)
+    finally:
+        deadline = time.monotonic() + 10
+        while (cgroup / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cgroup.rmdir()
+    assert msg.get("ok", {}).get("end", {}).get("code") == 0, (msg, out)
+    lines = out.splitlines()
+    assert lines[0].endswith(f":pids:/cedana-agent-test-{os.getpid()}")  # inside its caller's pids limit
+    assert lines[1].split()[3:5] == ["64", "64"] and lines[2:] == ["0077", "5", "500"], out
+
+
+def test_a_connection_opened_by_root_then_used_by_another_uid_is_refused(agent):
+    sock, _ = agent
+    c = AgentClient.connect(sock)  # root connects ...
+    pid = os.fork()
+    if pid == 0:  # ... and a child that became nobody sends on that connection
+        code = 1
+        try:
+            os.setgroups([])
+            os.setresgid(NOBODY, NOBODY, NOBODY)
+            os.setresuid(NOBODY, NOBODY, NOBODY)
+            try:
+                c.hello()
+            except errors.Refused as e:
+                code = 0 if str(e).startswith(f"this connection was opened by uid 0 (pid {os.getppid()}); a message "
+                                              f"from uid {NOBODY} (pid {os.getpid()}) on it is refused") else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    c.close()
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_one_uid_can_neither_hold_every_connection_nor_break_the_agent_with_garbage(agent):
+    sock, audit = agent
+
+    def flood() -> tuple[Any, list[int]]:
+        conns = [AgentClient.connect(sock) for _ in range(16)]  # idle, at the per-uid cap
+        refused = ""
+        try:
+            AgentClient.connect(sock).hello()
+        except errors.CedanaError as e:
+            refused = str(e)
+        for c in conns[:8]:
+            c.close()
+        time.sleep(0.2)  # the agent has seen them go
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        raw.connect(str(sock))
+        raw.send(b"[" * 60000)  # nested past the JSON parser's depth
+        garbage = json.loads(raw.recv(1 << 16))
+        raw.send(json.dumps({"op": "hello", "id": 2, "wid": "x" * 60000}).encode())
+        after = json.loads(raw.recv(1 << 16))
+        return {"refused": refused, "garbage": garbage, "after": after["ok"]}, []
+
+    msg, _ = as_uid(NOBODY, flood)
+    assert "ok" in msg, msg
+    got = msg["ok"]
+    assert "(pid " in got["refused"], got["refused"]
+    assert got["refused"] == (f"uid {NOBODY} (pid {got['refused'].split('(pid ')[1].split(')')[0]}) already holds 16 "
+                              "connections to the agent, at most 16. Close idle connections, or try again later")
+    assert got["garbage"]["error"] == "Refused" and "not JSON" in got["garbage"]["line"]
+    assert got["after"] is True  # the same connection still served
+    other, _ = as_uid(OTHER, lambda: (AgentClient.connect(sock).hello()["you"], []))
+    assert other["ok"] == {"uid": OTHER, "gid": OTHER}  # the agent is fine for everyone else
+    rows = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert max(len(json.dumps(r)) for r in rows) < 1000 and {r["wid"] for r in rows} <= {None, "?"}
+
+
+def test_garbage_on_the_lifeline_ends_nothing(agent):
+    sock, _ = agent
+    out_r, out_w = os.pipe()
+    msg, fds = as_uid(NOBODY, _start(sock, ["sh", "-c", "sleep 0.5; echo done"], out_w))
+    os.close(out_w)
+    lifeline = socket.socket(fileno=fds[0])
+    assert _event(lifeline)["ev"] == "started"
+    lifeline.send(b"[" * 60000)
+    lifeline.send(b"not json")
+    assert _event(lifeline) == {"ev": "exit", "code": 0, "cause": "exited", "signal": None}
+    assert _read_all(out_r) == "done\n"
+
+
+def test_a_start_that_hangs_before_its_command_runs_is_killed_and_said_in_one_line(agent, tmp_path):
+    """Its cwd is on a FUSE mount that never answers (made here the way fusermount3 makes one for a
+    user): the shim gives up after its start time, kills the half-started child, and nothing is left."""
+    import ctypes
+
+    mnt = tmp_path / "hung"
+    mnt.mkdir()
+    fuse = os.open("/dev/fuse", os.O_RDWR)
+    opts = f"fd={fuse},rootmode=40000,user_id=0,group_id=0,allow_other".encode()
+    assert ctypes.CDLL(None, use_errno=True).mount(b"hung", str(mnt).encode(), b"fuse", 0, opts) == 0
+    try:
+        before = {p for p in os.listdir("/proc") if p.isdigit()}
+        out_r, out_w = os.pipe()
+        t0 = time.monotonic()
+        with AgentClient.connect(agent[0]) as c, pytest.raises(errors.Refused) as e:
+            c.start("agent-hung", ["true"], cwd=str(mnt / "x"), env={}, stdout=out_w, stderr=out_w)
+        took = time.monotonic() - t0
+        os.close(out_w)
+        os.close(out_r)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        os.close(fuse)
+    assert str(e.value).startswith("cannot start the workload as uid 0 (pid ") and str(e.value).endswith(
+        "it did not start within 8 s (a cwd or a command on a mount that does not answer?)"), str(e.value)
+    assert took < 15
+    time.sleep(0.2)
+    left = {p for p in os.listdir("/proc") if p.isdigit()} - before
+    assert not [p for p in left if "shim.py" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]

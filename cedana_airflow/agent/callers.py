@@ -1,0 +1,151 @@
+"""What the agent knows of a caller beyond its uid, and what a caller's workload inherits from it.
+
+A workload the agent starts is the child of a root shim, so by default it would inherit the shim's
+namespaces, cgroups, limits and capabilities, not its caller's: a caller in a container or a systemd
+sandbox would get its workload out of it, and a root caller stripped of its capabilities would get
+them back. So the agent reads the caller (through a pidfd of the very process that connected, so a
+reused pid is never read) and:
+
+- refuses a caller in namespaces other than the agent's (a container, a sandbox): carrying a workload
+  into them is not built yet;
+- refuses a root caller that is confined (a bounding set smaller than the agent's, ``no_new_privs``):
+  its workload would be full root;
+- carries the rest over into the workload (shim.py applies it before the uid changes): the caller's
+  cgroups, resource limits, umask and nice value, and an OOM score no lower than the caller's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import errors
+from .protocol import Peer
+
+__all__ = ["Caller", "read_caller"]
+
+_SO_PEERPIDFD = 77  # asm-generic/socket.h, Linux 6.5: a pidfd of the process that connected
+_NAMESPACES = ("mnt", "net", "pid", "user", "ipc", "uts", "cgroup")
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: /proc/PID/limits' names for the resources setrlimit knows (resource(2)'s RLIMIT_* in that order).
+_LIMITS = {
+    "Max cpu time": "RLIMIT_CPU", "Max file size": "RLIMIT_FSIZE", "Max data size": "RLIMIT_DATA",
+    "Max stack size": "RLIMIT_STACK", "Max core file size": "RLIMIT_CORE", "Max resident set": "RLIMIT_RSS",
+    "Max processes": "RLIMIT_NPROC", "Max open files": "RLIMIT_NOFILE", "Max locked memory": "RLIMIT_MEMLOCK",
+    "Max address space": "RLIMIT_AS", "Max file locks": "RLIMIT_LOCKS", "Max pending signals": "RLIMIT_SIGPENDING",
+    "Max msgqueue size": "RLIMIT_MSGQUEUE", "Max nice priority": "RLIMIT_NICE",
+    "Max realtime priority": "RLIMIT_RTPRIO", "Max realtime timeout": "RLIMIT_RTTIME",
+}
+
+
+@dataclass(frozen=True)
+class Caller:
+    """A connected caller as the kernel shows it, read once at connect."""
+
+    peer: Peer
+    namespaces: dict[str, str]
+    cap_bnd: int
+    no_new_privs: bool
+    cgroup_procs: tuple[str, ...]  # each hierarchy's cgroup.procs the workload joins
+    limits: dict[str, tuple[int, int]]  # RLIMIT_* name -> (soft, hard); -1: unlimited
+    umask: int
+    nice: int
+    oom_score_adj: int
+
+    def refusal(self, agent: Caller) -> str:
+        """Why the agent may not start a workload for this caller ("" where it may)."""
+        other = [n for n in _NAMESPACES if self.namespaces.get(n) != agent.namespaces.get(n)]
+        if other:
+            return (f"{self.peer} is in another {other[0]} namespace than the agent (a container or a sandbox); "
+                    "its workload would leave it, and carrying a workload into a caller's namespaces is not built "
+                    "yet. Call the agent from the node's own namespaces")
+        if self.peer.uid == 0 and (self.cap_bnd != agent.cap_bnd or self.no_new_privs):
+            return (f"{self.peer} is root with its capabilities bounded or no_new_privs set; its workload would be "
+                    "full root. Run the task as a user other than root")
+        return ""
+
+    def carried(self) -> dict[str, Any]:
+        """What the shim gives the workload from its caller (shim.py's spec)."""
+        return {"cgroup_procs": list(self.cgroup_procs), "limits": {k: list(v) for k, v in self.limits.items()},
+                "umask": self.umask, "nice": self.nice, "oom_score_adj": self.oom_score_adj}
+
+
+def read_caller(conn: socket.socket, peer: Peer) -> Caller:
+    """The caller at the other end of ``conn`` (an accepted connection). Raises Refused where it cannot be
+    read as the process that connected (it is gone, or its pid is someone else's now)."""
+    try:
+        pidfd = int.from_bytes(conn.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD, 4), "little", signed=True)
+    except OSError:  # before Linux 6.5: the pid as it is now, checked against the connector's uid below
+        try:
+            pidfd = os.pidfd_open(peer.pid)
+        except OSError as e:
+            raise errors.Refused(f"{peer} is gone ({e.strerror}): nothing to act for") from None
+    try:
+        caller = _read(peer.pid, peer)
+        if select.select([pidfd], [], [], 0)[0]:  # it exited while we read: what we read may be another's
+            raise errors.Refused(f"{peer} exited while the agent read it: nothing to act for")
+        return caller
+    finally:
+        os.close(pidfd)
+
+
+def read_self() -> Caller:
+    """The agent itself, in the same terms: what a caller is compared with."""
+    me = Peer(os.getpid(), os.getuid(), os.getgid(), tuple(os.getgroups()))
+    return _read(me.pid, me)
+
+
+def _read(pid: int, peer: Peer) -> Caller:
+    proc = Path(f"/proc/{pid}")
+    try:
+        status = dict(line.split(":\t", 1) for line in (proc / "status").read_text().splitlines() if ":\t" in line)
+        if int(status["Uid"].split()[0]) != peer.uid:
+            raise errors.Refused(f"{peer} is gone (pid {pid} is another user's process now): nothing to act for")
+        namespaces = {n: os.readlink(proc / "ns" / n) for n in _NAMESPACES}
+        stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        return Caller(peer=peer, namespaces=namespaces, cap_bnd=int(status["CapBnd"], 16),
+                      no_new_privs=status.get("NoNewPrivs", "0").strip() == "1",
+                      cgroup_procs=_cgroup_procs((proc / "cgroup").read_text()),
+                      limits=_limits((proc / "limits").read_text()),
+                      umask=int(status.get("Umask", "0022"), 8), nice=int(stat[16]),
+                      oom_score_adj=int((proc / "oom_score_adj").read_text()))
+    except (OSError, KeyError, ValueError, IndexError) as e:
+        raise errors.Refused(f"{peer} could not be read ({type(e).__name__}: {e}): nothing to act for") from None
+
+
+def _cgroup_procs(text: str) -> tuple[str, ...]:
+    """Each hierarchy's ``cgroup.procs`` for /proc/PID/cgroup's lines (v1 ``id:controllers:/path``, v2
+    ``0::/path``), where it exists under /sys/fs/cgroup (the paths are the kernel's, never a caller's)."""
+    out = []
+    for line in text.splitlines():
+        _, controllers, path = line.split(":", 2)
+        if ".." in path.split("/"):
+            continue
+        folder = controllers.removeprefix("name=") if controllers else ""
+        base = _CGROUP_ROOT / folder if folder else (_CGROUP_ROOT / "unified" if (_CGROUP_ROOT / "unified").is_dir()
+                                                      else _CGROUP_ROOT)
+        procs = base / path.lstrip("/") / "cgroup.procs"
+        if not procs.exists() and folder and "," in folder:  # a co-mounted pair under a joined name: cpu,cpuacct
+            procs = _CGROUP_ROOT / folder.split(",")[0] / path.lstrip("/") / "cgroup.procs"
+        if procs.exists():
+            out.append(str(procs))
+    return tuple(out)
+
+
+_LIMIT_LINE = re.compile(r"^(?P<name>Max [a-z ]+?)\s{2,}(?P<soft>\S+)\s+(?P<hard>\S+)")
+
+
+def _limits(text: str) -> dict[str, tuple[int, int]]:
+    out = {}
+    for line in text.splitlines()[1:]:
+        m = _LIMIT_LINE.match(line)
+        if m and m["name"] in _LIMITS:
+            soft, hard = (-1 if v == "unlimited" else int(v) for v in (m["soft"], m["hard"]))
+            out[_LIMITS[m["name"]]] = (soft, hard)
+    return out
+
