@@ -16,6 +16,7 @@ reused pid is never read) and:
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import select
@@ -49,8 +50,12 @@ class Caller:
 
     peer: Peer
     namespaces: dict[str, str]
+    root: tuple[int, int]  # (st_dev, st_ino) of its root directory: a chroot is not a namespace
     cap_bnd: int
+    cap_prm: int
+    cap_eff: int
     no_new_privs: bool
+    seccomp: int  # /proc/PID/status Seccomp: 0 none, 1 strict, 2 filter
     cgroup_procs: tuple[str, ...]  # each hierarchy's cgroup.procs the workload joins
     limits: dict[str, tuple[int, int]]  # RLIMIT_* name -> (soft, hard); -1: unlimited
     umask: int
@@ -64,9 +69,16 @@ class Caller:
             return (f"{self.peer} is in another {other[0]} namespace than the agent (a container or a sandbox); "
                     "its workload would leave it, and carrying a workload into a caller's namespaces is not built "
                     "yet. Call the agent from the node's own namespaces")
-        if self.peer.uid == 0 and (self.cap_bnd != agent.cap_bnd or self.no_new_privs):
-            return (f"{self.peer} is root with its capabilities bounded or no_new_privs set; its workload would be "
-                    "full root. Run the task as a user other than root")
+        if self.root != agent.root:
+            return (f"{self.peer} runs in a chroot; its workload would leave it, and carrying a workload into one is "
+                    "not built yet. Call the agent from the node's own root")
+        if self.seccomp != agent.seccomp:
+            return (f"{self.peer} runs under a seccomp filter; its workload would not, and carrying a caller's "
+                    "filters is not built yet. Call the agent from a process without one")
+        if self.peer.uid == 0 and ((self.cap_bnd, self.cap_prm, self.cap_eff) != (agent.cap_bnd, agent.cap_prm,
+                                                                                  agent.cap_eff) or self.no_new_privs):
+            return (f"{self.peer} is root with fewer capabilities than the agent or no_new_privs set; its workload "
+                    "would be full root. Run the task as a user other than root")
         return ""
 
     def carried(self) -> dict[str, Any]:
@@ -80,7 +92,10 @@ def read_caller(conn: socket.socket, peer: Peer) -> Caller:
     read as the process that connected (it is gone, or its pid is someone else's now)."""
     try:
         pidfd = int.from_bytes(conn.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD, 4), "little", signed=True)
-    except OSError:  # before Linux 6.5: the pid as it is now, checked against the connector's uid below
+    except OSError as e:
+        if e.errno != errno.ENOPROTOOPT:  # the connector is gone (6.5 to 6.15 say so for a reaped one)
+            raise errors.Refused(f"{peer} is gone ({e.strerror}): nothing to act for") from None
+        # Before Linux 6.5: the pid as it is now, checked against the connector's uid below.
         try:
             pidfd = os.pidfd_open(peer.pid)
         except OSError as e:
@@ -103,14 +118,20 @@ def read_self() -> Caller:
 def _read(pid: int, peer: Peer) -> Caller:
     proc = Path(f"/proc/{pid}")
     try:
-        status = dict(line.split(":\t", 1) for line in (proc / "status").read_text().splitlines() if ":\t" in line)
+        # Bytes, split on newlines only (text mode and splitlines break lines at "\r" too: a process names
+        # itself, and its name is the status's first line).
+        text = (proc / "status").read_bytes().decode(errors="surrogateescape")
+        status = dict(line.split(":\t", 1) for line in text.split("\n") if ":\t" in line)
         if int(status["Uid"].split()[0]) != peer.uid:
             raise errors.Refused(f"{peer} is gone (pid {pid} is another user's process now): nothing to act for")
         namespaces = {n: os.readlink(proc / "ns" / n) for n in _NAMESPACES}
         stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-        return Caller(peer=peer, namespaces=namespaces, cap_bnd=int(status["CapBnd"], 16),
-                      no_new_privs=status.get("NoNewPrivs", "0").strip() == "1",
-                      cgroup_procs=_cgroup_procs((proc / "cgroup").read_text()),
+        root = os.stat(proc / "root")
+        return Caller(peer=peer, namespaces=namespaces, root=(root.st_dev, root.st_ino),
+                      cap_bnd=int(status["CapBnd"], 16), cap_prm=int(status["CapPrm"], 16),
+                      cap_eff=int(status["CapEff"], 16), no_new_privs=status.get("NoNewPrivs", "0").strip() == "1",
+                      seccomp=int(status.get("Seccomp", "0")),
+                      cgroup_procs=_cgroup_procs((proc / "cgroup").read_bytes().decode(errors="surrogateescape")),
                       limits=_limits((proc / "limits").read_text()),
                       umask=int(status.get("Umask", "0022"), 8), nice=int(stat[16]),
                       oom_score_adj=int((proc / "oom_score_adj").read_text()))
@@ -120,20 +141,27 @@ def _read(pid: int, peer: Peer) -> Caller:
 
 def _cgroup_procs(text: str) -> tuple[str, ...]:
     """Each hierarchy's ``cgroup.procs`` for /proc/PID/cgroup's lines (v1 ``id:controllers:/path``, v2
-    ``0::/path``), where it exists under /sys/fs/cgroup (the paths are the kernel's, never a caller's)."""
+    ``0::/path``), read as bytes (text mode would turn a ``\r`` into a newline). Split on newlines only:
+    the kernel refuses only ``\n`` in a cgroup's name, so a caller who names its own cgroups could end a
+    line with ``\r`` anywhere else. A line that does not parse, or a
+    cgroup that is not there, refuses the caller: its workload must not land anywhere but in its cgroups."""
     out = []
-    for line in text.splitlines():
-        _, controllers, path = line.split(":", 2)
-        if ".." in path.split("/"):
+    for line in text.split("\n"):
+        if not line:
             continue
+        parts = line.split(":", 2)
+        if len(parts) != 3 or not parts[2].startswith("/") or ".." in parts[2].split("/"):
+            raise ValueError(f"a line of its /proc/PID/cgroup does not parse: {line[:80]!r}")
+        _, controllers, path = parts
         folder = controllers.removeprefix("name=") if controllers else ""
         base = _CGROUP_ROOT / folder if folder else (_CGROUP_ROOT / "unified" if (_CGROUP_ROOT / "unified").is_dir()
                                                       else _CGROUP_ROOT)
         procs = base / path.lstrip("/") / "cgroup.procs"
         if not procs.exists() and folder and "," in folder:  # a co-mounted pair under a joined name: cpu,cpuacct
             procs = _CGROUP_ROOT / folder.split(",")[0] / path.lstrip("/") / "cgroup.procs"
-        if procs.exists():
-            out.append(str(procs))
+        if not procs.exists():
+            raise ValueError(f"its cgroup {controllers}:{path[:80]!r} is not at {procs.parent}")
+        out.append(str(procs))
     return tuple(out)
 
 

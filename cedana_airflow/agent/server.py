@@ -22,6 +22,7 @@ heartbeat checkpoints signed by the node's key into the node's store (workloads.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import json
 import logging
@@ -63,6 +64,10 @@ MAX_CONNECTIONS = 256
 #: Workloads one uid other than root may have running at once: each is a root shim and two agent
 #: threads, which count against no limit of the caller's.
 MAX_RUNS_PER_UID = 32
+#: Refusals of one uid written one by one in a minute (the rest are counted, and said in one row).
+REFUSALS_PER_MINUTE = 50
+#: Messages that are not requests, in a row, after which a connection is closed.
+GARBAGE_IN_A_ROW = 10
 #: A connection that sends nothing for this long is closed (a caller connects again for its next request).
 IDLE_SECONDS = 300.0
 _WID = re.compile(r"^w-[0-9a-f]{12}$")
@@ -165,6 +170,10 @@ class Agent:
         self._closing = threading.Event()
         self._listener = self._bind(socket_path)
         self._connections: dict[int, int] = {}  # uid -> connections open
+        self._starting: dict[int, int] = {}  # uid -> starts under way (counted with its running workloads)
+        self._refusals: dict[int, tuple[float, int, int]] = {}  # uid -> (minute's start, refusals, not written)
+        self._pending_rows: list[Mapping[str, Any]] = []
+        self._audit_broken = ""  # why the audit log could not be written last time ("" while it can)
         self._refuser = _Refuser()
         self._self = read_self()  # what a caller's namespaces and bounds are compared with
         self._ops: Mapping[str, Callable[[Caller, dict[str, Any], list[int]], tuple[dict[str, Any], list[int]]]] = {
@@ -275,13 +284,18 @@ class Agent:
 
     def _serve_caller(self, conn: socket.socket, caller: Caller) -> None:
         peer = caller.peer
+        garbage = 0
         while True:
             try:
                 msg, fds, sender = protocol.recv_from(conn)
             except errors.Refused as e:
                 self._audit(peer, {"op": "?"}, str(e))
                 protocol.send(conn, protocol.error_reply(None, e))
+                garbage += 1
+                if garbage >= GARBAGE_IN_A_ROW:  # a client this confused is not helped by more answers
+                    return
                 continue
+            garbage = 0
             if msg is None:
                 return
             if sender is None or (sender.uid, sender.gid) != (peer.uid, peer.gid):
@@ -321,7 +335,12 @@ class Agent:
 
     def _audit(self, peer: Peer, msg: Mapping[str, Any], refused: str) -> None:
         """One row per request. What a caller sent is cut short and kept printable (a row, or a log line,
-        is never a caller's to forge or to inflate): a wid only in the shape the agent gives them."""
+        is never a caller's to forge or to inflate): a wid only in the shape the agent gives them. Past
+        :data:`REFUSALS_PER_MINUTE` refusals of one uid in a minute, the rest are counted, and said in one
+        row when the minute is over. Never raises: a row that cannot be written is said in the log, and
+        starts are refused until one can (:meth:`_start`)."""
+        if refused and not self._refusal_counted(peer):
+            return
         wid = msg.get("wid")
         row = {"time": round(time.time(), 3), "pid": peer.pid, "uid": peer.uid, "gid": peer.gid,
                "op": _printable(str(msg.get("op")), 40),
@@ -331,12 +350,46 @@ class Agent:
             row["argv0"] = _printable(str(msg["argv"][0]), 200)
         if refused:
             log.warning("agent refused %s to %s: %s", row["op"], peer, _printable(refused))
-        if self._audit_path is not None:
+        self._write_row(row)
+
+    def _refusal_counted(self, peer: Peer) -> bool:
+        """Whether this refusal of ``peer``'s uid gets its own row (else it is counted for the summary)."""
+        now = time.monotonic()
+        with self._lock:
+            start, count, dropped = self._refusals.get(peer.uid, (now, 0, 0))
+            if now - start >= 60:
+                if dropped:
+                    summary = {"time": round(time.time(), 3), "uid": peer.uid, "op": "*",
+                               "decision": f"refused {dropped} more times in that minute (not written one by one)"}
+                    log.warning("agent refused uid %d %d more times in a minute (not logged one by one)", peer.uid,
+                                dropped)
+                    self._pending_rows.append(summary)
+                start, count, dropped = now, 0, 0
+            count += 1
+            keep = count <= REFUSALS_PER_MINUTE
+            self._refusals[peer.uid] = (start, count, dropped + (not keep))
+        return keep
+
+    def _write_row(self, row: Mapping[str, Any]) -> None:
+        with self._lock:
+            rows, self._pending_rows = [*self._pending_rows, row], []
+        if self._audit_path is None:
+            return
+        try:
             fd = os.open(self._audit_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             try:
-                os.write(fd, (json.dumps(row) + "\n").encode())
+                data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+                if os.write(fd, data) != len(data):
+                    raise OSError(errno.ENOSPC, "a short write")
             finally:
                 os.close(fd)
+        except OSError as e:
+            if not self._audit_broken:
+                log.error("agent: the audit log %s cannot be written (%s); starts are refused until it can",
+                          self._audit_path, e.strerror or e)
+            self._audit_broken = e.strerror or str(e)
+        else:
+            self._audit_broken = ""
 
     # -- ops ----------------------------------------------------------------------------------------
 
@@ -359,17 +412,26 @@ class Agent:
         if why := caller.refusal(self._self):
             raise errors.Refused(why)
         settings = task_settings(self._environ, req.settings)
+        if self._audit_path is not None and self._audit_broken:
+            raise errors.Refused(f"the agent's audit log {self._audit_path} cannot be written ({self._audit_broken}); "
+                                 "no workload starts until it can. Free its disk")
         self._forget_ended()
-        with self._lock:
+        with self._lock:  # a start under way counts already: concurrent starts cannot pass the cap together
             running = sum(1 for r in self._runs.values() if r.uid == peer.uid and not r.ended)
-        if peer.uid != 0 and running >= MAX_RUNS_PER_UID:
-            raise errors.Refused(f"{peer} already has {running} workloads running under the agent, at most "
-                                 f"{MAX_RUNS_PER_UID}. Stop one first")
-        run = Run(caller, settings, req.checkpoint_id, node=self.node)
-        run.begin(req.argv, cwd=req.cwd, env=req.env, try_number=req.try_number, claim=req.claim,
-                  out_w=fds[0], err_w=fds[1], resume=req.resume)
-        with self._lock:
-            self._runs[run.wid] = run
+            running += self._starting.get(peer.uid, 0)
+            if peer.uid != 0 and running >= MAX_RUNS_PER_UID:
+                raise errors.Refused(f"{peer} already has {running} workloads running under the agent, at most "
+                                     f"{MAX_RUNS_PER_UID}. Stop one first")
+            self._starting[peer.uid] = self._starting.get(peer.uid, 0) + 1
+        try:
+            run = Run(caller, settings, req.checkpoint_id, node=self.node)
+            run.begin(req.argv, cwd=req.cwd, env=req.env, try_number=req.try_number, claim=req.claim,
+                      out_w=fds[0], err_w=fds[1], resume=req.resume)
+            with self._lock:
+                self._runs[run.wid] = run
+        finally:
+            with self._lock:
+                self._starting[peer.uid] -= 1
         assert run.workload is not None and run.lifeline is not None
         log.info("agent started %s for %s checkpoint_id=%s pid=%d", run.wid, peer, run.checkpoint_id, run.workload.pid)
         lifeline, run.lifeline = run.lifeline.detach(), None  # the caller's from now: sent, then closed here

@@ -139,6 +139,8 @@ def _become(spec: Mapping[str, Any], out_w: int, err_w: int, report_w: int) -> N
         os.setgroups([int(g) for g in spec["groups"]])
         os.setresgid(int(spec["gid"]), int(spec["gid"]), int(spec["gid"]))
         os.setresuid(int(spec["uid"]), int(spec["uid"]), int(spec["uid"]))  # the permitted set goes with uid 0
+        step = "a session keyring of its own"
+        _own_session_keyring()  # after the uid change: the new keyring is the caller's
         if confine:
             _prctl("no_new_privs", _PR_SET_NO_NEW_PRIVS, 1)
         if spec.get("seccomp"):
@@ -149,8 +151,7 @@ def _become(spec: Mapping[str, Any], out_w: int, err_w: int, report_w: int) -> N
                 err = ctypes.get_errno()
                 os.write(2, f"cedana: io_uring is not refused to this workload ({os.strerror(err)}); one it takes "
                             "cannot be checkpointed\n".encode())
-        for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # what CPython's start-up ignored, as the workload expects it
-            signal.signal(sig, signal.SIG_DFL)
+        _default_signals()
         step = f"entering {spec['cwd']}"
         os.chdir(spec["cwd"])
         step = str(spec["argv"][0])
@@ -168,6 +169,35 @@ def _lower(a: int, b: int) -> int:
     inf = resource.RLIM_INFINITY
     a, b = (inf if a < 0 else a), (inf if b < 0 else b)
     return b if a == inf else a if b == inf else min(a, b)
+
+
+#: keyctl(2)'s system call number per machine (no wrapper in glibc; libkeyutils is not everywhere).
+_SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219, "ppc64le": 280, "ppc64": 280, "s390x": 280,
+               "i686": 288, "i386": 288, "armv7l": 311, "armv8l": 311}
+_KEYCTL_JOIN_SESSION_KEYRING = 1
+
+
+def _own_session_keyring() -> None:
+    """A new, empty session keyring of the workload's own: otherwise every workload shares the agent's
+    (inherited across fork, execve and set*id: session-keyring(7)) and possesses it, so one user's could
+    read root's keys there, or plant keys for another user's (the second review's N1)."""
+    number = _SYS_KEYCTL.get(os.uname().machine)
+    if number is None:
+        raise OSError(0, f"a session keyring of its own: no keyctl number known for {os.uname().machine}")
+    if _libc.syscall(number, _KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"a session keyring of its own: {os.strerror(err)}")
+
+
+#: What a caller's signals must not do to a shim (a service manager's stop of the agent's unit sends them to
+#: every process in it): the shim outlives the agent; its children get them back at their default.
+_IGNORED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _default_signals() -> None:
+    """What the shim (and CPython's start-up) ignored, back to the default: ignored dispositions survive exec."""
+    for sig in (*_IGNORED, signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _inherit_from_caller(spec: Mapping[str, Any]) -> None:
@@ -210,6 +240,8 @@ def main() -> int:
         return 2
     lifeline, out_w, err_w = socket.socket(fileno=fds[0]), fds[1], fds[2]
     os.setsid()  # out of the agent's session: what ends the agent does not reach the workload
+    for sig in _IGNORED:
+        signal.signal(sig, signal.SIG_IGN)
     _prctl("becoming a subreaper", _PR_SET_CHILD_SUBREAPER, 1)
     pid = _start(spec, out_w, err_w, lifeline) if spec["op"] == "start" else _restore(spec, out_w, err_w)
     if isinstance(pid, dict):  # it did not start: said once, to both
@@ -218,7 +250,11 @@ def main() -> int:
         return 0
     started = {"ev": "started", "pid": pid}
     _send(lifeline, started)
-    _send(ctl, started)
+    # The agent's handle on the tree: a pidfd opened here, while the tree is our unreaped child (the agent
+    # opening one by pid could come after we reaped a command that ended at once: another's pid by then).
+    pidfd = os.pidfd_open(pid)
+    _send(ctl, started, (pidfd,))
+    os.close(pidfd)
     cause = _watch(pid, lifeline, ctl)
     _, status = os.waitpid(pid, 0)
     end = {"ev": "exit", "code": _exit_code(status), "cause": cause,
@@ -273,6 +309,11 @@ def _restore(spec: Mapping[str, Any], out_w: int, err_w: int) -> int | dict[str,
     pid = os.fork()
     if pid == 0:
         try:
+            # The retry's caller's cgroups and limits (CRIU is told to leave cgroups alone: the tree stays
+            # in ours), a keyring of its own, the default signals.
+            _inherit_from_caller(spec)
+            _own_session_keyring()
+            _default_signals()
             high_out, high_err = os.dup(out_w), os.dup(err_w)  # out of the way of 3 and 4 first
             os.dup2(high_out, 3)
             os.dup2(high_err, 4)  # dup2's copies are inherited; every other fd here is close-on-exec

@@ -72,7 +72,7 @@ class ShimWorkload(Workload):
     shim reaps it and says how it ended (:meth:`ended`). No output pumps (the caller reads its own
     pipes) and no watchdog (the shim is one): hence not ``Workload.__init__``."""
 
-    def __init__(self, pid: int, command: Sequence[str], cwd: str, out_w: int, err_w: int) -> None:  # noqa: D107
+    def __init__(self, pid: int, command: Sequence[str], cwd: str, out_w: int, err_w: int, pidfd: int) -> None:
         self.pid = pid
         self.command = tuple(command)
         self.cwd = cwd
@@ -82,9 +82,9 @@ class ShimWorkload(Workload):
         self.signal: int | None = None
         self._reap_lock = threading.Lock()
         self._ended = threading.Event()
-        # Opened while the tree is its shim's unreaped child: the pid cannot have been reused yet, and a
-        # signal through the fd reaches this tree or nothing, whoever its parent is later.
-        self.pidfd = os.pidfd_open(pid)
+        # The shim's, opened while the tree was its unreaped child: a signal through it reaches this tree or
+        # nothing, whoever its parent is later and whatever has the pid since.
+        self.pidfd = pidfd
         self._fd_lock = threading.Lock()  # a kill never signals through a number ended() closed and reused
 
     def ended(self, code: int, sig: int | None) -> None:
@@ -150,14 +150,18 @@ class Run:
 
         def restore_tree(engine: CriuEngine, image_dir: Path, m: Manifest, pidfile: Path) -> Workload:
             # The caller's pipes become the tree's stdout and stderr: fds 3 and 4 of CRIU, under the shim.
+            # Cgroups left alone: the tree stays where CRIU runs, the retry's caller's (shim.py), not the
+            # dumped tree's, which CRIU would otherwise make again, as root.
             cmd, log_path = engine.restore_command(image_dir, inherit={3: m.process.stdout_pipe,
-                                                                       4: m.process.stderr_pipe}, pidfile=pidfile)
-            first = self._spawn({"op": "restore", "argv": cmd, "pidfile": str(pidfile)}, out_w, err_w)
+                                                                       4: m.process.stderr_pipe}, pidfile=pidfile,
+                                                   extra=("--manage-cgroups=ignore",))
+            first, pidfd = self._spawn({"op": "restore", "argv": cmd, "pidfile": str(pidfile),
+                                        **self.caller.carried()}, out_w, err_w)
             if first.get("ev") != "started":
                 raise engine.restore_error(image_dir, int(first.get("code", 255)), log_path,
                                            str(first.get("line", "")))
             self.restored_seq = m.seq
-            return self._adopt(int(first["pid"]), m.process.command, m.process.cwd, out_w, err_w)
+            return self._adopt(int(first["pid"]), m.process.command, m.process.cwd, out_w, err_w, pidfd)
 
         def starter(command: Sequence[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
                     stdout: Sink | None = None, stderr: Sink | None = None, isolate: bool = True,
@@ -210,18 +214,19 @@ class Run:
         spec = {"op": "start", "uid": self.peer.uid, "gid": self.peer.gid, "groups": list(self.peer.groups),
                 "argv": list(command), "cwd": cwd, "env": dict(env), "seccomp": seccomp.hex() if seccomp else None,
                 "start_seconds": START_SECONDS - 2, **self.caller.carried()}
-        first = self._spawn(spec, out_w, err_w)
+        first, pidfd = self._spawn(spec, out_w, err_w)
         self.restored_seq = None  # a fresh start (after a refused restore, too)
         if first.get("ev") != "started":
             line = str(first.get("line") or f"the shim ended without starting it ({first})")
             if first.get("code") == 127:
                 raise errors.CommandNotFound(f"cannot start the workload: {line}. Check the command and PATH")
             raise errors.Refused(f"cannot start the workload as {self.peer}: {line}")
-        return self._adopt(int(first["pid"]), command, cwd, out_w, err_w)
+        return self._adopt(int(first["pid"]), command, cwd, out_w, err_w, pidfd)
 
-    def _spawn(self, spec: Mapping[str, Any], out_w: int, err_w: int) -> dict[str, Any]:
-        """A shim for ``spec``, and its first word: ``started`` (its lifeline is then the caller's, in
-        :attr:`lifeline`), or the exit that says why not (the shim is then gone)."""
+    def _spawn(self, spec: Mapping[str, Any], out_w: int, err_w: int) -> tuple[dict[str, Any], int]:
+        """A shim for ``spec``, and its first word: ``started`` with the shim's pidfd of the tree (its
+        lifeline is then the caller's, in :attr:`lifeline`), or the exit that says why not (the shim is
+        then gone; -1)."""
         caller_end, shim_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             proc, ctl = shim.spawn(spec, shim_end.fileno(), out_w, err_w)
@@ -230,8 +235,12 @@ class Run:
             raise errors.EngineUnavailable(f"the agent could not start a shim: {e}. Check the agent's log") from None
         finally:
             shim_end.close()
-        first = _first_event(ctl, START_SECONDS if spec["op"] == "start" else None)
-        if first.get("ev") != "started":
+        first, fds = _first_event(ctl, START_SECONDS if spec["op"] == "start" else None)
+        if first.get("ev") != "started" or len(fds) != 1:
+            protocol.close_fds(fds)
+            if first.get("ev") == "started":  # a shim of another version: it is not left running
+                proc.kill()
+                first = {"line": "the shim started it but sent no pidfd"}
             caller_end.close()
             ctl.close()
             try:
@@ -239,16 +248,16 @@ class Run:
             except subprocess.TimeoutExpired:  # a shim that did not answer is not left running as root
                 proc.kill()
                 proc.wait()
-            return first
+            return first, -1
         if self.lifeline is not None:  # a restore that fell back to a fresh start: the newer shim is the one
             self.lifeline.close()
         if self._ctl is not None:
             self._ctl.close()
         self._shim, self._ctl, self.lifeline = proc, ctl, caller_end
-        return first
+        return first, fds[0]
 
-    def _adopt(self, pid: int, command: Sequence[str], cwd: str, out_w: int, err_w: int) -> ShimWorkload:
-        self.workload = ShimWorkload(pid, command, cwd, out_w, err_w)
+    def _adopt(self, pid: int, command: Sequence[str], cwd: str, out_w: int, err_w: int, pidfd: int) -> ShimWorkload:
+        self.workload = ShimWorkload(pid, command, cwd, out_w, err_w, pidfd)
         threading.Thread(target=self._follow, args=(self._ctl, self.workload, self._shim),
                          name=f"cedana-agent-{self.wid}-shim", daemon=True).start()
         self._started.set()
@@ -311,15 +320,15 @@ class Run:
         return out
 
 
-def _first_event(ctl: socket.socket, timeout: float | None) -> dict[str, Any]:
+def _first_event(ctl: socket.socket, timeout: float | None) -> tuple[dict[str, Any], list[int]]:
+    """The shim's first word and the fds with it."""
     ctl.settimeout(timeout)
     try:
         msg, fds = protocol.recv(ctl)
-        protocol.close_fds(fds)
-        return msg if msg is not None else {"line": "the shim ended without a word"}
+        return (msg if msg is not None else {"line": "the shim ended without a word"}), fds
     except TimeoutError:
-        return {"line": f"no word from the shim in {timeout or 0:.0f} s"}
+        return {"line": f"no word from the shim in {timeout or 0:.0f} s"}, []
     except (OSError, errors.Refused) as e:
-        return {"line": f"the shim's first word was unreadable ({e})"}
+        return {"line": f"the shim's first word was unreadable ({e})"}, []
     finally:
         ctl.settimeout(None)

@@ -22,6 +22,7 @@ import stat
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -433,11 +434,11 @@ class CriuEngine:
             raise self.restore_error(image_dir, proc.returncode, log_path, proc.stderr)
         return self.restored_pid(pidfile)
 
-    def restore_command(self, image_dir: Path, *, inherit: dict[int, str], pidfile: Path,
-                        lazy: bool = False) -> tuple[list[str], Path]:
+    def restore_command(self, image_dir: Path, *, inherit: dict[int, str], pidfile: Path, lazy: bool = False,
+                        extra: Sequence[str] = ()) -> tuple[list[str], Path]:
         """The ``criu restore`` command :meth:`restore` runs, and its log: for a process that runs it as
         its own child (the node agent's shim: the restored root becomes that process's child). ``inherit``'s
-        fds are the numbers they must have in CRIU."""
+        fds are the numbers they must have in CRIU; ``extra``: more of CRIU's options."""
         self._require_root("restoring")
         if fds.carries_inet_sockets(self.binary.version):
             net_lock.sweep()  # a dead dump's lock here would drop the restored connections' packets
@@ -449,7 +450,7 @@ class CriuEngine:
             cmd += ["--inherit-fd", f"fd[{fd}]:{name}"]
         if lazy:
             cmd.append("--lazy-pages")
-        return cmd, log_path
+        return [*cmd, *extra], log_path
 
     @staticmethod
     def restore_error(image_dir: Path, returncode: int, log_path: Path, stderr: str) -> RestoreFailed:

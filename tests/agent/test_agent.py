@@ -382,8 +382,8 @@ def test_a_caller_in_another_namespace_and_a_confined_root_caller_are_refused_in
         ctypes.CDLL(None).prctl(24, 21, 0, 0, 0)  # PR_CAPBSET_DROP CAP_SYS_ADMIN
 
     root, _ = _start_as(sock, 0, ["true"], prepare=bounded)
-    assert root["error"] == "Refused" and "is root with its capabilities bounded or no_new_privs set; its workload " \
-        "would be full root. Run the task as a user other than root" in root["line"]
+    assert root["error"] == "Refused" and "is root with fewer capabilities than the agent or no_new_privs set; its " \
+        "workload would be full root. Run the task as a user other than root" in root["line"]
     assert sum('"refused: ' in line for line in audit.read_text().splitlines()) == 2
 
 
@@ -515,3 +515,194 @@ def test_a_start_that_hangs_before_its_command_runs_is_killed_and_said_in_one_li
     time.sleep(0.2)
     left = {p for p in os.listdir("/proc") if p.isdigit()} - before
     assert not [p for p in left if "shim.py" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+
+
+# -- the second review's findings (review49-agent-2.md) ------------------------------------------------
+
+
+_KEYRING_ID = ("/usr/bin/python3 -c 'import ctypes; print(ctypes.CDLL(None).syscall(250, 0, -3, 0))'")  # x86_64
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the probe names x86_64's keyctl number")
+def test_every_workload_has_a_session_keyring_of_its_own(agent):
+    import ctypes
+
+    sock, _ = agent
+    agents = ctypes.CDLL(None).syscall(250, 0, -3, 0)  # the agent inherited ours (KEYCTL_GET_KEYRING_ID, @s)
+    ids = [_start_as(sock, uid, ["sh", "-c", _KEYRING_ID])[1].strip() for uid in (NOBODY, OTHER, 0)]
+    assert all(i.isdigit() for i in ids) and len(set(ids)) == 3 and str(agents) not in ids, (agents, ids)
+
+
+def test_a_caller_s_cgroup_named_to_fool_a_line_split_is_still_its_workload_s(agent):
+    sock, _ = agent
+    cgroup = Path(f"/sys/fs/cgroup/pids/cedana-cr-{os.getpid()}\r0::")  # "\r" ends a line for str.splitlines
+    cgroup.mkdir()
+    try:
+        msg, out = _start_as(sock, NOBODY, ["sh", "-c", "grep pids /proc/self/cgroup; cat /proc/self/cgroup | wc -l"],
+                             prepare=lambda: (cgroup / "cgroup.procs").write_text("0"))
+    finally:
+        time.sleep(0.2)
+        cgroup.rmdir()
+    assert msg.get("ok", {}).get("end", {}).get("code") == 0, (msg, out)
+    assert out.split("\n")[0].endswith(f":pids:/cedana-cr-{os.getpid()}\r0::"), repr(out)
+
+
+def test_a_filtered_caller_and_a_root_caller_with_fewer_capabilities_are_refused(agent):
+    import ctypes
+
+    sock, _ = agent
+
+    def allow_all_filter() -> None:  # installed as root, without no_new_privs, as a hardened unit has it
+        raw = ctypes.create_string_buffer(struct_pack_allow())
+
+        class Prog(ctypes.Structure):
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+        assert ctypes.CDLL(None).prctl(22, 2, ctypes.byref(Prog(1, ctypes.addressof(raw))), 0, 0) == 0
+
+    filtered, _ = _start_as(sock, NOBODY, ["true"], prepare=allow_all_filter)
+    assert filtered["error"] == "Refused" and "runs under a seccomp filter; its workload would not" in filtered["line"]
+
+    def fewer_caps() -> None:  # a root service with its capabilities dropped from the permitted set
+        libc = ctypes.CDLL(None)
+        hdr, data = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()
+        assert libc.capget(hdr, data) == 0
+        data[0] &= ~(1 << 21)  # CAP_SYS_ADMIN out of effective and permitted
+        data[1] &= ~(1 << 21)
+        assert libc.capset(hdr, data) == 0
+
+    root, _ = _start_as(sock, 0, ["true"], prepare=fewer_caps)
+    assert root["error"] == "Refused" and "is root with fewer capabilities than the agent" in root["line"]
+
+
+def struct_pack_allow() -> bytes:
+    import struct
+
+    return struct.pack("HBBI", 0x06, 0, 0, 0x7FFF0000)  # BPF_RET|BPF_K SECCOMP_RET_ALLOW
+
+
+def test_an_audit_log_that_cannot_be_written_refuses_starts_and_leaves_nothing_running(tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], check=True)
+    folder = Path(f"/run/cedana-test-agent-{os.getpid()}-{tmp_path.name}")
+    sock = folder / "agent.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "cedana_airflow.agent", "--socket", str(sock), "--audit",
+                             str(small / "audit.jsonl")], env=cli_env(tmp_path, "node-a", "work"),
+                            stderr=subprocess.DEVNULL)
+    try:
+        while not sock.exists():
+            time.sleep(0.05)
+        (small / "filler").write_bytes(b"x" * (64 << 10))  # the disk under the audit log is full
+        out_r, out_w = os.pipe()
+        with AgentClient.connect(sock) as c:
+            c.hello()  # its row cannot be written: from now on no start
+            with pytest.raises(errors.Refused, match=r"^the agent's audit log .* cannot be written \(No space left on "
+                                                     r"device\); no workload starts until it can\. Free its disk$"):
+                c.start("agent-audit", ["sleep", "30"], cwd="/", env={}, stdout=out_w, stderr=out_w)
+            (small / "filler").unlink()
+            c.hello()  # written again
+            s = c.start("agent-audit", ["true"], cwd="/", env={}, stdout=out_w, stderr=out_w,
+                        settings={"heartbeat_seconds": 0})
+            assert _event(s.lifeline)["ev"] == "started"
+        os.close(out_w)
+        assert _read_all(out_r) == ""  # the refused sleep never ran (nothing holds the pipe)
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+        subprocess.run(["umount", str(small)], check=False)
+
+
+def test_refusals_are_written_one_by_one_only_so_often_and_garbage_ends_a_connection(agent):
+    sock, audit = agent
+
+    def garbage() -> tuple[Any, list[int]]:
+        closed = 0
+        for _ in range(8):
+            raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            raw.connect(str(sock))
+            for _ in range(12):
+                try:
+                    raw.send(b"not json")
+                    if not raw.recv(1 << 16):
+                        closed += 1
+                        break
+                except OSError:
+                    closed += 1
+                    break
+            raw.close()
+        return {"closed": closed}, []
+
+    msg, _ = as_uid(NOBODY, garbage)
+    assert msg["ok"]["closed"] == 8  # each after its 10th message that was not a request
+    rows = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert sum(r["decision"].startswith("refused") for r in rows if r.get("uid") == NOBODY) == 50
+
+
+def test_many_commands_that_end_at_once_all_start(agent):
+    sock, _ = agent
+    with AgentClient.connect(sock) as c:
+        for _ in range(20):
+            out_r, out_w = os.pipe()
+            s = c.start("agent-quick", ["true"], cwd="/", env={}, stdout=out_w, stderr=out_w,
+                        settings={"heartbeat_seconds": 0})
+            os.close(out_w)
+            assert _event(s.lifeline)["ev"] == "started"
+            assert _event(s.lifeline)["code"] == 0
+            s.lifeline.close()
+            os.close(out_r)
+
+
+def test_a_shim_ignores_what_a_service_manager_s_stop_sends_and_still_ends_with_its_caller(agent):
+    sock, _ = agent
+    out_r, out_w = os.pipe()
+    with AgentClient.connect(sock) as c:
+        s = c.start("agent-term", ["sleep", "60"], cwd="/", env={}, stdout=out_w, stderr=out_w,
+                    settings={"heartbeat_seconds": 0})
+    os.close(out_w)
+    with open(f"/proc/{s.pid}/stat") as f:
+        shim_pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        os.kill(shim_pid, sig)
+    time.sleep(0.3)
+    assert os.path.exists(f"/proc/{shim_pid}") and os.path.exists(f"/proc/{s.pid}")
+    s.lifeline.close()
+    assert _read_all(out_r) == ""  # the tree ended with its caller
+
+
+def test_a_resumed_tree_runs_in_its_retry_caller_s_cgroup_not_the_dumped_one(agent, tmp_path):
+    sock, _ = agent
+    retry_cgroup = Path(f"/sys/fs/cgroup/pids/cedana-retry-{os.getpid()}")
+    retry_cgroup.mkdir()
+    counter = ["sh", "-c", "i=0; while [ $i -lt 400 ]; do i=$((i+1)); echo $i; sleep 0.1; done"]
+    out_r, out_w = os.pipe()
+    try:
+        with AgentClient.connect(sock) as c:
+            first = c.start("agent-cg", counter, cwd="/", env={"PATH": "/usr/bin:/bin"}, stdout=out_w, stderr=out_w,
+                            settings={"heartbeat_seconds": 0.3})
+            deadline = time.monotonic() + 60
+            while not manifests(tmp_path / "store", "agent-cg"):
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            first.lifeline.close()  # try 1's caller is gone
+            while c.status(first.wid, first.handle)["state"] != "ended":
+                time.sleep(0.05)
+
+        def retry() -> tuple[Any, list[int]]:  # try 2's caller, root, in another cgroup
+            (retry_cgroup / "cgroup.procs").write_text("0")
+            with AgentClient.connect(sock) as c2:
+                s = c2.start("agent-cg", counter, cwd="/", env={"PATH": "/usr/bin:/bin"}, stdout=out_w,
+                             stderr=out_w, settings={"heartbeat_seconds": 0}, resume=True, try_number=1)
+                return {"pid": s.pid, "seq": s.restored_seq}, [s.lifeline.detach()]
+
+        msg, fds = as_uid(0, retry)
+        os.close(out_w)
+        assert msg["ok"]["seq"] is not None, msg
+        pids_line = [ln for ln in Path(f"/proc/{msg['ok']['pid']}/cgroup").read_text().splitlines() if ":pids:" in ln]
+        os.close(fds[0])  # the retry's caller is gone too
+        assert _read_all(out_r)
+        assert pids_line == [pids_line[0].split(":")[0] + f":pids:/cedana-retry-{os.getpid()}"], pids_line
+    finally:
+        time.sleep(0.3)
+        retry_cgroup.rmdir()
