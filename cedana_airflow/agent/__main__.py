@@ -20,7 +20,8 @@ from .server import DEFAULT_SOCKET, Agent
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cedana_airflow.agent")
-    ap.add_argument("--socket", type=Path, default=DEFAULT_SOCKET, help=f"where callers connect (default {DEFAULT_SOCKET})")
+    ap.add_argument("--socket", type=Path, default=DEFAULT_SOCKET,
+                    help=f"where callers connect (default {DEFAULT_SOCKET})")
     ap.add_argument("--node", help="this node's name (default: [cedana] node, else the hostname)")
     ap.add_argument("--audit", type=Path, help="append one JSON line per request here")
     args = ap.parse_args(argv)

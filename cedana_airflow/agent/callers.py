@@ -6,10 +6,10 @@ sandbox would get its workload out of it, and a root caller stripped of its capa
 them back. So the agent reads the caller (through a pidfd of the very process that connected, so a
 reused pid is never read) and:
 
-- refuses a caller in namespaces other than the agent's (a container, a sandbox): carrying a workload
-  into them is not built yet;
-- refuses a root caller that is confined (a bounding set smaller than the agent's, ``no_new_privs``):
-  its workload would be full root;
+- refuses a caller in namespaces other than the agent's (a container, a sandbox), in a chroot, or
+  under a seccomp filter: carrying a workload into them is not built yet;
+- refuses a root caller that is confined (fewer capabilities than the agent, ``no_new_privs``): its
+  workload would be full root;
 - carries the rest over into the workload (shim.py applies it before the uid changes): the caller's
   cgroups, resource limits, umask and nice value, and an OOM score no lower than the caller's.
 """

@@ -25,8 +25,8 @@ from typing import Any
 
 from .. import errors
 
-__all__ = ["MAX_FDS", "MAX_MESSAGE", "PROTO", "Peer", "Sender", "close_fds", "error_reply", "pass_credentials", "raise_for",
-           "recv", "recv_from", "recv_packet", "send"]
+__all__ = ["MAX_FDS", "MAX_MESSAGE", "PROTO", "Peer", "Sender", "close_fds", "error_reply", "pass_credentials",
+           "raise_for", "recv", "recv_from", "recv_packet", "send"]
 
 #: The protocol's version (see the module doc for what may change within one).
 PROTO = 1

@@ -1,6 +1,6 @@
 """The shim: one small root process per workload, started by the node agent, that outlives it.
 
-Its invariants (each has a test in tests/agent/test_shim.py):
+Its invariants (each has a test in tests/agent/test_shim.py or test_agent.py):
 
 - **A tree never outlives its caller.** The caller (the Airflow task process, a Slurm job, a CLI)
   holds the other end of the *lifeline*; when it closes (the caller died) or asks, the shim kills the
@@ -11,11 +11,13 @@ Its invariants (each has a test in tests/agent/test_shim.py):
   ``--kill-child``).
 - **A workload never depends on the agent to live.** The agent's end of the control socket may close
   at any time (a restart, a crash); the workload runs on and its exit still reaches the caller.
-- **The workload runs as its caller and no more**: the caller's uid, gid and groups, the seccomp
-  filter it is given (the io_uring filter, run/no_io_uring.py), and its cwd entered as that uid (a
-  directory the caller cannot enter fails as it would for the caller); for a caller other than root,
-  an empty capability bounding set and ``no_new_privs`` too (setuid programs gain nothing). A root
-  caller's tree is root's, as a supervisor's is today. Nothing is executed before the uid changes.
+- **The workload runs as its caller and no more**: the caller's uid, gid and groups, its cgroups,
+  resource limits (never above ours), umask, nice value and an OOM score no lower than its (read by
+  the agent: agent/callers.py), a session keyring of its own, the seccomp filter it is given (the
+  io_uring filter, run/no_io_uring.py), and its cwd entered as that uid (a directory the caller
+  cannot enter fails as it would for the caller); for a caller other than root, an empty capability
+  bounding set and ``no_new_privs`` too (setuid programs gain nothing). A root caller's tree is
+  root's, as a supervisor's is today. Nothing is executed before the uid changes.
 
 It runs as ``python -I -S shim.py`` with its control socket (``SOCK_SEQPACKET``, to the agent) as
 stdin, and imports nothing outside the standard library: it starts in ~20 ms and nothing a caller can
@@ -23,16 +25,20 @@ write reaches its ``sys.path``. The first message on the control socket is the s
 ``[lifeline, stdout, stderr]``::
 
     {"op": "start", "uid": U, "gid": G, "groups": [...], "argv": [...], "env": {...}, "cwd": "/abs",
-     "seccomp": "<struct sock_filter program, hex>" | null}
-    {"op": "restore", "argv": ["<the agent's criu>", "restore", ..., "-d", ...], "pidfile": "/abs"}
+     "seccomp": "<struct sock_filter program, hex>" | null, "start_seconds": 8, <the caller's: see below>}
+    {"op": "restore", "argv": ["<the agent's criu>", "restore", ..., "-d", ...], "pidfile": "/abs",
+     <the caller's>}
+
+where the caller's are ``cgroup_procs``, ``limits``, ``umask``, ``nice`` and ``oom_score_adj``
+(callers.py, ``Caller.carried``).
 
 A restore runs the agent's ``criu restore -d`` (never a caller's program) as the shim's child, with the
 caller's pipes as its fds 3 and 4; the restored root, detached, becomes the shim's child. The agent
 checked the checkpoint and the tree's credentials before, and puts files back and GPU state after.
 
-It says ``{"ev": "started", "pid": P}`` (the namespace init's host pid) to both the agent and the
-caller, then ``{"ev": "exit", "code": C, "signal": S | null, "cause": ...}`` once, where code is a shell's
-(128 + S when signal S ended it) and cause is ``exited``, ``killed`` (asked), ``caller-lost``, ``exec``
+It says ``{"ev": "started", "pid": P}`` (the namespace init's host pid) to both the agent (with its
+pidfd of the tree) and the caller, then ``{"ev": "exit", "code": C, "signal": S | null, "cause": ...}``
+once, where code is a shell's (128 + S when signal S ended it) and cause is ``exited``, ``killed`` (asked), ``caller-lost``, ``exec``
 (the command did not start: code 127 or 126, and a ``line`` naming why) or ``restore-failed`` (CRIU's
 exit code; its log is the agent's to read). The caller may send ``{"op": "kill"}``.
 """
@@ -60,7 +66,8 @@ _SECCOMP_MODE_FILTER = 2
 _MAX_MESSAGE = 64 << 10  # protocol.MAX_MESSAGE (this file imports nothing of ours)
 
 
-def spawn(spec: Mapping[str, Any], lifeline: int, out_w: int, err_w: int) -> tuple[subprocess.Popen[bytes], socket.socket]:
+def spawn(spec: Mapping[str, Any], lifeline: int, out_w: int,
+          err_w: int) -> tuple[subprocess.Popen[bytes], socket.socket]:
     """Start a shim for ``spec`` (the agent's side): the shim's process and the agent's end of its control
     socket. ``lifeline``, ``out_w`` and ``err_w`` are duplicated into it; the caller of this closes its own."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -271,7 +278,8 @@ def _start(spec: Mapping[str, Any], out_w: int, err_w: int, lifeline: socket.soc
     report_r, report_w = os.pipe()  # close-on-exec, as os.pipe makes them
     if _libc.unshare(_CLONE_NEWPID) != 0:
         err = ctypes.get_errno()
-        return {"ev": "exit", "code": 126, "cause": "exec", "signal": None, "line": f"a PID namespace: {os.strerror(err)}"}
+        return {"ev": "exit", "code": 126, "cause": "exec", "signal": None,
+                "line": f"a PID namespace: {os.strerror(err)}"}
     pid = os.fork()
     if pid == 0:
         os.close(report_r)

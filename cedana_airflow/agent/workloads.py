@@ -62,8 +62,8 @@ def task_settings(node: Mapping[str, str], requested: Mapping[str, Any]) -> Sett
     a setting outside :data:`TASK_SETTINGS` is refused in one line."""
     other = sorted(set(requested) - TASK_SETTINGS)
     if other:
-        raise errors.Refused(f"setting {other[0][:40]!r} is the node's, not a task's: the agent's configuration sets it. "
-                             f"A request may set {', '.join(sorted(TASK_SETTINGS))}")
+        raise errors.Refused(f"setting {other[0][:40]!r} is the node's, not a task's: the agent's configuration "
+                             f"sets it. A request may set {', '.join(sorted(TASK_SETTINGS))}")
     return load_settings(dict(requested), node, overrides_source=lambda k: f"the request's settings.{k}")
 
 
