@@ -192,7 +192,15 @@ class Agent:
             if not stat.S_ISSOCK(os.lstat(path).st_mode):
                 raise errors.ConfigError(f"agent socket {path} exists and is not a socket. Remove it or choose "
                                          "another path")
-            os.unlink(path)  # a dead agent's: connecting to it would fail anyway
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
+                try:
+                    probe.connect(str(path))
+                except OSError:
+                    pass  # a dead agent's: nobody answers there
+                else:
+                    raise errors.ConfigError(f"another agent answers at {path}. Stop it first, or give this one "
+                                             "another --socket")
+            os.unlink(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # On the listener, so every accepted connection has it from its first message on (accept(2)
         # copies it): set on the connection after accept, a message sent in between would come without.

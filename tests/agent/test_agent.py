@@ -706,3 +706,13 @@ def test_a_resumed_tree_runs_in_its_retry_caller_s_cgroup_not_the_dumped_one(age
     finally:
         time.sleep(0.3)
         retry_cgroup.rmdir()
+
+
+def test_a_second_agent_on_the_same_socket_is_refused_and_the_first_keeps_serving(agent, tmp_path):
+    sock, _ = agent
+    second = subprocess.run([sys.executable, "-m", "cedana_airflow.agent", "--socket", str(sock)],
+                            env=cli_env(tmp_path, "node-a", "work2"), capture_output=True, text=True, timeout=60)
+    assert second.returncode == 2 and second.stderr.strip().splitlines()[-1] == (
+        f"cedana agent: another agent answers at {sock}. Stop it first, or give this one another --socket")
+    with AgentClient.connect(sock) as c:
+        assert c.hello()["node"] == "node-a"
