@@ -47,7 +47,7 @@ from ..ids import validate_checkpoint_id
 from . import protocol
 from .callers import Caller, read_caller, read_self
 from .protocol import Peer
-from .workloads import UNPROTECTED_NON_ROOT, Run, task_settings
+from .workloads import Run, task_settings, unprotected
 
 __all__ = ["Agent", "DEFAULT_SOCKET"]
 
@@ -405,9 +405,9 @@ class Agent:
         peer = caller.peer
         out = {"proto": protocol.PROTO, "agent": __version__, "node": self.node, "ready": True,
                "features": ["start", "heartbeat", "stop"], "you": {"uid": peer.uid, "gid": peer.gid},
-               "protected": peer.uid == 0}
-        if peer.uid != 0:
-            out["why_unprotected"] = UNPROTECTED_NON_ROOT.format(uid=peer.uid)
+               "protected": not unprotected(peer.uid)}
+        if why := unprotected(peer.uid):
+            out["why_unprotected"] = why
         return out, []
 
     def _start(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:

@@ -33,8 +33,9 @@ from ..run.summary import run_summary
 from ..run.workload import Sink, Workload, pipe_name
 from . import protocol, shim
 from .callers import Caller
+from .protocol import Peer
 
-__all__ = ["START_SECONDS", "TASK_SETTINGS", "Run", "ShimWorkload", "task_settings"]
+__all__ = ["START_SECONDS", "TASK_SETTINGS", "Run", "ShimWorkload", "task_settings", "unprotected"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,11 @@ TASK_SETTINGS = frozenset({
 UNPROTECTED_NON_ROOT = ("checkpoints of a workload that runs as uid {uid} are not built yet (CRIU needs such a tree "
                         "to have a /proc of its own, hence its own mount namespace, which it cannot restore yet); "
                         "it runs as uid {uid}, unprotected")
+
+
+def unprotected(uid: int) -> str:
+    """Why a workload of ``uid`` is not checkpointed ("" where it is): what ``hello`` and a run say."""
+    return "" if uid == 0 else UNPROTECTED_NON_ROOT.format(uid=uid)
 
 
 def task_settings(node: Mapping[str, str], requested: Mapping[str, Any]) -> Settings:
@@ -80,7 +86,6 @@ class ShimWorkload(Workload):
         self.stderr_pipe = pipe_name(err_w)
         self.returncode: int | None = None
         self.signal: int | None = None
-        self._reap_lock = threading.Lock()
         self._ended = threading.Event()
         # The shim's, opened while the tree was its unreaped child: a signal through it reaches this tree or
         # nothing, whoever its parent is later and whatever has the pid since.
@@ -120,8 +125,6 @@ class Run:
     def __init__(self, caller: Caller, settings: Settings, checkpoint_id: str, *, node: str) -> None:
         self.wid = f"w-{secrets.token_hex(6)}"
         self.handle = secrets.token_hex(16)  # the owner's proof (server.py); never listed or logged
-        self.uid = caller.peer.uid
-        self.peer = peer = caller.peer
         self.caller = caller
         self.settings = settings
         self.checkpoint_id = checkpoint_id
@@ -137,10 +140,17 @@ class Run:
         self._ctl: socket.socket | None = None
         self._started = threading.Event()
         self._done = threading.Event()
-        self._thread: threading.Thread | None = None
         self.cause = ""  # how the tree ended, as its shim said (shim.py)
         self.restored_seq: int | None = None  # the checkpoint its tree was restored from (None: started fresh)
-        self.unprotected = "" if peer.uid == 0 else UNPROTECTED_NON_ROOT.format(uid=peer.uid)
+        self.unprotected = unprotected(caller.peer.uid)
+
+    @property
+    def peer(self) -> Peer:
+        return self.caller.peer
+
+    @property
+    def uid(self) -> int:
+        return self.caller.peer.uid
 
     def begin(self, argv: Sequence[str], *, cwd: str, env: Mapping[str, str], try_number: int,
               claim: AirflowTask | None, out_w: int, err_w: int, resume: bool = False) -> None:
@@ -193,8 +203,7 @@ class Run:
                 if self._ctl is not None:
                     self._ctl.close()
 
-        self._thread = threading.Thread(target=run, name=f"cedana-agent-{self.wid}", daemon=True)
-        self._thread.start()
+        threading.Thread(target=run, name=f"cedana-agent-{self.wid}", daemon=True).start()
         self._started.wait()
         if self.workload is None:
             assert self.failure is not None or self.result is not None

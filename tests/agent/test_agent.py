@@ -54,18 +54,20 @@ def agent(tmp_path) -> Iterator[tuple[Path, Path]]:
         print(agent_log.read_text()[-6000:])  # shown with a failure
 
 
-def as_uid(uid: int, fn: Callable[[], tuple[Any, list[int]]]) -> tuple[dict[str, Any], list[int]]:
-    """``fn`` run by a forked child that became ``uid`` (no groups): what it returned (or raised, as
-    ``{"error": class, "line": ...}``) and the fds it sent back."""
+def as_uid(uid: int, fn: Callable[[], tuple[Any, list[int]]],
+           prepare: Callable[[], None] = lambda: None) -> tuple[dict[str, Any], list[int]]:
+    """``fn`` run by a forked child that ran ``prepare`` as root and then became ``uid`` (no groups): what
+    it returned (or raised, as ``{"error": class, "line": ...}``) and the fds it sent back."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
         try:
             mine.close()
-            os.setgroups([])
-            os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)
             try:
+                prepare()
+                os.setgroups([])
+                os.setresgid(uid, uid, uid)
+                os.setresuid(uid, uid, uid)
                 result, fds = fn()
                 protocol.send(theirs, {"ok": result}, fds)
             except errors.CedanaError as e:
@@ -340,32 +342,8 @@ def _start_as(sock: Path, uid: int, argv: list[str], prepare: Callable[[], None]
             _event(s.lifeline)
             return {"end": _event(s.lifeline, timeout=30)}, []
 
-    def as_prepared() -> tuple[Any, list[int]]:
-        raise AssertionError("unused")
-
-    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    pid = os.fork()
-    if pid == 0:
-        try:
-            mine.close()
-            try:
-                prepare()
-                os.setgroups([])
-                os.setresgid(uid, uid, uid)
-                os.setresuid(uid, uid, uid)
-                protocol.send(theirs, {"ok": run()[0]})
-            except errors.CedanaError as e:
-                protocol.send(theirs, {"error": type(e).__name__, "line": str(e)})
-            except BaseException as e:  # noqa: BLE001
-                protocol.send(theirs, {"error": type(e).__name__, "line": repr(e)})
-        finally:
-            os._exit(0)
-    theirs.close()
-    os.close(out_w)
-    msg, _ = protocol.recv(mine)
-    os.waitpid(pid, 0)
-    mine.close()
-    assert msg is not None
+    msg, _ = as_uid(uid, run, prepare)
+    os.close(out_w)  # the child and its workload are gone: the pipe ends here
     return msg, _read_all(out_r)
 
 
