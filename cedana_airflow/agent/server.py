@@ -47,7 +47,7 @@ from ..ids import validate_checkpoint_id
 from . import protocol
 from .callers import Caller, read_caller, read_self
 from .protocol import Peer
-from .workloads import Run, task_settings, unprotected
+from .workloads import Run, task_settings
 
 __all__ = ["Agent", "DEFAULT_SOCKET"]
 
@@ -169,6 +169,10 @@ class Agent:
         self._runs: dict[str, Run] = {}
         self._closing = threading.Event()
         self._listener = self._bind(socket_path)
+        # Where shims build the mounts of trees in namespaces of their own: each mounts a tmpfs on it in a
+        # private mount namespace, so one empty folder serves them all; root's only.
+        self.staging = socket_path.parent / "mounts"
+        os.close(secure_base(self.staging, mode=0o700))
         self._connections: dict[int, int] = {}  # uid -> connections open
         self._starting: dict[int, int] = {}  # uid -> starts under way (counted with its running workloads)
         self._refusals: dict[int, tuple[float, int, int]] = {}  # uid -> (minute's start, refusals, not written)
@@ -405,9 +409,7 @@ class Agent:
         peer = caller.peer
         out = {"proto": protocol.PROTO, "agent": __version__, "node": self.node, "ready": True,
                "features": ["start", "heartbeat", "stop"], "you": {"uid": peer.uid, "gid": peer.gid},
-               "protected": not unprotected(peer.uid)}
-        if why := unprotected(peer.uid):
-            out["why_unprotected"] = why
+               "protected": True}  # every caller's workload is checkpointed (one other than root's: shim.py)
         return out, []
 
     def _start(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
@@ -432,7 +434,7 @@ class Agent:
                                      f"{MAX_RUNS_PER_UID}. Stop one first")
             self._starting[peer.uid] = self._starting.get(peer.uid, 0) + 1
         try:
-            run = Run(caller, settings, req.checkpoint_id, node=self.node)
+            run = Run(caller, settings, req.checkpoint_id, node=self.node, staging=self.staging)
             run.begin(req.argv, cwd=req.cwd, env=req.env, try_number=req.try_number, claim=req.claim,
                       out_w=fds[0], err_w=fds[1], resume=req.resume)
             with self._lock:

@@ -60,7 +60,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-_CLONE_NEWPID = 0x20000000
+_CLONE_NEWPID, _CLONE_NEWNS, _CLONE_NEWUSER = 0x20000000, 0x00020000, 0x10000000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
+_MNT_DETACH = 2
 _PR_SET_SECCOMP, _PR_CAPBSET_DROP, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 22, 24, 36, 38
 _SECCOMP_MODE_FILTER = 2
 _MAX_MESSAGE = 64 << 10  # protocol.MAX_MESSAGE (this file imports nothing of ours)
@@ -123,18 +125,23 @@ class _Fprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
-def _become(spec: Mapping[str, Any], out_w: int, err_w: int, report_w: int) -> None:
+def _become(spec: Mapping[str, Any], out_w: int, err_w: int, report_w: int, own_namespaces: bool = False) -> None:
     """In the namespace's init, from the fork to the exec: become the caller, then the command. Never
     returns; a step that fails is written to ``report_w`` (close-on-exec: its end at the exec says it
-    started) and ends the child."""
+    started) and ends the child. ``own_namespaces``: in a tree's own user, mount and PID namespaces
+    (:func:`_start_own`), whose creator already joined the caller's cgroups, limits and groups."""
     step = "a session"
     try:
         os.setsid()
+        if own_namespaces:
+            step = "a /proc of its own"  # CRIU dumps a non-root tree only with one (its parasite reads it)
+            _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
         null = os.open(os.devnull, os.O_RDWR)
         os.dup2(null, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        _inherit_from_caller(spec)  # still root: into the caller's cgroups, under its limits
+        if not own_namespaces:
+            _inherit_from_caller(spec)  # still root: into the caller's cgroups, under its limits
         confine = int(spec["uid"]) != 0
         if confine:
             step = "dropping capabilities"
@@ -143,7 +150,8 @@ def _become(spec: Mapping[str, Any], out_w: int, err_w: int, report_w: int) -> N
             for cap in range(last + 1):
                 _prctl(step, _PR_CAPBSET_DROP, cap)
         step = "becoming the caller"
-        os.setgroups([int(g) for g in spec["groups"]])
+        if not own_namespaces:  # there, setgroups would need setgroups=allow for nothing: they are set
+            os.setgroups([int(g) for g in spec["groups"]])
         os.setresgid(int(spec["gid"]), int(spec["gid"]), int(spec["gid"]))
         os.setresuid(int(spec["uid"]), int(spec["uid"]), int(spec["uid"]))  # the permitted set goes with uid 0
         step = "a session keyring of its own"
@@ -235,6 +243,265 @@ def _inherit_from_caller(spec: Mapping[str, Any]) -> None:
             f.write(str(max(ours, int(spec["oom_score_adj"]))))
 
 
+# --- A tree of its own: user, mount and PID namespaces (a caller other than root) ---------------------------
+# CRIU 4.2 dumps a non-root tree in its own PID namespace only when the tree has a /proc of its own (its
+# parasite refuses one whose /proc is not the tree's), hence a mount namespace of its own, which only a
+# user namespace of its own lets it restore without giving the tree root. The node's mounts go into it as
+# childless binds, each its own external mount (agent/trees.py names them at dump; _restore_mounts maps
+# them back): CRIU cannot clone a node mount that has children from inside the tree's user namespace (the
+# kernel refuses a non-recursive bind of a mount with locked children: fs/namespace.c, __do_loopback).
+
+#: The node's uid (and gid) a tree's user namespace maps its root to: CRIU's restore acts as that root, so
+#: it must be mapped, and to nobody of the node's. No process of the tree runs as it (the init becomes the
+#: caller before its exec), and its capabilities reach only the tree's own namespaces.
+NS_ROOT = 4000000
+
+
+def id_maps(uid: int, gid: int, groups: Sequence[int]) -> tuple[str, str]:
+    """A caller's tree's ``uid_map`` and ``gid_map``: its root to :data:`NS_ROOT`, the caller's uid, gid and
+    groups to themselves (so files and groups mean inside what they mean on the node; a group 0 of the
+    caller's stays 0, and the tree's root then has it as its group). The same on every node: a restore
+    checks an image's maps against them (agent/trees.py). Raises ValueError for an id that is NS_ROOT."""
+    gids = sorted({int(gid), *(int(g) for g in groups)})
+    if NS_ROOT in (uid, *gids):
+        raise ValueError(f"uid or gid {NS_ROOT} is the one trees' root maps to on this node: a caller may not "
+                         "have it")
+    uid_map = f"0 {NS_ROOT} 1\n{int(uid)} {int(uid)} 1\n"
+    gid_map = ("" if 0 in gids else f"0 {NS_ROOT} 1\n") + "".join(f"{g} {g} 1\n" for g in gids)
+    return uid_map, gid_map
+
+
+def _unescape(raw: bytes) -> str:
+    """A mountinfo field: the kernel writes space, tab, newline and backslash as ``\\ooo``."""
+    out, i = bytearray(), 0
+    while i < len(raw):
+        if raw[i] == 0x5C and i + 4 <= len(raw) and raw[i + 1:i + 4].isdigit():
+            out.append(int(raw[i + 1:i + 4], 8))
+            i += 4
+        else:
+            out.append(raw[i])
+            i += 1
+    return os.fsdecode(bytes(out))
+
+
+def _nameable(mountpoint: str) -> bool:
+    """Whether CRIU's ``--external mnt[KEY]:VAL`` can carry it (the key ends at ``]``, the value after
+    ``:``; its options are comma-separated) and our argv can too."""
+    return mountpoint.isprintable() and not any(c in mountpoint for c in "[]:, \\")
+
+
+def mountpoints(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, str]]:
+    """Every mount listed in ``mountinfo``, in its order: its mountpoint and file system type."""
+    out = []
+    with open(mountinfo, "rb") as f:
+        for line in f:
+            fields = line.split()
+            if b"-" in fields[6:]:
+                out.append((_unescape(fields[4]), _unescape(fields[fields.index(b"-", 6) + 1])))
+    return out
+
+
+def node_mounts(mountinfo: str = "/proc/self/mountinfo") -> list[str]:
+    """The node's mountpoints a tree gets, each once, parents first: every one but ``/``, ``/proc`` and
+    what lies under it (the tree mounts a proc of its own), a namespace file's (``/run/netns/*``: another
+    namespace's handle is none of a workload's business), and one whose path CRIU cannot be given."""
+    keep = {mp for mp, fstype in mountpoints(mountinfo)
+            if not _under_proc(mp) and mp != "/" and fstype != "nsfs" and _nameable(mp)}
+    return sorted(keep, key=lambda mp: (mp.count("/"), mp))
+
+
+def _under_proc(mountpoint: str) -> bool:
+    return mountpoint == "/proc" or mountpoint.startswith("/proc/")
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    def b(x: str | None) -> bytes | None:
+        return None if x is None else os.fsencode(x)
+
+    if _libc.mount(b(source), b(target), b(fstype), flags, b(data)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mounting {source or fstype} on {target}: {os.strerror(err)}")
+
+
+def _staging(staging: str) -> str:
+    """(In a private mount namespace of ours.) A tmpfs on ``staging`` (a root-only folder of the agent's),
+    and a childless bind of the node's ``/`` in it: the root to be."""
+    if _libc.unshare(_CLONE_NEWNS) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"a mount namespace: {os.strerror(err)}")
+    _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing done here reaches the node, nor the node's here
+    # 0755: CRIU opens the binds in it from inside the tree's user namespace, as its root (NS_ROOT); nobody
+    # else sees this namespace, and it goes with its process.
+    _mount("tmpfs", staging, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755")
+    root = os.path.join(staging, "root")
+    os.mkdir(root, 0o755)
+    _mount("/", root, None, _MS_BIND)
+    return root
+
+
+def _own_mount_tree(staging: str, mounts: Sequence[str]) -> None:
+    """(Root, in the process that creates the tree's namespaces.) A root made of childless binds: the
+    node's ``/``, ``/proc`` (the kernel lets a user namespace mount a proc only where a full one is
+    visible), and each of ``mounts`` (parents first) at its place; one gone meanwhile, or hidden on the
+    node by a later mount, is left out, as the node shows none either. Then that is our root, and nothing else of the node's is reachable."""
+    root = _staging(staging)
+    _mount("/proc", root + "/proc", None, _MS_BIND)
+    for mp in mounts:
+        try:
+            _mount(mp, root + mp, None, _MS_BIND)
+        except OSError:  # gone meanwhile, or hidden on the node by a later mount: the node shows none either
+            continue
+    os.chdir(root)
+    if _libc.syscall(_SYS_PIVOT_ROOT[os.uname().machine], b".", b".") != 0:  # the old root on top, then gone
+        err = ctypes.get_errno()
+        raise OSError(err, f"pivot_root: {os.strerror(err)}")
+    if _libc.umount2(b".", _MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"detaching the node's root: {os.strerror(err)}")
+    os.chdir("/")
+
+
+#: pivot_root(2)'s system call number per machine (no wrapper in glibc).
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203, "s390x": 217,
+                   "i686": 217, "i386": 217, "armv7l": 218, "armv8l": 218}
+
+
+def _start_own(spec: Mapping[str, Any], staging: str, out_w: int, err_w: int, report_r: int, report_w: int,
+               deadline: float) -> int | None:
+    """Start the tree in user, mount and PID namespaces of its own (a caller other than root): a helper
+    builds its mounts (:func:`_own_mount_tree`), joins the caller's cgroups, limits and groups as root,
+    creates the namespaces, waits for us to write their id maps (only a process outside them may map
+    ids other than its own), forks the init and exits; the init, ours by then (a subreaper), becomes the
+    caller. Its host pid, or None where the helper failed (``report_r`` says why)."""
+    uid_map, gid_map = id_maps(int(spec["uid"]), int(spec["gid"]), spec["groups"])
+    mounts = _reachable(node_mounts(), spec, deadline)
+    ask_r, ask_w = os.pipe()
+    go_r, go_w = os.pipe()
+    helper = os.fork()
+    if helper == 0:
+        step = "a mount tree of its own"
+        try:
+            for fd in (report_r, ask_r, go_w):
+                os.close(fd)
+            _own_mount_tree(staging, mounts)
+            step = "the caller's cgroups and limits"
+            _inherit_from_caller(spec)
+            step = "the caller's groups"
+            os.setgroups([int(g) for g in spec["groups"]])
+            step = "user, mount and PID namespaces"
+            if _libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWPID) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err))
+            os.write(ask_w, b"?")
+            if os.read(go_r, 1) != b"!":
+                os._exit(126)  # the shim gave up on us: it says why
+            init = os.fork()
+            if init == 0:
+                _become(spec, out_w, err_w, report_w, own_namespaces=True)
+            os.write(ask_w, str(init).encode())
+            os._exit(0)
+        except BaseException as e:  # noqa: BLE001
+            why = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+            os.write(report_w, json.dumps({"code": 126, "line": f"{step}: {why}"}).encode())
+            os._exit(126)
+    os.close(ask_w)
+    os.close(go_r)
+    try:
+        if _read_by(ask_r, deadline) != b"?":
+            return None
+        for name, text in (("uid_map", uid_map), ("gid_map", gid_map)):
+            with open(f"/proc/{helper}/{name}", "w") as f:
+                f.write(text)
+        os.write(go_w, b"!")
+        got = _read_by(ask_r, deadline)
+        return int(got) if got.isdigit() else None
+    finally:
+        os.close(ask_r)
+        os.close(go_w)
+        if not _reaped_by(helper, deadline):  # stuck on a mount that does not answer
+            os.kill(helper, signal.SIGKILL)
+            os.waitpid(helper, 0)
+            os.write(report_w, json.dumps({"code": 126, "line": "its mounts were not ready in time (a mount of the "
+                                                                 "node's that does not answer?)"}).encode())
+
+
+def _reachable(mounts: Sequence[str], spec: Mapping[str, Any], deadline: float) -> list[str]:
+    """Those of ``mounts`` the caller itself can reach (a child that became it stats each): one under a
+    folder it cannot enter is none of its business, and CRIU could not find it again at a restore
+    (it looks, as the tree's root, for every mount it made)."""
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.close(r)
+            os.setgroups([int(g) for g in spec["groups"]])
+            os.setresgid(int(spec["gid"]), int(spec["gid"]), int(spec["gid"]))
+            os.setresuid(int(spec["uid"]), int(spec["uid"]), int(spec["uid"]))
+            for i, mp in enumerate(mounts):
+                try:
+                    os.stat(mp)
+                except OSError:
+                    continue
+                os.write(w, f"{i}\n".encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    got = b""
+    while chunk := _read_by(r, deadline):
+        got += chunk
+    os.close(r)
+    if not _reaped_by(child, deadline):  # a stat that hangs (a mount that does not answer): that one is left out
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    return [mounts[int(i)] for i in got.split()]
+
+
+def _read_by(fd: int, deadline: float) -> bytes:
+    """One read of ``fd`` once it is readable, or b"" at the deadline."""
+    if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        return b""
+    return os.read(fd, 64)
+
+
+def _reaped_by(pid: int, deadline: float) -> bool:
+    while True:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+
+
+def _restore_mounts(staging: str, keys: Sequence[str]) -> list[str]:
+    """(In the process that becomes ``criu restore``, as root.) CRIU's own private mount namespace for a
+    tree in its own namespaces: a childless bind of ``/`` (the tree's root) and of the node's folder at
+    each of the image's external mounts' ``keys`` (their mountpoints), and nothing under ``/proc`` (the
+    tree's view of the node's proc must be childless too). A key this node has no such folder for gets an
+    empty one: a tree that used it then fails to restore on the files it held there, one that did not
+    restores. CRIU's options for them; it makes the tree's mounts from these and exits, and this
+    namespace goes with it."""
+    under_proc = [mp for mp, _ in mountpoints() if mp.startswith("/proc/")]
+    root = _staging(staging)
+    options = ["--root", root, "--ext-mount-map", "auto"]
+    for i, key in enumerate(keys):
+        if _under_proc(key) or not key.startswith("/") or not _nameable(key):
+            continue  # found by CRIU itself (--ext-mount-map auto), or none of ours
+        dest = os.path.join(staging, str(i))
+        try:
+            if os.path.isdir(key):
+                os.mkdir(dest)
+            else:
+                os.close(os.open(dest, os.O_CREAT | os.O_WRONLY, 0o644))
+            _mount(key, dest, None, _MS_BIND)
+        except OSError:
+            if not os.path.lexists(dest):  # (an empty file, made for a file's mount, stays one)
+                os.mkdir(dest)
+        options += ["--external", f"mnt[{key}]:{dest}"]
+    for mp in sorted(under_proc, key=lambda m: -m.count("/")):
+        _libc.umount2(os.fsencode(mp), _MNT_DETACH)
+    return options
+
+
 def _exit_code(status: int) -> int:
     return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
@@ -276,17 +543,26 @@ def _start(spec: Mapping[str, Any], out_w: int, err_w: int, lifeline: socket.soc
     One that has not exec'd within ``start_seconds`` (its cwd on a mount that never answers), or whose
     caller goes away meanwhile, is killed."""
     report_r, report_w = os.pipe()  # close-on-exec, as os.pipe makes them
-    if _libc.unshare(_CLONE_NEWPID) != 0:
-        err = ctypes.get_errno()
-        return {"ev": "exit", "code": 126, "cause": "exec", "signal": None,
-                "line": f"a PID namespace: {os.strerror(err)}"}
-    pid = os.fork()
-    if pid == 0:
-        os.close(report_r)
-        _become(spec, out_w, err_w, report_w)
+    deadline = time.monotonic() + float(spec.get("start_seconds", 8))
+    pid: int | None
+    if spec.get("own_mounts"):
+        try:
+            pid = _start_own(spec, str(spec["own_mounts"]), out_w, err_w, report_r, report_w, deadline)
+        except OSError as e:
+            pid = None
+            os.write(report_w, json.dumps({"code": 126, "line": str(e)}).encode())
+    else:
+        if _libc.unshare(_CLONE_NEWPID) != 0:
+            err = ctypes.get_errno()
+            return {"ev": "exit", "code": 126, "cause": "exec", "signal": None,
+                    "line": f"a PID namespace: {os.strerror(err)}"}
+        pid = os.fork()
+        if pid == 0:
+            os.close(report_r)
+            _become(spec, out_w, err_w, report_w)
     for fd in (report_w, out_w, err_w):
         os.close(fd)
-    failed, deadline = b"", time.monotonic() + float(spec.get("start_seconds", 8))
+    failed = b""
     while True:
         ready = select.select([report_r, lifeline.fileno()], [], [], max(0.0, deadline - time.monotonic()))[0]
         if report_r in ready:
@@ -295,13 +571,15 @@ def _start(spec: Mapping[str, Any], out_w: int, err_w: int, lifeline: socket.soc
             failed += chunk
             continue
         why = "its caller went away" if ready else f"it did not start within {float(spec.get('start_seconds', 8)):g} s"
-        os.kill(pid, signal.SIGKILL)  # our unreaped child: the pid is still its
-        os.waitpid(pid, 0)
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)  # our unreaped child: the pid is still its
+            os.waitpid(pid, 0)
         return {"ev": "exit", "code": 126, "cause": "exec", "signal": None,
                 "line": f"{why} (a cwd or a command on a mount that does not answer?)"}
-    if not failed:
+    if not failed and pid is not None:
         return pid
-    os.waitpid(pid, 0)
+    if pid is not None:
+        os.waitpid(pid, 0)
     end = {"ev": "exit", "code": 126, "cause": "exec", "signal": None, "line": "the workload did not start"}
     try:
         end.update(json.loads(failed))
@@ -314,6 +592,7 @@ def _restore(spec: Mapping[str, Any], out_w: int, err_w: int) -> int | dict[str,
     """``criu restore -d`` run as our child, the caller's pipes as its fds 3 and 4 (the agent named them
     so in ``--inherit-fd``): the restored root, detached, becomes our child (we are a subreaper). Its pid
     (from the pidfile), or the exit event of a restore that failed (the agent reads CRIU's log)."""
+    report_r, report_w = os.pipe()  # close-on-exec: CRIU never sees it
     pid = os.fork()
     if pid == 0:
         try:
@@ -322,18 +601,24 @@ def _restore(spec: Mapping[str, Any], out_w: int, err_w: int) -> int | dict[str,
             _inherit_from_caller(spec)
             _own_session_keyring()
             _default_signals()
+            argv = list(spec["argv"])
+            if spec.get("own_mounts"):  # a tree in its own namespaces (its images hold a user namespace)
+                argv += _restore_mounts(str(spec["own_mounts"]), [str(k) for k in spec.get("external_mounts", ())])
             high_out, high_err = os.dup(out_w), os.dup(err_w)  # out of the way of 3 and 4 first
             os.dup2(high_out, 3)
             os.dup2(high_err, 4)  # dup2's copies are inherited; every other fd here is close-on-exec
-            os.execv(spec["argv"][0], list(spec["argv"]))
+            os.execv(argv[0], argv)
         except BaseException as e:  # noqa: BLE001
-            os.write(2, f"cedana shim: criu did not start: {e}\n".encode())
+            os.write(report_w, f"criu restore did not start: {e}".encode())
         os._exit(127)
     os.close(out_w)
     os.close(err_w)
+    os.close(report_w)
     _, status = os.waitpid(pid, 0)
+    line = os.read(report_r, 4096).decode(errors="replace")
+    os.close(report_r)
     if status != 0:
-        return {"ev": "exit", "code": _exit_code(status), "cause": "restore-failed", "signal": None}
+        return {"ev": "exit", "code": _exit_code(status), "cause": "restore-failed", "signal": None, "line": line}
     try:
         with open(spec["pidfile"]) as f:
             return int(f.read().strip())

@@ -25,17 +25,18 @@ from typing import Any
 from .. import errors
 from ..config import Settings, load_settings
 from ..engine.criu import CriuEngine
+from ..engine.images import read_external_mounts
 from ..format.manifest import AirflowTask, Manifest
 from ..run.environment import workload_env
 from ..run.no_io_uring import filter_program
 from ..run.runner import RunResult, run_workload
 from ..run.summary import run_summary
 from ..run.workload import Sink, Workload, pipe_name
-from . import protocol, shim
+from . import protocol, shim, trees
 from .callers import Caller
 from .protocol import Peer
 
-__all__ = ["START_SECONDS", "TASK_SETTINGS", "Run", "ShimWorkload", "task_settings", "unprotected"]
+__all__ = ["START_SECONDS", "TASK_SETTINGS", "Run", "ShimWorkload", "task_settings"]
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +51,6 @@ TASK_SETTINGS = frozenset({
     "stop_grace_seconds", "stop_window_seconds", "keep_checkpoints", "delete_on_success", "max_restore_gap_seconds",
     "progress",
 })
-
-
-#: Why a caller other than root gets no checkpoints yet: what a spike found (docs/agent.md, "Not yet").
-UNPROTECTED_NON_ROOT = ("checkpoints of a workload that runs as uid {uid} are not built yet (CRIU needs such a tree "
-                        "to have a /proc of its own, hence its own mount namespace, which it cannot restore yet); "
-                        "it runs as uid {uid}, unprotected")
-
-
-def unprotected(uid: int) -> str:
-    """Why a workload of ``uid`` is not checkpointed ("" where it is): what ``hello`` and a run say."""
-    return "" if uid == 0 else UNPROTECTED_NON_ROOT.format(uid=uid)
 
 
 def task_settings(node: Mapping[str, str], requested: Mapping[str, Any]) -> Settings:
@@ -78,8 +68,10 @@ class ShimWorkload(Workload):
     shim reaps it and says how it ended (:meth:`ended`). No output pumps (the caller reads its own
     pipes) and no watchdog (the shim is one): hence not ``Workload.__init__``."""
 
-    def __init__(self, pid: int, command: Sequence[str], cwd: str, out_w: int, err_w: int, pidfd: int) -> None:
+    def __init__(self, pid: int, command: Sequence[str], cwd: str, out_w: int, err_w: int, pidfd: int,
+                 own_namespaces: bool) -> None:
         self.pid = pid
+        self.own_namespaces = own_namespaces  # a caller other than root's (shim.py): its mounts are named at dump
         self.command = tuple(command)
         self.cwd = cwd
         self.stdout_pipe = pipe_name(out_w)
@@ -111,6 +103,9 @@ class ShimWorkload(Workload):
         select.select([self.pidfd], [], [], 30)  # readable once it has exited
         self.ended(128 + signal.SIGKILL, signal.SIGKILL)
 
+    def criu_dump_options(self) -> tuple[str, ...]:
+        return trees.dump_options(self.pid) if self.own_namespaces else ()
+
     def poll(self) -> int | None:
         return self.returncode
 
@@ -122,7 +117,7 @@ class ShimWorkload(Workload):
 class Run:
     """One caller's workload, from its start request to its end; kept a while after for ``status``."""
 
-    def __init__(self, caller: Caller, settings: Settings, checkpoint_id: str, *, node: str) -> None:
+    def __init__(self, caller: Caller, settings: Settings, checkpoint_id: str, *, node: str, staging: Path) -> None:
         self.wid = f"w-{secrets.token_hex(6)}"
         self.handle = secrets.token_hex(16)  # the owner's proof (server.py); never listed or logged
         self.caller = caller
@@ -142,7 +137,10 @@ class Run:
         self._done = threading.Event()
         self.cause = ""  # how the tree ended, as its shim said (shim.py)
         self.restored_seq: int | None = None  # the checkpoint its tree was restored from (None: started fresh)
-        self.unprotected = unprotected(caller.peer.uid)
+        # Where a shim builds the mounts of a tree in namespaces of its own (a root-only folder of the agent's):
+        # every tree other than a root caller's.
+        self.staging = str(staging)
+        self.own_mounts = self.staging if caller.peer.uid != 0 else None
 
     @property
     def peer(self) -> Peer:
@@ -162,16 +160,24 @@ class Run:
             # The caller's pipes become the tree's stdout and stderr: fds 3 and 4 of CRIU, under the shim.
             # Cgroups left alone: the tree stays where CRIU runs, the retry's caller's (shim.py), not the
             # dumped tree's, which CRIU would otherwise make again, as root.
+            # Never more than the caller has: a tree in namespaces of its own with the caller's ids, or root's.
+            own = trees.check_restorable(image_dir, self.peer.uid, self.peer.gid, self.peer.groups,
+                                         f"checkpoint {self.checkpoint_id} seq={m.seq}")
+            if own:
+                trees.open_to_tree_root(image_dir, self.peer.gid, self.peer.groups)
             cmd, log_path = engine.restore_command(image_dir, inherit={3: m.process.stdout_pipe,
                                                                        4: m.process.stderr_pipe}, pidfile=pidfile,
                                                    extra=("--manage-cgroups=ignore",))
             first, pidfd = self._spawn({"op": "restore", "argv": cmd, "pidfile": str(pidfile),
-                                        **self.caller.carried()}, out_w, err_w)
+                                        "own_mounts": self.staging if own else None,
+                                        "external_mounts": read_external_mounts(image_dir) if own else [],
+                                        **self.caller.carried()},
+                                       out_w, err_w)
             if first.get("ev") != "started":
                 raise engine.restore_error(image_dir, int(first.get("code", 255)), log_path,
                                            str(first.get("line", "")))
             self.restored_seq = m.seq
-            return self._adopt(int(first["pid"]), m.process.command, m.process.cwd, out_w, err_w, pidfd)
+            return self._adopt(int(first["pid"]), m.process.command, m.process.cwd, out_w, err_w, pidfd, own)
 
         def starter(command: Sequence[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
                     stdout: Sink | None = None, stderr: Sink | None = None, isolate: bool = True,
@@ -181,11 +187,6 @@ class Run:
         def run() -> None:
             try:
                 env_ = workload_env(env, self.settings.keep_env)  # never the store's credentials, whoever sent them
-                if self.unprotected:
-                    log.warning("agent: %s for %s: %s", self.wid, self.peer, self.unprotected)
-                    self.result = self._unprotected(starter(argv, cwd=cwd, env=env_,
-                                                            deny_io_uring=self.settings.io_uring == "deny"))
-                    return
                 self.result = run_workload(self.settings, self.checkpoint_id, list(argv), resume=resume,
                                            try_number=try_number, cwd=cwd, env=env_, handle_signals=False,
                                            stop=self.stop, airflow=claim, starter=starter,
@@ -209,20 +210,12 @@ class Run:
             assert self.failure is not None or self.result is not None
             raise self.failure or errors.CedanaError(f"{self.wid} ended before it started. Check the agent's log")
 
-    def _unprotected(self, workload: Workload) -> RunResult:
-        """Until the tree ends (a stop ends it at once: there is nothing to checkpoint it with)."""
-        while workload.wait(0.1) is None:
-            if self.stop.is_set():
-                workload.kill()
-        rc = workload.wait()
-        return RunResult(exit_code=rc if rc is not None else 255, outcome="fresh", killed_by_signal=workload.signal)
-
     def _start_shim(self, command: Sequence[str], cwd: str, env: Mapping[str, str], deny_io_uring: bool,
                     out_w: int, err_w: int) -> ShimWorkload:
         seccomp = filter_program() if deny_io_uring else None
         spec = {"op": "start", "uid": self.peer.uid, "gid": self.peer.gid, "groups": list(self.peer.groups),
                 "argv": list(command), "cwd": cwd, "env": dict(env), "seccomp": seccomp.hex() if seccomp else None,
-                "start_seconds": START_SECONDS - 2, **self.caller.carried()}
+                "start_seconds": START_SECONDS - 2, "own_mounts": self.own_mounts, **self.caller.carried()}
         first, pidfd = self._spawn(spec, out_w, err_w)
         self.restored_seq = None  # a fresh start (after a refused restore, too)
         if first.get("ev") != "started":
@@ -230,7 +223,7 @@ class Run:
             if first.get("code") == 127:
                 raise errors.CommandNotFound(f"cannot start the workload: {line}. Check the command and PATH")
             raise errors.Refused(f"cannot start the workload as {self.peer}: {line}")
-        return self._adopt(int(first["pid"]), command, cwd, out_w, err_w, pidfd)
+        return self._adopt(int(first["pid"]), command, cwd, out_w, err_w, pidfd, self.own_mounts is not None)
 
     def _spawn(self, spec: Mapping[str, Any], out_w: int, err_w: int) -> tuple[dict[str, Any], int]:
         """A shim for ``spec``, and its first word: ``started`` with the shim's pidfd of the tree (its
@@ -265,8 +258,9 @@ class Run:
         self._shim, self._ctl, self.lifeline = proc, ctl, caller_end
         return first, fds[0]
 
-    def _adopt(self, pid: int, command: Sequence[str], cwd: str, out_w: int, err_w: int, pidfd: int) -> ShimWorkload:
-        self.workload = ShimWorkload(pid, command, cwd, out_w, err_w, pidfd)
+    def _adopt(self, pid: int, command: Sequence[str], cwd: str, out_w: int, err_w: int, pidfd: int,
+               own_namespaces: bool) -> ShimWorkload:
+        self.workload = ShimWorkload(pid, command, cwd, out_w, err_w, pidfd, own_namespaces)
         threading.Thread(target=self._follow, args=(self._ctl, self.workload, self._shim),
                          name=f"cedana-agent-{self.wid}-shim", daemon=True).start()
         self._started.set()
@@ -318,10 +312,8 @@ class Run:
             "wid": self.wid, "uid": self.uid, "checkpoint_id": self.checkpoint_id, "node": self.node,
             "pid": self.workload.pid if self.workload else None, "started": self.started_at,
             "restored_seq": self.restored_seq,
-            "state": "ended" if self.ended else "running", "cause": self.cause, "protected": not self.unprotected,
+            "state": "ended" if self.ended else "running", "cause": self.cause, "protected": True,
             "checkpoints": len(self.result.checkpoints) if self.result else None}
-        if self.unprotected:
-            out["why_unprotected"] = self.unprotected
         if self.result is not None:
             out["result"] = run_summary(self.result, self.checkpoint_id, self.node)
         if self.failure is not None:

@@ -271,13 +271,15 @@ class CriuEngine:
         if os.geteuid() != 0:
             raise EngineUnavailable(f"{what} needs root (CRIU uses CAP_SYS_ADMIN and ptrace); run as root.")
 
-    def dump(self, pid: int, image_dir: Path, *, leave_running: bool = True, capture: bool = True) -> DumpResult:
+    def dump(self, pid: int, image_dir: Path, *, leave_running: bool = True, capture: bool = True,
+             extra: Sequence[str] = ()) -> DumpResult:
         """Freeze the tree rooted at ``pid``, write its images to ``image_dir``, resume it (or not).
 
         With ``capture``, files the tree holds open for writing are copied while it is still frozen
         (into ``<image_dir>.captured/``). CRIU's log goes to ``<image_dir>.dump.log``. A dump that
         collided with another one on ``proc.crtools`` (proc_mountpoint.py) is tried again: CRIU has
         already let the tree run on, and the other dump is done with the directory in milliseconds.
+        ``extra``: more of CRIU's options (the node agent's trees name their mounts: agent/trees.py).
         """
         self._require_root("checkpointing")
         pids = tree_pids(pid)
@@ -292,7 +294,7 @@ class CriuEngine:
             pairs = net_lock.tree_pairs(pids)
         for attempt in range(1, _DUMP_ATTEMPTS + 1):
             try:
-                return self._dump_once(pid, image_dir, leave_running, capture, dirs, pairs)
+                return self._dump_once(pid, image_dir, leave_running, capture, dirs, pairs, extra)
             except _Collided as e:
                 if attempt == _DUMP_ATTEMPTS:
                     raise DumpFailed(e.line) from None
@@ -305,7 +307,7 @@ class CriuEngine:
         raise AssertionError("unreachable")
 
     def _dump_once(self, pid: int, image_dir: Path, leave_running: bool, capture: bool, dirs: set[str],
-                   pairs: set[net_lock.Pair]) -> DumpResult:
+                   pairs: set[net_lock.Pair], extra: Sequence[str] = ()) -> DumpResult:
         image_dir.mkdir(parents=True, exist_ok=False)
         log_path = _beside(image_dir, ".dump.log")
         side = _beside(image_dir, ".captured")
@@ -314,6 +316,7 @@ class CriuEngine:
                "-L", no_plugins_dir(), *self._socket_flags(dump=True, connections=bool(pairs))]
         if leave_running:
             cmd.append("--leave-running")
+        cmd += extra
         with contextlib.ExitStack() as stack:
             if capture:
                 cap = stack.enter_context(CaptureOnFreeze(side))

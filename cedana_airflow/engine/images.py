@@ -34,6 +34,9 @@ __all__ = [
     "read_dump_stats",
     "read_image",
     "read_creds",
+    "read_external_mounts",
+    "read_task_ids",
+    "read_userns_maps",
     "read_open_files",
 ]
 
@@ -351,3 +354,81 @@ def read_creds(image_dir: Path) -> TreeCreds | None:
     if not found:
         raise ValueError(f"{image_dir / 'pstree.img'} names no task")
     return ROOT_CREDS if any(c.uid == 0 for c in found) else found[0]
+
+
+@dataclass(frozen=True)
+class TaskIds:
+    """One thread's ids as a restore gives them back (creds.proto), in its user namespace's terms."""
+
+    tid: int
+    uids: tuple[int, ...]  # uid, euid, suid, fsuid
+    gids: tuple[int, ...]  # gid, egid, sgid, fsgid
+    groups: tuple[int, ...]
+    capabilities: bool  # any bit of its inheritable, permitted, effective or ambient sets
+
+
+def read_task_ids(image_dir: Path) -> list[TaskIds]:
+    """Every live thread's ids (a zombie's are skipped: it runs nothing). Raises ValueError where a
+    thread's core image or its creds are missing or malformed."""
+    out: list[TaskIds] = []
+    try:
+        for task in image_messages(image_dir / "pstree.img"):
+            t = message_values(task)
+            pid = _int(t, _PSTREE_PID)
+            if pid is not None and (main := image_messages(image_dir / f"core-{pid}.img")):
+                tc = _bytes(message_values(main[0]), _CORE_TC)
+                if tc is not None and _int(message_values(tc), _TC_STATE) == _TASK_DEAD:
+                    continue
+            for tid in _uints(t, _PSTREE_THREADS) or ([pid] if pid is not None else []):
+                core = image_messages(image_dir / f"core-{tid}.img")
+                thread = _bytes(message_values(core[0]), _CORE_THREAD) if core else None
+                creds = _bytes(message_values(thread), _THREAD_CREDS) if thread is not None else None
+                if creds is None:
+                    raise ValueError(f"core-{tid}.img holds no credentials")
+                c = message_values(creds)
+                ids = [_int(c, n) for n in (1, 3, 5, 7, 2, 4, 6, 8)]
+                if any(i is None for i in ids):
+                    raise ValueError(f"core-{tid}.img has credentials without every id")
+                out.append(TaskIds(tid, tuple(ids[:4]), tuple(ids[4:]), tuple(_uints(c, _GROUPS)),  # type: ignore[arg-type]
+                                   any(any(_uints(c, n)) for n in (9, 10, 11, 19))))
+    except (OSError, IndexError, struct.error) as e:
+        raise ValueError(f"the process tree's core images in {image_dir} cannot be read ({e})") from None
+    return out
+
+
+Extent = tuple[int, int, int]  # uid_gid_extent: first (inside), lower_first (outside), count
+
+
+def read_userns_maps(image_dir: Path) -> list[tuple[frozenset[Extent], frozenset[Extent]]]:
+    """The uid and gid maps of each user namespace the image set holds (userns-*.img; none for a tree in
+    the node's). Raises ValueError where one is malformed."""
+    out = []
+    for path in sorted(image_dir.glob("userns-*.img")):
+        try:
+            entries = image_messages(path)
+            f = message_values(entries[0]) if entries else {}
+            maps = tuple(frozenset((_int(e, 1) or 0, _int(e, 2) or 0, _int(e, 3) or 0)
+                                   for raw in f.get(num, []) if isinstance(raw, bytes)
+                                   for e in [message_values(raw)]) for num in (1, 2))
+        except (IndexError, struct.error) as e:
+            raise ValueError(f"{path} is malformed ({e})") from None
+        out.append((maps[0], maps[1]))
+    return out
+
+
+_MNT_EXT_KEY = 18  # mnt.proto, mnt_entry.ext_key: the name an external mount was dumped under
+
+
+def read_external_mounts(image_dir: Path) -> list[str]:
+    """The keys of the external mounts an image set's mount namespaces hold (mountpoints-*.img), each
+    once: a restore must give CRIU a source for each. Raises ValueError where one is malformed."""
+    keys: set[str] = set()
+    for path in sorted(image_dir.glob("mountpoints-*.img")):
+        try:
+            for entry in image_messages(path):
+                key = _bytes(message_values(entry), _MNT_EXT_KEY)
+                if key is not None:
+                    keys.add(key.decode("utf-8", "surrogateescape"))
+        except (IndexError, struct.error) as e:
+            raise ValueError(f"{path} is malformed ({e})") from None
+    return sorted(keys)

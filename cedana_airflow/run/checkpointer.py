@@ -251,7 +251,8 @@ class Checkpointer:
                     # CUDA state first moves into host memory (engine/cuda.py), then CRIU dumps it with the rest.
                     with self.gpu.suspended(holding, leave_running=leave_running) as suspension:
                         failpoint("heartbeat.freeze", workload=workload.pid, work_dir=self.work_dir)
-                        dump = self.engine.dump(workload.pid, dump_dir / "images", leave_running=leave_running)
+                        dump = self.engine.dump(workload.pid, dump_dir / "images", leave_running=leave_running,
+                                                extra=workload.criu_dump_options())
                         failpoint("heartbeat.dump", workload=workload.pid, work_dir=self.work_dir)
                 grew = (dump_too_large(dump, self.settings.max_checkpoint_bytes)
                         or copies_too_large(dump, self.settings.max_captured_bytes))

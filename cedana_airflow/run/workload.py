@@ -197,6 +197,11 @@ class Workload:
         """The host PIDs of the whole tree, root first."""
         return tree_pids(self.pid)
 
+    def criu_dump_options(self) -> tuple[str, ...]:
+        """More of CRIU's options for dumping this tree (the node agent's trees in namespaces of their own
+        name their mounts: agent/trees.py). None for a tree in the supervisor's namespaces."""
+        return ()
+
     def poll(self) -> int | None:
         with self._reap_lock:  # the heartbeat thread polls too; only one may reap
             return self._poll()

@@ -3,7 +3,8 @@ callers as the Airflow worker's user would be (forked children that became ``nob
 uid): a caller's workload runs as that caller; another uid cannot see, stop or ask about it; every
 request is audited; the agent's death leaves workloads running; bad requests are one line each. A
 root caller's workload is checkpointed on its heartbeat, signed with the node's key, and its stop takes
-a final checkpoint; another caller's runs unprotected, and says so (agent/workloads.py)."""
+a final checkpoint; another caller's too, in namespaces of its own, and it resumes as that caller with
+nothing more (agent/shim.py, agent/trees.py)."""
 
 from __future__ import annotations
 
@@ -124,8 +125,7 @@ def test_a_caller_s_workload_runs_as_that_caller_and_its_exit_reaches_it(agent):
     assert "ok" in msg, msg
     lifeline = socket.socket(fileno=fds[0])
     hello = msg["ok"]["hello"]
-    assert hello["you"] == {"uid": NOBODY, "gid": NOBODY} and hello["node"] == "node-a" and hello["protected"] is False
-    assert hello["why_unprotected"].startswith(f"checkpoints of a workload that runs as uid {NOBODY} are not built yet")
+    assert hello["you"] == {"uid": NOBODY, "gid": NOBODY} and hello["node"] == "node-a" and hello["protected"] is True
     assert _event(lifeline)["ev"] == "started"
     assert _read_all(out_r) == f"{NOBODY}\nCapEff:\t0000000000000000\npid=1\n"
     assert _event(lifeline) == {"ev": "exit", "code": 0, "cause": "exited", "signal": None}
@@ -166,7 +166,7 @@ def test_another_uid_can_neither_see_nor_stop_nor_ask_about_it_and_a_wrong_handl
     assert os.path.exists(f"/proc/{pid}")  # none of that touched it
     owner, _ = as_uid(NOBODY, ops(handle))
     assert owner["ok"]["status"]["state"] == "running" and owner["ok"]["status"]["uid"] == NOBODY
-    assert owner["ok"]["status"]["protected"] is False and "unprotected" in owner["ok"]["status"]["why_unprotected"]
+    assert owner["ok"]["status"]["protected"] is True and "why_unprotected" not in owner["ok"]["status"]
     assert owner["ok"]["kill"]["state"] == "ended" and owner["ok"]["kill"]["cause"] == "killed"
     assert _event(lifeline) == {"ev": "started", "pid": pid}
     assert _event(lifeline) == {"ev": "exit", "code": 128 + signal.SIGKILL, "cause": "killed", "signal": signal.SIGKILL}
@@ -709,3 +709,83 @@ def test_a_second_agent_on_the_same_socket_is_refused_and_the_first_keeps_servin
         f"cedana agent: another agent answers at {sock}. Stop it first, or give this one another --socket")
     with AgentClient.connect(sock) as c:
         assert c.hello()["node"] == "node-a"
+
+
+def test_a_non_root_caller_s_tree_is_checkpointed_and_resumed_as_that_caller_with_nothing_more(agent, tmp_path):
+    """A caller as uid nobody: its tree (in user, mount and PID namespaces of its own) is checkpointed on
+    its heartbeat; try 1's caller dies; try 2 resumes the count from the newest checkpoint, still as
+    nobody with no capability, and on to its end."""
+    sock, _ = agent
+    counter = ["sh", "-c", "i=0; while [ $i -lt 40 ]; do i=$((i+1)); echo $i; sleep 0.1; done; "
+                           "grep -E '^(Uid|CapEff|CapBnd|NoNewPrivs)' /proc/self/status"]
+    out_r, out_w = os.pipe()
+    msg, fds = as_uid(NOBODY, _start(sock, counter, out_w, checkpoint_id="agent-nobody",
+                                     settings={"heartbeat_seconds": 0.5}, resume=True))
+    os.close(out_w)
+    assert "ok" in msg, msg
+    assert msg["ok"]["hello"]["protected"] is True
+    lifeline = socket.socket(fileno=fds[0])
+    deadline = time.monotonic() + 60
+    while len(manifests(tmp_path / "store", "agent-nobody")) < 2:
+        assert time.monotonic() < deadline, "no heartbeat checkpoint of uid nobody's tree within 60 s"
+        time.sleep(0.1)
+    lifeline.close()  # try 1's caller is gone: so is its tree
+    before = _read_all(out_r).split()
+    latest = manifests(tmp_path / "store", "agent-nobody")[-1]["seq"]
+
+    out_r, out_w = os.pipe()
+    msg, fds = as_uid(NOBODY, _start(sock, counter, out_w, checkpoint_id="agent-nobody",
+                                     settings={"heartbeat_seconds": 0.5}, resume=True, try_number=1))
+    os.close(out_w)
+    assert "ok" in msg, msg
+    lifeline = socket.socket(fileno=fds[0])
+    assert _event(lifeline)["ev"] == "started"
+    assert _event(lifeline, timeout=60) == {"ev": "exit", "code": 0, "cause": "exited", "signal": None}
+    after = _read_all(out_r).split("\n")
+    counted = [x for x in after if x.isdigit()]
+    assert before and counted and int(counted[0]) > 1, (before, after)  # resumed, not started over
+    assert int(counted[0]) <= int(before[-1]) + 1
+    assert counted == [str(i) for i in range(int(counted[0]), 41)]
+    status = dict(x.split(":\t", 1) for x in after if ":\t" in x)
+    assert status["Uid"].split() == [str(NOBODY)] * 4 and status["NoNewPrivs"] == "1"
+    assert int(status["CapEff"], 16) == 0 and int(status["CapBnd"], 16) == 0
+    assert manifests(tmp_path / "store", "agent-nobody")[-1]["seq"] >= latest
+
+
+def test_no_caller_gets_a_tree_restored_with_more_than_it_has(agent, tmp_path):
+    """Root's checkpoint, resumed by uid nobody, and nobody's, resumed by another uid, are refused (the
+    images' ids and user namespace are checked against the caller before CRIU runs): each starts fresh
+    as its caller, and the agent's log names why."""
+    sock, _ = agent
+    counter = ["sh", "-c", "i=0; while :; do i=$((i+1)); echo $i; sleep 0.1; done"]
+
+    def first_checkpoint(uid: int, checkpoint_id: str) -> None:
+        out_r, out_w = os.pipe()
+        msg, fds = as_uid(uid, _start(sock, counter, out_w, checkpoint_id=checkpoint_id,
+                                      settings={"heartbeat_seconds": 0.3}))
+        os.close(out_w)
+        assert "ok" in msg, msg
+        deadline = time.monotonic() + 60
+        while not manifests(tmp_path / "store", checkpoint_id):
+            assert time.monotonic() < deadline, f"no checkpoint of uid {uid}'s tree within 60 s"
+            time.sleep(0.1)
+        socket.socket(fileno=fds[0]).close()  # its caller is gone
+        os.close(out_r)
+
+    def resumed_by(uid: int, checkpoint_id: str) -> str:
+        out_r, out_w = os.pipe()
+        msg, fds = as_uid(uid, _start(sock, ["sh", "-c", "id -u"], out_w, checkpoint_id=checkpoint_id, resume=True,
+                                      try_number=1))
+        os.close(out_w)
+        assert "ok" in msg, msg
+        socket.socket(fileno=fds[0]).close()
+        return _read_all(out_r)
+
+    first_checkpoint(0, "agent-root-tree")
+    assert resumed_by(NOBODY, "agent-root-tree") == f"{NOBODY}\n"  # started fresh, as nobody
+    first_checkpoint(NOBODY, "agent-nobody-tree")
+    assert resumed_by(OTHER, "agent-nobody-tree") == f"{OTHER}\n"
+    log = (tmp_path / "agent.log").read_text()
+    assert (f"checkpoint agent-root-tree seq=1 is refused for uid {NOBODY}: its tree is not in a user namespace of "
+            "its own") in log
+    assert f"checkpoint agent-nobody-tree seq=1 is refused for uid {OTHER}: its user namespace maps ids" in log

@@ -12,8 +12,9 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -64,7 +65,8 @@ def started(argv: list[str], cwd: str = "/", uid: int = NOBODY, **more: Any) -> 
         for sock in (ctl, caller):
             sock.close()
         if proc.poll() is None:
-            proc.kill()
+            with suppress(ProcessLookupError):  # it ended between the poll and the kill
+                proc.kill()
         proc.wait()
         os.close(out_r)
 
@@ -141,3 +143,49 @@ def test_the_caller_s_kill_ends_the_tree_and_says_so():
         s.lifeline.send(json.dumps({"op": "kill"}).encode())
         assert s.event(s.lifeline) == {"ev": "exit", "code": 128 + signal.SIGKILL, "cause": "killed", "signal": signal.SIGKILL}
         assert not _alive(pid)
+
+
+def test_a_non_root_caller_s_tree_has_namespaces_of_its_own_and_the_node_s_mounts_it_can_reach(tmp_path):
+    """What CRIU needs to dump and restore a tree of a caller other than root (shim.py, ``own_mounts``):
+    user, mount and PID namespaces of its own, its root mapped to nobody of the node's, the caller's ids
+    and groups meaning what they mean on the node; the node's mounts the caller can reach, and not one
+    under a folder it cannot enter."""
+    staging = tmp_path / "staging"
+    staging.mkdir(mode=0o700)
+    hidden = tmp_path / "root-only"  # tmp_path's folders are root's, 0700
+    (hidden / "m").mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "none", str(hidden / "m")], check=True)
+    Path("/dev/shm").joinpath(f"cedana-test-{os.getpid()}").write_text("from the node")
+    probe = ("grep -E '^(Uid|Gid|Groups|CapEff|CapBnd|NoNewPrivs)' /proc/self/status; cat /proc/self/uid_map "
+             f"/proc/self/gid_map; echo pid=$$; cat /dev/shm/cedana-test-{os.getpid()}; echo; "
+             "readlink /proc/self/ns/user /proc/self/ns/mnt; cat /proc/self/mountinfo")
+    try:
+        with started(["sh", "-c", probe], cwd="/tmp", own_mounts=str(staging), groups=[100]) as s:
+            assert s.event(s.lifeline)["ev"] == "started"
+            out = s.output()
+            assert s.event(s.lifeline) == {"ev": "exit", "code": 0, "cause": "exited", "signal": None}
+        node_mounts = {mp for mp, _ in shim.mountpoints()}
+    finally:
+        subprocess.run(["umount", str(hidden / "m")], check=True)
+        Path("/dev/shm").joinpath(f"cedana-test-{os.getpid()}").unlink()
+    lines = out.splitlines()
+    status = dict(x.split(":\t", 1) for x in lines if ":\t" in x)
+    assert status["Uid"].split() == [str(NOBODY)] * 4 and status["Gid"].split() == [str(NOBODY)] * 4
+    assert status["Groups"].split() == ["100"] and status["NoNewPrivs"] == "1"
+    assert int(status["CapEff"], 16) == 0 and int(status["CapBnd"], 16) == 0
+    maps = [x.split() for x in lines if len(x.split()) == 3 and all(f.isdigit() for f in x.split())]
+    assert maps == [["0", str(shim.NS_ROOT), "1"], [str(NOBODY), str(NOBODY), "1"],
+                    ["0", str(shim.NS_ROOT), "1"], ["100", "100", "1"], [str(NOBODY), str(NOBODY), "1"]]
+    assert "pid=1" in lines and "from the node" in lines
+    assert f"user:[{os.stat('/proc/self/ns/user').st_ino}]" not in lines  # not the node's namespaces
+    assert f"mnt:[{os.stat('/proc/self/ns/mnt').st_ino}]" not in lines
+    tree_mounts = {x.split()[4] for x in lines if x.count(" - ") == 1}
+    assert {"/", "/proc", "/dev", "/dev/shm", "/sys"} <= tree_mounts
+    assert str(hidden / "m") in node_mounts and str(hidden / "m") not in tree_mounts
+
+
+def test_id_maps_keep_a_caller_s_group_0_and_refuse_the_id_trees_root_maps_to():
+    assert shim.id_maps(1000, 0, [5]) == ("0 4000000 1\n1000 1000 1\n", "0 0 1\n5 5 1\n")
+    assert shim.id_maps(1000, 1000, [1000, 27]) == ("0 4000000 1\n1000 1000 1\n", "0 4000000 1\n27 27 1\n1000 1000 1\n")
+    with pytest.raises(ValueError, match="4000000"):
+        shim.id_maps(shim.NS_ROOT, 1000, [])
