@@ -374,7 +374,7 @@ class UffdServer(threading.Thread):
             return
         if pid < 0:  # a zombie: no memory, no uffd
             return
-        _, fds, _, _ = socket.recv_fds(self._client, 1, 1, socket.MSG_CMSG_CLOEXEC)
+        fds = recv_fds(self._client, 1)
         if len(fds) != 1:
             raise OSError(f"criu restore sent pid {pid} without its userfaultfd")
         iovs = self._iovs.get(pid)
@@ -414,7 +414,7 @@ class UffdServer(threading.Thread):
     def _drain_park(self) -> None:
         while True:
             try:
-                _, fds, _, _ = socket.recv_fds(self._park_keep, 1, _SCM_MAX_FD, socket.MSG_CMSG_CLOEXEC)
+                fds = recv_fds(self._park_keep, _SCM_MAX_FD)
             except BlockingIOError:
                 break
             for fd in fds:
@@ -662,3 +662,11 @@ class UffdServer(threading.Thread):
         self._park_keep.close()
         self._bounce_ref = None  # the mapping cannot close while a pointer into it exists
         self._bounce.close()
+
+
+def recv_fds(sock: socket.socket, max_fds: int) -> list[int]:
+    """One byte's packet and the fds that came with it, close-on-exec: ``socket.recv_fds`` drops its
+    flags (CPython 3.11), so a userfaultfd received with it would reach every program started meanwhile."""
+    _, ancdata, _, _ = sock.recvmsg(1, socket.CMSG_SPACE(max_fds * 4), socket.MSG_CMSG_CLOEXEC)
+    return [fd for level, kind, raw in ancdata if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+            for fd in struct.unpack(f"{len(raw) // 4}i", raw[: len(raw) - len(raw) % 4])]

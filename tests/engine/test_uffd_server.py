@@ -8,10 +8,12 @@ zeros where the process dropped its memory (madvise) or where the image has noth
 
 from __future__ import annotations
 
+import fcntl
 import os
 import platform
 import random
 import select
+import socket
 import struct
 import subprocess
 import sys
@@ -24,7 +26,7 @@ from conftest import varint
 
 from cedana_airflow.engine.pagemap import PAGE_SIZE, PE_LAZY, PE_PRESENT, Pagemap, PageRun
 from cedana_airflow.engine.uffd import _SYS_USERFAULTFD as _SYSCALLS, kernel_lazy_pages
-from cedana_airflow.engine.uffd_server import FAULT_AROUND_BYTES, UffdServer, _Task, lazy_iovs, read_vmas
+from cedana_airflow.engine.uffd_server import FAULT_AROUND_BYTES, UffdServer, _Task, lazy_iovs, read_vmas, recv_fds
 
 MiB = 1 << 20
 _SYS_USERFAULTFD = _SYSCALLS.get(platform.machine())
@@ -425,3 +427,21 @@ def test_a_forked_child_gets_zeros_where_the_image_says_wipe_on_fork_and_no_page
     assert t.step("finish") == "ok"
     assert t.ended.wait(20) and t.done == [True], t.failures
     assert t.server.unmapped_bytes == 0  # no DONTFORK page was tried in a child
+
+
+def test_fds_criu_sends_are_received_close_on_exec():
+    """A userfaultfd received by the page server must not reach a program started meanwhile (CPython
+    3.11's socket.recv_fds drops MSG_CMSG_CLOEXEC)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    r, w = os.pipe()
+    try:
+        socket.send_fds(a, [b"x"], [r, w])
+        got = recv_fds(b, 4)
+        assert len(got) == 2 and all(fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC for fd in got)
+        for fd in got:
+            os.close(fd)
+    finally:
+        for fd in (r, w):
+            os.close(fd)
+        a.close()
+        b.close()
