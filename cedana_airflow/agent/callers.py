@@ -81,6 +81,14 @@ class Caller:
                     "would be full root. Run the task as a user other than root")
         return ""
 
+    @classmethod
+    def remembered(cls, peer: Peer, carried: dict[str, Any]) -> Caller:
+        """The caller of a workload a former agent started (agent/remembered.py): who it was and what its
+        workload carries; nothing else of it is read again (it may be gone, and its checks were passed)."""
+        return cls(peer, {}, (0, 0), 0, 0, 0, False, 0, tuple(carried.get("cgroup_procs", ())),
+                   {k: (int(v[0]), int(v[1])) for k, v in carried.get("limits", {}).items()},
+                   int(carried.get("umask", 0o022)), int(carried.get("nice", 0)), int(carried.get("oom_score_adj", 0)))
+
     def carried(self) -> dict[str, Any]:
         """What the shim gives the workload from its caller (shim.py's spec)."""
         return {"cgroup_procs": list(self.cgroup_procs), "limits": {k: list(v) for k, v in self.limits.items()},

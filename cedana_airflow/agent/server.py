@@ -47,6 +47,7 @@ from ..ids import validate_checkpoint_id
 from . import protocol
 from .callers import Caller, read_caller, read_self
 from .protocol import Peer
+from .remembered import recall
 from .workloads import Run, task_settings
 
 __all__ = ["Agent", "DEFAULT_SOCKET"]
@@ -173,6 +174,9 @@ class Agent:
         # private mount namespace, so one empty folder serves them all; root's only.
         self.staging = socket_path.parent / "mounts"
         os.close(secure_base(self.staging, mode=0o700))
+        self.runs_dir = socket_path.parent / "runs"  # what a former agent left running (remembered.py)
+        os.close(secure_base(self.runs_dir, mode=0o700))
+        self._take_up()
         self._connections: dict[int, int] = {}  # uid -> connections open
         self._starting: dict[int, int] = {}  # uid -> starts under way (counted with its running workloads)
         self._refusals: dict[int, tuple[float, int, int]] = {}  # uid -> (minute's start, refusals, not written)
@@ -183,6 +187,21 @@ class Agent:
         self._ops: Mapping[str, Callable[[Caller, dict[str, Any], list[int]], tuple[dict[str, Any], list[int]]]] = {
             "hello": self._hello, "start": self._start, "status": self._status, "stop": self._stop, "kill": self._kill,
             "list": self._list}
+
+    def _take_up(self) -> None:
+        """Take up what a former agent left running (its runs folder): their heartbeats go on from here."""
+        for r in recall(self.runs_dir):
+            try:
+                settings = task_settings(self._environ, r.settings)
+                run = Run.take_up(r, settings, node=self.node, staging=self.staging, runs=self.runs_dir)
+            except errors.CedanaError as e:  # its checkpoint ID is another's now, a setting gone bad: said
+                log.warning("agent: %s (checkpoint_id=%s) not taken up: %s", r.wid, r.checkpoint_id, e)
+                continue
+            if run is None:
+                log.info("agent: %s (checkpoint_id=%s) ended while no agent ran", r.wid, r.checkpoint_id)
+                continue
+            self._runs[run.wid] = run
+            log.info("agent took up %s of uid %d checkpoint_id=%s pid=%d", run.wid, run.uid, run.checkpoint_id, r.pid)
 
     @staticmethod
     def _bind(path: Path) -> socket.socket:
@@ -434,7 +453,8 @@ class Agent:
                                      f"{MAX_RUNS_PER_UID}. Stop one first")
             self._starting[peer.uid] = self._starting.get(peer.uid, 0) + 1
         try:
-            run = Run(caller, settings, req.checkpoint_id, node=self.node, staging=self.staging)
+            run = Run(caller, settings, req.checkpoint_id, node=self.node, staging=self.staging, runs=self.runs_dir,
+                      requested=req.settings)
             run.begin(req.argv, cwd=req.cwd, env=req.env, try_number=req.try_number, claim=req.claim,
                       out_w=fds[0], err_w=fds[1], resume=req.resume)
             with self._lock:

@@ -46,6 +46,7 @@ exit code; its log is the agent's to read). The caller may send ``{"op": "kill"}
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import errno
 import json
@@ -54,6 +55,7 @@ import resource
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -524,18 +526,48 @@ def main() -> int:
         return 0
     started = {"ev": "started", "pid": pid}
     _send(lifeline, started)
-    # The agent's handle on the tree: a pidfd opened here, while the tree is our unreaped child (the agent
-    # opening one by pid could come after we reaped a command that ended at once: another's pid by then).
-    pidfd = os.pidfd_open(pid)
-    _send(ctl, started, (pidfd,))
-    os.close(pidfd)
-    cause = _watch(pid, lifeline, ctl)
-    _, status = os.waitpid(pid, 0)
-    end = {"ev": "exit", "code": _exit_code(status), "cause": cause,
-           "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None}
-    _send(lifeline, end)
-    _send(ctl, end)
+    listener = _listen(str(spec.get("control") or ""))
+    _tell_agent(ctl, pid)
+    try:
+        cause, agent = _watch(pid, lifeline, ctl, listener)
+        _, status = os.waitpid(pid, 0)
+        end = {"ev": "exit", "code": _exit_code(status), "cause": cause,
+               "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None}
+        _send(lifeline, end)
+        if agent is not None:
+            _send(agent, end)
+    finally:
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(str(spec["control"]))
     return 0
+
+
+def _tell_agent(ctl: socket.socket, pid: int) -> None:
+    """``started``, with the agent's handle on the tree: a pidfd opened here, while the tree is our unreaped
+    child (an agent opening one by pid could come after we reaped a command that ended at once: another's
+    pid by then)."""
+    pidfd = os.pidfd_open(pid)
+    _send(ctl, {"ev": "started", "pid": pid}, (pidfd,))
+    os.close(pidfd)
+
+
+def _listen(path: str) -> socket.socket | None:
+    """Where an agent started after ours (a restart) takes the tree up again: a socket in the agent's
+    root-only runs folder (``control``); None where the agent gave none."""
+    if not path:
+        return None
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        listener.bind(path)
+        os.chmod(path, 0o600)
+        listener.listen(4)
+    except OSError:
+        listener.close()
+        return None  # the tree runs on; only a restarted agent cannot take it up
+    return listener
 
 
 def _start(spec: Mapping[str, Any], out_w: int, err_w: int, lifeline: socket.socket) -> int | dict[str, Any]:
@@ -627,19 +659,21 @@ def _restore(spec: Mapping[str, Any], out_w: int, err_w: int) -> int | dict[str,
                 "line": f"criu restore wrote no pid to {spec['pidfile']} ({e})"}
 
 
-def _watch(pid: int, lifeline: socket.socket, ctl: socket.socket | None) -> str:
-    """Until the init ends: its cause. The caller's end closing, or its kill, kills the namespace; the
-    agent's end closing is only forgotten."""
+def _watch(pid: int, lifeline: socket.socket, ctl: socket.socket | None,
+           listener: socket.socket | None) -> tuple[str, socket.socket | None]:
+    """Until the init ends: its cause, and the agent's end then (None while no agent holds one). The
+    caller's end closing, or its kill, kills the namespace; the agent's end closing is only forgotten,
+    and an agent that connects to ``listener`` as root (a restarted one) is the agent from then on."""
     pidfd = os.pidfd_open(pid)
     cause = "exited"
     poll = select.poll()
-    for fd in (pidfd, lifeline.fileno(), ctl.fileno() if ctl else -1):
+    for fd in (pidfd, lifeline.fileno(), ctl.fileno() if ctl else -1, listener.fileno() if listener else -1):
         if fd >= 0:
             poll.register(fd, select.POLLIN)
     while True:
         for fd, _ in poll.poll():
             if fd == pidfd:
-                return cause
+                return cause, ctl
             if fd == lifeline.fileno():
                 msg, extra = _recv(lifeline)
                 for x in extra:
@@ -648,12 +682,28 @@ def _watch(pid: int, lifeline: socket.socket, ctl: socket.socket | None) -> str:
                     cause = "killed" if msg is not None else "caller-lost"
                     os.kill(pid, signal.SIGKILL)  # our unreaped child: the pid is still its
                     poll.unregister(lifeline.fileno())
+            elif listener is not None and fd == listener.fileno():
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    continue
+                uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+                if uid != 0:  # the folder is root's alone; this is a second lock on the door
+                    conn.close()
+                    continue
+                if ctl is not None:
+                    poll.unregister(ctl.fileno())
+                    ctl.close()
+                ctl = conn
+                poll.register(ctl.fileno(), select.POLLIN)
+                _tell_agent(ctl, pid)
             elif ctl is not None and fd == ctl.fileno():
                 msg, extra = _recv(ctl)
                 for x in extra:
                     os.close(x)
                 if msg is None:  # the agent is gone: the workload is not
                     poll.unregister(ctl.fileno())
+                    ctl.close()
                     ctl = None
                 elif msg.get("op") == "kill":
                     cause = "killed"

@@ -19,6 +19,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from ..run.runner import RunResult, run_workload
 from ..run.summary import run_summary
 from ..run.workload import Sink, Workload, pipe_name
 from . import protocol, shim, trees
+from .remembered import Remembered, control_socket, forget, remember
 from .callers import Caller
 from .protocol import Peer
 
@@ -68,14 +70,14 @@ class ShimWorkload(Workload):
     shim reaps it and says how it ended (:meth:`ended`). No output pumps (the caller reads its own
     pipes) and no watchdog (the shim is one): hence not ``Workload.__init__``."""
 
-    def __init__(self, pid: int, command: Sequence[str], cwd: str, out_w: int, err_w: int, pidfd: int,
+    def __init__(self, pid: int, command: Sequence[str], cwd: str, stdout_pipe: str, stderr_pipe: str, pidfd: int,
                  own_namespaces: bool) -> None:
         self.pid = pid
         self.own_namespaces = own_namespaces  # a caller other than root's (shim.py): its mounts are named at dump
         self.command = tuple(command)
         self.cwd = cwd
-        self.stdout_pipe = pipe_name(out_w)
-        self.stderr_pipe = pipe_name(err_w)
+        self.stdout_pipe = stdout_pipe  # what the manifest names them (CRIU's inherit-fd at a restore)
+        self.stderr_pipe = stderr_pipe
         self.returncode: int | None = None
         self.signal: int | None = None
         self._ended = threading.Event()
@@ -117,7 +119,8 @@ class ShimWorkload(Workload):
 class Run:
     """One caller's workload, from its start request to its end; kept a while after for ``status``."""
 
-    def __init__(self, caller: Caller, settings: Settings, checkpoint_id: str, *, node: str, staging: Path) -> None:
+    def __init__(self, caller: Caller, settings: Settings, checkpoint_id: str, *, node: str, staging: Path,
+                 runs: Path, requested: Mapping[str, Any]) -> None:
         self.wid = f"w-{secrets.token_hex(6)}"
         self.handle = secrets.token_hex(16)  # the owner's proof (server.py); never listed or logged
         self.caller = caller
@@ -141,6 +144,10 @@ class Run:
         # every tree other than a root caller's.
         self.staging = str(staging)
         self.own_mounts = self.staging if caller.peer.uid != 0 else None
+        self.runs = runs  # where it is remembered for an agent started after ours (remembered.py)
+        self.requested = dict(requested)
+        self.try_number = 0
+        self.claim: AirflowTask | None = None
 
     @property
     def peer(self) -> Peer:
@@ -155,6 +162,7 @@ class Run:
         """Run in a thread of the agent; return once the tree started (``resume``: restored from this
         checkpoint ID's newest checkpoint when there is one), or raise what stopped it (a lease held,
         another task's checkpoint ID, a command that does not exist): nothing then runs."""
+        self.try_number, self.claim = try_number, claim
 
         def restore_tree(engine: CriuEngine, image_dir: Path, m: Manifest, pidfile: Path) -> Workload:
             # The caller's pipes become the tree's stdout and stderr: fds 3 and 4 of CRIU, under the shim.
@@ -169,6 +177,7 @@ class Run:
                                                                        4: m.process.stderr_pipe}, pidfile=pidfile,
                                                    extra=("--manage-cgroups=ignore",))
             first, pidfd = self._spawn({"op": "restore", "argv": cmd, "pidfile": str(pidfile),
+                                        "control": str(control_socket(self.runs, self.wid)),
                                         "own_mounts": self.staging if own else None,
                                         "external_mounts": read_external_mounts(image_dir) if own else [],
                                         **self.caller.carried()},
@@ -177,19 +186,26 @@ class Run:
                 raise engine.restore_error(image_dir, int(first.get("code", 255)), log_path,
                                            str(first.get("line", "")))
             self.restored_seq = m.seq
-            return self._adopt(int(first["pid"]), m.process.command, m.process.cwd, out_w, err_w, pidfd, own)
+            return self._adopt(int(first["pid"]), m.process.command, m.process.cwd, pipe_name(out_w),
+                               pipe_name(err_w), pidfd, own)
 
         def starter(command: Sequence[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
                     stdout: Sink | None = None, stderr: Sink | None = None, isolate: bool = True,
                     deny_io_uring: bool = False) -> Workload:
             return self._start_shim(command, cwd or "/", env or {}, deny_io_uring, out_w, err_w)
 
+        env_ = workload_env(env, self.settings.keep_env)  # never the store's credentials, whoever sent them
+        self._launch(list(argv), cwd, env_, resume, starter, restore_tree)
+
+    def _launch(self, argv: list[str], cwd: str, env: dict[str, str], resume: bool, starter: Any,
+                restore_tree: Any) -> None:
+        """The run, in a thread; return once its tree runs, or raise what stopped it."""
+
         def run() -> None:
             try:
-                env_ = workload_env(env, self.settings.keep_env)  # never the store's credentials, whoever sent them
-                self.result = run_workload(self.settings, self.checkpoint_id, list(argv), resume=resume,
-                                           try_number=try_number, cwd=cwd, env=env_, handle_signals=False,
-                                           stop=self.stop, airflow=claim, starter=starter,
+                self.result = run_workload(self.settings, self.checkpoint_id, argv, resume=resume,
+                                           try_number=self.try_number, cwd=cwd, env=env, handle_signals=False,
+                                           stop=self.stop, airflow=self.claim, starter=starter,
                                            restore_tree=restore_tree)
             except errors.CedanaError as e:
                 self.failure = e
@@ -199,6 +215,7 @@ class Run:
                                                   "Check the agent's log")
             finally:
                 self.ended_at = time.time()
+                forget(self.runs, self.wid)
                 self._started.set()
                 self._done.set()
                 if self._ctl is not None:
@@ -215,7 +232,8 @@ class Run:
         seccomp = filter_program() if deny_io_uring else None
         spec = {"op": "start", "uid": self.peer.uid, "gid": self.peer.gid, "groups": list(self.peer.groups),
                 "argv": list(command), "cwd": cwd, "env": dict(env), "seccomp": seccomp.hex() if seccomp else None,
-                "start_seconds": START_SECONDS - 2, "own_mounts": self.own_mounts, **self.caller.carried()}
+                "start_seconds": START_SECONDS - 2, "own_mounts": self.own_mounts,
+                "control": str(control_socket(self.runs, self.wid)), **self.caller.carried()}
         first, pidfd = self._spawn(spec, out_w, err_w)
         self.restored_seq = None  # a fresh start (after a refused restore, too)
         if first.get("ev") != "started":
@@ -223,7 +241,8 @@ class Run:
             if first.get("code") == 127:
                 raise errors.CommandNotFound(f"cannot start the workload: {line}. Check the command and PATH")
             raise errors.Refused(f"cannot start the workload as {self.peer}: {line}")
-        return self._adopt(int(first["pid"]), command, cwd, out_w, err_w, pidfd, self.own_mounts is not None)
+        return self._adopt(int(first["pid"]), command, cwd, pipe_name(out_w), pipe_name(err_w), pidfd,
+                           self.own_mounts is not None)
 
     def _spawn(self, spec: Mapping[str, Any], out_w: int, err_w: int) -> tuple[dict[str, Any], int]:
         """A shim for ``spec``, and its first word: ``started`` with the shim's pidfd of the tree (its
@@ -258,13 +277,60 @@ class Run:
         self._shim, self._ctl, self.lifeline = proc, ctl, caller_end
         return first, fds[0]
 
-    def _adopt(self, pid: int, command: Sequence[str], cwd: str, out_w: int, err_w: int, pidfd: int,
+    def _adopt(self, pid: int, command: Sequence[str], cwd: str, stdout_pipe: str, stderr_pipe: str, pidfd: int,
                own_namespaces: bool) -> ShimWorkload:
-        self.workload = ShimWorkload(pid, command, cwd, out_w, err_w, pidfd, own_namespaces)
+        self.workload = ShimWorkload(pid, command, cwd, stdout_pipe, stderr_pipe, pidfd, own_namespaces)
+        self._remember()
         threading.Thread(target=self._follow, args=(self._ctl, self.workload, self._shim),
                          name=f"cedana-agent-{self.wid}-shim", daemon=True).start()
         self._started.set()
         return self.workload
+
+    def _remember(self) -> None:
+        w = self.workload
+        assert w is not None
+        try:
+            remember(self.runs, Remembered(
+                wid=self.wid, handle=self.handle, checkpoint_id=self.checkpoint_id, started_at=self.started_at,
+                restored_seq=self.restored_seq, try_number=self.try_number,
+                claim=self.claim.model_dump() if self.claim else None, settings=self.requested,
+                peer=asdict(self.peer), carried=self.caller.carried(), pid=w.pid, command=list(w.command), cwd=w.cwd,
+                stdout_pipe=w.stdout_pipe, stderr_pipe=w.stderr_pipe, own_namespaces=w.own_namespaces))
+        except OSError as e:  # the tree runs on; only an agent started after ours cannot take it up
+            log.warning("agent: %s cannot be remembered in %s (%s): a restarted agent will not take it up",
+                        self.wid, self.runs, e)
+
+    @classmethod
+    def take_up(cls, r: Remembered, settings: Settings, *, node: str, staging: Path, runs: Path) -> Run | None:
+        """A workload a former agent left running (remembered.py), taken up: its shim hands us the tree
+        (a pidfd) on its control socket, and the run goes on as it was, heartbeats, handle and stop
+        alike; None where the shim is gone (its tree ended with it, or ends with its caller)."""
+        ctl = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            ctl.connect(str(control_socket(runs, r.wid)))
+        except OSError:
+            ctl.close()
+            forget(runs, r.wid)
+            return None
+        first, fds = _first_event(ctl, START_SECONDS)
+        if first.get("ev") != "started" or len(fds) != 1 or first.get("pid") != r.pid:
+            protocol.close_fds(fds)
+            ctl.close()
+            forget(runs, r.wid)  # it ended meanwhile, or it is not the tree we remember
+            return None
+        caller = Caller.remembered(Peer(**{**r.peer, "groups": tuple(r.peer["groups"])}), r.carried)
+        run = cls(caller, settings, r.checkpoint_id, node=node, staging=staging, runs=runs, requested=r.settings)
+        run.wid, run.handle, run.started_at, run.restored_seq = r.wid, r.handle, r.started_at, r.restored_seq
+        run.try_number = r.try_number
+        run.claim = AirflowTask.model_validate(r.claim) if r.claim else None
+        run._ctl = ctl
+        workload = run._adopt(r.pid, r.command, r.cwd, r.stdout_pipe, r.stderr_pipe, fds[0], r.own_namespaces)
+
+        def starter(*args: Any, **kwargs: Any) -> Workload:
+            return workload  # already running: the run only takes it up
+
+        run._launch(r.command, r.cwd, {}, False, starter, None)
+        return run
 
     def _follow(self, ctl: socket.socket, workload: ShimWorkload, proc: Any) -> None:
         """A shim's events until its tree ends (the agent's copy; the caller has its own). A shim gone
@@ -286,11 +352,12 @@ class Run:
             self.cause = cause
             workload.ended(code, sig)
         else:
-            log.warning("agent: %s: its shim (pid %d) is gone; its tree is killed, nothing watches it for its caller",
-                        self.wid, proc.pid)
+            log.warning("agent: %s: its shim is gone; its tree is killed, nothing watches it for its caller",
+                        self.wid)
             self.cause = "shim-lost"
             workload.lost()
-        proc.wait()
+        if proc is not None:  # ours (a tree taken up after a restart has another agent's shim)
+            proc.wait()
 
     def kill(self) -> None:
         if self._ctl is not None and not self._done.is_set():

@@ -789,3 +789,73 @@ def test_no_caller_gets_a_tree_restored_with_more_than_it_has(agent, tmp_path):
     assert (f"checkpoint agent-root-tree seq=1 is refused for uid {NOBODY}: its tree is not in a user namespace of "
             "its own") in log
     assert f"checkpoint agent-nobody-tree seq=1 is refused for uid {OTHER}: its user namespace maps ids" in log
+
+
+def test_an_agent_started_after_a_killed_one_takes_up_its_workloads(tmp_path):
+    """The agent is killed while uid nobody's workload heartbeats; the workload runs on. An agent started
+    after it takes the workload up (agent/remembered.py): heartbeats go on into the same checkpoint ID,
+    the owner's handle still works, and its stop takes the final checkpoint; the count never restarted."""
+    folder = Path(f"/run/cedana-test-agent-{os.getpid()}-{tmp_path.name}")
+    sock = folder / "agent.sock"
+    env = cli_env(tmp_path, "node-a", "work")
+
+    def agent(name: str) -> subprocess.Popen[bytes]:
+        with open(tmp_path / f"{name}.log", "wb") as f:
+            proc = subprocess.Popen([sys.executable, "-m", "cedana_airflow.agent", "--socket", str(sock)], env=env,
+                                    stderr=f, start_new_session=True)
+        deadline = time.monotonic() + 15
+        while not (sock.exists() and b"agent serving on" in (tmp_path / f"{name}.log").read_bytes()):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / f"{name}.log").read_text()
+            time.sleep(0.05)
+        return proc
+
+    def checkpoints() -> int:
+        return len(manifests(tmp_path / "store", "agent-takeup"))
+
+    first = agent("first")
+    second = None
+    try:
+        counter = ["sh", "-c", "i=0; while [ $i -lt 300 ]; do i=$((i+1)); echo $i; sleep 0.1; done"]
+        out_r, out_w = os.pipe()
+        msg, fds = as_uid(NOBODY, _start(sock, counter, out_w, checkpoint_id="agent-takeup",
+                                         settings={"heartbeat_seconds": 0.3}))
+        os.close(out_w)
+        assert "ok" in msg, msg
+        lifeline = socket.socket(fileno=fds[0])
+        wid, handle = msg["ok"]["wid"], msg["ok"]["handle"]
+        deadline = time.monotonic() + 60
+        while checkpoints() < 1:
+            assert time.monotonic() < deadline, "no heartbeat checkpoint within 60 s"
+            time.sleep(0.1)
+        os.killpg(first.pid, signal.SIGKILL)  # the agent, not its shims (their own sessions)
+        first.wait()
+        before = checkpoints()
+
+        second = agent("second")
+        assert f"agent took up {wid} of uid {NOBODY}" in (tmp_path / "second.log").read_text()
+        deadline = time.monotonic() + 60
+        while checkpoints() < before + 2:
+            assert time.monotonic() < deadline, "the agent started after did not go on checkpointing"
+            time.sleep(0.1)
+
+        def stop() -> tuple[Any, list[int]]:
+            with AgentClient.connect(sock) as c:
+                return c.stop(wid, handle), []
+
+        msg, _ = as_uid(NOBODY, stop)
+        status = msg["ok"]
+        assert status["state"] == "ended" and "error" not in status, status
+        assert status["result"]["final_checkpoint_seq"] == manifests(tmp_path / "store", "agent-takeup")[-1]["seq"]
+        assert _event(lifeline)["ev"] == "started"
+        assert _event(lifeline)["ev"] == "exit"
+        out = _read_all(out_r).split()
+        assert out == [str(i) for i in range(1, len(out) + 1)] and len(out) > 5  # one count, never restarted
+        assert not list((folder / "runs").glob("w-*"))  # nothing left to take up
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+        for name in ("first", "second"):
+            print((tmp_path / f"{name}.log").read_text()[-3000:])
