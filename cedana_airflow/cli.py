@@ -128,6 +128,12 @@ def _parser() -> argparse.ArgumentParser:
     key.add_argument("--file", type=Path, default=None, help="the key file (default: signing_key_file, else "
                      "/etc/cedana-airflow/node.key)")
     key.add_argument("--json", action="store_true")
+
+    from .agent.__main__ import add_arguments as agent_arguments
+
+    agent = sub.add_parser("agent", help="run the node agent in the foreground (root): it checkpoints unprivileged "
+                           "callers' workloads (docs/agent.md)")
+    agent_arguments(agent)
     return ap
 
 
@@ -636,6 +642,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_drills(args)
         if args.verb == "key":
             return _cmd_key(args)
+        if args.verb == "agent":
+            from .agent.__main__ import serve
+
+            return serve(args)
     except CedanaError as e:
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return e.exit_code

@@ -1,8 +1,6 @@
-"""``python -m cedana_airflow.agent``: the node agent in the foreground (until SIGTERM or Ctrl-C).
-
-Not yet a ``cedana-airflow`` verb: it starts workloads as their callers and checkpoints them, but does
-not restore them yet (issue 49, slice 1). Its node settings come from its environment and
-CEDANA_CONFIG, as the CLI's do.
+"""``python -m cedana_airflow.agent`` (and ``cedana-airflow agent``): the node agent in the foreground,
+until SIGTERM or Ctrl-C; its workloads run on (an agent started after it takes them up). Its node
+settings come from its environment and CEDANA_CONFIG, as the CLI's do.
 """
 
 from __future__ import annotations
@@ -15,17 +13,21 @@ import sys
 from pathlib import Path
 
 from .. import errors
-from .server import DEFAULT_SOCKET, Agent
+from . import DEFAULT_SOCKET
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cedana_airflow.agent")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--socket", type=Path, default=DEFAULT_SOCKET,
                     help=f"where callers connect (default {DEFAULT_SOCKET})")
     ap.add_argument("--node", help="this node's name (default: [cedana] node, else the hostname)")
     ap.add_argument("--audit", type=Path, help="append one JSON line per request here")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="cedana agent: %(message)s")
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the agent until a signal stops it; its exit code (2: it could not start, one line why)."""
+    from .server import Agent  # here: `cedana-airflow`'s other verbs do not pay for importing it
+
+    logging.basicConfig(level=logging.INFO, format="cedana agent: %(message)s", force=True)
     try:
         agent = Agent(args.socket, environ={**os.environ, **({"CEDANA_NODE": args.node} if args.node else {})},
                       audit=args.audit)
@@ -36,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: agent.close())
     agent.serve()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cedana_airflow.agent")
+    add_arguments(ap)
+    return serve(ap.parse_args(argv))
 
 
 if __name__ == "__main__":

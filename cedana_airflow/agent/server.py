@@ -47,6 +47,7 @@ from ..ids import validate_checkpoint_id
 from . import protocol
 from .callers import Caller, read_caller, read_self
 from .protocol import Peer
+from . import DEFAULT_SOCKET
 from .remembered import recall
 from .workloads import Run, task_settings
 
@@ -54,8 +55,6 @@ __all__ = ["Agent", "DEFAULT_SOCKET"]
 
 log = logging.getLogger(__name__)
 
-#: Where callers find the agent (a 0755 root folder: anyone may connect; what they may do is per op).
-DEFAULT_SOCKET = Path("/run/cedana-airflow/agent.sock")
 #: How long an ended run stays for its owner's ``status``.
 KEEP_ENDED_SECONDS = 600.0
 #: Connections one uid may hold open at once, and all callers together: each is a thread and an fd of

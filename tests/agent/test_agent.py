@@ -40,7 +40,7 @@ def agent(tmp_path) -> Iterator[tuple[Path, Path]]:
     sock, audit = folder / "agent.sock", tmp_path / "audit.jsonl"
     agent_log = tmp_path / "agent.log"
     with open(agent_log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "cedana_airflow.agent", "--socket", str(sock), "--audit", str(audit)],
+        proc = subprocess.Popen([sys.executable, "-m", "cedana_airflow", "agent", "--socket", str(sock), "--audit", str(audit)],
                                 env=cli_env(tmp_path, "node-a", "work"), stderr=f)
     try:
         deadline = time.monotonic() + 15
@@ -177,7 +177,7 @@ def test_another_uid_can_neither_see_nor_stop_nor_ask_about_it_and_a_wrong_handl
 def test_the_agent_dying_leaves_the_workload_running_and_its_exit_still_reaches_the_caller(tmp_path):
     folder = Path(f"/run/cedana-test-agent-{os.getpid()}-{tmp_path.name}")
     sock = folder / "agent.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "cedana_airflow.agent", "--socket", str(sock)],
+    proc = subprocess.Popen([sys.executable, "-m", "cedana_airflow", "agent", "--socket", str(sock)],
                             env=cli_env(tmp_path, "node-a", "work"), start_new_session=True)
     try:
         while not sock.exists():
@@ -580,7 +580,7 @@ def test_an_audit_log_that_cannot_be_written_refuses_starts_and_leaves_nothing_r
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], check=True)
     folder = Path(f"/run/cedana-test-agent-{os.getpid()}-{tmp_path.name}")
     sock = folder / "agent.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "cedana_airflow.agent", "--socket", str(sock), "--audit",
+    proc = subprocess.Popen([sys.executable, "-m", "cedana_airflow", "agent", "--socket", str(sock), "--audit",
                              str(small / "audit.jsonl")], env=cli_env(tmp_path, "node-a", "work"),
                             stderr=subprocess.DEVNULL)
     try:
@@ -703,7 +703,7 @@ def test_a_resumed_tree_runs_in_its_retry_caller_s_cgroup_not_the_dumped_one(age
 
 def test_a_second_agent_on_the_same_socket_is_refused_and_the_first_keeps_serving(agent, tmp_path):
     sock, _ = agent
-    second = subprocess.run([sys.executable, "-m", "cedana_airflow.agent", "--socket", str(sock)],
+    second = subprocess.run([sys.executable, "-m", "cedana_airflow", "agent", "--socket", str(sock)],
                             env=cli_env(tmp_path, "node-a", "work2"), capture_output=True, text=True, timeout=60)
     assert second.returncode == 2 and second.stderr.strip().splitlines()[-1] == (
         f"cedana agent: another agent answers at {sock}. Stop it first, or give this one another --socket")
@@ -801,7 +801,7 @@ def test_an_agent_started_after_a_killed_one_takes_up_its_workloads(tmp_path):
 
     def agent(name: str) -> subprocess.Popen[bytes]:
         with open(tmp_path / f"{name}.log", "wb") as f:
-            proc = subprocess.Popen([sys.executable, "-m", "cedana_airflow.agent", "--socket", str(sock)], env=env,
+            proc = subprocess.Popen([sys.executable, "-m", "cedana_airflow", "agent", "--socket", str(sock)], env=env,
                                     stderr=f, start_new_session=True)
         deadline = time.monotonic() + 15
         while not (sock.exists() and b"agent serving on" in (tmp_path / f"{name}.log").read_bytes()):
