@@ -535,9 +535,11 @@ def _restore_warnings(settings: Settings, dag_id: str, task_id: str) -> list[str
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
+    from .agent.doctor import agent_check
     from .node.doctor import run_checks
 
-    checks = run_checks(_settings(args))
+    settings = _settings(args)
+    checks = [*run_checks(settings), agent_check(settings.agent_socket)]
     if args.json:
         print(json.dumps([{k: v for k, v in c.__dict__.items() if k != "gpu" or v is not None} for c in checks], indent=1))
     else:

@@ -123,6 +123,11 @@ class Settings(BaseModel):
         description="How long a cooperative checkpoint may take from the request to its COMPLETE marker; past "
         "it the heartbeat is skipped (nothing of it is kept) and the workload runs on.",
     )
+    agent_socket: Path = Field(
+        default=Path("/run/cedana-airflow/agent.sock"),
+        description="Where the node agent listens (`cedana-airflow agent`) and its callers find it; its folder "
+        "must be one only root may write (docs/agent.md).",
+    )
     writer_lease_seconds: float = Field(
         default=60.0, ge=0, allow_inf_nan=False,
         description="A supervisor's hold on its checkpoint ID lapses this long after its last renewal (it renews "

@@ -11,7 +11,7 @@ over a unix socket.
 - remembered.py: what an agent started after another needs to take its workloads up.
 """
 
-from pathlib import Path
+from ..config import Settings
 
-#: Where callers connect unless told otherwise (a folder only root may write; docs/agent.md).
-DEFAULT_SOCKET = Path("/run/cedana-airflow/agent.sock")
+#: Where callers connect unless told otherwise ([cedana] agent_socket; a folder only root may write).
+DEFAULT_SOCKET = Settings.model_fields["agent_socket"].default

@@ -13,12 +13,13 @@ import sys
 from pathlib import Path
 
 from .. import errors
+from ..config import load_settings
 from . import DEFAULT_SOCKET
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--socket", type=Path, default=DEFAULT_SOCKET,
-                    help=f"where callers connect (default {DEFAULT_SOCKET})")
+    ap.add_argument("--socket", type=Path, default=None,
+                    help=f"where callers connect (default: [cedana] agent_socket, else {DEFAULT_SOCKET})")
     ap.add_argument("--node", help="this node's name (default: [cedana] node, else the hostname)")
     ap.add_argument("--audit", type=Path, help="append one JSON line per request here")
 
@@ -29,7 +30,8 @@ def serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="cedana agent: %(message)s", force=True)
     try:
-        agent = Agent(args.socket, environ={**os.environ, **({"CEDANA_NODE": args.node} if args.node else {})},
+        socket_path = args.socket or load_settings().agent_socket
+        agent = Agent(socket_path, environ={**os.environ, **({"CEDANA_NODE": args.node} if args.node else {})},
                       audit=args.audit)
     except errors.CedanaError as e:
         print(f"cedana agent: {e}", file=sys.stderr)

@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 
-from cedana_airflow import errors
+from cedana_airflow import __version__, errors
 from cedana_airflow.agent import protocol
 from cedana_airflow.agent.client import AgentClient
-from conftest import cli_env, manifests
+from conftest import cli, cli_env, manifests
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent runs as root")
 
@@ -859,3 +859,14 @@ def test_an_agent_started_after_a_killed_one_takes_up_its_workloads(tmp_path):
         shutil.rmtree(folder, ignore_errors=True)
         for name in ("first", "second"):
             print((tmp_path / f"{name}.log").read_text()[-3000:])
+
+
+def test_doctor_says_whether_an_agent_answers_which_and_for_whom(agent, tmp_path):
+    sock, _ = agent
+    env = cli_env(tmp_path, "node-a", "work", CEDANA_AGENT_SOCKET=str(sock))
+    lines = cli("doctor", env=env).stdout.splitlines()
+    assert f"OK    agent: {sock}: agent {__version__} on node node-a; it checkpoints this uid's (0) workloads" in lines
+    env["CEDANA_AGENT_SOCKET"] = str(tmp_path / "none.sock")
+    lines = cli("doctor", env=env).stdout.splitlines()
+    assert any(x.startswith(f"SKIP  agent: no agent answers at {tmp_path / 'none.sock'}; nothing needs one yet -> fix: "
+                            "start `cedana-airflow agent`") for x in lines), lines
