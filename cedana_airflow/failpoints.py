@@ -12,7 +12,8 @@ the Nth time the step is reached (default the first). Actions:
 - ``run:CMD``: run CMD (a shell command; ``{pid}`` is this process) and wait for it: a concurrent
   gc, a second writer.
 
-The steps (docs/faults.md): heartbeat.freeze, heartbeat.dump, heartbeat.capture, heartbeat.chunk,
+The steps (docs/faults.md): heartbeat.freeze, heartbeat.frozen (inside CRIU's dump: the tree is frozen
+and its images written, CRIU waits on its post-dump action), heartbeat.dump, heartbeat.capture, heartbeat.chunk,
 heartbeat.upload, heartbeat.manifest, heartbeat.index, heartbeat.lease; restore.lease,
 restore.manifest, restore.chunks, restore.criu, restore.resume.
 """
@@ -30,7 +31,8 @@ from pathlib import Path
 __all__ = ["ENV", "STEPS", "failpoint"]
 
 ENV = "CEDANA_FAILPOINTS"
-STEPS = ("heartbeat.freeze", "heartbeat.dump", "heartbeat.capture", "heartbeat.chunk", "heartbeat.upload",
+STEPS = ("heartbeat.freeze", "heartbeat.frozen", "heartbeat.dump", "heartbeat.capture", "heartbeat.chunk",
+         "heartbeat.upload",
          "heartbeat.manifest", "heartbeat.index", "heartbeat.lease", "restore.lease", "restore.manifest",
          "restore.chunks", "restore.criu", "restore.resume")
 

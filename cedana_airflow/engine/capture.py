@@ -23,6 +23,7 @@ import shutil
 import threading
 from pathlib import Path
 
+from ..failpoints import failpoint
 from .procfs import open_for_writing, tree_pids
 
 __all__ = ["capture", "CaptureOnFreeze"]
@@ -118,6 +119,7 @@ class CaptureOnFreeze:
             answer = b"fail\n"
             try:
                 pid = int(os.read(self._req_fd, 64).split()[0])
+                failpoint("heartbeat.frozen", workload=pid)  # CRIU is mid-dump, the tree frozen, waiting on us
                 self.captured = capture(pid, self.dest)
                 answer = b"ok\n"
             except Exception as e:  # reported by the dump that waits on us
