@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 
 from ..failpoints import failpoint
-from .procfs import open_for_writing, tree_pids
+from .procfs import open_for_writing_at, tree_pids
 
 __all__ = ["capture", "CaptureOnFreeze"]
 
@@ -47,12 +47,14 @@ def _copy(src: str, dst: str) -> None:
 
 
 def capture(root_pid: int, dest: Path) -> list[tuple[str, Path, int]]:
-    """Copy every open-for-writing file of the tree into ``dest``; return [(path, copy, mode)]."""
+    """Copy every open-for-writing file of the tree into ``dest``; return [(path, copy, mode)]. Each is
+    read through the tree's own descriptor (``/proc/PID/fd/N``), never by its path: the path could name
+    another file by now (a symlink swapped in by someone who may write its folder), and we read as root."""
     dest.mkdir(parents=True, exist_ok=True)
     out: list[tuple[str, Path, int]] = []
-    for i, (path, mode) in enumerate(sorted(open_for_writing(tree_pids(root_pid)).items())):
+    for i, (path, (mode, held)) in enumerate(sorted(open_for_writing_at(tree_pids(root_pid)).items())):
         copy = dest / str(i)
-        _copy(path, str(copy))
+        _copy(held, str(copy))
         out.append((path, copy, mode))
     return out
 

@@ -10,7 +10,7 @@ import os
 import stat
 from collections.abc import Iterator
 
-__all__ = ["open_fds", "open_for_writing", "process_start", "tree_ended", "tree_pids"]
+__all__ = ["open_fds", "open_for_writing", "open_for_writing_at", "process_start", "tree_ended", "tree_pids"]
 
 
 #: CAP_SYS_ADMIN's bit in /proc/PID/status Cap* masks (linux/capability.h).
@@ -98,7 +98,14 @@ def open_fds(pids: list[int]) -> Iterator[tuple[int, str, str]]:
 
 def open_for_writing(pids: list[int]) -> dict[str, int]:
     """{path: mode bits} of regular files some process in ``pids`` has open with O_WRONLY or O_RDWR."""
-    found: dict[str, int] = {}
+    return {path: mode for path, (mode, _) in open_for_writing_at(pids).items()}
+
+
+def open_for_writing_at(pids: list[int]) -> dict[str, tuple[int, str]]:
+    """:func:`open_for_writing`, each with where to read the very file the process holds
+    (``/proc/PID/fd/N``): its path names what it was opened as, and may name another file by the time
+    it is read (a rename, a symlink put in its place)."""
+    found: dict[str, tuple[int, str]] = {}
     for pid, fd, target in open_fds(pids):
         if not target.startswith("/") or target.endswith(" (deleted)"):
             continue  # pipes, sockets, anon inodes; deleted files travel inside the CRIU image
@@ -108,7 +115,7 @@ def open_for_writing(pids: list[int]) -> dict[str, int]:
                     continue
             st = os.stat(f"/proc/{pid}/fd/{fd}")
             if stat.S_ISREG(st.st_mode):
-                found[target] = stat.S_IMODE(st.st_mode)
+                found[target] = (stat.S_IMODE(st.st_mode), f"/proc/{pid}/fd/{fd}")
         except (FileNotFoundError, PermissionError, ValueError):
             continue
     return found

@@ -126,3 +126,29 @@ def test_the_script_chooses_its_shell(shell, tmp_path):
     with CaptureOnFreeze(tmp_path) as cap:
         first = cap.script.read_text().splitlines()[0]
     assert first == ("#!/bin/sh" if shell == "sh" else f"#!{capture.BASH}"), first
+
+
+def test_a_file_is_copied_through_the_tree_s_own_descriptor_not_its_path(tmp_path, monkeypatch, shell):
+    """Whoever may write the file's folder swaps its path for a symlink to a root-only file between the
+    look and the copy: the copy is still the file the tree holds (the review of issue 49's H2)."""
+    secret = tmp_path / "root-only"
+    secret.write_text("the node's secret")
+    secret.chmod(0o600)
+    p = _holder(tmp_path)
+    real_copy = capture._copy
+
+    def swapped_first(src: str, dst: str) -> None:
+        log = tmp_path / "appended.log"
+        if log.exists() and not log.is_symlink():
+            log.rename(tmp_path / "moved.log")
+            log.symlink_to(secret)
+        real_copy(src, dst)
+
+    monkeypatch.setattr(capture, "_copy", swapped_first)
+    try:
+        got = {path: copy.read_text() for path, copy, _ in capture.capture(p.pid, tmp_path / "copies")}
+    finally:
+        p.kill()
+        p.wait()
+    assert "the node's secret" not in got.values()
+    assert got[str(tmp_path / "appended.log")] == "x" * 10
