@@ -39,7 +39,11 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: agent.close())
     signal.signal(signal.SIGINT, lambda *_: agent.close())
     agent.serve()
-    return 0
+    # Now, not after the runs' threads: a stop leaves workloads to their shims (an agent started later takes
+    # them up), and an interpreter's exit would wait for their store uploads' worker threads first.
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,11 +55,12 @@ import resource
 import select
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 _CLONE_NEWPID, _CLONE_NEWNS, _CLONE_NEWUSER = 0x20000000, 0x00020000, 0x10000000
@@ -325,9 +326,9 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
         raise OSError(err, f"mounting {source or fstype} on {target}: {os.strerror(err)}")
 
 
-def _staging(staging: str) -> str:
+def _staging(staging: str) -> tuple[str, int]:
     """(In a private mount namespace of ours.) A tmpfs on ``staging`` (a root-only folder of the agent's),
-    and a childless bind of the node's ``/`` in it: the root to be."""
+    and a childless bind of the node's ``/`` in it: the root to be, and an O_PATH descriptor of it."""
     if _libc.unshare(_CLONE_NEWNS) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"a mount namespace: {os.strerror(err)}")
@@ -338,21 +339,107 @@ def _staging(staging: str) -> str:
     root = os.path.join(staging, "root")
     os.mkdir(root, 0o755)
     _mount("/", root, None, _MS_BIND)
-    return root
+    return root, os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
-def _own_mount_tree(staging: str, mounts: Sequence[str]) -> None:
+# Every path a caller could have a say in (a folder it may write, on the way to a mountpoint) is opened
+# without following a symlink and, where it decides what the tree may see, as the caller; what is bound is
+# then that descriptor (/proc/self/fd/N), never the path again: no swap between the look and the bind.
+_SYS_OPENAT2 = 437  # the same on every machine (Linux 5.6 added it to the common table)
+_AT_FDCWD, _O_PATH = -100, 0o10000000
+_RESOLVE_NO_MAGICLINKS, _RESOLVE_NO_SYMLINKS, _RESOLVE_BENEATH = 0x02, 0x04, 0x08
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def _resolve(path: str, dirfd: int = _AT_FDCWD, beneath: bool = False) -> int:
+    """An O_PATH descriptor of ``path`` reached without a symlink or a /proc magic link (``beneath``:
+    never out of ``dirfd``)."""
+    how = _OpenHow(_O_PATH | os.O_CLOEXEC, 0,
+                   _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS | (_RESOLVE_BENEATH if beneath else 0))
+    fd = _libc.syscall(_SYS_OPENAT2, ctypes.c_int(dirfd), os.fsencode(path), ctypes.byref(how),
+                       ctypes.c_size_t(ctypes.sizeof(how)))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{path}: {os.strerror(err)}")
+    return int(fd)
+
+
+@contextlib.contextmanager
+def _as_caller(spec: Mapping[str, Any]) -> Iterator[None]:
+    """Look as the caller would: its effective uid, gid and groups. The real and saved ids stay root's, so
+    the caller can neither signal nor trace us meanwhile, and root comes back after."""
+    groups, egid = os.getgroups(), os.getegid()
+    os.setgroups([int(g) for g in spec["groups"]])
+    os.setresgid(-1, int(spec["gid"]), -1)
+    os.setresuid(-1, int(spec["uid"]), -1)
+    try:
+        yield
+    finally:
+        os.setresuid(-1, 0, -1)
+        os.setresgid(-1, egid, -1)
+        os.setgroups(groups)
+
+
+def _mount_ids(mountinfo: str = "/proc/self/mountinfo") -> dict[str, set[int]]:
+    """{mountpoint: the ids of the mounts on it}."""
+    out: dict[str, set[int]] = {}
+    with open(mountinfo, "rb") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 4:
+                out.setdefault(_unescape(fields[4]), set()).add(int(fields[0]))
+    return out
+
+
+def _caller_reaches(mountpoint: str, ids: Mapping[str, set[int]], spec: Mapping[str, Any]) -> int | None:
+    """A descriptor of the mount on ``mountpoint`` as the caller reaches it (its folders' permissions, no
+    symlink), or None: the caller cannot reach it, or the path leads elsewhere than that mount's root."""
+    try:
+        with _as_caller(spec):
+            fd = _resolve(mountpoint)
+    except OSError:
+        return None
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as f:
+            mnt_id = next(int(x.split()[1]) for x in f if x.startswith("mnt_id:"))
+        if mnt_id in ids.get(mountpoint, ()) and os.readlink(f"/proc/self/fd/{fd}") == mountpoint:
+            return fd
+    except (OSError, StopIteration, ValueError):
+        pass
+    os.close(fd)
+    return None
+
+
+def _own_mount_tree(staging: str, mounts: Sequence[str], spec: Mapping[str, Any]) -> None:
     """(Root, in the process that creates the tree's namespaces.) A root made of childless binds: the
     node's ``/``, ``/proc`` (the kernel lets a user namespace mount a proc only where a full one is
-    visible), and each of ``mounts`` (parents first) at its place; one gone meanwhile, or hidden on the
-    node by a later mount, is left out, as the node shows none either. Then that is our root, and nothing else of the node's is reachable."""
-    root = _staging(staging)
+    visible), and each of ``mounts`` (parents first) the caller itself can reach, at its place. One it
+    cannot reach is none of its business (and CRIU, restoring as the tree's root, could not find it
+    again); one gone meanwhile is left out, as the node shows none either. Then that is our root, and
+    nothing else of the node's is reachable."""
+    root, rootfd = _staging(staging)
+    ids = _mount_ids()  # this namespace's: a new namespace's mounts have new ids
     _mount("/proc", root + "/proc", None, _MS_BIND)
     for mp in mounts:
-        try:
-            _mount(mp, root + mp, None, _MS_BIND)
-        except OSError:  # gone meanwhile, or hidden on the node by a later mount: the node shows none either
+        src = _caller_reaches(mp, ids, spec)
+        if src is None:
             continue
+        try:
+            dst = _resolve(mp.lstrip("/"), rootfd, beneath=True)  # its place in the root to be: no symlink either
+        except OSError:
+            os.close(src)
+            continue
+        try:
+            _mount(f"/proc/self/fd/{src}", f"/proc/self/fd/{dst}", None, _MS_BIND)
+        except OSError:
+            pass
+        finally:
+            os.close(src)
+            os.close(dst)
+    os.close(rootfd)
     os.chdir(root)
     if _libc.syscall(_SYS_PIVOT_ROOT[os.uname().machine], b".", b".") != 0:  # the old root on top, then gone
         err = ctypes.get_errno()
@@ -376,7 +463,7 @@ def _start_own(spec: Mapping[str, Any], staging: str, out_w: int, err_w: int, re
     ids other than its own), forks the init and exits; the init, ours by then (a subreaper), becomes the
     caller. Its host pid, or None where the helper failed (``report_r`` says why)."""
     uid_map, gid_map = id_maps(int(spec["uid"]), int(spec["gid"]), spec["groups"])
-    mounts = _reachable(node_mounts(), spec, deadline)
+    mounts = node_mounts()
     ask_r, ask_w = os.pipe()
     go_r, go_w = os.pipe()
     helper = os.fork()
@@ -385,7 +472,7 @@ def _start_own(spec: Mapping[str, Any], staging: str, out_w: int, err_w: int, re
         try:
             for fd in (report_r, ask_r, go_w):
                 os.close(fd)
-            _own_mount_tree(staging, mounts)
+            _own_mount_tree(staging, mounts, spec)
             step = "the caller's cgroups and limits"
             _inherit_from_caller(spec)
             step = "the caller's groups"
@@ -427,37 +514,6 @@ def _start_own(spec: Mapping[str, Any], staging: str, out_w: int, err_w: int, re
                                                                  "node's that does not answer?)"}).encode())
 
 
-def _reachable(mounts: Sequence[str], spec: Mapping[str, Any], deadline: float) -> list[str]:
-    """Those of ``mounts`` the caller itself can reach (a child that became it stats each): one under a
-    folder it cannot enter is none of its business, and CRIU could not find it again at a restore
-    (it looks, as the tree's root, for every mount it made)."""
-    r, w = os.pipe()
-    child = os.fork()
-    if child == 0:
-        try:
-            os.close(r)
-            os.setgroups([int(g) for g in spec["groups"]])
-            os.setresgid(int(spec["gid"]), int(spec["gid"]), int(spec["gid"]))
-            os.setresuid(int(spec["uid"]), int(spec["uid"]), int(spec["uid"]))
-            for i, mp in enumerate(mounts):
-                try:
-                    os.stat(mp)
-                except OSError:
-                    continue
-                os.write(w, f"{i}\n".encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    got = b""
-    while chunk := _read_by(r, deadline):
-        got += chunk
-    os.close(r)
-    if not _reaped_by(child, deadline):  # a stat that hangs (a mount that does not answer): that one is left out
-        os.kill(child, signal.SIGKILL)
-        os.waitpid(child, 0)
-    return [mounts[int(i)] for i in got.split()]
-
-
 def _read_by(fd: int, deadline: float) -> bytes:
     """One read of ``fd`` once it is readable, or b"" at the deadline."""
     if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
@@ -474,31 +530,60 @@ def _reaped_by(pid: int, deadline: float) -> bool:
         time.sleep(0.005)
 
 
-def _restore_mounts(staging: str, keys: Sequence[str]) -> list[str]:
+def _restore_mounts(staging: str, keys: Sequence[str], spec: Mapping[str, Any]) -> list[str]:
     """(In the process that becomes ``criu restore``, as root.) CRIU's own private mount namespace for a
-    tree in its own namespaces: a childless bind of ``/`` (the tree's root) and of the node's folder at
-    each of the image's external mounts' ``keys`` (their mountpoints), and nothing under ``/proc`` (the
-    tree's view of the node's proc must be childless too). A key this node has no such folder for gets an
-    empty one: a tree that used it then fails to restore on the files it held there, one that did not
-    restores. CRIU's options for them; it makes the tree's mounts from these and exits, and this
-    namespace goes with it."""
+    tree in its own namespaces, and CRIU's options for it:
+
+    - a childless bind of ``/``: the tree's root (``--root``);
+    - for each of the image's external mounts' ``keys`` (their mountpoints), a childless bind of this
+      node's mount there, where the caller reaches it as it is (:func:`_caller_reaches`), else an empty
+      folder: a tree that held files there then fails to restore on them;
+    - nothing under ``/proc``: the tree's view of the node's proc must be childless too.
+
+    The tree's mountpoints must be folders on this node (CRIU mounts on them). Raises OSError where this
+    node mounts, where the caller reaches it, a folder the tree had no mount on whose folder beneath
+    holds files: restored here, the tree would see what that mount hides. CRIU makes the tree's mounts
+    from these and exits, and this namespace goes with it."""
     under_proc = [mp for mp, _ in mountpoints() if mp.startswith("/proc/")]
-    root = _staging(staging)
+    node = node_mounts()
+    root, rootfd = _staging(staging)
+    ids = _mount_ids()  # this namespace's: a new namespace's mounts have new ids
     options = ["--root", root, "--ext-mount-map", "auto"]
+    named = set()
     for i, key in enumerate(keys):
         if _under_proc(key) or not key.startswith("/") or not _nameable(key):
             continue  # found by CRIU itself (--ext-mount-map auto), or none of ours
+        named.add(key)
         dest = os.path.join(staging, str(i))
-        try:
-            if os.path.isdir(key):
-                os.mkdir(dest)
-            else:
-                os.close(os.open(dest, os.O_CREAT | os.O_WRONLY, 0o644))
-            _mount(key, dest, None, _MS_BIND)
-        except OSError:
-            if not os.path.lexists(dest):  # (an empty file, made for a file's mount, stays one)
-                os.mkdir(dest)
+        src = _caller_reaches(key, ids, spec) if key in node else None
+        if src is not None and not stat.S_ISDIR(os.fstat(src).st_mode):
+            os.close(os.open(dest, os.O_CREAT | os.O_WRONLY, 0o644))  # a file's mount
+        else:
+            os.mkdir(dest)
+        if src is not None:
+            try:
+                _mount(f"/proc/self/fd/{src}", dest, None, _MS_BIND)
+            finally:
+                os.close(src)
         options += ["--external", f"mnt[{key}]:{dest}"]
+    for mp in node:
+        if mp in named or (fd := _caller_reaches(mp, ids, spec)) is None:
+            continue
+        os.close(fd)
+        try:
+            beneath = _resolve(mp.lstrip("/"), rootfd, beneath=True)
+        except OSError:
+            continue  # no such folder in the tree's root: nothing to see
+        try:
+            st = os.fstat(beneath)
+            hides = os.listdir(f"/proc/self/fd/{beneath}") if stat.S_ISDIR(st.st_mode) else st.st_size > 0
+        finally:
+            os.close(beneath)
+        if hides:
+            raise OSError(0, f"this node mounts {mp}, which the checkpoint's tree had no mount on, and the folder "
+                             f"beneath that mount holds files the tree would see; restore it on a node like the one "
+                             f"it ran on, or empty {mp}'s folder beneath the mount")
+    os.close(rootfd)
     for mp in sorted(under_proc, key=lambda m: -m.count("/")):
         _libc.umount2(os.fsencode(mp), _MNT_DETACH)
     return options
@@ -580,7 +665,7 @@ def _start(spec: Mapping[str, Any], out_w: int, err_w: int, lifeline: socket.soc
     if spec.get("own_mounts"):
         try:
             pid = _start_own(spec, str(spec["own_mounts"]), out_w, err_w, report_r, report_w, deadline)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: an id the tree's root maps to (id_maps)
             pid = None
             os.write(report_w, json.dumps({"code": 126, "line": str(e)}).encode())
     else:
@@ -635,13 +720,15 @@ def _restore(spec: Mapping[str, Any], out_w: int, err_w: int) -> int | dict[str,
             _default_signals()
             argv = list(spec["argv"])
             if spec.get("own_mounts"):  # a tree in its own namespaces (its images hold a user namespace)
-                argv += _restore_mounts(str(spec["own_mounts"]), [str(k) for k in spec.get("external_mounts", ())])
+                argv += _restore_mounts(str(spec["own_mounts"]), [str(k) for k in spec.get("external_mounts", ())],
+                                        spec)
             high_out, high_err = os.dup(out_w), os.dup(err_w)  # out of the way of 3 and 4 first
             os.dup2(high_out, 3)
             os.dup2(high_err, 4)  # dup2's copies are inherited; every other fd here is close-on-exec
             os.execv(argv[0], argv)
         except BaseException as e:  # noqa: BLE001
-            os.write(report_w, f"criu restore did not start: {e}".encode())
+            why = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+            os.write(report_w, f"criu restore did not start: {why}".encode())
         os._exit(127)
     os.close(out_w)
     os.close(err_w)

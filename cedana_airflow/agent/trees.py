@@ -45,7 +45,10 @@ def check_restorable(image_dir: Path, uid: int, gid: int, groups: Sequence[int],
     the node's); raises CorruptCheckpoint (one line naming ``what``) where restoring it for a caller of
     ``uid``, ``gid`` and ``groups`` other than root would give the tree more than the caller has: a user
     namespace whose maps are not the caller's (shim.id_maps; its groups may be fewer), or a thread whose
-    ids are not the caller's or that holds a capability. A root caller may restore anything (``uid`` 0)."""
+    ids are not the caller's, that holds a capability or a bounding set, or lacks no_new_privs (as the
+    shim starts every such tree). A root caller may restore anything (``uid`` 0). Not read: securebits
+    (without a capability they grant nothing) and LSM labels (CRIU applies the image's; the images are
+    the node's, signed: a caller cannot write them)."""
     def refused(why: str) -> CorruptCheckpoint:
         return CorruptCheckpoint(f"{what} is refused for uid {uid}: {why}")
 
@@ -62,7 +65,9 @@ def check_restorable(image_dir: Path, uid: int, gid: int, groups: Sequence[int],
             raise refused(f"its user namespace maps ids uid {uid} does not have")
         mine = {int(gid), *(int(g) for g in groups)}
         for t in read_task_ids(image_dir):
-            if set(t.uids) != {uid} or not set(t.gids) <= mine or not set(t.groups) <= mine or t.capabilities:
+            # And as the shim started it: an empty bounding set and no_new_privs (CRIU applies both as root).
+            if set(t.uids) != {uid} or not set(t.gids) <= mine or not set(t.groups) <= mine or t.capabilities \
+                    or t.bounding or not t.no_new_privs:
                 raise refused(f"its thread {t.tid} would come back with ids or capabilities uid {uid} does not have")
     except ValueError as e:
         raise refused(str(e)) from None

@@ -164,38 +164,13 @@ class Run:
         another task's checkpoint ID, a command that does not exist): nothing then runs."""
         self.try_number, self.claim = try_number, claim
 
-        def restore_tree(engine: CriuEngine, image_dir: Path, m: Manifest, pidfile: Path) -> Workload:
-            # The caller's pipes become the tree's stdout and stderr: fds 3 and 4 of CRIU, under the shim.
-            # Cgroups left alone: the tree stays where CRIU runs, the retry's caller's (shim.py), not the
-            # dumped tree's, which CRIU would otherwise make again, as root.
-            # Never more than the caller has: a tree in namespaces of its own with the caller's ids, or root's.
-            own = trees.check_restorable(image_dir, self.peer.uid, self.peer.gid, self.peer.groups,
-                                         f"checkpoint {self.checkpoint_id} seq={m.seq}")
-            if own:
-                trees.open_to_tree_root(image_dir, self.peer.gid, self.peer.groups)
-            cmd, log_path = engine.restore_command(image_dir, inherit={3: m.process.stdout_pipe,
-                                                                       4: m.process.stderr_pipe}, pidfile=pidfile,
-                                                   extra=("--manage-cgroups=ignore",))
-            first, pidfd = self._spawn({"op": "restore", "argv": cmd, "pidfile": str(pidfile),
-                                        "control": str(control_socket(self.runs, self.wid)),
-                                        "own_mounts": self.staging if own else None,
-                                        "external_mounts": read_external_mounts(image_dir) if own else [],
-                                        **self.caller.carried()},
-                                       out_w, err_w)
-            if first.get("ev") != "started":
-                raise engine.restore_error(image_dir, int(first.get("code", 255)), log_path,
-                                           str(first.get("line", "")))
-            self.restored_seq = m.seq
-            return self._adopt(int(first["pid"]), m.process.command, m.process.cwd, pipe_name(out_w),
-                               pipe_name(err_w), pidfd, own)
-
         def starter(command: Sequence[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
                     stdout: Sink | None = None, stderr: Sink | None = None, isolate: bool = True,
                     deny_io_uring: bool = False) -> Workload:
             return self._start_shim(command, cwd or "/", env or {}, deny_io_uring, out_w, err_w)
 
         env_ = workload_env(env, self.settings.keep_env)  # never the store's credentials, whoever sent them
-        self._launch(list(argv), cwd, env_, resume, starter, restore_tree)
+        self._launch(list(argv), cwd, env_, resume, starter, _ShimRestore(self, out_w, err_w))
 
     def _launch(self, argv: list[str], cwd: str, env: dict[str, str], resume: bool, starter: Any,
                 restore_tree: Any) -> None:
@@ -386,6 +361,46 @@ class Run:
         if self.failure is not None:
             out["error"] = {"class": type(self.failure).__name__, "line": str(self.failure)}
         return out
+
+
+class _ShimRestore:
+    """A run's restores (run/checkpointer.py's RestoreTree): ``criu restore`` under a new shim, with the
+    caller's pipes as the tree's stdout and stderr (fds 3 and 4 of CRIU). Cgroups are left alone: the tree
+    stays where CRIU runs, the retry's caller's (shim.py), not the dumped tree's, which CRIU would
+    otherwise make again, as root."""
+
+    def __init__(self, run: Run, out_w: int, err_w: int) -> None:
+        self.run, self.out_w, self.err_w = run, out_w, err_w
+
+    def vet(self, image_dir: Path, m: Manifest) -> bool:
+        """Never more than the caller has: a tree in namespaces of its own with the caller's ids, or root's
+        for root (trees.py); checked before anything of the checkpoint is put back. Whether it is the
+        former."""
+        run = self.run
+        return trees.check_restorable(image_dir, run.peer.uid, run.peer.gid, run.peer.groups,
+                                      f"checkpoint {run.checkpoint_id} seq={m.seq}")
+
+    def __call__(self, engine: CriuEngine, image_dir: Path, m: Manifest, pidfile: Path) -> Workload:
+        run, out_w, err_w = self.run, self.out_w, self.err_w
+        own = self.vet(image_dir, m)  # again: cheap, and what the shim must build depends on it
+        if own:
+            trees.open_to_tree_root(image_dir, run.peer.gid, run.peer.groups)
+        cmd, log_path = engine.restore_command(image_dir, inherit={3: m.process.stdout_pipe, 4: m.process.stderr_pipe},
+                                               pidfile=pidfile, extra=("--manage-cgroups=ignore",))
+        first, pidfd = run._spawn({"op": "restore", "argv": cmd, "pidfile": str(pidfile),
+                                   "control": str(control_socket(run.runs, run.wid)),
+                                   "own_mounts": run.staging if own else None, "uid": run.peer.uid,
+                                   "gid": run.peer.gid, "groups": list(run.peer.groups),
+                                   "external_mounts": read_external_mounts(image_dir) if own else [],
+                                   **run.caller.carried()}, out_w, err_w)
+        if first.get("ev") != "started":
+            if first.get("code") == 127 and first.get("line"):  # the shim's, before CRIU: this node's doing
+                raise errors.NotRestorableHere(f"checkpoint {run.checkpoint_id} seq={m.seq} is not restorable on "
+                                               f"this node: {first['line']}")
+            raise engine.restore_error(image_dir, int(first.get("code", 255)), log_path, str(first.get("line", "")))
+        run.restored_seq = m.seq
+        return run._adopt(int(first["pid"]), m.process.command, m.process.cwd, pipe_name(out_w), pipe_name(err_w),
+                          pidfd, own)
 
 
 def _first_event(ctl: socket.socket, timeout: float | None) -> tuple[dict[str, Any], list[int]]:

@@ -365,6 +365,8 @@ class TaskIds:
     gids: tuple[int, ...]  # gid, egid, sgid, fsgid
     groups: tuple[int, ...]
     capabilities: bool  # any bit of its inheritable, permitted, effective or ambient sets
+    bounding: bool = False  # any bit of its bounding set
+    no_new_privs: bool = False
 
 
 def read_task_ids(image_dir: Path) -> list[TaskIds]:
@@ -390,7 +392,8 @@ def read_task_ids(image_dir: Path) -> list[TaskIds]:
                 if any(i is None for i in ids):
                     raise ValueError(f"core-{tid}.img has credentials without every id")
                 out.append(TaskIds(tid, tuple(ids[:4]), tuple(ids[4:]), tuple(_uints(c, _GROUPS)),  # type: ignore[arg-type]
-                                   any(any(_uints(c, n)) for n in (9, 10, 11, 19))))
+                                   any(any(_uints(c, n)) for n in (9, 10, 11, 19)), any(_uints(c, 12)),
+                                   bool(_int(c, 18))))
     except (OSError, IndexError, struct.error) as e:
         raise ValueError(f"the process tree's core images in {image_dir} cannot be read ({e})") from None
     return out

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
+from typing import Protocol
 
 from .. import __version__
 from ..config import Settings
@@ -77,10 +78,17 @@ PhaseHook = Callable[[str, float], None]
 #: Starts the command of a cooperative checkpoint's run, its state put back in the given directory
 #: (CEDANA_RESTORE_DIR), with the restore's stdout and stderr (the runner's: it knows the command).
 StartCooperative = Callable[[Manifest, Path, "Sink | None", "Sink | None"], Workload]
-#: What turns a checked image dir into a running tree (full restores only): the node agent's runs
-#: ``criu restore`` under the workload's shim, with its caller's pipes (agent/workloads.py). Given the
-#: engine, the images, the manifest and the pidfile CRIU writes. Default: CRIU as our child, adopted here.
-RestoreTree = Callable[[CriuEngine, Path, Manifest, Path], Workload]
+class RestoreTree(Protocol):
+    """What turns a checked image dir into a running tree (full restores only): the node agent's runs
+    ``criu restore`` under the workload's shim, with its caller's pipes (agent/workloads.py). Default:
+    CRIU as our child, adopted here."""
+
+    def vet(self, image_dir: Path, m: Manifest) -> None:
+        """Raise CorruptCheckpoint where it will not restore these images (a tree with more than its
+        caller has): called first, before any of the checkpoint's files is put back or any folder made."""
+
+    def __call__(self, engine: CriuEngine, image_dir: Path, m: Manifest, pidfile: Path) -> Workload:
+        """The running tree, from the engine, the images, the manifest and the pidfile CRIU writes."""
 
 
 def _what(e: BaseException) -> str:
@@ -733,6 +741,8 @@ class Checkpointer:
 
     def _restore_from(self, dest: Path, m: Manifest, stdout: Sink | None, stderr: Sink | None,
                       roots: Sequence[PurePosixPath], feed: LazyFeed | None) -> Workload:
+        if self._restore_tree is not None:
+            self._restore_tree.vet(dest, m)
         # Files go back as the tree's own user, never where the deny-list forbids (captured.py).
         try:
             creds = read_creds(dest) or NOBODY  # no pstree.img: CRIU refuses it first thing; until then, nobody

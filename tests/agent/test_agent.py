@@ -752,39 +752,54 @@ def test_a_non_root_caller_s_tree_is_checkpointed_and_resumed_as_that_caller_wit
     assert manifests(tmp_path / "store", "agent-nobody")[-1]["seq"] >= latest
 
 
+def _checkpointed(sock: Path, store: Path, uid: int, checkpoint_id: str,
+                  script: str = "i=0; while :; do i=$((i+1)); echo $i; sleep 0.1; done") -> None:
+    """A count run as ``uid`` until its first checkpoint; then its caller is gone (and its tree with it)."""
+    counter = ["sh", "-c", script]
+    out_r, out_w = os.pipe()
+    msg, fds = as_uid(uid, _start(sock, counter, out_w, checkpoint_id=checkpoint_id,
+                                  settings={"heartbeat_seconds": 0.3}))
+    os.close(out_w)
+    assert "ok" in msg, msg
+    deadline = time.monotonic() + 60
+    while not manifests(store, checkpoint_id):
+        assert time.monotonic() < deadline, f"no checkpoint of uid {uid}'s tree within 60 s"
+        time.sleep(0.1)
+    socket.socket(fileno=fds[0]).close()
+    os.close(out_r)
+
+
+def _resumed_by(sock: Path, uid: int, checkpoint_id: str, script: str = "id -u") -> str:
+    """What a retry as ``uid`` printed, to its end."""
+    out_r, out_w = os.pipe()
+    msg, fds = as_uid(uid, _start(sock, ["sh", "-c", script], out_w, checkpoint_id=checkpoint_id, resume=True,
+                                  try_number=1))
+    os.close(out_w)
+    assert "ok" in msg, msg
+    with socket.socket(fileno=fds[0]) as lifeline:  # held until it ends: closing it would end it
+        assert _event(lifeline)["ev"] == "started"
+        assert _event(lifeline)["ev"] == "exit"
+    return _read_all(out_r)
+
+
 def test_no_caller_gets_a_tree_restored_with_more_than_it_has(agent, tmp_path):
     """Root's checkpoint, resumed by uid nobody, and nobody's, resumed by another uid, are refused (the
     images' ids and user namespace are checked against the caller before CRIU runs): each starts fresh
     as its caller, and the agent's log names why."""
     sock, _ = agent
-    counter = ["sh", "-c", "i=0; while :; do i=$((i+1)); echo $i; sleep 0.1; done"]
-
-    def first_checkpoint(uid: int, checkpoint_id: str) -> None:
-        out_r, out_w = os.pipe()
-        msg, fds = as_uid(uid, _start(sock, counter, out_w, checkpoint_id=checkpoint_id,
-                                      settings={"heartbeat_seconds": 0.3}))
-        os.close(out_w)
-        assert "ok" in msg, msg
-        deadline = time.monotonic() + 60
-        while not manifests(tmp_path / "store", checkpoint_id):
-            assert time.monotonic() < deadline, f"no checkpoint of uid {uid}'s tree within 60 s"
-            time.sleep(0.1)
-        socket.socket(fileno=fds[0]).close()  # its caller is gone
-        os.close(out_r)
-
-    def resumed_by(uid: int, checkpoint_id: str) -> str:
-        out_r, out_w = os.pipe()
-        msg, fds = as_uid(uid, _start(sock, ["sh", "-c", "id -u"], out_w, checkpoint_id=checkpoint_id, resume=True,
-                                      try_number=1))
-        os.close(out_w)
-        assert "ok" in msg, msg
-        socket.socket(fileno=fds[0]).close()
-        return _read_all(out_r)
-
-    first_checkpoint(0, "agent-root-tree")
-    assert resumed_by(NOBODY, "agent-root-tree") == f"{NOBODY}\n"  # started fresh, as nobody
-    first_checkpoint(NOBODY, "agent-nobody-tree")
-    assert resumed_by(OTHER, "agent-nobody-tree") == f"{OTHER}\n"
+    store = tmp_path / "store"
+    root_file = tmp_path / "root-file"  # root's tree writes it: the checkpoint holds a copy to put back
+    _checkpointed(sock, store, 0, "agent-root-tree", f"exec 3>>{root_file}; i=0; while :; do i=$((i+1)); "
+                                                     "echo $i >&3; sleep 0.1; done")
+    time.sleep(0.3)  # the tree is gone with its caller
+    root_file.write_text("root's own, written after the checkpoint\n")
+    before = os.stat(root_file)
+    assert _resumed_by(sock, NOBODY, "agent-root-tree") == f"{NOBODY}\n"  # started fresh, as nobody
+    after = os.stat(root_file)  # nothing of root's checkpoint was put back, not even for a moment
+    assert (after.st_ino, after.st_mtime_ns, after.st_ctime_ns) == (before.st_ino, before.st_mtime_ns, before.st_ctime_ns)
+    assert root_file.read_text() == "root's own, written after the checkpoint\n"
+    _checkpointed(sock, store, NOBODY, "agent-nobody-tree")
+    assert _resumed_by(sock, OTHER, "agent-nobody-tree") == f"{OTHER}\n"
     log = (tmp_path / "agent.log").read_text()
     assert (f"checkpoint agent-root-tree seq=1 is refused for uid {NOBODY}: its tree is not in a user namespace of "
             "its own") in log
@@ -870,3 +885,28 @@ def test_doctor_says_whether_an_agent_answers_which_and_for_whom(agent, tmp_path
     lines = cli("doctor", env=env).stdout.splitlines()
     assert any(x.startswith(f"SKIP  agent: no agent answers at {tmp_path / 'none.sock'}; nothing needs one yet -> fix: "
                             "start `cedana-airflow agent`") for x in lines), lines
+
+
+def test_a_restore_that_would_show_what_a_mount_of_this_node_hides_is_refused(agent, tmp_path):
+    """The node mounts, since the checkpoint, a 0700 tmpfs over a folder that holds a file: a tree restored
+    with no mount there would see that file (its root is the node's root file system alone), so that
+    checkpoint is refused in one line and the retry starts fresh (issue 49 review, H1)."""
+    sock, _ = agent
+    base = Path(f"/run/cedana-test-hides-{os.getpid()}-{tmp_path.name}")
+    (base / "x").mkdir(parents=True)
+    for d in (base, base / "x"):
+        d.chmod(0o755)
+    (base / "x" / "beneath.txt").write_text("what the mount hides\n")
+    (base / "x" / "beneath.txt").chmod(0o644)
+    try:
+        _checkpointed(sock, tmp_path / "store", NOBODY, "agent-hides")
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700", "none", str(base / "x")], check=True)
+        try:
+            out = _resumed_by(sock, NOBODY, "agent-hides", f"cat {base}/x/beneath.txt 2>/dev/null; id -u")
+        finally:
+            subprocess.run(["umount", str(base / "x")], check=True)
+    finally:
+        shutil.rmtree(base)
+    assert out == f"{NOBODY}\n"  # started fresh; the node's mount hides the file from it, as from the caller
+    assert (f"this node mounts {base}/x, which the checkpoint's tree had no mount on, and the folder beneath that "
+            "mount holds files the tree would see") in (tmp_path / "agent.log").read_text()

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import socket
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -189,3 +190,36 @@ def test_id_maps_keep_a_caller_s_group_0_and_refuse_the_id_trees_root_maps_to():
     assert shim.id_maps(1000, 1000, [1000, 27]) == ("0 4000000 1\n1000 1000 1\n", "0 4000000 1\n27 27 1\n1000 1000 1\n")
     with pytest.raises(ValueError, match="4000000"):
         shim.id_maps(shim.NS_ROOT, 1000, [])
+
+
+def test_a_mount_is_bound_only_as_the_caller_reaches_it_never_through_a_symlink(tmp_path):
+    """What the shim binds into a caller's tree, at its start and its restore: the mount on a mountpoint
+    the caller itself reaches, opened without a symlink (issue 49 review, H1 and M1)."""
+    base = Path(f"/run/cedana-test-reach-{os.getpid()}")
+    (base / "pub").mkdir(parents=True)
+    base.chmod(0o755)
+    locked = tmp_path / "locked"  # tmp_path: root's, 0700
+    locked.mkdir()
+    (base / "link").symlink_to(base / "pub")
+    mounted = []
+    try:
+        for where in (base / "pub", locked):
+            subprocess.run(["mount", "-t", "tmpfs", "none", str(where)], check=True)
+            mounted.append(where)
+        ids = shim._mount_ids()
+        spec = {"uid": NOBODY, "gid": NOBODY, "groups": []}
+        fd = shim._caller_reaches(str(base / "pub"), ids, spec)
+        assert fd is not None and os.readlink(f"/proc/self/fd/{fd}") == str(base / "pub")
+        os.close(fd)
+        assert shim._caller_reaches(str(locked), ids, spec) is None  # under a folder nobody cannot enter
+        fd = shim._caller_reaches(str(locked), ids, {"uid": 0, "gid": 0, "groups": []})
+        assert fd is not None  # root reaches it
+        os.close(fd)
+        ids[str(base / "link")] = ids[str(base / "pub")]  # even were the symlink a mountpoint's name
+        assert shim._caller_reaches(str(base / "link"), ids, spec) is None
+        assert shim._caller_reaches(str(base), ids, spec) is None  # a folder, not a mount's root
+        assert os.geteuid() == 0 and os.getegid() == 0  # and root is ours again after each look
+    finally:
+        for where in reversed(mounted):
+            subprocess.run(["umount", str(where)], check=True)
+        shutil.rmtree(base)

@@ -30,9 +30,10 @@ def _img(path: Path, *entries: bytes) -> None:
     path.write_bytes(struct.pack("<II", 0x54564319, 0x1) + b"".join(struct.pack("<I", len(e)) + e for e in entries))
 
 
-def _core(uid: int = U, gid: int = G, groups: tuple[int, ...] = (), caps: int = 0, euid: int | None = None) -> bytes:
+def _core(uid: int = U, gid: int = G, groups: tuple[int, ...] = (), caps: int = 0, euid: int | None = None,
+          bnd: int = 0, nnp: int = 1) -> bytes:
     ids = [(1, uid), (2, gid), (3, uid if euid is None else euid), (4, gid), (5, uid), (6, gid), (7, uid), (8, gid)]
-    creds = _msg(*ids, (10, caps), (11, caps), (13, 0), *[(14, g) for g in groups])
+    creds = _msg(*ids, (10, caps), (11, caps), (12, bnd), (13, 0), *[(14, g) for g in groups], (18, nnp))
     return _msg((1, 1), (5, _msg((1, 0), (10, creds))))
 
 
@@ -67,6 +68,8 @@ def test_a_tree_with_the_caller_s_maps_and_ids_is_restorable_and_anything_more_i
         "thread 1 would come back with ids": _tree(tmp_path / "ns-root", _core(euid=0), ok_maps),
         "thread 1 would come back with ids ": _tree(tmp_path / "caps", _core(caps=1 << 21), ok_maps),
         "thread 1 would come back with ids  ": _tree(tmp_path / "group", _core(groups=(4,)), ok_maps),
+        "thread 1 would come back with ids   ": _tree(tmp_path / "bounding", _core(bnd=1 << 21), ok_maps),
+        "thread 1 would come back with ids    ": _tree(tmp_path / "nnp", _core(nnp=0), ok_maps),
     }
     for why, d in refused.items():
         with pytest.raises(CorruptCheckpoint, match=f"^c is refused for uid {U}: .*{why.strip()}"):
