@@ -13,12 +13,14 @@ from harness import BENCH, MB, med
 
 from cedana_airflow.run.cadence import duration_text
 
-PARTS = ("local", "lazy", "lazy-growth", "lazy-freeze", "talkers", "cooperative", "s3-transfer", "s3-listing", "heartbeat")
+PARTS = ("local", "lazy", "lazy-growth", "lazy-freeze", "talkers", "agent", "cooperative", "s3-transfer", "s3-listing",
+         "heartbeat")
 PART_TITLES = {"local": "local (freeze, stored bytes, restore from file://)",
                "lazy": "lazy restore (file:// and S3)",
                "lazy-growth": "lazy restore by image size (file://)",
                "lazy-freeze": "freeze per heartbeat after a restore (lazy and full, file://)",
                "talkers": "workloads that talk: torchrun DDP and a serving worker vs bare CRIU",
+               "agent": "through the node agent as uid nobody vs in-process as root (freeze, restore; file://)",
                "cooperative": "cooperative heartbeat (S3)",
                "s3-transfer": "S3 first checkpoint, heartbeats, restore",
                "s3-listing": "S3 listing",
@@ -57,6 +59,16 @@ def table_rows(res: dict[str, Any]) -> list[list[str]]:
         rows += _lazy_freeze_rows(res["lazy_freeze"])
     if "talkers" in res:
         rows += _talkers_rows(res["talkers"])
+    if "agent" in res:
+        a = res["agent"]
+        sp = a["spread"]
+        rows += [[f"through the agent (nobody): freeze ({a['mb']} MB)", secs(a["in_process_freeze_seconds"], sp["in_process_freeze"]),
+                  secs(a["agent_freeze_seconds"], sp["agent_freeze"]), f"{a['freeze_ratio']:.2f}x",
+                  f"<= {a['targets']['freeze']:.2f}x", _ok(a["pass"]["freeze"])],
+                 [f"through the agent (nobody): restore ({a['mb']} MB)",
+                  secs(a["in_process_restore_seconds"], sp["in_process_restore"]),
+                  secs(a["agent_restore_seconds"], sp["agent_restore"]), f"{a['restore_ratio']:.2f}x",
+                  f"<= {a['targets']['restore']:.2f}x", _ok(a["pass"]["restore"])]]
     if "cooperative" in res:
         c = res["cooperative"]
         rows += [
@@ -258,6 +270,16 @@ def details(res: dict[str, Any]) -> list[str]:
                      "outside connections, probing ports and clearing TIME_WAIT to a restore): " + "; ".join(
                          f"{n}: images {r['image_bytes'] / MB:.0f} MB, dump wall {r['ours_dump_seconds']:.3f} s vs bare "
                          f"{r['bare_dump_seconds']:.3f} s" for n, r in res["talkers"].items()))
+    if "agent" in res:
+        a = res["agent"]
+        lines.append(f"through the node agent (bench/agent.py; a {a['mb']} MB python3 workload, {a['reps']} restores a side, "
+                     "alternating; medians (min-max)): the agent's tree runs as uid nobody in user, mount and PID "
+                     "namespaces of its own, today's as root in-process (`cedana-airflow run --resume`); freeze = the "
+                     "manifests' frozen time, restore = the Checkpointer's restore_seconds; the caller's start request "
+                     f"took {secs(a['agent_start_wall_seconds'], a['spread']['agent_start_wall'])} end to end on a restore; "
+                     f"of the restore, `criu restore` itself took {a['agent_criu_restore_seconds']:.2f} s through the agent "
+                     f"(its shim, the tree's mounts, CRIU's user namespace) vs {a['in_process_criu_restore_seconds']:.2f} s "
+                     "in-process")
     if "cooperative" in res:
         c = res["cooperative"]
         lines.append(
@@ -453,6 +475,8 @@ def command_of(args: dict[str, Any], part: str) -> str:
     if part == "heartbeat":  # a simulation: no workload, no CRIU, no store
         return " ".join(cmd + [f"--heartbeat-tasks {args.get('heartbeat_tasks', 1000)}",
                                f"--heartbeat-seed {args.get('heartbeat_seed', 20261203)}"])
+    if part == "agent":  # its own size
+        return " ".join(cmd + [f"--agent-mb {args.get('agent_mb', 256)}", f"--reps {args['reps']}"])
     if part == "lazy-freeze":  # its own size and rounds
         return " ".join(cmd + [f"--lazy-freeze-mb {args.get('lazy_freeze_mb', 256)}",
                                f"--lazy-freeze-rounds {args.get('lazy_freeze_rounds', 5)}"])
