@@ -25,11 +25,20 @@ from typing import Any
 
 from .. import errors
 
-__all__ = ["MAX_FDS", "MAX_MESSAGE", "PROTO", "Peer", "Sender", "close_fds", "error_reply", "pass_credentials",
+__all__ = ["MAX_FDS", "MAX_MESSAGE", "PROTO", "TASK_SETTINGS", "Peer", "Sender", "close_fds", "error_reply", "pass_credentials",
            "raise_for", "recv", "recv_from", "recv_packet", "send"]
 
 #: The protocol's version (see the module doc for what may change within one).
 PROTO = 1
+
+#: The settings a caller's ``start`` may carry: how often and when its own workload is checkpointed and
+#: kept. Anything else (where checkpoints go, which key signs them, which CRIU runs, commands run as
+#: root: lease_renew_command, cooperative_verify_command) is the node's.
+TASK_SETTINGS = frozenset({
+    "heartbeat_seconds", "heartbeat_min_seconds", "heartbeat_max_seconds", "mtbf_hours", "checkpoint_on_term",
+    "stop_grace_seconds", "stop_window_seconds", "keep_checkpoints", "delete_on_success", "max_restore_gap_seconds",
+    "progress",
+})
 #: The largest message either side sends or accepts: argv and env are the only big fields.
 MAX_MESSAGE = 64 << 10
 #: The most fds one message carries (a start's stdout and stderr; a reply's lifeline).

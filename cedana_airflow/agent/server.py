@@ -193,7 +193,7 @@ class Agent:
             try:
                 settings = task_settings(self._environ, r.settings)
                 run = Run.take_up(r, settings, node=self.node, staging=self.staging, runs=self.runs_dir)
-            except errors.CedanaError as e:  # its checkpoint ID is another's now, a setting gone bad: said
+            except Exception as e:  # noqa: BLE001 (a setting gone bad, another version's file: said, never fatal)
                 log.warning("agent: %s (checkpoint_id=%s) not taken up: %s", r.wid, r.checkpoint_id, e)
                 continue
             if run is None:

@@ -64,7 +64,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 _CLONE_NEWPID, _CLONE_NEWNS, _CLONE_NEWUSER = 0x20000000, 0x00020000, 0x10000000
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1, 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
 _MNT_DETACH = 2
 _PR_SET_SECCOMP, _PR_CAPBSET_DROP, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 22, 24, 36, 38
 _SECCOMP_MODE_FILTER = 2
@@ -295,21 +295,33 @@ def _nameable(mountpoint: str) -> bool:
 
 def mountpoints(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, str]]:
     """Every mount listed in ``mountinfo``, in its order: its mountpoint and file system type."""
+    return [(mp, fstype) for mp, fstype, _ in mount_sources(mountinfo)]
+
+
+def mount_sources(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, str, str]]:
+    """Every mount listed in ``mountinfo``, in its order: its mountpoint, file system type and source."""
     out = []
     with open(mountinfo, "rb") as f:
         for line in f:
             fields = line.split()
             if b"-" in fields[6:]:
-                out.append((_unescape(fields[4]), _unescape(fields[fields.index(b"-", 6) + 1])))
+                sep = fields.index(b"-", 6)
+                out.append((_unescape(fields[4]), _unescape(fields[sep + 1]),
+                            _unescape(fields[sep + 2]) if len(fields) > sep + 2 else ""))
     return out
 
 
+#: The source of the empty mount put over a node mount CRIU cannot name (:func:`_own_mount_tree`): part of
+#: the tree, dumped and restored with it (agent/trees.py names no key for it).
+MASK_SOURCE = "cedana-mask"
+
+
 def node_mounts(mountinfo: str = "/proc/self/mountinfo") -> list[str]:
-    """The node's mountpoints a tree gets, each once, parents first: every one but ``/``, ``/proc`` and
-    what lies under it (the tree mounts a proc of its own), a namespace file's (``/run/netns/*``: another
-    namespace's handle is none of a workload's business), and one whose path CRIU cannot be given."""
-    keep = {mp for mp, fstype in mountpoints(mountinfo)
-            if not _under_proc(mp) and mp != "/" and fstype != "nsfs" and _nameable(mp)}
+    """The node's mountpoints a tree may get, each once, parents first: every one but ``/``, ``/proc`` and
+    what lies under it (the tree mounts a proc of its own) and a namespace file's (``/run/netns/*``:
+    another namespace's handle is none of a workload's business). One whose path CRIU's ``--external``
+    cannot name (:func:`_nameable`) is masked in the tree, not bound."""
+    keep = {mp for mp, fstype in mountpoints(mountinfo) if not _under_proc(mp) and mp != "/" and fstype != "nsfs"}
     return sorted(keep, key=lambda mp: (mp.count("/"), mp))
 
 
@@ -334,8 +346,10 @@ def _staging(staging: str) -> tuple[str, int]:
         raise OSError(err, f"a mount namespace: {os.strerror(err)}")
     _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing done here reaches the node, nor the node's here
     # 0755: CRIU opens the binds in it from inside the tree's user namespace, as its root (NS_ROOT); nobody
-    # else sees this namespace, and it goes with its process.
-    _mount("tmpfs", staging, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755")
+    # else sees this namespace, and it goes with its process. Neither nosuid nor nodev: CRIU bind-remounts an
+    # empty placeholder here to the flags of the mount it stands for, and flags locked by a user namespace
+    # cannot be cleared; it only ever holds empty folders and the mounts bound onto them.
+    _mount("tmpfs", staging, "tmpfs", 0, "mode=0755")
     root = os.path.join(staging, "root")
     os.mkdir(root, 0o755)
     _mount("/", root, None, _MS_BIND)
@@ -394,14 +408,39 @@ def _mount_ids(mountinfo: str = "/proc/self/mountinfo") -> dict[str, set[int]]:
     return out
 
 
+def _users_mounts(mountinfo: str = "/proc/self/mountinfo") -> dict[str, int]:
+    """{mountpoint: the uid} of FUSE mounts a user other than root made (fusermount's ``user_id=``): over a
+    folder of its own, and without allow_other no one else may use it."""
+    out: dict[str, int] = {}
+    with open(mountinfo, "rb") as f:
+        for line in f:
+            fields = line.split()
+            if b"-" not in fields[6:]:
+                continue
+            sep = fields.index(b"-", 6)
+            if fields[sep + 1].startswith(b"fuse") and len(fields) > sep + 3:
+                for opt in fields[sep + 3].split(b","):
+                    if opt.startswith(b"user_id=") and opt[8:].isdigit() and int(opt[8:]) != 0:
+                        out[_unescape(fields[4])] = int(opt[8:])
+    return out
+
+
+#: What opening a path as the caller may meet that means it cannot reach it (ELOOP: a symlink on the way).
+_UNREACHABLE = frozenset({errno.EACCES, errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV})
+
+
 def _caller_reaches(mountpoint: str, ids: Mapping[str, set[int]], spec: Mapping[str, Any]) -> int | None:
     """A descriptor of the mount on ``mountpoint`` as the caller reaches it (its folders' permissions, no
     symlink), or None: the caller cannot reach it, or the path leads elsewhere than that mount's root."""
     try:
         with _as_caller(spec):
             fd = _resolve(mountpoint)
-    except OSError:
-        return None
+    except OSError as e:
+        if e.errno in _UNREACHABLE:
+            return None
+        raise OSError(e.errno, f"looking at {mountpoint} as the caller: {os.strerror(e.errno or 0)} (a non-root caller's "
+                               "tree needs openat2, Linux 5.6 or later, allowed by any seccomp profile the agent runs "
+                               "under)") from None
     try:
         with open(f"/proc/self/fdinfo/{fd}") as f:
             mnt_id = next(int(x.split()[1]) for x in f if x.startswith("mnt_id:"))
@@ -422,8 +461,11 @@ def _own_mount_tree(staging: str, mounts: Sequence[str], spec: Mapping[str, Any]
     nothing else of the node's is reachable."""
     root, rootfd = _staging(staging)
     ids = _mount_ids()  # this namespace's: a new namespace's mounts have new ids
+    users = _users_mounts()
     _mount("/proc", root + "/proc", None, _MS_BIND)
     for mp in mounts:
+        if users.get(mp, int(spec["uid"])) != int(spec["uid"]):
+            continue  # another user's FUSE mount, on its own folder: unusable by the caller, and CRIU's root's too
         src = _caller_reaches(mp, ids, spec)
         if src is None:
             continue
@@ -433,7 +475,11 @@ def _own_mount_tree(staging: str, mounts: Sequence[str], spec: Mapping[str, Any]
             os.close(src)
             continue
         try:
-            _mount(f"/proc/self/fd/{src}", f"/proc/self/fd/{dst}", None, _MS_BIND)
+            if _nameable(mp):
+                _mount(f"/proc/self/fd/{src}", f"/proc/self/fd/{dst}", None, _MS_BIND)
+            else:  # CRIU's --external cannot name it: an empty mount in its place, so what it hides stays hidden
+                _mount(MASK_SOURCE, f"/proc/self/fd/{dst}", "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV,
+                       "mode=0555,size=4k")
         except OSError:
             pass
         finally:
@@ -530,56 +576,62 @@ def _reaped_by(pid: int, deadline: float) -> bool:
         time.sleep(0.005)
 
 
-def _restore_mounts(staging: str, keys: Sequence[str], spec: Mapping[str, Any]) -> list[str]:
+def _restore_mounts(staging: str, keys: Sequence[str], image_mounts: set[str], spec: Mapping[str, Any]) -> list[str]:
     """(In the process that becomes ``criu restore``, as root.) CRIU's own private mount namespace for a
     tree in its own namespaces, and CRIU's options for it:
 
     - a childless bind of ``/``: the tree's root (``--root``);
     - for each of the image's external mounts' ``keys`` (their mountpoints), a childless bind of this
       node's mount there, where the caller reaches it as it is (:func:`_caller_reaches`), else an empty
-      folder: a tree that held files there then fails to restore on them;
+      folder, bound by CRIU with the dumped mount's flags: a tree that held files there then fails to
+      restore on them;
     - nothing under ``/proc``: the tree's view of the node's proc must be childless too.
 
     The tree's mountpoints must be folders on this node (CRIU mounts on them). Raises OSError where this
-    node mounts, where the caller reaches it, a folder the tree had no mount on whose folder beneath
-    holds files: restored here, the tree would see what that mount hides. CRIU makes the tree's mounts
-    from these and exits, and this namespace goes with it."""
+    node mounts, within the caller's reach, a folder the image (``image_mounts``: every mountpoint it
+    holds) has no mount on, and the caller could list files beneath that mount in the view the tree
+    gets (the nearest mount the image names, or the root): restored here, the tree would see what that
+    mount hides. CRIU makes the tree's mounts from these and exits, and this namespace goes with it."""
     under_proc = [mp for mp, _ in mountpoints() if mp.startswith("/proc/")]
     node = node_mounts()
     root, rootfd = _staging(staging)
     ids = _mount_ids()  # this namespace's: a new namespace's mounts have new ids
+    users = _users_mounts()
     options = ["--root", root, "--ext-mount-map", "auto"]
-    named = set()
+    views: dict[str, str] = {"/": root}  # what the tree will see at a mountpoint, childless: where to look
     for i, key in enumerate(keys):
         if _under_proc(key) or not key.startswith("/") or not _nameable(key):
             continue  # found by CRIU itself (--ext-mount-map auto), or none of ours
-        named.add(key)
         dest = os.path.join(staging, str(i))
-        src = _caller_reaches(key, ids, spec) if key in node else None
-        if src is not None and not stat.S_ISDIR(os.fstat(src).st_mode):
-            os.close(os.open(dest, os.O_CREAT | os.O_WRONLY, 0o644))  # a file's mount
-        else:
+        src = None
+        if key in node and users.get(key, int(spec["uid"])) == int(spec["uid"]):
+            src = _caller_reaches(key, ids, spec)
+        is_dir = True
+        if src is not None:
+            try:
+                with _as_caller(spec):  # not as root: a FUSE mount refuses root
+                    is_dir = stat.S_ISDIR(os.fstat(src).st_mode)
+            except OSError:
+                os.close(src)
+                src = None
+        if is_dir:
             os.mkdir(dest)
+        else:
+            os.close(os.open(dest, os.O_CREAT | os.O_WRONLY, 0o644))  # a file's mount
         if src is not None:
             try:
                 _mount(f"/proc/self/fd/{src}", dest, None, _MS_BIND)
+                views[key] = dest
             finally:
                 os.close(src)
         options += ["--external", f"mnt[{key}]:{dest}"]
     for mp in node:
-        if mp in named or (fd := _caller_reaches(mp, ids, spec)) is None:
+        if mp in image_mounts or users.get(mp, 0) != 0:
+            continue  # the image mounts there; or another user's FUSE mount, over a folder of that user's
+        if (fd := _caller_reaches(mp, ids, spec)) is None:
             continue
         os.close(fd)
-        try:
-            beneath = _resolve(mp.lstrip("/"), rootfd, beneath=True)
-        except OSError:
-            continue  # no such folder in the tree's root: nothing to see
-        try:
-            st = os.fstat(beneath)
-            hides = os.listdir(f"/proc/self/fd/{beneath}") if stat.S_ISDIR(st.st_mode) else st.st_size > 0
-        finally:
-            os.close(beneath)
-        if hides:
+        if _hides_from(views, mp, spec):
             raise OSError(0, f"this node mounts {mp}, which the checkpoint's tree had no mount on, and the folder "
                              f"beneath that mount holds files the tree would see; restore it on a node like the one "
                              f"it ran on, or empty {mp}'s folder beneath the mount")
@@ -587,6 +639,32 @@ def _restore_mounts(staging: str, keys: Sequence[str], spec: Mapping[str, Any]) 
     for mp in sorted(under_proc, key=lambda m: -m.count("/")):
         _libc.umount2(os.fsencode(mp), _MNT_DETACH)
     return options
+
+
+def _hides_from(views: Mapping[str, str], mp: str, spec: Mapping[str, Any]) -> bool:
+    """Whether the caller could list something at ``mp`` in the tree's view: beneath the nearest mount the
+    tree gets there (``views``: mountpoint -> a childless copy of it), what this node's mount at ``mp``
+    hides. Looked at as the caller (its permissions are the tree's), without following a symlink."""
+    near = max((v for v in views if v == "/" or mp == v or mp.startswith(v.rstrip("/") + "/")), key=len)
+    rel = mp[len(near):].lstrip("/")
+    base = os.open(views[near], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        with _as_caller(spec):
+            try:
+                fd = _resolve(rel, base, beneath=True) if rel else os.dup(base)
+            except OSError:
+                return False  # no such folder there, or the caller cannot reach it: nothing to see
+            try:
+                st = os.fstat(fd)
+                if stat.S_ISDIR(st.st_mode):
+                    return bool(os.listdir(f"/proc/self/fd/{fd}"))
+                return st.st_size > 0
+            except OSError:
+                return False  # the caller may not list it: nor may the tree
+            finally:
+                os.close(fd)
+    finally:
+        os.close(base)
 
 
 def _exit_code(status: int) -> int:
@@ -612,6 +690,7 @@ def main() -> int:
     started = {"ev": "started", "pid": pid}
     _send(lifeline, started)
     listener = _listen(str(spec.get("control") or ""))
+    mine = os.stat(str(spec["control"])).st_ino if listener is not None else None
     _tell_agent(ctl, pid)
     try:
         cause, agent = _watch(pid, lifeline, ctl, listener)
@@ -622,8 +701,8 @@ def main() -> int:
         if agent is not None:
             _send(agent, end)
     finally:
-        if listener is not None:
-            with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # ours only: a later shim of the same workload may listen there now
+            if mine is not None and os.stat(str(spec["control"])).st_ino == mine:
                 os.unlink(str(spec["control"]))
     return 0
 
@@ -715,13 +794,13 @@ def _restore(spec: Mapping[str, Any], out_w: int, err_w: int) -> int | dict[str,
         try:
             # The retry's caller's cgroups and limits (CRIU is told to leave cgroups alone: the tree stays
             # in ours), a keyring of its own, the default signals.
-            _inherit_from_caller(spec)
-            _own_session_keyring()
-            _default_signals()
             argv = list(spec["argv"])
             if spec.get("own_mounts"):  # a tree in its own namespaces (its images hold a user namespace)
                 argv += _restore_mounts(str(spec["own_mounts"]), [str(k) for k in spec.get("external_mounts", ())],
-                                        spec)
+                                        {str(m) for m in spec.get("image_mounts", ())}, spec)
+            _inherit_from_caller(spec)  # after the mounts: the caller's limits (its open files) bind CRIU only
+            _own_session_keyring()
+            _default_signals()
             high_out, high_err = os.dup(out_w), os.dup(err_w)  # out of the way of 3 and 4 first
             os.dup2(high_out, 3)
             os.dup2(high_err, 4)  # dup2's copies are inherited; every other fd here is close-on-exec
@@ -775,12 +854,9 @@ def _watch(pid: int, lifeline: socket.socket, ctl: socket.socket | None,
                 except OSError:
                     continue
                 uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
-                if uid != 0:  # the folder is root's alone; this is a second lock on the door
+                if uid != 0 or ctl is not None:  # root's alone; and one agent at a time (a live one keeps it)
                     conn.close()
                     continue
-                if ctl is not None:
-                    poll.unregister(ctl.fileno())
-                    ctl.close()
                 ctl = conn
                 poll.register(ctl.fileno(), select.POLLIN)
                 _tell_agent(ctl, pid)

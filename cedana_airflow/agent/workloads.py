@@ -26,7 +26,7 @@ from typing import Any
 from .. import errors
 from ..config import Settings, load_settings
 from ..engine.criu import CriuEngine
-from ..engine.images import read_external_mounts
+from ..engine.images import read_external_mounts, read_mountpoints
 from ..format.manifest import AirflowTask, Manifest
 from ..run.environment import workload_env
 from ..run.no_io_uring import filter_program
@@ -36,7 +36,7 @@ from ..run.workload import Sink, Workload, pipe_name
 from . import protocol, shim, trees
 from .remembered import Remembered, control_socket, forget, remember
 from .callers import Caller
-from .protocol import Peer
+from .protocol import TASK_SETTINGS, Peer
 
 __all__ = ["START_SECONDS", "TASK_SETTINGS", "Run", "ShimWorkload", "task_settings"]
 
@@ -44,16 +44,6 @@ log = logging.getLogger(__name__)
 
 #: How long a shim has to say its workload started (today's _child_of waits as long).
 START_SECONDS = 10.0
-
-#: The settings a caller's request may carry: how often and when its own workload is checkpointed and
-#: kept. Anything else (where checkpoints go, which key signs them, which CRIU runs, commands run as
-#: root: lease_renew_command, cooperative_verify_command) is the node's.
-TASK_SETTINGS = frozenset({
-    "heartbeat_seconds", "heartbeat_min_seconds", "heartbeat_max_seconds", "mtbf_hours", "checkpoint_on_term",
-    "stop_grace_seconds", "stop_window_seconds", "keep_checkpoints", "delete_on_success", "max_restore_gap_seconds",
-    "progress",
-})
-
 
 def task_settings(node: Mapping[str, str], requested: Mapping[str, Any]) -> Settings:
     """The node's settings (``node``: the agent's environment) with a request's task settings over them;
@@ -138,6 +128,7 @@ class Run:
         self._ctl: socket.socket | None = None
         self._started = threading.Event()
         self._done = threading.Event()
+        self._letting_go = False
         self.cause = ""  # how the tree ended, as its shim said (shim.py)
         self.restored_seq: int | None = None  # the checkpoint its tree was restored from (None: started fresh)
         # Where a shim builds the mounts of a tree in namespaces of its own (a root-only folder of the agent's):
@@ -190,6 +181,7 @@ class Run:
                                                   "Check the agent's log")
             finally:
                 self.ended_at = time.time()
+                self._letting_go = True  # its shim watches the tree for its caller from here, if it still runs
                 forget(self.runs, self.wid)
                 self._started.set()
                 self._done.set()
@@ -326,6 +318,8 @@ class Run:
         if cause:
             self.cause = cause
             workload.ended(code, sig)
+        elif self._letting_go:  # we closed our end: the run is over (it failed), the tree is the shim's to watch
+            pass
         else:
             log.warning("agent: %s: its shim is gone; its tree is killed, nothing watches it for its caller",
                         self.wid)
@@ -392,6 +386,7 @@ class _ShimRestore:
                                    "own_mounts": run.staging if own else None, "uid": run.peer.uid,
                                    "gid": run.peer.gid, "groups": list(run.peer.groups),
                                    "external_mounts": read_external_mounts(image_dir) if own else [],
+                                   "image_mounts": read_mountpoints(image_dir) if own else [],
                                    **run.caller.carried()}, out_w, err_w)
         if first.get("ev") != "started":
             if first.get("code") == 127 and first.get("line"):  # the shim's, before CRIU: this node's doing

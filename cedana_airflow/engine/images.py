@@ -35,6 +35,7 @@ __all__ = [
     "read_image",
     "read_creds",
     "read_external_mounts",
+    "read_mountpoints",
     "read_task_ids",
     "read_userns_maps",
     "read_open_files",
@@ -419,19 +420,28 @@ def read_userns_maps(image_dir: Path) -> list[tuple[frozenset[Extent], frozenset
     return out
 
 
-_MNT_EXT_KEY = 18  # mnt.proto, mnt_entry.ext_key: the name an external mount was dumped under
+_MNT_MOUNTPOINT, _MNT_EXT_KEY = 7, 18  # mnt.proto, mnt_entry: where it is; the name an external mount was dumped under
+
+
+def _mount_field(image_dir: Path, num: int) -> list[str]:
+    out: set[str] = set()
+    for path in sorted(image_dir.glob("mountpoints-*.img")):
+        try:
+            for entry in image_messages(path):
+                value = _bytes(message_values(entry), num)
+                if value is not None:
+                    out.add(value.decode("utf-8", "surrogateescape"))
+        except (IndexError, struct.error) as e:
+            raise ValueError(f"{path} is malformed ({e})") from None
+    return sorted(out)
 
 
 def read_external_mounts(image_dir: Path) -> list[str]:
     """The keys of the external mounts an image set's mount namespaces hold (mountpoints-*.img), each
     once: a restore must give CRIU a source for each. Raises ValueError where one is malformed."""
-    keys: set[str] = set()
-    for path in sorted(image_dir.glob("mountpoints-*.img")):
-        try:
-            for entry in image_messages(path):
-                key = _bytes(message_values(entry), _MNT_EXT_KEY)
-                if key is not None:
-                    keys.add(key.decode("utf-8", "surrogateescape"))
-        except (IndexError, struct.error) as e:
-            raise ValueError(f"{path} is malformed ({e})") from None
-    return sorted(keys)
+    return _mount_field(image_dir, _MNT_EXT_KEY)
+
+
+def read_mountpoints(image_dir: Path) -> list[str]:
+    """Every mountpoint an image set's mount namespaces hold (``/dev``, ...), each once."""
+    return _mount_field(image_dir, _MNT_MOUNTPOINT)

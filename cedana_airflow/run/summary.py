@@ -35,7 +35,8 @@ def run_summary(result: RunResult, checkpoint_id: str, node: str) -> dict[str, A
         "outcome": result.outcome,
         "restored_from": None if m is None else {
             "seq": m.seq, "node": m.node, "try_number": m.try_number, "created_at": m.created_at.isoformat(),
-            "engine": m.engine},  # "criu", or "cooperative": the workload wrote it (docs/cooperative.md)
+            "engine": m.engine,  # "criu", or "cooperative": the workload wrote it (docs/cooperative.md)
+            "image_bytes": m.image_bytes},  # 0.8.1
         "restore_seconds": round(result.restore_seconds, 3),
         "restore_gap_seconds": round(result.restore_gap_seconds, 3),
         # The work redone plus the downtime: from the restored checkpoint's creation until it ran again.
@@ -49,6 +50,7 @@ def run_summary(result: RunResult, checkpoint_id: str, node: str) -> dict[str, A
         "failed_heartbeats": result.failed_heartbeats,
         "heartbeat_failures": result.heartbeat_failures,
         "stopped_by": stop.cause if stop is not None else _signal_name(result.stopped_by_signal),
+        "stopped_by_signal": result.stopped_by_signal,  # 0.8.1: its number (a stop by a signal), or null
         "final_checkpoint_seq": stop.final.seq if stop is not None and stop.final is not None else None,
         "killed_by": _signal_name(result.killed_by_signal),
         "index_conflicts_retried": conflicts_retried(),

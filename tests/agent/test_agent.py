@@ -887,26 +887,83 @@ def test_doctor_says_whether_an_agent_answers_which_and_for_whom(agent, tmp_path
                             "start `cedana-airflow agent`") for x in lines), lines
 
 
-def test_a_restore_that_would_show_what_a_mount_of_this_node_hides_is_refused(agent, tmp_path):
+@pytest.mark.parametrize("within", ["the root", "a mount"])
+def test_a_restore_that_would_show_what_a_mount_of_this_node_hides_is_refused(agent, tmp_path, within):
     """The node mounts, since the checkpoint, a 0700 tmpfs over a folder that holds a file: a tree restored
-    with no mount there would see that file (its root is the node's root file system alone), so that
-    checkpoint is refused in one line and the retry starts fresh (issue 49 review, H1)."""
+    with no mount there would see that file (its root is the node's root file system alone, each of its
+    mounts a childless copy), so that checkpoint is refused in one line and the retry starts fresh (issue
+    49 reviews: H1, and N1 for a folder inside one of the tree's mounts)."""
     sock, _ = agent
+    # Its own uid, and a folder only that uid may enter: other tests' trees (uid nobody) running at the
+    # same time must not meet this node's mount (they would be refused for it too, rightly).
+    uid = 4242
     base = Path(f"/run/cedana-test-hides-{os.getpid()}-{tmp_path.name}")
-    (base / "x").mkdir(parents=True)
-    for d in (base, base / "x"):
-        d.chmod(0o755)
-    (base / "x" / "beneath.txt").write_text("what the mount hides\n")
-    (base / "x" / "beneath.txt").chmod(0o644)
+    base.mkdir()
+    os.chown(base, uid, uid)
+    base.chmod(0o700)
+    mounted = []
     try:
-        _checkpointed(sock, tmp_path / "store", NOBODY, "agent-hides")
+        if within == "a mount":  # a mount of the node's the tree gets, with the folder inside it
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755", "none", str(base)], check=True)
+            mounted.append(base)
+        os.chown(base, uid, uid)
+        base.chmod(0o700)
+        (base / "x").mkdir()
+        (base / "x").chmod(0o755)
+        (base / "x" / "beneath.txt").write_text("what the mount hides\n")
+        (base / "x" / "beneath.txt").chmod(0o644)
+        _checkpointed(sock, tmp_path / "store", uid, "agent-hides")
         subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700", "none", str(base / "x")], check=True)
-        try:
-            out = _resumed_by(sock, NOBODY, "agent-hides", f"cat {base}/x/beneath.txt 2>/dev/null; id -u")
-        finally:
-            subprocess.run(["umount", str(base / "x")], check=True)
+        mounted.append(base / "x")
+        out = _resumed_by(sock, uid, "agent-hides", f"cat {base}/x/beneath.txt 2>/dev/null; id -u")
     finally:
+        for m in reversed(mounted):
+            subprocess.run(["umount", str(m)], check=True)
         shutil.rmtree(base)
-    assert out == f"{NOBODY}\n"  # started fresh; the node's mount hides the file from it, as from the caller
+    assert out == f"{uid}\n"  # started fresh; the node's mount hides the file from it, as from the caller
     assert (f"this node mounts {base}/x, which the checkpoint's tree had no mount on, and the folder beneath that "
             "mount holds files the tree would see") in (tmp_path / "agent.log").read_text()
+
+
+def test_a_tree_restores_where_a_mount_it_had_but_never_used_is_gone(agent, tmp_path):
+    """A mount of the node's the tree got at its start (a tmpfs, suid and dev allowed) is gone from the node
+    at its restore: the tree gets an empty folder in its place, with that mount's flags, and resumes
+    (issue 49 review 2, N4)."""
+    sock, _ = agent
+    base = Path(f"/run/cedana-test-gone-{os.getpid()}-{tmp_path.name}")
+    base.mkdir()
+    base.chmod(0o755)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755", "none", str(base)], check=True)
+    try:
+        _checkpointed(sock, tmp_path / "store", NOBODY, "agent-gone",
+                      "i=0; while [ $i -lt 25 ]; do i=$((i+1)); echo $i; sleep 0.1; done")
+    finally:
+        subprocess.run(["umount", str(base)], check=True)
+    try:
+        latest = manifests(tmp_path / "store", "agent-gone")[-1]["seq"]
+        out = _resumed_by(sock, NOBODY, "agent-gone", "echo started over").split()
+    finally:
+        shutil.rmtree(base)
+    log = (tmp_path / "agent.log").read_text()
+    assert f"restored checkpoint_id=agent-gone seq={latest} " in log, log[-3000:]
+    assert out and out[0] != "started" and int(out[0]) > 1 and out[-1] == "25", out  # it went on, to its end
+
+
+def test_a_tree_with_a_masked_mount_is_checkpointed_and_resumed(agent, tmp_path):
+    """A node mount CRIU cannot name (a space in its path) is masked in the tree (shim.py); such a tree
+    still checkpoints and resumes, its mask with it (issue 49 review 2, N3)."""
+    sock, _ = agent
+    base = Path(f"/run/cedana-test-mask-{os.getpid()}-{tmp_path.name}")
+    (base / "team data").mkdir(parents=True)
+    base.chmod(0o755)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755", "none", str(base / "team data")], check=True)
+    try:
+        _checkpointed(sock, tmp_path / "store", NOBODY, "agent-mask",
+                      "i=0; while [ $i -lt 25 ]; do i=$((i+1)); echo $i; sleep 0.1; done")
+        latest = manifests(tmp_path / "store", "agent-mask")[-1]["seq"]
+        out = _resumed_by(sock, NOBODY, "agent-mask", "echo started over").split()
+    finally:
+        subprocess.run(["umount", str(base / "team data")], check=True)
+        shutil.rmtree(base)
+    assert f"restored checkpoint_id=agent-mask seq={latest} " in (tmp_path / "agent.log").read_text()
+    assert out and int(out[0]) > 1 and out[-1] == "25", out

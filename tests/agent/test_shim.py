@@ -223,3 +223,28 @@ def test_a_mount_is_bound_only_as_the_caller_reaches_it_never_through_a_symlink(
         for where in reversed(mounted):
             subprocess.run(["umount", str(where)], check=True)
         shutil.rmtree(base)
+
+
+def test_a_mount_criu_cannot_name_is_masked_in_the_tree_never_shows_what_it_hides(tmp_path):
+    """A node mount whose path CRIU's --external cannot carry (a space): the tree gets an empty read-only
+    mount there, not the folder the node's mount hides (issue 49 review 2, N3)."""
+    staging = tmp_path / "staging"
+    staging.mkdir(mode=0o700)
+    base = Path(f"/run/cedana-test-mask-{os.getpid()}")
+    (base / "team data").mkdir(parents=True)
+    base.chmod(0o755)
+    (base / "team data").chmod(0o755)
+    (base / "team data" / "beneath.txt").write_text("what the mount hides")
+    (base / "team data" / "beneath.txt").chmod(0o644)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755", "none", str(base / "team data")], check=True)
+    try:
+        (base / "team data" / "on-the-mount.txt").write_text("the node's mount")
+        probe = f"ls -A '{base}/team data'; echo end"
+        with started(["sh", "-c", probe], cwd="/tmp", own_mounts=str(staging)) as s:
+            assert s.event(s.lifeline)["ev"] == "started"
+            out = s.output()
+            assert s.event(s.lifeline)["code"] == 0
+    finally:
+        subprocess.run(["umount", str(base / "team data")], check=True)
+        shutil.rmtree(base)
+    assert out == "end\n", out  # neither the hidden file nor (unnamed to CRIU) the mount's own
