@@ -123,6 +123,13 @@ class Settings(BaseModel):
         description="How long a cooperative checkpoint may take from the request to its COMPLETE marker; past "
         "it the heartbeat is skipped (nothing of it is kept) and the workload runs on.",
     )
+    agent: Literal["off", "auto", "require"] = Field(
+        default="auto",
+        description="How a task's workload is checkpointed: through the node agent (`cedana-airflow agent`, "
+        "docs/agent.md), or by the task's own process. auto = the task's process where it is root (it runs "
+        "CRIU itself, as before), else the agent, and where none answers the task runs unprotected and says "
+        "so; require = the agent always (none answering fails the try); off = the task's own process always.",
+    )
     agent_socket: Path = Field(
         default=Path("/run/cedana-airflow/agent.sock"),
         description="Where the node agent listens (`cedana-airflow agent`) and its callers find it; its folder "

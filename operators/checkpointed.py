@@ -2,7 +2,9 @@
 and, on a retry or a Clear of the same DAG run, restored from its latest checkpoint instead of
 starting over.
 
-Thin by design (DESIGN.md, layers): Airflow context in, one ``run_workload`` call, Airflow outcome out.
+Thin by design (DESIGN.md, layers): Airflow context in, one run (``run_workload`` in this process, or
+``run_via_agent`` through the node agent where the task is not root: agent/route.py), its summary (the
+object ``cedana-airflow run --json`` prints) to the Airflow outcome.
 """
 
 from __future__ import annotations
@@ -18,16 +20,18 @@ from typing import TYPE_CHECKING, Any, Literal
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException
 
+from cedana_airflow.agent.route import run_via_agent, through_agent
 from cedana_airflow.airflow.logsink import LogSink
 from cedana_airflow.airflow.task import (CEDANA_TEMPLATE_FIELDS, CedanaTask, Placement, TaskSetup, airflow_errors,
                                          command_argv)
 from cedana_airflow.airflow.task_state import STATE_KEY, TaskState, airflow_task
 from cedana_airflow.config import Settings
 from cedana_airflow.engine.cuda import load_driver
-from cedana_airflow.errors import ConfigError, EngineUnavailable, GpuUnavailable
+from cedana_airflow.errors import AgentUnavailable, ConfigError, EngineUnavailable, GpuUnavailable
 from cedana_airflow.keys import node_key
 from cedana_airflow.run.environment import workload_env
 from cedana_airflow.run.runner import RunResult, run_workload, usable_engine
+from cedana_airflow.run.summary import run_summary
 from cedana_airflow.run.stop import UNPROTECTED_GRACE_SECONDS
 from cedana_airflow.run.workload import run_unprotected
 from cedana_airflow.scope.optin import OptInList, parse_labels
@@ -119,15 +123,21 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
             setup = self.cedana_setup(context, self._placement)
             if not setup.in_scope:
                 return self._run_unprotected(argv, self._workload_env(context, None, setup.settings), setup.settings)
-            if (why := _criu_missing(setup.settings)) is not None:
+            via_agent = through_agent(setup.settings)
+            if not via_agent and (why := _criu_missing(setup.settings)) is not None:
                 self.log.warning("cedana: this task runs unprotected (mode = transparent): %s A workload that writes "
                                  "its own state can be protected here with mode = auto or cooperative "
                                  "(docs/cooperative.md).", why)
                 return self._run_unprotected(argv, self._workload_env(context, None, setup.settings), setup.settings)
             setup = _with_stop_window(setup)
-            key = node_key(setup.settings)  # fail closed now, before the workload starts: one line naming the key
-            self.log.info("cedana: manifests are signed and verified with node key %s from %s", key.key_id, key.where)
-            store = setup.store()
+            if via_agent:  # the agent holds the key and the store: this process never opens either
+                where = f"the node agent's ({setup.settings.agent_socket})"
+            else:
+                key = node_key(setup.settings)  # fail closed now, before the workload starts: one line naming the key
+                self.log.info("cedana: manifests are signed and verified with node key %s from %s", key.key_id,
+                              key.where)
+                store = setup.store()
+                where = store.url
 
         cid, settings = setup.checkpoint_id, setup.settings
         node = settings.resolved_node()
@@ -135,21 +145,36 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
         previous = state.previous_try(ti.try_number)
         beat = settings.heartbeat_seconds
         self.log.info("cedana: checkpoint_id=%s node=%s try=%d store=%s heartbeat=%s", cid, node, ti.try_number,
-                      store.url, beat if isinstance(beat, str) else f"{beat:g}s" if beat else "off")
+                      where, beat if isinstance(beat, str) else f"{beat:g}s" if beat else "off")
         self._check_same_node(previous, node, setup.options.same_node_retry)
         state.add_try(ti.try_number, node, checkpoint_id=cid)
 
         out, err = LogSink(self.log, "stdout"), LogSink(self.log, "stderr")
+        env = self._workload_env(context, cid, settings)
         try:
             with airflow_errors():
-                result = run_workload(settings, cid, argv, resume=True, try_number=ti.try_number, cwd=self.cwd,
-                                      env=self._workload_env(context, cid, settings), stdout=out, stderr=err,
-                                      handle_signals=False, stop=self._stop, store=store, airflow=airflow_task(context),
-                                      on_restore=lambda r: self._log_restore(cid, node, r))
+                if via_agent:
+                    try:
+                        summary = run_via_agent(settings.agent_socket, cid, argv, cwd=self.cwd, env=env,
+                                                try_number=ti.try_number, settings=settings,
+                                                claim=airflow_task(context).model_dump(mode="json"), stdout=out,
+                                                stderr=err, stop=self._stop,
+                                                on_restore=lambda r: self._log_agent_restore(cid, node, r))
+                    except AgentUnavailable as e:
+                        if settings.agent == "require":
+                            raise
+                        self.log.warning("cedana: this task runs unprotected (agent = auto, not root): %s", e)
+                        return self._run_unprotected(argv, env, settings)
+                else:
+                    result = run_workload(settings, cid, argv, resume=True, try_number=ti.try_number, cwd=self.cwd,
+                                          env=env, stdout=out, stderr=err, handle_signals=False, stop=self._stop,
+                                          store=store, airflow=airflow_task(context),
+                                          on_restore=lambda r: self._log_restore(cid, node, r))
+                    summary = run_summary(result, cid, node)
         finally:
             out.close()
             err.close()
-        return self._outcome(context, state, result, cid, node, previous)
+        return self._outcome(context, state, summary, cid, node, previous)
 
     def _check_same_node(self, previous: dict[str, Any] | None, node: str, policy: str) -> None:
         """A retry on the node where the previous try failed: say so, or fail fast (same_node_retry = fail)."""
@@ -162,30 +187,30 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
                                    "and the next retry can be placed on another node.")
         self.log.warning("cedana: %s (same_node_retry = allow).", msg)
 
-    def _outcome(self, context: Context, state: TaskState, result: RunResult, cid: str, node: str,
+    def _outcome(self, context: Context, state: TaskState, run: dict[str, Any], cid: str, node: str,
                  previous: dict[str, Any] | None) -> dict[str, Any]:
-        """Record the try, then map the run's result to the task's: its summary (the XCom), or an exception."""
-        summary = self._summary(cid, node, result, previous)
+        """Record the try, then map the run's summary (run/summary.py: either route's) to the task's: its
+        XCom, or an exception."""
+        summary = self._summary(cid, node, run, previous)
+        seqs = run.get("checkpoint_seqs") or []
         record: dict[str, Any] = {}
-        if result.checkpoints:
-            record["latest_seq"] = result.checkpoints[-1].seq
-        if result.restored_from is not None:
+        if seqs:
+            record["latest_seq"] = seqs[-1]
+        if run.get("restored_from") is not None:
             record["last_restore"] = summary["restore"]
             context["ti"].xcom_push(key=XCOM_RESTORE_KEY, value=summary["restore"])
-        if result.stopped_by_signal:
-            how, ended = f"was stopped (signal {result.stopped_by_signal})", f"stopped {_signal_name(result.stopped_by_signal)}"
-        elif result.killed_by_signal:  # not by us: the OOM killer, a lost node, someone's kill -9
-            how = f"was killed by {_signal_name(result.killed_by_signal)}"
-            ended = f"killed {_signal_name(result.killed_by_signal)}"
+        if stopped := run.get("stopped_by_signal"):
+            how, ended = f"was stopped (signal {stopped})", f"stopped {_signal_name(stopped)}"
+        elif killed := run.get("killed_by"):  # not by us: the OOM killer, a lost node, someone's kill -9
+            how, ended = f"was killed by {killed}", f"killed {killed}"
         else:
-            how = ended = f"exited {result.exit_code}"
+            how = ended = f"exited {run['exit_code']}"
         # How this try ended, in Airflow's task state store: what heartbeat = auto's history reads (airflow/history.py)
         state.update(**record, tries=state.ended(context["ti"].try_number, ended))
-        if result.exit_code != 0:
+        if run["exit_code"] != 0:
             raise AirflowException(
-                f"cedana: the workload {how}; {len(result.checkpoints)} checkpoint(s) taken this try"
-                + (f", the latest is seq {result.checkpoints[-1].seq}: a retry or Clear resumes from it"
-                   if result.checkpoints else ""))
+                f"cedana: the workload {how}; {len(seqs)} checkpoint(s) taken this try"
+                + (f", the latest is seq {seqs[-1]}: a retry or Clear resumes from it" if seqs else ""))
         return summary
 
     def _workload_env(self, context: Context, cid: str | None, settings: Settings) -> dict[str, str]:
@@ -212,24 +237,23 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
             raise AirflowException(f"cedana: the workload (unprotected: not in scope) exited {rc}")
         return {"outcome": "unprotected", "exit_code": 0, "checkpoints_taken": 0}
 
-    def _summary(self, cid: str, node: str, result: RunResult, previous: dict[str, Any] | None) -> dict[str, Any]:
+    def _summary(self, cid: str, node: str, run: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "checkpoint_id": cid, "node": node, "outcome": result.outcome, "exit_code": result.exit_code,
-            "checkpoints_taken": len(result.checkpoints), "skipped_heartbeats": result.skipped_heartbeats,
-            "failed_heartbeats": result.failed_heartbeats, "heartbeat_failures": result.heartbeat_failures,
-            "stored_bytes": sum(m.stored_bytes for m in result.checkpoints), "restore": None,
-            # the interval in use at the end, and what it was chosen from
-            "heartbeat": result.heartbeat.model_dump() if result.heartbeat is not None else None,
+            "checkpoint_id": cid, "node": node, "outcome": run["outcome"], "exit_code": run["exit_code"],
+            "checkpoints_taken": run["checkpoints"], "skipped_heartbeats": run["skipped_heartbeats"],
+            "failed_heartbeats": run["failed_heartbeats"], "heartbeat_failures": run["heartbeat_failures"],
+            "stored_bytes": run["stored_bytes"], "restore": None,
+            "heartbeat": run.get("heartbeat"),  # the interval in use at the end, and what it was chosen from
         }
-        m = result.restored_from
+        m = run.get("restored_from")
         if m is not None:
             out["restore"] = {
-                "checkpoint_id": cid, "seq": m.seq, "from_try": m.try_number, "from_node": m.node, "node": node,
-                "previous_node": previous.get("node") if previous else m.node,
-                "checkpoint_created_at": m.created_at.isoformat(), "gap_seconds": round(result.restore_gap_seconds, 1),
-                "restore_seconds": round(result.restore_seconds, 2), "image_bytes": m.image_bytes,
-                "engine": m.engine,  # "criu", or "cooperative" (the workload wrote it)
-                "refused": list(result.skipped),
+                "checkpoint_id": cid, "seq": m["seq"], "from_try": m["try_number"], "from_node": m["node"], "node": node,
+                "previous_node": previous.get("node") if previous else m["node"],
+                "checkpoint_created_at": m["created_at"], "gap_seconds": round(run["restore_gap_seconds"], 1),
+                "restore_seconds": round(run["restore_seconds"], 2), "image_bytes": m.get("image_bytes"),
+                "engine": m["engine"],  # "criu", or "cooperative" (the workload wrote it)
+                "refused": list(run["refused"]),
             }
         return out
 
@@ -241,6 +265,12 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
             self.log.info("cedana: restored seq %d of try %d (node %s) on node %s: gap %.1f s, restore %.2f s, "
                           "checkpoint_id=%s", m.seq, m.try_number, m.node, node, result.restore_gap_seconds,
                           result.restore_seconds, cid)
+
+    def _log_agent_restore(self, cid: str, node: str, r: dict[str, Any]) -> None:
+        """:meth:`_log_restore`'s line, from what the agent says was restored (its ``status``)."""
+        self.log.info("cedana: restored seq %d of try %d (node %s) on node %s: gap %.1f s, restore %.2f s, "
+                      "checkpoint_id=%s (through the node agent)", r["seq"], r["try_number"], r["node"], node,
+                      r["gap_seconds"], r["restore_seconds"], cid)
 
     def on_kill(self) -> None:
         # Called from Airflow's SIGTERM handler in the task process: the supervision loop sees the

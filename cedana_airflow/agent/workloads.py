@@ -129,6 +129,7 @@ class Run:
         self._started = threading.Event()
         self._done = threading.Event()
         self._letting_go = False
+        self.restore: dict[str, Any] | None = None  # what was restored, once it was (_restored)
         self.cause = ""  # how the tree ended, as its shim said (shim.py)
         self.restored_seq: int | None = None  # the checkpoint its tree was restored from (None: started fresh)
         # Where a shim builds the mounts of a tree in namespaces of its own (a root-only folder of the agent's):
@@ -172,7 +173,7 @@ class Run:
                 self.result = run_workload(self.settings, self.checkpoint_id, argv, resume=resume,
                                            try_number=self.try_number, cwd=cwd, env=env, handle_signals=False,
                                            stop=self.stop, airflow=self.claim, starter=starter,
-                                           restore_tree=restore_tree)
+                                           restore_tree=restore_tree, on_restore=self._restored)
             except errors.CedanaError as e:
                 self.failure = e
             except Exception as e:  # noqa: BLE001 (a bug: said, and the caller is not left waiting)
@@ -193,6 +194,14 @@ class Run:
         if self.workload is None:
             assert self.failure is not None or self.result is not None
             raise self.failure or errors.CedanaError(f"{self.wid} ended before it started. Check the agent's log")
+
+    def _restored(self, result: RunResult) -> None:
+        """What was restored, for ``status`` while the run goes on (its summary says it again at the end)."""
+        m = result.restored_from
+        if m is not None:
+            self.restore = {"seq": m.seq, "try_number": m.try_number, "node": m.node,
+                            "created_at": m.created_at.isoformat(), "gap_seconds": round(result.restore_gap_seconds, 3),
+                            "restore_seconds": round(result.restore_seconds, 3)}
 
     def _start_shim(self, command: Sequence[str], cwd: str, env: Mapping[str, str], deny_io_uring: bool,
                     out_w: int, err_w: int) -> ShimWorkload:
@@ -350,6 +359,8 @@ class Run:
             "restored_seq": self.restored_seq,
             "state": "ended" if self.ended else "running", "cause": self.cause, "protected": True,
             "checkpoints": len(self.result.checkpoints) if self.result else None}
+        if self.restore is not None:
+            out["restore"] = self.restore
         if self.result is not None:
             out["result"] = run_summary(self.result, self.checkpoint_id, self.node)
         if self.failure is not None:

@@ -119,6 +119,40 @@ def test_dags_test_try_2_resumes_from_try_1s_signed_checkpoint(tmp_path, airflow
     assert rec.from_node == rec.node and rec.restore_seconds > 0
 
 
+def test_dags_test_try_2_resumes_through_the_node_agent(tmp_path, airflow_db):
+    """agent = require: each try's workload is the node agent's to run and checkpoint (the task process
+    holds neither the node's key nor the store), and try 2 resumes try 1's checkpoint through it, into the
+    task log as the in-process route writes it (issue 49)."""
+    import shutil
+    import sys
+
+    folder = Path(f"/run/cedana-test-agent-{os.getpid()}-{tmp_path.name}")
+    sock = folder / "agent.sock"
+    agent_env = {k: v for k, v in os.environ.items() if not k.startswith(("CEDANA_", "AIRFLOW"))}
+    agent_env.update(CEDANA_STORE=f"file://{tmp_path / 'store'}", CEDANA_WORK_DIR=str(tmp_path / "agent-work"))
+    agent_log = tmp_path / "agent.log"
+    with open(agent_log, "wb") as f:
+        agent = subprocess.Popen([sys.executable, "-m", "cedana_airflow", "agent", "--socket", str(sock)],
+                                 env=agent_env, stderr=f, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while b"agent serving on" not in agent_log.read_bytes():
+            assert agent.poll() is None and time.monotonic() < deadline, agent_log.read_text()
+            time.sleep(0.1)
+        env = airflow_env(tmp_path, airflow_db, AIRFLOW__CEDANA__AGENT="require",
+                          AIRFLOW__CEDANA__AGENT_SOCKET=str(sock))
+        text = run_dag_killing_try_1(env, tmp_path, file_manifest(tmp_path / "store", "cedana_e2e.train."))
+    finally:
+        agent.terminate()
+        agent.wait(30)
+        shutil.rmtree(folder, ignore_errors=True)
+    assert_resumed(text)
+    assert f"store=the node agent's ({sock})" in text and "(through the node agent)" in text
+    assert "signed and verified with node key" not in text  # the task process never read the key
+    said = agent_log.read_text()
+    assert said.count("agent started w-") == 2 and "restored checkpoint_id=cedana_e2e.train." in said, said[-3000:]
+
+
 def test_dags_test_resumes_through_an_airflow_connection_to_s3(tmp_path, airflow_db, bucket, s3_env):
     import boto3
 

@@ -1,0 +1,135 @@
+"""A task's way through the node agent (issue 49): which way a task's workload is checkpointed, and the
+run through the agent as its caller sees it.
+
+The caller (an Airflow task process, not root) asks the node's agent to run its workload as itself,
+reads the workload's output from its own pipes into its log, turns its stop (Airflow's on_kill) into
+the agent's ``stop`` (the final checkpoint), and gets back the run's summary: the same object
+``cedana-airflow run --json`` prints (run/summary.py). It never holds the node's key, the store's
+credentials or CRIU; the agent signs, stores and restores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .. import errors
+from ..config import Settings
+from ..run.workload import Sink
+from .client import AgentClient
+from .protocol import TASK_SETTINGS
+
+__all__ = ["through_agent", "run_via_agent"]
+
+#: How often a waiting caller looks at its stop event.
+_POLL_SECONDS = 0.2
+
+
+def through_agent(settings: Settings) -> bool:
+    """Whether a task's workload goes through the node agent (``[cedana] agent``): ``require`` always;
+    ``auto`` where this process is not root (root runs CRIU itself, as before the agent); ``off`` never."""
+    return settings.agent == "require" or (settings.agent == "auto" and os.geteuid() != 0)
+
+
+def task_request(settings: Settings) -> dict[str, Any]:
+    """The task settings a start carries (protocol.TASK_SETTINGS); the node's are the agent's."""
+    values = settings.model_dump(mode="json")
+    return {k: values[k] for k in sorted(TASK_SETTINGS) if k in values and values[k] is not None}
+
+
+def run_via_agent(path: Path, checkpoint_id: str, argv: Sequence[str], *, cwd: str | None, env: Mapping[str, str],
+                  try_number: int, settings: Settings, claim: Mapping[str, Any] | None, stdout: Sink, stderr: Sink,
+                  stop: threading.Event, on_restore: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run ``argv`` as us through the agent at ``path``, resuming ``checkpoint_id``'s newest checkpoint when
+    there is one; return the run's summary once it ended. ``stop`` set: the agent takes the final
+    checkpoint and ends the workload (as SIGTERM does to a supervisor). ``on_restore``: called with what
+    was restored (``status``'s ``restore``) once the agent says so. Raises AgentUnavailable where no
+    agent answers, and what the agent refused with (errors.py classes)."""
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pumps = [_pump(out_r, stdout), _pump(err_r, stderr)]
+    try:
+        with AgentClient.connect(path) as client:
+            client.hello()
+            started = client.start(checkpoint_id, argv, cwd=cwd or os.getcwd(), env=env, stdout=out_w, stderr=err_w,
+                                   try_number=try_number, settings=task_request(settings), claim=claim, resume=True)
+    finally:
+        os.close(out_w)  # the workload's are its own now: our copies would keep the pumps from their end
+        os.close(err_w)
+    with started.lifeline:
+        said_restore = started.restored_seq is None or on_restore is None
+        ended = False
+        while not ended:
+            if stop.is_set():
+                _ask(path, lambda c: c.stop(started.wid, started.handle))  # the final checkpoint, then the end
+                break
+            if not said_restore:
+                status = _ask(path, lambda c: c.status(started.wid, started.handle))
+                if status.get("restore") is not None and on_restore is not None:
+                    on_restore(status["restore"])
+                    said_restore = True
+            if select.select([started.lifeline], [], [], _POLL_SECONDS)[0]:
+                ended = _ended(started.lifeline)
+        status = _until_ended(path, started.wid, started.handle)
+    for pump in pumps:
+        pump.join()
+    if status.get("error"):
+        raise errors.CedanaError(str(status["error"].get("line") or status["error"]))
+    summary = status.get("result")
+    if not isinstance(summary, dict):
+        raise errors.CedanaError(f"the node agent ended {started.wid} without a summary ({status.get('cause')})")
+    return summary
+
+
+def _ended(lifeline: socket.socket) -> bool:
+    """Whether the lifeline said its workload ended (or closed: its shim is gone)."""
+    try:
+        data = lifeline.recv(1 << 16)
+    except OSError:
+        return True
+    return not data or b'"exit"' in data
+
+
+def _ask(path: Path, request: Callable[[AgentClient], dict[str, Any]], tries: int = 3) -> dict[str, Any]:
+    """One request on a connection of its own, tried again while the agent does not answer (a restart:
+    the agent started after it takes the workload up, with its handle)."""
+    for attempt in range(tries):
+        try:
+            with AgentClient.connect(path) as client:
+                return request(client)
+        except errors.AgentUnavailable:
+            if attempt == tries - 1:
+                raise
+            time.sleep(1.0)
+    raise AssertionError("unreachable")
+
+
+def _until_ended(path: Path, wid: str, handle: str, seconds: float = 120) -> dict[str, Any]:
+    """The run's status once its run has ended (the tree ended first: its last upload, its lease)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        status = _ask(path, lambda c: c.status(wid, handle))
+        if status.get("state") == "ended" or time.monotonic() > deadline:
+            return status
+        time.sleep(_POLL_SECONDS)
+
+
+def _pump(fd: int, sink: Sink) -> threading.Thread:
+    def run() -> None:
+        with contextlib.suppress(OSError):
+            while chunk := os.read(fd, 1 << 16):
+                sink.write(chunk)
+        os.close(fd)
+        with contextlib.suppress(Exception):
+            sink.flush()
+
+    t = threading.Thread(target=run, name="cedana-agent-output", daemon=True)
+    t.start()
+    return t
