@@ -165,6 +165,11 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
                             raise
                         self.log.warning("cedana: this task runs unprotected (agent = auto, not root): %s", e)
                         return self._run_unprotected(argv, env, settings)
+                    if summary.get("stopped_by"):
+                        final = summary.get("final_checkpoint_seq")
+                        self.log.info("cedana: stopped through the node agent checkpoint_id=%s: %s; the workload "
+                                      "tree ended", cid, f"final checkpoint seq {final}" if final is not None else
+                                      "no final checkpoint (a retry resumes the last heartbeat's)")
                 else:
                     result = run_workload(settings, cid, argv, resume=True, try_number=ti.try_number, cwd=self.cwd,
                                           env=env, stdout=out, stderr=err, handle_signals=False, stop=self._stop,

@@ -322,6 +322,54 @@ def test_stopping_a_running_task_takes_a_final_checkpoint_that_the_clear_resumes
     assert re.findall(r"done digest=\w+", log2) == [uninterrupted_digest(*args)]
 
 
+def test_stopping_a_task_through_the_node_agent_takes_a_final_checkpoint_that_the_clear_resumes(tmp_path, airflow_stack):
+    """The same stop as above, Airflow's own (Mark as failed: its supervisor's SIGTERM, then its SIGKILL),
+    with agent = require: on_kill becomes the agent's stop, the agent takes the final checkpoint, and the
+    Clear's try resumes it through the agent (issue 49)."""
+    import shutil
+    import sys
+
+    folder = Path(f"/run/cedana-test-agent-{os.getpid()}-{tmp_path.name}")
+    sock = folder / "agent.sock"
+    agent_env = {k: v for k, v in os.environ.items() if not k.startswith(("CEDANA_", "AIRFLOW"))}
+    agent_env.update(CEDANA_STORE=f"file://{tmp_path / 'store'}", CEDANA_WORK_DIR=str(tmp_path / "agent-work"))
+    agent_log = tmp_path / "agent.log"
+    with open(agent_log, "wb") as f:
+        agent = subprocess.Popen([sys.executable, "-m", "cedana_airflow", "agent", "--socket", str(sock)],
+                                 env=agent_env, stderr=f, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while b"agent serving on" not in agent_log.read_bytes():
+            assert agent.poll() is None and time.monotonic() < deadline, agent_log.read_text()
+            time.sleep(0.1)
+        args = ["--mb", "20", "--steps", "300", "--step-seconds", "0.1"]
+        dag = Clearing(airflow_stack, tmp_path, train_args=args, heartbeat=4.0, agent_socket=str(sock))
+        stack = airflow_stack
+        run_id, first = dag.start_run_until_first_checkpoint()
+        stack.call("PATCH", f"/api/v2/dags/{dag.dag_id}/dagRuns/{quote(run_id)}/taskInstances/train",
+                   {"new_state": "failed"})
+        deadline = time.monotonic() + 120
+        while not re.search(r"stopped through the node agent|Task killed", log1 := stack.task_log_files(dag.dag_id, 1)):
+            assert time.monotonic() < deadline, stack.logs()
+            time.sleep(0.5)
+        final = re.search(r"stopped through the node agent checkpoint_id=\S+: final checkpoint seq (\d+)", log1)
+        assert final and int(final[1]) > first["seq"], log1[-3000:] + agent_log.read_text()[-3000:]
+        before = [int(n) for n in re.findall(r"step (\d+)/300", log1)]
+
+        dag.clear(run_id)
+        done = dag.wait_state(run_id, {"success", "failed"})
+        assert done["state"] == "success", stack.logs()
+        log2 = dag.log(run_id, 2)
+    finally:
+        agent.terminate()
+        agent.wait(30)
+        shutil.rmtree(folder, ignore_errors=True)
+    assert re.search(rf"cedana: restored seq {final[1]} of try 1 .*\(through the node agent\)", log2), log2[-3000:]
+    after = [int(n) for n in re.findall(r"step (\d+)/300", log2)]
+    assert after[0] == before[-1] + 1, (before[-3:], after[:3])  # nothing printed after the final checkpoint
+    assert re.findall(r"done digest=\w+", log2) == [uninterrupted_digest(*args)]
+
+
 def test_same_node_retry_fail_fails_the_retry_fast_on_the_node_that_failed(tmp_path, airflow_db):
     env = airflow_env(tmp_path, airflow_db, AIRFLOW__CEDANA__SAME_NODE_RETRY="fail")
     text = run_dag_killing_try_1(env, tmp_path, file_manifest(tmp_path / "store", "cedana_e2e.train."), succeeds=False)

@@ -13,13 +13,15 @@ from cedana_airflow.operators import CheckpointedCommandOperator
 TRAIN = str(Path(__file__).resolve().parent.parent / "workloads" / "train.py")
 
 
-def clear_dag(dag_id: str, *, store: str, work_dir: str, train_args: list[str], heartbeat: float = 1.0) -> None:
-    """No automatic retry: the test fails the task and then clears it through the REST API, as the UI's Clear does."""
+def clear_dag(dag_id: str, *, store: str, work_dir: str, train_args: list[str], heartbeat: float = 1.0,
+              agent_socket: str | None = None) -> None:
+    """No automatic retry: the test fails the task and then clears it through the REST API, as the UI's Clear does.
+    ``agent_socket``: through the node agent listening there (agent = require)."""
     with DAG(dag_id, schedule=None, start_date=datetime(2026, 1, 1), catchup=False, default_args={"retries": 0}):
         CheckpointedCommandOperator(
             task_id="train",
             command=[sys.executable, TRAIN, *train_args],
             heartbeat=timedelta(seconds=heartbeat),
             store=store,
-            settings={"work_dir": work_dir},
+            settings={"work_dir": work_dir, **({"agent": "require", "agent_socket": agent_socket} if agent_socket else {})},
         )
