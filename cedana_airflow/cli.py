@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import sys
+import signal
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -252,6 +253,8 @@ def _cmd_run(args: argparse.Namespace, restore_only: bool) -> int:
     with _Summary(args) as summary:
         settings = _settings(args)
         summary.node = settings.resolved_node()
+        if command is not None and _through_agent(settings):  # (restore, with no command, is root's in-process)
+            return _run_through_agent(args, settings, command, summary)
         timings = _Timings() if args.timings else None
         result = run_workload(settings, args.id, command, resume=restore_only or args.resume,
                               try_number=args.try_number, airflow=_task_of(args),
@@ -260,6 +263,53 @@ def _cmd_run(args: argparse.Namespace, restore_only: bool) -> int:
             timings.print_now()
         summary.report(result)
     return result.exit_code
+
+
+def _through_agent(settings: Any) -> bool:
+    from .agent.route import through_agent
+
+    return through_agent(settings)
+
+
+def _run_through_agent(args: argparse.Namespace, settings: Any, command: list[str], summary: _Summary) -> int:
+    """``run`` as a caller of the node agent ([cedana] agent: require, or auto and not root): the workload
+    runs as us, checkpointed by the agent; SIGTERM and SIGINT stop it with a final checkpoint, as they
+    stop an in-process run; the summary is the agent's run's."""
+    from .agent.route import run_via_agent
+    from .run.environment import workload_env
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.timings:
+        print("cedana: --timings is not shown through the node agent (its log has the restore's)", file=sys.stderr)
+    task = _task_of(args)
+    result = run_via_agent(settings.agent_socket, args.id, command, cwd=os.getcwd(),
+                           env=workload_env(dict(os.environ), settings.keep_env), try_number=args.try_number,
+                           settings=settings, claim=task.model_dump(mode="json") if task else None,
+                           stdout=_Out(sys.stdout), stderr=_Out(sys.stderr), stop=stop,
+                           on_restore=lambda r: print(f"cedana: restored seq {r['seq']} of try {r['try_number']} "
+                                                      f"(node {r['node']}) through the node agent", file=sys.stderr))
+    summary.emit(result)
+    return int(result["exit_code"])
+
+
+class _Out:
+    """A workload's output, passed on to one of our streams as it comes (a Sink)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, data: bytes) -> int:
+        self.stream.buffer.write(data)
+        self.stream.flush()
+        return len(data)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.flush()
 
 
 class _Timings:
@@ -301,14 +351,14 @@ class _Summary:
         if isinstance(e, CedanaError):
             from .run.summary import error_summary
 
-            self._emit(error_summary(self.args.id, self.node, e.exit_code, f"{type(e).__name__}: {e}"))
+            self.emit(error_summary(self.args.id, self.node, e.exit_code, f"{type(e).__name__}: {e}"))
 
     def report(self, result: Any) -> None:
         from .run.summary import run_summary
 
-        self._emit(run_summary(result, self.args.id, self.node))
+        self.emit(run_summary(result, self.args.id, self.node))
 
-    def _emit(self, obj: dict[str, Any]) -> None:
+    def emit(self, obj: dict[str, Any]) -> None:
         text = json.dumps(obj)
         if self.args.json_file:
             tmp = f"{self.args.json_file}.tmp"
