@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup criu torch browser services slurm pods cc soak-tools demo ui demo-fleet demo-slurm demo-k8s test test-fast test-unit soak bench faults clean
+.PHONY: setup criu worker torch browser services slurm pods cc soak-tools demo ui demo-fleet demo-slurm demo-k8s test test-fast test-unit soak bench faults clean
 
 setup: $(STAMP) criu
 
@@ -15,6 +15,21 @@ $(STAMP): pyproject.toml setup.py
 
 criu:
 	bash scripts/install-criu.sh
+
+# A worker's own interpreter and environment, as the official Airflow image has one: Debian's python3
+# with our package (built and installed as a wheel, not editable) and Airflow, where any user may run them
+# (the tests' .venv runs a Python that lives in root's 0700 home). The tests run task processes that are
+# not root with it (issue 49); our package is put in again each time, so it is the tree's as it is now.
+WORKER := /opt/cedana-airflow/worker
+worker: $(WORKER)/.installed
+	$(WORKER)/bin/python -m pip install -q --disable-pip-version-check --no-deps --force-reinstall .
+
+$(WORKER)/.installed: pyproject.toml setup.py
+	@/usr/bin/python3 -c 'import ensurepip' 2>/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-venv; }
+	/usr/bin/python3 -m venv $(WORKER)
+	$(WORKER)/bin/python -m pip install -q --disable-pip-version-check '.[airflow]' numpy
+	chmod -R a+rX $(WORKER)
+	touch $@
 
 # PyTorch's CPU build (about 200 MB) for the real training jobs of the tests and the soak; not a
 # dependency of the package.
@@ -77,7 +92,7 @@ demo-k8s: setup pods
 # The suite in parallel pytest-xdist workers: most end-to-end tests wait on heartbeats and Airflow's loops,
 # so their waits overlap (tests/harness.py; docs/testing.md has the budget and the latest figures).
 TEST_WORKERS ?= 4
-test: setup torch browser services slurm pods cc
+test: setup torch browser services slurm pods cc worker
 	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # The inner loop: units and the pieces that need no Airflow stack, cluster or pod (under 3 minutes).

@@ -153,6 +153,68 @@ def test_dags_test_try_2_resumes_through_the_node_agent(tmp_path, airflow_db):
     assert said.count("agent started w-") == 2 and "restored checkpoint_id=cedana_e2e.train." in said, said[-3000:]
 
 
+#: A worker's own interpreter and environment (`make worker`): what a task process that is not root runs.
+WORKER = Path("/opt/cedana-airflow/worker")
+
+
+def test_a_task_process_that_is_not_root_is_checkpointed_through_the_node_agent(tmp_path, airflow_db):
+    """The Airflow task process runs as uid nobody (`airflow dags test` from the worker's own environment,
+    the default `agent = auto`): its workload is the node agent's to run as nobody and to checkpoint, try 1's
+    is killed, and try 2 resumes it; the task process never had the key, the store or root (issue 49)."""
+    import pwd
+    import shutil
+    import sys
+
+    nobody = pwd.getpwnam("nobody")
+    assert (WORKER / "bin" / "airflow").exists(), "no worker environment: run `make worker`"
+    folder = Path(f"/run/cedana-test-agent-{os.getpid()}-{tmp_path.name}")
+    sock = folder / "agent.sock"
+    agent_env = {k: v for k, v in os.environ.items() if not k.startswith(("CEDANA_", "AIRFLOW"))}
+    agent_env.update(CEDANA_STORE=f"file://{tmp_path / 'store'}", CEDANA_WORK_DIR=str(tmp_path / "agent-work"))
+    agent_log = tmp_path / "agent.log"
+    # The task's own folder: its Airflow home, its opt-in list (a worker's are its user's)
+    home = Path(f"/tmp/cedana-worker-{os.getpid()}-{tmp_path.name}")
+    home.mkdir(mode=0o700)
+    env = airflow_env(tmp_path, airflow_db, AIRFLOW__CEDANA__AGENT_SOCKET=str(sock))
+    shutil.copy(tmp_path / "airflow" / "airflow.db", home / "airflow.db")
+    shutil.copy(tmp_path / "optin.toml", home / "optin.toml")
+    env.update(AIRFLOW_HOME=str(home), AIRFLOW__CEDANA__OPTIN_FILE=str(home / "optin.toml"), HOME=str(home),
+               AIRFLOW__CEDANA__WORK_DIR=str(home / "work"), PATH=f"{WORKER / 'bin'}:/usr/bin:/bin")
+    for path in (home, *home.rglob("*")):
+        os.chown(path, nobody.pw_uid, nobody.pw_gid)
+    with open(agent_log, "wb") as f:
+        agent = subprocess.Popen([sys.executable, "-m", "cedana_airflow", "agent", "--socket", str(sock)],
+                                 env=agent_env, stderr=f, start_new_session=True)
+    log = tmp_path / "dags-test.log"
+    try:
+        deadline = time.monotonic() + 30
+        while b"agent serving on" not in agent_log.read_bytes():
+            assert agent.poll() is None and time.monotonic() < deadline, agent_log.read_text()
+            time.sleep(0.1)
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([str(WORKER / "bin" / "airflow"), "dags", "test", "cedana_e2e"], env=env, cwd=home,
+                                    stdout=out, stderr=subprocess.STDOUT, user=nobody.pw_uid, group=nobody.pw_gid,
+                                    extra_groups=[])
+            try:
+                m = first_manifest(file_manifest(tmp_path / "store", "cedana_e2e.train."), 180, proc, log)
+                status = Path(f"/proc/{m['process']['pid']}/status").read_text()
+                assert f"Uid:\t{nobody.pw_uid}\t" in status and "NoNewPrivs:\t1" in status  # the workload: nobody's
+                kill_workload(m["process"]["pid"])
+                assert proc.wait(timeout=300) == 0, log.read_text()[-5000:]
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+    finally:
+        agent.terminate()
+        agent.wait(30)
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
+    text = log.read_text()
+    assert_resumed(text)
+    assert f"store=the node agent's ({sock})" in text and "(through the node agent)" in text
+    assert "signed and verified with node key" not in text and "Permission denied" not in text, text[-3000:]
+
+
 def test_dags_test_resumes_through_an_airflow_connection_to_s3(tmp_path, airflow_db, bucket, s3_env):
     import boto3
 
