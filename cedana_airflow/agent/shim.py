@@ -61,7 +61,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 _CLONE_NEWPID, _CLONE_NEWNS, _CLONE_NEWUSER = 0x20000000, 0x00020000, 0x10000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1, 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
@@ -293,21 +293,26 @@ def _nameable(mountpoint: str) -> bool:
     return mountpoint.isprintable() and not any(c in mountpoint for c in "[]:, \\")
 
 
-def mountpoints(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, str]]:
-    """Every mount listed in ``mountinfo``, in its order: its mountpoint and file system type."""
-    return [(mp, fstype) for mp, fstype, _ in mount_sources(mountinfo)]
+class Mount(NamedTuple):
+    """One line of a mountinfo file (proc(5))."""
+
+    id: int
+    mountpoint: str
+    fstype: str
+    source: str
+    options: str  # the file system's own (super) options
 
 
-def mount_sources(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, str, str]]:
-    """Every mount listed in ``mountinfo``, in its order: its mountpoint, file system type and source."""
+def mount_table(mountinfo: str = "/proc/self/mountinfo") -> list[Mount]:
+    """Every mount listed in ``mountinfo``, in its order."""
     out = []
     with open(mountinfo, "rb") as f:
         for line in f:
             fields = line.split()
             if b"-" in fields[6:]:
                 sep = fields.index(b"-", 6)
-                out.append((_unescape(fields[4]), _unescape(fields[sep + 1]),
-                            _unescape(fields[sep + 2]) if len(fields) > sep + 2 else ""))
+                more = [_unescape(x) for x in fields[sep + 1:sep + 4]] + ["", "", ""]
+                out.append(Mount(int(fields[0]), _unescape(fields[4]), *more[:3]))
     return out
 
 
@@ -316,12 +321,12 @@ def mount_sources(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, st
 MASK_SOURCE = "cedana-mask"
 
 
-def node_mounts(mountinfo: str = "/proc/self/mountinfo") -> list[str]:
-    """The node's mountpoints a tree may get, each once, parents first: every one but ``/``, ``/proc`` and
-    what lies under it (the tree mounts a proc of its own) and a namespace file's (``/run/netns/*``:
-    another namespace's handle is none of a workload's business). One whose path CRIU's ``--external``
-    cannot name (:func:`_nameable`) is masked in the tree, not bound."""
-    keep = {mp for mp, fstype in mountpoints(mountinfo) if not _under_proc(mp) and mp != "/" and fstype != "nsfs"}
+def node_mounts(table: Sequence[Mount]) -> list[str]:
+    """The node's mountpoints (of ``table``) a tree may get, each once, parents first: every one but ``/``,
+    ``/proc`` and what lies under it (the tree mounts a proc of its own) and a namespace file's
+    (``/run/netns/*``: another namespace's handle is none of a workload's business). One whose path CRIU's
+    ``--external`` cannot name (:func:`_nameable`) is masked in the tree, not bound."""
+    keep = {m.mountpoint for m in table if not _under_proc(m.mountpoint) and m.mountpoint != "/" and m.fstype != "nsfs"}
     return sorted(keep, key=lambda mp: (mp.count("/"), mp))
 
 
@@ -397,31 +402,23 @@ def _as_caller(spec: Mapping[str, Any]) -> Iterator[None]:
         os.setgroups(groups)
 
 
-def _mount_ids(mountinfo: str = "/proc/self/mountinfo") -> dict[str, set[int]]:
+def _mount_ids(table: Sequence[Mount]) -> dict[str, set[int]]:
     """{mountpoint: the ids of the mounts on it}."""
     out: dict[str, set[int]] = {}
-    with open(mountinfo, "rb") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) > 4:
-                out.setdefault(_unescape(fields[4]), set()).add(int(fields[0]))
+    for m in table:
+        out.setdefault(m.mountpoint, set()).add(m.id)
     return out
 
 
-def _users_mounts(mountinfo: str = "/proc/self/mountinfo") -> dict[str, int]:
+def _users_mounts(table: Sequence[Mount]) -> dict[str, int]:
     """{mountpoint: the uid} of FUSE mounts a user other than root made (fusermount's ``user_id=``): over a
     folder of its own, and without allow_other no one else may use it."""
     out: dict[str, int] = {}
-    with open(mountinfo, "rb") as f:
-        for line in f:
-            fields = line.split()
-            if b"-" not in fields[6:]:
-                continue
-            sep = fields.index(b"-", 6)
-            if fields[sep + 1].startswith(b"fuse") and len(fields) > sep + 3:
-                for opt in fields[sep + 3].split(b","):
-                    if opt.startswith(b"user_id=") and opt[8:].isdigit() and int(opt[8:]) != 0:
-                        out[_unescape(fields[4])] = int(opt[8:])
+    for m in table:
+        if m.fstype.startswith("fuse"):
+            for opt in m.options.split(","):
+                if opt.startswith("user_id=") and opt[8:].isdigit() and int(opt[8:]) != 0:
+                    out[m.mountpoint] = int(opt[8:])
     return out
 
 
@@ -460,8 +457,8 @@ def _own_mount_tree(staging: str, mounts: Sequence[str], spec: Mapping[str, Any]
     again); one gone meanwhile is left out, as the node shows none either. Then that is our root, and
     nothing else of the node's is reachable."""
     root, rootfd = _staging(staging)
-    ids = _mount_ids()  # this namespace's: a new namespace's mounts have new ids
-    users = _users_mounts()
+    table = mount_table()  # this namespace's: a new namespace's mounts have new ids
+    ids, users = _mount_ids(table), _users_mounts(table)
     _mount("/proc", root + "/proc", None, _MS_BIND)
     for mp in mounts:
         if users.get(mp, int(spec["uid"])) != int(spec["uid"]):
@@ -509,7 +506,7 @@ def _start_own(spec: Mapping[str, Any], staging: str, out_w: int, err_w: int, re
     ids other than its own), forks the init and exits; the init, ours by then (a subreaper), becomes the
     caller. Its host pid, or None where the helper failed (``report_r`` says why)."""
     uid_map, gid_map = id_maps(int(spec["uid"]), int(spec["gid"]), spec["groups"])
-    mounts = node_mounts()
+    mounts = node_mounts(mount_table())
     ask_r, ask_w = os.pipe()
     go_r, go_w = os.pipe()
     helper = os.fork()
@@ -592,11 +589,12 @@ def _restore_mounts(staging: str, keys: Sequence[str], image_mounts: set[str], s
     holds) has no mount on, and the caller could list files beneath that mount in the view the tree
     gets (the nearest mount the image names, or the root): restored here, the tree would see what that
     mount hides. CRIU makes the tree's mounts from these and exits, and this namespace goes with it."""
-    under_proc = [mp for mp, _ in mountpoints() if mp.startswith("/proc/")]
-    node = node_mounts()
+    before = mount_table()  # the node's, before the staging mounts join it
+    under_proc = [m.mountpoint for m in before if m.mountpoint.startswith("/proc/")]
+    node = node_mounts(before)
     root, rootfd = _staging(staging)
-    ids = _mount_ids()  # this namespace's: a new namespace's mounts have new ids
-    users = _users_mounts()
+    table = mount_table()  # this namespace's: a new namespace's mounts have new ids
+    ids, users = _mount_ids(table), _users_mounts(table)
     options = ["--root", root, "--ext-mount-map", "auto"]
     views: dict[str, str] = {"/": root}  # what the tree will see at a mountpoint, childless: where to look
     for i, key in enumerate(keys):

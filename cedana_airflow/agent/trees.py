@@ -26,9 +26,9 @@ def dump_options(pid: int) -> tuple[str, ...]:
     ``/`` and its procs as an external mount named by its mountpoint. Read from the tree itself, so a
     restored tree's (the image's) are named too."""
     options: list[str] = []
-    masks = {mp for mp, fstype, source in shim.mount_sources(f"/proc/{pid}/mountinfo")
-             if fstype == "tmpfs" and source == shim.MASK_SOURCE}
-    for mp in sorted({mp for mp, _ in shim.mountpoints(f"/proc/{pid}/mountinfo")} - masks):
+    table = shim.mount_table(f"/proc/{pid}/mountinfo")
+    masks = {m.mountpoint for m in table if m.fstype == "tmpfs" and m.source == shim.MASK_SOURCE}
+    for mp in sorted({m.mountpoint for m in table} - masks):
         if mp == "/" or mp == "/proc" or mp.startswith("/proc/"):
             continue
         if not shim._nameable(mp):  # the shim binds none such: a tree that made one cannot be named to CRIU

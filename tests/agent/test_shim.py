@@ -165,7 +165,7 @@ def test_a_non_root_caller_s_tree_has_namespaces_of_its_own_and_the_node_s_mount
             assert s.event(s.lifeline)["ev"] == "started"
             out = s.output()
             assert s.event(s.lifeline) == {"ev": "exit", "code": 0, "cause": "exited", "signal": None}
-        node_mounts = {mp for mp, _ in shim.mountpoints()}
+        node_mounts = {m.mountpoint for m in shim.mount_table()}
     finally:
         subprocess.run(["umount", str(hidden / "m")], check=True)
         Path("/dev/shm").joinpath(f"cedana-test-{os.getpid()}").unlink()
@@ -206,7 +206,7 @@ def test_a_mount_is_bound_only_as_the_caller_reaches_it_never_through_a_symlink(
         for where in (base / "pub", locked):
             subprocess.run(["mount", "-t", "tmpfs", "none", str(where)], check=True)
             mounted.append(where)
-        ids = shim._mount_ids()
+        ids = shim._mount_ids(shim.mount_table())
         spec = {"uid": NOBODY, "gid": NOBODY, "groups": []}
         fd = shim._caller_reaches(str(base / "pub"), ids, spec)
         assert fd is not None and os.readlink(f"/proc/self/fd/{fd}") == str(base / "pub")
