@@ -326,35 +326,42 @@ def read_creds(image_dir: Path) -> TreeCreds | None:
         raise ValueError(f"{image_dir / 'pstree.img'} is malformed ({e})") from None
     found: list[TreeCreds] = []
     try:
-        for task in tasks:
-            t = message_values(task)
-            pid = _int(t, _PSTREE_PID)
-            if pid is not None and (main := image_messages(image_dir / f"core-{pid}.img")):
-                tc = _bytes(message_values(main[0]), _CORE_TC)
-                if tc is not None and _int(message_values(tc), _TC_STATE) == _TASK_DEAD:
-                    # A zombie holds no file and comes back a zombie; CRIU 4.2 writes no thread ID of
-                    # its own for it (pstree.c: threads[0].ns[0].virt is never set), so none is read.
-                    continue
-            for tid in _uints(t, _PSTREE_THREADS) or ([pid] if pid is not None else []):
-                core = image_messages(image_dir / f"core-{tid}.img")
-                thread = _bytes(message_values(core[0]), _CORE_THREAD) if core else None
-                creds = _bytes(message_values(thread), _THREAD_CREDS) if thread is not None else None
-                if creds is None:
-                    if not found:  # the root task's main thread: what every file would be written as
-                        raise ValueError(f"core-{tid}.img holds no credentials")
-                    # CRIU then leaves that task as it restores it: root (or an old creds-<pid>.img)
-                    found.append(ROOT_CREDS)
-                    continue
-                c = message_values(creds)
-                uid, gid = _int(c, _FSUID), _int(c, _FSGID)
-                if uid is None or gid is None:
-                    raise ValueError(f"core-{tid}.img has credentials without fsuid or fsgid")
-                found.append(TreeCreds(uid, gid, tuple(_uints(c, _GROUPS))))
+        for tid, c in _live_threads_creds(image_dir, tasks):
+            if c is None:
+                if not found:  # the root task's main thread: what every file would be written as
+                    raise ValueError(f"core-{tid}.img holds no credentials")
+                # CRIU then leaves that task as it restores it: root (or an old creds-<pid>.img)
+                found.append(ROOT_CREDS)
+                continue
+            uid, gid = _int(c, _FSUID), _int(c, _FSGID)
+            if uid is None or gid is None:
+                raise ValueError(f"core-{tid}.img has credentials without fsuid or fsgid")
+            found.append(TreeCreds(uid, gid, tuple(_uints(c, _GROUPS))))
     except (OSError, IndexError, struct.error) as e:
         raise ValueError(f"the process tree's core images in {image_dir} cannot be read ({e})") from None
     if not found:
         raise ValueError(f"{image_dir / 'pstree.img'} names no task")
     return ROOT_CREDS if any(c.uid == 0 for c in found) else found[0]
+
+
+def _live_threads_creds(image_dir: Path,
+                        tasks: list[bytes]) -> Iterator[tuple[int, dict[int, list[int | bytes]] | None]]:
+    """Each live thread of ``tasks`` (pstree.img's entries), the root task's main thread first, with its
+    creds_entry's fields (None: its core image holds none). A zombie is skipped: it holds no file and
+    comes back a zombie, and CRIU 4.2 writes no thread ID of its own for it (pstree.c:
+    threads[0].ns[0].virt is never set), so none is read. Raises what reading a core image raises."""
+    for task in tasks:
+        t = message_values(task)
+        pid = _int(t, _PSTREE_PID)
+        if pid is not None and (main := image_messages(image_dir / f"core-{pid}.img")):
+            tc = _bytes(message_values(main[0]), _CORE_TC)
+            if tc is not None and _int(message_values(tc), _TC_STATE) == _TASK_DEAD:
+                continue
+        for tid in _uints(t, _PSTREE_THREADS) or ([pid] if pid is not None else []):
+            core = image_messages(image_dir / f"core-{tid}.img")
+            thread = _bytes(message_values(core[0]), _CORE_THREAD) if core else None
+            creds = _bytes(message_values(thread), _THREAD_CREDS) if thread is not None else None
+            yield tid, (message_values(creds) if creds is not None else None)
 
 
 @dataclass(frozen=True)
@@ -375,26 +382,15 @@ def read_task_ids(image_dir: Path) -> list[TaskIds]:
     thread's core image or its creds are missing or malformed."""
     out: list[TaskIds] = []
     try:
-        for task in image_messages(image_dir / "pstree.img"):
-            t = message_values(task)
-            pid = _int(t, _PSTREE_PID)
-            if pid is not None and (main := image_messages(image_dir / f"core-{pid}.img")):
-                tc = _bytes(message_values(main[0]), _CORE_TC)
-                if tc is not None and _int(message_values(tc), _TC_STATE) == _TASK_DEAD:
-                    continue
-            for tid in _uints(t, _PSTREE_THREADS) or ([pid] if pid is not None else []):
-                core = image_messages(image_dir / f"core-{tid}.img")
-                thread = _bytes(message_values(core[0]), _CORE_THREAD) if core else None
-                creds = _bytes(message_values(thread), _THREAD_CREDS) if thread is not None else None
-                if creds is None:
-                    raise ValueError(f"core-{tid}.img holds no credentials")
-                c = message_values(creds)
-                ids = [_int(c, n) for n in (1, 3, 5, 7, 2, 4, 6, 8)]
-                if any(i is None for i in ids):
-                    raise ValueError(f"core-{tid}.img has credentials without every id")
-                out.append(TaskIds(tid, tuple(ids[:4]), tuple(ids[4:]), tuple(_uints(c, _GROUPS)),  # type: ignore[arg-type]
-                                   any(any(_uints(c, n)) for n in (9, 10, 11, 19)), any(_uints(c, 12)),
-                                   bool(_int(c, 18))))
+        for tid, c in _live_threads_creds(image_dir, image_messages(image_dir / "pstree.img")):
+            if c is None:
+                raise ValueError(f"core-{tid}.img holds no credentials")
+            ids = [_int(c, n) for n in (1, 3, 5, 7, 2, 4, 6, 8)]
+            if any(i is None for i in ids):
+                raise ValueError(f"core-{tid}.img has credentials without every id")
+            out.append(TaskIds(tid, tuple(ids[:4]), tuple(ids[4:]), tuple(_uints(c, _GROUPS)),  # type: ignore[arg-type]
+                               any(any(_uints(c, n)) for n in (9, 10, 11, 19)), any(_uints(c, 12)),
+                               bool(_int(c, 18))))
     except (OSError, IndexError, struct.error) as e:
         raise ValueError(f"the process tree's core images in {image_dir} cannot be read ({e})") from None
     return out
