@@ -376,18 +376,20 @@ class _ShimRestore:
 
     def __init__(self, run: Run, out_w: int, err_w: int) -> None:
         self.run, self.out_w, self.err_w = run, out_w, err_w
+        self._own: dict[Path, bool] = {}  # what vet found of each image dir: the shim's spec depends on it
 
     def vet(self, image_dir: Path, m: Manifest) -> bool:
         """Never more than the caller has: a tree in namespaces of its own with the caller's ids, or root's
         for root (trees.py); checked before anything of the checkpoint is put back. Whether it is the
         former."""
         run = self.run
-        return trees.check_restorable(image_dir, run.peer.uid, run.peer.gid, run.peer.groups,
-                                      f"checkpoint {run.checkpoint_id} seq={m.seq}")
+        own = self._own[image_dir] = trees.check_restorable(image_dir, run.peer.uid, run.peer.gid, run.peer.groups,
+                                                             f"checkpoint {run.checkpoint_id} seq={m.seq}")
+        return own
 
     def __call__(self, engine: CriuEngine, image_dir: Path, m: Manifest, pidfile: Path) -> Workload:
         run, out_w, err_w = self.run, self.out_w, self.err_w
-        own = self.vet(image_dir, m)  # again: cheap, and what the shim must build depends on it
+        own = self._own.pop(image_dir) if image_dir in self._own else self.vet(image_dir, m)
         if own:
             trees.open_to_tree_root(image_dir, run.peer.gid, run.peer.groups)
         cmd, log_path = engine.restore_command(image_dir, inherit={3: m.process.stdout_pipe, 4: m.process.stderr_pipe},
