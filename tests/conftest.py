@@ -9,6 +9,7 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -217,6 +218,19 @@ def has_nvidia_driver() -> bool:
 #: For a test that checks what a node *without* an NVIDIA driver does or says.
 no_nvidia_driver = pytest.mark.skipif(has_nvidia_driver(), reason="this machine has an NVIDIA driver; this test "
                                       "checks a node without one (scripts/gpu-validate.sh covers the GPU path)")
+
+
+def start_agent(sock: Path, env: dict[str, str], log: Path, *args: str) -> subprocess.Popen[bytes]:
+    """A node agent (`cedana-airflow agent`, as root, in its own session) listening on ``sock``, its stderr
+    in ``log``; returned once it serves. ``args``: more of its options (``--audit F``)."""
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "cedana_airflow", "agent", "--socket", str(sock), *args],
+                                env=env, stderr=f, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while b"agent serving on" not in log.read_bytes():
+        assert proc.poll() is None and time.monotonic() < deadline, f"the agent did not start: {log.read_text()}"
+        time.sleep(0.05)
+    return proc
 
 
 def cli_env(tmp_path: Path, node: str, work: str, **extra: str) -> dict[str, str]:
@@ -441,6 +455,19 @@ def varint(n: int) -> bytes:
         out.append(b | (0x80 if n else 0))
         if not n:
             return bytes(out)
+
+
+def pb_message(*fields: tuple[int, int | bytes]) -> bytes:
+    """A protobuf message written by hand: each (field number, a varint or bytes) in turn."""
+    out = b""
+    for num, v in fields:
+        out += varint(num << 3) + varint(v) if isinstance(v, int) else varint(num << 3 | 2) + varint(len(v)) + v
+    return out
+
+
+def criu_image(*entries: bytes, magic: int = 0x1) -> bytes:
+    """An image file as CRIU writes one: its two magics, then each entry after its length."""
+    return struct.pack("<II", 0x54564319, magic) + b"".join(struct.pack("<I", len(e)) + e for e in entries)
 
 
 def uninterrupted_digest(*train_args: str) -> str:

@@ -25,7 +25,7 @@ import pytest
 from cedana_airflow import __version__, errors
 from cedana_airflow.agent import protocol
 from cedana_airflow.agent.client import AgentClient
-from conftest import cli, cli_env, manifests
+from conftest import cli, cli_env, manifests, start_agent
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent runs as root")
 
@@ -39,14 +39,8 @@ def agent(tmp_path) -> Iterator[tuple[Path, Path]]:
     folder = Path(f"/run/cedana-test-agent-{os.getpid()}-{tmp_path.name}")
     sock, audit = folder / "agent.sock", tmp_path / "audit.jsonl"
     agent_log = tmp_path / "agent.log"
-    with open(agent_log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "cedana_airflow", "agent", "--socket", str(sock), "--audit", str(audit)],
-                                env=cli_env(tmp_path, "node-a", "work"), stderr=f)
+    proc = start_agent(sock, cli_env(tmp_path, "node-a", "work"), agent_log, "--audit", str(audit))
     try:
-        deadline = time.monotonic() + 15
-        while not sock.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, f"the agent did not start: {agent_log.read_text()}"
-            time.sleep(0.05)
         yield sock, audit
     finally:
         proc.terminate()
@@ -815,14 +809,7 @@ def test_an_agent_started_after_a_killed_one_takes_up_its_workloads(tmp_path):
     env = cli_env(tmp_path, "node-a", "work")
 
     def agent(name: str) -> subprocess.Popen[bytes]:
-        with open(tmp_path / f"{name}.log", "wb") as f:
-            proc = subprocess.Popen([sys.executable, "-m", "cedana_airflow", "agent", "--socket", str(sock)], env=env,
-                                    stderr=f, start_new_session=True)
-        deadline = time.monotonic() + 15
-        while not (sock.exists() and b"agent serving on" in (tmp_path / f"{name}.log").read_bytes()):
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / f"{name}.log").read_text()
-            time.sleep(0.05)
-        return proc
+        return start_agent(sock, env, tmp_path / f"{name}.log")
 
     def checkpoints() -> int:
         return len(manifests(tmp_path / "store", "agent-takeup"))

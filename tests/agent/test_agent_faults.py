@@ -10,7 +10,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cedana_airflow.agent.client import AgentClient
-from conftest import cli_env, manifests
+from conftest import cli_env, manifests, start_agent
 from test_agent import NOBODY, _event, _read_all, _start, as_uid
 
 COUNTER = ["sh", "-c", "i=0; while [ $i -lt 600 ]; do i=$((i+1)); echo $i; sleep 0.05; done"]
@@ -34,15 +33,8 @@ class Node:
 
     def agent(self, name: str, failpoints: str = "") -> subprocess.Popen[bytes]:
         env = cli_env(self.tmp, "node-a", "work", **({"CEDANA_FAILPOINTS": failpoints} if failpoints else {}))
-        log = self.tmp / f"{name}.log"
-        with open(log, "wb") as f:
-            proc = subprocess.Popen([sys.executable, "-m", "cedana_airflow", "agent", "--socket", str(self.sock)],
-                                    env=env, stderr=f, start_new_session=True)
+        proc = start_agent(self.sock, env, self.tmp / f"{name}.log")
         self.procs.append(proc)
-        deadline = time.monotonic() + 15
-        while b"agent serving on" not in log.read_bytes():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
         return proc
 
     def checkpoints(self, cid: str) -> list[int]:

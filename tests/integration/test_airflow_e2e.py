@@ -7,15 +7,18 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
 
-from conftest import AIRFLOW, TRAIN_ARGS, airflow_env, uninterrupted_digest, wait_gone
+from conftest import AIRFLOW, TRAIN_ARGS, airflow_env, start_agent, uninterrupted_digest, wait_gone
 from shared_stack import SharedStack
 
 pytestmark = pytest.mark.integration
@@ -37,6 +40,21 @@ def file_manifest(store: Path, prefix: str):
             return json.loads(p.read_text())
         return None
     return look
+
+
+@contextmanager
+def node_agent(tmp_path: Path) -> Iterator[Path]:
+    """A node agent (root) for the test's store, ``tmp_path/store``: its socket; its log ``tmp_path/agent.log``."""
+    folder = Path(f"/run/cedana-test-agent-{os.getpid()}-{tmp_path.name}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CEDANA_", "AIRFLOW"))}
+    env.update(CEDANA_STORE=f"file://{tmp_path / 'store'}", CEDANA_WORK_DIR=str(tmp_path / "agent-work"))
+    agent = start_agent(folder / "agent.sock", env, tmp_path / "agent.log")
+    try:
+        yield folder / "agent.sock"
+    finally:
+        agent.terminate()
+        agent.wait(30)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def kill_workload(pid: int) -> None:
@@ -123,33 +141,14 @@ def test_dags_test_try_2_resumes_through_the_node_agent(tmp_path, airflow_db):
     """agent = require: each try's workload is the node agent's to run and checkpoint (the task process
     holds neither the node's key nor the store), and try 2 resumes try 1's checkpoint through it, into the
     task log as the in-process route writes it (issue 49)."""
-    import shutil
-    import sys
-
-    folder = Path(f"/run/cedana-test-agent-{os.getpid()}-{tmp_path.name}")
-    sock = folder / "agent.sock"
-    agent_env = {k: v for k, v in os.environ.items() if not k.startswith(("CEDANA_", "AIRFLOW"))}
-    agent_env.update(CEDANA_STORE=f"file://{tmp_path / 'store'}", CEDANA_WORK_DIR=str(tmp_path / "agent-work"))
-    agent_log = tmp_path / "agent.log"
-    with open(agent_log, "wb") as f:
-        agent = subprocess.Popen([sys.executable, "-m", "cedana_airflow", "agent", "--socket", str(sock)],
-                                 env=agent_env, stderr=f, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 30
-        while b"agent serving on" not in agent_log.read_bytes():
-            assert agent.poll() is None and time.monotonic() < deadline, agent_log.read_text()
-            time.sleep(0.1)
+    with node_agent(tmp_path) as sock:
         env = airflow_env(tmp_path, airflow_db, AIRFLOW__CEDANA__AGENT="require",
                           AIRFLOW__CEDANA__AGENT_SOCKET=str(sock))
         text = run_dag_killing_try_1(env, tmp_path, file_manifest(tmp_path / "store", "cedana_e2e.train."))
-    finally:
-        agent.terminate()
-        agent.wait(30)
-        shutil.rmtree(folder, ignore_errors=True)
     assert_resumed(text)
     assert f"store=the node agent's ({sock})" in text and "(through the node agent)" in text
     assert "signed and verified with node key" not in text  # the task process never read the key
-    said = agent_log.read_text()
+    said = (tmp_path / "agent.log").read_text()
     assert said.count("agent started w-") == 2 and "restored checkpoint_id=cedana_e2e.train." in said, said[-3000:]
 
 
@@ -162,36 +161,23 @@ def test_a_task_process_that_is_not_root_is_checkpointed_through_the_node_agent(
     the default `agent = auto`): its workload is the node agent's to run as nobody and to checkpoint, try 1's
     is killed, and try 2 resumes it; the task process never had the key, the store or root (issue 49)."""
     import pwd
-    import shutil
-    import sys
 
     nobody = pwd.getpwnam("nobody")
     assert (WORKER / "bin" / "airflow").exists(), "no worker environment: run `make worker`"
-    folder = Path(f"/run/cedana-test-agent-{os.getpid()}-{tmp_path.name}")
-    sock = folder / "agent.sock"
-    agent_env = {k: v for k, v in os.environ.items() if not k.startswith(("CEDANA_", "AIRFLOW"))}
-    agent_env.update(CEDANA_STORE=f"file://{tmp_path / 'store'}", CEDANA_WORK_DIR=str(tmp_path / "agent-work"))
-    agent_log = tmp_path / "agent.log"
     # The task's own folder: its Airflow home, its opt-in list (a worker's are its user's)
     home = Path(f"/tmp/cedana-worker-{os.getpid()}-{tmp_path.name}")
     home.mkdir(mode=0o700)
-    env = airflow_env(tmp_path, airflow_db, AIRFLOW__CEDANA__AGENT_SOCKET=str(sock))
+    env = airflow_env(tmp_path, airflow_db)
     shutil.copy(tmp_path / "airflow" / "airflow.db", home / "airflow.db")
     shutil.copy(tmp_path / "optin.toml", home / "optin.toml")
     env.update(AIRFLOW_HOME=str(home), AIRFLOW__CEDANA__OPTIN_FILE=str(home / "optin.toml"), HOME=str(home),
                AIRFLOW__CEDANA__WORK_DIR=str(home / "work"), PATH=f"{WORKER / 'bin'}:/usr/bin:/bin")
     for path in (home, *home.rglob("*")):
         os.chown(path, nobody.pw_uid, nobody.pw_gid)
-    with open(agent_log, "wb") as f:
-        agent = subprocess.Popen([sys.executable, "-m", "cedana_airflow", "agent", "--socket", str(sock)],
-                                 env=agent_env, stderr=f, start_new_session=True)
     log = tmp_path / "dags-test.log"
     try:
-        deadline = time.monotonic() + 30
-        while b"agent serving on" not in agent_log.read_bytes():
-            assert agent.poll() is None and time.monotonic() < deadline, agent_log.read_text()
-            time.sleep(0.1)
-        with open(log, "wb") as out:
+        with node_agent(tmp_path) as sock, open(log, "wb") as out:
+            env["AIRFLOW__CEDANA__AGENT_SOCKET"] = str(sock)
             proc = subprocess.Popen([str(WORKER / "bin" / "airflow"), "dags", "test", "cedana_e2e"], env=env, cwd=home,
                                     stdout=out, stderr=subprocess.STDOUT, user=nobody.pw_uid, group=nobody.pw_gid,
                                     extra_groups=[])
@@ -205,9 +191,6 @@ def test_a_task_process_that_is_not_root_is_checkpointed_through_the_node_agent(
                 if proc.poll() is None:
                     proc.kill()
     finally:
-        agent.terminate()
-        agent.wait(30)
-        shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(home, ignore_errors=True)
     text = log.read_text()
     assert_resumed(text)
@@ -388,22 +371,7 @@ def test_stopping_a_task_through_the_node_agent_takes_a_final_checkpoint_that_th
     """The same stop as above, Airflow's own (Mark as failed: its supervisor's SIGTERM, then its SIGKILL),
     with agent = require: on_kill becomes the agent's stop, the agent takes the final checkpoint, and the
     Clear's try resumes it through the agent (issue 49)."""
-    import shutil
-    import sys
-
-    folder = Path(f"/run/cedana-test-agent-{os.getpid()}-{tmp_path.name}")
-    sock = folder / "agent.sock"
-    agent_env = {k: v for k, v in os.environ.items() if not k.startswith(("CEDANA_", "AIRFLOW"))}
-    agent_env.update(CEDANA_STORE=f"file://{tmp_path / 'store'}", CEDANA_WORK_DIR=str(tmp_path / "agent-work"))
-    agent_log = tmp_path / "agent.log"
-    with open(agent_log, "wb") as f:
-        agent = subprocess.Popen([sys.executable, "-m", "cedana_airflow", "agent", "--socket", str(sock)],
-                                 env=agent_env, stderr=f, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 30
-        while b"agent serving on" not in agent_log.read_bytes():
-            assert agent.poll() is None and time.monotonic() < deadline, agent_log.read_text()
-            time.sleep(0.1)
+    with node_agent(tmp_path) as sock:
         args = ["--mb", "20", "--steps", "300", "--step-seconds", "0.1"]
         dag = Clearing(airflow_stack, tmp_path, train_args=args, heartbeat=4.0, agent_socket=str(sock))
         stack = airflow_stack
@@ -415,17 +383,13 @@ def test_stopping_a_task_through_the_node_agent_takes_a_final_checkpoint_that_th
             assert time.monotonic() < deadline, stack.logs()
             time.sleep(0.5)
         final = re.search(r"stopped through the node agent checkpoint_id=\S+: final checkpoint seq (\d+)", log1)
-        assert final and int(final[1]) > first["seq"], log1[-3000:] + agent_log.read_text()[-3000:]
+        assert final and int(final[1]) > first["seq"], log1[-3000:] + (tmp_path / "agent.log").read_text()[-3000:]
         before = [int(n) for n in re.findall(r"step (\d+)/300", log1)]
 
         dag.clear(run_id)
         done = dag.wait_state(run_id, {"success", "failed"})
         assert done["state"] == "success", stack.logs()
         log2 = dag.log(run_id, 2)
-    finally:
-        agent.terminate()
-        agent.wait(30)
-        shutil.rmtree(folder, ignore_errors=True)
     assert re.search(rf"cedana: restored seq {final[1]} of try 1 .*\(through the node agent\)", log2), log2[-3000:]
     after = [int(n) for n in re.findall(r"step (\d+)/300", log2)]
     assert after[0] == before[-1] + 1, (before[-3:], after[:3])  # nothing printed after the final checkpoint
