@@ -5,12 +5,11 @@ dump and restore are tests/agent/test_agent.py's."""
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 
 import pytest
 
-from conftest import varint
+from conftest import criu_image, pb_message
 
 from cedana_airflow.agent import shim, trees
 from cedana_airflow.engine.images import read_external_mounts
@@ -19,36 +18,29 @@ from cedana_airflow.errors import CorruptCheckpoint
 U, G = 1000, 1000
 
 
-def _msg(*fields: tuple[int, int | bytes]) -> bytes:
-    out = b""
-    for num, v in fields:
-        out += varint(num << 3) + varint(v) if isinstance(v, int) else varint(num << 3 | 2) + varint(len(v)) + v
-    return out
-
-
-def _img(path: Path, *entries: bytes) -> None:
-    path.write_bytes(struct.pack("<II", 0x54564319, 0x1) + b"".join(struct.pack("<I", len(e)) + e for e in entries))
+def _write(path: Path, *entries: bytes) -> None:
+    path.write_bytes(criu_image(*entries))
 
 
 def _core(uid: int = U, gid: int = G, groups: tuple[int, ...] = (), caps: int = 0, euid: int | None = None,
           bnd: int = 0, nnp: int = 1) -> bytes:
     ids = [(1, uid), (2, gid), (3, uid if euid is None else euid), (4, gid), (5, uid), (6, gid), (7, uid), (8, gid)]
-    creds = _msg(*ids, (10, caps), (11, caps), (12, bnd), (13, 0), *[(14, g) for g in groups], (18, nnp))
-    return _msg((1, 1), (5, _msg((1, 0), (10, creds))))
+    creds = pb_message(*ids, (10, caps), (11, caps), (12, bnd), (13, 0), *[(14, g) for g in groups], (18, nnp))
+    return pb_message((1, 1), (5, pb_message((1, 0), (10, creds))))
 
 
 def _maps(uid_map: str, gid_map: str) -> bytes:
     def extents(text: str, num: int) -> list[tuple[int, bytes]]:
-        return [(num, _msg((1, a), (2, b), (3, c))) for line in text.splitlines() for a, b, c in [map(int, line.split())]]
-    return _msg(*extents(uid_map, 1), *extents(gid_map, 2))
+        return [(num, pb_message((1, a), (2, b), (3, c))) for line in text.splitlines() for a, b, c in [map(int, line.split())]]
+    return pb_message(*extents(uid_map, 1), *extents(gid_map, 2))
 
 
 def _tree(d: Path, core: bytes, userns: bytes | None = None) -> Path:
     d.mkdir()
-    _img(d / "pstree.img", _msg((1, 1), (2, 0), (3, 1), (4, 1), (5, 1)))
-    _img(d / "core-1.img", core)
+    _write(d / "pstree.img", pb_message((1, 1), (2, 0), (3, 1), (4, 1), (5, 1)))
+    _write(d / "core-1.img", core)
     if userns is not None:
-        _img(d / "userns-11.img", userns)
+        _write(d / "userns-11.img", userns)
     return d
 
 
@@ -81,6 +73,6 @@ def test_a_tree_with_the_caller_s_maps_and_ids_is_restorable_and_anything_more_i
 def test_the_mounts_an_image_set_names_are_read_each_once(tmp_path):
     d = tmp_path / "mnt"
     d.mkdir()
-    _img(d / "mountpoints-12.img", _msg((7, b"/dev"), (18, b"/dev")), _msg((7, b"/"),),
-         _msg((7, b"/dev/shm"), (18, b"/dev/shm")), _msg((7, b"/dev/shm"), (18, b"/dev/shm")))
+    _write(d / "mountpoints-12.img", pb_message((7, b"/dev"), (18, b"/dev")), pb_message((7, b"/"),),
+         pb_message((7, b"/dev/shm"), (18, b"/dev/shm")), pb_message((7, b"/dev/shm"), (18, b"/dev/shm")))
     assert read_external_mounts(d) == ["/dev", "/dev/shm"]

@@ -14,7 +14,6 @@ import copy
 import json
 import os
 import random
-import struct
 from pathlib import Path
 
 import pytest
@@ -26,24 +25,11 @@ from cedana_airflow.format.manifest import ProcessInfo
 from cedana_airflow.run.checkpointer import Checkpointer
 from cedana_airflow.store import open_store
 from cedana_airflow.store.transfer import CapturedSource, CheckpointMeta, save_checkpoint
-from conftest import own_processes
+from conftest import criu_image, own_processes, pb_message
 
 pytestmark = pytest.mark.integration
 
 MUTATIONS = 150
-
-
-def _msg(*fields: tuple[int, int | bytes]) -> bytes:
-    from conftest import varint
-
-    out = b""
-    for num, v in fields:
-        out += varint(num << 3) + varint(v) if isinstance(v, int) else varint(num << 3 | 2) + varint(len(v)) + v
-    return out
-
-
-def _image(*entries: bytes) -> bytes:
-    return struct.pack("<II", 0x54564319, 0x1) + b"".join(struct.pack("<I", len(e)) + e for e in entries)
 
 
 def _checkpoint(store, cfg, tmp_path: Path, root: Path, n: int) -> dict:
@@ -52,8 +38,8 @@ def _checkpoint(store, cfg, tmp_path: Path, root: Path, n: int) -> dict:
     (images / "pages-1.img").write_bytes(os.urandom(3000))
     # a root tree's pstree and core (what read_creds reads before placing files), the rest random: CRIU
     # refuses whatever gets that far, after the files were placed as root would place them
-    (images / "pstree.img").write_bytes(_image(_msg((1, 1), (2, 0), (3, 1), (4, 1), (5, 1))))
-    (images / "core-1.img").write_bytes(_image(_msg((1, 1), (5, _msg((1, 0), (10, _msg((7, 0), (8, 0))))))))
+    (images / "pstree.img").write_bytes(criu_image(pb_message((1, 1), (2, 0), (3, 1), (4, 1), (5, 1))))
+    (images / "core-1.img").write_bytes(criu_image(pb_message((1, 1), (5, pb_message((1, 0), (10, pb_message((7, 0), (8, 0))))))))
     copy_ = tmp_path / f"copy{n}"
     copy_.write_bytes(b"step 1\n")
     proc = ProcessInfo(pid=1, command=("python", "train.py"), cwd=str(root), stdout_pipe="pipe:[1]", stderr_pipe="pipe:[2]")

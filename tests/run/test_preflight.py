@@ -14,7 +14,6 @@ import os
 import shutil
 import socket
 import stat
-import struct
 import sys
 import tempfile
 import time
@@ -25,7 +24,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from conftest import varint
+from conftest import criu_image, pb_message
 
 from cedana_airflow.config import DEFAULT_CRIU_PREFIX
 from cedana_airflow.engine.criu import CriuEngine, find_criu
@@ -182,37 +181,26 @@ def test_a_missing_pymp_directory_is_created_and_then_criu_restores_the_listener
 
 
 
-def _msg(*fields: tuple[int, int | bytes]) -> bytes:
-    out = b""
-    for num, v in fields:
-        if isinstance(v, int):
-            out += varint(num << 3) + varint(v)
-        else:
-            out += varint(num << 3 | 2) + varint(len(v)) + v
-    return out
-
-
 def _sock(name: bytes, *, uid: int = 0, state: int = 10, type_: int = socket.SOCK_STREAM,
           deleted: bool = False) -> bytes:
-    perms = _msg((1, 0o140755), (2, uid), (3, uid))
-    usk = _msg((1, 7), (2, 99), (3, type_), (4, state), (5, 0), (6, 0), (7, 0), (8, 0), (11, name), (13, perms),
+    perms = pb_message((1, 0o140755), (2, uid), (3, uid))
+    usk = pb_message((1, 7), (2, 99), (3, type_), (4, state), (5, 0), (6, 0), (7, 0), (8, 0), (11, name), (13, perms),
                *([(15, 1)] if deleted else []))
-    return _msg((1, 5), (2, 7), (16, usk))
+    return pb_message((1, 5), (2, 7), (16, usk))
 
 
 def _reg(name: str, size: int, *, flags: int = os.O_RDONLY, mode: int = 0o100644, fid: int = 1) -> bytes:
-    reg = _msg((1, fid), (2, flags), (3, 0), (6, name.encode()), (8, size), (10, mode))
-    return _msg((1, 1), (2, fid), (3, reg))
+    reg = pb_message((1, fid), (2, flags), (3, 0), (6, name.encode()), (8, size), (10, mode))
+    return pb_message((1, 1), (2, fid), (3, reg))
 
 
 def _images(tmp_path: Path, *entries: bytes, remap: tuple[int, ...] = ()) -> Path:
     d = tmp_path / "images"
     d.mkdir()
-    head = struct.pack("<II", 0x54564319, 0x56213732)
-    (d / "files.img").write_bytes(head + b"".join(struct.pack("<I", len(e)) + e for e in entries))
+    (d / "files.img").write_bytes(criu_image(*entries, magic=0x56213732))
     if remap:
-        (d / "remap-fpath.img").write_bytes(
-            head + b"".join(struct.pack("<I", len(m)) + m for m in (_msg((1, i), (2, 0), (3, 1)) for i in remap)))
+        (d / "remap-fpath.img").write_bytes(criu_image(*(pb_message((1, i), (2, 0), (3, 1)) for i in remap),
+                                                       magic=0x56213732))
     return d
 
 
