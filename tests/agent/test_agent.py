@@ -171,11 +171,8 @@ def test_another_uid_can_neither_see_nor_stop_nor_ask_about_it_and_a_wrong_handl
 def test_the_agent_dying_leaves_the_workload_running_and_its_exit_still_reaches_the_caller(tmp_path):
     folder = Path(f"/run/cedana-test-agent-{os.getpid()}-{tmp_path.name}")
     sock = folder / "agent.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "cedana_airflow", "agent", "--socket", str(sock)],
-                            env=cli_env(tmp_path, "node-a", "work"), start_new_session=True)
+    proc = start_agent(sock, cli_env(tmp_path, "node-a", "work"), tmp_path / "agent.log")
     try:
-        while not sock.exists():
-            time.sleep(0.05)
         out_r, out_w = os.pipe()
         msg, fds = as_uid(NOBODY, _start(sock, ["sh", "-c", "sleep 1; echo after-the-agent; exit 4"], out_w))
         os.close(out_w)
@@ -574,12 +571,9 @@ def test_an_audit_log_that_cannot_be_written_refuses_starts_and_leaves_nothing_r
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], check=True)
     folder = Path(f"/run/cedana-test-agent-{os.getpid()}-{tmp_path.name}")
     sock = folder / "agent.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "cedana_airflow", "agent", "--socket", str(sock), "--audit",
-                             str(small / "audit.jsonl")], env=cli_env(tmp_path, "node-a", "work"),
-                            stderr=subprocess.DEVNULL)
+    proc = start_agent(sock, cli_env(tmp_path, "node-a", "work"), tmp_path / "agent.log", "--audit",
+                       str(small / "audit.jsonl"))
     try:
-        while not sock.exists():
-            time.sleep(0.05)
         (small / "filler").write_bytes(b"x" * (64 << 10))  # the disk under the audit log is full
         out_r, out_w = os.pipe()
         with AgentClient.connect(sock) as c:
