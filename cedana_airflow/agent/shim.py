@@ -474,9 +474,11 @@ def _own_mount_tree(staging: str, mounts: Sequence[str], spec: Mapping[str, Any]
         try:
             if _nameable(mp):
                 _mount(f"/proc/self/fd/{src}", f"/proc/self/fd/{dst}", None, _MS_BIND)
-            else:  # CRIU's --external cannot name it: an empty mount in its place, so what it hides stays hidden
+            else:  # CRIU's --external cannot name it: an empty mount in its place, so what it hides stays hidden.
+                # The caller's (read-only): CRIU restores its root's owner inside the tree's user namespace,
+                # where root's is no id at all.
                 _mount(MASK_SOURCE, f"/proc/self/fd/{dst}", "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV,
-                       "mode=0555,size=4k")
+                       f"mode=0555,size=4k,uid={int(spec['uid'])},gid={int(spec['gid'])}")
         except OSError:
             pass
         finally:
