@@ -220,6 +220,17 @@ no_nvidia_driver = pytest.mark.skipif(has_nvidia_driver(), reason="this machine 
                                       "checks a node without one (scripts/gpu-validate.sh covers the GPU path)")
 
 
+def uid_folder(name: str, uid: int) -> Path:
+    """``/run/<name>``, a folder only ``uid`` may enter (its own, 0700): the node mounts a test makes inside
+    it stay out of the trees other tests start at the same time as other uids (a tree of a caller other
+    than root gets every node mount its uid reaches, and cannot be restored where one is gone)."""
+    d = Path("/run") / name
+    d.mkdir()
+    os.chown(d, uid, uid)
+    d.chmod(0o700)
+    return d
+
+
 def start_agent(sock: Path, env: dict[str, str], log: Path, *args: str) -> subprocess.Popen[bytes]:
     """A node agent (`cedana-airflow agent`, as root, in its own session) listening on ``sock``, its stderr
     in ``log``; returned once it serves. ``args``: more of its options (``--audit F``)."""

@@ -25,7 +25,7 @@ import pytest
 from cedana_airflow import __version__, errors
 from cedana_airflow.agent import protocol
 from cedana_airflow.agent.client import AgentClient
-from conftest import cli, cli_env, manifests, start_agent
+from conftest import cli, cli_env, manifests, start_agent, uid_folder
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent runs as root")
 
@@ -875,13 +875,12 @@ def test_a_restore_that_would_show_what_a_mount_of_this_node_hides_is_refused(ag
     mounts a childless copy), so that checkpoint is refused in one line and the retry starts fresh (issue
     49 reviews: H1, and N1 for a folder inside one of the tree's mounts)."""
     sock, _ = agent
-    # Its own uid, and a folder only that uid may enter: other tests' trees (uid nobody) running at the
-    # same time must not meet this node's mount (they would be refused for it too, rightly).
-    uid = 4242
-    base = Path(f"/run/cedana-test-hides-{os.getpid()}-{tmp_path.name}")
+    # Its own uid, and a folder only that uid may enter: other tests' trees running at the same time must
+    # not meet this node's mounts (they would be refused for them too, rightly).
+    uid = {"the root": 4242, "a mount": 4243}[within]
+    top = uid_folder(f"cedana-test-hides-{os.getpid()}-{tmp_path.name}", uid)
+    base = top / "b"
     base.mkdir()
-    os.chown(base, uid, uid)
-    base.chmod(0o700)
     mounted = []
     try:
         if within == "a mount":  # a mount of the node's the tree gets, with the folder inside it
@@ -900,7 +899,7 @@ def test_a_restore_that_would_show_what_a_mount_of_this_node_hides_is_refused(ag
     finally:
         for m in reversed(mounted):
             subprocess.run(["umount", str(m)], check=True)
-        shutil.rmtree(base)
+        shutil.rmtree(top)
     assert out == f"{uid}\n"  # started fresh; the node's mount hides the file from it, as from the caller
     assert (f"this node mounts {base}/x, which the checkpoint's tree had no mount on, and the folder beneath that "
             "mount holds files the tree would see") in (tmp_path / "agent.log").read_text()
@@ -911,20 +910,21 @@ def test_a_tree_restores_where_a_mount_it_had_but_never_used_is_gone(agent, tmp_
     at its restore: the tree gets an empty folder in its place, with that mount's flags, and resumes
     (issue 49 review 2, N4)."""
     sock, _ = agent
-    base = Path(f"/run/cedana-test-gone-{os.getpid()}-{tmp_path.name}")
+    uid = 4244  # its own, and a folder only it may enter (uid_folder)
+    top = uid_folder(f"cedana-test-gone-{os.getpid()}-{tmp_path.name}", uid)
+    base = top / "m"
     base.mkdir()
-    base.chmod(0o755)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755", "none", str(base)], check=True)
     try:
-        _checkpointed(sock, tmp_path / "store", NOBODY, "agent-gone",
+        _checkpointed(sock, tmp_path / "store", uid, "agent-gone",
                       "i=0; while [ $i -lt 25 ]; do i=$((i+1)); echo $i; sleep 0.1; done")
     finally:
         subprocess.run(["umount", str(base)], check=True)
     try:
         latest = manifests(tmp_path / "store", "agent-gone")[-1]["seq"]
-        out = _resumed_by(sock, NOBODY, "agent-gone", "echo started over").split()
+        out = _resumed_by(sock, uid, "agent-gone", "echo started over").split()
     finally:
-        shutil.rmtree(base)
+        shutil.rmtree(top)
     log = (tmp_path / "agent.log").read_text()
     assert f"restored checkpoint_id=agent-gone seq={latest} " in log, log[-3000:]
     assert out and out[0] != "started" and int(out[0]) > 1 and out[-1] == "25", out  # it went on, to its end
@@ -934,15 +934,15 @@ def test_a_tree_with_a_masked_mount_is_checkpointed_and_resumed(agent, tmp_path)
     """A node mount CRIU cannot name (a space in its path) is masked in the tree (shim.py); such a tree
     still checkpoints and resumes, its mask with it (issue 49 review 2, N3)."""
     sock, _ = agent
-    base = Path(f"/run/cedana-test-mask-{os.getpid()}-{tmp_path.name}")
-    (base / "team data").mkdir(parents=True)
-    base.chmod(0o755)
+    uid = 4245  # its own, and a folder only it may enter (uid_folder)
+    base = uid_folder(f"cedana-test-mask-{os.getpid()}-{tmp_path.name}", uid)
+    (base / "team data").mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755", "none", str(base / "team data")], check=True)
     try:
-        _checkpointed(sock, tmp_path / "store", NOBODY, "agent-mask",
+        _checkpointed(sock, tmp_path / "store", uid, "agent-mask",
                       "i=0; while [ $i -lt 25 ]; do i=$((i+1)); echo $i; sleep 0.1; done")
         latest = manifests(tmp_path / "store", "agent-mask")[-1]["seq"]
-        out = _resumed_by(sock, NOBODY, "agent-mask", "echo started over").split()
+        out = _resumed_by(sock, uid, "agent-mask", "echo started over").split()
     finally:
         subprocess.run(["umount", str(base / "team data")], check=True)
         shutil.rmtree(base)

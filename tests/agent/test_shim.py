@@ -22,6 +22,7 @@ import pytest
 
 from cedana_airflow.agent import shim
 from cedana_airflow.run.no_io_uring import filter_program
+from conftest import uid_folder
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the shim runs as root, as the agent starts it")
 
@@ -195,9 +196,9 @@ def test_id_maps_keep_a_caller_s_group_0_and_refuse_the_id_trees_root_maps_to():
 def test_a_mount_is_bound_only_as_the_caller_reaches_it_never_through_a_symlink(tmp_path):
     """What the shim binds into a caller's tree, at its start and its restore: the mount on a mountpoint
     the caller itself reaches, opened without a symlink (issue 49 review, H1 and M1)."""
-    base = Path(f"/run/cedana-test-reach-{os.getpid()}")
-    (base / "pub").mkdir(parents=True)
-    base.chmod(0o755)
+    uid = 4246  # its own, and a folder only it may enter: no other test's tree meets its mounts
+    base = uid_folder(f"cedana-test-reach-{os.getpid()}", uid)
+    (base / "pub").mkdir()
     locked = tmp_path / "locked"  # tmp_path: root's, 0700
     locked.mkdir()
     (base / "link").symlink_to(base / "pub")
@@ -207,11 +208,11 @@ def test_a_mount_is_bound_only_as_the_caller_reaches_it_never_through_a_symlink(
             subprocess.run(["mount", "-t", "tmpfs", "none", str(where)], check=True)
             mounted.append(where)
         ids = shim._mount_ids(shim.mount_table())
-        spec = {"uid": NOBODY, "gid": NOBODY, "groups": []}
+        spec = {"uid": uid, "gid": uid, "groups": []}
         fd = shim._caller_reaches(str(base / "pub"), ids, spec)
         assert fd is not None and os.readlink(f"/proc/self/fd/{fd}") == str(base / "pub")
         os.close(fd)
-        assert shim._caller_reaches(str(locked), ids, spec) is None  # under a folder nobody cannot enter
+        assert shim._caller_reaches(str(locked), ids, spec) is None  # under a folder it cannot enter
         fd = shim._caller_reaches(str(locked), ids, {"uid": 0, "gid": 0, "groups": []})
         assert fd is not None  # root reaches it
         os.close(fd)
@@ -230,9 +231,9 @@ def test_a_mount_criu_cannot_name_is_masked_in_the_tree_never_shows_what_it_hide
     mount there, not the folder the node's mount hides (issue 49 review 2, N3)."""
     staging = tmp_path / "staging"
     staging.mkdir(mode=0o700)
-    base = Path(f"/run/cedana-test-mask-{os.getpid()}")
-    (base / "team data").mkdir(parents=True)
-    base.chmod(0o755)
+    uid = 4247  # its own, and a folder only it may enter: no other test's tree meets its mounts
+    base = uid_folder(f"cedana-test-mask-{os.getpid()}", uid)
+    (base / "team data").mkdir()
     (base / "team data").chmod(0o755)
     (base / "team data" / "beneath.txt").write_text("what the mount hides")
     (base / "team data" / "beneath.txt").chmod(0o644)
@@ -240,7 +241,7 @@ def test_a_mount_criu_cannot_name_is_masked_in_the_tree_never_shows_what_it_hide
     try:
         (base / "team data" / "on-the-mount.txt").write_text("the node's mount")
         probe = f"ls -A '{base}/team data'; echo end"
-        with started(["sh", "-c", probe], cwd="/tmp", own_mounts=str(staging)) as s:
+        with started(["sh", "-c", probe], cwd="/tmp", uid=uid, own_mounts=str(staging)) as s:
             assert s.event(s.lifeline)["ev"] == "started"
             out = s.output()
             assert s.event(s.lifeline)["code"] == 0
