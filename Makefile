@@ -18,16 +18,18 @@ criu:
 
 # A worker's own interpreter and environment, as the official Airflow image has one: Debian's python3
 # with our package (built and installed as a wheel, not editable) and Airflow, where any user may run them
-# (the tests' .venv runs a Python that lives in root's 0700 home). The tests run task processes that are
-# not root with it (issue 49); our package is put in again each time, so it is the tree's as it is now.
+# (the tests' .venv runs a Python that lives in root's 0700 home). The tests run task processes and Celery
+# workers that are not root with it (issue 49), so it has the Celery provider and PostgreSQL's drivers as
+# the official image does; our package is put in again each time, so it is the tree's as it is now.
 WORKER := /opt/cedana-airflow/worker
 worker: $(WORKER)/.installed
 	$(WORKER)/bin/python -m pip install -q --disable-pip-version-check --no-deps --force-reinstall .
 
-$(WORKER)/.installed: pyproject.toml setup.py
+$(WORKER)/.installed: pyproject.toml setup.py Makefile
 	@/usr/bin/python3 -c 'import ensurepip' 2>/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-venv; }
 	/usr/bin/python3 -m venv $(WORKER)
-	$(WORKER)/bin/python -m pip install -q --disable-pip-version-check '.[airflow]' numpy
+	$(WORKER)/bin/python -m pip install -q --disable-pip-version-check '.[airflow]' numpy \
+	  'apache-airflow-providers-celery>=3.10' 'celery>=5.5,<5.7' 'psycopg2-binary>=2.9' 'asyncpg>=0.29'
 	chmod -R a+rX $(WORKER)
 	touch $@
 
@@ -78,7 +80,7 @@ demo: setup
 ui: setup
 	$(BIN)/python scripts/ui.py
 
-demo-fleet: setup services
+demo-fleet: setup services worker
 	$(BIN)/python scripts/demo_fleet.py
 
 demo-slurm: setup slurm

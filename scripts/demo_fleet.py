@@ -76,6 +76,9 @@ def failover(fleet: FleetStack, *, dag_id: str = "cedana_failover", checkpoints_
 
     def ready() -> str | None:
         now = api.now(task)
+        if now.state in FINISHED:  # it never reached the kill point: its log says why
+            raise RuntimeError(f"try 1 of {dag_id} ended {now.state} before the kill point:\n"
+                               f"{_log(fleet, dag_id, run_id, 1)[-4000:]}")
         if now.state != "running" or not now.hostname:
             return None
         if checkpoints_before_kill:
@@ -126,10 +129,10 @@ def summary(out: dict[str, Any], expect: str) -> str:
 def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="cedana-fleet-"))
     print(f"starting a two-worker Airflow deployment in {root} (PostgreSQL, Redis, S3, api-server, scheduler, "
-          "dag processor, worker-a, worker-b)...", flush=True)
+          "dag processor, and nodes worker-a and worker-b: each a Celery worker as nobody beside its node agent)...", flush=True)
     expect = uninterrupted(TRAIN_ARGS)
     with FleetStack(root, HERE / "fleet_dags", OPTIN, heartbeat_timeout=HEARTBEAT_TIMEOUT,
-                    extra_env={"CEDANA_FLEET_TRAIN_ARGS": " ".join(TRAIN_ARGS)}) as fleet:
+                    extra_env={"CEDANA_FLEET_TRAIN_ARGS": " ".join(TRAIN_ARGS)}, worker_user="nobody") as fleet:
         print("up; running cedana_failover and killing the worker that runs it after 3 checkpoints...", flush=True)
         out = failover(fleet)
     print(summary(out, expect))

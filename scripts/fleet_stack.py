@@ -7,8 +7,15 @@ the broker, moto's S3 server as the store (through an Airflow connection), `airf
 hostname (what Airflow records for a try), `[cedana] node`, work dir and log-server port. A part
 that does not come up is one line naming it and its log.
 
+With ``worker_user`` (the demo and the failover test: ``nobody``), each node is what issue 49 deploys:
+a node agent as root (`cedana-airflow agent`, its own socket, work dir and node name; the only part
+that holds the store's credentials and the node key) and a Celery worker as that user, from the worker
+environment (`make worker`), whose tasks are the agent's callers. Its environment has no store, no
+connection to it and no key; its home and Airflow home are its own. The store's credentials are
+then the api-server's and the agents' only (the checkpoint browser reads the store).
+
     with FleetStack(root, dags_folder, optin) as fleet:
-        fleet.kill_worker("worker-a")     # SIGKILL the worker and everything under it: a node loss
+        fleet.kill_worker("worker-a")     # SIGKILL the node's worker, agent and everything under them
 """
 
 from __future__ import annotations
@@ -16,11 +23,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -30,6 +39,8 @@ from typing import Any
 from local_parts import AIRFLOW, MOTO_S3, Deployment, Postgres, descendants, free_port, stop_parts, tail  # noqa: E402  (scripts/ is on sys.path)
 HERE = Path(__file__).resolve().parent
 BUCKET = "cedana-fleet"
+#: The worker environment (`make worker`): Debian's python3 with our wheel, Airflow and its Celery provider.
+WORKER_ENV = Path("/opt/cedana-airflow/worker")
 
 
 class FleetError(RuntimeError):
@@ -38,9 +49,11 @@ class FleetError(RuntimeError):
 
 class FleetStack(Deployment):
     def __init__(self, root: Path, dags_folder: Path, optin: str, workers: tuple[str, ...] = ("worker-a", "worker-b"),
-                 heartbeat_timeout: int = 10, extra_env: dict[str, str] | None = None) -> None:
+                 heartbeat_timeout: int = 10, extra_env: dict[str, str] | None = None,
+                 worker_user: str | None = None) -> None:
         self.root, self.dags_folder, self.optin, self.worker_names = root, dags_folder, optin, workers
-        self.heartbeat_timeout, self.extra_env = heartbeat_timeout, extra_env or {}
+        self.heartbeat_timeout, self.extra_env, self.worker_user = heartbeat_timeout, extra_env or {}, worker_user
+        self.homes: Path | None = None  # the workers' homes and the shared log folder (worker_user only)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.pg = Postgres()
         self.token = ""
@@ -48,12 +61,12 @@ class FleetStack(Deployment):
         self.store_env: dict[str, str] = {}
 
     # -- parts ---------------------------------------------------------------------------------------
-    def _start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def _start(self, name: str, argv: list[str], env: dict[str, str] | None = None, **kw: Any) -> None:
         """Start a part in its own session, its output appended to ``<name>.log`` (a restarted worker
         keeps its earlier log)."""
         with open(self.root / f"{name}.log", "ab") as log:
             self.procs[name] = subprocess.Popen(argv, env=env or self.env, stdout=log, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                                stdin=subprocess.DEVNULL, start_new_session=True, **kw)
 
     def _wait(self, name: str, ready: Any, timeout: float) -> None:
         """Until ``ready()`` is true; else one line naming the part, why, and its log."""
@@ -118,23 +131,73 @@ class FleetStack(Deployment):
         return url
 
     def worker_env(self, name: str) -> dict[str, str]:
-        return {**self.env, "CEDANA_FLEET_HOSTNAME": name, "AIRFLOW__CEDANA__NODE": name,
-                "AIRFLOW__CEDANA__WORK_DIR": str(self.root / f"work-{name}"),
-                "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port())}
+        env = {**self.env, "CEDANA_FLEET_HOSTNAME": name, "AIRFLOW__CEDANA__NODE": name,
+               "AIRFLOW__CEDANA__WORK_DIR": str(self.root / f"work-{name}"),
+               "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port())}
+        if self.worker_user is None:
+            return env
+        assert self.homes is not None
+        home = self.homes / name
+        for k in ("AIRFLOW_CONN_CEDANA_FLEET_S3", "AIRFLOW__CEDANA__AWS_CONN_ID", "AIRFLOW__CEDANA__STORE"):
+            env.pop(k)  # the agent's, not the worker's
+        env.update(HOME=str(home), AIRFLOW_HOME=str(home / "airflow"), AIRFLOW__CEDANA__WORK_DIR=str(home / "work"),
+                   AIRFLOW__CEDANA__AGENT_SOCKET=str(self.agent_socket(name)),
+                   PATH=os.pathsep.join([str(WORKER_ENV / "bin"), "/usr/bin", "/bin"]))
+        return env
+
+    def agent_socket(self, name: str) -> Path:
+        # on /run, as a node's would be (a unix socket's path has at most 107 bytes: not under the test's tmp)
+        return Path(f"/run/cedana-fleet-{os.getpid()}-{id(self):x}/{name}/agent.sock")
+
+    def _start_agent(self, name: str) -> None:
+        """Node ``name``'s agent, as root: the store's credentials, its work dir and node name are its own."""
+        sock = self.agent_socket(name)
+        sock.parent.parent.mkdir(mode=0o755, exist_ok=True)
+        env = {k: v for k, v in self.env.items() if not k.startswith(("AIRFLOW", "CEDANA_", "AWS_"))}
+        env.update(self.store_env, CEDANA_WORK_DIR=str(self.root / f"agent-work-{name}"), PYTHONUNBUFFERED="1")
+        log = self.root / f"agent-{name}.log"
+        start = log.stat().st_size if log.exists() else 0
+        self._start(f"agent-{name}", [sys.executable, "-m", "cedana_airflow", "agent", "--socket", str(sock),
+                                      "--node", name, "--audit", str(self.root / f"agent-{name}.audit")], env)
+        self._wait(f"agent-{name}", lambda: "agent serving on" in log.read_text(errors="replace")[start:], 60)
 
     def start_worker(self, name: str) -> None:
-        """An `airflow celery worker` as node ``name``; returns once Celery says it is ready."""
+        """An `airflow celery worker` as node ``name`` (with its agent first, for ``worker_user``); returns
+        once Celery says it is ready."""
         log = self.root / f"{name}.log"
         start = log.stat().st_size if log.exists() else 0
-        self._start(name, [*AIRFLOW, "celery", "worker", "--celery-hostname", f"{name}@%h", "--concurrency", "2"],
-                    self.worker_env(name))
+        if self.worker_user is None:
+            self._start(name, [*AIRFLOW, "celery", "worker", "--celery-hostname", f"{name}@%h", "--concurrency", "2"],
+                        self.worker_env(name))
+        else:
+            self._start_agent(name)
+            user = pwd.getpwnam(self.worker_user)
+            env = self.worker_env(name)
+            self._start(name, [str(WORKER_ENV / "bin" / "airflow"), "celery", "worker", "--celery-hostname", f"{name}@%h",
+                               "--concurrency", "2"], env, cwd=env["HOME"], user=user.pw_uid, group=user.pw_gid,
+                        extra_groups=[])
         self._wait(name, lambda: " ready." in log.read_text(errors="replace")[start:], 120)
+
+    def _homes(self) -> None:
+        """The workers' folders (each its user's own, 0700) and the log folder they share with the
+        api-server, which shows their task logs: under a folder any user may enter (the test's tmp is
+        root's alone)."""
+        if not (WORKER_ENV / "bin" / "airflow").exists():
+            raise FleetError(f"no worker environment in {WORKER_ENV}: run `make worker`")
+        user = pwd.getpwnam(self.worker_user or "")
+        self.homes = Path(tempfile.mkdtemp(prefix="cedana-fleet-"))
+        self.homes.chmod(0o755)
+        for sub, mode in [("logs", 0o755), *((n, 0o700) for n in self.worker_names)]:
+            (self.homes / sub).mkdir(mode=mode)
+            os.chown(self.homes / sub, user.pw_uid, user.pw_gid)
 
     def kill_worker(self, name: str) -> float:
         """A node loss: freeze, then SIGKILL, the worker and everything below it (task supervisors, the
-        workload's PID namespace, the watchdog). Returns the wall-clock time of the kill."""
+        workload's PID namespace, the watchdog), and its agent with everything below that (shims and the
+        trees they watch). Returns the wall-clock time of the kill."""
         p = self.procs.pop(name)
-        tree = descendants(p.pid)
+        agent = self.procs.pop(f"agent-{name}", None)
+        tree = descendants([p.pid] + ([agent.pid] if agent else []))
         for pid in tree:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)  # nothing below it gets to react to its parent's death
@@ -143,6 +206,8 @@ class FleetStack(Deployment):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         p.wait()
+        if agent is not None:
+            agent.wait()
         return at
 
     # -- the API -------------------------------------------------------------------------------------
@@ -163,9 +228,11 @@ class FleetStack(Deployment):
     # -- lifecycle -----------------------------------------------------------------------------------
     def _up(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+        if self.worker_user is not None:
+            self._homes()
         db, broker, s3 = self._postgres(), self._redis(), self._moto()
         port = free_port()
-        optin = self.root / "optin.toml"
+        optin = (self.homes or self.root) / "optin.toml"  # the workers' to read, root's to write
         optin.write_text(self.optin)
         conn = json.dumps({"conn_type": "aws", "login": "fleet", "password": "fleet",
                            "extra": {"endpoint_url": s3, "region_name": "us-east-1"}})
@@ -192,6 +259,8 @@ class FleetStack(Deployment):
                     "AIRFLOW_CONN_CEDANA_FLEET_S3": conn, "AIRFLOW__CEDANA__AWS_CONN_ID": "cedana_fleet_s3",
                     "AIRFLOW__CEDANA__STORE": f"s3://{BUCKET}/store", "AIRFLOW__CEDANA__OPTIN_FILE": str(optin),
                     "PYTHONUNBUFFERED": "1", **self.extra_env}
+        if self.homes is not None:
+            self.env["AIRFLOW__LOGGING__BASE_LOG_FOLDER"] = str(self.homes / "logs")
         r = subprocess.run([*AIRFLOW, "db", "migrate"], env=self.env, capture_output=True, text=True, timeout=600)
         if r.returncode:
             raise FleetError(f"airflow db migrate failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
@@ -216,3 +285,6 @@ class FleetStack(Deployment):
         stop_parts(self.procs.values())
         self.procs.clear()
         self.pg.stop()
+        if self.homes is not None:
+            shutil.rmtree(self.homes, ignore_errors=True)
+            shutil.rmtree(self.agent_socket("x").parent.parent, ignore_errors=True)

@@ -1,12 +1,17 @@
 """Failover across real workers: Airflow's CeleryExecutor with two Celery workers (PostgreSQL, Redis and
 moto's S3 started by scripts/fleet_stack.py), one killed with everything under it while it runs a
-checkpointed task; the retry runs on the other and resumes from the dead one's checkpoint."""
+checkpointed task; the retry runs on the other and resumes from the dead one's checkpoint. The workers
+run as uid nobody from the worker environment, each beside its node's agent (root), as issue 49 deploys
+them: the agent is the only part of ours that is root and the only one with the store and the key."""
 
 from __future__ import annotations
 
+import json
 import os
+import pwd
 import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -34,10 +39,14 @@ def test_a_part_that_does_not_come_up_is_one_line_naming_it_and_nothing_is_left_
     assert [p for p in descendants(os.getpid())[1:] if "redis" in open(f"/proc/{p}/cmdline").read()] == []
 
 
+def audit(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     with FleetStack(tmp_path_factory.mktemp("fleet"), REPO / "scripts" / "fleet_dags", OPTIN,
-                    extra_env={"CEDANA_FLEET_TRAIN_ARGS": " ".join(TRAIN_ARGS)}) as f:
+                    extra_env={"CEDANA_FLEET_TRAIN_ARGS": " ".join(TRAIN_ARGS)}, worker_user="nobody") as f:
         yield f
 
 
@@ -60,6 +69,16 @@ def test_the_retry_of_a_task_whose_node_died_resumes_on_the_other_worker(fleet):
     assert out["lost_work_seconds"] >= 0
     text = summary(out, expect)
     assert f"taken on node {a}" in text and f"restored on node {b}" in text and f"final output: {expect} == uninterrupted run" in text
+    # both tries were the agents' callers, as nobody; the workers had no store and ran as nobody
+    nobody = pwd.getpwnam("nobody").pw_uid
+    assert "store=the node agent's (" in out["log_1"] and "(through the node agent)" in out["log_2"], out["log_2"][-3000:]
+    for node in (a, b):
+        starts = [r for r in audit(fleet.root / f"agent-{node}.audit") if r.get("op") == "start"]
+        assert starts and all(r["uid"] == nobody and r["decision"] == "allowed" for r in starts), starts
+    status = Path(f"/proc/{fleet.procs[b].pid}/status").read_text()
+    assert f"Uid:\t{nobody}\t{nobody}\t{nobody}\t{nobody}" in status, status
+    assert not any(k.startswith(("AWS_", "AIRFLOW_CONN_")) or k.endswith("__STORE")
+                   for k in Path(f"/proc/{fleet.procs[b].pid}/environ").read_text().split("\0"))
     fleet.start_worker(a)  # the node comes back for the next case
 
 
