@@ -275,7 +275,7 @@ def _run_through_agent(args: argparse.Namespace, settings: Any, command: list[st
     """``run`` as a caller of the node agent ([cedana] agent: require, or auto and not root): the workload
     runs as us, checkpointed by the agent; SIGTERM and SIGINT stop it with a final checkpoint, as they
     stop an in-process run; the summary is the agent's run's."""
-    from .agent.route import run_via_agent
+    from .agent.route import fresh_line, run_via_agent
     from .run.environment import workload_env
 
     stop = threading.Event()
@@ -289,7 +289,8 @@ def _run_through_agent(args: argparse.Namespace, settings: Any, command: list[st
                            settings=settings, claim=task.model_dump(mode="json") if task else None,
                            stdout=_Out(sys.stdout), stderr=_Out(sys.stderr), stop=stop,
                            on_restore=lambda r: print(f"cedana: restored seq {r['seq']} of try {r['try_number']} "
-                                                      f"(node {r['node']}) through the node agent", file=sys.stderr))
+                                                      f"(node {r['node']}) through the node agent", file=sys.stderr),
+                           on_fresh=lambda why: print(fresh_line(why, args.id), file=sys.stderr))
     summary.emit(result)
     return int(result["exit_code"])
 

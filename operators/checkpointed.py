@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException
 
-from cedana_airflow.agent.route import run_via_agent, through_agent
+from cedana_airflow.agent.route import fresh_line, run_via_agent, through_agent
 from cedana_airflow.airflow.logsink import LogSink
 from cedana_airflow.airflow.task import (CEDANA_TEMPLATE_FIELDS, CedanaTask, Placement, TaskSetup, airflow_errors,
                                          command_argv)
@@ -159,7 +159,8 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
                                                 try_number=ti.try_number, settings=settings,
                                                 claim=airflow_task(context).model_dump(mode="json"), stdout=out,
                                                 stderr=err, stop=self._stop,
-                                                on_restore=lambda r: self._log_agent_restore(cid, node, r))
+                                                on_restore=lambda r: self._log_agent_restore(cid, node, r),
+                                                on_fresh=lambda why: self.log.info("%s", fresh_line(why, cid)))
                     except AgentUnavailable as e:
                         if settings.agent == "require":
                             raise

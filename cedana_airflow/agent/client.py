@@ -36,6 +36,7 @@ class Started:
     pid: int
     lifeline: socket.socket
     restored_seq: int | None = None  # the checkpoint it was restored from; None: started fresh
+    fresh: str | None = None  # 0.8.2: why a resume started fresh (None: restored, or no resume asked)
 
 
 class AgentClient:
@@ -117,9 +118,9 @@ class AgentClient:
             protocol.close_fds(fds)
             raise errors.AgentUnavailable(f"the cedana agent at {self.path} started {reply.get('wid')} but sent no "
                                           "lifeline. Upgrade the agent")
-        seq = reply.get("restored_seq")
+        seq, fresh = reply.get("restored_seq"), reply.get("fresh")
         return Started(str(reply["wid"]), str(reply["handle"]), int(reply["pid"]), socket.socket(fileno=fds[0]),
-                       int(seq) if isinstance(seq, int) else None)
+                       int(seq) if isinstance(seq, int) else None, str(fresh)[:2000] if fresh else None)
 
     def status(self, wid: str, handle: str) -> dict[str, Any]:
         return self.request("status", wid=wid, handle=handle)[0]

@@ -26,7 +26,7 @@ from ..run.workload import Sink
 from .client import AgentClient
 from .protocol import TASK_SETTINGS
 
-__all__ = ["through_agent", "run_via_agent"]
+__all__ = ["fresh_line", "through_agent", "run_via_agent"]
 
 #: How often a waiting caller looks at its stop event.
 _POLL_SECONDS = 0.2
@@ -46,11 +46,13 @@ def task_request(settings: Settings) -> dict[str, Any]:
 
 def run_via_agent(path: Path, checkpoint_id: str, argv: Sequence[str], *, cwd: str | None, env: Mapping[str, str],
                   try_number: int, settings: Settings, claim: Mapping[str, Any] | None, stdout: Sink, stderr: Sink,
-                  stop: threading.Event, on_restore: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                  stop: threading.Event, on_restore: Callable[[dict[str, Any]], None] | None = None,
+                  on_fresh: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run ``argv`` as us through the agent at ``path``, resuming ``checkpoint_id``'s newest checkpoint when
     there is one; return the run's summary once it ended. ``stop`` set: the agent takes the final
     checkpoint and ends the workload (as SIGTERM does to a supervisor). ``on_restore``: called with what
-    was restored (``status``'s ``restore``) once the agent says so. Raises AgentUnavailable where no
+    was restored (``status``'s ``restore``) once the agent says so; ``on_fresh``: with why, when the
+    resume found nothing to restore and the workload started fresh. Raises AgentUnavailable where no
     agent answers, and what the agent refused with (errors.py classes)."""
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -63,6 +65,8 @@ def run_via_agent(path: Path, checkpoint_id: str, argv: Sequence[str], *, cwd: s
     finally:
         os.close(out_w)  # the workload's are its own now: our copies would keep the pumps from their end
         os.close(err_w)
+    if started.fresh and on_fresh is not None:
+        on_fresh(started.fresh)
     with started.lifeline:
         said_restore = started.restored_seq is None or on_restore is None
         ended = False
@@ -86,6 +90,13 @@ def run_via_agent(path: Path, checkpoint_id: str, argv: Sequence[str], *, cwd: s
     if not isinstance(summary, dict):
         raise errors.CedanaError(f"the node agent ended {started.wid} without a summary ({status.get('cause')})")
     return summary
+
+
+def fresh_line(why: str, checkpoint_id: str) -> str:
+    """The line a caller logs when the agent's resume started fresh (the in-process route's, said again)."""
+    head, _, detail = why.partition(": ")
+    return f"cedana: {head} checkpoint_id={checkpoint_id}; starting fresh (through the node agent)" + (
+        f": {detail}" if detail else "")
 
 
 def _ended(lifeline: socket.socket) -> bool:

@@ -465,7 +465,7 @@ class Agent:
         log.info("agent started %s for %s checkpoint_id=%s pid=%d", run.wid, peer, run.checkpoint_id, run.workload.pid)
         lifeline, run.lifeline = run.lifeline.detach(), None  # the caller's from now: sent, then closed here
         return {"wid": run.wid, "handle": run.handle, "pid": run.workload.pid, "node": self.node,
-                "restored_seq": run.restored_seq}, [lifeline]
+                "restored_seq": run.restored_seq, "fresh": run.fresh}, [lifeline]
 
     def _status(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
         peer = caller.peer

@@ -132,6 +132,7 @@ class Run:
         self.restore: dict[str, Any] | None = None  # what was restored, once it was (_restored)
         self.cause = ""  # how the tree ended, as its shim said (shim.py)
         self.restored_seq: int | None = None  # the checkpoint its tree was restored from (None: started fresh)
+        self.fresh: str | None = None  # why a resume started fresh (nothing to restore, or all refused)
         # Where a shim builds the mounts of a tree in namespaces of its own (a root-only folder of the agent's):
         # every tree other than a root caller's.
         self.staging = str(staging)
@@ -173,7 +174,8 @@ class Run:
                 self.result = run_workload(self.settings, self.checkpoint_id, argv, resume=resume,
                                            try_number=self.try_number, cwd=cwd, env=env, handle_signals=False,
                                            stop=self.stop, airflow=self.claim, starter=starter,
-                                           restore_tree=restore_tree, on_restore=self._restored)
+                                           restore_tree=restore_tree, on_restore=self._restored,
+                                           on_fresh=self._fresh)
             except errors.CedanaError as e:
                 self.failure = e
             except Exception as e:  # noqa: BLE001 (a bug: said, and the caller is not left waiting)
@@ -202,6 +204,10 @@ class Run:
             self.restore = {"seq": m.seq, "try_number": m.try_number, "node": m.node,
                             "created_at": m.created_at.isoformat(), "gap_seconds": round(result.restore_gap_seconds, 3),
                             "restore_seconds": round(result.restore_seconds, 3)}
+
+    def _fresh(self, why: str) -> None:
+        """Why a resume started fresh: the start's reply says it, so the caller's log does."""
+        self.fresh = why
 
     def _start_shim(self, command: Sequence[str], cwd: str, env: Mapping[str, str], deny_io_uring: bool,
                     out_w: int, err_w: int) -> ShimWorkload:
@@ -356,7 +362,7 @@ class Run:
         out: dict[str, Any] = {
             "wid": self.wid, "uid": self.uid, "checkpoint_id": self.checkpoint_id, "node": self.node,
             "pid": self.workload.pid if self.workload else None, "started": self.started_at,
-            "restored_seq": self.restored_seq,
+            "restored_seq": self.restored_seq, "fresh": self.fresh,
             "state": "ended" if self.ended else "running", "cause": self.cause, "protected": True,
             "checkpoints": len(self.result.checkpoints) if self.result else None}
         if self.restore is not None:

@@ -125,6 +125,7 @@ def run_workload(
     store: Store | None = None,
     airflow: AirflowTask | None = None,
     on_restore: Callable[[RunResult], None] | None = None,
+    on_fresh: Callable[[str], None] | None = None,
     starter: Starter = Workload.start,
     restore_tree: RestoreTree | None = None,
 ) -> RunResult:
@@ -142,7 +143,8 @@ def run_workload(
     ``airflow``: the task instance this run is (written into every manifest and restore record).
     ``on_restore``: called once a checkpoint is restored (``restored_from`` and the timings set), before
     any output of the restored workload reaches ``stdout``/``stderr``: a log can say what was restored
-    ahead of what the workload prints next.
+    ahead of what the workload prints next. ``on_fresh``: called with why, when a resume found nothing
+    it could restore and the command starts fresh (the node agent tells its caller).
     ``starter``: what starts a fresh tree (the node agent's starts it as its caller); ``restore_tree``:
     what restores one (the node agent's runs CRIU under the tree's shim; restores are then full).
     """
@@ -192,7 +194,7 @@ def run_workload(
             restore = command is None or (resume and _lease_allows(settings, store, checkpoint_id, cp))
             while True:
                 workload = _resume(cp, result, must_restore=command is None, cwd=cwd, stdout=stdout, stderr=stderr,
-                                   on_restore=on_restore) if restore else None
+                                   on_restore=on_restore, on_fresh=on_fresh) if restore else None
                 if workload is None:
                     assert command is not None
                     asked = settings.mode != "transparent"  # a transparent workload is never asked: no contract
@@ -252,7 +254,8 @@ def _work_dir(settings: Settings) -> Iterator[Path]:
 
 
 def _resume(cp: Checkpointer, result: RunResult, *, must_restore: bool, cwd: str | None, stdout: Sink | None,
-            stderr: Sink | None, on_restore: Callable[[RunResult], None] | None = None) -> Workload | None:
+            stderr: Sink | None, on_restore: Callable[[RunResult], None] | None = None,
+            on_fresh: Callable[[str], None] | None = None) -> Workload | None:
     """Restore the newest usable checkpoint into ``result``; None (start fresh) when there is none,
     unless ``must_restore`` (restore without a command), where that is the caller's error."""
     t0, started_at = time.monotonic(), datetime.now(timezone.utc)
@@ -263,13 +266,14 @@ def _resume(cp: Checkpointer, result: RunResult, *, must_restore: bool, cwd: str
         return _restore_into(cp, result, must_restore=must_restore, cwd=cwd,
                              stdout=held.sink(stdout if stdout is not None else sys.stdout.buffer),
                              stderr=held.sink(stderr if stderr is not None else sys.stderr.buffer),
-                             on_restore=on_restore, held=held, t0=t0, started_at=started_at)
+                             on_restore=on_restore, on_fresh=on_fresh, held=held, t0=t0, started_at=started_at)
     finally:
         held.release()  # (already released after a restore; a failed one printed nothing)
 
 
 def _restore_into(cp: Checkpointer, result: RunResult, *, must_restore: bool, cwd: str | None, stdout: Sink,
-                  stderr: Sink, on_restore: Callable[[RunResult], None] | None, held: _Held, t0: float,
+                  stderr: Sink, on_restore: Callable[[RunResult], None] | None,
+                  on_fresh: Callable[[str], None] | None, held: _Held, t0: float,
                   started_at: datetime) -> Workload | None:
     """_resume's work, with the restored tree's output in ``held`` until the restore is announced."""
 
@@ -284,6 +288,8 @@ def _restore_into(cp: Checkpointer, result: RunResult, *, must_restore: bool, cw
         if must_restore:
             raise
         log.info("no checkpoint to resume checkpoint_id=%s; starting fresh", cp.checkpoint_id)
+        if on_fresh is not None:
+            on_fresh("no checkpoint to resume")
         if cp.try_number > 1:  # a retry that found nothing (its node died before the first checkpoint): say so
             history(outcome="fresh", reason="no checkpoint to resume: none was complete before the previous try ended")
         return None
@@ -292,6 +298,8 @@ def _restore_into(cp: Checkpointer, result: RunResult, *, must_restore: bool, cw
             raise
         result.skipped = (str(e),)
         log.warning("no checkpoint could be restored checkpoint_id=%s; starting fresh", cp.checkpoint_id)
+        if on_fresh is not None:
+            on_fresh(f"no checkpoint could be restored: {e}")
         history(outcome="fresh", reason="every checkpoint was refused", refused=(str(e),))
         return None
     m = restored.manifest

@@ -979,3 +979,66 @@ def test_the_cli_s_run_goes_through_the_agent_and_its_stop_takes_a_final_checkpo
     assert "restored seq" in second.stderr.decode() and "through the node agent" in second.stderr.decode()
     went_on = [x for x in second.stdout.decode().splitlines()[:-1] if x.isdigit()]
     assert went_on[0] == str(int(counted[-1]) + 1) and went_on[-1] == "60", (counted[-3:], went_on[:3])
+
+
+def test_a_task_s_code_reads_neither_the_key_nor_another_uid_s_images_nor_its_memory(tmp_path):
+    """What a DAG author's code can reach on a node as the worker's uid, against the node's default key
+    file, a store and a work dir in folders every uid may enter (a shared mount), and the local images
+    kept: another uid's workload, checkpointed there, holds a secret it read from a file of its own. The
+    key, every stored and staged file, and that workload's memory and environment are each refused, and
+    the secret is in nothing the code could read (root finds it in the kept images: the probe could)."""
+    from cedana_airflow.keys import DEFAULT_KEY_FILE
+
+    folder = Path(f"/run/cedana-test-open-{os.getpid()}-{tmp_path.name}")
+    folder.mkdir(mode=0o755)
+    try:
+        secret = "s3cr3t-" + os.urandom(8).hex()
+        (folder / "secret").write_text(secret)
+        os.chown(folder / "secret", OTHER, OTHER)
+        (folder / "secret").chmod(0o400)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CEDANA_")}
+        env.update(CEDANA_STORE=f"file://{folder / 'store'}", CEDANA_WORK_DIR=str(folder / "work"),
+                   CEDANA_KEEP_LOCAL="true", CEDANA_NODE="node-a", PYTHONUNBUFFERED="1")
+        agent = start_agent(folder / "agent.sock", env, tmp_path / "agent.log")
+        try:
+            script = f"read secret < {folder / 'secret'}; i=0; while :; do i=$((i+1)); echo $i; sleep 0.1; done"
+            out_r, out_w = os.pipe()
+            msg, fds = as_uid(OTHER, _start(folder / "agent.sock", ["sh", "-c", script], out_w,
+                                            checkpoint_id="agent-secret", settings={"heartbeat_seconds": 0.3}))
+            os.close(out_w)
+            assert "ok" in msg, msg
+            with socket.socket(fileno=fds[0]):
+                deadline = time.monotonic() + 60
+                while not manifests(folder / "store", "agent-secret"):
+                    assert time.monotonic() < deadline, "no checkpoint of the secret holder within 60 s"
+                    time.sleep(0.1)
+                pid = msg["ok"]["pid"]
+                files = [p for p in folder.rglob("*") if p.is_file() and p.name not in ("secret", "agent.sock")]
+                assert any(secret.encode() in p.read_bytes() for p in files)  # as root: the images hold it
+                targets = [str(DEFAULT_KEY_FILE), f"/proc/{pid}/mem", f"/proc/{pid}/environ",
+                           *(str(p) for p in files)]
+
+                def probe() -> tuple[dict[str, list[str]], list[int]]:
+                    opened, leaked = [], []
+                    for root, _dirs, names in os.walk(folder):  # what it can list, it tries to read
+                        targets.extend(os.path.join(root, n) for n in names)
+                    for t in targets:
+                        try:
+                            with open(t, "rb") as f:
+                                data = f.read(1 << 26)
+                        except OSError:
+                            continue
+                        opened.append(t)
+                        if secret.encode() in data:
+                            leaked.append(t)
+                    return {"opened": opened, "leaked": leaked}, []
+
+                got, _ = as_uid(NOBODY, probe)
+            os.close(out_r)
+        finally:
+            agent.terminate()
+            agent.wait(10)
+        assert DEFAULT_KEY_FILE.exists() and len(targets) > 20, targets
+        assert got == {"ok": {"opened": [], "leaked": []}}, got
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
