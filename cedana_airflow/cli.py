@@ -288,8 +288,11 @@ def _run_through_agent(args: argparse.Namespace, settings: Any, command: list[st
                            env=workload_env(dict(os.environ), settings.keep_env), try_number=args.try_number,
                            settings=settings, claim=task.model_dump(mode="json") if task else None,
                            stdout=_Out(sys.stdout), stderr=_Out(sys.stderr), stop=stop,
-                           on_restore=lambda r: print(f"cedana: restored seq {r['seq']} of try {r['try_number']} "
-                                                      f"(node {r['node']}) through the node agent", file=sys.stderr),
+                           on_restore=lambda r: print(
+                               f"cedana: restored checkpoint_id={args.id} seq={r['seq']} from_node={r['node']} "
+                               f"node={r.get('restored_on', '?')} gap_seconds={r['gap_seconds']:.1f} restore_seconds="
+                               f"{r['restore_seconds']:.2f} try={r['try_number']} (through the node agent)",
+                               file=sys.stderr, flush=True),
                            on_fresh=lambda why: print(fresh_line(why, args.id), file=sys.stderr))
     summary.emit(result)
     return int(result["exit_code"])
@@ -398,6 +401,12 @@ def _cmd_slurm_job(args: argparse.Namespace) -> int:
         except OSError as e:
             print(f"cedana: cannot run {command[0]!r}: {e.strerror or e}", file=sys.stderr)
             return 127
+    if node and "%n" in str(settings.agent_socket):  # several slurmd on one host: one agent each
+        settings = settings.model_copy(update={"agent_socket": Path(str(settings.agent_socket).replace("%n", node))})
+    if _through_agent(settings):  # a job of a user other than root: the node's agent checkpoints it
+        with _Summary(args) as summary:
+            summary.node = settings.resolved_node()
+            return _run_through_agent(args, settings, command, summary)
     with _Summary(args) as summary:
         summary.node = settings.resolved_node()
         timings = _Timings() if args.timings else None

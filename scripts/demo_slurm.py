@@ -14,6 +14,7 @@ output with an uninterrupted run's.
 from __future__ import annotations
 
 import os
+import pwd
 import re
 import shutil
 import subprocess
@@ -53,21 +54,45 @@ def uninterrupted(args: list[str]) -> str:
     return out.strip().splitlines()[-1]
 
 
-def airflow_env(root: Path, cluster: SlurmCluster, airflow_db: Path | None = None, **extra: str) -> dict[str, str]:
-    """An Airflow home in ``root`` (a copy of ``airflow_db``, else migrated here) that submits to ``cluster``."""
-    home = root / "airflow"
-    home.mkdir(parents=True, exist_ok=True)
+#: The worker environment (`make worker`): what an Airflow worker that is not root runs.
+WORKER_ENV = Path("/opt/cedana-airflow/worker")
+
+
+def airflow_env(root: Path, cluster: SlurmCluster, airflow_db: Path | None = None, user: str | None = None,
+                **extra: str) -> dict[str, str]:
+    """An Airflow home in ``root`` (a copy of ``airflow_db``, else migrated here) that submits to ``cluster``.
+
+    ``user``: the Airflow worker (and so every job it submits) runs as that user, from the worker
+    environment, with a home of its own under ``root`` (which that user must be able to enter); each
+    node's agent (root, started here) checkpoints its jobs into the store, which only the agents write."""
+    home = root / f"home-{user}" if user else root
+    (home / "airflow").mkdir(parents=True, exist_ok=True)
     (root / "optin.toml").write_text(OPTIN)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CEDANA_", "AIRFLOW", "AWS_"))}
-    env.update(AIRFLOW_HOME=str(home), AIRFLOW__CORE__DAGS_FOLDER=str(REPO / "tests" / "dags_slurm"),
+    env.update(AIRFLOW_HOME=str(home / "airflow"), AIRFLOW__CORE__DAGS_FOLDER=str(REPO / "tests" / "dags_slurm"),
                AIRFLOW__CORE__LOAD_EXAMPLES="False", AIRFLOW__CEDANA__STORE=f"file://{root / 'store'}",
-               AIRFLOW__CEDANA__WORK_DIR=str(root / "work"), AIRFLOW__CEDANA__OPTIN_FILE=str(root / "optin.toml"),
+               AIRFLOW__CEDANA__WORK_DIR=str(home / "work"), AIRFLOW__CEDANA__OPTIN_FILE=str(root / "optin.toml"),
                SLURM_CONF=str(cluster.conf), CEDANA_SLURM_TRAIN_ARGS=" ".join(TRAIN_ARGS), PYTHONUNBUFFERED="1")
+    if user:
+        if not (WORKER_ENV / "bin" / "airflow").exists():
+            raise RuntimeError(f"no worker environment in {WORKER_ENV}: run `make worker`")
+        agents = {k: v for k, v in env.items() if not k.startswith("AIRFLOW")}
+        agents.update(CEDANA_STORE=f"file://{root / 'store'}")
+        for node in cluster.nodes:
+            cluster.start_agent(node, {**agents, "CEDANA_WORK_DIR": str(root / f"agent-work-{node}")})
+        env.pop("AIRFLOW__CEDANA__STORE")  # the agents'
+        env.update(HOME=str(home), AIRFLOW__CEDANA__AGENT_SOCKET=str(cluster.agent_sockets),
+                   PATH=os.pathsep.join([str(WORKER_ENV / "bin"), "/usr/bin", "/bin"]))
     env.update(extra)
     if airflow_db is not None:
-        shutil.copy(airflow_db, home / "airflow.db")
+        shutil.copy(airflow_db, home / "airflow" / "airflow.db")
     else:
         subprocess.run([*AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True, timeout=300)
+    if user:
+        ids = pwd.getpwnam(user)
+        for path in (home, *home.rglob("*")):
+            os.chown(path, ids.pw_uid, ids.pw_gid)
+        home.chmod(0o700)
     return env
 
 
@@ -84,13 +109,20 @@ def _wait(what: str, check: Any, timeout: float, proc: subprocess.Popen[bytes], 
 
 
 def node_loss(cluster: SlurmCluster, env: dict[str, str], root: Path, checkpoints_before_kill: int = 3,
-              timeout: float = 300) -> dict[str, Any]:
-    """Run cedana_slurm under `airflow dags test`; kill the node of its job after a few checkpoints; follow."""
-    store = open_store(env["AIRFLOW__CEDANA__STORE"], load_settings(environ={}))
+              timeout: float = 300, user: str | None = None) -> dict[str, Any]:
+    """Run cedana_slurm under `airflow dags test` (as ``user``, from the worker environment: see
+    airflow_env); kill the node of its job after a few checkpoints; follow."""
+    store = open_store(f"file://{root / 'store'}", load_settings(environ={}))
     log = root / "dags-test.log"
     out: dict[str, Any] = {}
+    as_user: dict[str, Any] = {}
+    argv = [*AIRFLOW, "dags", "test", "cedana_slurm"]
+    if user:
+        ids = pwd.getpwnam(user)
+        as_user = {"user": ids.pw_uid, "group": ids.pw_gid, "extra_groups": [], "cwd": env["HOME"]}
+        argv = [str(WORKER_ENV / "bin" / "airflow"), "dags", "test", "cedana_slurm"]
     with open(log, "wb") as f:
-        proc = subprocess.Popen([*AIRFLOW, "dags", "test", "cedana_slurm"], env=env, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, **as_user)
         try:
             cid = _wait("checkpoint ID", lambda: next((i for i in store.list_ids() if i.startswith("cedana_slurm.train.")),
                                                        None), 120, proc, log)
@@ -150,12 +182,15 @@ def summary(out: dict[str, Any], expect: str) -> str:
 
 def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="cedana-slurm-"))
-    print(f"starting a Slurm cluster in {root} (munge, slurmctld, slurmd node1 and node2)...", flush=True)
+    root.chmod(0o755)  # the worker's user (nobody) enters it: its home, the cluster's config and munge socket
+    print(f"starting a Slurm cluster in {root} (munge, slurmctld, slurmd node1 and node2, each node's agent)...",
+          flush=True)
     expect = uninterrupted(TRAIN_ARGS)
     with SlurmCluster(root / "slurm") as cluster:
-        env = airflow_env(root, cluster)
-        print("up; `airflow dags test cedana_slurm`, killing the job's node after 3 checkpoints...", flush=True)
-        out = node_loss(cluster, env, root)
+        env = airflow_env(root, cluster, user="nobody")
+        print("up; `airflow dags test cedana_slurm` as nobody, killing the job's node after 3 checkpoints...",
+              flush=True)
+        out = node_loss(cluster, env, root, user="nobody")
     print(summary(out, expect))
     print(f"logs: {root}")
     ok = out.get("exit_code") == 0 and out["log"].count("done digest=") >= 1 and expect in out["log"]

@@ -29,6 +29,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Collection
@@ -95,6 +96,9 @@ class SlurmCluster(Deployment):
         self.jobcomp = self.root / "jobcomp.txt"
         self.hostname = socket.gethostname().split(".")[0]  # what slurmctld and slurmd see as "this host"
         self.cluster_name = "cedana"
+        #: where node agents listen (start_agent), %n the node's name; jobs find theirs by [cedana] agent_socket
+        self.agent_sockets = Path(f"/run/cedana-slurm-{os.getpid()}-{id(self):x}/%n/agent.sock")
+        self._agent_env: dict[str, dict[str, str]] = {}
 
     # -- commands ------------------------------------------------------------------------------------
     def env(self) -> dict[str, str]:
@@ -165,11 +169,11 @@ class SlurmCluster(Deployment):
             if not shutil.which(tool):
                 raise SlurmError(f"{tool} is not installed: apt-get install slurmctld slurmd slurm-client munge")
         d = self.socket.parent
-        d.mkdir(mode=0o700)
+        d.mkdir(mode=0o755)  # as /run/munge: every local user's sbatch reaches the socket (jobs run as their users)
         key = d / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
-        # --force: munged refuses a socket in a dir that not all may enter (0700 here; all our clients are root)
+        # --force: munged refuses a socket whose dir's owners are not its own (root's tmp, here)
         self._start("munged", ["munged", "--foreground", "--force", f"--socket={self.socket}", f"--key-file={key}",
                                f"--pid-file={d / 'munged.pid'}", f"--log-file={d / 'munged.log'}",
                                f"--seed-file={d / 'munged.seed'}"], dict(os.environ))
@@ -226,6 +230,9 @@ class SlurmCluster(Deployment):
         start = out.stat().st_size if out.exists() else 0
         self._start(f"slurmd-{name}", ["slurmd", "-D", "-N", name, "-f", str(self.conf)], self.env())
         self._wait(f"slurmd-{name}", lambda: "started on" in out.read_text(errors="replace")[start:], 30)
+        agent = self.procs.get(f"agent-{name}")
+        if name in self._agent_env and (agent is None or agent.poll() is not None):  # it comes back with its node
+            self.start_agent(name, self._agent_env[name])
 
     def wait_node(self, name: str, states: tuple[str, ...] = ("idle", "mix", "alloc"), timeout: float = 60) -> str:
         """Until the controller reports ``name`` in one of ``states``; returns that state."""
@@ -257,14 +264,32 @@ class SlurmCluster(Deployment):
             env = _environ(pid)
             if (env.get("SLURMD_NODENAME") == name and env.get("SLURM_CONF") == str(self.conf)) or _fds(pid) & sockets:
                 roots.append(pid)
-        p = self.procs.get(f"slurmd-{name}")
-        if p is not None and p.poll() is None:
-            roots.append(p.pid)
+        for part in (f"slurmd-{name}", f"agent-{name}"):
+            p = self.procs.get(part)
+            if p is not None and p.poll() is None:
+                roots.append(p.pid)
         return descendants(roots)
 
+    def agent_socket(self, name: str) -> Path:
+        """Node ``name``'s agent socket: ``agent_sockets`` with %n, as slurm.conf names a node's paths."""
+        return Path(str(self.agent_sockets).replace("%n", name))
+
+    def start_agent(self, name: str, env: dict[str, str]) -> None:
+        """Node ``name``'s agent (`cedana-airflow agent`, root; ``env``: its store and node settings), at
+        ``agent_socket(name)``: jobs of users other than root are its callers there (issue 49). A node
+        loss kills it with the node."""
+        sock = self.agent_socket(name)
+        sock.parent.parent.mkdir(mode=0o755, exist_ok=True)
+        out = self.root / f"agent-{name}.out"
+        start = out.stat().st_size if out.exists() else 0
+        self._start(f"agent-{name}", [sys.executable, "-m", "cedana_airflow", "agent", "--socket", str(sock),
+                                      "--node", name], {**env, "PYTHONUNBUFFERED": "1"})
+        self._agent_env[name] = env
+        self._wait(f"agent-{name}", lambda: "agent serving on" in out.read_text(errors="replace")[start:], 60)
+
     def kill_node(self, name: str) -> float:
-        """A node loss: freeze, then SIGKILL, its slurmd and every process of its jobs. Returns the wall-clock
-        time of the kill."""
+        """A node loss: freeze, then SIGKILL, its slurmd and every process of its jobs (and its agent with
+        the trees it runs). Returns the wall-clock time of the kill."""
         tree = self._node_pids(name)
         for pid in tree:
             with contextlib.suppress(ProcessLookupError):
@@ -275,9 +300,10 @@ class SlurmCluster(Deployment):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.killed.update(tree)
-        p = self.procs.pop(f"slurmd-{name}", None)
-        if p is not None:
-            p.wait()
+        for part in (f"slurmd-{name}", f"agent-{name}"):
+            p = self.procs.pop(part, None)
+            if p is not None:
+                p.wait()
         self._gone(set(tree), 2, zombies=True)  # dead on return, whoever reaps them
         return at
 
@@ -316,6 +342,7 @@ class SlurmCluster(Deployment):
         for name in self.nodes:
             self.kill_node(name)
         stop_parts(self.procs.values())
+        shutil.rmtree(self.agent_sockets.parent.parent, ignore_errors=True)
         self.procs.clear()
         # the slurmstepds were init's children (or ours, see reap): give init a moment to reap them, so
         # that nothing is listed after us

@@ -203,7 +203,8 @@ class Run:
         if m is not None:
             self.restore = {"seq": m.seq, "try_number": m.try_number, "node": m.node,
                             "created_at": m.created_at.isoformat(), "gap_seconds": round(result.restore_gap_seconds, 3),
-                            "restore_seconds": round(result.restore_seconds, 3)}
+                            "restore_seconds": round(result.restore_seconds, 3),
+                            "restored_on": self.node}  # 0.8.2
 
     def _fresh(self, why: str) -> None:
         """Why a resume started fresh: the start's reply says it, so the caller's log does."""

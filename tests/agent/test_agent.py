@@ -976,7 +976,7 @@ def test_the_cli_s_run_goes_through_the_agent_and_its_stop_takes_a_final_checkpo
     assert second.returncode == 0, second.stderr.decode()[-2000:]
     summary2 = json.loads(second.stdout.decode().splitlines()[-1])
     assert summary2["restored_from"]["seq"] == summary["final_checkpoint_seq"]
-    assert "restored seq" in second.stderr.decode() and "through the node agent" in second.stderr.decode()
+    assert "restored checkpoint_id=" in second.stderr.decode() and "through the node agent" in second.stderr.decode()
     went_on = [x for x in second.stdout.decode().splitlines()[:-1] if x.isdigit()]
     assert went_on[0] == str(int(counted[-1]) + 1) and went_on[-1] == "60", (counted[-3:], went_on[:3])
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -30,19 +33,37 @@ pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("slurm")]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with SlurmCluster(tmp_path_factory.mktemp("slurm")) as c:
-        yield c
+def cluster():
+    """In a folder every user may enter (a node's slurm.conf and munge socket are every local user's):
+    the node-loss test's jobs run as nobody."""
+    root = Path(tempfile.mkdtemp(prefix="cedana-slurm-"))
+    root.chmod(0o755)
+    try:
+        with SlurmCluster(root) as c:
+            yield c
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def open_tmp(tmp_path):
+    """A test folder the worker's user (nobody) may enter, unlike ``tmp_path`` (root's alone)."""
+    d = Path(tempfile.mkdtemp(prefix=f"cedana-{tmp_path.name[:30]}-"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def _dags_test(env: dict[str, str], dag_id: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*AIRFLOW, "dags", "test", dag_id], env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_a_job_whose_node_dies_is_requeued_by_slurm_and_resumes_on_the_other_node(cluster, tmp_path, airflow_db):
+def test_a_job_whose_node_dies_is_requeued_by_slurm_and_resumes_on_the_other_node(cluster, open_tmp, airflow_db):
+    """The Airflow worker and its jobs run as nobody (from the worker environment); each node's agent
+    (root) checkpoints the job, and the requeued job resumes through the other node's agent."""
     expect = uninterrupted(TRAIN_ARGS)
-    env = airflow_env(tmp_path, cluster, airflow_db)
-    out = node_loss(cluster, env, tmp_path)
+    env = airflow_env(open_tmp, cluster, airflow_db, user="nobody")
+    out = node_loss(cluster, env, open_tmp, user="nobody")
     text = summary(out, expect)
     print(text)
     log = out["log"]
@@ -55,6 +76,7 @@ def test_a_job_whose_node_dies_is_requeued_by_slurm_and_resumes_on_the_other_nod
     assert f"protected: checkpoint partition cedana, CEDANA_ENABLE=1; node {b}, Slurm restart 1" in log
     assert log.count("start-up: allocating") == 1  # the requeued run did not start over
     assert re.findall(r"done digest=\w+", log) == [expect]
+    assert "(through the node agent)" in log and cluster.job(out["job_id"])["UserId"].startswith("nobody("), log[-4000:]
     # checkpoints are named by SLURMD_NODENAME: the dead node's before the kill, the other's after (the
     # retention of 3 has pruned the older ones by the end)
     assert out["taken_on"] == a and out["nodes_in_store"] == [b]
