@@ -83,7 +83,7 @@ ui: setup
 demo-fleet: setup services worker
 	$(BIN)/python scripts/demo_fleet.py
 
-demo-slurm: setup slurm
+demo-slurm: setup slurm worker
 	$(BIN)/python scripts/demo_slurm.py
 
 # The wrap route's pods, played by podman: a node loss and a drain, each resumed by the retry's pod
