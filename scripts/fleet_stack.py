@@ -12,7 +12,8 @@ a node agent as root (`cedana-airflow agent`, its own socket, work dir and node 
 that holds the store's credentials and the node key) and a Celery worker as that user, from the worker
 environment (`make worker`), whose tasks are the agent's callers. Its environment has no store, no
 connection to it and no key; its home and Airflow home are its own. The store's credentials are
-then the api-server's and the agents' only (the checkpoint browser reads the store).
+then in no Airflow connection (every task may read every connection through the Execution API):
+the agents have them, and the api-server's own environment (the checkpoint browser reads the store).
 
     with FleetStack(root, dags_folder, optin) as fleet:
         fleet.kill_worker("worker-a")     # SIGKILL the node's worker, agent and everything under them
@@ -138,8 +139,7 @@ class FleetStack(Deployment):
             return env
         assert self.homes is not None
         home = self.homes / name
-        for k in ("AIRFLOW_CONN_CEDANA_FLEET_S3", "AIRFLOW__CEDANA__AWS_CONN_ID", "AIRFLOW__CEDANA__STORE"):
-            env.pop(k)  # the agent's, not the worker's
+        env.pop("AIRFLOW__CEDANA__STORE")  # the agent's, not the worker's
         env.update(HOME=str(home), AIRFLOW_HOME=str(home / "airflow"), AIRFLOW__CEDANA__WORK_DIR=str(home / "work"),
                    AIRFLOW__CEDANA__AGENT_SOCKET=str(self.agent_socket(name)),
                    PATH=os.pathsep.join([str(WORKER_ENV / "bin"), "/usr/bin", "/bin"]))
@@ -261,10 +261,15 @@ class FleetStack(Deployment):
                     "PYTHONUNBUFFERED": "1", **self.extra_env}
         if self.homes is not None:
             self.env["AIRFLOW__LOGGING__BASE_LOG_FOLDER"] = str(self.homes / "logs")
+            # No connection holds the store's credentials: any task may read any connection (the Execution
+            # API serves them from the api-server's secrets, its environment included). The agents have
+            # them, and the api-server's own environment, for the checkpoint browser.
+            del self.env["AIRFLOW_CONN_CEDANA_FLEET_S3"], self.env["AIRFLOW__CEDANA__AWS_CONN_ID"]
         r = subprocess.run([*AIRFLOW, "db", "migrate"], env=self.env, capture_output=True, text=True, timeout=600)
         if r.returncode:
             raise FleetError(f"airflow db migrate failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
-        self._start("api-server", [*AIRFLOW, "api-server", "--port", str(port)])
+        self._start("api-server", [*AIRFLOW, "api-server", "--port", str(port)],
+                    {**self.env, **self.store_env} if self.homes is not None else None)
         self._start("scheduler", [*AIRFLOW, "scheduler"])
         self._start("dag-processor", [*AIRFLOW, "dag-processor"])
 
