@@ -253,7 +253,7 @@ def _cmd_run(args: argparse.Namespace, restore_only: bool) -> int:
     with _Summary(args) as summary:
         settings = _settings(args)
         summary.node = settings.resolved_node()
-        if command is not None and _through_agent(settings):  # (restore, with no command, is root's in-process)
+        if _through_agent(settings):  # `restore` too: the agent restores it, as this caller
             return _run_through_agent(args, settings, command, summary)
         timings = _Timings() if args.timings else None
         result = run_workload(settings, args.id, command, resume=restore_only or args.resume,
@@ -271,7 +271,7 @@ def _through_agent(settings: Any) -> bool:
     return through_agent(settings)
 
 
-def _run_through_agent(args: argparse.Namespace, settings: Any, command: list[str], summary: _Summary) -> int:
+def _run_through_agent(args: argparse.Namespace, settings: Any, command: list[str] | None, summary: _Summary) -> int:
     """``run`` as a caller of the node agent ([cedana] agent: require, or auto and not root): the workload
     runs as us, checkpointed by the agent; SIGTERM and SIGINT stop it with a final checkpoint, as they
     stop an in-process run; the summary is the agent's run's."""
@@ -284,7 +284,7 @@ def _run_through_agent(args: argparse.Namespace, settings: Any, command: list[st
     if args.timings:
         print("cedana: --timings is not shown through the node agent (its log has the restore's)", file=sys.stderr)
     task = _task_of(args)
-    result = run_via_agent(settings.agent_socket, args.id, command, cwd=os.getcwd(),
+    result = run_via_agent(settings.agent_socket, args.id, command or [], cwd=os.getcwd(),
                            env=workload_env(dict(os.environ), settings.keep_env), try_number=args.try_number,
                            settings=settings, claim=task.model_dump(mode="json") if task else None,
                            stdout=_Out(sys.stdout), stderr=_Out(sys.stderr), stop=stop,
@@ -293,7 +293,8 @@ def _run_through_agent(args: argparse.Namespace, settings: Any, command: list[st
                                f"node={r.get('restored_on', '?')} gap_seconds={r['gap_seconds']:.1f} restore_seconds="
                                f"{r['restore_seconds']:.2f} try={r['try_number']} (through the node agent)",
                                file=sys.stderr, flush=True),
-                           on_fresh=lambda why: print(fresh_line(why, args.id), file=sys.stderr))
+                           on_fresh=lambda why: print(fresh_line(why, args.id), file=sys.stderr),
+                           restore_only=command is None)
     summary.emit(result)
     return int(result["exit_code"])
 

@@ -102,16 +102,19 @@ class AgentClient:
     def start(self, checkpoint_id: str, argv: Sequence[str], *, cwd: str | None = None,
               env: Mapping[str, str] | None = None, stdout: int, stderr: int, try_number: int = 0,
               settings: Mapping[str, Any] | None = None, claim: Mapping[str, Any] | None = None,
-              resume: bool = False) -> Started:
+              resume: bool = False, restore_only: bool = False) -> Started:
         """Start ``argv`` as us, checkpointed under ``checkpoint_id``; ``stdout``/``stderr``: write ends the
         workload gets (ours stay ours to close); ``settings``: task settings (agent/workloads.py:
         TASK_SETTINGS); ``claim``: the Airflow task this is (dag_id, task_id, run_id, map_index);
-        ``resume``: restore the newest checkpoint of ``checkpoint_id`` when there is one (a retry)."""
+        ``resume``: restore the newest checkpoint of ``checkpoint_id`` when there is one (a retry);
+        ``restore_only`` (``argv`` empty): only that, none being an error (hello's feature ``restore``)."""
         fields: dict[str, Any] = {"checkpoint_id": checkpoint_id, "argv": list(argv), "cwd": cwd or os.getcwd(),
                                   "env": dict(os.environ if env is None else env), "try_number": try_number,
                                   "settings": dict(settings or {}), "resume": resume}
         if claim is not None:
             fields["claim"] = dict(claim)
+        if restore_only:
+            fields["restore_only"] = True
         with self._answer_within(None):  # the node's writer lease may make a start wait
             reply, fds = self.request("start", [stdout, stderr], **fields)
         if len(fds) != 1:

@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from .. import __version__, errors
 from ..config import load_settings
@@ -130,13 +130,21 @@ class _Start(BaseModel):
     model_config = ConfigDict(extra="ignore")  # fields a newer client adds are ignored (protocol.py)
 
     checkpoint_id: str
-    argv: list[str] = Field(min_length=1)
+    restore_only: bool = False  # 0.8.2: no command; restore the newest checkpoint (none: refused), as `restore`
+    argv: list[str] = []  # (after restore_only: its validator reads it)
     cwd: str
     env: dict[str, str] = {}
     try_number: int = Field(ge=0, default=0)
     settings: dict[str, Any] = {}
     claim: AirflowTask | None = None  # the Airflow task it says it is: signed into its manifests, never proof
     resume: bool = False  # restore the ID's newest checkpoint when there is one (a retry), else start fresh
+
+    @field_validator("argv")
+    @classmethod
+    def _a_command(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        if not v and not info.data.get("restore_only"):
+            raise ValueError("List should have at least 1 item after validation, not 0 (or restore_only)")
+        return v
 
     @field_validator("cwd")
     @classmethod
@@ -426,7 +434,8 @@ class Agent:
     def _hello(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
         peer = caller.peer
         out = {"proto": protocol.PROTO, "agent": __version__, "node": self.node, "ready": True,
-               "features": ["start", "heartbeat", "stop"], "you": {"uid": peer.uid, "gid": peer.gid},
+               "features": ["start", "heartbeat", "stop", "restore"],  # restore: start's restore_only (0.8.2)
+               "you": {"uid": peer.uid, "gid": peer.gid},
                "protected": True}  # every caller's workload is checkpointed (one other than root's: shim.py)
         return out, []
 
@@ -454,8 +463,8 @@ class Agent:
         try:
             run = Run(caller, settings, req.checkpoint_id, node=self.node, staging=self.staging, runs=self.runs_dir,
                       requested=req.settings)
-            run.begin(req.argv, cwd=req.cwd, env=req.env, try_number=req.try_number, claim=req.claim,
-                      out_w=fds[0], err_w=fds[1], resume=req.resume)
+            run.begin(None if req.restore_only else req.argv, cwd=req.cwd, env=req.env, try_number=req.try_number,
+                      claim=req.claim, out_w=fds[0], err_w=fds[1], resume=req.resume)
             with self._lock:
                 self._runs[run.wid] = run
         finally:

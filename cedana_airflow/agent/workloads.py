@@ -150,11 +150,12 @@ class Run:
     def uid(self) -> int:
         return self.caller.peer.uid
 
-    def begin(self, argv: Sequence[str], *, cwd: str, env: Mapping[str, str], try_number: int,
+    def begin(self, argv: Sequence[str] | None, *, cwd: str, env: Mapping[str, str], try_number: int,
               claim: AirflowTask | None, out_w: int, err_w: int, resume: bool = False) -> None:
         """Run in a thread of the agent; return once the tree started (``resume``: restored from this
-        checkpoint ID's newest checkpoint when there is one), or raise what stopped it (a lease held,
-        another task's checkpoint ID, a command that does not exist): nothing then runs."""
+        checkpoint ID's newest checkpoint when there is one; ``argv`` None: only that, as `restore` does,
+        none being an error), or raise what stopped it (a lease held, another task's checkpoint ID, a
+        command that does not exist, nothing to restore): nothing then runs."""
         self.try_number, self.claim = try_number, claim
 
         def starter(command: Sequence[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
@@ -163,9 +164,10 @@ class Run:
             return self._start_shim(command, cwd or "/", env or {}, deny_io_uring, out_w, err_w)
 
         env_ = workload_env(env, self.settings.keep_env)  # never the store's credentials, whoever sent them
-        self._launch(list(argv), cwd, env_, resume, starter, _ShimRestore(self, out_w, err_w))
+        self._launch(None if argv is None else list(argv), cwd, env_, resume or argv is None, starter,
+                     _ShimRestore(self, out_w, err_w))
 
-    def _launch(self, argv: list[str], cwd: str, env: dict[str, str], resume: bool, starter: Any,
+    def _launch(self, argv: list[str] | None, cwd: str, env: dict[str, str], resume: bool, starter: Any,
                 restore_tree: Any) -> None:
         """The run, in a thread; return once its tree runs, or raise what stopped it."""
 

@@ -950,10 +950,10 @@ def test_a_tree_with_a_masked_mount_is_checkpointed_and_resumed(agent, tmp_path)
     assert out and int(out[0]) > 1 and out[-1] == "25", out
 
 
-def test_the_cli_s_run_goes_through_the_agent_and_its_stop_takes_a_final_checkpoint_the_retry_resumes(agent, tmp_path):
+def test_the_cli_s_run_goes_through_the_agent_and_its_stop_takes_a_final_checkpoint_a_restore_resumes(agent, tmp_path):
     """``cedana-airflow run`` as a caller (agent = require; a CLI user who is not root gets the same with
-    agent = auto): SIGTERM stops it with a final checkpoint, its --json summary says so, and a run with
-    --resume goes on from it, to the end."""
+    agent = auto): SIGTERM stops it with a final checkpoint, its --json summary says so, and ``restore``
+    (no command) goes on from it, to the end; a restore of an ID with nothing stored is one line, exit 1."""
     sock, _ = agent
     env = cli_env(tmp_path, "node-a", "work", CEDANA_AGENT="require", CEDANA_AGENT_SOCKET=str(sock))
     counter = ["sh", "-c", "i=0; while [ $i -lt 60 ]; do i=$((i+1)); echo $i; sleep 0.1; done"]
@@ -971,14 +971,16 @@ def test_the_cli_s_run_goes_through_the_agent_and_its_stop_takes_a_final_checkpo
     assert summary["stopped_by"] and summary["final_checkpoint_seq"] == manifests(tmp_path / "store", "cli-agent")[-1]["seq"]
     counted = [x for x in printed if x.isdigit()]
 
-    second = subprocess.run([sys.executable, "-m", "cedana_airflow", "run", "--id", "cli-agent", "--resume", "--json",
-                             "--try-number", "1", "--", *counter], env=env, capture_output=True, timeout=120)
+    second = subprocess.run([sys.executable, "-m", "cedana_airflow", "restore", "--id", "cli-agent", "--json",
+                             "--try-number", "1"], env=env, capture_output=True, timeout=120)
     assert second.returncode == 0, second.stderr.decode()[-2000:]
     summary2 = json.loads(second.stdout.decode().splitlines()[-1])
     assert summary2["restored_from"]["seq"] == summary["final_checkpoint_seq"]
     assert "restored checkpoint_id=" in second.stderr.decode() and "through the node agent" in second.stderr.decode()
     went_on = [x for x in second.stdout.decode().splitlines()[:-1] if x.isdigit()]
     assert went_on[0] == str(int(counted[-1]) + 1) and went_on[-1] == "60", (counted[-3:], went_on[:3])
+    nothing = cli("restore", "--id", "cli-agent-nothing", env=env, timeout=60)
+    assert nothing.returncode == 1 and nothing.stderr.strip().splitlines()[-1].startswith("CheckpointNotFound: "), nothing.stderr
 
 
 def test_a_task_s_code_reads_neither_the_key_nor_another_uid_s_images_nor_its_memory(tmp_path):
