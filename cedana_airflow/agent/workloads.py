@@ -52,7 +52,10 @@ def task_settings(node: Mapping[str, str], requested: Mapping[str, Any]) -> Sett
     if other:
         raise errors.Refused(f"setting {other[0][:40]!r} is the node's, not a task's: the agent's configuration "
                              f"sets it. A request may set {', '.join(sorted(TASK_SETTINGS))}")
-    return load_settings(dict(requested), node, overrides_source=lambda k: f"the request's settings.{k}")
+    settings = load_settings(dict(requested), node, overrides_source=lambda k: f"the request's settings.{k}")
+    # Transparent only: a cooperative checkpoint is the workload's own files, and restoring one starts its
+    # command, which the agent would run as root (run_workload(cooperative=False) refuses them too).
+    return settings.model_copy(update={"mode": "transparent"})
 
 
 class ShimWorkload(Workload):
@@ -177,7 +180,7 @@ class Run:
                                            try_number=self.try_number, cwd=cwd, env=env, handle_signals=False,
                                            stop=self.stop, airflow=self.claim, starter=starter,
                                            restore_tree=restore_tree, on_restore=self._restored,
-                                           on_fresh=self._fresh)
+                                           on_fresh=self._fresh, cooperative=False)
             except errors.CedanaError as e:
                 self.failure = e
             except Exception as e:  # noqa: BLE001 (a bug: said, and the caller is not left waiting)

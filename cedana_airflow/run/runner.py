@@ -127,6 +127,7 @@ def run_workload(
     on_restore: Callable[[RunResult], None] | None = None,
     on_fresh: Callable[[str], None] | None = None,
     starter: Starter = Workload.start,
+    cooperative: bool = True,
     restore_tree: RestoreTree | None = None,
 ) -> RunResult:
     """Run ``command`` managed (or, with ``command=None``, only restore) and return how it ended.
@@ -147,6 +148,8 @@ def run_workload(
     it could restore and the command starts fresh (the node agent tells its caller).
     ``starter``: what starts a fresh tree (the node agent's starts it as its caller); ``restore_tree``:
     what restores one (the node agent's runs CRIU under the tree's shim; restores are then full).
+    ``cooperative=False``: a checkpoint the workload wrote itself is refused, never restored (the node
+    agent: restoring one starts its command, which this process would start as itself, root).
     """
     validate_checkpoint_id(checkpoint_id)
     if try_number < 0:
@@ -187,7 +190,8 @@ def run_workload(
 
         cp = Checkpointer(engine, store, store_cfg, checkpoint_id, settings, work_dir=work_dir, try_number=try_number,
                           lease=lease, gpu=gpu, airflow=airflow, coop=coop, key=key,
-                          start=start_cooperative, engine_why=engine_why, restore_tree=restore_tree)
+                          start=start_cooperative if cooperative else None, engine_why=engine_why,
+                          restore_tree=restore_tree)
         result = RunResult(exit_code=0, outcome="fresh")
         try:
             cp.check_owner()  # another task's ID: neither restored nor written, before anything starts

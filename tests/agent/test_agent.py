@@ -25,7 +25,7 @@ import pytest
 from cedana_airflow import __version__, errors
 from cedana_airflow.agent import protocol
 from cedana_airflow.agent.client import AgentClient
-from conftest import cli, cli_env, manifests, start_agent, uid_folder
+from conftest import REPO, cli, cli_env, kill_node, manifests, start_agent, start_cli, uid_folder, wait_for_checkpoints
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent runs as root")
 
@@ -792,6 +792,25 @@ def test_no_caller_gets_a_tree_restored_with_more_than_it_has(agent, tmp_path):
     assert (f"checkpoint agent-root-tree seq=1 is refused for uid {NOBODY}: its tree is not in a user namespace of "
             "its own") in log
     assert f"checkpoint agent-nobody-tree seq=1 is refused for uid {OTHER}: its user namespace maps ids" in log
+
+
+def test_a_checkpoint_the_workload_wrote_itself_is_never_restored_by_the_agent(agent, tmp_path):
+    """A signed cooperative checkpoint in the node's store (a root supervisor's, in-process): restoring
+    one starts a command, which the agent would start as root. A retry through the agent refuses it and
+    starts fresh as its caller; a restore without a command is refused in one line, and runs nothing."""
+    sock, _ = agent
+    proc = start_cli("run", "--id", "agent-coop", "--mode", "cooperative", "--heartbeat", "0.3", "--", sys.executable,
+                     str(REPO / "tests" / "workloads" / "coop_counter.py"), "--steps", "400", "--step-seconds", "0.05",
+                     env=cli_env(tmp_path, "node-a", "work-coop"), out=tmp_path / "coop")
+    ms = wait_for_checkpoints(tmp_path / "store", "agent-coop", 1, proc)
+    kill_node(proc, ms[-1]["process"]["pid"])
+    assert ms[-1]["engine"] == "cooperative"
+    assert _resumed_by(sock, NOBODY, "agent-coop") == f"{NOBODY}\n"  # started fresh, as nobody: never as root
+    out_r, out_w = os.pipe()
+    msg, _ = as_uid(NOBODY, _start(sock, [], out_w, checkpoint_id="agent-coop", restore_only=True, try_number=2))
+    os.close(out_w)
+    assert msg.get("error") == "CorruptCheckpoint" and "written by the workload (cooperative)" in msg["line"], msg
+    assert _read_all(out_r) == ""  # nothing ran
 
 
 def test_an_agent_started_after_a_killed_one_takes_up_its_workloads(tmp_path):
