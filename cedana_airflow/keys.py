@@ -68,10 +68,12 @@ def node_key(settings: Settings, *, default_file: Path | None = None) -> NodeKey
     return NodeKey(made.key, f"{path} (the default)")
 
 
-def node_trust(settings: Settings, owner: AirflowTask | None = None, key: NodeKey | None = None) -> Trust:
+def node_trust(settings: Settings, owner: AirflowTask | None = None, key: NodeKey | None = None,
+               uid: int | None = None) -> Trust:
     """What this node accepts from the store (format/trust.py): its key (``key``, else read now), the
-    legacy keys, allow_unsigned, and ``owner``, the task that restores (None: a restore by hand)."""
-    return Trust((key or node_key(settings)).key, legacy_keys(settings), settings.allow_unsigned, owner)
+    legacy keys, allow_unsigned, ``owner``, the task that restores (None: a restore by hand), and ``uid``,
+    the node agent's caller (None: not through the agent)."""
+    return Trust((key or node_key(settings)).key, legacy_keys(settings), settings.allow_unsigned, owner, uid)
 
 
 def legacy_keys(settings: Settings) -> tuple[bytes, ...]:

@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import os
 import socket
+import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,12 @@ class AgentClient:
             sock.close()
             raise errors.AgentUnavailable(f"no cedana agent answers at {path} ({e.strerror or e}). Start "
                                           "`cedana-airflow agent` on this node (docs/deploying.md)") from None
+        _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        if uid != 0:  # whoever made that path, it is not the node's agent: nothing of ours goes to it
+            sock.close()
+            raise errors.AgentUnavailable(f"the socket {path} is served by uid {uid}, not root: not a node agent, and "
+                                          "nothing was sent to it. Check who created it (its folder must be root's "
+                                          "alone)")
         sock.settimeout(ANSWER_SECONDS)
         return cls(sock, path)
 

@@ -38,6 +38,7 @@ TASK_SETTINGS = frozenset({
     "heartbeat_seconds", "heartbeat_min_seconds", "heartbeat_max_seconds", "mtbf_hours", "checkpoint_on_term",
     "stop_grace_seconds", "stop_window_seconds", "keep_checkpoints", "delete_on_success", "max_restore_gap_seconds",
     "progress",
+    "lease_seconds",  # 0.8.2: a license's lease only decides fresh or restore; renewing it is the node's command
 })
 #: The largest message either side sends or accepts: argv and env are the only big fields.
 MAX_MESSAGE = 64 << 10

@@ -11,6 +11,7 @@ credentials or CRIU; the agent signs, stores and restores.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import socket
@@ -27,6 +28,8 @@ from .client import AgentClient
 from .protocol import TASK_SETTINGS
 
 __all__ = ["fresh_line", "through_agent", "run_via_agent"]
+
+log = logging.getLogger(__name__)
 
 #: How often a waiting caller looks at its stop event.
 _POLL_SECONDS = 0.2
@@ -70,9 +73,12 @@ def run_via_agent(path: Path, checkpoint_id: str, argv: Sequence[str], *, cwd: s
     finally:
         os.close(out_w)  # the workload's are its own now: our copies would keep the pumps from their end
         os.close(err_w)
-    if started.fresh and on_fresh is not None:
-        on_fresh(started.fresh)
     with started.lifeline:
+        if started.fresh and on_fresh is not None:
+            try:
+                on_fresh(started.fresh)
+            except Exception:  # a hook's failure (a closed stderr) must not drop the lifeline: that ends the tree
+                log.warning("on_fresh failed", exc_info=True)
         said_restore = started.restored_seq is None or on_restore is None
         ended = False
         while not ended:

@@ -456,6 +456,10 @@ class Agent:
         with self._lock:  # a start under way counts already: concurrent starts cannot pass the cap together
             running = sum(1 for r in self._runs.values() if r.uid == peer.uid and not r.ended)
             running += self._starting.get(peer.uid, 0)
+            if peer.uid != 0 and any(r.checkpoint_id == req.checkpoint_id and r.uid != peer.uid and not r.ended
+                                     for r in self._runs.values()):
+                raise errors.Refused(f"checkpoint ID {req.checkpoint_id} is in use by another uid's workload on this "
+                                     "node. Give this task its own checkpoint_id")
             if peer.uid != 0 and running >= MAX_RUNS_PER_UID:
                 raise errors.Refused(f"{peer} already has {running} workloads running under the agent, at most "
                                      f"{MAX_RUNS_PER_UID}. Stop one first")

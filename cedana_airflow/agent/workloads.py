@@ -180,7 +180,7 @@ class Run:
                                            try_number=self.try_number, cwd=cwd, env=env, handle_signals=False,
                                            stop=self.stop, airflow=self.claim, starter=starter,
                                            restore_tree=restore_tree, on_restore=self._restored,
-                                           on_fresh=self._fresh, cooperative=False)
+                                           on_fresh=self._fresh, cooperative=False, caller_uid=self.peer.uid)
             except errors.CedanaError as e:
                 self.failure = e
             except Exception as e:  # noqa: BLE001 (a bug: said, and the caller is not left waiting)
@@ -212,8 +212,9 @@ class Run:
                             "restored_on": self.node}  # 0.8.2
 
     def _fresh(self, why: str) -> None:
-        """Why a resume started fresh: the start's reply says it, so the caller's log does."""
-        self.fresh = why
+        """Why a resume started fresh: the start's reply says it, so the caller's log does (one printable
+        line: it may quote a CRIU log)."""
+        self.fresh = "".join(c if c.isprintable() else "?" for c in why[:1000])
 
     def _start_shim(self, command: Sequence[str], cwd: str, env: Mapping[str, str], deny_io_uring: bool,
                     out_w: int, err_w: int) -> ShimWorkload:

@@ -24,6 +24,7 @@ __all__ = [
     "CapturedFile",
     "ProcessInfo",
     "AirflowTask",
+    "CallerInfo",
     "GpuProcess",
     "GpuState",
     "StateFile",
@@ -184,6 +185,13 @@ class AirflowTask(_Frozen):
     map_index: int = Field(ge=-1, default=-1)
 
 
+class CallerInfo(_Frozen):
+    """Whom the node agent ran the tree for (format 4+, written only through the agent): a caller other
+    than root may write and restore only under IDs whose newest checkpoint carries its own uid."""
+
+    uid: int = Field(ge=0, description="The caller's uid, from the kernel (SO_PEERCRED), never its word.")
+
+
 #: Version 4 and later mark what a reader must understand (parse_manifest; docs/store-format.md,
 #: "Forward compatibility"): every later version keeps that rule.
 MARKED_BLOCKS_VERSION = 4
@@ -217,6 +225,8 @@ class Manifest(_Frozen):
     cooperative: CooperativeState | None = Field(default=None, description="Version 4+, and then required: the "
                                                  "workload wrote this checkpoint itself (engine 'cooperative').")
     writer: str | None = Field(default=None, description="Version 4+: what wrote it, e.g. 'cedana-airflow 0.6.0'.")
+    caller: CallerInfo | None = Field(default=None, description="Version 4+ (0.8.2): the node agent's caller it "
+                                      "was taken for; absent: a supervisor that ran as itself.")
     required: tuple[str, ...] = Field(default=(), description="Version 4+: blocks a reader must understand to "
                                       "restore it; any other block may be skipped by a reader that does not know it.")
     #: Version 4+: blocks of a later version this reader skipped (kept: a signature covers them too).
@@ -242,8 +252,8 @@ class Manifest(_Frozen):
                 raise ValueError("a cooperative checkpoint requires its block and has no image files, captured "
                                  "files or GPU state")
             return self
-        if self.cooperative is not None:
-            raise ValueError(f"a cooperative block goes with format_version {MARKED_BLOCKS_VERSION} and later")
+        if self.cooperative is not None or self.caller is not None:
+            raise ValueError(f"a cooperative or caller block goes with format_version {MARKED_BLOCKS_VERSION} and later")
         if self.writer is not None or self.required:
             raise ValueError(f"writer and required go with format_version {MARKED_BLOCKS_VERSION} and later")
         if (self.format_version == 3) != self.has_blocks():
@@ -270,7 +280,7 @@ class Manifest(_Frozen):
 
     def absent_blocks(self) -> set[str]:
         """Keys the stored document does not have (versions before 4 have no writer or required)."""
-        absent = {k for k in ("signature", "gpu", "airflow", "cooperative") if getattr(self, k) is None}
+        absent = {k for k in ("signature", "gpu", "airflow", "cooperative", "caller") if getattr(self, k) is None}
         return absent | ({"writer", "required"} if self.format_version < MARKED_BLOCKS_VERSION else set())
 
     @property

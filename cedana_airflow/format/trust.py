@@ -2,7 +2,8 @@
 
 A manifest is trusted when its signature holds with the node key (or, after a migration, a
 verify-only legacy key), and, for a caller that is an Airflow task, when it was written by that same
-task (its DAG, task and map index: the ``airflow`` block is inside the signed bytes). An unsigned
+task (its DAG, task and map index: the ``airflow`` block is inside the signed bytes), and, for the node
+agent's caller other than root, when it was taken for that caller's uid (the ``caller`` block). An unsigned
 manifest is refused unless the node's operator set ``allow_unsigned``; it is never trusted either way
 (captured files of an unsigned manifest stay under restore_roots and the working directory)."""
 
@@ -26,6 +27,7 @@ class Trust:
     legacy: tuple[bytes, ...] = field(default=(), repr=False)
     allow_unsigned: bool = False
     owner: AirflowTask | None = None  # the restoring task; None: a restore by hand (the node's operator)
+    uid: int | None = None  # the node agent's caller (None: a supervisor running as itself; 0: root, any ID)
 
     def signed_by(self, m: Manifest) -> str | None:
         """'node' or 'legacy' when ``m``'s signature holds with one of this node's keys, else None."""
@@ -45,6 +47,12 @@ class Trust:
         return signature_problem(m, legacy if legacy is not None else self.key)
 
     def owner_refusal(self, m: Manifest) -> str | None:
+        if self.uid:  # a caller other than root: only its own uid's IDs (the caller block is signed)
+            if m.caller is None:
+                return (f"it was written by a supervisor running as root, not for uid {self.uid}; give this task "
+                        "its own checkpoint_id")
+            if m.caller.uid != self.uid:
+                return f"it belongs to another uid, not to uid {self.uid}; give this task its own checkpoint_id"
         if self.owner is None:
             return None
         mine = owner_text(self.owner)

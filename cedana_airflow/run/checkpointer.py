@@ -112,7 +112,7 @@ def check_owner(store: Store, checkpoint_id: str, trust: Trust) -> None:
     """Before a supervisor writes under its ID: the newest checkpoint there that this node's key vouches
     for must be its task's, or its retention would prune another task's checkpoints and its retry would
     find them. Unverifiable manifests never block: a store writer cannot lock a task out."""
-    if trust.owner is None:
+    if trust.owner is None and not trust.uid:
         return
     for m in load_manifests(store, checkpoint_id):
         if trust.signed_by(m) is None:
@@ -161,7 +161,7 @@ class Checkpointer:
                  lease: WriterLease | None = None, gpu: GpuGate | None = None,
                  airflow: AirflowTask | None = None, coop: Cooperation | None = None,
                  start: StartCooperative | None = None, engine_why: str = "", key: NodeKey | None = None,
-                 restore_tree: RestoreTree | None = None) -> None:
+                 restore_tree: RestoreTree | None = None, caller_uid: int | None = None) -> None:
         self.engine, self.store, self.store_cfg = engine, store, store_cfg
         self._restore_tree = restore_tree
         if restore_tree is not None and settings.restore_mode != "full":  # its lazy pages would need a shim's watch
@@ -182,7 +182,8 @@ class Checkpointer:
         self.lease = lease
         self.gpu = gpu or GpuGate(settings)
         self.airflow = airflow  # the task instance that owns this ID, written into every manifest
-        self.trust = node_trust(settings, airflow, self.node_key)
+        self.caller_uid = caller_uid  # the node agent's caller: in every manifest, and whose IDs it may use
+        self.trust = node_trust(settings, airflow, self.node_key, uid=caller_uid)
         self._lock = threading.Lock()
         self._count = 0
         self._known: set[str] = set()
@@ -280,7 +281,7 @@ class Checkpointer:
                                         rss_bytes=rss, stdout_pipe=workload.stdout_pipe,
                                         stderr_pipe=workload.stderr_pipe),
                     try_number=self.try_number, freeze_seconds=freeze, parent_seq=self.parent_seq, gpu=gpu,
-                    airflow=self.airflow,
+                    airflow=self.airflow, caller_uid=self.caller_uid,
                 )
                 captured = [CapturedSource(p, c, m) for p, c, m in dump.captured]
                 failpoint("heartbeat.capture", workload=workload.pid, work_dir=self.work_dir)
@@ -356,7 +357,7 @@ class Checkpointer:
             process=ProcessInfo(pid=workload.pid, command=workload.command, cwd=workload.cwd, rss_bytes=0,
                                 stdout_pipe="", stderr_pipe=""),
             try_number=self.try_number, freeze_seconds=taken.source.write_seconds, parent_seq=self.parent_seq,
-            airflow=self.airflow)
+            airflow=self.airflow, caller_uid=self.caller_uid)
         try:
             with self._phase("save"):
                 manifest = save_checkpoint(self.store, self.store_cfg, meta, None, state=taken.source,

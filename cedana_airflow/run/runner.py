@@ -129,6 +129,7 @@ def run_workload(
     starter: Starter = Workload.start,
     cooperative: bool = True,
     restore_tree: RestoreTree | None = None,
+    caller_uid: int | None = None,
 ) -> RunResult:
     """Run ``command`` managed (or, with ``command=None``, only restore) and return how it ended.
 
@@ -150,6 +151,8 @@ def run_workload(
     what restores one (the node agent's runs CRIU under the tree's shim; restores are then full).
     ``cooperative=False``: a checkpoint the workload wrote itself is refused, never restored (the node
     agent: restoring one starts its command, which this process would start as itself, root).
+    ``caller_uid``: the node agent's caller, written into every manifest; one other than root may use
+    only an ID whose newest checkpoint is its own uid's (or a new one), checked before the writer lease.
     """
     validate_checkpoint_id(checkpoint_id)
     if try_number < 0:
@@ -166,7 +169,7 @@ def run_workload(
     # Another task's ID is refused before its lease is touched: a newer try of another task must not fence
     # the owner's running supervisor (read-only here; judged again once the lease is held, below).
     key = node_key(settings)  # read once for the run; no key fails here, before anything starts
-    check_owner(store, checkpoint_id, node_trust(settings, airflow, key))
+    check_owner(store, checkpoint_id, node_trust(settings, airflow, key, uid=caller_uid))
     owner = f"{airflow.dag_id}/{airflow.task_id}/{airflow.map_index}" if airflow else ""
     lease = (WriterLease(store, checkpoint_id, node=settings.resolved_node(), try_number=try_number,
                          ttl_seconds=settings.writer_lease_seconds, owner=owner)
@@ -191,11 +194,11 @@ def run_workload(
         cp = Checkpointer(engine, store, store_cfg, checkpoint_id, settings, work_dir=work_dir, try_number=try_number,
                           lease=lease, gpu=gpu, airflow=airflow, coop=coop, key=key,
                           start=start_cooperative if cooperative else None, engine_why=engine_why,
-                          restore_tree=restore_tree)
+                          restore_tree=restore_tree, caller_uid=caller_uid)
         result = RunResult(exit_code=0, outcome="fresh")
         try:
             cp.check_owner()  # another task's ID: neither restored nor written, before anything starts
-            restore = command is None or (resume and _lease_allows(settings, store, checkpoint_id, cp))
+            restore = command is None or (resume and _lease_allows(settings, store, checkpoint_id, cp, on_fresh))
             while True:
                 workload = _resume(cp, result, must_restore=command is None, cwd=cwd, stdout=stdout, stderr=stderr,
                                    on_restore=on_restore, on_fresh=on_fresh) if restore else None
@@ -221,7 +224,8 @@ def run_workload(
         return result
 
 
-def _lease_allows(settings: Settings, store: Store, checkpoint_id: str, cp: Checkpointer) -> bool:
+def _lease_allows(settings: Settings, store: Store, checkpoint_id: str, cp: Checkpointer,
+                  on_fresh: Callable[[str], None] | None = None) -> bool:
     """The license lease (cedana:license=NAME): a checkpoint older than ``lease_seconds`` holds a dead
     license, so the workload starts fresh unless ``lease_renew_command`` renews it. Judged here, where
     every route's restore happens (a worker, a pod, a Slurm job), so it is one rule on all of them."""
@@ -229,7 +233,18 @@ def _lease_allows(settings: Settings, store: Store, checkpoint_id: str, cp: Chec
     verdict = judge_settings(store, checkpoint_id, settings, include_gap=False, trusted=cp.trusted)
     for level, note in verdict.notes:
         log.log(level, "%s", note)
+    if not verdict.resume and on_fresh is not None:  # its own line, not the notes: they hold a root command's output
+        _said(on_fresh, f"no checkpoint could be restored: the newest is older than the lease of its license "
+                        f"({settings.lease_seconds or 0:.0f} s, lease_seconds) and was not renewed")
     return verdict.resume
+
+
+def _said(on_fresh: Callable[[str], None], why: str) -> None:
+    """``on_fresh(why)``; a hook that fails is logged, never the run's end (as ``on_restore``)."""
+    try:
+        on_fresh(why)
+    except Exception:
+        log.warning("on_fresh failed", exc_info=True)
 
 
 def ensure_work_dir(settings: Settings) -> Path | None:
@@ -293,7 +308,7 @@ def _restore_into(cp: Checkpointer, result: RunResult, *, must_restore: bool, cw
             raise
         log.info("no checkpoint to resume checkpoint_id=%s; starting fresh", cp.checkpoint_id)
         if on_fresh is not None:
-            on_fresh("no checkpoint to resume")
+            _said(on_fresh, "no checkpoint to resume")
         if cp.try_number > 1:  # a retry that found nothing (its node died before the first checkpoint): say so
             history(outcome="fresh", reason="no checkpoint to resume: none was complete before the previous try ended")
         return None
@@ -303,7 +318,7 @@ def _restore_into(cp: Checkpointer, result: RunResult, *, must_restore: bool, cw
         result.skipped = (str(e),)
         log.warning("no checkpoint could be restored checkpoint_id=%s; starting fresh", cp.checkpoint_id)
         if on_fresh is not None:
-            on_fresh(f"no checkpoint could be restored: {e}")
+            _said(on_fresh, f"no checkpoint could be restored: {e}")
         history(outcome="fresh", reason="every checkpoint was refused", refused=(str(e),))
         return None
     m = restored.manifest

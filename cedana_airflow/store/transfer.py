@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -25,8 +26,8 @@ from ..config import default
 from ..errors import CheckpointNotFound, CorruptCheckpoint, StoreError
 from ..failpoints import failpoint
 from ..format import chunking, layout, limits
-from ..format.manifest import (CAPTURED_DIR, COOPERATIVE_ENGINE, MARKED_BLOCKS_VERSION, AirflowTask, CapturedFile,
-                               ChunkRef, CooperativeState, FileEntry, GpuState, Manifest, ProcessInfo, StateFile,
+from ..format.manifest import (CAPTURED_DIR, COOPERATIVE_ENGINE, MARKED_BLOCKS_VERSION, AirflowTask, CallerInfo,
+                               CapturedFile, ChunkRef, CooperativeState, FileEntry, GpuState, Manifest, ProcessInfo, StateFile,
                                parse_manifest)
 from ..format.selection import restore_order
 from ..format.signing import sign
@@ -74,6 +75,7 @@ class CheckpointMeta:
     parent_seq: int | None = None
     gpu: GpuState | None = None  # CUDA state the driver moved into the images (engine/cuda.py)
     airflow: AirflowTask | None = None  # the task instance that wrote it (the UI's permission filter)
+    caller_uid: int | None = None  # the node agent's caller it was taken for (format 4's caller block)
 
 
 @dataclass
@@ -209,9 +211,15 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path 
     while True:
         # A cooperative checkpoint is format 4, its block required: a reader that predates it refuses it in
         # one line (upgrade) instead of handing an empty image set to CRIU.
-        marked = {"format_version": MARKED_BLOCKS_VERSION, "writer": f"cedana-airflow {__version__}",
-                  "required": ("cooperative",), "engine": COOPERATIVE_ENGINE, "cooperative": coop} if coop else {
-            "format_version": Manifest.version_for(signed=False, blocks=meta.gpu is not None or meta.airflow is not None)}
+        # A tree the node agent ran for a caller is format 4 too, for its caller block (not required: a reader
+        # that predates it restores it as before; one that knows it keeps other uids off the ID).
+        marked: dict[str, Any] = {"format_version": MARKED_BLOCKS_VERSION, "writer": f"cedana-airflow {__version__}",
+                                  "required": ("cooperative",), "engine": COOPERATIVE_ENGINE, "cooperative": coop} if coop else (
+            {"format_version": MARKED_BLOCKS_VERSION, "writer": f"cedana-airflow {__version__}"}
+            if meta.caller_uid is not None else
+            {"format_version": Manifest.version_for(signed=False, blocks=meta.gpu is not None or meta.airflow is not None)})
+        if meta.caller_uid is not None:
+            marked["caller"] = CallerInfo(uid=meta.caller_uid)
         manifest = Manifest(
             **marked,
             gpu=meta.gpu,

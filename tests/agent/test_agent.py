@@ -25,7 +25,7 @@ import pytest
 from cedana_airflow import __version__, errors
 from cedana_airflow.agent import protocol
 from cedana_airflow.agent.client import AgentClient
-from conftest import REPO, cli, cli_env, kill_node, manifests, start_agent, start_cli, uid_folder, wait_for_checkpoints
+from conftest import REPO, cli, cli_env, kill_node, manifests, node_key_bytes, start_agent, start_cli, uid_folder, wait_for_checkpoints
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent runs as root")
 
@@ -107,7 +107,8 @@ def _start(sock_path: Path, argv: list[str], out_w: int, **more: Any) -> Callabl
             hello = c.hello()
             s = c.start(more.pop("checkpoint_id", "job"), argv, cwd="/tmp", env={"PATH": "/usr/bin:/bin"},
                         stdout=out_w, stderr=out_w, **more)
-            return {"hello": hello, "wid": s.wid, "handle": s.handle, "pid": s.pid}, [s.lifeline.detach()]
+            return ({"hello": hello, "wid": s.wid, "handle": s.handle, "pid": s.pid, "fresh": s.fresh,
+                     "restored_seq": s.restored_seq}, [s.lifeline.detach()])
     return run
 
 
@@ -232,6 +233,39 @@ def test_no_agent_is_one_line_naming_the_socket_and_the_fix(tmp_path):
     with pytest.raises(errors.AgentUnavailable, match=rf"^no cedana agent answers at {tmp_path}/agent.sock \(No such "
                        r"file or directory\)\. Start `cedana-airflow agent` on this node"):
         AgentClient.connect(tmp_path / "agent.sock")
+
+
+def test_a_socket_served_by_a_uid_other_than_root_is_no_agent_and_gets_nothing(tmp_path):
+    """A path a caller was pointed at (a folder someone else could write, a %n that named none) served by
+    nobody: the client refuses it before it sends anything (its env, its pipes), in one line."""
+    folder = Path(f"/run/cedana-test-fake-{os.getpid()}")
+    folder.mkdir()
+    folder.chmod(0o777)
+    try:
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:  # the impostor: binds and listens as nobody, then waits to be killed
+            try:
+                os.setresgid(NOBODY, NOBODY, NOBODY)
+                os.setresuid(NOBODY, NOBODY, NOBODY)
+                server.bind(str(folder / "agent.sock"))
+                server.listen(1)
+                time.sleep(60)
+            finally:
+                os._exit(0)
+        try:
+            deadline = time.monotonic() + 10
+            while not (folder / "agent.sock").exists():
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            with pytest.raises(errors.AgentUnavailable, match=rf"^the socket {folder}/agent.sock is served by uid "
+                               rf"{NOBODY}, not root: not a node agent, and nothing was sent to it"):
+                AgentClient.connect(folder / "agent.sock")
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_a_root_caller_s_workload_is_checkpointed_on_its_heartbeat_and_its_stop_takes_a_final_checkpoint(agent, tmp_path):
@@ -770,28 +804,102 @@ def _resumed_by(sock: Path, uid: int, checkpoint_id: str, script: str = "id -u")
     return _read_all(out_r)
 
 
-def test_no_caller_gets_a_tree_restored_with_more_than_it_has(agent, tmp_path):
-    """Root's checkpoint, resumed by uid nobody, and nobody's, resumed by another uid, are refused (the
-    images' ids and user namespace are checked against the caller before CRIU runs): each starts fresh
-    as its caller, and the agent's log names why."""
+def _signed_for(store: Path, checkpoint_id: str, uid: int) -> None:
+    """Re-sign the newest checkpoint of ``checkpoint_id`` with the node key as if the agent had taken it for
+    ``uid`` (what an agent with a bug, or the key's holder, could write): the tree in it is unchanged."""
+    from cedana_airflow.format.manifest import CallerInfo, parse_manifest
+    from cedana_airflow.format.signing import sign
+
+    path = sorted((store / checkpoint_id).iterdir())[-1] / "manifest.json"
+    m = parse_manifest(path.read_text())
+    m = m.model_copy(update={"caller": CallerInfo(uid=uid), "format_version": 4, "signature": None,
+                             "writer": m.writer or "cedana-airflow test"})
+    path.write_bytes(sign(m, node_key_bytes()).to_json())
+
+
+def _refused(sock: Path, uid: int, checkpoint_id: str) -> str:
+    """A retry as ``uid`` of another uid's ID: the start's one-line refusal."""
+    out_r, out_w = os.pipe()
+    msg, _ = as_uid(uid, _start(sock, ["sh", "-c", "id -u"], out_w, checkpoint_id=checkpoint_id, resume=True,
+                                try_number=7, settings={"delete_on_success": True}))
+    os.close(out_w)
+    assert _read_all(out_r) == "", msg  # nothing ran
+    assert "error" in msg, msg
+    return f"{msg['error']}: {msg['line']}"
+
+
+def test_no_caller_uses_another_uid_s_checkpoint_id_nor_gets_a_tree_restored_with_more_than_it_has(agent, tmp_path):
+    """An ID is its caller's uid's (the caller block the agent signs into each manifest): a retry of root's
+    ID, or of nobody's, by another uid is refused before anything (its lease, a fetch, a deletion), in one
+    line. And where a manifest says the caller but its images hold more (re-signed here with the node
+    key), the images' ids and user namespace are checked against the caller before CRIU runs: it starts
+    fresh as its caller, and nothing of the checkpoint is put back."""
     sock, _ = agent
     store = tmp_path / "store"
     root_file = tmp_path / "root-file"  # root's tree writes it: the checkpoint holds a copy to put back
     _checkpointed(sock, store, 0, "agent-root-tree", f"exec 3>>{root_file}; i=0; while :; do i=$((i+1)); "
                                                      "echo $i >&3; sleep 0.1; done")
     time.sleep(0.3)  # the tree is gone with its caller
+    _checkpointed(sock, store, NOBODY, "agent-nobody-tree")
+    ours = {cid: [m["seq"] for m in manifests(store, cid)] for cid in ("agent-root-tree", "agent-nobody-tree")}
+    assert manifests(store, "agent-nobody-tree")[-1]["caller"] == {"uid": NOBODY}
+    assert _refused(sock, NOBODY, "agent-root-tree") == (
+        "ConfigError: checkpoint ID agent-root-tree (seq {}) may be neither written nor restored by this task: it "
+        "belongs to another uid, not to uid {}; give this task its own checkpoint_id".format(ours["agent-root-tree"][-1], NOBODY))
+    deadline = time.monotonic() + 20  # while nobody's tree still runs, its ID is refused as in use; then by its manifest
+    while (line := _refused(sock, OTHER, "agent-nobody-tree")).startswith("Refused: checkpoint ID agent-nobody-tree is "
+                                                                           "in use by another uid's workload"):
+        assert time.monotonic() < deadline, line
+        time.sleep(0.2)
+    assert line.startswith("ConfigError: checkpoint ID agent-nobody-tree (seq "), line
+    time.sleep(0.5)
+    assert {cid: [m["seq"] for m in manifests(store, cid)] for cid in ours} == ours  # nothing deleted or added
+
     root_file.write_text("root's own, written after the checkpoint\n")
     before = os.stat(root_file)
+    _signed_for(store, "agent-root-tree", NOBODY)
     assert _resumed_by(sock, NOBODY, "agent-root-tree") == f"{NOBODY}\n"  # started fresh, as nobody
     after = os.stat(root_file)  # nothing of root's checkpoint was put back, not even for a moment
     assert (after.st_ino, after.st_mtime_ns, after.st_ctime_ns) == (before.st_ino, before.st_mtime_ns, before.st_ctime_ns)
     assert root_file.read_text() == "root's own, written after the checkpoint\n"
-    _checkpointed(sock, store, NOBODY, "agent-nobody-tree")
+    _signed_for(store, "agent-nobody-tree", OTHER)
     assert _resumed_by(sock, OTHER, "agent-nobody-tree") == f"{OTHER}\n"
     log = (tmp_path / "agent.log").read_text()
-    assert (f"checkpoint agent-root-tree seq=1 is refused for uid {NOBODY}: its tree is not in a user namespace of "
-            "its own") in log
-    assert f"checkpoint agent-nobody-tree seq=1 is refused for uid {OTHER}: its user namespace maps ids" in log
+    assert (f"checkpoint agent-root-tree seq={ours['agent-root-tree'][-1]} is refused for uid {NOBODY}: its tree is "
+            "not in a user namespace of its own") in log
+    assert f"checkpoint agent-nobody-tree seq={ours['agent-nobody-tree'][-1]} is refused for uid {OTHER}: its user namespace maps ids" in log
+    # a new ID, before its first checkpoint: another uid cannot start it beside its running owner (its lease)
+    out_r, out_w = os.pipe()
+    msg, fds = as_uid(NOBODY, _start(sock, ["sleep", "30"], out_w, checkpoint_id="agent-busy",
+                                     settings={"heartbeat_seconds": 60}))
+    os.close(out_w)
+    with socket.socket(fileno=fds[0]):
+        assert _refused(sock, OTHER, "agent-busy") == ("Refused: checkpoint ID agent-busy is in use by another uid's "
+                                                       "workload on this node. Give this task its own checkpoint_id")
+    os.close(out_r)
+
+
+def test_a_retry_that_starts_fresh_says_why_in_its_caller_s_log(agent, tmp_path):
+    """Through the agent, a retry that restores nothing says why to its caller (the start's reply), as the
+    in-process route's log does: nothing stored yet, or a checkpoint past its license's lease (the
+    task's `lease`, a task setting)."""
+    sock, _ = agent
+    env = cli_env(tmp_path, "node-a", "work", CEDANA_AGENT="require", CEDANA_AGENT_SOCKET=str(sock))
+    first = cli("run", "--id", "agent-fresh", "--resume", "--try-number", "2", "--", "true", env=env, timeout=60)
+    assert first.returncode == 0 and ("cedana: no checkpoint to resume checkpoint_id=agent-fresh; starting fresh "
+                                      "(through the node agent)") in first.stderr, first.stderr
+    _checkpointed(sock, tmp_path / "store", 0, "agent-lease")
+    time.sleep(1.2)
+    out_r, out_w = os.pipe()
+    msg, fds = _start(sock, ["sh", "-c", "echo fresh"], out_w, checkpoint_id="agent-lease", resume=True,
+                      try_number=2, settings={"lease_seconds": 1})()
+    os.close(out_w)
+    with socket.socket(fileno=fds[0]) as lifeline:
+        assert _event(lifeline)["ev"] == "started" and _event(lifeline)["ev"] == "exit"
+    assert _read_all(out_r) == "fresh\n"
+    assert msg["restored_seq"] is None and msg["fresh"] == (
+        "no checkpoint could be restored: the newest is older than the lease of its license (1 s, lease_seconds) "
+        "and was not renewed"), msg
 
 
 def test_a_checkpoint_the_workload_wrote_itself_is_never_restored_by_the_agent(agent, tmp_path):

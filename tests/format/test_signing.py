@@ -88,3 +88,31 @@ def test_the_node_key_comes_from_a_file_or_the_environment_and_must_be_long_enou
         node_key(load_settings(environ={"CEDANA_SIGNING_KEY": "short"}))
     with pytest.raises(ConfigError, match=f"node key {tmp_path / 'nope'} does not exist \\(signing_key_file\\)"):
         node_key(load_settings(environ={"CEDANA_SIGNING_KEY_FILE": str(tmp_path / "nope")}))
+
+
+def test_a_checkpoint_taken_for_an_agent_s_caller_names_its_uid_signed_and_only_that_uid_may_use_it(tmp_path):
+    """The caller block (0.8.2): version 4, signed with the rest; a caller other than root is refused any
+    manifest not taken for its own uid (root's, another uid's, one without the block), root none; a
+    caller block below version 4 is no manifest at all."""
+    from cedana_airflow.format.manifest import CallerInfo
+    from cedana_airflow.format.trust import Trust
+
+    store = open_store(f"file://{tmp_path / 'store'}", Settings())
+    cfg = store.open(create=True, chunk_avg_bytes=64 << 10)
+    images = tmp_path / "img"
+    images.mkdir()
+    (images / "pages-1.img").write_bytes(os.urandom(5000))
+    proc = ProcessInfo(pid=1, command=("sh",), cwd="/", stdout_pipe="pipe:[1]", stderr_pipe="pipe:[2]")
+    mine = save_checkpoint(store, cfg, CheckpointMeta("job", "node-a", "4.2.1", proc, caller_uid=65534), images,
+                           signing_key=KEY)
+    plain = save_checkpoint(store, cfg, CheckpointMeta("job", "node-a", "4.2.1", proc), images, signing_key=KEY)
+    assert (mine.format_version, mine.caller, mine.writer is not None) == (4, CallerInfo(uid=65534), True)
+    assert (plain.format_version, plain.caller) == (2, None)
+    assert signature_problem(mine, KEY) is None
+    assert signature_problem(mine.model_copy(update={"caller": CallerInfo(uid=65533)}), KEY) is not None
+    assert Trust(KEY, uid=65534).owner_refusal(mine) is None
+    assert "written by a supervisor running as root, not for uid 65534" in str(Trust(KEY, uid=65534).owner_refusal(plain))
+    assert "it belongs to another uid, not to uid 65533" in str(Trust(KEY, uid=65533).owner_refusal(mine))
+    assert [Trust(KEY, uid=u).owner_refusal(m) for u in (0, None) for m in (mine, plain)] == [None] * 4
+    with pytest.raises(ValueError, match="a cooperative or caller block goes with format_version 4"):
+        Manifest.model_validate({**json.loads(plain.to_json()), "caller": {"uid": 1}})
