@@ -40,6 +40,8 @@ class Remembered:
     stdout_pipe: str
     stderr_pipe: str
     own_namespaces: bool
+    fresh: str | None = None  # 0.8.2: why its resume started fresh; its restore (status's), once said
+    restore: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # fields a newer agent adds: kept, not read
 
 

@@ -210,6 +210,8 @@ class Run:
                             "created_at": m.created_at.isoformat(), "gap_seconds": round(result.restore_gap_seconds, 3),
                             "restore_seconds": round(result.restore_seconds, 3),
                             "restored_on": self.node}  # 0.8.2
+            if self.workload is not None:
+                self._remember()  # an agent that takes it up says it too
 
     def _fresh(self, why: str) -> None:
         """Why a resume started fresh: the start's reply says it, so the caller's log does (one printable
@@ -284,7 +286,8 @@ class Run:
                 restored_seq=self.restored_seq, try_number=self.try_number,
                 claim=self.claim.model_dump() if self.claim else None, settings=self.requested,
                 peer=asdict(self.peer), carried=self.caller.carried(), pid=w.pid, command=list(w.command), cwd=w.cwd,
-                stdout_pipe=w.stdout_pipe, stderr_pipe=w.stderr_pipe, own_namespaces=w.own_namespaces))
+                stdout_pipe=w.stdout_pipe, stderr_pipe=w.stderr_pipe, own_namespaces=w.own_namespaces,
+                fresh=self.fresh, restore=self.restore))
         except OSError as e:  # the tree runs on; only an agent started after ours cannot take it up
             log.warning("agent: %s cannot be remembered in %s (%s): a restarted agent will not take it up",
                         self.wid, self.runs, e)
@@ -310,6 +313,7 @@ class Run:
         caller = Caller.remembered(Peer(**{**r.peer, "groups": tuple(r.peer["groups"])}), r.carried)
         run = cls(caller, settings, r.checkpoint_id, node=node, staging=staging, runs=runs, requested=r.settings)
         run.wid, run.handle, run.started_at, run.restored_seq = r.wid, r.handle, r.started_at, r.restored_seq
+        run.fresh, run.restore = r.fresh, r.restore
         run.try_number = r.try_number
         run.claim = AirflowTask.model_validate(r.claim) if r.claim else None
         run._ctl = ctl

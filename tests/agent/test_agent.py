@@ -941,7 +941,7 @@ def test_an_agent_started_after_a_killed_one_takes_up_its_workloads(tmp_path):
         counter = ["sh", "-c", "i=0; while [ $i -lt 300 ]; do i=$((i+1)); echo $i; sleep 0.1; done"]
         out_r, out_w = os.pipe()
         msg, fds = as_uid(NOBODY, _start(sock, counter, out_w, checkpoint_id="agent-takeup",
-                                         settings={"heartbeat_seconds": 0.3}))
+                                         settings={"heartbeat_seconds": 0.3}, resume=True))
         os.close(out_w)
         assert "ok" in msg, msg
         lifeline = socket.socket(fileno=fds[0])
@@ -968,6 +968,7 @@ def test_an_agent_started_after_a_killed_one_takes_up_its_workloads(tmp_path):
         msg, _ = as_uid(NOBODY, stop)
         status = msg["ok"]
         assert status["state"] == "ended" and "error" not in status, status
+        assert status["fresh"] == "no checkpoint to resume"  # what the first agent knew, the second says too
         assert status["result"]["final_checkpoint_seq"] == manifests(tmp_path / "store", "agent-takeup")[-1]["seq"]
         assert _event(lifeline)["ev"] == "started"
         assert _event(lifeline)["ev"] == "exit"
