@@ -61,7 +61,8 @@ class AgentClient:
             sock.close()
             raise errors.AgentUnavailable(f"the socket {path} is served by uid {uid}, not root: not a node agent, and "
                                           "nothing was sent to it. Check who created it (its folder must be root's "
-                                          "alone)")
+                                          "alone); from inside a user namespace the node's root shows as the "
+                                          "overflow uid, and the agent serves no caller there")
         sock.settimeout(ANSWER_SECONDS)
         return cls(sock, path)
 

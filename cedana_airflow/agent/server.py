@@ -186,6 +186,7 @@ class Agent:
         self._take_up()
         self._connections: dict[int, int] = {}  # uid -> connections open
         self._starting: dict[int, int] = {}  # uid -> starts under way (counted with its running workloads)
+        self._starting_ids: list[tuple[str, int]] = []  # (checkpoint ID, uid) of each start under way
         self._refusals: dict[int, tuple[float, int, int]] = {}  # uid -> (minute's start, refusals, not written)
         self._pending_rows: list[Mapping[str, Any]] = []
         self._audit_broken = ""  # why the audit log could not be written last time ("" while it can)
@@ -456,14 +457,16 @@ class Agent:
         with self._lock:  # a start under way counts already: concurrent starts cannot pass the cap together
             running = sum(1 for r in self._runs.values() if r.uid == peer.uid and not r.ended)
             running += self._starting.get(peer.uid, 0)
-            if peer.uid != 0 and any(r.checkpoint_id == req.checkpoint_id and r.uid != peer.uid and not r.ended
-                                     for r in self._runs.values()):
+            users = {r.uid for r in self._runs.values() if r.checkpoint_id == req.checkpoint_id and not r.ended}
+            users |= {uid for cid, uid in self._starting_ids if cid == req.checkpoint_id}  # a start under way too
+            if peer.uid != 0 and users - {peer.uid}:
                 raise errors.Refused(f"checkpoint ID {req.checkpoint_id} is in use by another uid's workload on this "
                                      "node. Give this task its own checkpoint_id")
             if peer.uid != 0 and running >= MAX_RUNS_PER_UID:
                 raise errors.Refused(f"{peer} already has {running} workloads running under the agent, at most "
                                      f"{MAX_RUNS_PER_UID}. Stop one first")
             self._starting[peer.uid] = self._starting.get(peer.uid, 0) + 1
+            self._starting_ids.append((req.checkpoint_id, peer.uid))
         try:
             run = Run(caller, settings, req.checkpoint_id, node=self.node, staging=self.staging, runs=self.runs_dir,
                       requested=req.settings)
@@ -474,6 +477,7 @@ class Agent:
         finally:
             with self._lock:
                 self._starting[peer.uid] -= 1
+                self._starting_ids.remove((req.checkpoint_id, peer.uid))
         assert run.workload is not None and run.lifeline is not None
         log.info("agent started %s for %s checkpoint_id=%s pid=%d", run.wid, peer, run.checkpoint_id, run.workload.pid)
         lifeline, run.lifeline = run.lifeline.detach(), None  # the caller's from now: sent, then closed here

@@ -136,6 +136,7 @@ class Run:
         self.cause = ""  # how the tree ended, as its shim said (shim.py)
         self.restored_seq: int | None = None  # the checkpoint its tree was restored from (None: started fresh)
         self.fresh: str | None = None  # why a resume started fresh (nothing to restore, or all refused)
+        self._taken_up = False  # a former agent's run: its ID's owner was judged when it began
         # Where a shim builds the mounts of a tree in namespaces of its own (a root-only folder of the agent's):
         # every tree other than a root caller's.
         self.staging = str(staging)
@@ -180,7 +181,8 @@ class Run:
                                            try_number=self.try_number, cwd=cwd, env=env, handle_signals=False,
                                            stop=self.stop, airflow=self.claim, starter=starter,
                                            restore_tree=restore_tree, on_restore=self._restored,
-                                           on_fresh=self._fresh, cooperative=False, caller_uid=self.peer.uid)
+                                           on_fresh=self._fresh, cooperative=False, caller_uid=self.peer.uid,
+                                           owner_checked=self._taken_up)
             except errors.CedanaError as e:
                 self.failure = e
             except Exception as e:  # noqa: BLE001 (a bug: said, and the caller is not left waiting)
@@ -313,7 +315,7 @@ class Run:
         caller = Caller.remembered(Peer(**{**r.peer, "groups": tuple(r.peer["groups"])}), r.carried)
         run = cls(caller, settings, r.checkpoint_id, node=node, staging=staging, runs=runs, requested=r.settings)
         run.wid, run.handle, run.started_at, run.restored_seq = r.wid, r.handle, r.started_at, r.restored_seq
-        run.fresh, run.restore = r.fresh, r.restore
+        run.fresh, run.restore, run._taken_up = r.fresh, r.restore, True
         run.try_number = r.try_number
         run.claim = AirflowTask.model_validate(r.claim) if r.claim else None
         run._ctl = ctl

@@ -110,17 +110,25 @@ def _drop_all_but_logs(folder: Path) -> None:
 
 def check_owner(store: Store, checkpoint_id: str, trust: Trust) -> None:
     """Before a supervisor writes under its ID: the newest checkpoint there that this node's key vouches
-    for must be its task's, or its retention would prune another task's checkpoints and its retry would
-    find them. Unverifiable manifests never block: a store writer cannot lock a task out."""
+    for must be its task's (and, for the node agent's caller other than root, its uid's), or its retention
+    would prune another task's checkpoints and its retry would find them. Unverifiable manifests never
+    block a task's own process (a store writer cannot lock it out); an agent's caller other than root is
+    refused an ID that holds only such manifests (its delete_on_success would delete them all)."""
     if trust.owner is None and not trust.uid:
         return
+    unvouched = 0
     for m in load_manifests(store, checkpoint_id):
         if trust.signed_by(m) is None:
+            unvouched += 1
             continue
         if (why := trust.owner_refusal(m)) is not None:
             raise ConfigError(f"checkpoint ID {checkpoint_id} (seq {m.seq}) may be neither written nor restored "
                               f"by this task: {why}")
         return
+    if unvouched and trust.uid:  # the node agent's caller other than root: an ID nobody can show is its own
+        raise ConfigError(f"checkpoint ID {checkpoint_id} holds checkpoints this node's key does not vouch for, so "
+                          f"none shows it is uid {trust.uid}'s: it may be neither written nor restored through the node "
+                          "agent. Give this task its own checkpoint_id, or have root delete that ID")
 
 
 #: Free space a fetch leaves on the work dir's file system at least (CRIU's logs, a pidfile, the page cache).

@@ -130,6 +130,7 @@ def run_workload(
     cooperative: bool = True,
     restore_tree: RestoreTree | None = None,
     caller_uid: int | None = None,
+    owner_checked: bool = False,
 ) -> RunResult:
     """Run ``command`` managed (or, with ``command=None``, only restore) and return how it ended.
 
@@ -153,6 +154,8 @@ def run_workload(
     agent: restoring one starts its command, which this process would start as itself, root).
     ``caller_uid``: the node agent's caller, written into every manifest; one other than root may use
     only an ID whose newest checkpoint is its own uid's (or a new one), checked before the writer lease.
+    ``owner_checked``: that was judged when the run began (an agent taking up another agent's run, whose
+    IDs an older agent may have written without its caller's uid): not judged again.
     """
     validate_checkpoint_id(checkpoint_id)
     if try_number < 0:
@@ -169,8 +172,11 @@ def run_workload(
     # Another task's ID is refused before its lease is touched: a newer try of another task must not fence
     # the owner's running supervisor (read-only here; judged again once the lease is held, below).
     key = node_key(settings)  # read once for the run; no key fails here, before anything starts
-    check_owner(store, checkpoint_id, node_trust(settings, airflow, key, uid=caller_uid))
+    if not owner_checked:
+        check_owner(store, checkpoint_id, node_trust(settings, airflow, key, uid=caller_uid))
     owner = f"{airflow.dag_id}/{airflow.task_id}/{airflow.map_index}" if airflow else ""
+    if caller_uid:  # the node agent's caller other than root: another uid's newer try never fences this lease
+        owner = f"{owner} uid={caller_uid}".strip()
     lease = (WriterLease(store, checkpoint_id, node=settings.resolved_node(), try_number=try_number,
                          ttl_seconds=settings.writer_lease_seconds, owner=owner)
              if settings.writer_lease_seconds > 0 else None)
@@ -197,7 +203,8 @@ def run_workload(
                           restore_tree=restore_tree, caller_uid=caller_uid)
         result = RunResult(exit_code=0, outcome="fresh")
         try:
-            cp.check_owner()  # another task's ID: neither restored nor written, before anything starts
+            if not owner_checked:
+                cp.check_owner()  # another task's ID: neither restored nor written, before anything starts
             restore = command is None or (resume and _lease_allows(settings, store, checkpoint_id, cp, on_fresh))
             while True:
                 workload = _resume(cp, result, must_restore=command is None, cwd=cwd, stdout=stdout, stderr=stderr,

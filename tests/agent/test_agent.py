@@ -362,7 +362,7 @@ def _start_as(sock: Path, uid: int, argv: list[str], prepare: Callable[[], None]
 
     def run() -> tuple[Any, list[int]]:
         with AgentClient.connect(sock) as c:
-            s = c.start("agent-caller", argv, cwd="/", env={"PATH": "/usr/bin:/bin"}, stdout=out_w, stderr=out_w,
+            s = c.start(f"agent-caller-{uid}", argv, cwd="/", env={"PATH": "/usr/bin:/bin"}, stdout=out_w, stderr=out_w,
                         settings=settings or {"heartbeat_seconds": 0})
             _event(s.lifeline)
             return {"end": _event(s.lifeline, timeout=30)}, []
@@ -810,7 +810,7 @@ def _signed_for(store: Path, checkpoint_id: str, uid: int) -> None:
     from cedana_airflow.format.manifest import CallerInfo, parse_manifest
     from cedana_airflow.format.signing import sign
 
-    path = sorted((store / checkpoint_id).iterdir())[-1] / "manifest.json"
+    path = max(p for p in (store / checkpoint_id).iterdir() if p.name.isdigit()) / "manifest.json"
     m = parse_manifest(path.read_text())
     m = m.model_copy(update={"caller": CallerInfo(uid=uid), "format_version": 4, "signature": None,
                              "writer": m.writer or "cedana-airflow test"})
@@ -873,9 +873,19 @@ def test_no_caller_uses_another_uid_s_checkpoint_id_nor_gets_a_tree_restored_wit
     msg, fds = as_uid(NOBODY, _start(sock, ["sleep", "30"], out_w, checkpoint_id="agent-busy",
                                      settings={"heartbeat_seconds": 60}))
     os.close(out_w)
-    with socket.socket(fileno=fds[0]):
-        assert _refused(sock, OTHER, "agent-busy") == ("Refused: checkpoint ID agent-busy is in use by another uid's "
-                                                       "workload on this node. Give this task its own checkpoint_id")
+    folder_b = Path(f"/run/cedana-test-agent-b-{os.getpid()}")
+    agent_b = start_agent(folder_b / "agent.sock", cli_env(tmp_path, "node-b", "work-b"), tmp_path / "agent-b.log")
+    try:
+        with socket.socket(fileno=fds[0]):
+            assert _refused(sock, OTHER, "agent-busy") == ("Refused: checkpoint ID agent-busy is in use by another "
+                                                           "uid's workload on this node. Give this task its own checkpoint_id")
+            # on another node, its newer try cannot fence the owner's writer lease either (the lease names the uid)
+            line = _refused(folder_b / "agent.sock", OTHER, "agent-busy")
+            assert line.startswith("WriterLeaseHeld: ") and f"uid={NOBODY}" in line, line
+    finally:
+        agent_b.terminate()
+        agent_b.wait(10)
+        shutil.rmtree(folder_b, ignore_errors=True)
     os.close(out_r)
 
 
@@ -903,8 +913,9 @@ def test_a_retry_that_starts_fresh_says_why_in_its_caller_s_log(agent, tmp_path)
 
 
 def test_a_checkpoint_the_workload_wrote_itself_is_never_restored_by_the_agent(agent, tmp_path):
-    """A signed cooperative checkpoint in the node's store (a root supervisor's, in-process): restoring
-    one starts a command, which the agent would start as root. A retry through the agent refuses it and
+    """A signed cooperative checkpoint in the node's store, its newest naming nobody as its caller (written
+    by a root supervisor, re-signed here as a future agent could): restoring one starts a command, which
+    the agent would start as root. A retry through the agent refuses it and
     starts fresh as its caller; a restore without a command is refused in one line, and runs nothing."""
     sock, _ = agent
     proc = start_cli("run", "--id", "agent-coop", "--mode", "cooperative", "--heartbeat", "0.3", "--", sys.executable,
@@ -913,6 +924,7 @@ def test_a_checkpoint_the_workload_wrote_itself_is_never_restored_by_the_agent(a
     ms = wait_for_checkpoints(tmp_path / "store", "agent-coop", 1, proc)
     kill_node(proc, ms[-1]["process"]["pid"])
     assert ms[-1]["engine"] == "cooperative"
+    _signed_for(tmp_path / "store", "agent-coop", NOBODY)  # as if the agent had taken it for nobody: only the kind refuses
     assert _resumed_by(sock, NOBODY, "agent-coop") == f"{NOBODY}\n"  # started fresh, as nobody: never as root
     out_r, out_w = os.pipe()
     msg, _ = as_uid(NOBODY, _start(sock, [], out_w, checkpoint_id="agent-coop", restore_only=True, try_number=2))

@@ -67,6 +67,9 @@ def test_a_job_whose_node_dies_is_requeued_by_slurm_and_resumes_on_the_other_nod
     text = summary(out, expect)
     print(text)
     log = out["log"]
+    print("\n".join(line for line in log.splitlines() if "cedana" in line and " step " not in line)[-6000:])
+    for node in cluster.nodes:  # the agents' own lines, for a failure's report
+        print(f"--- agent of {node}:", (cluster.root / f"agent-{node}.out").read_text(errors="replace")[-3000:])
     a, b = out["node_a"], out["node_b"]
     assert out["exit_code"] == 0 and {a, b} == {"node1", "node2"}, text + log[-4000:]
     # the requeued job (same Slurm job, same Airflow try) restored what the dead node took, on the other node
