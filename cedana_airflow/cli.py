@@ -294,7 +294,7 @@ def _run_through_agent(args: argparse.Namespace, settings: Any, command: list[st
                                f"{r['restore_seconds']:.2f} try={r['try_number']} (through the node agent)",
                                file=sys.stderr, flush=True),
                            on_fresh=lambda why: print(fresh_line(why, args.id), file=sys.stderr),
-                           restore_only=command is None)
+                           restore_only=command is None, resume=getattr(args, "resume", True))
     summary.emit(result)
     return int(result["exit_code"])
 

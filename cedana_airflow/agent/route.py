@@ -50,13 +50,15 @@ def task_request(settings: Settings) -> dict[str, Any]:
 def run_via_agent(path: Path, checkpoint_id: str, argv: Sequence[str], *, cwd: str | None, env: Mapping[str, str],
                   try_number: int, settings: Settings, claim: Mapping[str, Any] | None, stdout: Sink, stderr: Sink,
                   stop: threading.Event, on_restore: Callable[[dict[str, Any]], None] | None = None,
-                  on_fresh: Callable[[str], None] | None = None, restore_only: bool = False) -> dict[str, Any]:
+                  on_fresh: Callable[[str], None] | None = None, restore_only: bool = False,
+                  resume: bool = True) -> dict[str, Any]:
     """Run ``argv`` as us through the agent at ``path``, resuming ``checkpoint_id``'s newest checkpoint when
     there is one; return the run's summary once it ended. ``stop`` set: the agent takes the final
     checkpoint and ends the workload (as SIGTERM does to a supervisor). ``on_restore``: called with what
     was restored (``status``'s ``restore``) once the agent says so; ``on_fresh``: with why, when the
     resume found nothing to restore and the workload started fresh; ``restore_only`` (``argv`` empty): restore
-    only, as `restore` does (nothing to restore is CheckpointNotFound). Raises AgentUnavailable where no
+    only, as `restore` does (nothing to restore is CheckpointNotFound); ``resume=False``: start fresh
+    whatever is stored (`run` without --resume). Raises AgentUnavailable where no
     agent answers, and what the agent refused with (errors.py classes)."""
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -68,8 +70,8 @@ def run_via_agent(path: Path, checkpoint_id: str, argv: Sequence[str], *, cwd: s
                 raise errors.ConfigError(f"the node agent at {path} (cedana-airflow {hello.get('agent', '?')}) cannot "
                                          "restore without a command. Upgrade it to 0.8.2 or later")
             started = client.start(checkpoint_id, argv, cwd=cwd or os.getcwd(), env=env, stdout=out_w, stderr=err_w,
-                                   try_number=try_number, settings=task_request(settings), claim=claim, resume=True,
-                                   restore_only=restore_only)
+                                   try_number=try_number, settings=task_request(settings), claim=claim,
+                                   resume=resume or restore_only, restore_only=restore_only)
     finally:
         os.close(out_w)  # the workload's are its own now: our copies would keep the pumps from their end
         os.close(err_w)

@@ -1119,6 +1119,9 @@ def test_the_cli_s_run_goes_through_the_agent_and_its_stop_takes_a_final_checkpo
     assert "restored checkpoint_id=" in second.stderr.decode() and "through the node agent" in second.stderr.decode()
     went_on = [x for x in second.stdout.decode().splitlines()[:-1] if x.isdigit()]
     assert went_on[0] == str(int(counted[-1]) + 1) and went_on[-1] == "60", (counted[-3:], went_on[:3])
+    again = cli("run", "--id", "cli-agent", "--json", "--", "echo", "again", env=env, timeout=60)  # no --resume
+    assert again.returncode == 0 and json.loads(again.stdout.splitlines()[-1])["outcome"] == "fresh", again.stderr
+    assert again.stdout.splitlines()[0] == "again"
     nothing = cli("restore", "--id", "cli-agent-nothing", env=env, timeout=60)
     assert nothing.returncode == 1 and nothing.stderr.strip().splitlines()[-1].startswith("CheckpointNotFound: "), nothing.stderr
 
