@@ -49,8 +49,8 @@ class Trust:
     def owner_refusal(self, m: Manifest) -> str | None:
         if self.uid:  # a caller other than root: only its own uid's IDs (the caller block is signed)
             if m.caller is None:
-                return (f"it was written by a supervisor running as root, not for uid {self.uid}; give this task "
-                        "its own checkpoint_id")
+                return (f"it was written without a caller's uid (by a supervisor running as root, or an agent before "
+                        f"0.8.2), not for uid {self.uid}; give this task its own checkpoint_id")
             if m.caller.uid != self.uid:
                 return f"it belongs to another uid, not to uid {self.uid}; give this task its own checkpoint_id"
         if self.owner is None:

@@ -128,7 +128,7 @@ def check_owner(store: Store, checkpoint_id: str, trust: Trust) -> None:
     if unvouched and trust.uid:  # the node agent's caller other than root: an ID nobody can show is its own
         raise ConfigError(f"checkpoint ID {checkpoint_id} holds checkpoints this node's key does not vouch for, so "
                           f"none shows it is uid {trust.uid}'s: it may be neither written nor restored through the node "
-                          "agent. Give this task its own checkpoint_id, or have root delete that ID")
+                          "agent. Give this task its own checkpoint_id, or have the store's owner remove that ID")
 
 
 #: Free space a fetch leaves on the work dir's file system at least (CRIU's logs, a pidfile, the page cache).

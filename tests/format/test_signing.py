@@ -111,7 +111,7 @@ def test_a_checkpoint_taken_for_an_agent_s_caller_names_its_uid_signed_and_only_
     assert signature_problem(mine, KEY) is None
     assert signature_problem(mine.model_copy(update={"caller": CallerInfo(uid=65533)}), KEY) is not None
     assert Trust(KEY, uid=65534).owner_refusal(mine) is None
-    assert "written by a supervisor running as root, not for uid 65534" in str(Trust(KEY, uid=65534).owner_refusal(plain))
+    assert "written without a caller's uid (by a supervisor running as root, or an agent before 0.8.2), not for uid 65534" in str(Trust(KEY, uid=65534).owner_refusal(plain))
     assert "it belongs to another uid, not to uid 65533" in str(Trust(KEY, uid=65533).owner_refusal(mine))
     assert [Trust(KEY, uid=u).owner_refusal(m) for u in (0, None) for m in (mine, plain)] == [None] * 4
     with pytest.raises(ValueError, match="a cooperative or caller block goes with format_version 4"):
