@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -74,8 +75,8 @@ def _wheel_digest(wheel: Path) -> str:
     return h.hexdigest()
 
 
-def _run(cmd: list[str], what: str, timeout: float = 600) -> str:
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+def _run(cmd: list[str], what: str, timeout: float = 600, env: dict[str, str] | None = None) -> str:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if r.returncode != 0:
         last = [line for line in r.stderr.splitlines() if line.strip()][-3:]
         raise PodError(f"{what} failed ({' '.join(cmd[:3])} ...): {' | '.join(last)}")
@@ -92,8 +93,12 @@ def base_rootfs(codename: str, mirror: str, cache: Path) -> tuple[Path, str, str
         t0 = time.monotonic()
         _say(f"making a Debian {codename} rootfs from {mirror} (mmdebstrap, about 30 s)")
         part = tar.with_suffix(".part")
-        _run(["mmdebstrap", "--quiet", "--variant=apt", "--format=tar", f"--include={','.join(BASE_PACKAGES)}",
-              codename, str(part), mirror], "mmdebstrap", timeout=900)
+        # Its chroot (with /proc, /sys and /dev mounted on it for a minute) in a folder of root's alone, not in
+        # /tmp where any user reaches it: the node agent gives a tree of a caller other than root every mount
+        # that caller reaches, and a tree started meanwhile could not be restored once they were gone.
+        with tempfile.TemporaryDirectory(prefix="cedana-mmdebstrap-") as private:
+            _run(["mmdebstrap", "--quiet", "--variant=apt", "--format=tar", f"--include={','.join(BASE_PACKAGES)}",
+                  codename, str(part), mirror], "mmdebstrap", timeout=900, env={**os.environ, "TMPDIR": private})
         part.rename(tar)
         _say(f"rootfs ready in {time.monotonic() - t0:.0f} s ({tar.stat().st_size >> 20} MiB)")
     if not python.exists():  # /usr/bin/python3 -> python3.X: which wheels the image's venv takes
