@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .config import Settings, load_settings
-from .errors import CedanaError, ConfigError
+from .errors import AgentUnavailable, CedanaError, ConfigError
 
 if TYPE_CHECKING:
     from .store.base import Store
@@ -265,6 +265,19 @@ def _cmd_run(args: argparse.Namespace, restore_only: bool) -> int:
     return result.exit_code
 
 
+def _no_agent(settings: Any) -> str | None:
+    """Why no agent answers at ``agent_socket`` (its one line), or None: it does. Asked before anything
+    starts, so that a job it cannot protect runs unprotected rather than not at all (agent = auto)."""
+    from .agent.client import AgentClient
+
+    try:
+        with AgentClient.connect(settings.agent_socket) as client:
+            client.hello()
+    except AgentUnavailable as e:
+        return str(e)
+    return None
+
+
 def _through_agent(settings: Any) -> bool:
     from .agent.route import through_agent
 
@@ -394,6 +407,11 @@ def _cmd_slurm_job(args: argparse.Namespace) -> int:
         protected, why = protection(os.environ, optin.node.partitions if optin.node else ())
     except ConfigError as e:  # a broken list never fails a job: it runs unprotected and says why
         protected, why = False, f"the opt-in list cannot be used here: {e} This job runs unprotected"
+    if node and "%n" in str(settings.agent_socket):  # several slurmd on one host: one agent each
+        settings = settings.model_copy(update={"agent_socket": Path(str(settings.agent_socket).replace("%n", node))})
+    via_agent = protected and _through_agent(settings)  # a job of a user other than root: the node's agent's
+    if via_agent and settings.agent == "auto" and (missing := _no_agent(settings)):
+        protected, why = False, f"this job runs unprotected (agent = auto, not root): {missing}"
     print(f"cedana: {why}", flush=True)
     if not protected:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CEDANA_")}
@@ -402,9 +420,7 @@ def _cmd_slurm_job(args: argparse.Namespace) -> int:
         except OSError as e:
             print(f"cedana: cannot run {command[0]!r}: {e.strerror or e}", file=sys.stderr)
             return 127
-    if node and "%n" in str(settings.agent_socket):  # several slurmd on one host: one agent each
-        settings = settings.model_copy(update={"agent_socket": Path(str(settings.agent_socket).replace("%n", node))})
-    if _through_agent(settings):  # a job of a user other than root: the node's agent checkpoints it
+    if via_agent:
         with _Summary(args) as summary:
             summary.node = settings.resolved_node()
             return _run_through_agent(args, settings, command, summary)

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -1124,6 +1125,33 @@ def test_the_cli_s_run_goes_through_the_agent_and_its_stop_takes_a_final_checkpo
     assert again.stdout.splitlines()[0] == "again"
     nothing = cli("restore", "--id", "cli-agent-nothing", env=env, timeout=60)
     assert nothing.returncode == 1 and nothing.stderr.strip().splitlines()[-1].startswith("CheckpointNotFound: "), nothing.stderr
+
+
+def test_a_slurm_job_on_a_node_without_an_agent_runs_unprotected_and_says_why(tmp_path):
+    """A job of nobody in a checkpoint partition with CEDANA_ENABLE, agent = auto (the default), and no agent
+    at its node's socket (%n: the Slurm node's name): one line says why, and the command runs unchanged, as
+    a job runs where CRIU is missing. From the worker environment, as a job runs our CLI."""
+    worker = Path("/opt/cedana-airflow/worker/bin/python")
+    assert worker.exists(), "no worker environment: run `make worker`"
+    home = Path(tempfile.mkdtemp(prefix="cedana-job-"))
+    try:
+        home.chmod(0o755)
+        (home / "optin.toml").write_text('[node]\npartitions = ["cedana"]\n[queue]\nqueues = ["*"]\n'
+                                         '[workload]\ndags = ["*"]\n')
+        sock = f"/run/cedana-none-{os.getpid()}/%n/agent.sock"
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "SLURM_JOB_PARTITION": "cedana", "CEDANA_ENABLE": "1",
+               "SLURMD_NODENAME": "node9", "SLURM_JOB_ID": "7", "CEDANA_OPTIN_FILE": str(home / "optin.toml"),
+               "CEDANA_AGENT_SOCKET": sock, "CEDANA_STORE": f"file://{home / 'store'}"}
+        r = subprocess.run([str(worker), "-m", "cedana_airflow", "slurm-job", "--id", "job-x", "--", "sh", "-c",
+                            "echo ran as $(id -u)"], env=env, user=NOBODY, group=NOBODY, extra_groups=[], cwd=home,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.splitlines() == [
+            "cedana: this job runs unprotected (agent = auto, not root): no cedana agent answers at "
+            f"{sock.replace('%n', 'node9')} (No such file or directory). Start `cedana-airflow agent` on this node "
+            "(docs/deploying.md)", f"ran as {NOBODY}"], r.stdout
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def test_a_task_s_code_reads_neither_the_key_nor_another_uid_s_images_nor_its_memory(tmp_path):
