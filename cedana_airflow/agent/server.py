@@ -121,11 +121,6 @@ class _Refuser:
             held = kept
 
 
-def _printable(text: str, limit: int = 300) -> str:
-    """``text`` cut to ``limit`` characters, each control character a ``?``: fit for one log line."""
-    return "".join(c if c.isprintable() else "?" for c in text[:limit])
-
-
 class _Start(BaseModel):
     model_config = ConfigDict(extra="ignore")  # fields a newer client adds are ignored (protocol.py)
 
@@ -382,13 +377,13 @@ class Agent:
             return
         wid = msg.get("wid")
         row = {"time": round(time.time(), 3), "pid": peer.pid, "uid": peer.uid, "gid": peer.gid,
-               "op": _printable(str(msg.get("op")), 40),
+               "op": protocol.printable(str(msg.get("op")), 40),
                "wid": wid if isinstance(wid, str) and _WID.match(wid) else (None if wid is None else "?"),
-               "decision": f"refused: {_printable(refused)}" if refused else "allowed"}
+               "decision": f"refused: {protocol.printable(refused)}" if refused else "allowed"}
         if msg.get("op") == "start" and isinstance(msg.get("argv"), list) and msg["argv"]:
-            row["argv0"] = _printable(str(msg["argv"][0]), 200)
+            row["argv0"] = protocol.printable(str(msg["argv"][0]), 200)
         if refused:
-            log.warning("agent refused %s to %s: %s", row["op"], peer, _printable(refused))
+            log.warning("agent refused %s to %s: %s", row["op"], peer, protocol.printable(refused))
         self._write_row(row)
 
     def _refusal_counted(self, peer: Peer) -> bool:
@@ -510,7 +505,7 @@ class Agent:
         return {"workloads": mine}, []
 
     def _owned(self, peer: Peer, msg: dict[str, Any]) -> Run:
-        t = _parsed(_Target, msg, _printable(str(msg.get("op")), 40))
+        t = _parsed(_Target, msg, protocol.printable(str(msg.get("op")), 40))
         with self._lock:
             run = self._runs.get(t.wid)
         if run is None:
@@ -533,5 +528,5 @@ def _parsed(model: type[BaseModel], msg: Mapping[str, Any], op: str) -> Any:
         return model.model_validate(msg)
     except ValidationError as e:
         err = e.errors()[0]
-        where = _printable(".".join(str(x) for x in err["loc"]), 80) or op
+        where = protocol.printable(".".join(str(x) for x in err["loc"]), 80) or op
         raise errors.Refused(f"{op}: {where} {err['msg'].removeprefix('Value error, ')}. Fix the request") from None

@@ -218,7 +218,7 @@ class Run:
     def _fresh(self, why: str) -> None:
         """Why a resume started fresh: the start's reply says it, so the caller's log does (one printable
         line: it may quote a CRIU log)."""
-        self.fresh = "".join(c if c.isprintable() else "?" for c in why[:1000])
+        self.fresh = protocol.printable(why, 1000)
 
     def _start_shim(self, command: Sequence[str], cwd: str, env: Mapping[str, str], deny_io_uring: bool,
                     out_w: int, err_w: int) -> ShimWorkload:
