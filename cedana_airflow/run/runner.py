@@ -240,14 +240,17 @@ def _lease_allows(settings: Settings, store: Store, checkpoint_id: str, cp: Chec
     verdict = judge_settings(store, checkpoint_id, settings, include_gap=False, trusted=cp.trusted)
     for level, note in verdict.notes:
         log.log(level, "%s", note)
-    if not verdict.resume and on_fresh is not None:  # its own line, not the notes: they hold a root command's output
+    if not verdict.resume:  # its own line, not the notes: they hold a root command's output
         _said(on_fresh, f"no checkpoint could be restored: the newest is older than the lease of its license "
                         f"({settings.lease_seconds or 0:.0f} s, lease_seconds) and was not renewed")
     return verdict.resume
 
 
-def _said(on_fresh: Callable[[str], None], why: str) -> None:
-    """``on_fresh(why)``; a hook that fails is logged, never the run's end (as ``on_restore``)."""
+def _said(on_fresh: Callable[[str], None] | None, why: str) -> None:
+    """``on_fresh(why)`` where there is one; a hook that fails is logged, never the run's end (as
+    ``on_restore``)."""
+    if on_fresh is None:
+        return
     try:
         on_fresh(why)
     except Exception:
@@ -314,8 +317,7 @@ def _restore_into(cp: Checkpointer, result: RunResult, *, must_restore: bool, cw
         if must_restore:
             raise
         log.info("no checkpoint to resume checkpoint_id=%s; starting fresh", cp.checkpoint_id)
-        if on_fresh is not None:
-            _said(on_fresh, "no checkpoint to resume")
+        _said(on_fresh, "no checkpoint to resume")
         if cp.try_number > 1:  # a retry that found nothing (its node died before the first checkpoint): say so
             history(outcome="fresh", reason="no checkpoint to resume: none was complete before the previous try ended")
         return None
@@ -324,8 +326,7 @@ def _restore_into(cp: Checkpointer, result: RunResult, *, must_restore: bool, cw
             raise
         result.skipped = (str(e),)
         log.warning("no checkpoint could be restored checkpoint_id=%s; starting fresh", cp.checkpoint_id)
-        if on_fresh is not None:
-            _said(on_fresh, f"no checkpoint could be restored: {e}")
+        _said(on_fresh, f"no checkpoint could be restored: {e}")
         history(outcome="fresh", reason="every checkpoint was refused", refused=(str(e),))
         return None
     m = restored.manifest
