@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from local_parts import AIRFLOW  # noqa: E402
+from local_parts import AIRFLOW, WORKER_ENV  # noqa: E402
 from slurm_cluster import SlurmCluster  # noqa: E402
 
 from cedana_airflow.config import load_settings  # noqa: E402
@@ -52,10 +52,6 @@ def uninterrupted(args: list[str]) -> str:
     out = subprocess.run([sys.executable, str(TRAIN), *args, "--step-seconds", "0"], capture_output=True, text=True,
                          check=True, timeout=600).stdout
     return out.strip().splitlines()[-1]
-
-
-#: The worker environment (`make worker`): what an Airflow worker that is not root runs.
-WORKER_ENV = Path("/opt/cedana-airflow/worker")
 
 
 def airflow_env(root: Path, cluster: SlurmCluster, airflow_db: Path | None = None, user: str | None = None,

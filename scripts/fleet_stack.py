@@ -37,11 +37,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from local_parts import AIRFLOW, MOTO_S3, Deployment, Postgres, descendants, free_port, stop_parts, tail  # noqa: E402  (scripts/ is on sys.path)
+from local_parts import AIRFLOW, MOTO_S3, WORKER_ENV, Deployment, Postgres, descendants, free_port, stop_parts, tail  # noqa: E402  (scripts/ is on sys.path)
 HERE = Path(__file__).resolve().parent
 BUCKET = "cedana-fleet"
-#: The worker environment (`make worker`): Debian's python3 with our wheel, Airflow and its Celery provider.
-WORKER_ENV = Path("/opt/cedana-airflow/worker")
 
 
 class FleetError(RuntimeError):

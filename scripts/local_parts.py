@@ -26,6 +26,9 @@ __all__ = ["AIRFLOW", "Deployment", "Postgres", "descendants", "free_port", "MOT
 #: ``pip install -e`` leaves there: Airflow then finds our plugin's entry point twice and its UI shows
 #: "Plugin 'cedana' already registered, skipping" as a plugin import error.
 AIRFLOW = [sys.executable, "-P", "-m", "airflow"]
+#: The worker environment (`make worker`): Debian's python3 with our wheel, Airflow and its Celery provider,
+#: where any user may run them: what an Airflow worker or a Slurm job that is not root runs.
+WORKER_ENV = Path("/opt/cedana-airflow/worker")
 
 
 def free_port(preferred: int = 0) -> int:

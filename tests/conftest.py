@@ -26,7 +26,7 @@ from cedana_airflow.run.workload import become_subreaper
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
-from local_parts import AIRFLOW, descendants, free_port as _free_port, moto_server, reap  # noqa: E402  (re-exported: tests import them from here)
+from local_parts import AIRFLOW, WORKER_ENV, descendants, free_port as _free_port, moto_server, reap  # noqa: E402  (re-exported: tests import them from here)
 
 TRAIN = REPO / "tests" / "workloads" / "train.py"
 #: Screenshots the browser tests leave for people to look at (CI keeps them).

@@ -26,7 +26,7 @@ import pytest
 from cedana_airflow import __version__, errors
 from cedana_airflow.agent import protocol
 from cedana_airflow.agent.client import AgentClient
-from conftest import REPO, cli, cli_env, kill_node, manifests, node_key_bytes, start_agent, start_cli, uid_folder, wait_for_checkpoints
+from conftest import REPO, WORKER_ENV, cli, cli_env, kill_node, manifests, node_key_bytes, start_agent, start_cli, uid_folder, wait_for_checkpoints
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent runs as root")
 
@@ -1131,7 +1131,7 @@ def test_a_slurm_job_on_a_node_without_an_agent_runs_unprotected_and_says_why(tm
     """A job of nobody in a checkpoint partition with CEDANA_ENABLE, agent = auto (the default), and no agent
     at its node's socket (%n: the Slurm node's name): one line says why, and the command runs unchanged, as
     a job runs where CRIU is missing. From the worker environment, as a job runs our CLI."""
-    worker = Path("/opt/cedana-airflow/worker/bin/python")
+    worker = WORKER_ENV / "bin" / "python"
     assert worker.exists(), "no worker environment: run `make worker`"
     home = Path(tempfile.mkdtemp(prefix="cedana-job-"))
     try:

@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 import pytest
 
-from conftest import AIRFLOW, TRAIN_ARGS, airflow_env, start_agent, uninterrupted_digest, wait_gone
+from conftest import AIRFLOW, TRAIN_ARGS, WORKER_ENV, airflow_env, start_agent, uninterrupted_digest, wait_gone
 from shared_stack import SharedStack
 
 pytestmark = pytest.mark.integration
@@ -152,8 +152,6 @@ def test_dags_test_try_2_resumes_through_the_node_agent(tmp_path, airflow_db):
     assert said.count("agent started w-") == 2 and "restored checkpoint_id=cedana_e2e.train." in said, said[-3000:]
 
 
-#: A worker's own interpreter and environment (`make worker`): what a task process that is not root runs.
-WORKER = Path("/opt/cedana-airflow/worker")
 
 
 def test_a_task_process_that_is_not_root_is_checkpointed_through_the_node_agent(tmp_path, airflow_db):
@@ -163,7 +161,7 @@ def test_a_task_process_that_is_not_root_is_checkpointed_through_the_node_agent(
     import pwd
 
     nobody = pwd.getpwnam("nobody")
-    assert (WORKER / "bin" / "airflow").exists(), "no worker environment: run `make worker`"
+    assert (WORKER_ENV / "bin" / "airflow").exists(), "no worker environment: run `make worker`"
     # The task's own folder: its Airflow home, its opt-in list (a worker's are its user's)
     home = Path(f"/tmp/cedana-worker-{os.getpid()}-{tmp_path.name}")
     home.mkdir(mode=0o700)
@@ -171,14 +169,14 @@ def test_a_task_process_that_is_not_root_is_checkpointed_through_the_node_agent(
     shutil.copy(tmp_path / "airflow" / "airflow.db", home / "airflow.db")
     shutil.copy(tmp_path / "optin.toml", home / "optin.toml")
     env.update(AIRFLOW_HOME=str(home), AIRFLOW__CEDANA__OPTIN_FILE=str(home / "optin.toml"), HOME=str(home),
-               AIRFLOW__CEDANA__WORK_DIR=str(home / "work"), PATH=f"{WORKER / 'bin'}:/usr/bin:/bin")
+               AIRFLOW__CEDANA__WORK_DIR=str(home / "work"), PATH=f"{WORKER_ENV / 'bin'}:/usr/bin:/bin")
     for path in (home, *home.rglob("*")):
         os.chown(path, nobody.pw_uid, nobody.pw_gid)
     log = tmp_path / "dags-test.log"
     try:
         with node_agent(tmp_path) as sock, open(log, "wb") as out:
             env["AIRFLOW__CEDANA__AGENT_SOCKET"] = str(sock)
-            proc = subprocess.Popen([str(WORKER / "bin" / "airflow"), "dags", "test", "cedana_e2e"], env=env, cwd=home,
+            proc = subprocess.Popen([str(WORKER_ENV / "bin" / "airflow"), "dags", "test", "cedana_e2e"], env=env, cwd=home,
                                     stdout=out, stderr=subprocess.STDOUT, user=nobody.pw_uid, group=nobody.pw_gid,
                                     extra_groups=[])
             try:
