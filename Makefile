@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup criu worker torch browser services slurm pods cc soak-tools demo ui demo-fleet demo-slurm demo-k8s test test-fast test-unit soak bench faults clean
+.PHONY: setup criu worker worker-torch torch browser services slurm pods cc soak-tools demo ui demo-fleet demo-slurm demo-k8s test test-fast test-unit soak bench faults clean
 
 setup: $(STAMP) criu
 
@@ -21,8 +21,10 @@ criu:
 # (the tests' .venv runs a Python that lives in root's 0700 home). The tests run task processes and Celery
 # workers that are not root with it (issue 49), so it has the Celery provider and PostgreSQL's drivers as
 # the official image does; our package is put in again each time, so it is the tree's as it is now.
+# sudo: the test run's Airflow stack runs its tasks as nobody through Airflow's own impersonation (run_as_user).
 WORKER := /opt/cedana-airflow/worker
 worker: $(WORKER)/.installed
+	@command -v sudo >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends sudo; }
 	$(WORKER)/bin/python -m pip install -q --disable-pip-version-check --no-deps --force-reinstall .
 
 $(WORKER)/.installed: pyproject.toml setup.py Makefile
@@ -34,12 +36,18 @@ $(WORKER)/.installed: pyproject.toml setup.py Makefile
 	touch $@
 
 # PyTorch's CPU build (about 200 MB) for the real training jobs of the tests and the soak; not a
-# dependency of the package.
+# dependency of the package. The worker environment gets it too (`make test`): the stack's torch jobs
+# run as nobody, with the worker's interpreter.
 TORCH := $(VENV)/.torch
 torch: $(TORCH)
 $(TORCH): $(STAMP)
 	$(BIN)/python -m pip install -q --disable-pip-version-check 'torch==2.13.0+cpu'
 	touch $(TORCH)
+worker-torch: $(WORKER)/.torch
+$(WORKER)/.torch: $(WORKER)/.installed
+	$(WORKER)/bin/python -m pip install -q --disable-pip-version-check 'torch==2.13.0+cpu'
+	chmod -R a+rX $(WORKER)
+	touch $@
 
 # The UI tests drive Debian's Chromium with Playwright (a browser download is not possible here).
 browser:
@@ -94,7 +102,7 @@ demo-k8s: setup pods
 # The suite in parallel pytest-xdist workers: most end-to-end tests wait on heartbeats and Airflow's loops,
 # so their waits overlap (tests/harness.py; docs/testing.md has the budget and the latest figures).
 TEST_WORKERS ?= 4
-test: setup torch browser services slurm pods cc worker
+test: setup torch browser services slurm pods cc worker worker-torch
 	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # The inner loop: units and the pieces that need no Airflow stack, cluster or pod (under 3 minutes).

@@ -48,7 +48,8 @@ PARTS = ("api-server", "scheduler", "dag-processor", "triggerer")
 
 class AirflowStack(Deployment):
     def __init__(self, env: dict[str, str], home: Path, wait_dag: str, *, port: int = 0,
-                 start_timeout: float = 180) -> None:
+                 start_timeout: float = 180, airflow: list[str] | None = None) -> None:
+        self.airflow = airflow or AIRFLOW  # the parts' CLI: another interpreter's (the worker environment's)
         self.port = free_port(port)
         self.base = f"http://127.0.0.1:{self.port}"
         self.env = {**env, "AIRFLOW__CORE__EXECUTOR": "LocalExecutor", "AIRFLOW__API__PORT": str(self.port),
@@ -72,7 +73,9 @@ class AirflowStack(Deployment):
         parts = [["api-server", "--host", "127.0.0.1", "--port", str(self.port)], *([p] for p in PARTS[1:])]
         for what in parts:
             with open(self.home / f"{what[0]}.log", "wb") as out:
-                self.procs[what[0]] = subprocess.Popen([*AIRFLOW, *what], env=self.env, stdout=out,
+                # cwd: the home, never a checkout, whose cedana_airflow/ a task re-executed by `python -c`
+                # (run_as_user) would import before the installed package
+                self.procs[what[0]] = subprocess.Popen([*self.airflow, *what], env=self.env, stdout=out, cwd=self.home,
                                                        stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + self.start_timeout
         while True:
@@ -105,7 +108,7 @@ class AirflowStack(Deployment):
         API, its home and environment; no parts of its own to stop."""
         stack = cls.__new__(cls)
         stack.base, stack.port, stack.home, stack.env = base, int(base.rsplit(":", 1)[1]), home, env
-        stack.wait_dag, stack.start_timeout, stack.procs = "", 0.0, {}
+        stack.wait_dag, stack.start_timeout, stack.procs, stack.airflow = "", 0.0, {}, AIRFLOW
         stack.token = ""
         stack.token = stack.call("GET", "/auth/token")["access_token"]
         return stack

@@ -229,10 +229,14 @@ class Clearing:
     """A test's own DAG (tests/stack_dags/dags_e2e.py) on the run's shared Airflow stack, with the moves of
     a Clear: trigger, fail, clear, follow."""
 
-    def __init__(self, stack: SharedStack, tmp_path: Path, **params: object) -> None:
-        self.stack, self.store = stack, tmp_path / "store"
-        self.dag_id = stack.add_dag("e2e_clear", "dags_e2e:clear_dag", store=f"file://{self.store}",
-                                    work_dir=str(tmp_path / "work"), **params)
+    def __init__(self, stack: SharedStack, tmp_path: Path, *, nobody: bool = False, **params: object) -> None:
+        """``nobody``: the task runs as uid nobody, through the stack's agent of node-a (its checkpoints
+        are in the agents' store)."""
+        self.stack = stack
+        self.store = stack.agent_store if nobody else tmp_path / "store"
+        work = stack.user_dir("work") if nobody else tmp_path / "work"
+        self.dag_id = stack.add_dag("e2e_clear", "dags_e2e:clear_dag", store=f"file://{tmp_path / 'store'}",
+                                    work_dir=str(work), **({"agent": stack.agent("node-a")} if nobody else {}), **params)
 
     def start_run_until_first_checkpoint(self) -> tuple[str, dict]:
         """Trigger the DAG; return its run ID and first manifest once that exists."""
@@ -281,9 +285,20 @@ class Clearing:
 
 
 def test_a_clear_through_the_rest_api_resumes_the_failed_task_from_its_checkpoint(tmp_path, airflow_stack):
-    dag = Clearing(airflow_stack, tmp_path, train_args=TRAIN_ARGS)
+    """The task runs as uid nobody (Airflow's run_as_user) with default settings: its workload is node-a's
+    agent's to run as nobody and checkpoint; the Clear's try resumes it through the agent (issue 49)."""
+    import pwd
+
+    from conftest import node_key_bytes
+
+    from cedana_airflow.format.signing import key_id
+
+    nobody = pwd.getpwnam("nobody").pw_uid
+    dag = Clearing(airflow_stack, tmp_path, nobody=True, train_args=TRAIN_ARGS)
     stack = airflow_stack
     run_id, m = dag.start_run_until_first_checkpoint()
+    status = Path(f"/proc/{m['process']['pid']}/status").read_text()
+    assert f"Uid:\t{nobody}\t{nobody}\t{nobody}\t{nobody}" in status and "NoNewPrivs:\t1" in status, status
     kill_workload(m["process"]["pid"])
     failed = dag.wait_state(run_id, {"failed", "success"})
     assert failed["state"] == "failed" and failed["try_number"] == 1  # retries=0: it stays failed
@@ -297,14 +312,15 @@ def test_a_clear_through_the_rest_api_resumes_the_failed_task_from_its_checkpoin
 
     log = dag.log(run_id, 2)
     assert "start-up: allocating" not in log  # try 2 did not start over
-    # Signed with no set-up: the node key, said (by its key ID and file only) in the log; no Variable is made.
-    assert re.search(r"manifests are signed and verified with node key [0-9a-f]{16} from "
-                     r"/etc/cedana-airflow/node.key \(the default\)", log), log[-3000:]
+    # The task process never read the key or the store: the agent signed with the node key, and no Variable is made.
+    assert "store=the node agent's (" in log and "signed and verified with node key" not in log, log[-3000:]
     assert subprocess.run([*AIRFLOW, "variables", "get", "cedana_signing_secret"], env=stack.env, capture_output=True,
                           text=True).returncode != 0
     signed = [json.loads(p.read_text()) for p in dag.store.glob(f"{dag.dag_id}.train.*/*/manifest.json")]
-    assert signed and all(m["signature"]["key_id"] for m in signed)
-    assert re.search(rf"cedana: restored seq \d+ of try 1 .*checkpoint_id={dag.dag_id}\.train\.\S+", log), log
+    assert signed and all(m["signature"]["key_id"] == key_id(node_key_bytes()) for m in signed)
+    assert all(m["caller"]["uid"] == nobody for m in signed), signed[0].get("caller")
+    assert re.search(rf"cedana: restored seq \d+ of try 1 .*checkpoint_id={dag.dag_id}\.train\.\S+.*\(through the node "
+                     r"agent\)", log), log[-3000:]
     assert re.findall(r"done digest=\w+", log) == [uninterrupted_digest(*TRAIN_ARGS)]
     restore = stack.xcom(dag.dag_id, run_id, "train", "cedana_restore")
     assert restore["from_try"] == 1 and restore["seq"] == latest and restore["gap_seconds"] >= 0
@@ -366,28 +382,28 @@ def test_stopping_a_running_task_takes_a_final_checkpoint_that_the_clear_resumes
 
 
 def test_stopping_a_task_through_the_node_agent_takes_a_final_checkpoint_that_the_clear_resumes(tmp_path, airflow_stack):
-    """The same stop as above, Airflow's own (Mark as failed: its supervisor's SIGTERM, then its SIGKILL),
-    with agent = require: on_kill becomes the agent's stop, the agent takes the final checkpoint, and the
-    Clear's try resumes it through the agent (issue 49)."""
-    with node_agent(tmp_path) as sock:
-        args = ["--mb", "20", "--steps", "300", "--step-seconds", "0.1"]
-        dag = Clearing(airflow_stack, tmp_path, train_args=args, heartbeat=4.0, agent_socket=str(sock))
-        stack = airflow_stack
-        run_id, first = dag.start_run_until_first_checkpoint()
-        stack.call("PATCH", f"/api/v2/dags/{dag.dag_id}/dagRuns/{quote(run_id)}/taskInstances/train",
-                   {"new_state": "failed"})
-        deadline = time.monotonic() + 120
-        while not re.search(r"stopped through the node agent|Task killed", log1 := stack.task_log_files(dag.dag_id, 1)):
-            assert time.monotonic() < deadline, stack.logs()
-            time.sleep(0.5)
-        final = re.search(r"stopped through the node agent checkpoint_id=\S+: final checkpoint seq (\d+)", log1)
-        assert final and int(final[1]) > first["seq"], log1[-3000:] + (tmp_path / "agent.log").read_text()[-3000:]
-        before = [int(n) for n in re.findall(r"step (\d+)/300", log1)]
+    """The same stop as above, Airflow's own (Mark as failed: its supervisor's SIGTERM, then its SIGKILL), of
+    a task that runs as uid nobody (run_as_user: its task process is under sudo) with default settings:
+    on_kill becomes the agent's stop, the agent takes the final checkpoint, and the Clear's try resumes it
+    through the agent (issue 49)."""
+    args = ["--mb", "20", "--steps", "300", "--step-seconds", "0.1"]
+    dag = Clearing(airflow_stack, tmp_path, nobody=True, train_args=args, heartbeat=4.0)
+    stack = airflow_stack
+    run_id, first = dag.start_run_until_first_checkpoint()
+    stack.call("PATCH", f"/api/v2/dags/{dag.dag_id}/dagRuns/{quote(run_id)}/taskInstances/train",
+               {"new_state": "failed"})
+    deadline = time.monotonic() + 120
+    while not re.search(r"stopped through the node agent|Task killed", log1 := stack.task_log_files(dag.dag_id, 1)):
+        assert time.monotonic() < deadline, stack.logs()
+        time.sleep(0.5)
+    final = re.search(r"stopped through the node agent checkpoint_id=\S+: final checkpoint seq (\d+)", log1)
+    assert final and int(final[1]) > first["seq"], log1[-3000:]
+    before = [int(n) for n in re.findall(r"step (\d+)/300", log1)]
 
-        dag.clear(run_id)
-        done = dag.wait_state(run_id, {"success", "failed"})
-        assert done["state"] == "success", stack.logs()
-        log2 = dag.log(run_id, 2)
+    dag.clear(run_id)
+    done = dag.wait_state(run_id, {"success", "failed"})
+    assert done["state"] == "success", stack.logs()
+    log2 = dag.log(run_id, 2)
     assert re.search(rf"cedana: restored seq {final[1]} of try 1 .*\(through the node agent\)", log2), log2[-3000:]
     after = [int(n) for n in re.findall(r"step (\d+)/300", log2)]
     assert after[0] == before[-1] + 1, (before[-3:], after[:3])  # nothing printed after the final checkpoint

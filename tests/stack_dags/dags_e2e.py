@@ -9,19 +9,22 @@ from pathlib import Path
 from airflow.sdk import DAG
 
 from cedana_airflow.operators import CheckpointedCommandOperator
+from nobody import nobody_task
 
 TRAIN = str(Path(__file__).resolve().parent.parent / "workloads" / "train.py")
 
 
 def clear_dag(dag_id: str, *, store: str, work_dir: str, train_args: list[str], heartbeat: float = 1.0,
-              agent_socket: str | None = None) -> None:
+              agent: dict[str, str] | None = None) -> None:
     """No automatic retry: the test fails the task and then clears it through the REST API, as the UI's Clear does.
-    ``agent_socket``: through the node agent listening there (agent = require)."""
+    ``agent``: the task runs as nobody, through that node agent (its store is the agent's, not ``store``)."""
+    user, settings = nobody_task(agent)
     with DAG(dag_id, schedule=None, start_date=datetime(2026, 1, 1), catchup=False, default_args={"retries": 0}):
         CheckpointedCommandOperator(
             task_id="train",
             command=[sys.executable, TRAIN, *train_args],
             heartbeat=timedelta(seconds=heartbeat),
             store=store,
-            settings={"work_dir": work_dir, **({"agent": "require", "agent_socket": agent_socket} if agent_socket else {})},
+            settings={"work_dir": work_dir, **settings},
+            **user,
         )
