@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import shutil
 import threading
 import time
@@ -194,6 +195,9 @@ class Checkpointer:
         self.trust = node_trust(settings, airflow, self.node_key, uid=caller_uid)
         self._lock = threading.Lock()
         self._count = 0
+        # This checkpointer's own in the work dir's folder names: a node agent runs many in one process (one
+        # pid), and two restores of one seq, or two dumps of one count, must never share (or rmtree) a folder.
+        self._tag = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._known: set[str] = set()
         self._memo = SegmentMemo()  # heartbeats cut only the segments that changed
         self.parent_seq: int | None = None
@@ -259,7 +263,7 @@ class Checkpointer:
                 return None
             self._count += 1
             # Each dump gets its own folder: images, CRIU's log and the captured files, removed together.
-            dump_dir = self.work_dir / f"dump-{os.getpid()}-{self._count}"
+            dump_dir = self.work_dir / f"dump-{self._tag}-{self._count}"
             dump_dir.mkdir(mode=0o700, parents=True)  # images and captured copies are process memory: root's eyes only
             rss = estimate.rss_bytes
             started = time.monotonic()
@@ -604,7 +608,7 @@ class Checkpointer:
         Whatever fails leaves only CRIU's logs behind (the error may name them)."""
         assert self.engine is not None  # _refusal refused a CRIU image where CRIU cannot run
         # images/ (with captured/ inside) plus CRIU's log and pidfile, removed together.
-        restore_dir = self.work_dir / f"restore-{os.getpid()}-{m.seq}-{mode}"
+        restore_dir = self.work_dir / f"restore-{self._tag}-{m.seq}-{mode}"
         shutil.rmtree(restore_dir, ignore_errors=True)
         restore_dir.mkdir(mode=0o700, parents=True)  # the fetched images are process memory: root's eyes only
         feed = None

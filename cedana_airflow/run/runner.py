@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import shutil
 import signal
 import statistics
@@ -184,7 +185,8 @@ def run_workload(
     with _stop_line(checkpoint_id, lease) as stopped, \
             lease.held() if lease is not None else contextlib.nullcontext(), _work_dir(settings) as work_dir:
         # In every mode: whatever wrote the newest checkpoint restores it (a cooperative one needs this).
-        coop = Cooperation(work_dir / f"coop-{os.getpid()}", settings)
+        # (a folder of this run's own: a node agent runs many in one process)
+        coop = Cooperation(work_dir / f"coop-{os.getpid()}-{secrets.token_hex(4)}", settings)
         if env is None:  # ours, less the store's credentials: they would be in every image
             env = workload_env(os.environ, settings.keep_env)
         # Without CRIU there may be no root either: no PID namespace then, the workload's session is its tree.

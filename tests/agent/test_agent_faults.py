@@ -149,3 +149,50 @@ def test_the_agent_killed_mid_restore_leaves_nothing_running_and_the_retry_resum
         assert status["result"]["restored_from"]["seq"] == latest, status
         after = _read_all(out_r).split()
         assert before and after and 1 < int(after[0]) <= int(before[-1]) + 1, (before[-3:], after[:3])
+
+
+def test_two_restores_of_the_same_seq_at_once_in_one_agent_each_resume_their_own_tree(tmp_path):
+    """One agent is one process for every run on its node: two retries restoring seq 1 of two IDs at once
+    (the first held 2 s just before CRIU runs, while the second fetches) each get their own tree back. Their
+    work folders were once named by the process and the seq alone: the second's fetch removed the first's
+    images, and the first started fresh (the stack's torch tests met it on node-b)."""
+    count = "i=0; while [ $i -lt 40 ]; do i=$((i+1)); echo {id} $i; sleep 0.1; done"
+    with node(tmp_path) as n:
+        n.agent("agent", failpoints="restore.criu=run:sleep 2")
+        for cid in ("twin-a", "twin-b"):  # one checkpoint each, seq 1: the stop's final one
+            out_r, out_w = os.pipe()
+            with AgentClient.connect(n.sock) as c:
+                s = c.start(cid, ["sh", "-c", count.format(id=cid)], cwd="/tmp", env={"PATH": "/usr/bin:/bin"},
+                            stdout=out_w, stderr=out_w, settings={"heartbeat_seconds": 600})
+                os.close(out_w)
+                time.sleep(1.0)
+                assert c.stop(s.wid, s.handle)["result"]["final_checkpoint_seq"] == 1
+            s.lifeline.close()
+            os.close(out_r)
+            assert n.checkpoints(cid) == [1]
+
+        outs: dict[str, str] = {}
+
+        def resume(cid: str) -> None:
+            out_r, out_w = os.pipe()
+            msg, fds = _start(n.sock, ["sh", "-c", count.format(id=cid)], out_w, checkpoint_id=cid, resume=True,
+                              try_number=1)()
+            os.close(out_w)
+            assert msg["restored_seq"] == 1, msg
+            with socket.socket(fileno=fds[0]) as lifeline:
+                assert _event(lifeline, timeout=60)["ev"] == "started"
+                assert _event(lifeline, timeout=60)["ev"] == "exit"
+            outs[cid] = _read_all(out_r)
+
+        import threading
+
+        threads = [threading.Thread(target=resume, args=(cid,)) for cid in ("twin-a", "twin-b")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for cid in ("twin-a", "twin-b"):
+            lines = outs[cid].split("\n")
+            counted = [int(x.split()[1]) for x in lines if x.startswith(f"{cid} ")]
+            assert counted and counted[0] > 1 and counted == list(range(counted[0], 41)), (cid, outs[cid][-500:])
+            assert not [x for x in lines if x.startswith("twin-") and not x.startswith(f"{cid} ")], outs[cid][-500:]
