@@ -160,7 +160,8 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
                                                 claim=airflow_task(context).model_dump(mode="json"), stdout=out,
                                                 stderr=err, stop=self._stop,
                                                 on_restore=lambda r: self._log_agent_restore(cid, node, r),
-                                                on_fresh=lambda why: self.log.info("%s", fresh_line(why, cid)))
+                                                on_fresh=lambda why: self.log.info("%s", fresh_line(why, cid)),
+                                                on_said=lambda line: self.log.info("cedana (node agent): %s", line))
                     except AgentUnavailable as e:
                         if settings.agent == "require":
                             raise

@@ -133,8 +133,9 @@ class AgentClient:
         return Started(str(reply["wid"]), str(reply["handle"]), int(reply["pid"]), socket.socket(fileno=fds[0]),
                        int(seq) if isinstance(seq, int) else None, str(fresh)[:2000] if fresh else None)
 
-    def status(self, wid: str, handle: str) -> dict[str, Any]:
-        return self.request("status", wid=wid, handle=handle)[0]
+    def status(self, wid: str, handle: str, said_since: int = 0) -> dict[str, Any]:
+        """The run's state; its ``said`` (0.8.3 agents): ``[n, line]`` of the lines about it after ``said_since``."""
+        return self.request("status", wid=wid, handle=handle, said_since=said_since)[0]
 
     def stop(self, wid: str, handle: str) -> dict[str, Any]:
         """The final checkpoint, then the end (as SIGTERM to a supervisor); its status once ended."""

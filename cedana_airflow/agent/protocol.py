@@ -39,6 +39,9 @@ TASK_SETTINGS = frozenset({
     "stop_grace_seconds", "stop_window_seconds", "keep_checkpoints", "delete_on_success", "max_restore_gap_seconds",
     "progress",
     "lease_seconds",  # 0.8.2: a license's lease only decides fresh or restore; renewing it is the node's command
+    # 0.8.3: what Airflow's history says of the caller's own queue, for heartbeat = auto: its word moves only its
+    # own interval, within its own heartbeat_min/max
+    "failure_history",
 })
 #: The largest message either side sends or accepts: argv and env are the only big fields.
 MAX_MESSAGE = 64 << 10

@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 #: How often a waiting caller looks at its stop event.
 _POLL_SECONDS = 0.2
+#: How often it asks for the agent's lines about its run (a heartbeat's are said within this of it).
+_SAID_SECONDS = 1.0
 
 
 def through_agent(settings: Settings) -> bool:
@@ -51,14 +53,16 @@ def run_via_agent(path: Path, checkpoint_id: str, argv: Sequence[str], *, cwd: s
                   try_number: int, settings: Settings, claim: Mapping[str, Any] | None, stdout: Sink, stderr: Sink,
                   stop: threading.Event, on_restore: Callable[[dict[str, Any]], None] | None = None,
                   on_fresh: Callable[[str], None] | None = None, restore_only: bool = False,
-                  resume: bool = True) -> dict[str, Any]:
+                  resume: bool = True, on_said: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run ``argv`` as us through the agent at ``path``, resuming ``checkpoint_id``'s newest checkpoint when
     there is one; return the run's summary once it ended. ``stop`` set: the agent takes the final
     checkpoint and ends the workload (as SIGTERM does to a supervisor). ``on_restore``: called with what
     was restored (``status``'s ``restore``) once the agent says so; ``on_fresh``: with why, when the
     resume found nothing to restore and the workload started fresh; ``restore_only`` (``argv`` empty): restore
     only, as `restore` does (nothing to restore is CheckpointNotFound); ``resume=False``: start fresh
-    whatever is stored (`run` without --resume). Raises AgentUnavailable where no
+    whatever is stored (`run` without --resume); ``on_said``: called with each of the agent's lines about
+    the run (the heartbeat it chose, a checkpoint saved or skipped), as the run goes (default: this
+    module's log, at INFO). Raises AgentUnavailable where no
     agent answers, and what the agent refused with (errors.py classes)."""
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -81,20 +85,24 @@ def run_via_agent(path: Path, checkpoint_id: str, argv: Sequence[str], *, cwd: s
                 on_fresh(started.fresh)
             except Exception:  # a hook's failure (a closed stderr) must not drop the lifeline: that ends the tree
                 log.warning("on_fresh failed", exc_info=True)
+        said = _Said(on_said or (lambda line: log.info("%s", line)))
         said_restore = started.restored_seq is None or on_restore is None
         ended = False
+        next_ask = 0.0
         while not ended:
             if stop.is_set():
-                _ask(path, lambda c: c.stop(started.wid, started.handle))  # the final checkpoint, then the end
+                said.take(_ask(path, lambda c: c.stop(started.wid, started.handle)))  # the final checkpoint, then the end
                 break
-            if not said_restore:
-                status = _ask(path, lambda c: c.status(started.wid, started.handle))
-                if status.get("restore") is not None and on_restore is not None:
+            if not said_restore or time.monotonic() >= next_ask:
+                status = _ask(path, lambda c: c.status(started.wid, started.handle, said.last))
+                said.take(status)
+                next_ask = time.monotonic() + _SAID_SECONDS
+                if not said_restore and status.get("restore") is not None and on_restore is not None:
                     on_restore(status["restore"])
                     said_restore = True
             if select.select([started.lifeline], [], [], _POLL_SECONDS)[0]:
                 ended = _ended(started.lifeline)
-        status = _until_ended(path, started.wid, started.handle)
+        status = _until_ended(path, started.wid, started.handle, said)
     for pump in pumps:
         pump.join()
     if status.get("error"):
@@ -135,14 +143,32 @@ def _ask(path: Path, request: Callable[[AgentClient], dict[str, Any]], tries: in
     raise AssertionError("unreachable")
 
 
-def _until_ended(path: Path, wid: str, handle: str, seconds: float = 120) -> dict[str, Any]:
+def _until_ended(path: Path, wid: str, handle: str, said: _Said, seconds: float = 120) -> dict[str, Any]:
     """The run's status once its run has ended (the tree ended first: its last upload, its lease)."""
     deadline = time.monotonic() + seconds
     while True:
-        status = _ask(path, lambda c: c.status(wid, handle))
+        status = _ask(path, lambda c: c.status(wid, handle, said.last))
+        said.take(status)
         if status.get("state") == "ended" or time.monotonic() > deadline:
             return status
         time.sleep(_POLL_SECONDS)
+
+
+class _Said:
+    """The agent's lines about a run (a status's ``said``: ``[n, line]``), each handed on once, in order."""
+
+    def __init__(self, sink: Callable[[str], None]) -> None:
+        self.sink, self.last = sink, 0
+
+    def take(self, status: dict[str, Any]) -> None:
+        for item in status.get("said") or []:
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], int)) or item[0] <= self.last:
+                continue
+            self.last = item[0]
+            try:
+                self.sink(str(item[1]))
+            except Exception:  # a hook's failure (a closed stderr) must not drop the lifeline: that ends the tree
+                log.warning("on_said failed", exc_info=True)
 
 
 def _pump(fd: int, sink: Sink) -> threading.Thread:

@@ -154,6 +154,7 @@ class _Target(BaseModel):
 
     wid: str
     handle: str
+    said_since: int = Field(default=0, ge=0)  # status: the run's lines after this one (0.8.3)
 
 
 class Agent:
@@ -430,7 +431,7 @@ class Agent:
     def _hello(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
         peer = caller.peer
         out = {"proto": protocol.PROTO, "agent": __version__, "node": self.node, "ready": True,
-               "features": ["start", "heartbeat", "stop", "restore"],  # restore: start's restore_only (0.8.2)
+               "features": ["start", "heartbeat", "stop", "restore", "said"],  # restore: start's restore_only (0.8.2); said: status's lines (0.8.3)
                "you": {"uid": peer.uid, "gid": peer.gid},
                "protected": True}  # every caller's workload is checkpointed (one other than root's: shim.py)
         return out, []
@@ -481,7 +482,8 @@ class Agent:
 
     def _status(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
         peer = caller.peer
-        return self._owned(peer, msg).public(), []
+        since = _parsed(_Target, msg, "status").said_since
+        return self._owned(peer, msg).public(since), []
 
     def _stop(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
         peer = caller.peer

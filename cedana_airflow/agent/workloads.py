@@ -35,6 +35,7 @@ from ..run.summary import run_summary
 from ..run.workload import Sink, Workload, pipe_name
 from . import protocol, shim, trees
 from .remembered import Remembered, control_socket, forget, remember
+from .said import Said
 from .callers import Caller
 from .protocol import TASK_SETTINGS, Peer
 
@@ -145,6 +146,7 @@ class Run:
         self.requested = dict(requested)
         self.try_number = 0
         self.claim: AirflowTask | None = None
+        self.said = Said(checkpoint_id)  # the supervisor's lines about it, for its caller's log (status)
 
     @property
     def peer(self) -> Peer:
@@ -177,12 +179,13 @@ class Run:
 
         def run() -> None:
             try:
-                self.result = run_workload(self.settings, self.checkpoint_id, argv, resume=resume,
-                                           try_number=self.try_number, cwd=cwd, env=env, handle_signals=False,
-                                           stop=self.stop, airflow=self.claim, starter=starter,
-                                           restore_tree=restore_tree, on_restore=self._restored,
-                                           on_fresh=self._fresh, cooperative=False, caller_uid=self.peer.uid,
-                                           owner_checked=self._taken_up)
+                with self.said:
+                    self.result = run_workload(self.settings, self.checkpoint_id, argv, resume=resume,
+                                               try_number=self.try_number, cwd=cwd, env=env, handle_signals=False,
+                                               stop=self.stop, airflow=self.claim, starter=starter,
+                                               restore_tree=restore_tree, on_restore=self._restored,
+                                               on_fresh=self._fresh, cooperative=False, caller_uid=self.peer.uid,
+                                               owner_checked=self._taken_up)
             except errors.CedanaError as e:
                 self.failure = e
             except Exception as e:  # noqa: BLE001 (a bug: said, and the caller is not left waiting)
@@ -370,9 +373,9 @@ class Run:
     def ended(self) -> bool:
         return self._done.is_set()
 
-    def public(self) -> dict[str, Any]:
-        """What its owner may see (never the handle)."""
-        out: dict[str, Any] = {
+    def public(self, said_since: int = 0) -> dict[str, Any]:
+        """What its owner may see (never the handle); ``said``: the lines about it after line ``said_since``."""
+        out: dict[str, Any] = {"said": self.said.since(said_since),  # 0.8.3
             "wid": self.wid, "uid": self.uid, "checkpoint_id": self.checkpoint_id, "node": self.node,
             "pid": self.workload.pid if self.workload else None, "started": self.started_at,
             "restored_seq": self.restored_seq, "fresh": self.fresh,

@@ -1111,6 +1111,8 @@ def test_the_cli_s_run_goes_through_the_agent_and_its_stop_takes_a_final_checkpo
     assert first.returncode == 128 + signal.SIGTERM, err.decode()[-2000:]
     assert summary["stopped_by"] and summary["final_checkpoint_seq"] == manifests(tmp_path / "store", "cli-agent")[-1]["seq"]
     counted = [x for x in printed if x.isdigit()]
+    # the agent's own lines about the run reach its caller, as a supervisor's would (0.8.3)
+    assert "checkpoint saved checkpoint_id=cli-agent seq=1 " in err.decode(), err.decode()[-2000:]
 
     second = subprocess.run([sys.executable, "-m", "cedana_airflow", "restore", "--id", "cli-agent", "--json",
                              "--try-number", "1"], env=env, capture_output=True, timeout=120)

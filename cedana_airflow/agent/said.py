@@ -1,0 +1,57 @@
+"""What the agent says about a run, kept for its caller (issue 49).
+
+Run in a task process, the supervisor's lines (the heartbeat it chose and why, a heartbeat skipped or
+failed, a checkpoint saved) land in the task's log. Through the agent they are the agent's log lines:
+:class:`Said` keeps those that name the run's checkpoint ID, numbered, for the run's ``status`` to hand
+its owner, who logs them (agent/route.py). Bounded: a caller that does not ask loses the oldest.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import re
+import threading
+
+from . import protocol
+
+__all__ = ["KEPT", "Said"]
+
+#: Lines kept per run: a minute of one-second heartbeats with room to spare.
+KEPT = 200
+
+
+class Said(logging.Handler):
+    """While attached (``with Said(cid):``) to our package's logger, keeps each record at INFO or above
+    whose message names ``checkpoint_id=<cid>``, as ``(n, line)`` with n counting from 1."""
+
+    def __init__(self, checkpoint_id: str) -> None:
+        super().__init__(logging.INFO)
+        # the ID, then anything but another of an ID's characters: "a" must not take "a.b"'s lines
+        self._names = re.compile(rf"checkpoint_id={re.escape(checkpoint_id)}(?![A-Za-z0-9_.\-])")
+        self._lines: collections.deque[tuple[int, str]] = collections.deque(maxlen=KEPT)
+        self._n = 0
+        self._mutex = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 (a bad format is the logger's problem, never the run's)
+            return
+        if not self._names.search(message):
+            return
+        with self._mutex:
+            self._n += 1
+            self._lines.append((self._n, protocol.printable(message, 2000)))
+
+    def since(self, n: int) -> list[list[int | str]]:
+        """The lines kept after line ``n`` (JSON-ready: ``[number, line]``)."""
+        with self._mutex:
+            return [[i, line] for i, line in self._lines if i > n]
+
+    def __enter__(self) -> Said:
+        logging.getLogger("cedana_airflow").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("cedana_airflow").removeHandler(self)

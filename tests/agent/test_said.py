@@ -1,0 +1,36 @@
+"""The agent's lines about a run, kept for its caller (agent/said.py): only its own ID's, at INFO and above,
+numbered, printable, and bounded."""
+
+from __future__ import annotations
+
+import logging
+
+from cedana_airflow.agent.said import KEPT, Said
+
+
+def test_a_run_keeps_the_lines_that_name_its_id_and_no_other_id_s():
+    log = logging.getLogger("cedana_airflow.run.runner")
+    log.setLevel(logging.DEBUG)
+    with Said("job.a") as said, Said("job.a.b") as other:
+        log.info("checkpoint saved checkpoint_id=job.a seq=1 chunks=3")
+        log.info("checkpoint saved checkpoint_id=job.a.b seq=1")  # another ID that starts with it
+        log.info("checkpoint saved checkpoint_id=job.ab seq=1")
+        log.debug("freeze checkpoint_id=job.a seq=2")  # below INFO: the agent's debug is not the caller's
+        log.warning("heartbeat skipped checkpoint_id=job.a: too large\x1b[31m; the workload keeps running")
+        log.info("restored checkpoint_id=job.a")  # at the end of the line
+    log.info("checkpoint saved checkpoint_id=job.a seq=3")  # detached: not kept
+    lines = said.since(0)
+    assert [n for n, _ in lines] == [1, 2, 3]
+    assert lines[0][1] == "checkpoint saved checkpoint_id=job.a seq=1 chunks=3"
+    assert "\x1b" not in lines[1][1] and lines[1][1].startswith("heartbeat skipped checkpoint_id=job.a: too large")
+    assert said.since(2) == [lines[2]]
+    assert other.since(0) == [[1, "checkpoint saved checkpoint_id=job.a.b seq=1"]]
+
+
+def test_a_caller_that_never_asks_loses_only_the_oldest_lines():
+    log = logging.getLogger("cedana_airflow.run.checkpointer")
+    with Said("many") as said:
+        for i in range(KEPT + 5):
+            log.warning("heartbeat %d checkpoint_id=many", i)
+    lines = said.since(0)
+    assert len(lines) == KEPT and lines[0][0] == 6 and lines[-1] == [KEPT + 5, f"heartbeat {KEPT + 4} checkpoint_id=many"]
