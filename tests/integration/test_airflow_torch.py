@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from conftest import OPTIN_ALL, REPO, descendants, drop_pymp, pymp_dirs_held, wait_gone
-from shared_stack import SharedStack
+from shared_stack import SharedStack, give_to_nobody
 
 pytestmark = pytest.mark.integration
 
@@ -168,10 +168,13 @@ def test_cooperative_ddp_training_resumes_on_another_node_and_auto_protects_a_wo
 
 
 def test_heartbeat_auto_chooses_from_what_it_measured_and_what_airflow_saw_fail(airflow_stack, tmp_path):
-    stack, store = airflow_stack, tmp_path / "store"
+    """As uid nobody (Airflow's run_as_user), through node-a's agent: the caller reads Airflow's history, the
+    agent measures and checkpoints (issue 49)."""
+    stack, store = airflow_stack, airflow_stack.agent_store
     queue = f"auto_gpu_{tmp_path.name}"  # its own queue: no other test's failures in its history
-    dag_id = stack.add_dag("auto", "dags_torch:auto_dag", store=f"file://{store}", work_dir=str(tmp_path / "work"),
-                           queue=queue, args=AUTO_ARGS, heartbeat_max=AUTO_MAX)
+    dag_id = stack.add_dag("auto", "dags_torch:auto_dag", store=f"file://{tmp_path / 'store'}",
+                           work_dir=str(stack.user_dir("work")), queue=queue, args=AUTO_ARGS, heartbeat_max=AUTO_MAX,
+                           agent=stack.agent("node-a"))
     run_id = stack.trigger(dag_id)
     for try_number in (1, 2):  # the workload is killed (SIGKILL, as the OOM killer does) after two of its checkpoints
         deadline = time.monotonic() + 240
@@ -210,7 +213,7 @@ def test_heartbeat_auto_chooses_from_what_it_measured_and_what_airflow_saw_fail(
     assert re.findall(r"done digest=\w+", logs[2]) == re.findall(r"done digest=\w+", reference)
     # The browser's and the CLI's figures: what the last try chose.
     [cid] = {m["checkpoint_id"] for m in _auto_manifests(store, dag_id)}
-    env = {**stack.env, "CEDANA_STORE": f"file://{store}"}
+    env = {**stack.env, "CEDANA_STORE": f"file://{store}", "PYTHONPATH": str(stack.dags)}  # the factories, as Airflow finds them
     listed = json.loads(subprocess.run([sys.executable, "-m", "cedana_airflow", "checkpoints", cid, "--json"], env=env,
                                        capture_output=True, text=True, check=True).stdout)
     hb = (listed if isinstance(listed, list) else listed["ids"])[0]["heartbeat"]

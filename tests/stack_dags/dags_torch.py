@@ -1,7 +1,7 @@
 """Real PyTorch jobs through Airflow's scheduler (tests/integration/test_airflow_torch.py), as factories: each
 test calls one with its own DAG ID, store and work dir, on the test run's shared Airflow stack
 (tests/shared_stack.py). A node name comes from a file the test rewrites between tries: each try parses the
-DAG file anew."""
+DAG file anew. ``agent`` (SharedStack.agent()): the task runs as nobody, through that node agent."""
 
 import sys
 from datetime import datetime, timedelta
@@ -10,6 +10,7 @@ from pathlib import Path
 from airflow.sdk import DAG
 
 from cedana_airflow.operators import CheckpointedCommandOperator
+from nobody import nobody_task
 
 TESTS = Path(__file__).resolve().parent.parent
 SHAPE = str(TESTS / "integration" / "shapes" / "torch_loader.py")
@@ -60,15 +61,18 @@ def coop_dag(dag_id: str, *, root: str, store: str) -> None:
         )
 
 
-def auto_dag(dag_id: str, *, store: str, work_dir: str, queue: str, args: list[str], heartbeat_max: float) -> None:
+def auto_dag(dag_id: str, *, store: str, work_dir: str, queue: str, args: list[str], heartbeat_max: float,
+             agent: dict[str, str] | None = None) -> None:
     """heartbeat = "auto": a training task on its own queue, killed twice; each try chooses its interval from
     what it measured and what Airflow's history of the queue says."""
+    user, here = nobody_task(agent)
     with DAG(dag_id, schedule=None, start_date=datetime(2026, 1, 1), catchup=False,
              default_args={"retries": 2, "retry_delay": timedelta(seconds=1)}):
         CheckpointedCommandOperator(
             task_id="train", queue=queue, heartbeat="auto", heartbeat_min=timedelta(seconds=1),
-            heartbeat_max=timedelta(seconds=heartbeat_max), store=store, settings={"keep_checkpoints": 50, "work_dir": work_dir},
-            command=[sys.executable, str(WORKLOADS / "train.py"), *args],
+            heartbeat_max=timedelta(seconds=heartbeat_max), store=store,
+            settings={"keep_checkpoints": 50, "work_dir": work_dir, **here},
+            command=[sys.executable, str(WORKLOADS / "train.py"), *args], **user,
         )
 
 
