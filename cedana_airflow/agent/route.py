@@ -43,10 +43,17 @@ def through_agent(settings: Settings) -> bool:
     return settings.agent == "require" or (settings.agent == "auto" and os.geteuid() != 0)
 
 
-def task_request(settings: Settings) -> dict[str, Any]:
-    """The task settings a start carries (protocol.TASK_SETTINGS); the node's are the agent's."""
+#: Task settings an older agent refuses, each with the hello feature of the first agent that takes it: left
+#: out for an older one, where the caller sets none of them itself (the history is the operator's reading).
+_NEWER_SETTINGS = {"failure_history": "said"}
+
+
+def task_request(settings: Settings, features: Sequence[str] = ("said",)) -> dict[str, Any]:
+    """The task settings a start carries (protocol.TASK_SETTINGS) to an agent with hello's ``features``;
+    the node's are the agent's."""
     values = settings.model_dump(mode="json")
-    return {k: values[k] for k in sorted(TASK_SETTINGS) if k in values and values[k] is not None}
+    return {k: values[k] for k in sorted(TASK_SETTINGS) if k in values and values[k] is not None
+            and (k not in _NEWER_SETTINGS or _NEWER_SETTINGS[k] in features)}
 
 
 def run_via_agent(path: Path, checkpoint_id: str, argv: Sequence[str], *, cwd: str | None, env: Mapping[str, str],
@@ -74,7 +81,8 @@ def run_via_agent(path: Path, checkpoint_id: str, argv: Sequence[str], *, cwd: s
                 raise errors.ConfigError(f"the node agent at {path} (cedana-airflow {hello.get('agent', '?')}) cannot "
                                          "restore without a command. Upgrade it to 0.8.2 or later")
             started = client.start(checkpoint_id, argv, cwd=cwd or os.getcwd(), env=env, stdout=out_w, stderr=err_w,
-                                   try_number=try_number, settings=task_request(settings), claim=claim,
+                                   try_number=try_number, settings=task_request(settings, hello.get("features") or ()),
+                                   claim=claim,
                                    resume=resume or restore_only, restore_only=restore_only)
     finally:
         os.close(out_w)  # the workload's are its own now: our copies would keep the pumps from their end

@@ -34,3 +34,18 @@ def test_a_caller_that_never_asks_loses_only_the_oldest_lines():
             log.warning("heartbeat %d checkpoint_id=many", i)
     lines = said.since(0)
     assert len(lines) == KEPT and lines[0][0] == 6 and lines[-1] == [KEPT + 5, f"heartbeat {KEPT + 4} checkpoint_id=many"]
+
+
+def test_heartbeat_autos_history_goes_only_to_an_agent_that_takes_it():
+    """A 0.8.3 caller sends its queue's failure history with its start; to an older agent (no "said" in its
+    hello's features), which refuses settings it does not know, the history is left out and the rest sent."""
+    from cedana_airflow.agent.route import task_request
+    from cedana_airflow.config import load_settings
+
+    history = '{"failures": 1, "exposure_seconds": 18000, "tries": 3, "scope": "queue gpu"}'
+    settings = load_settings({"heartbeat_seconds": "auto", "heartbeat_min_seconds": 1, "heartbeat_max_seconds": 6},
+                             {"CEDANA_FAILURE_HISTORY": history})
+    new = task_request(settings, ["start", "heartbeat", "stop", "restore", "said"])
+    old = task_request(settings, ["start", "heartbeat", "stop", "restore"])
+    assert new["failure_history"]["failures"] == 1 and new["heartbeat_seconds"] == "auto"
+    assert "failure_history" not in old and old == {k: v for k, v in new.items() if k != "failure_history"}
