@@ -157,9 +157,10 @@ def _until_ended(path: Path, wid: str, handle: str, said: _Said, seconds: float 
     while True:
         status = _ask(path, lambda c: c.status(wid, handle, said.last))
         said.take(status)
-        if status.get("state") == "ended" or time.monotonic() > deadline:
+        if (status.get("state") == "ended" and not status.get("said_more")) or time.monotonic() > deadline:
             return status
-        time.sleep(_POLL_SECONDS)
+        if not status.get("said_more"):
+            time.sleep(_POLL_SECONDS)
 
 
 class _Said:

@@ -19,6 +19,8 @@ __all__ = ["KEPT", "Said"]
 
 #: Lines kept per run: a minute of one-second heartbeats with room to spare.
 KEPT = 200
+#: The most of them one reply carries (a reply is at most protocol.MAX_MESSAGE): the rest come with the next.
+REPLY_BYTES = 24 << 10
 
 
 class Said(logging.Handler):
@@ -44,10 +46,20 @@ class Said(logging.Handler):
             self._n += 1
             self._lines.append((self._n, protocol.printable(message, 2000)))
 
-    def since(self, n: int) -> list[list[int | str]]:
-        """The lines kept after line ``n`` (JSON-ready: ``[number, line]``)."""
+    def since(self, n: int) -> tuple[list[list[int | str]], bool]:
+        """The lines kept after line ``n`` (JSON-ready: ``[number, line]``), as many as fit
+        :data:`REPLY_BYTES`; and whether more are kept after them."""
+        out: list[list[int | str]] = []
+        size = 0
         with self._mutex:
-            return [[i, line] for i, line in self._lines if i > n]
+            for i, line in self._lines:
+                if i <= n:
+                    continue
+                size += len(line.encode()) + 16
+                if out and size > REPLY_BYTES:
+                    return out, True
+                out.append([i, line])
+        return out, False
 
     def __enter__(self) -> Said:
         logging.getLogger("cedana_airflow").addHandler(self)

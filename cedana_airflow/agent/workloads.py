@@ -373,14 +373,17 @@ class Run:
     def ended(self) -> bool:
         return self._done.is_set()
 
-    def public(self, said_since: int = 0) -> dict[str, Any]:
-        """What its owner may see (never the handle); ``said``: the lines about it after line ``said_since``."""
-        out: dict[str, Any] = {"said": self.said.since(said_since),  # 0.8.3
+    def public(self, said_since: int | None = None) -> dict[str, Any]:
+        """What its owner may see (never the handle); with ``said_since`` (a status), ``said``: the lines
+        about it after that one, and ``said_more`` where more are kept than one reply carries."""
+        out: dict[str, Any] = {
             "wid": self.wid, "uid": self.uid, "checkpoint_id": self.checkpoint_id, "node": self.node,
             "pid": self.workload.pid if self.workload else None, "started": self.started_at,
             "restored_seq": self.restored_seq, "fresh": self.fresh,
             "state": "ended" if self.ended else "running", "cause": self.cause, "protected": True,
             "checkpoints": len(self.result.checkpoints) if self.result else None}
+        if said_since is not None:  # 0.8.3
+            out["said"], out["said_more"] = self.said.since(said_since)
         if self.restore is not None:
             out["restore"] = self.restore
         if self.result is not None:

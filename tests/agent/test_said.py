@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from cedana_airflow.agent.said import KEPT, Said
+from cedana_airflow.agent.said import KEPT, REPLY_BYTES, Said
 
 
 def test_a_run_keeps_the_lines_that_name_its_id_and_no_other_id_s():
@@ -19,21 +19,34 @@ def test_a_run_keeps_the_lines_that_name_its_id_and_no_other_id_s():
         log.warning("heartbeat skipped checkpoint_id=job.a: too large\x1b[31m; the workload keeps running")
         log.info("restored checkpoint_id=job.a")  # at the end of the line
     log.info("checkpoint saved checkpoint_id=job.a seq=3")  # detached: not kept
-    lines = said.since(0)
-    assert [n for n, _ in lines] == [1, 2, 3]
+    lines, more = said.since(0)
+    assert [n for n, _ in lines] == [1, 2, 3] and not more
     assert lines[0][1] == "checkpoint saved checkpoint_id=job.a seq=1 chunks=3"
     assert "\x1b" not in lines[1][1] and lines[1][1].startswith("heartbeat skipped checkpoint_id=job.a: too large")
-    assert said.since(2) == [lines[2]]
-    assert other.since(0) == [[1, "checkpoint saved checkpoint_id=job.a.b seq=1"]]
+    assert said.since(2) == ([lines[2]], False)
+    assert other.since(0) == ([[1, "checkpoint saved checkpoint_id=job.a.b seq=1"]], False)
 
 
-def test_a_caller_that_never_asks_loses_only_the_oldest_lines():
+def test_a_caller_that_never_asks_loses_only_the_oldest_lines_and_long_ones_come_a_reply_at_a_time():
     log = logging.getLogger("cedana_airflow.run.checkpointer")
     with Said("many") as said:
         for i in range(KEPT + 5):
             log.warning("heartbeat %d checkpoint_id=many", i)
-    lines = said.since(0)
-    assert len(lines) == KEPT and lines[0][0] == 6 and lines[-1] == [KEPT + 5, f"heartbeat {KEPT + 4} checkpoint_id=many"]
+    lines, more = said.since(0)
+    assert len(lines) == KEPT and not more
+    assert lines[0][0] == 6 and lines[-1] == [KEPT + 5, f"heartbeat {KEPT + 4} checkpoint_id=many"]
+    with Said("long") as said:  # lines cut at 2,000 characters: 200 of them would not fit one reply
+        for i in range(KEPT):
+            log.warning("checkpoint_id=long %s", "x" * 5000)
+    got, last = [], 0
+    while True:
+        lines, more = said.since(last)
+        assert sum(len(str(x)) + 16 for _, x in lines) <= REPLY_BYTES + 2100
+        got += lines
+        last = lines[-1][0]
+        if not more:
+            break
+    assert [n for n, _ in got] == list(range(1, KEPT + 1)) and all(len(str(x)) <= 2000 for _, x in got)
 
 
 def test_heartbeat_autos_history_goes_only_to_an_agent_that_takes_it():
