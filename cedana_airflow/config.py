@@ -53,12 +53,20 @@ class FailureHistory(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    failures: int = Field(default=0, ge=0)
-    exposure_seconds: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="Run time of the tries seen.")
-    tries: int = Field(default=0, ge=0)
-    window_days: float = Field(default=30.0, gt=0)
-    scope: str = Field(default="", description="What was counted, e.g. 'queue gpu'.")
-    note: str = Field(default="", description="Why the history is partial or missing, when it is.")
+    # Bounded, and its text one printable line: through the node agent it is a caller's word, said in the
+    # agent's log and the checkpoint listing (0.8.3).
+    failures: int = Field(default=0, ge=0, le=10**9)
+    exposure_seconds: float = Field(default=0.0, ge=0, le=1e12, allow_inf_nan=False,
+                                    description="Run time of the tries seen.")
+    tries: int = Field(default=0, ge=0, le=10**9)
+    window_days: float = Field(default=30.0, gt=0, le=36500, allow_inf_nan=False)
+    scope: str = Field(default="", max_length=300, description="What was counted, e.g. 'queue gpu'.")
+    note: str = Field(default="", max_length=300, description="Why the history is partial or missing, when it is.")
+
+    @field_validator("scope", "note")
+    @classmethod
+    def _one_printable_line(cls, v: str) -> str:
+        return "".join(c if c.isprintable() else "?" for c in v)
 
 
 class Settings(BaseModel):

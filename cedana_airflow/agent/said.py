@@ -9,6 +9,7 @@ its owner, who logs them (agent/route.py). Bounded: a caller that does not ask l
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import re
 import threading
@@ -19,28 +20,37 @@ __all__ = ["KEPT", "Said"]
 
 #: Lines kept per run: a minute of one-second heartbeats with room to spare.
 KEPT = 200
-#: The most of them one reply carries (a reply is at most protocol.MAX_MESSAGE): the rest come with the next.
-REPLY_BYTES = 24 << 10
+#: The most of them one reply carries, as JSON (a reply is at most protocol.MAX_MESSAGE): the rest come
+#: with the next.
+REPLY_BYTES = 16 << 10
+#: A checkpoint ID a line names: every character ids.py allows, as many as follow.
+_NAMED = re.compile(r"checkpoint_id=([A-Za-z0-9._=+@-]*)")
+_AGENT_LOGGERS = ("cedana_airflow.agent.",)
 
 
 class Said(logging.Handler):
     """While attached (``with Said(cid):``) to our package's logger, keeps each record at INFO or above
-    whose message names ``checkpoint_id=<cid>``, as ``(n, line)`` with n counting from 1."""
+    whose message names ``checkpoint_id=<cid>`` and no other ID (the agent's own loggers aside), as
+    ``(n, line)`` with n counting from 1."""
 
     def __init__(self, checkpoint_id: str) -> None:
         super().__init__(logging.INFO)
-        # the ID, then anything but another of an ID's characters: "a" must not take "a.b"'s lines
-        self._names = re.compile(rf"checkpoint_id={re.escape(checkpoint_id)}(?![A-Za-z0-9_.\-])")
+        self.checkpoint_id = checkpoint_id
         self._lines: collections.deque[tuple[int, str]] = collections.deque(maxlen=KEPT)
         self._n = 0
         self._mutex = threading.Lock()
 
     def emit(self, record: logging.LogRecord) -> None:
+        if record.name.startswith(_AGENT_LOGGERS):  # the agent's own lines quote what callers sent
+            return
         try:
             message = record.getMessage()
         except Exception:  # noqa: BLE001 (a bad format is the logger's problem, never the run's)
             return
-        if not self._names.search(message):
+        # Every ID the line names must be this run's: a line may quote a caller's text (a file name in a
+        # CRIU error, its failure history), which must not carry it into another run's lines.
+        named = _NAMED.findall(message)
+        if not named or any(cid != self.checkpoint_id for cid in named):
             return
         with self._mutex:
             self._n += 1
@@ -55,7 +65,7 @@ class Said(logging.Handler):
             for i, line in self._lines:
                 if i <= n:
                     continue
-                size += len(line.encode()) + 16
+                size += len(json.dumps(line)) + 16  # as the reply carries it: \uXXXX escapes count
                 if out and size > REPLY_BYTES:
                     return out, True
                 out.append([i, line])

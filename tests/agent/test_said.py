@@ -3,6 +3,7 @@ numbered, printable, and bounded."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 from cedana_airflow.agent.said import KEPT, REPLY_BYTES, Said
@@ -18,6 +19,10 @@ def test_a_run_keeps_the_lines_that_name_its_id_and_no_other_id_s():
         log.debug("freeze checkpoint_id=job.a seq=2")  # below INFO: the agent's debug is not the caller's
         log.warning("heartbeat skipped checkpoint_id=job.a: too large\x1b[31m; the workload keeps running")
         log.info("restored checkpoint_id=job.a")  # at the end of the line
+        log.info("checkpoint saved checkpoint_id=job.a+00_00 seq=1")  # an Airflow ID goes on past a "+"
+        # a line that quotes a caller's text naming another ID: neither run's
+        log.warning("checkpoint refused checkpoint_id=job.a.b seq=2: cannot open /tmp/checkpoint_id=job.a x")
+        logging.getLogger("cedana_airflow.agent.server").warning("agent refused start: checkpoint_id=job.a")
     log.info("checkpoint saved checkpoint_id=job.a seq=3")  # detached: not kept
     lines, more = said.since(0)
     assert [n for n, _ in lines] == [1, 2, 3] and not more
@@ -36,12 +41,12 @@ def test_a_caller_that_never_asks_loses_only_the_oldest_lines_and_long_ones_come
     assert len(lines) == KEPT and not more
     assert lines[0][0] == 6 and lines[-1] == [KEPT + 5, f"heartbeat {KEPT + 4} checkpoint_id=many"]
     with Said("long") as said:  # lines cut at 2,000 characters: 200 of them would not fit one reply
-        for i in range(KEPT):
-            log.warning("checkpoint_id=long %s", "x" * 5000)
+        for i in range(KEPT):  # nor would fewer of them, each character a 12-byte JSON escape
+            log.warning("checkpoint_id=long %s", ("x" if i % 2 else "\U0001f600") * 5000)
     got, last = [], 0
     while True:
         lines, more = said.since(last)
-        assert sum(len(str(x)) + 16 for _, x in lines) <= REPLY_BYTES + 2100
+        assert len(json.dumps(lines)) <= 2 * REPLY_BYTES < 64 << 10  # within the protocol's message
         got += lines
         last = lines[-1][0]
         if not more:
@@ -62,3 +67,16 @@ def test_heartbeat_autos_history_goes_only_to_an_agent_that_takes_it():
     old = task_request(settings, ["start", "heartbeat", "stop", "restore"])
     assert new["failure_history"]["failures"] == 1 and new["heartbeat_seconds"] == "auto"
     assert "failure_history" not in old and old == {k: v for k, v in new.items() if k != "failure_history"}
+
+
+def test_a_failure_history_is_bounded_and_one_printable_line():
+    """Through the agent the history is a caller's word, said in root's log: no forged line, no giant one."""
+    import pytest
+
+    from cedana_airflow.config import FailureHistory
+
+    h = FailureHistory.model_validate({"scope": "queue gpu\ncedana agent: forged", "note": "\x1b[2Jx"})
+    assert h.scope == "queue gpu?cedana agent: forged" and h.note == "?[2Jx"
+    for bad in ({"scope": "x" * 301}, {"failures": 10**400}, {"window_days": float("inf")}, {"tries": -1}):
+        with pytest.raises(ValueError):
+            FailureHistory.model_validate(bad)
