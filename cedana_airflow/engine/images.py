@@ -432,6 +432,37 @@ def _mount_field(image_dir: Path, num: int) -> list[str]:
     return sorted(out)
 
 
+@dataclass(frozen=True)
+class MountEntry:
+    """A mount of the tree's own mount namespace (mnt.proto, mnt_entry): where it is in the tree's view, the
+    folder of its file system it shows (``root``), and the key it was dumped under when external."""
+
+    mnt_id: int
+    mountpoint: str
+    root: str
+    ext_key: str | None
+
+
+def read_mounts(image_dir: Path) -> dict[int, MountEntry]:
+    """Every mount of the image set's mount namespaces by its id (none for a tree in the node's). Raises
+    ValueError where one is malformed."""
+    out: dict[int, MountEntry] = {}
+    for path in sorted(image_dir.glob("mountpoints-*.img")):
+        try:
+            for entry in image_messages(path):
+                f = message_values(entry)
+                mnt_id, mp, root = _int(f, 2), _bytes(f, _MNT_MOUNTPOINT), _bytes(f, 6)
+                if mnt_id is None or mp is None or root is None:
+                    raise ValueError(f"{path} has a mount without its id, mountpoint or root")
+                key = _bytes(f, _MNT_EXT_KEY)
+                out[mnt_id] = MountEntry(mnt_id, mp.decode("utf-8", "surrogateescape"),
+                                         root.decode("utf-8", "surrogateescape"),
+                                         None if key is None else key.decode("utf-8", "surrogateescape"))
+        except (IndexError, struct.error) as e:
+            raise ValueError(f"{path} is malformed ({e})") from None
+    return out
+
+
 def read_external_mounts(image_dir: Path) -> list[str]:
     """The keys of the external mounts an image set's mount namespaces hold (mountpoints-*.img), each
     once: a restore must give CRIU a source for each. Raises ValueError where one is malformed."""

@@ -763,7 +763,7 @@ class Checkpointer:
             raise CorruptCheckpoint(f"checkpoint {self.checkpoint_id} seq={m.seq} is refused: {e}") from None
         denied = self._denied()
         with CapturedFilesBack(m, dest / CAPTURED_DIR, roots, denied, creds) as files_back, \
-                preflight(dest, m, roots, denied, creds):
+                preflight(dest, m, roots, denied, creds, node_root_tree=self._restore_tree is not None):
             ensure_cwd(m, roots, denied, creds)
             try:
                 prepare_sockets(dest, f"checkpoint {self.checkpoint_id} seq={m.seq}")

@@ -41,7 +41,7 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
-from ..engine.images import ROOT_CREDS, OpenFiles, RegFile, TreeCreds, UnixSocket, read_open_files
+from ..engine.images import ROOT_CREDS, OpenFiles, RegFile, TreeCreds, UnixSocket, read_mounts, read_open_files
 from ..errors import NotRestorableHere
 from ..format.manifest import Manifest
 from .captured import ANYWHERE, DenyList, blocked, node_denied, open_dir, refusal, root_of, system_tree
@@ -112,14 +112,16 @@ class Prepared:
 
 
 def preflight(image_dir: Path, m: Manifest, roots: Sequence[PurePosixPath], denied: DenyList | None = None,
-              creds: TreeCreds = ROOT_CREDS) -> Prepared:
+              creds: TreeCreds = ROOT_CREDS, *, node_root_tree: bool = False) -> Prepared:
     """Check what the image set in ``image_dir`` (checkpoint ``m``) needs from this node before
     ``criu restore`` runs, and create the missing directories of its unix sockets.
 
     ``roots``: this node's restore roots (:func:`cedana_airflow.run.captured.restore_roots`); socket
     directories may also be created under the temp directories, never on ``denied`` (default: the
     node's deny-list without settings), and through directories judged for ``creds`` (the tree's:
-    engine/images.py ``read_creds``). Raises NotRestorableHere (one line:
+    engine/images.py ``read_creds``). ``node_root_tree``: the tree has a mount namespace of its own whose
+    root is this node's ``/`` (the node agent's trees, agent/shim.py): its sockets on that root, or on an
+    external mount at the same path as this node's, are bound where the node has them. Raises NotRestorableHere (one line:
     the path, what differs, the remedy) before creating anything, and ValueError when files.img is
     malformed. An image set without files.img (not a CRIU dump) needs nothing.
     """
@@ -128,15 +130,18 @@ def preflight(image_dir: Path, m: Manifest, roots: Sequence[PurePosixPath], deni
     if files is None:
         return prepared
     _check_read_only(files, m)
+    same = _same_path_mounts(image_dir) if node_root_tree else frozenset()
     if creds.uid != 0:
-        _check_links(files, m, creds)
+        _check_links(files, m, creds, same)
     temp = _temp_roots()
     allowed = tuple(dict.fromkeys(r for r in [*roots, *temp] if system_tree(r) is None))
-    wanted = _socket_dirs(files, m, allowed, denied if denied is not None else node_denied())
+    wanted = _socket_dirs(files, m, allowed, denied if denied is not None else node_denied(), same, creds)
     try:
         for directory, uid, gid in wanted:
-            # the temp dirs are everyone's: judged like / (no operator vouched for what is below them)
-            _make_dir(directory, allowed, uid, gid, prepared, m, creds, (ANYWHERE, *temp))
+            # the temp dirs are everyone's: judged like / (no operator vouched for what is below them); for
+            # a node agent's caller every root is (the agent makes only what its caller could make itself)
+            judged = (ANYWHERE, *(allowed if node_root_tree and creds.uid != 0 else temp))
+            _make_dir(directory, allowed, uid, gid, prepared, m, creds, judged)
     except BaseException:
         prepared.undo()
         raise
@@ -146,13 +151,25 @@ def preflight(image_dir: Path, m: Manifest, roots: Sequence[PurePosixPath], deni
     return prepared
 
 
-def _check_links(files: OpenFiles, m: Manifest, creds: TreeCreds) -> None:
+def _same_path_mounts(image_dir: Path) -> frozenset[int]:
+    """The ids of a node-rooted tree's mounts whose paths are this node's: its root (``--root``, a bind of
+    the node's ``/``) and each external mount dumped under its own mountpoint (bound from the node's mount
+    there). None where the mount images cannot be read (CRIU judges them; no folder is made for them)."""
+    try:
+        mounts = read_mounts(image_dir)
+    except ValueError:
+        return frozenset()
+    return frozenset(e.mnt_id for e in mounts.values()
+                     if (e.mountpoint == "/" and e.root == "/" and e.ext_key is None) or e.ext_key == e.mountpoint)
+
+
+def _check_links(files: OpenFiles, m: Manifest, creds: TreeCreds, same: frozenset[int] = frozenset()) -> None:
     """CRIU reopens a tree's files and binds its sockets by path, as root: for a tree that is not root, a
     link its user placed on such a path (``/tmp/u -> /run``) would hand it root's files or sockets. So
     no path CRIU opens for it may pass through a link that is not root's. (What its user swaps in while
     the restore runs is left open: restoring as that user is the fix, its own issue.)"""
     paths = [f.name for f in files.regular if f.id not in files.remapped]
-    paths += [p for s in files.unix_sockets if (p := _bound_path(s)) is not None]
+    paths += [p for s in files.unix_sockets if (p := _bound_path(s, same)) is not None]
     for name in dict.fromkeys(paths):
         if not name.startswith("/"):
             continue
@@ -224,10 +241,11 @@ def _check_read_only(files: OpenFiles, m: Manifest) -> None:
         f"{_remedy(first)}, or start fresh")
 
 
-def _bound_path(s: UnixSocket) -> str | None:
-    """The path CRIU binds ``s`` to on restore, when it is an absolute one; else None."""
-    if s.deleted or s.uflags & _USK_EXTERN or s.mnt_id is not None:
-        return None  # CRIU rebuilds a deleted path itself; an external peer is not bound
+def _bound_path(s: UnixSocket, same: frozenset[int] = frozenset()) -> str | None:
+    """The path on this node CRIU binds ``s`` to on restore, when it is an absolute one; else None. A
+    socket of a tree's own mount namespace (``mnt_id``) only on one of its mounts at ``same`` paths."""
+    if s.deleted or s.uflags & _USK_EXTERN or (s.mnt_id is not None and s.mnt_id not in same):
+        return None  # CRIU rebuilds a deleted path itself; an external peer is not bound; another root's path
     if s.type != socket.SOCK_DGRAM and s.state == _TCP_ESTABLISHED:
         return None  # a connected stream (an accepted one carries the listener's name): never bound
     if not s.name or s.name[0] == 0:
@@ -249,13 +267,14 @@ def _is_dir(path: PurePosixPath) -> bool:
         return False
 
 
-def _socket_dirs(files: OpenFiles, m: Manifest, allowed: Sequence[PurePosixPath],
-                 denied: DenyList) -> list[tuple[PurePosixPath, int, int]]:
+def _socket_dirs(files: OpenFiles, m: Manifest, allowed: Sequence[PurePosixPath], denied: DenyList,
+                 same: frozenset[int] = frozenset(), creds: TreeCreds = ROOT_CREDS) -> list[tuple[PurePosixPath, int, int]]:
     """The missing directories of bound sockets (under ``allowed``: the roots and temp dirs), each with
-    the owner its socket had; raises when one may not be created here."""
+    the owner its socket had (a tree that is not root's: its own user's, whatever the image says); raises
+    when one may not be created here."""
     out: dict[PurePosixPath, tuple[int, int]] = {}
     for s in files.unix_sockets:
-        path = _bound_path(s)
+        path = _bound_path(s, same)
         if path is None:
             continue
         directory = PurePosixPath(path).parent
@@ -268,7 +287,7 @@ def _socket_dirs(files: OpenFiles, m: Manifest, allowed: Sequence[PurePosixPath]
             raise NotRestorableHere(
                 f"{_what(m)} binds a unix socket at {path}, whose directory {directory} is missing on this node "
                 f"and is not created: {why}. Create it on this node{fix}, or start fresh")
-        out[directory] = (s.uid or 0, s.gid or 0)
+        out[directory] = (s.uid or 0, s.gid or 0) if creds.uid == 0 else (creds.uid, creds.gid)
     return [(d, uid, gid) for d, (uid, gid) in out.items()]
 
 

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import socket
 import subprocess
 import sys
@@ -1217,3 +1218,45 @@ def test_a_task_s_code_reads_neither_the_key_nor_another_uid_s_images_nor_its_me
         assert got == {"ok": {"opened": [], "leaked": []}}, got
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_non_root_tree_listening_in_a_temp_folder_resumes_on_a_node_without_that_folder(agent, tmp_path):
+    """Python's multiprocessing (a PyTorch DataLoader's workers) listens on a unix socket in a folder of its
+    own under /tmp (pymp-*); the retry's node has none. Through the agent, a nobody tree's restore gets
+    that folder back (its owner's, 0700), as a root supervisor's does, and the count goes on."""
+    sock, _ = agent
+    code = ("import os, socket, sys, tempfile, time\n"
+            "d = tempfile.mkdtemp(prefix='pymp-cedana-test-')\n"
+            "s = socket.socket(socket.AF_UNIX); s.bind(os.path.join(d, 'listener')); s.listen()\n"
+            "print('dir', d, flush=True)\n"
+            "for i in range(1, 41):\n    print(i, flush=True); time.sleep(0.1)\n"
+            "print('still listening', os.path.exists(os.path.join(d, 'listener')), flush=True)\n")
+    argv = ["/usr/bin/python3", "-c", code]  # an interpreter any uid may run (the tests' lives in root's home)
+    out_r, out_w = os.pipe()
+    msg, fds = as_uid(NOBODY, _start(sock, argv, out_w, checkpoint_id="agent-pymp", settings={"heartbeat_seconds": 0.5}))
+    os.close(out_w)
+    assert "ok" in msg, msg
+    deadline = time.monotonic() + 60
+    while len(manifests(tmp_path / "store", "agent-pymp")) < 2:
+        assert time.monotonic() < deadline, "no heartbeat checkpoint within 60 s"
+        time.sleep(0.1)
+    socket.socket(fileno=fds[0]).close()  # try 1's caller is gone, and its tree
+    before = _read_all(out_r)
+    folder = before.split("\n")[0].split()[1]
+    assert folder.startswith("/tmp/pymp-cedana-test-"), before
+    shutil.rmtree(folder)  # the retry's node has no such folder
+
+    out_r, out_w = os.pipe()
+    msg, fds = as_uid(NOBODY, _start(sock, argv, out_w, checkpoint_id="agent-pymp", resume=True, try_number=1))
+    os.close(out_w)
+    assert "ok" in msg and msg["ok"]["restored_seq"] is not None, msg
+    with socket.socket(fileno=fds[0]) as lifeline:
+        assert _event(lifeline)["ev"] == "started"
+        assert _event(lifeline, timeout=60)["ev"] == "exit"
+    after = _read_all(out_r).split("\n")
+    counted = [int(x) for x in after if x.isdigit()]
+    assert counted and counted[0] > 1 and counted == list(range(counted[0], 41)), after
+    assert "still listening True" in after
+    st = os.stat(folder)
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (NOBODY, 0o700)
+    shutil.rmtree(folder)
