@@ -84,9 +84,10 @@ class RestoreTree(Protocol):
     ``criu restore`` under the workload's shim, with its caller's pipes (agent/workloads.py). Default:
     CRIU as our child, adopted here."""
 
-    def vet(self, image_dir: Path, m: Manifest) -> None:
+    def vet(self, image_dir: Path, m: Manifest) -> bool:
         """Raise CorruptCheckpoint where it will not restore these images (a tree with more than its
-        caller has): called first, before any of the checkpoint's files is put back or any folder made."""
+        caller has): called first, before any of the checkpoint's files is put back or any folder made.
+        Whether the tree is in namespaces of its own whose root is this node's ``/`` (agent/shim.py)."""
 
     def __call__(self, engine: CriuEngine, image_dir: Path, m: Manifest, pidfile: Path) -> Workload:
         """The running tree, from the engine, the images, the manifest and the pidfile CRIU writes."""
@@ -754,8 +755,7 @@ class Checkpointer:
 
     def _restore_from(self, dest: Path, m: Manifest, stdout: Sink | None, stderr: Sink | None,
                       roots: Sequence[PurePosixPath], feed: LazyFeed | None) -> Workload:
-        if self._restore_tree is not None:
-            self._restore_tree.vet(dest, m)
+        node_rooted = self._restore_tree is not None and self._restore_tree.vet(dest, m)
         # Files go back as the tree's own user, never where the deny-list forbids (captured.py).
         try:
             creds = read_creds(dest) or NOBODY  # no pstree.img: CRIU refuses it first thing; until then, nobody
@@ -763,7 +763,7 @@ class Checkpointer:
             raise CorruptCheckpoint(f"checkpoint {self.checkpoint_id} seq={m.seq} is refused: {e}") from None
         denied = self._denied()
         with CapturedFilesBack(m, dest / CAPTURED_DIR, roots, denied, creds) as files_back, \
-                preflight(dest, m, roots, denied, creds, node_root_tree=self._restore_tree is not None):
+                preflight(dest, m, roots, denied, creds, node_root_tree=node_rooted):
             ensure_cwd(m, roots, denied, creds)
             try:
                 prepare_sockets(dest, f"checkpoint {self.checkpoint_id} seq={m.seq}")

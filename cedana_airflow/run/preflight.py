@@ -139,7 +139,8 @@ def preflight(image_dir: Path, m: Manifest, roots: Sequence[PurePosixPath], deni
     try:
         for directory, uid, gid in wanted:
             # the temp dirs are everyone's: judged like / (no operator vouched for what is below them); for
-            # a node agent's caller every root is (the agent makes only what its caller could make itself)
+            # a node agent's caller every root is: the agent makes only what the caller's permission bits
+            # allow (ACLs and security modules are not consulted: making them as the caller is the fix)
             judged = (ANYWHERE, *(allowed if node_root_tree and creds.uid != 0 else temp))
             _make_dir(directory, allowed, uid, gid, prepared, m, creds, judged)
     except BaseException:
