@@ -21,10 +21,11 @@ criu:
 # (the tests' .venv runs a Python that lives in root's 0700 home). The tests run task processes and Celery
 # workers that are not root with it (issue 49), so it has the Celery provider and PostgreSQL's drivers as
 # the official image does; our package is put in again each time, so it is the tree's as it is now.
-# sudo: the test run's Airflow stack runs its tasks as nobody through Airflow's own impersonation (run_as_user).
+# sudo: the test run's Airflow stack runs its tasks as nobody through Airflow's own impersonation (run_as_user);
+# acl: an agent test denies nobody a folder by ACL.
 WORKER := /opt/cedana-airflow/worker
 worker: $(WORKER)/.installed
-	@command -v sudo >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends sudo; }
+	@{ command -v sudo >/dev/null && command -v setfacl >/dev/null; } || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends sudo acl; }
 	$(WORKER)/bin/python -m pip install -q --disable-pip-version-check --no-deps --force-reinstall .
 
 $(WORKER)/.installed: pyproject.toml setup.py Makefile

@@ -34,17 +34,19 @@ removes it again (with any socket CRIU bound there) when the restore fails.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
 import stat
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
 from ..engine.images import ROOT_CREDS, OpenFiles, RegFile, TreeCreds, UnixSocket, read_mounts, read_open_files
 from ..errors import NotRestorableHere
 from ..format.manifest import Manifest
-from .captured import ANYWHERE, DenyList, blocked, node_denied, open_dir, refusal, root_of, system_tree
+from .captured import ANYWHERE, DenyList, Unvouched, blocked, node_denied, open_dir, refusal, root_of, system_tree
 
 __all__ = ["Prepared", "preflight"]
 
@@ -121,7 +123,8 @@ def preflight(image_dir: Path, m: Manifest, roots: Sequence[PurePosixPath], deni
     node's deny-list without settings), and through directories judged for ``creds`` (the tree's:
     engine/images.py ``read_creds``). ``node_root_tree``: the tree has a mount namespace of its own whose
     root is this node's ``/`` (the node agent's trees, agent/shim.py): its sockets on that root, or on an
-    external mount at the same path as this node's, are bound where the node has them. Raises NotRestorableHere (one line:
+    external mount at the same path as this node's, are bound where the node has them, and their folders
+    are made by the tree's user (``creds``) itself. Raises NotRestorableHere (one line:
     the path, what differs, the remedy) before creating anything, and ValueError when files.img is
     malformed. An image set without files.img (not a CRIU dump) needs nothing.
     """
@@ -138,11 +141,11 @@ def preflight(image_dir: Path, m: Manifest, roots: Sequence[PurePosixPath], deni
     wanted = _socket_dirs(files, m, allowed, denied if denied is not None else node_denied(), same, creds)
     try:
         for directory, uid, gid in wanted:
-            # the temp dirs are everyone's: judged like / (no operator vouched for what is below them); for
-            # a node agent's caller every root is: the agent makes only what the caller's permission bits
-            # allow (ACLs and security modules are not consulted: making them as the caller is the fix)
-            judged = (ANYWHERE, *(allowed if node_root_tree and creds.uid != 0 else temp))
-            _make_dir(directory, allowed, uid, gid, prepared, m, creds, judged)
+            if node_root_tree and creds.uid != 0:  # a node agent's caller: made by the caller itself
+                _make_dir_as_caller(directory, allowed, creds, prepared, m)
+                continue
+            # the temp dirs are everyone's: judged like / (no operator vouched for what is below them)
+            _make_dir(directory, allowed, uid, gid, prepared, m, creds, (ANYWHERE, *temp))
     except BaseException:
         prepared.undo()
         raise
@@ -290,6 +293,52 @@ def _socket_dirs(files: OpenFiles, m: Manifest, allowed: Sequence[PurePosixPath]
                 f"and is not created: {why}. Create it on this node{fix}, or start fresh")
         out[directory] = (s.uid or 0, s.gid or 0) if creds.uid == 0 else (creds.uid, creds.gid)
     return [(d, uid, gid) for d, (uid, gid) in out.items()]
+
+
+def _make_dir_as_caller(directory: PurePosixPath, roots: Sequence[PurePosixPath], creds: TreeCreds,
+                        prepared: Prepared, m: Manifest) -> None:
+    """Create ``directory``'s missing components below its root as ``creds`` (`mkdir -m 700` run with its
+    ids and groups, by path): the kernel judges each, ACLs, security modules and the folders above the root
+    included, so a node agent makes for its caller only what the caller could make itself. The walk that
+    finds them, and the record for :meth:`Prepared.undo`, are root's, one component at a time with
+    O_NOFOLLOW, as captured.py's."""
+    root = root_of(directory, roots)
+    if isinstance(root, Unvouched):
+        root = ANYWHERE
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise NotRestorableHere(f"{_what(m)} binds a unix socket in {directory}, which is missing on this node, and "
+                                f"its root {root} cannot be opened ({e.strerror}). Create {directory}, or start fresh"
+                                ) from None
+    path = root
+    try:
+        for part in directory.relative_to(root).parts:
+            path = path / part
+            try:
+                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                done = subprocess.run(["mkdir", "-m", "700", "--", str(path)], user=creds.uid, group=creds.gid,
+                                      extra_groups=list(creds.groups), capture_output=True, text=True, timeout=30,
+                                      env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"}, cwd="/", check=False)
+                if done.returncode != 0:  # mkdir's last words end with the cause: "...: Permission denied"
+                    said = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"mkdir exited {done.returncode}"
+                    raise OSError(errno.EACCES, said.rsplit(": ", 1)[-1], str(path)) from None
+                prepared._made.append((os.dup(fd), part, str(path)))
+                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                st = os.fstat(nfd)
+                if (st.st_uid, stat.S_IMODE(st.st_mode)) != (creds.uid, 0o700):  # swapped while it was made
+                    os.close(nfd)
+                    raise OSError(errno.EPERM, f"{path} is not the caller's new folder", str(path))
+            os.close(fd)
+            fd = nfd
+    except OSError as e:
+        raise NotRestorableHere(
+            f"{_what(m)} binds a unix socket in {directory}, which is missing on this node and cannot be created "
+            f"as the tree's user, uid {creds.uid} ({e.strerror}). Create {directory} on this node, or start fresh"
+        ) from None
+    finally:
+        os.close(fd)
 
 
 def _make_dir(directory: PurePosixPath, roots: Sequence[PurePosixPath], uid: int, gid: int, prepared: Prepared,

@@ -1220,32 +1220,38 @@ def test_a_task_s_code_reads_neither_the_key_nor_another_uid_s_images_nor_its_me
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def test_a_non_root_tree_listening_in_a_temp_folder_resumes_on_a_node_without_that_folder(agent, tmp_path):
-    """Python's multiprocessing (a PyTorch DataLoader's workers) listens on a unix socket in a folder of its
-    own under /tmp (pymp-*); the retry's node has none. Through the agent, a nobody tree's restore gets
-    that folder back (its owner's, 0700), as a root supervisor's does, and the count goes on."""
-    sock, _ = agent
+def _listening_tree_checkpointed(sock: Path, store: Path, cid: str, parent: str) -> tuple[list[str], str]:
+    """A nobody tree listening on a unix socket in a folder of its own under ``parent`` (as Python's
+    multiprocessing does under /tmp: pymp-*), counting to 40; its caller gone after two checkpoints, and
+    its folder removed (the retry's node has none). Its argv, and the folder."""
     code = ("import os, socket, sys, tempfile, time\n"
-            "d = tempfile.mkdtemp(prefix='pymp-cedana-test-')\n"
+            f"d = tempfile.mkdtemp(prefix='pymp-cedana-test-', dir={parent!r})\n"
             "s = socket.socket(socket.AF_UNIX); s.bind(os.path.join(d, 'listener')); s.listen()\n"
             "print('dir', d, flush=True)\n"
             "for i in range(1, 41):\n    print(i, flush=True); time.sleep(0.1)\n"
             "print('still listening', os.path.exists(os.path.join(d, 'listener')), flush=True)\n")
     argv = ["/usr/bin/python3", "-c", code]  # an interpreter any uid may run (the tests' lives in root's home)
     out_r, out_w = os.pipe()
-    msg, fds = as_uid(NOBODY, _start(sock, argv, out_w, checkpoint_id="agent-pymp", settings={"heartbeat_seconds": 0.5}))
+    msg, fds = as_uid(NOBODY, _start(sock, argv, out_w, checkpoint_id=cid, settings={"heartbeat_seconds": 0.5}))
     os.close(out_w)
     assert "ok" in msg, msg
     deadline = time.monotonic() + 60
-    while len(manifests(tmp_path / "store", "agent-pymp")) < 2:
+    while len(manifests(store, cid)) < 2:
         assert time.monotonic() < deadline, "no heartbeat checkpoint within 60 s"
         time.sleep(0.1)
     socket.socket(fileno=fds[0]).close()  # try 1's caller is gone, and its tree
-    before = _read_all(out_r)
-    folder = before.split("\n")[0].split()[1]
-    assert folder.startswith("/tmp/pymp-cedana-test-"), before
-    shutil.rmtree(folder)  # the retry's node has no such folder
+    folder = _read_all(out_r).split("\n")[0].split()[1]
+    assert folder.startswith(f"{parent}/pymp-cedana-test-"), folder
+    shutil.rmtree(folder)
+    return argv, folder
 
+
+def test_a_non_root_tree_listening_in_a_temp_folder_resumes_on_a_node_without_that_folder(agent, tmp_path):
+    """Python's multiprocessing (a PyTorch DataLoader's workers) listens on a unix socket in a folder of its
+    own under /tmp (pymp-*); the retry's node has none. Through the agent, a nobody tree's restore gets
+    that folder back (made by its caller's user, 0700), as a root supervisor's does, and the count goes on."""
+    sock, _ = agent
+    argv, folder = _listening_tree_checkpointed(sock, tmp_path / "store", "agent-pymp", "/tmp")
     out_r, out_w = os.pipe()
     msg, fds = as_uid(NOBODY, _start(sock, argv, out_w, checkpoint_id="agent-pymp", resume=True, try_number=1))
     os.close(out_w)
@@ -1260,3 +1266,24 @@ def test_a_non_root_tree_listening_in_a_temp_folder_resumes_on_a_node_without_th
     st = os.stat(folder)
     assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (NOBODY, 0o700)
     shutil.rmtree(folder)
+
+
+def test_no_socket_folder_is_made_for_a_non_root_tree_where_an_acl_forbids_its_user(agent, tmp_path):
+    """The same tree under a folder every user may write but for an ACL that denies nobody (added after
+    try 1): the agent makes nothing there (the caller could not), the retry says why and starts fresh."""
+    sock, _ = agent
+    parent = Path(tempfile.mkdtemp(prefix="cedana-acl-", dir="/tmp"))
+    try:
+        parent.chmod(0o1777)
+        argv, folder = _listening_tree_checkpointed(sock, tmp_path / "store", "agent-acl", str(parent))
+        subprocess.run(["setfacl", "-m", f"u:{NOBODY}:r-x", str(parent)], check=True)
+        out_r, out_w = os.pipe()
+        msg, fds = as_uid(NOBODY, _start(sock, argv, out_w, checkpoint_id="agent-acl", resume=True, try_number=1))
+        os.close(out_w)
+        assert "ok" in msg and msg["ok"]["restored_seq"] is None, msg
+        assert f"cannot be created as the tree's user, uid {NOBODY} (Permission denied)" in msg["ok"]["fresh"], msg["ok"]["fresh"]
+        socket.socket(fileno=fds[0]).close()
+        os.close(out_r)
+        assert not os.path.exists(folder)
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
