@@ -347,6 +347,10 @@ class Agent:
             reply, out_fds = self._answer(caller, msg, fds)
             try:
                 protocol.send(conn, reply, out_fds)
+            except errors.Refused as e:  # a reply past the protocol's size: said, not a dropped connection
+                log.warning("agent could not send a %s reply to %s: %s", protocol.printable(str(msg.get("op")), 40),
+                            peer, e)
+                protocol.send(conn, protocol.error_reply(msg.get("id"), e))
             finally:
                 protocol.close_fds(out_fds)
 
