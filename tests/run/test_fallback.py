@@ -90,7 +90,7 @@ def test_a_work_dir_without_room_for_the_fetch_ends_the_try_naming_both_and_keep
     full = types.SimpleNamespace(f_bavail=10, f_frsize=4096)  # 40 KB free
     monkeypatch.setattr(checkpointer.os, "statvfs", lambda path: full)
     engine = CriuEngine(find_criu("", Path(DEFAULT_CRIU_PREFIX)))
-    with pytest.raises(NodeInTheWay, match=r"checkpoint job seq=2 needs \d+ bytes in .*restore-\d+-2-\w+, whose file "
+    with pytest.raises(NodeInTheWay, match=r"checkpoint job seq=2 needs \d+ bytes in .*restore-\d+-[0-9a-f]+-2-\w+, whose file "
                        r"system has 40960 free: free space there \(work_dir\), or let the retry run on another node"):
         Checkpointer(engine, store, cfg, "job", Settings(node="node-b"), work_dir=tmp_path / "work").restore(
             cwd=str(tmp_path))
