@@ -58,18 +58,22 @@ def _uninterrupted(root: Path) -> str:
 
 
 def test_a_pytorch_dataloader_job_resumes_on_another_node_with_default_settings(airflow_stack, tmp_path):
-    stack, root = airflow_stack, tmp_path / "torch"
+    """As uid nobody (Airflow's run_as_user): each try's workload is its node's agent's (issue 49); the
+    retry's node has none of try 1's pymp-* folders, and the agent makes them, as nobody's."""
+    stack = airflow_stack
+    root = stack.user_dir("torch")
     _dataset(root / "data")
     for d in ("job", "logs"):
         (root / d).mkdir(parents=True)
     (root / "node").write_text("node-a\n")
+    give_to_nobody(root)
     dag_id = stack.add_dag("torch", "dags_torch:torch_dag", root=str(root), store=f"file://{tmp_path / 'store'}",
-                           args=ARGS)
+                           args=ARGS, agents=stack.agents)
     run_id = stack.trigger(dag_id)
     # Killed once a heartbeat has caught it training (its log open): a checkpoint from before the log
     # existed would leave try 1's lines in it (a file created after a checkpoint is not rolled back).
     deadline = time.monotonic() + 240
-    while not (ms := [m for p in sorted((tmp_path / "store").glob(f"{dag_id}.train.*/*/manifest.json"))
+    while not (ms := [m for p in sorted(stack.agent_store.glob(f"{dag_id}.train.*/*/manifest.json"))
                       if (m := json.loads(p.read_text()))["captured"]]):
         assert time.monotonic() < deadline, stack.logs()
         assert stack.task_instance(dag_id, run_id, "train")["state"] != "failed", stack.logs()
@@ -91,7 +95,9 @@ def test_a_pytorch_dataloader_job_resumes_on_another_node_with_default_settings(
     assert ti["state"] == "success" and ti["try_number"] == 2, log2[-4000:]
 
     assert re.search(r"cedana: restored seq \d+ of try 1 \(node node-a\) on node node-b: gap [\d.]+ s, restore [\d.]+ s, "
-                     rf"checkpoint_id={dag_id}\.train\.\S+", log2), log2[-4000:]
+                     rf"checkpoint_id={dag_id}\.train\.\S+ \(through the node agent\)", log2), log2[-4000:]
+    assert "store=the node agent's (" in log1 and "store=the node agent's (" in log2
+    assert "checkpoint refused" not in log2, log2[-4000:]  # the newest restored: not one put aside for a folder
     assert "start-up" in log1 and "start-up" not in log2  # try 2 did not import torch or build its loader again
     assert "a restore would refuse" not in log1 + log2 and "refused" not in log2
     # The parameters trained across the kill equal an uninterrupted run's, and every step was logged once.

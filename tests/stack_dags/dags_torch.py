@@ -1,7 +1,8 @@
 """Real PyTorch jobs through Airflow's scheduler (tests/integration/test_airflow_torch.py), as factories: each
 test calls one with its own DAG ID, store and work dir, on the test run's shared Airflow stack
 (tests/shared_stack.py). A node name comes from a file the test rewrites between tries: each try parses the
-DAG file anew. ``agent`` (SharedStack.agent()): the task runs as nobody, through that node agent."""
+DAG file anew. ``agent`` (SharedStack.agent()), or ``agents`` (node name -> socket) with the node from the
+file: the task runs as nobody, through that node's agent."""
 
 import sys
 from datetime import datetime, timedelta
@@ -23,9 +24,19 @@ def _node(root: str) -> dict[str, str]:
     return {"node": node.read_text().strip()} if node.exists() else {}
 
 
-def torch_dag(dag_id: str, *, root: str, store: str, args: list[str]) -> None:
+def _on_node(root: str, agents: dict[str, str] | None) -> tuple[dict, dict[str, str]]:
+    """The operator's arguments and settings of a task on the node ``root``/node names: as nobody through
+    that node's agent when ``agents`` (node name -> socket) are given."""
+    node = _node(root)
+    if agents is None:
+        return {}, node
+    return nobody_task({"node": node["node"], "socket": agents[node["node"]]})
+
+
+def torch_dag(dag_id: str, *, root: str, store: str, args: list[str], agents: dict[str, str] | None = None) -> None:
     """DataLoader workers, a dataset, a log and a checkpoint directory outside the working directory, default
     settings (the store and work dir aside: the test's own)."""
+    user, here = _on_node(root, agents)
     with DAG(dag_id, schedule=None, start_date=datetime(2026, 1, 1), catchup=False,
              default_args={"retries": 1, "retry_delay": timedelta(seconds=1)}):
         CheckpointedCommandOperator(
@@ -35,7 +46,8 @@ def torch_dag(dag_id: str, *, root: str, store: str, args: list[str]) -> None:
             cwd=f"{root}/job",
             heartbeat=timedelta(seconds=1),
             store=store,
-            settings={"work_dir": f"{root}/work", **_node(root)},
+            settings={"work_dir": f"{root}/work", **here},
+            **user,
         )
 
 
