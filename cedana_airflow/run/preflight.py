@@ -72,11 +72,19 @@ class Prepared:
     raises, kept otherwise."""
 
     def __init__(self) -> None:
-        self._made: list[tuple[int, str, str]] = []  # (descriptor of the parent, name, path)
+        # (descriptor of the parent, name, path, (st_dev, st_ino) as made): undo touches only that folder
+        self._made: list[tuple[int, str, str, tuple[int, int]]] = []
+
+    def made(self, parent_fd: int, name: str, path: str) -> None:
+        """Record the folder ``name`` of ``parent_fd`` just made (raises OSError where it is not a folder)."""
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            raise OSError(errno.EEXIST, f"{path} is not the folder just made", path)
+        self._made.append((os.dup(parent_fd), name, path, (st.st_dev, st.st_ino)))
 
     @property
     def created(self) -> tuple[str, ...]:
-        return tuple(path for _, _, path in self._made)
+        return tuple(path for _, _, path, _ in self._made)
 
     def __enter__(self) -> Prepared:
         return self
@@ -88,16 +96,21 @@ class Prepared:
             self.undo()
 
     def keep(self) -> None:
-        for pfd, _, _ in self._made:
+        for pfd, _, _, _ in self._made:
             os.close(pfd)
         self._made.clear()
 
     def undo(self) -> None:
-        """Never raises: a directory that is not empty after its sockets went stays, with a warning."""
-        for pfd, name, path in reversed(self._made):
+        """Never raises: a directory that is not empty after its sockets went stays, with a warning; one
+        that is no longer the folder made (another swapped in by name) is left alone."""
+        for pfd, name, path, ident in reversed(self._made):
             try:
                 fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
                 try:
+                    st = os.fstat(fd)
+                    if (st.st_dev, st.st_ino) != ident:
+                        log.warning("socket directory %s created for a restore was replaced; left alone", path)
+                        continue
                     for entry in os.listdir(fd):
                         if stat.S_ISSOCK(os.stat(entry, dir_fd=fd, follow_symlinks=False).st_mode):
                             os.unlink(entry, dir_fd=fd)
@@ -298,8 +311,9 @@ def _socket_dirs(files: OpenFiles, m: Manifest, allowed: Sequence[PurePosixPath]
 def _make_dir_as_caller(directory: PurePosixPath, roots: Sequence[PurePosixPath], creds: TreeCreds,
                         prepared: Prepared, m: Manifest) -> None:
     """Create ``directory``'s missing components below its root as ``creds`` (`mkdir -m 700` run with its
-    ids and groups, by path): the kernel judges each, ACLs, security modules and the folders above the root
-    included, so a node agent makes for its caller only what the caller could make itself. The walk that
+    ids and groups, by path): the kernel judges each, ACLs and the folders above the root included (not the
+    security label: the child keeps the agent's), so a node agent makes for its caller only what the caller
+    could make itself. The walk that
     finds them, and the record for :meth:`Prepared.undo`, are root's, one component at a time with
     O_NOFOLLOW, as captured.py's."""
     root = root_of(directory, roots)
@@ -318,18 +332,14 @@ def _make_dir_as_caller(directory: PurePosixPath, roots: Sequence[PurePosixPath]
             try:
                 nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
             except FileNotFoundError:
-                done = subprocess.run(["mkdir", "-m", "700", "--", str(path)], user=creds.uid, group=creds.gid,
-                                      extra_groups=list(creds.groups), capture_output=True, text=True, timeout=30,
-                                      env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"}, cwd="/", check=False)
-                if done.returncode != 0:  # mkdir's last words end with the cause: "...: Permission denied"
-                    said = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"mkdir exited {done.returncode}"
-                    raise OSError(errno.EACCES, said.rsplit(": ", 1)[-1], str(path)) from None
-                prepared._made.append((os.dup(fd), part, str(path)))
+                _mkdir_as(path, creds)
                 nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
                 st = os.fstat(nfd)
                 if (st.st_uid, stat.S_IMODE(st.st_mode)) != (creds.uid, 0o700):  # swapped while it was made
                     os.close(nfd)
-                    raise OSError(errno.EPERM, f"{path} is not the caller's new folder", str(path))
+                    raise OSError(errno.EPERM, "not the caller's new folder", str(path))
+                # recorded only now, as the folder checked: undo touches nothing swapped in by name later
+                prepared._made.append((os.dup(fd), part, str(path), (st.st_dev, st.st_ino)))
             os.close(fd)
             fd = nfd
     except OSError as e:
@@ -341,6 +351,24 @@ def _make_dir_as_caller(directory: PurePosixPath, roots: Sequence[PurePosixPath]
         os.close(fd)
 
 
+def _mkdir_as(path: PurePosixPath, creds: TreeCreds) -> None:
+    """`mkdir -m 700 PATH` with ``creds``' uid, gid and groups; OSError with its cause where it failed. The
+    child is the caller's to signal or trace: nothing of ours is open in it, its output is capped, and a
+    stalled one is given up after a few seconds."""
+    try:
+        done = subprocess.run(["mkdir", "-m", "700", "--", str(path)], user=creds.uid, group=creds.gid,
+                              extra_groups=list(creds.groups), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, timeout=5, env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"},
+                              cwd="/", check=False)
+    except (subprocess.SubprocessError, OSError) as e:
+        raise OSError(errno.ETIMEDOUT, f"mkdir as uid {creds.uid} did not finish ({type(e).__name__})",
+                      str(path)) from None
+    if done.returncode != 0:  # mkdir's last words end with the cause: "...: Permission denied"
+        said = done.stderr[-300:].decode(errors="replace").strip().splitlines()
+        raise OSError(errno.EACCES, said[-1].rsplit(": ", 1)[-1][:100] if said else f"mkdir exited {done.returncode}",
+                      str(path))
+
+
 def _make_dir(directory: PurePosixPath, roots: Sequence[PurePosixPath], uid: int, gid: int, prepared: Prepared,
               m: Manifest, creds: TreeCreds, checked: Sequence[PurePosixPath]) -> None:
     """Create ``directory``'s missing components below its root (0700, owned ``uid``:``gid``) through
@@ -349,7 +377,7 @@ def _make_dir(directory: PurePosixPath, roots: Sequence[PurePosixPath], uid: int
     root = root_of(directory, roots)
 
     def made(parent_fd: int, name: str, path: PurePosixPath) -> None:
-        prepared._made.append((os.dup(parent_fd), name, str(path)))
+        prepared.made(parent_fd, name, str(path))
 
     try:
         os.close(open_dir(directory, roots, create=True, mode=0o700, owner=(uid, gid), created=made, creds=creds,

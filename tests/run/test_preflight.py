@@ -335,3 +335,32 @@ def test_a_link_of_the_trees_user_on_a_path_criu_reopens_refuses_a_tree_that_is_
     assert preflight(images, _manifest(), (PurePosixPath(tmp_path),), creds=ROOT_CREDS).created == ()  # root's own
     os.chown(tmp_path / "u", 0, 0, follow_symlinks=False)  # a link of root's is the node's layout
     assert preflight(images, _manifest(), (PurePosixPath(tmp_path),), creds=nobody).created == ()
+
+
+def test_undo_leaves_alone_a_folder_swapped_in_under_the_name_of_one_it_made(tmp_path):
+    """Undo removes what preflight made, by name: a folder renamed into that name since (a caller swapping
+    its own folder for another's) keeps its sockets and stays."""
+    import socket as socket_
+
+    from cedana_airflow.run.preflight import Prepared
+
+    parent = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        (tmp_path / "pymp-x").mkdir(mode=0o700)
+        prepared = Prepared()
+        prepared.made(parent, "pymp-x", str(tmp_path / "pymp-x"))
+        (tmp_path / "pymp-x").rename(tmp_path / "moved")
+        (tmp_path / "pymp-x").mkdir()  # someone else's, with a listener in it
+        with socket_.socket(socket_.AF_UNIX) as s:
+            s.bind(str(tmp_path / "pymp-x" / "listener"))
+            prepared.undo()
+        assert (tmp_path / "pymp-x" / "listener").exists()
+        (tmp_path / "pymp-x" / "listener").unlink()
+        (tmp_path / "pymp-x").rmdir()
+        (tmp_path / "moved").rename(tmp_path / "pymp-x")
+        again = Prepared()
+        again.made(parent, "pymp-x", str(tmp_path / "pymp-x"))
+        again.undo()  # the folder it made, unchanged: removed
+        assert not (tmp_path / "pymp-x").exists()
+    finally:
+        os.close(parent)
