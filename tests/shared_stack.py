@@ -11,9 +11,10 @@ another's runs, checkpoints or failure history. The stack's own [cedana] setting
 does not set (a store of the run's, an opt-in list that admits everything).
 
 Its parts run from the worker environment (`make worker`: Debian's python3 with our wheel, what an Airflow
-image has), so that a task may run as another user: a DAG of ``as_nobody`` (tests/stack_dags/nobody.py)
-runs its tasks as uid nobody through Airflow's own impersonation (``run_as_user``: the task process
-re-executes itself under sudo), and their workloads go through the stack's node agents, root, one per
+image has), so that a task may run as another user: a DAG whose factory gets ``agent=stack.agent(...)``
+(tests/stack_dags/nobody.py) runs its tasks as uid nobody through Airflow's own impersonation
+(``run_as_user``: the task process re-executes itself under sudo), and their workloads go through the
+stack's node agents, root, one per
 node name (``node-a``, ``node-b``), on the stack's own store (issue 49). The folders such a task reads
 (the stack's home, its DAGs, a test's ``user_dir``) are under one any user may enter; the agents' store
 and work dirs are root's alone.
