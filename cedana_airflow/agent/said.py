@@ -18,8 +18,10 @@ from . import protocol
 
 __all__ = ["KEPT", "Said"]
 
-#: Lines kept per run: a minute of one-second heartbeats with room to spare.
+#: Lines kept per run: a minute of one-second heartbeats with room to spare; and at most this much of
+#: them, as JSON (the agent keeps a uid's ended runs a while: server.py caps how many).
 KEPT = 200
+KEPT_BYTES = 256 << 10
 #: The most of them one reply carries, as JSON (a reply is at most protocol.MAX_MESSAGE): the rest come
 #: with the next.
 REPLY_BYTES = 16 << 10
@@ -38,6 +40,7 @@ class Said(logging.Handler):
         self.checkpoint_id = checkpoint_id
         self._lines: collections.deque[tuple[int, str]] = collections.deque(maxlen=KEPT)
         self._n = 0
+        self._bytes = 0  # the kept lines' size, as JSON
         self._mutex = threading.Lock()
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -52,9 +55,15 @@ class Said(logging.Handler):
         named = _NAMED.findall(message)
         if not named or any(cid != self.checkpoint_id for cid in named):
             return
+        line = protocol.printable(message, 2000)
         with self._mutex:
             self._n += 1
-            self._lines.append((self._n, protocol.printable(message, 2000)))
+            if len(self._lines) == KEPT:
+                self._bytes -= _size(self._lines[0][1])
+            self._lines.append((self._n, line))
+            self._bytes += _size(line)
+            while self._bytes > KEPT_BYTES and len(self._lines) > 1:
+                self._bytes -= _size(self._lines.popleft()[1])
 
     def since(self, n: int) -> tuple[list[list[int | str]], bool]:
         """The lines kept after line ``n`` (JSON-ready: ``[number, line]``), as many as fit
@@ -65,7 +74,7 @@ class Said(logging.Handler):
             for i, line in self._lines:
                 if i <= n:
                     continue
-                size += len(json.dumps(line)) + 16  # as the reply carries it: \uXXXX escapes count
+                size += _size(line)
                 if out and size > REPLY_BYTES:
                     return out, True
                 out.append([i, line])
@@ -77,3 +86,8 @@ class Said(logging.Handler):
 
     def __exit__(self, *exc: object) -> None:
         logging.getLogger("cedana_airflow").removeHandler(self)
+
+
+def _size(line: str) -> int:
+    """A line's size as a reply carries it: JSON, where a character outside ASCII is a \\uXXXX escape."""
+    return len(json.dumps(line)) + 16

@@ -55,8 +55,9 @@ __all__ = ["Agent", "DEFAULT_SOCKET"]
 
 log = logging.getLogger(__name__)
 
-#: How long an ended run stays for its owner's ``status``.
+#: How long an ended run stays for its owner's ``status``, and how many of one uid's at most (the newest).
 KEEP_ENDED_SECONDS = 600.0
+KEEP_ENDED_PER_UID = 64
 #: Connections one uid may hold open at once, and all callers together: each is a thread and an fd of
 #: the agent, so the caps keep one user from using them all up (the agent must outlast any caller).
 MAX_CONNECTIONS_PER_UID = 16
@@ -525,8 +526,12 @@ class Agent:
     def _forget_ended(self) -> None:
         cutoff = time.time() - KEEP_ENDED_SECONDS
         with self._lock:
-            for wid in [w for w, r in self._runs.items() if r.ended_at is not None and r.ended_at < cutoff]:
-                del self._runs[wid]
+            ended = sorted((r for r in self._runs.values() if r.ended_at is not None), key=lambda r: -(r.ended_at or 0))
+            kept: dict[int, int] = {}
+            for r in ended:  # newest first: a uid's runs past KEEP_ENDED_PER_UID go, however recent
+                kept[r.uid] = kept.get(r.uid, 0) + 1
+                if (r.ended_at or 0) < cutoff or kept[r.uid] > KEEP_ENDED_PER_UID:
+                    del self._runs[r.wid]
 
 
 def _parsed(model: type[BaseModel], msg: Mapping[str, Any], op: str) -> Any:

@@ -51,7 +51,9 @@ def test_a_caller_that_never_asks_loses_only_the_oldest_lines_and_long_ones_come
         last = lines[-1][0]
         if not more:
             break
-    assert [n for n, _ in got] == list(range(1, KEPT + 1)) and all(len(str(x)) <= 2000 for _, x in got)
+    # the newest that fit the run's budget (KEPT_BYTES), in order, over more than one reply
+    assert len(got) > 1 and [n for n, _ in got] == list(range(KEPT - len(got) + 1, KEPT + 1))
+    assert all(len(str(x)) <= 2000 for _, x in got) and len(json.dumps(got)) > REPLY_BYTES
 
 
 def test_heartbeat_autos_history_goes_only_to_an_agent_that_takes_it():
@@ -80,3 +82,44 @@ def test_a_failure_history_is_bounded_and_one_printable_line():
     for bad in ({"scope": "x" * 301}, {"failures": 10**400}, {"window_days": float("inf")}, {"tries": -1}):
         with pytest.raises(ValueError):
             FailureHistory.model_validate(bad)
+
+
+def test_a_run_keeps_at_most_its_byte_budget_of_lines_the_newest():
+    from cedana_airflow.agent.said import KEPT_BYTES
+
+    log = logging.getLogger("cedana_airflow.run.checkpointer")
+    with Said("big") as said:
+        for i in range(KEPT):  # each line 2,000 characters outside ASCII: 12 bytes each as JSON
+            log.warning("checkpoint_id=big %d %s", i, "\U0001f600" * 3000)
+    kept, last = [], 0
+    while True:
+        lines, more = said.since(last)
+        kept += lines
+        last = lines[-1][0]
+        if not more:
+            break
+    assert sum(len(json.dumps(x)) + 16 for _, x in kept) <= KEPT_BYTES
+    assert kept[-1][0] == KEPT and [n for n, _ in kept] == list(range(KEPT - len(kept) + 1, KEPT + 1))
+
+
+def test_the_agent_keeps_at_most_its_per_uid_number_of_ended_runs_the_newest():
+    """A uid that starts and ends many runs cannot fill root's memory with them (each keeps its lines)."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from cedana_airflow.agent.server import KEEP_ENDED_PER_UID, Agent
+
+    agent = Agent.__new__(Agent)
+    agent._lock = threading.Lock()
+    now = time.time()
+    runs = [SimpleNamespace(wid=f"w-{uid}-{i}", uid=uid, ended_at=now - i) for uid in (1000, 1001)
+            for i in range(KEEP_ENDED_PER_UID + 10)]
+    running = SimpleNamespace(wid="w-running", uid=1000, ended_at=None)
+    old = SimpleNamespace(wid="w-old", uid=1002, ended_at=now - 3600)
+    agent._runs = {r.wid: r for r in [*runs, running, old]}
+    agent._forget_ended()
+    left = set(agent._runs)
+    assert "w-running" in left and "w-old" not in left
+    for uid in (1000, 1001):
+        assert {w for w in left if w.startswith(f"w-{uid}-")} == {f"w-{uid}-{i}" for i in range(KEEP_ENDED_PER_UID)}
