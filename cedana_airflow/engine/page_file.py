@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import re
 import stat
 import struct
 import threading
@@ -74,7 +75,9 @@ def fuse_available() -> tuple[bool, str]:
 
 
 def sweep(root: Path) -> int:
-    """Unmount what a killed supervisor left of its page files under ``root``; how many."""
+    """Unmount what a killed supervisor left of its page files under ``root``; how many. A page file
+    under a restore folder of a process that still runs (``restore-<pid>-...``: another run of a node
+    agent, which runs many in one process, or another supervisor sharing the work dir) is not touched."""
     gone = 0
     for line in _mountinfo():
         head, _, tail = line.partition(" - ")
@@ -82,9 +85,26 @@ def sweep(root: Path) -> int:
         if len(fields) > 4 and tail.split()[:1] == [FSTYPE]:
             target = fields[4].replace("\\040", " ")
             if target == str(root) or target.startswith(str(root).rstrip("/") + "/"):
+                if _owner_runs(target[len(str(root)):]):
+                    continue
                 if _libc().umount2(target.encode(), _MNT_DETACH) == 0:
                     gone += 1
     return gone
+
+
+def _owner_runs(relative: str) -> bool:
+    """Whether the process a restore folder is named for (checkpointer.py: ``restore-<pid>-<tag>-...``)
+    still runs."""
+    m = re.search(r"(?:^|/)restore-(\d+)-", relative)
+    if m is None:
+        return False
+    try:
+        os.kill(int(m[1]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _widen_readahead(target: Path) -> None:

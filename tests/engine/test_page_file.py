@@ -79,6 +79,25 @@ def test_sweep_unmounts_what_a_killed_supervisor_left(tmp_path):
     os.close(f.fd)
 
 
+def test_sweep_leaves_a_running_process_s_restore_folder_alone(tmp_path):
+    """A node agent runs many restores in one process: one restore's sweep must not unmount a page file
+    another run is streaming (its folder names this live process); one of a process that is gone goes."""
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    files = []
+    for pid in (os.getpid(), gone.pid):
+        target = tmp_path / f"restore-{pid}-0a1b2c3d-2-full" / "images" / "pages-1.img"
+        target.parent.mkdir(parents=True)
+        target.touch()
+        files.append((target, PageFile(target, 4096, lambda off, n: [b"\0" * n], lambda e: None)))
+    (live, f_live), (dead, f_dead) = files
+    assert sweep(tmp_path) == 1 and _mounted(live) and not _mounted(dead)
+    f_live.close()
+    os.close(f_dead.fd)
+
+
 def test_pushed_pages_are_read_without_asking_the_source(tmp_path):
     data = os.urandom(4 << 20)
     target = tmp_path / "pages-1.img"
