@@ -46,6 +46,12 @@ def redact(value: object) -> object:
     return _USERINFO.sub("***@", value) if isinstance(value, str) else value
 
 
+def printable(text: str, limit: int = 300) -> str:
+    """``text`` cut to ``limit`` characters, each control character a ``?``: fit for one log line (what a
+    caller sent, or a line that quotes it)."""
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
+
+
 class FailureHistory(BaseModel):
     """Failures of one kind of work (a queue's tasks) that were not the workload's own doing: nodes lost,
     tries killed from outside, tasks stopped by their infrastructure; and the run time they were seen in.
@@ -66,7 +72,7 @@ class FailureHistory(BaseModel):
     @field_validator("scope", "note")
     @classmethod
     def _one_printable_line(cls, v: str) -> str:
-        return "".join(c if c.isprintable() else "?" for c in v)
+        return printable(v, len(v))
 
 
 class Settings(BaseModel):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import errors
+from ..config import printable  # the agent's audit and log lines (and a caller's)
 
 __all__ = ["MAX_FDS", "MAX_MESSAGE", "PROTO", "TASK_SETTINGS", "Peer", "Sender", "close_fds", "error_reply", "pass_credentials",
            "printable", "raise_for", "recv", "recv_from", "recv_packet", "send"]
@@ -47,12 +48,6 @@ TASK_SETTINGS = frozenset({
 MAX_MESSAGE = 64 << 10
 #: The most fds one message carries (a start's stdout and stderr; a reply's lifeline).
 MAX_FDS = 4
-
-def printable(text: str, limit: int = 300) -> str:
-    """``text`` cut to ``limit`` characters, each control character a ``?``: fit for one log line (what a
-    caller sent, or a line that quotes it)."""
-    return "".join(c if c.isprintable() else "?" for c in text[:limit])
-
 
 _SO_PEERGROUPS = 59  # asm-generic/socket.h (every architecture we build for); no socket constant in 3.11
 _MAX_GROUPS = 256  # CPython's getsockopt reads at most 1024 bytes
