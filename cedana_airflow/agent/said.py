@@ -38,7 +38,7 @@ class Said(logging.Handler):
     def __init__(self, checkpoint_id: str) -> None:
         super().__init__(logging.INFO)
         self.checkpoint_id = checkpoint_id
-        self._lines: collections.deque[tuple[int, str]] = collections.deque(maxlen=KEPT)
+        self._lines: collections.deque[tuple[int, str]] = collections.deque()
         self._n = 0
         self._bytes = 0  # the kept lines' size, as JSON
         self._mutex = threading.Lock()
@@ -58,11 +58,9 @@ class Said(logging.Handler):
         line = protocol.printable(message, 2000)
         with self._mutex:
             self._n += 1
-            if len(self._lines) == KEPT:
-                self._bytes -= _size(self._lines[0][1])
             self._lines.append((self._n, line))
             self._bytes += _size(line)
-            while self._bytes > KEPT_BYTES and len(self._lines) > 1:
+            while len(self._lines) > KEPT or (self._bytes > KEPT_BYTES and len(self._lines) > 1):  # the oldest go
                 self._bytes -= _size(self._lines.popleft()[1])
 
     def since(self, n: int) -> tuple[list[list[int | str]], bool]:
