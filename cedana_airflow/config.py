@@ -149,6 +149,12 @@ class Settings(BaseModel):
         description="Where the node agent listens (`cedana-airflow agent`) and its callers find it; its folder "
         "must be one only root may write (docs/agent.md).",
     )
+    agent_readers: tuple[str, ...] = Field(
+        default=(), description="The node agent's: groups (names or gids) whose members may see, through the agent, "
+        "every checkpoint ID's facts (seq, node, time, size, Airflow task; never an image): a live drill's user, "
+        "the triggerer's user for deferred checkpoint sensors. Anyone else sees only its own uid's IDs, and root "
+        "all. Several: separated by ','.",
+    )
     writer_lease_seconds: float = Field(
         default=60.0, ge=0, allow_inf_nan=False,
         description="A supervisor's hold on its checkpoint ID lapses this long after its last renewal (it renews "
@@ -326,7 +332,7 @@ class Settings(BaseModel):
             raise ValueError(f"store {redact(v)!r} has no known scheme; {STORE_URL_HINT}")
         return v
 
-    @field_validator("keep_env", mode="before")
+    @field_validator("keep_env", "agent_readers", mode="before")
     @classmethod
     def _names_from_text(cls, v: object) -> object:
         if isinstance(v, str):  # CEDANA_KEEP_ENV, [cedana] keep_env

@@ -7,6 +7,7 @@ in-process path's errors.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import itertools
 import os
@@ -25,6 +26,8 @@ __all__ = ["AgentClient", "Started"]
 #: How long a connection and each answer may take before the agent counts as not answering.
 CONNECT_SECONDS = 2.0
 ANSWER_SECONDS = 30.0
+#: How long a checkpoints query may take: the agent reads the store (manifests, for every page's IDs).
+QUERY_SECONDS = 120.0
 
 
 @dataclass
@@ -159,3 +162,25 @@ class AgentClient:
 
     def list(self) -> list[dict[str, Any]]:
         return list(self.request("list")[0]["workloads"])
+
+    def checkpoints(self, ids: Sequence[str] | None = None, *, detail: bool = False) -> builtins.list[dict[str, Any]]:
+        """What we may know of the store's checkpoints (agent/views.py): a row per ID of ``ids`` we may see
+        (None: every such ID, page by page); ``detail``: each named ID's writer lease and restore records.
+        An agent older than 0.8.4 cannot answer: :class:`errors.AgentUnavailable`, naming it."""
+        hello = self.hello()
+        if "checkpoints" not in hello.get("features", ()):
+            raise errors.AgentUnavailable(f"the cedana agent at {self.path} runs {hello.get('agent', 'an older version')}"
+                                          ", which cannot answer checkpoint queries (0.8.4 and later can). Upgrade it")
+        rows: builtins.list[dict[str, Any]] = []
+        with self._answer_within(QUERY_SECONDS):  # the agent reads the store, which may be slow
+            if ids is not None:
+                for at in range(0, len(ids), protocol.MAX_QUERY_IDS):
+                    rows += self.request("checkpoints", ids=list(ids[at:at + protocol.MAX_QUERY_IDS]), detail=detail)[0]["rows"]
+                return rows
+            after = ""
+            while True:
+                reply = self.request("checkpoints", after=after)[0]
+                rows += reply["rows"]
+                if not reply.get("next"):
+                    return rows
+                after = str(reply["next"])

@@ -26,7 +26,7 @@ from typing import Any
 from .. import errors
 from ..config import printable  # the agent's audit and log lines (and a caller's)
 
-__all__ = ["MAX_FDS", "MAX_MESSAGE", "PROTO", "TASK_SETTINGS", "Peer", "Sender", "close_fds", "error_reply", "pass_credentials",
+__all__ = ["MAX_FDS", "MAX_MESSAGE", "MAX_QUERY_IDS", "PROTO", "TASK_SETTINGS", "Peer", "Sender", "close_fds", "error_reply", "pass_credentials",
            "printable", "raise_for", "recv", "recv_from", "recv_packet", "send"]
 
 #: The protocol's version (see the module doc for what may change within one).
@@ -46,6 +46,8 @@ TASK_SETTINGS = frozenset({
 })
 #: The largest message either side sends or accepts: argv and env are the only big fields.
 MAX_MESSAGE = 64 << 10
+#: The most checkpoint IDs one ``checkpoints`` query names (0.8.4; agent/views.py).
+MAX_QUERY_IDS = 32
 #: The most fds one message carries (a start's stdout and stderr; a reply's lifeline).
 MAX_FDS = 4
 

@@ -17,12 +17,14 @@ reply carries the caller's end of the lifeline), which runs it as run/runner.py 
 heartbeat checkpoints signed by the node's key into the node's store (workloads.py); ``status``;
 ``stop`` (the final checkpoint, then the end); ``kill`` (no checkpoint); ``list``. A start with
 ``resume`` restores the ID's newest checkpoint first (CRIU under the tree's shim, in full).
+``checkpoints`` (0.8.4) answers what the caller may know of the store's checkpoints (views.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import grp
 import hmac
 import json
 import logging
@@ -40,7 +42,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from .. import __version__, errors
-from ..config import load_settings
+from ..config import Settings, load_settings
+from ..errors import ConfigError
 from ..format.manifest import AirflowTask
 from ..fsafe import UnsafePath, secure_base
 from ..ids import validate_checkpoint_id
@@ -49,6 +52,7 @@ from .callers import Caller, read_caller, read_self
 from .protocol import Peer
 from . import DEFAULT_SOCKET
 from .remembered import recall
+from .views import MAX_DETAILED, MAX_IDS, PAGE_IDS, Viewer, checkpoint_rows
 from .workloads import Run, task_settings
 
 __all__ = ["Agent", "DEFAULT_SOCKET"]
@@ -150,6 +154,14 @@ class _Start(BaseModel):
         return v
 
 
+class _Checkpoints(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    ids: list[str] | None = Field(default=None, max_length=MAX_IDS)  # None: every ID the caller may see, paged
+    after: str = ""  # without ids: the page after this ID (the last reply's ``next``)
+    detail: bool = False  # with ids: the writer lease and the newest restore records too
+
+
 class _Target(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -168,6 +180,8 @@ class Agent:
         self._environ = dict(environ)
         self.settings = load_settings(environ=self._environ)  # a bad node setting stops the agent here
         self.node = self.settings.resolved_node()
+        self._readers = reader_gids(self.settings)
+        self._store_client: Any = None  # the checkpoints op's (_store)
         self.socket_path = socket_path
         self._audit_path = audit
         self._lock = threading.Lock()
@@ -191,7 +205,7 @@ class Agent:
         self._self = read_self()  # what a caller's namespaces and bounds are compared with
         self._ops: Mapping[str, Callable[[Caller, dict[str, Any], list[int]], tuple[dict[str, Any], list[int]]]] = {
             "hello": self._hello, "start": self._start, "status": self._status, "stop": self._stop, "kill": self._kill,
-            "list": self._list}
+            "list": self._list, "checkpoints": self._checkpoints}
 
     def _take_up(self) -> None:
         """Take up what a former agent left running (its runs folder): their heartbeats go on from here."""
@@ -436,7 +450,8 @@ class Agent:
     def _hello(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
         peer = caller.peer
         out = {"proto": protocol.PROTO, "agent": __version__, "node": self.node, "ready": True,
-               "features": ["start", "heartbeat", "stop", "restore", "said"],  # restore: start's restore_only (0.8.2); said: status's lines (0.8.3)
+               "features": ["start", "heartbeat", "stop", "restore", "said", "checkpoints"],
+               # restore: start's restore_only (0.8.2); said: status's lines (0.8.3); checkpoints: the op (0.8.4)
                "you": {"uid": peer.uid, "gid": peer.gid},
                "protected": True}  # every caller's workload is checkpointed (one other than root's: shim.py)
         return out, []
@@ -511,6 +526,41 @@ class Agent:
             mine = [r.public() for r in self._runs.values() if peer.uid == 0 or r.uid == peer.uid]
         return {"workloads": mine}, []
 
+    def _checkpoints(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        """The store's facts the caller may see (views.py): the IDs it names, or a page of every ID."""
+        req = _parsed(_Checkpoints, msg, "checkpoints")
+        if req.ids is not None:
+            for cid in req.ids:
+                validate_checkpoint_id(cid)
+        if req.detail and not (req.ids and len(req.ids) <= MAX_DETAILED):
+            raise errors.Refused(f"checkpoints: detail is given for at most {MAX_DETAILED} IDs a request names. "
+                                 "Name them in ids")
+        from ..keys import node_trust
+        from ..store import FileStore
+
+        store = self._store()
+        if isinstance(store, FileStore) and not store.root.exists():
+            return {"rows": [], "next": ""}, []  # a file store appears with its first checkpoint
+        store.open(create=False, chunk_avg_bytes=self.settings.chunk_avg_bytes)
+        viewer = Viewer(caller.peer, self._readers)
+        trust = node_trust(self.settings)
+        if req.ids is not None:
+            return {"rows": checkpoint_rows(store, trust, viewer, req.ids, detail=req.detail), "next": ""}, []
+        # every ID: a page of PAGE_IDS IDs at a time (each read in full to judge it), in ID order
+        later = sorted(c for c in store.list_ids() if c > req.after)
+        page = later[:PAGE_IDS]
+        nxt = page[-1] if len(later) > PAGE_IDS else ""
+        return {"rows": checkpoint_rows(store, trust, viewer, page), "next": nxt}, []
+
+    def _store(self) -> Any:
+        """The node's store, one client for every query (a boto3 client is thread-safe, and slow to make)."""
+        from ..store import open_store
+
+        with self._lock:
+            if self._store_client is None:
+                self._store_client = open_store(self.settings.resolved_store(), self.settings)
+            return self._store_client
+
     def _owned(self, peer: Peer, msg: dict[str, Any]) -> Run:
         t = _parsed(_Target, msg, protocol.printable(str(msg.get("op")), 40))
         with self._lock:
@@ -532,6 +582,21 @@ class Agent:
                 kept[r.uid] = kept.get(r.uid, 0) + 1
                 if (r.ended_at or 0) < cutoff or kept[r.uid] > KEEP_ENDED_PER_UID:
                     del self._runs[r.wid]
+
+
+def reader_gids(settings: Settings) -> frozenset[int]:
+    """``agent_readers`` as gids: a group this node does not know stops the agent, in one line."""
+    out = set()
+    for name in settings.agent_readers:
+        if name.isdigit():
+            out.add(int(name))
+            continue
+        try:
+            out.add(grp.getgrnam(name).gr_gid)
+        except KeyError:
+            raise ConfigError(f"agent_readers names group {name!r}, which this node does not have. Create it, or "
+                              "name another group (or a gid)") from None
+    return frozenset(out)
 
 
 def _parsed(model: type[BaseModel], msg: Mapping[str, Any], op: str) -> Any:
