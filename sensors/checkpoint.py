@@ -1,5 +1,6 @@
 """CheckpointSensor (poke, reschedule, or deferrable through CheckpointTrigger): wait until a checkpoint
-ID has a complete checkpoint newer than a given age."""
+ID has a complete checkpoint newer than a given age. A sensor (or trigger) whose process is not root
+asks the node agent, as a task's workload goes through it (docs/agent.md)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from airflow.sdk import BaseSensorOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from cedana_airflow.agent.client import AgentClient
+from cedana_airflow.agent.route import through_agent
 from cedana_airflow.airflow.config import task_settings
 from cedana_airflow.hooks.store import task_store
 from cedana_airflow.errors import CedanaError, CheckpointIdError, ConfigError
@@ -27,22 +30,38 @@ __all__ = ["CheckpointSensor", "CheckpointTrigger", "fresh_checkpoint"]
 
 def fresh_checkpoint(checkpoint_id: str, max_age_seconds: float | None, store: str | None,
                      aws_conn_id: str | None) -> dict[str, Any] | None:
-    """The newest complete checkpoint of an ID (restore order) if it is young enough, else None."""
+    """The newest complete checkpoint of an ID (restore order) if it is young enough, else None. Where
+    this process is not root (``[cedana] agent``: agent/route.py), the node agent answers: it holds the
+    store and the key, and tells a caller only of its own uid's checkpoints (agent/views.py)."""
     overrides = {"store": store, "aws_conn_id": aws_conn_id}
     settings, options = task_settings(overrides)
+    cid = validate_checkpoint_id(checkpoint_id)
+    if through_agent(settings):
+        with AgentClient.connect(settings.agent_socket) as agent:
+            rows = agent.checkpoints([cid])
+        if not rows:
+            return None
+        row = rows[0]
+        return _young_enough(row["id"], row["seq"], row["try_number"], row["node"],
+                             datetime.fromisoformat(row["created_at"]), row["image_bytes"], max_age_seconds)
     s = task_store(settings, options.aws_conn_id)
     if isinstance(s, FileStore) and not s.root.exists():
         return None  # a file store appears with its first checkpoint; a sensor may start before that
     s.open(create=False, chunk_avg_bytes=settings.chunk_avg_bytes)
-    found = load_manifests(s, validate_checkpoint_id(checkpoint_id))
+    found = load_manifests(s, cid)
     if not found:
         return None
     m = found[0]
-    age = (datetime.now(timezone.utc) - m.created_at).total_seconds()
+    return _young_enough(m.checkpoint_id, m.seq, m.try_number, m.node, m.created_at, m.image_bytes, max_age_seconds)
+
+
+def _young_enough(cid: str, seq: int, try_number: int, node: str, created_at: datetime, image_bytes: int,
+                  max_age_seconds: float | None) -> dict[str, Any] | None:
+    age = (datetime.now(timezone.utc) - created_at).total_seconds()
     if max_age_seconds is not None and age > max_age_seconds:
         return None
-    return {"checkpoint_id": m.checkpoint_id, "seq": m.seq, "try_number": m.try_number, "node": m.node,
-            "created_at": m.created_at.isoformat(), "age_seconds": round(age, 1), "image_bytes": m.image_bytes}
+    return {"checkpoint_id": cid, "seq": seq, "try_number": try_number, "node": node,
+            "created_at": created_at.isoformat(), "age_seconds": round(age, 1), "image_bytes": image_bytes}
 
 
 class CheckpointTrigger(BaseTrigger):
