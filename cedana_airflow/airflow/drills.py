@@ -4,6 +4,11 @@ Each task runs one drill of the core (drill/) on its worker against the task's s
 store``, through ``aws_conn_id`` for S3), keeps the report in the store, writes one summary line to
 the task log, and fails the task when the drill failed, so Airflow's retries, alerting and the
 configured notifier (``[cedana] drill_notifier``) see it.
+
+A drill task that is not root (``[cedana] agent``, as for a workload: agent/route.py) holds neither the
+store nor the key: the node agent runs ``verify`` and ``canary`` itself, and a ``live`` drill, which
+fails and clears tasks through Airflow's API from the task, reads the store's facts through the agent
+and has it keep the report. The drill's user must be in the node's ``agent_readers`` (docs/agent.md).
 """
 
 from __future__ import annotations
@@ -13,9 +18,14 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..agent.client import AgentClient
+from ..agent.route import through_agent
+from ..config import Settings
 from ..drill import run as drill
+from ..drill.facts import AgentFacts
+from ..drill.live import live
 from ..drill.report import DrillReport
-from ..errors import ConfigError
+from ..errors import AgentUnavailable, ConfigError
 from ..hooks.store import task_store
 from ..scope.optin import load_optin
 from .config import airflow_options, task_settings
@@ -79,22 +89,49 @@ def _summary(report: DrillReport) -> str:
     return head + live + f"; RTO {report.rto_seconds} s, restore {report.restore_seconds} s, lost work {report.lost_work_seconds} s"
 
 
+def _fleet(core: Settings) -> ApiFleet:
+    from airflow.sdk import get_current_context
+
+    limits = load_optin(core.optin_file).drills
+    api = airflow_options("drill_api_url", "drill_api_conn_id")
+    return ApiFleet(api_base_url(api.drill_api_url), api.drill_api_conn_id, get_current_context()["dag"].dag_id,
+                    limits.kill_switch_variable)
+
+
+def _through_agent(mode: str, core: Settings, fleet: ApiFleet | None, params: Mapping[str, Any]) -> DrillReport:
+    with AgentClient.connect(core.agent_socket) as agent:
+        hello = agent.hello()
+        if "drill" not in hello.get("features", ()):
+            raise AgentUnavailable(f"the cedana agent at {core.agent_socket} runs {hello.get('agent')}, which runs no "
+                                   "drills for a task that is not root (0.8.4 and later do). Upgrade it")
+        if hello.get("sees") != "every":
+            raise ConfigError(f"this drill runs as uid {hello.get('you', {}).get('uid')}, which the node agent at "
+                              f"{core.agent_socket} shows only its own checkpoints: a drill reads them all. Add its "
+                              "group to the node's agent_readers (docs/agent.md), or run the drill DAG as such a user")
+        if mode != "live":
+            if mode not in drill.MODES:
+                raise ConfigError(f"drill mode {mode!r} is unknown; use one of {', '.join(drill.MODES)}.")
+            return DrillReport.model_validate(agent.drill(mode, params)["report"])
+        assert fleet is not None
+        report = live(AgentFacts(agent), fleet, load_optin(core.optin_file).drills, node=str(hello.get("node")),
+                      **params)
+        if not agent.drill("keep", report=report.model_dump(mode="json")).get("kept"):
+            log.warning("cedana: drill report %s was not kept in the store (the agent's log says why)", report.drill_id)
+        return report
+
+
 def run_drill(mode: str, settings: Mapping[str, Any] | None = None, **params: Any) -> dict[str, Any]:
     """Run one drill here; return its report (the task's XCom); raise when it failed. ``settings``: core
     settings by name over [cedana] (a drill DAG of its own store or opt-in list), as an operator's."""
     with airflow_errors():
         core, options = task_settings(settings)
-        store = task_store(core, options.aws_conn_id)
-        cfg = store.open(create=True, chunk_avg_bytes=core.chunk_avg_bytes)
-        fleet = None
-        if mode == "live":
-            from airflow.sdk import get_current_context
-
-            limits = load_optin(core.optin_file).drills
-            api = airflow_options("drill_api_url", "drill_api_conn_id")
-            fleet = ApiFleet(api_base_url(api.drill_api_url), api.drill_api_conn_id,
-                             get_current_context()["dag"].dag_id, limits.kill_switch_variable)
-        report = drill.run_drill(mode, store, cfg, core, fleet=fleet, **params)
+        fleet = _fleet(core) if mode == "live" else None
+        if through_agent(core):
+            report = _through_agent(mode, core, fleet, params)
+        else:
+            store = task_store(core, options.aws_conn_id)
+            cfg = store.open(create=True, chunk_avg_bytes=core.chunk_avg_bytes)
+            report = drill.run_drill(mode, store, cfg, core, fleet=fleet, **params)
     summary = _summary(report)
     log.info("%s", summary)
     for t in report.targets:

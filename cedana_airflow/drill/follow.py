@@ -12,9 +12,8 @@ from __future__ import annotations
 import time
 from datetime import datetime
 
-from ..store.base import Store
-from ..store.restores import RestoreRecord, list_restores
-from ..store.transfer import load_manifests
+from ..store.restores import RestoreRecord
+from .facts import Facts
 from .fleet import FAILED, FINISHED, Fleet, RunningTask, TaskNow, wait
 
 __all__ = ["follow_retry", "seen_failed"]
@@ -29,7 +28,7 @@ def seen_failed(fleet: Fleet, task: RunningTask, t0: float, until: float, poll: 
     return round(time.monotonic() - t0, 3) if wait(failed, until, poll) else None
 
 
-def follow_retry(store: Store, fleet: Fleet, task: RunningTask, checkpoint_id: str, failed_at: datetime, until: float,
+def follow_retry(facts: Facts, fleet: Fleet, task: RunningTask, checkpoint_id: str, failed_at: datetime, until: float,
                  poll: float) -> dict[str, object]:
     """Follow the try after ``task``'s until it ends or ``until`` (monotonic) passes. The figures use the
     names of drill/report.py's LiveTarget; ``problem`` is empty when the new try restored and did not fail."""
@@ -55,7 +54,7 @@ def follow_retry(store: Store, fleet: Fleet, task: RunningTask, checkpoint_id: s
                   retry_seconds=round(max(0.0, (retry.start_date - failed_at).total_seconds()), 3))
 
     def restore_record() -> RestoreRecord | None:
-        return next((r for r in list_restores(store, checkpoint_id) if r.try_number == retry.try_number), None)
+        return next((r for r in facts.restores(checkpoint_id) if r.try_number == retry.try_number), None)
 
     rec = wait(lambda: restore_record() or (None if state() not in FINISHED else False), until, poll)
     if not isinstance(rec, RestoreRecord):
@@ -64,7 +63,7 @@ def follow_retry(store: Store, fleet: Fleet, task: RunningTask, checkpoint_id: s
         refused = "".join(f"; refused: {r}" for r in rec.refused)  # the cause a drill exists to find
         return done(f"try {retry.try_number} started fresh instead of restoring: {rec.reason}{refused}", retry_state=state(),
                     to_node=rec.node)
-    restored = next((m for m in load_manifests(store, checkpoint_id) if m.seq == rec.seq), None)
+    restored = facts.checkpoint(checkpoint_id, rec.seq) if rec.seq is not None else None
     resumed_at = rec.at.timestamp() + rec.restore_seconds
     fields.update(restored_seq=rec.seq, from_node=rec.from_node, to_node=rec.node, restore_seconds=rec.restore_seconds,
                   restore_done_seconds=round(resumed_at - failed_at.timestamp(), 3),

@@ -14,23 +14,15 @@ Clear does, and follows the new try (follow.py).
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime
 
 from ..format.manifest import AirflowTask
-from ..format.trust import Trust
-from ..store.transfer import load_manifests
-
-from ..format.layout import lease_key
 from ..scope.optin import Drills
 from ..scope.windows import in_any_window
-from ..store.base import Store
-from ..store.listing import list_store
-from ..store.writer_lease import LeaseRecord
+from .facts import UNREADABLE, Facts, Latest
 from .fleet import Fleet, RunningTask, utc, wait
 from .follow import follow_retry, seen_failed
 from .report import DrillReport, LiveTarget, new_drill_id
@@ -40,27 +32,7 @@ __all__ = ["choose", "live"]
 _SETTLE_SECONDS = 60.0  # at most, for Airflow to stop the failed try (SIGTERM, final checkpoint, SIGKILL 5 s later)
 
 
-@dataclass(frozen=True)
-class _Latest:
-    checkpoint_id: str
-    seq: int
-    created_at: datetime
-
-
-def _latest_by_task(store: Store) -> dict[tuple[str, str, str, int], _Latest]:
-    """The newest complete checkpoint of each task instance the store knows (its manifests name it)."""
-    out: dict[tuple[str, str, str, int], _Latest] = {}
-    for x in list_store(store):
-        if x.airflow is None or not x.checkpoints:
-            continue
-        a, row = x.airflow, x.checkpoints[-1]
-        key = (a.dag_id, a.task_id, a.run_id, a.map_index)
-        if key not in out or out[key].created_at < row.created_at:
-            out[key] = _Latest(x.checkpoint_id, row.seq, row.created_at)
-    return out
-
-
-def _why_not(task: RunningTask, latest: _Latest | None, limits: Drills, at: datetime) -> str:
+def _why_not(task: RunningTask, latest: Latest | None, limits: Drills, at: datetime) -> str:
     if latest is None:
         return "not checkpointed: no checkpoint in the store names this task instance"
     if task.max_tries <= 0:
@@ -74,26 +46,22 @@ def _why_not(task: RunningTask, latest: _Latest | None, limits: Drills, at: date
     return ""
 
 
-def _unverified(store: Store, latest: _Latest, task: RunningTask, trust: Trust | None) -> str:
+def _unverified(facts: Facts, latest: Latest, task: RunningTask) -> str:
     """Why the listing's latest checkpoint of ``task`` is not one this node would restore for it, or "".
     The listing is the store's word: a drill fails a real try only on a checkpoint the key vouches for."""
-    if trust is None:
-        return ""
     owner = AirflowTask(dag_id=task.dag_id, task_id=task.task_id, run_id=task.run_id, map_index=task.map_index)
-    judge = dataclasses.replace(trust, owner=owner)
-    m = next((m for m in load_manifests(store, latest.checkpoint_id) if m.seq == latest.seq), None)
-    why = "it is gone" if m is None else judge.refusal(m)
+    why = facts.refusal(latest, owner)
     return f"its latest checkpoint (seq {latest.seq}) is not one this node would restore: {why}" if why else ""
 
 
-def choose(tasks: Sequence[RunningTask], store: Store, limits: Drills, at: datetime,
-           seed: int | None = None, trust: Trust | None = None) -> list[tuple[RunningTask, LiveTarget]]:
+def choose(tasks: Sequence[RunningTask], facts: Facts, limits: Drills, at: datetime,
+           seed: int | None = None) -> list[tuple[RunningTask, LiveTarget]]:
     """Every running task with the verdict on it: eligible ones in a random order (no task is always
-    first), chosen until a blast-radius limit is reached; each passed-over one says why. ``trust``:
-    this node's key, which must vouch for the checkpoint a chosen task would resume from."""
-    latest = _latest_by_task(store)
+    first), chosen until a blast-radius limit is reached; each passed-over one says why. ``facts``
+    judge with this node's key the checkpoint a chosen task would resume from."""
+    latest = facts.latest_by_task()
     verdicts = [(t, _why_not(t, latest.get(t.key()), limits, at)) for t in tasks]
-    verdicts = [(t, why or _unverified(store, latest[t.key()], t, trust)) for t, why in verdicts]
+    verdicts = [(t, why or _unverified(facts, latest[t.key()], t)) for t, why in verdicts]
     eligible = [t for t, why in verdicts if not why]
     random.Random(seed).shuffle(eligible)
     chosen: list[RunningTask] = []
@@ -121,7 +89,7 @@ def choose(tasks: Sequence[RunningTask], store: Store, limits: Drills, at: datet
     return out
 
 
-def _drill_one(store: Store, fleet: Fleet, limits: Drills, task: RunningTask, target: LiveTarget, drill_id: str,
+def _drill_one(facts: Facts, fleet: Fleet, limits: Drills, task: RunningTask, target: LiveTarget, drill_id: str,
                poll: float) -> LiveTarget:
     cid = target.checkpoint_id
     assert cid is not None  # chosen targets are checkpointed
@@ -137,24 +105,20 @@ def _drill_one(store: Store, fleet: Fleet, limits: Drills, task: RunningTask, ta
     def lease_gone() -> bool | None:
         """The failed try's supervisor has stopped (its final checkpoint, if any, is in): it released
         its writer lease, or stopped renewing it (Airflow SIGKILLs a task 5 s after SIGTERM)."""
-        raw = store.get(lease_key(cid))
-        try:
-            rec = LeaseRecord.model_validate_json(raw) if raw is not None else None
-        except ValueError:
-            return True  # unreadable: it protects nobody, the retry replaces it
-        if rec is None or rec.try_number != task.try_number:
+        rec = facts.lease(cid)
+        if rec is None or rec is UNREADABLE or rec.try_number != task.try_number:  # unreadable: protects nobody
             return True
         return True if time.time() - rec.renewed_at > rec.ttl_seconds / 3 + 5 else None
 
     wait(lease_gone, time.monotonic() + _SETTLE_SECONDS, poll)  # else the retry's lease takes over from it
     fleet.clear(task)
-    fields.update(follow_retry(store, fleet, task, cid, failed_at, t0 + limits.follow_seconds, poll))
+    fields.update(follow_retry(facts, fleet, task, cid, failed_at, t0 + limits.follow_seconds, poll))
     problem = str(fields.pop("problem"))
     return target.model_copy(update={**fields, "ok": not problem, "problem": problem})
 
 
-def live(store: Store, fleet: Fleet, limits: Drills, *, node: str, dry_run: bool = False, seed: int | None = None,
-         poll: float = 1.0, trust: Trust | None = None) -> DrillReport:
+def live(facts: Facts, fleet: Fleet, limits: Drills, *, node: str, dry_run: bool = False, seed: int | None = None,
+         poll: float = 1.0) -> DrillReport:
     started = utc()
     drill_id = new_drill_id("live", started)
 
@@ -169,7 +133,7 @@ def live(store: Store, fleet: Fleet, limits: Drills, *, node: str, dry_run: bool
     if not in_any_window(limits.parsed_windows(), started):
         return report(True, stopped=f"outside the drill windows {list(limits.windows)} (UTC)")
     running = fleet.running_tasks()
-    verdicts = choose(running, store, limits, utc(), seed, trust)
+    verdicts = choose(running, facts, limits, utc(), seed)
     if dry_run or not any(t.chosen for _, t in verdicts):
         return report(True, targets=tuple(t for _, t in verdicts),
                       stopped="" if dry_run else f"no running task is eligible ({len(verdicts)} running)")
@@ -179,7 +143,7 @@ def live(store: Store, fleet: Fleet, limits: Drills, *, node: str, dry_run: bool
         if target.chosen and not stop and (stop := fleet.stop_reason() or ""):
             target = target.model_copy(update={"chosen": False, "reason": f"not failed: {stop}"})
         elif target.chosen and not stop:
-            target = _drill_one(store, fleet, limits, task, target, drill_id, poll)
+            target = _drill_one(facts, fleet, limits, task, target, drill_id, poll)
         done.append(target)
     acted = [t for t in done if t.ok is not None]
     if not acted:

@@ -12,6 +12,7 @@ from ..run.runner import make_engine
 from ..scope.optin import load_optin
 from ..store.base import Store, StoreConfig
 from .canary import canary
+from .facts import StoreFacts
 from .fleet import Fleet
 from .live import live
 from .report import DrillReport, save_report
@@ -35,8 +36,8 @@ def run_drill(mode: str, store: Store, cfg: StoreConfig, settings: Settings, *, 
     if mode == "live":
         if fleet is None:
             raise ConfigError(LIVE_NEEDS_AIRFLOW)
-        report = live(store, fleet, load_optin(settings.optin_file).drills, node=settings.resolved_node(),
-                      trust=node_trust(settings), **params)
+        report = live(StoreFacts(store, node_trust(settings)), fleet, load_optin(settings.optin_file).drills,
+                      node=settings.resolved_node(), **params)
     elif mode == "canary":
         make_engine(settings)  # a canary needs CRIU here: say so before anything starts
         report = canary(store, settings, **params)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from cedana_airflow.config import load_settings
+from cedana_airflow.drill.facts import StoreFacts
 from cedana_airflow.drill.fleet import RunningTask
 from cedana_airflow.drill.live import choose
 from cedana_airflow.errors import ConfigError
@@ -47,7 +48,7 @@ def store(tmp_path: Path):
 
 def _verdicts(store, tasks, limits: Drills, at: datetime | None = None) -> dict[str, tuple[bool, str]]:
     at = at or datetime.now(timezone.utc)
-    return {f"{t.dag_id}.{t.task_id}": (v.chosen, v.reason) for t, v in choose(tasks, store, limits, at, seed=1)}
+    return {f"{t.dag_id}.{t.task_id}": (v.chosen, v.reason) for t, v in choose(tasks, StoreFacts(store, None), limits, at, seed=1)}
 
 
 def test_only_checkpointed_tasks_with_a_retry_left_and_a_fresh_checkpoint_are_chosen(store):
@@ -75,8 +76,8 @@ def test_a_task_is_failed_only_on_a_checkpoint_this_nodes_key_vouches_for(store)
 
     store.checkpoint("a", "train")  # written by a store writer without the key: unsigned
     v = {f"{t.dag_id}.{t.task_id}": (c.chosen, c.reason) for t, c in choose(
-        [_task("a", "train")], store, Drills(live=True), datetime.now(timezone.utc), seed=1,
-        trust=Trust(node_key_bytes()))}
+        [_task("a", "train")], StoreFacts(store, Trust(node_key_bytes())), Drills(live=True), datetime.now(timezone.utc),
+        seed=1)}
     assert v["a.train"] == (False, "its latest checkpoint (seq 1) is not one this node would restore: it is not "
                                    "signed, and this node refuses unsigned manifests (allow_unsigned = false)")
 
