@@ -637,13 +637,20 @@ def _cmd_drill(args: argparse.Namespace) -> int:
     if not (0 < args.heartbeat < 3600 and 0 <= args.step_seconds < 3600):
         raise ConfigError("--heartbeat must be above 0 and --step-seconds 0 or more (both under an hour).")
     settings = _settings(args)
-    store = open_store(settings.resolved_store(), settings)
-    # a canary writes checkpoints (it may create the store); verify only reads one
-    cfg = store.open(create=args.mode == "canary", chunk_avg_bytes=settings.chunk_avg_bytes)
     params: dict[str, Any] = (
         dict(mb=args.mb, steps=args.steps, step_seconds=args.step_seconds, heartbeat=args.heartbeat,
              heartbeats=args.heartbeats) if args.mode == "canary" else dict(ids=args.ids, sample=args.sample))
-    report = run_drill(args.mode, store, cfg, settings, **params)
+    if _through_agent(settings):  # not root: the node agent runs it with the node's store, key and CRIU
+        from .agent.client import AgentClient
+        from .drill.report import DrillReport
+
+        with AgentClient.connect(settings.agent_socket) as agent:
+            report = DrillReport.model_validate(agent.drill(args.mode, params)["report"])
+    else:
+        store = open_store(settings.resolved_store(), settings)
+        # a canary writes checkpoints (it may create the store); verify only reads one
+        cfg = store.open(create=args.mode == "canary", chunk_avg_bytes=settings.chunk_avg_bytes)
+        report = run_drill(args.mode, store, cfg, settings, **params)
     if args.json:
         print(report.model_dump_json(indent=1))
     elif report.mode == "canary":

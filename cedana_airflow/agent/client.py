@@ -163,6 +163,20 @@ class AgentClient:
     def list(self) -> list[dict[str, Any]]:
         return list(self.request("list")[0]["workloads"])
 
+    def drill(self, mode: str, params: Mapping[str, Any] | None = None, *,
+              report: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Have the agent run a ``verify`` or ``canary`` drill with ``params`` (its reply's ``report``), or
+        ``keep`` a live drill's ``report`` in the store (``kept``). For root and agent_readers only."""
+        hello = self.hello()
+        if "drill" not in hello.get("features", ()):
+            raise errors.AgentUnavailable(f"the cedana agent at {self.path} runs {hello.get('agent', 'an older version')}"
+                                          ", which runs no drills for a caller (0.8.4 and later do). Upgrade it")
+        with self._answer_within(None):  # a canary takes its steps' time; a dead agent still ends it
+            fields: dict[str, Any] = {"mode": mode, "params": dict(params or {})}
+            if report is not None:
+                fields["report"] = dict(report)
+            return self.request("drill", **fields)[0]
+
     def checkpoints(self, ids: Sequence[str] | None = None, *, detail: bool = False) -> builtins.list[dict[str, Any]]:
         """What we may know of the store's checkpoints (agent/views.py): a row per ID of ``ids`` we may see
         (None: every such ID, page by page); ``detail``: each named ID's writer lease and restore records.
@@ -174,8 +188,9 @@ class AgentClient:
         rows: builtins.list[dict[str, Any]] = []
         with self._answer_within(QUERY_SECONDS):  # the agent reads the store, which may be slow
             if ids is not None:
-                for at in range(0, len(ids), protocol.MAX_QUERY_IDS):
-                    rows += self.request("checkpoints", ids=list(ids[at:at + protocol.MAX_QUERY_IDS]), detail=detail)[0]["rows"]
+                step = 1 if detail else protocol.MAX_QUERY_IDS  # a detailed row is asked for alone
+                for at in range(0, len(ids), step):
+                    rows += self.request("checkpoints", ids=list(ids[at:at + step]), detail=detail)[0]["rows"]
                 return rows
             after = ""
             while True:

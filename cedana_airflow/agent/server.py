@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
@@ -162,6 +162,36 @@ class _Checkpoints(BaseModel):
     detail: bool = False  # with ids: the writer lease and the newest restore records too
 
 
+class _VerifyParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    ids: str = Field(default="*", max_length=200)
+    sample: int = Field(default=10, ge=1, le=1000)
+    seed: int | None = None
+
+
+class _CanaryParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mb: int = Field(default=64, ge=1, le=4096)
+    steps: int = Field(default=60, ge=1, le=100_000)
+    step_seconds: float = Field(default=0.1, ge=0.001, le=60, allow_inf_nan=False)
+    heartbeat: float = Field(default=1.0, gt=0, le=3600, allow_inf_nan=False)
+    heartbeats: int = Field(default=2, ge=1, le=100)
+    timeout: float = Field(default=600, gt=0, le=3600, allow_inf_nan=False)
+
+
+class _Drill(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    mode: Literal["verify", "canary", "keep"]  # keep: a live drill's report, which its task ran (drill/live.py)
+    params: dict[str, Any] = {}
+    report: dict[str, Any] | None = None
+
+
+_LIVE_DRILL_ID = re.compile(r"^[0-9]{8}T[0-9]{6}Z-live-[0-9a-f]{6}$")
+
+
 class _Target(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -205,7 +235,7 @@ class Agent:
         self._self = read_self()  # what a caller's namespaces and bounds are compared with
         self._ops: Mapping[str, Callable[[Caller, dict[str, Any], list[int]], tuple[dict[str, Any], list[int]]]] = {
             "hello": self._hello, "start": self._start, "status": self._status, "stop": self._stop, "kill": self._kill,
-            "list": self._list, "checkpoints": self._checkpoints}
+            "list": self._list, "checkpoints": self._checkpoints, "drill": self._drill}
 
     def _take_up(self) -> None:
         """Take up what a former agent left running (its runs folder): their heartbeats go on from here."""
@@ -450,9 +480,11 @@ class Agent:
     def _hello(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
         peer = caller.peer
         out = {"proto": protocol.PROTO, "agent": __version__, "node": self.node, "ready": True,
-               "features": ["start", "heartbeat", "stop", "restore", "said", "checkpoints"],
-               # restore: start's restore_only (0.8.2); said: status's lines (0.8.3); checkpoints: the op (0.8.4)
+               "features": ["start", "heartbeat", "stop", "restore", "said", "checkpoints", "drill"],
+               # restore: start's restore_only (0.8.2); said: status's lines (0.8.3); checkpoints, drill: the ops (0.8.4)
                "you": {"uid": peer.uid, "gid": peer.gid},
+               # 0.8.4: whose checkpoints the checkpoints op shows this caller (agent_readers, views.py)
+               "sees": "every" if Viewer(peer, self._readers).sees_all else "own",
                "protected": True}  # every caller's workload is checkpointed (one other than root's: shim.py)
         return out, []
 
@@ -533,8 +565,8 @@ class Agent:
             for cid in req.ids:
                 validate_checkpoint_id(cid)
         if req.detail and not (req.ids and len(req.ids) <= MAX_DETAILED):
-            raise errors.Refused(f"checkpoints: detail is given for at most {MAX_DETAILED} IDs a request names. "
-                                 "Name them in ids")
+            raise errors.Refused(f"checkpoints: detail is given for at most {MAX_DETAILED} ID a request names. "
+                                 "Name it in ids")
         from ..keys import node_trust
         from ..store import FileStore
 
@@ -551,6 +583,34 @@ class Agent:
         page = later[:PAGE_IDS]
         nxt = page[-1] if len(later) > PAGE_IDS else ""
         return {"rows": checkpoint_rows(store, trust, viewer, page), "next": nxt}, []
+
+    def _drill(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        """A drill of the node's (drill/), for root and agent_readers only: ``verify`` and ``canary`` run here,
+        with the node's store, key and CRIU, and their report is kept and returned; ``keep`` keeps the report
+        of a live drill its caller ran (it fails and clears tasks through Airflow's API, which the agent has
+        no access to)."""
+        req = _parsed(_Drill, msg, "drill")
+        if not Viewer(caller.peer, self._readers).sees_all:
+            raise errors.Refused(f"{caller.peer} may not run drills through the agent: they read every checkpoint "
+                                 "of the node's store. Add its group to the node's agent_readers")
+        from ..drill.report import DrillReport, save_report
+        from ..drill.run import run_drill
+
+        store = self._store()
+        cfg = store.open(create=True, chunk_avg_bytes=self.settings.chunk_avg_bytes)
+        if req.mode == "keep":
+            try:
+                report = DrillReport.model_validate(req.report or {})
+            except ValidationError as e:
+                raise errors.Refused(f"drill keep: the report is not one: {protocol.printable(str(e), 200)}. "
+                                     "Send a live drill's report") from None
+            if report.mode != "live" or not _LIVE_DRILL_ID.match(report.drill_id):
+                raise errors.Refused("drill keep: only a live drill's report (its drill_id as new_drill_id makes "
+                                     "it) is kept this way; the agent runs the other drills itself")
+            return {"kept": save_report(store, report)}, []
+        model = _VerifyParams if req.mode == "verify" else _CanaryParams
+        params = _parsed(model, req.params, f"drill {req.mode}").model_dump()
+        return {"report": run_drill(req.mode, store, cfg, self.settings, **params).model_dump(mode="json")}, []
 
     def _store(self) -> Any:
         """The node's store, one client for every query (a boto3 client is thread-safe, and slow to make)."""

@@ -9,8 +9,8 @@ A row holds what ``cedana-airflow checkpoints`` lists (seq, node, time, size, th
 a chunk, a path or a key. An ID the caller may not see is left out exactly as one that does not exist,
 so the answer does not tell another uid's IDs from absent ones.
 
-``detail`` adds, for named IDs only, what a live drill follows a retry by: the writer lease's holder and
-the restore records. Neither is signed (any store writer can write them); they are the store's word, as
+``detail`` adds, for one named ID, what a live drill follows a retry by: the writer lease's holder, the
+restore records and the newest vouched checkpoints' seq, time and size. Neither is signed (any store writer can write them); they are the store's word, as
 they are to a drill that reads the store itself.
 """
 
@@ -27,7 +27,7 @@ from ..store.base import Store
 from ..store.restores import list_restores
 from ..store.transfer import load_manifests_of
 from ..store.writer_lease import LeaseRecord
-from .protocol import MAX_QUERY_IDS, Peer
+from .protocol import MAX_QUERY_IDS, Peer, printable
 
 __all__ = ["MAX_DETAILED", "MAX_IDS", "PAGE_IDS", "Viewer", "checkpoint_rows"]
 
@@ -37,12 +37,17 @@ MAX_IDS = MAX_QUERY_IDS
 #: reply stays under the protocol's message size: a row is at most about 1.3 KiB (an ID, a DAG, a task
 #: and a run ID of at most 250 characters each), and a detailed row about 2 KiB more.
 PAGE_IDS = 32
-MAX_DETAILED = 8
+MAX_DETAILED = 1
 #: The newest restore records a detailed row keeps (a drill looks for one try's).
 _RESTORES = 8
 #: What a lease row says: whose try holds it and whether it is still renewed; never its holder's token,
 #: host or pid.
 _LEASE_FIELDS = {"node", "try_number", "ttl_seconds", "renewed_at"}
+#: What a restore record says (its reason and refusals cut to _LINE, at most 3 of those).
+_RESTORE_FIELDS = {"outcome", "seq", "try_number", "from_node", "node", "at", "restore_seconds", "gap_seconds"}
+_LINE = 300
+#: The newest vouched checkpoints a detailed row lists (a drill looks up the one a retry restored).
+_SEQS = 16
 
 
 @dataclass(frozen=True)
@@ -70,17 +75,22 @@ def _row(cid: str, vouched: Sequence[Manifest]) -> dict[str, Any]:
             "uid": m.caller.uid if m.caller is not None else None, "checkpoints": len(vouched)}
 
 
-def _detail(store: Store, cid: str) -> dict[str, Any]:
+def _detail(store: Store, cid: str, vouched: Sequence[Manifest]) -> dict[str, Any]:
     raw = store.get(lease_key(cid))
     try:
         lease = (LeaseRecord.model_validate_json(raw).model_dump(include=_LEASE_FIELDS) if raw is not None
                  else None)
     except ValueError:
         lease = {"unreadable": True}  # a drill treats it as protecting nobody, as it does reading it itself
-    restores = [r.model_dump(mode="json", include={"outcome", "seq", "try_number", "from_node", "node", "at",
-                                                   "restore_seconds", "gap_seconds"})
-                for r in list_restores(store, cid)[-_RESTORES:]]
-    return {"lease": lease, "restores": restores}
+    restores = []
+    for r in list_restores(store, cid)[-_RESTORES:]:
+        d = r.model_dump(mode="json", include=_RESTORE_FIELDS)
+        d["reason"] = printable(r.reason, _LINE)
+        d["refused"] = [printable(x, _LINE) for x in r.refused[:3]]
+        restores.append(d)
+    seqs = [{"seq": m.seq, "created_at": m.created_at.isoformat(), "image_bytes": m.image_bytes}
+            for m in vouched[:_SEQS]]
+    return {"lease": lease, "restores": restores, "seqs": seqs}
 
 
 def checkpoint_rows(store: Store, trust: Trust, viewer: Viewer, ids: Iterable[str], *,
@@ -96,6 +106,6 @@ def checkpoint_rows(store: Store, trust: Trust, viewer: Viewer, ids: Iterable[st
             continue
         row = _row(cid, vouched)
         if detail:
-            row.update(_detail(store, cid))
+            row.update(_detail(store, cid, vouched))
         out.append(row)
     return out

@@ -83,13 +83,22 @@ def test_a_caller_sees_its_own_checkpoints_only_and_readers_and_root_see_every_v
     detailed = _ask(agent, NOBODY, ["mine"], detail=True)[0]
     assert detailed["lease"] is None or {"node", "try_number", "renewed_at", "ttl_seconds"} == detailed["lease"].keys()
     assert detailed["restores"] == []
+    assert [s["seq"] for s in detailed["seqs"]][0] == row["seq"]
+    assert _ask(agent, NOBODY, ["theirs"], detail=True) == []
+    # who sees what, as hello tells it (a drill says so when it sees only its own)
+    assert _hello(agent, NOBODY)["sees"] == "own" and _hello(agent, READER)["sees"] == "every"
+
+
+def _hello(sock: Path, uid: int) -> Any:
+    msg, _ = as_uid(uid, lambda: (AgentClient.connect(sock).hello(), []))
+    return msg["ok"]
 
 
 def test_a_bad_query_is_one_line(agent):
     msg, _ = as_uid(NOBODY, lambda: (AgentClient.connect(agent).request("checkpoints", ids=["../etc"])[0], []))
     assert msg.get("error") and "\n" not in msg["line"] and "etc" in msg["line"], msg
     msg, _ = as_uid(NOBODY, lambda: (AgentClient.connect(agent).request("checkpoints", detail=True)[0], []))
-    assert msg.get("error") == "Refused" and "Name them in ids" in msg["line"], msg
+    assert msg.get("error") == "Refused" and "Name it in ids" in msg["line"], msg
     msg, _ = as_uid(NOBODY, lambda: (AgentClient.connect(agent).request("checkpoints", ids=["a"] * 33)[0], []))
     assert msg.get("error") == "Refused" and "ids" in msg["line"], msg
 
@@ -127,3 +136,56 @@ def test_a_checkpoint_sensor_that_is_not_root_asks_the_agent_and_sees_only_its_u
     assert as_uid(NOBODY, fn, prepare)[0] == {"ok": None}
     fn, prepare = sensed(None)
     assert as_uid(OTHER, fn, prepare)[0] == {"ok": None}
+
+
+def test_drills_through_the_agent_are_for_its_readers_it_runs_verify_itself_and_keeps_a_live_report(agent, tmp_path):
+    """A drill task that is not root: the agent runs ``verify`` with its own store and key and keeps the
+    report; it keeps a live drill's report its caller ran; a caller outside agent_readers gets one line."""
+    from cedana_airflow.drill.report import new_drill_id
+
+    store = tmp_path / "store"
+    _checkpointed(agent, store, NOBODY, "verified")
+
+    def drill(uid: int, mode: str, **kw: Any) -> dict[str, Any]:
+        msg, _ = as_uid(uid, lambda: (AgentClient.connect(agent).drill(mode, **kw), []))
+        return msg
+
+    refused = drill(NOBODY, "verify")
+    assert refused.get("error") == "Refused" and "Add its group to the node's agent_readers" in refused["line"], refused
+
+    report = drill(READER, "verify", params={"ids": "verif*"})["ok"]["report"]
+    assert report["mode"] == "verify" and report["ok"] is True, report
+    assert [c["checkpoint_id"] for c in report["checked"]] == ["verified"]
+    assert (store / "drills" / f"{report['drill_id']}.json").exists()  # kept by the agent
+
+    bad = drill(READER, "verify", params={"sample": 0})
+    assert bad.get("error") == "Refused" and "sample" in bad["line"], bad
+
+    live = {"drill_id": new_drill_id("live"), "mode": "live", "ok": True, "node": "node-a",
+            "started_at": "2026-12-06T00:00:00+00:00", "finished_at": "2026-12-06T00:01:00+00:00"}
+    assert drill(READER, "keep", report=live)["ok"]["kept"] is True
+    assert (store / "drills" / f"{live['drill_id']}.json").exists()
+    forged = drill(READER, "keep", report={**live, "drill_id": "../../etc/x", "mode": "live"})
+    assert forged.get("error") == "Refused" and "only a live drill's report" in forged["line"], forged
+    assert drill(READER, "keep", report={**live, "mode": "verify"}).get("error") == "Refused"
+
+
+def test_the_cli_s_drill_as_a_reader_that_is_not_root_is_run_by_the_agent(agent, tmp_path):
+    """`cedana-airflow drill verify` from the worker environment (the installed wheel) as a reader: it holds no
+    store and no key, and prints the agent's report as it prints its own."""
+    import subprocess
+
+    from conftest import WORKER_ENV
+
+    _checkpointed(agent, tmp_path / "store", NOBODY, "clied")
+
+    def as_reader() -> None:
+        os.setgroups([])
+        os.setresgid(READER, READER, READER)
+        os.setresuid(READER, READER, READER)
+
+    env = {"PATH": os.environ["PATH"], "CEDANA_AGENT_SOCKET": str(agent), "HOME": "/"}
+    got = subprocess.run([str(WORKER_ENV / "bin" / "cedana-airflow"), "drill", "verify", "--ids", "clied"], env=env,
+                         capture_output=True, text=True, timeout=120, preexec_fn=as_reader, cwd="/")
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.startswith("OK   clied seq ") and "passed" in got.stdout, got.stdout
