@@ -48,6 +48,9 @@ OPTIN_ALL = '[node]\nhostnames = ["*"]\n[queue]\nqueues = ["*"]\n[workload]\ndag
 READY_DAG = "shared_stack_ready"
 #: The stack's node agents: one per node name a test's nobody task may run on.
 NODES = ("node-a", "node-b")
+#: One more agent, with a store of its own that only the live drill's test writes (a drill chooses among every
+#: running task of the stack that has a checkpoint it can see), and nobody's group among its agent_readers.
+DRILL_NODE = "node-drill"
 #: Airflow's CLI in the worker environment: the interpreter a task re-executes under sudo must be one any
 #: user may run (the tests' .venv lives in root's 0700 home).
 WORKER_AIRFLOW = [str(WORKER_ENV / "bin" / "python"), "-P", "-m", "airflow"]
@@ -55,22 +58,24 @@ WORKER_AIRFLOW = [str(WORKER_ENV / "bin" / "python"), "-P", "-m", "airflow"]
 
 def _start_agents(d: Path) -> tuple[dict[str, str], list[subprocess.Popen[bytes]]]:
     """The stack's node agents (root, the worker environment's `cedana-airflow agent`), one per node name,
-    on one store of the stack's: node name -> socket, and their processes."""
+    on one store of the stack's (the drill's: its own): node name -> socket, and their processes."""
     socks = Path(f"/run/cedana-stack-{os.getpid()}")  # a unix socket's path has at most 107 bytes
     socks.mkdir(mode=0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CEDANA_", "AIRFLOW", "AWS_", "PYTEST_"))}
     env.update(CEDANA_STORE=f"file://{d / 'store'}", PYTHONUNBUFFERED="1")
     agents, procs = {}, []
-    for node in NODES:
+    drill = {"CEDANA_STORE": f"file://{d / 'store-drill'}", "CEDANA_AGENT_READERS": "65534"}  # nogroup
+    for node in (*NODES, DRILL_NODE):
         sock, log = socks / f"{node}.sock", d / f"agent-{node}.log"
         with open(log, "wb") as out:
             procs.append(subprocess.Popen([str(WORKER_ENV / "bin" / "cedana-airflow"), "agent", "--socket", str(sock),
                                            "--node", node, "--audit", str(d / f"agent-{node}.audit")],
-                                          env={**env, "CEDANA_WORK_DIR": str(d / f"agent-work-{node}")}, stdout=out,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+                                          env={**env, "CEDANA_WORK_DIR": str(d / f"agent-work-{node}"),
+                                               **(drill if node == DRILL_NODE else {})},
+                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         agents[node] = str(sock)
     deadline = time.monotonic() + 60
-    for node, proc in zip(NODES, procs):
+    for node, proc in zip((*NODES, DRILL_NODE), procs):
         log = d / f"agent-{node}.log"
         while b"agent serving on" not in log.read_bytes():
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -120,7 +125,7 @@ def start(d: Path) -> dict[str, Any]:
         raise
     # each part leads its own session, PostgreSQL's and the agents' too; the folders go once they have stopped
     return {"base": stack.base, "home": str(home), "dags": str(dags), "env": stack.env, "agents": agents,
-            "agent_store": str(d / "store"), "users": str(users),
+            "agent_store": str(d / "store"), "drill_store": str(d / "store-drill"), "users": str(users),
             "pgids": [*(p.pid for p in stack.procs.values()), pg.pid, *(p.pid for p in procs)],
             "dirs": [str(pg.dir), str(public), str(Path(agents[NODES[0]]).parent)]}
 
@@ -133,6 +138,8 @@ class SharedStack(AirflowStack):
     agents: dict[str, str]
     #: The agents' store (a nobody task's checkpoints are there, not in the store its DAG names).
     agent_store: Path
+    #: The DRILL_NODE agent's own store.
+    drill_store: Path
     users: Path
 
     @classmethod
@@ -141,6 +148,7 @@ class SharedStack(AirflowStack):
         stack = cls.running(record["base"], Path(record["home"]), record["env"])
         stack.dags = Path(record["dags"])
         stack.agents, stack.agent_store, stack.users = record["agents"], Path(record["agent_store"]), Path(record["users"])
+        stack.drill_store = Path(record["drill_store"])
         return stack  # type: ignore[return-value]
 
     def agent(self, node: str = NODES[0]) -> dict[str, str]:

@@ -16,7 +16,7 @@ from urllib.parse import quote
 import pytest
 
 from conftest import AIRFLOW, OPTIN_ALL, REPO, airflow_env, cli, cli_env, uninterrupted_digest
-from shared_stack import SharedStack
+from shared_stack import DRILL_NODE, SharedStack
 
 pytestmark = pytest.mark.integration
 
@@ -57,16 +57,20 @@ def test_the_shipped_drill_dag_has_its_live_task_once_the_opt_in_list_enables_li
 
 
 def test_a_live_drill_fails_only_an_eligible_task_and_measures_the_retry_that_restores_it(tmp_path, airflow_stack):
-    store = tmp_path / "store"
+    """Everything as nobody, with the default ``agent = auto``: the target tasks checkpoint through the stack's
+    drill agent, and the drill task, holding neither the store nor the key, reads their facts through it (nobody's
+    group is among its agent_readers) and has it keep the report."""
+    stack = airflow_stack
+    store = stack.drill_store  # the drill agent's: only this test writes there
     # Its own kill switch: a Variable no other test's drill reads.
     stop = f"cedana_drills_stop_{tmp_path.name}"
-    (tmp_path / "optin.toml").write_text(OPTIN_ALL + f'[drills]\nlive = true\nfollow_seconds = 300\n'
-                                                     f'kill_switch_variable = "{stop}"\n')
-    stack = airflow_stack
-    target = stack.add_dag("live_target", "dags_live:target_dag", store=f"file://{store}",
-                           work_dir=str(tmp_path / "work"), train_args=ARGS)
-    drill = stack.add_dag("live_drill", "dags_live:drill_dag",
-                          settings={"store": f"file://{store}", "optin_file": str(tmp_path / "optin.toml")})
+    optin = stack.user_dir("drill") / "optin.toml"  # nobody's task reads it
+    optin.write_text(OPTIN_ALL + f'[drills]\nlive = true\nfollow_seconds = 300\nkill_switch_variable = "{stop}"\n')
+    optin.chmod(0o644)
+    agent = stack.agent(DRILL_NODE)
+    target = stack.add_dag("live_target", "dags_live:target_dag", store=f"file://{tmp_path / 'unused'}",
+                           work_dir=str(stack.user_dir("live-work")), train_args=ARGS, agent=agent)
+    drill = stack.add_dag("live_drill", "dags_live:drill_dag", settings={"optin_file": str(optin)}, agent=agent)
     run_id = stack.trigger(target)
     try:
         _drills(stack, tmp_path, store, target, drill, stop, run_id)
@@ -83,7 +87,7 @@ def _drills(stack: SharedStack, tmp_path: Path, store: Path, target: str, drill:
 
     # A dry run: says what it would fail, and why the others are passed over; touches nothing.
     dry = _drill(stack, drill, dry_run=True)
-    assert dry["dry_run"] is True and dry["ok"] is True
+    assert dry["dry_run"] is True and dry["ok"] is True and dry["ran_as_uid"] == 65534  # nobody
     verdicts = {t["task_id"]: t for t in dry["targets"] if t["dag_id"] == target}
     assert verdicts["train"]["chosen"] and verdicts["train"]["reason"].startswith("eligible"), verdicts
     assert not verdicts["no_retries"]["chosen"] and "no retries" in verdicts["no_retries"]["reason"]
@@ -110,7 +114,7 @@ def _drills(stack: SharedStack, tmp_path: Path, store: Path, target: str, drill:
     log2 = stack.task_log(target, run_id, "train", 2)
     restored = re.search(r"cedana: restored seq (\d+) of try 1 \(node (\S+)\) on node ([^:\s]+): .*checkpoint_id=(\S+)",
                          log2)
-    assert restored, log2[-3000:]
+    assert restored and log2[restored.end():].startswith(" (through the node agent)"), log2[-3000:]
     assert "start-up: allocating" not in log2  # try 2 did not start over
     assert re.findall(r"done digest=\w+", log2) == [uninterrupted_digest(*ARGS)]
     # The report's figures are this retry's
@@ -122,7 +126,7 @@ def _drills(stack: SharedStack, tmp_path: Path, store: Path, target: str, drill:
     assert stack.call("GET", base)["note"].startswith(f"cedana live drill {report['drill_id']}: try 1 failed on purpose")
 
     # Every drill is kept; only the one that acted counts in the trends.
-    drills = json.loads(cli("drills", "--json", env=cli_env(tmp_path, "n", "w")).stdout)
+    drills = json.loads(cli("drills", "--json", env=cli_env(tmp_path, "n", "w", CEDANA_STORE=f"file://{store}")).stdout)
     assert sorted((r["mode"], r["dry_run"], bool(r["stopped"])) for r in drills["reports"]) == [
         ("live", False, False), ("live", False, True), ("live", True, False)]
     assert drills["trends"]["live"]["drills"] == 1 and drills["trends"]["live"]["passed"] == 1
