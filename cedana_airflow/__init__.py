@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.8.3"
+__version__ = "0.8.4"
 
 _NAMES = {
     "Settings": "config",
