@@ -24,8 +24,8 @@ LAYERS = [
     {"cedana_airflow.store", "cedana_airflow.engine", "cedana_airflow.keys"},
     {"cedana_airflow.node"},
     {"cedana_airflow.run", "cedana_airflow.scope", "cedana_airflow.slurm"},
-    {"cedana_airflow.agent"},
     {"cedana_airflow.drill"},
+    {"cedana_airflow.agent"},  # it runs drills for callers that are not root (0.8.4)
     {"cedana_airflow.hooks"},
     {"cedana_airflow.triggers"},
     {"cedana_airflow.cli", "cedana_airflow.airflow"},

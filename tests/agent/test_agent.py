@@ -218,7 +218,7 @@ def test_bad_requests_are_one_line_each(agent):
 
     msg, _ = as_uid(NOBODY, run)
     got = msg["ok"]
-    assert got["unknown"].startswith("Refused: unknown op 'dump': this agent (") and "knows hello, kill, list" in got["unknown"]
+    assert got["unknown"].startswith("Refused: unknown op 'dump': this agent (") and "hello, kill, list" in got["unknown"]
     assert got["no fds"] == "Refused: start needs the workload's stdout and stderr as 2 fds, got 0. Use the agent client"
     assert got["relative cwd"] == "Refused: start: cwd must be an absolute path. Fix the request"
     assert got["empty argv"].startswith("Refused: start: argv List should have at least 1 item")
