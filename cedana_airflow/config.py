@@ -149,6 +149,12 @@ class Settings(BaseModel):
         description="Where the node agent listens (`cedana-airflow agent`) and its callers find it; its folder "
         "must be one only root may write (docs/agent.md).",
     )
+    agent_coop_dir: Path | None = Field(
+        default=None, description="The node agent's: where its callers' cooperative checkpoints are written and put "
+        "back (root's, 0711, in folders of root's: each workload reaches only its own folder, by name). Unset: "
+        "`coop` beside the agent's socket, which is memory (a tmpfs under /run): point it at a local disk for "
+        "states of more than a few GB.",
+    )
     agent_readers: tuple[str, ...] = Field(
         default=(), description="The node agent's: groups (names or gids) whose members may see, through the agent, "
         "every checkpoint ID's facts (seq, node, time, size, Airflow task; never an image): a live drill's user, "

@@ -43,6 +43,9 @@ TASK_SETTINGS = frozenset({
     # 0.8.3: what Airflow's history says of the caller's own queue, for heartbeat = auto: its word moves only its
     # own interval, within its own heartbeat_min/max
     "failure_history",
+    # 0.8.4: cooperative checkpoints through the agent (run/cooperative.py: its folders are the caller's); the
+    # command that verifies a state stays the node's
+    "mode", "cooperative_timeout_seconds", "cooperative_signal",
 })
 #: The largest message either side sends or accepts: argv and env are the only big fields.
 MAX_MESSAGE = 64 << 10

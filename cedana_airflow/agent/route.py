@@ -45,10 +45,11 @@ def through_agent(settings: Settings) -> bool:
 
 #: Task settings an older agent refuses, each with the hello feature of the first agent that takes it: left
 #: out for an older one, where the caller sets none of them itself (the history is the operator's reading).
-_NEWER_SETTINGS = {"failure_history": "said"}
+_NEWER_SETTINGS = {"failure_history": "said", "mode": "cooperative", "cooperative_timeout_seconds": "cooperative",
+                   "cooperative_signal": "cooperative"}
 
 
-def task_request(settings: Settings, features: Sequence[str] = ("said",)) -> dict[str, Any]:
+def task_request(settings: Settings, features: Sequence[str] = ("said", "cooperative")) -> dict[str, Any]:
     """The task settings a start carries (protocol.TASK_SETTINGS) to an agent with hello's ``features``;
     the node's are the agent's."""
     values = settings.model_dump(mode="json")
@@ -80,6 +81,10 @@ def run_via_agent(path: Path, checkpoint_id: str, argv: Sequence[str], *, cwd: s
             if restore_only and "restore" not in (hello.get("features") or []):
                 raise errors.ConfigError(f"the node agent at {path} (cedana-airflow {hello.get('agent', '?')}) cannot "
                                          "restore without a command. Upgrade it to 0.8.2 or later")
+            if settings.mode == "cooperative" and "cooperative" not in (hello.get("features") or []):
+                raise errors.ConfigError(f"the node agent at {path} (cedana-airflow {hello.get('agent', '?')}) takes no "
+                                         "cooperative checkpoints for a caller. Upgrade it to 0.8.4 or later, or use "
+                                         "mode = transparent")
             started = client.start(checkpoint_id, argv, cwd=cwd or os.getcwd(), env=env, stdout=out_w, stderr=err_w,
                                    try_number=try_number, settings=task_request(settings, hello.get("features") or ()),
                                    claim=claim,

@@ -224,6 +224,7 @@ class Agent:
         os.close(secure_base(self.staging, mode=0o700))
         self.runs_dir = socket_path.parent / "runs"  # what a former agent left running (remembered.py)
         os.close(secure_base(self.runs_dir, mode=0o700))
+        self.coop = coop_base(self.settings, socket_path)
         self._take_up()
         self._connections: dict[int, int] = {}  # uid -> connections open
         self._starting: dict[int, int] = {}  # uid -> starts under way (counted with its running workloads)
@@ -242,7 +243,7 @@ class Agent:
         for r in recall(self.runs_dir):
             try:
                 settings = task_settings(self._environ, r.settings)
-                run = Run.take_up(r, settings, node=self.node, staging=self.staging, runs=self.runs_dir)
+                run = Run.take_up(r, settings, node=self.node, staging=self.staging, runs=self.runs_dir, coop=self.coop)
             except Exception as e:  # noqa: BLE001 (a setting gone bad, another version's file: said, never fatal)
                 log.warning("agent: %s (checkpoint_id=%s) not taken up: %s", r.wid, r.checkpoint_id, e)
                 continue
@@ -480,8 +481,9 @@ class Agent:
     def _hello(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
         peer = caller.peer
         out = {"proto": protocol.PROTO, "agent": __version__, "node": self.node, "ready": True,
-               "features": ["start", "heartbeat", "stop", "restore", "said", "checkpoints", "drill"],
-               # restore: start's restore_only (0.8.2); said: status's lines (0.8.3); checkpoints, drill: the ops (0.8.4)
+               "features": ["start", "heartbeat", "stop", "restore", "said", "checkpoints", "drill", "cooperative"],
+               # restore: start's restore_only (0.8.2); said: status's lines (0.8.3); checkpoints, drill: the ops,
+               # cooperative: a start's mode and cooperative settings (0.8.4)
                "you": {"uid": peer.uid, "gid": peer.gid},
                # 0.8.4: whose checkpoints the checkpoints op shows this caller (agent_readers, views.py)
                "sees": "every" if Viewer(peer, self._readers).sees_all else "own",
@@ -517,6 +519,7 @@ class Agent:
             self._starting_ids.append((req.checkpoint_id, peer.uid))
         try:
             run = Run(caller, settings, req.checkpoint_id, node=self.node, staging=self.staging, runs=self.runs_dir,
+                      coop=self.coop,
                       requested=req.settings)
             run.begin(None if req.restore_only else req.argv, cwd=req.cwd, env=req.env, try_number=req.try_number,
                       claim=req.claim, out_w=fds[0], err_w=fds[1], resume=req.resume)
@@ -642,6 +645,19 @@ class Agent:
                 kept[r.uid] = kept.get(r.uid, 0) + 1
                 if (r.ended_at or 0) < cutoff or kept[r.uid] > KEEP_ENDED_PER_UID:
                     del self._runs[r.wid]
+
+
+def coop_base(settings: Settings, socket_path: Path) -> Path:
+    """Where the cooperative folders of callers' workloads go (``agent_coop_dir``, else ``coop`` in the
+    socket's folder); root's, 0711, so that a workload reaches its own folder by name and lists no other
+    (run/cooperative.py). Never in the work dir, which stays root's alone (it holds images)."""
+    base = settings.agent_coop_dir or socket_path.parent / "coop"
+    try:
+        os.close(secure_base(base, mode=0o711))
+    except (UnsafePath, OSError) as e:
+        raise ConfigError(f"the agent's folder for cooperative checkpoints {base} cannot be used: {e}. Give it to "
+                          "root, writable by nobody else and in folders of root's, or set agent_coop_dir") from None
+    return base
 
 
 def reader_gids(settings: Settings) -> frozenset[int]:

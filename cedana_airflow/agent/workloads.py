@@ -30,6 +30,7 @@ from ..engine.images import read_external_mounts, read_mountpoints
 from ..format.manifest import AirflowTask, Manifest
 from ..run.environment import workload_env
 from ..run.no_io_uring import filter_program
+from ..run.cooperative import Cooperation
 from ..run.runner import RunResult, run_workload
 from ..run.summary import run_summary
 from ..run.workload import Sink, Workload, pipe_name
@@ -53,10 +54,10 @@ def task_settings(node: Mapping[str, str], requested: Mapping[str, Any]) -> Sett
     if other:
         raise errors.Refused(f"setting {other[0][:40]!r} is the node's, not a task's: the agent's configuration "
                              f"sets it. A request may set {', '.join(sorted(TASK_SETTINGS))}")
-    settings = load_settings(dict(requested), node, overrides_source=lambda k: f"the request's settings.{k}")
-    # Transparent only: a cooperative checkpoint is the workload's own files, and restoring one starts its
-    # command, which the agent would run as root (run_workload(cooperative=False) refuses them too).
-    return settings.model_copy(update={"mode": "transparent"})
+    # mode (0.8.4): a cooperative checkpoint is the workload's own files, written in folders of the caller's
+    # and read as the caller (run/cooperative.py), and restoring one starts its command through the shim,
+    # as the caller; a request that names none gets the node's.
+    return load_settings(dict(requested), node, overrides_source=lambda k: f"the request's settings.{k}")
 
 
 class ShimWorkload(Workload):
@@ -114,7 +115,7 @@ class Run:
     """One caller's workload, from its start request to its end; kept a while after for ``status``."""
 
     def __init__(self, caller: Caller, settings: Settings, checkpoint_id: str, *, node: str, staging: Path,
-                 runs: Path, requested: Mapping[str, Any]) -> None:
+                 runs: Path, requested: Mapping[str, Any], coop: Path | None = None) -> None:
         self.wid = f"w-{secrets.token_hex(6)}"
         self.handle = secrets.token_hex(16)  # the owner's proof (server.py); never listed or logged
         self.caller = caller
@@ -147,6 +148,7 @@ class Run:
         self.try_number = 0
         self.claim: AirflowTask | None = None
         self.said = Said(checkpoint_id)  # the supervisor's lines about it, for its caller's log (status)
+        self.coop_base = coop  # where its cooperative folder goes (server.py: Agent.coop), one per workload
 
     @property
     def peer(self) -> Peer:
@@ -167,7 +169,8 @@ class Run:
         def starter(command: Sequence[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
                     stdout: Sink | None = None, stderr: Sink | None = None, isolate: bool = True,
                     deny_io_uring: bool = False) -> Workload:
-            return self._start_shim(command, cwd or "/", env or {}, deny_io_uring, out_w, err_w)
+            return self._start_shim(command, cwd or "/", env or {}, deny_io_uring, out_w, err_w,
+                                    restored=Cooperation.restoring(env or {}))
 
         env_ = workload_env(env, self.settings.keep_env)  # never the store's credentials, whoever sent them
         self._launch(None if argv is None else list(argv), cwd, env_, resume or argv is None, starter,
@@ -184,8 +187,10 @@ class Run:
                                                try_number=self.try_number, cwd=cwd, env=env, handle_signals=False,
                                                stop=self.stop, airflow=self.claim, starter=starter,
                                                restore_tree=restore_tree, on_restore=self._restored,
-                                               on_fresh=self._fresh, cooperative=False, caller_uid=self.peer.uid,
-                                               owner_checked=self._taken_up)
+                                               on_fresh=self._fresh, caller_uid=self.peer.uid,
+                                               owner_checked=self._taken_up,
+                                               coop_root=self.coop_base / self.wid if self.coop_base else None,
+                                               coop_owner=(self.peer.uid, self.peer.gid) if self.peer.uid else None)
             except errors.CedanaError as e:
                 self.failure = e
             except Exception as e:  # noqa: BLE001 (a bug: said, and the caller is not left waiting)
@@ -224,14 +229,16 @@ class Run:
         self.fresh = protocol.printable(why, 1000)
 
     def _start_shim(self, command: Sequence[str], cwd: str, env: Mapping[str, str], deny_io_uring: bool,
-                    out_w: int, err_w: int) -> ShimWorkload:
+                    out_w: int, err_w: int, restored: int | None = None) -> ShimWorkload:
+        """The command started as the caller; ``restored``: the cooperative checkpoint it resumes (its state
+        put back), which the start's reply says."""
         seccomp = filter_program() if deny_io_uring else None
         spec = {"op": "start", "uid": self.peer.uid, "gid": self.peer.gid, "groups": list(self.peer.groups),
                 "argv": list(command), "cwd": cwd, "env": dict(env), "seccomp": seccomp.hex() if seccomp else None,
                 "start_seconds": START_SECONDS - 2, "own_mounts": self.own_mounts,
                 "control": str(control_socket(self.runs, self.wid)), **self.caller.carried()}
         first, pidfd = self._spawn(spec, out_w, err_w)
-        self.restored_seq = None  # a fresh start (after a refused restore, too)
+        self.restored_seq = restored  # None: a fresh start (after a refused restore, too)
         if first.get("ev") != "started":
             line = str(first.get("line") or f"the shim ended without starting it ({first})")
             if first.get("code") == 127:
@@ -298,7 +305,8 @@ class Run:
                         self.wid, self.runs, e)
 
     @classmethod
-    def take_up(cls, r: Remembered, settings: Settings, *, node: str, staging: Path, runs: Path) -> Run | None:
+    def take_up(cls, r: Remembered, settings: Settings, *, node: str, staging: Path, runs: Path,
+                coop: Path | None = None) -> Run | None:
         """A workload a former agent left running (remembered.py), taken up: its shim hands us the tree
         (a pidfd) on its control socket, and the run goes on as it was, heartbeats, handle and stop
         alike; None where the shim is gone (its tree ended with it, or ends with its caller)."""
@@ -316,7 +324,8 @@ class Run:
             forget(runs, r.wid)  # it ended meanwhile, or it is not the tree we remember
             return None
         caller = Caller.remembered(Peer(**{**r.peer, "groups": tuple(r.peer["groups"])}), r.carried)
-        run = cls(caller, settings, r.checkpoint_id, node=node, staging=staging, runs=runs, requested=r.settings)
+        run = cls(caller, settings, r.checkpoint_id, node=node, staging=staging, runs=runs, requested=r.settings,
+                  coop=coop)
         run.wid, run.handle, run.started_at, run.restored_seq = r.wid, r.handle, r.started_at, r.restored_seq
         run.fresh, run.restore, run._taken_up = r.fresh, r.restore, True
         run.try_number = r.try_number

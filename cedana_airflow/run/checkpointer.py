@@ -380,6 +380,7 @@ class Checkpointer:
         except WriterFenced:
             return None
         finally:
+            taken.release()
             if not self.settings.keep_local:  # (kept, it goes at the next request: run/cooperative.py)
                 shutil.rmtree(taken.where, ignore_errors=True)
         self._known = manifest.chunk_digests()
@@ -748,6 +749,7 @@ class Checkpointer:
             shutil.rmtree(dest, ignore_errors=True)
             raise CorruptCheckpoint(f"checkpoint {self.checkpoint_id} seq={m.seq}: its files could not be put back "
                                     f"here ({e})") from None
+        self.coop.give(dest)  # the node agent's caller's, before its command starts
         with tl.span("start"):
             workload = self._start(m, dest, stdout, stderr)
         tl.mark("resumed", latest=True)

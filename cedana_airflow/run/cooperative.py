@@ -10,6 +10,13 @@ One root per supervisor, in its work directory (root's eyes only, like every dum
     coop-<pid>/taken/      a completed state, renamed out of the workload's way while it is stored
     coop-<pid>/restore-S/  CEDANA_RESTORE_DIR: checkpoint seq S, put back before the command starts
 
+For the node agent's caller (``owner``: its uid and gid), the root is root's and 0711: the workload
+reaches the request file and its own folders by name, and can neither list nor change the root (else it
+could plant a link where the agent writes). Its folders are the caller's: ``state-N/``, the put back
+``restore-S/`` (given to it before its command starts) and ``answers/``, where its ready file goes. What
+it wrote is opened as the caller (its fsuid and fsgid, no link followed at the end): a link swapped in
+after the listing reaches only what the caller itself may read, and a read never waits on a FIFO.
+
 A request is withdrawn (the file and the link removed, its directory renamed away and deleted) when its
 deadline passes, the workload ends, or the run stops: what a late writer still writes lands nowhere
 kept, and never in another request's directory unless it writes through the link after the next
@@ -20,6 +27,7 @@ request's number is not this request's.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -30,6 +38,7 @@ import signal
 import stat
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +47,7 @@ from ..coop import COMPLETE, DONE_PREFIX, ENV_DIR, ENV_READY, ENV_REQUEST, ENV_R
 from ..store.transfer import StateSource
 from .workload import Workload
 
-__all__ = ["Cooperation", "Taken", "catches"]
+__all__ = ["Cooperation", "Taken", "catches", "open_as"]
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +57,22 @@ _MARKERS = re.compile(rf"^(?:{COMPLETE}|{re.escape(DONE_PREFIX)}\d+|\.(?:{COMPLE
 
 @dataclass(frozen=True)
 class Taken:
-    """A completed request: what to store, and the directory to delete once it is stored."""
+    """A completed request: what to store, and the directory to delete once it is stored. ``fds``: the
+    files opened as the caller (an owner's), which ``source`` names by /proc/self/fd; :meth:`release`
+    closes them."""
 
     source: StateSource
     where: Path
+    fds: tuple[int, ...] = ()
 
     @property
     def bytes(self) -> int:
         return sum(f.stat().st_size for _, f, _ in self.source.files)
+
+    def release(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def catches(pid: int, signum: int) -> bool:
@@ -82,10 +99,17 @@ def _status(pid: int) -> tuple[int, int]:
 class Cooperation:
     """Requests to one workload, one at a time, under ``root``."""
 
-    def __init__(self, root: Path, settings: Settings) -> None:
-        self.root, self.settings = root, settings
+    def __init__(self, root: Path, settings: Settings, owner: tuple[int, int] | None = None) -> None:
+        """``owner``: the uid and gid the workload runs as, where they are not ours (the node agent's caller)."""
+        self.root, self.settings, self.owner = root, settings, owner
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.request_file, self.ready_file = root / "request", root / "ready"
+        if owner is not None:
+            root.chmod(0o711)  # reached by name, never listed nor written by the workload
+            answers = root / "answers"
+            answers.mkdir(mode=0o700, exist_ok=True)  # (there: an agent took up a former agent's run)
+            os.lchown(answers, *owner)
+            self.ready_file = answers / "ready"
         self.state_link = root / "state"
         self.requests = 0
         self._sig = None if settings.cooperative_signal == "none" else signal.Signals[settings.cooperative_signal]
@@ -99,6 +123,13 @@ class Cooperation:
     def restore_dir(self, seq: int) -> Path:
         return self.root / f"restore-{seq}"
 
+    @staticmethod
+    def restoring(env: Mapping[str, str]) -> int | None:
+        """The checkpoint a workload's environment puts back (:meth:`env` with a :meth:`restore_dir`), if any:
+        for a starter that says what it started (the node agent's start reply)."""
+        name = Path(env.get(ENV_RESTORE, "")).name
+        return int(name.removeprefix("restore-")) if re.fullmatch(r"restore-[0-9]{1,18}", name) else None
+
     def declared(self) -> bool:
         """Whether the workload said it answers (its ready file): what ``mode = auto`` asks first. Another
         process's handler for the signal (a framework's own use of SIGUSR1) is no such declaration."""
@@ -107,8 +138,8 @@ class Cooperation:
     def _listeners(self) -> set[int]:
         """The PIDs the ready file names (empty: none named, or no file)."""
         try:
-            return {int(x) for x in self.ready_file.read_text().split() if x.isdigit()}
-        except OSError:
+            return {int(x) for x in _read_small(self.ready_file, 64 << 10).split() if x.isdigit()}
+        except (OSError, UnicodeDecodeError):
             return set()
 
     def ask(self, workload: Workload, *, budget: float | None = None, stop: threading.Event | None = None
@@ -122,6 +153,8 @@ class Cooperation:
             _remove(left)
         d = self.root / f"state-{n}"
         d.mkdir(mode=0o700)
+        if self.owner is not None:
+            os.chown(d, *self.owner)  # new, in a folder only we write: no link can be in its place
         _link(self.state_link, d)
         timeout = self.settings.cooperative_timeout_seconds if budget is None else min(
             budget, self.settings.cooperative_timeout_seconds)
@@ -156,8 +189,27 @@ class Cooperation:
         except ValueError as e:
             _remove(taken)
             return f"cooperative checkpoint {n} dropped: {e}"
+        fds: tuple[int, ...] = ()
+        if self.owner is not None:
+            try:
+                fds = tuple(open_as(path, self.owner) for _, path, _ in files)
+            except OSError as e:
+                _remove(taken)
+                return (f"cooperative checkpoint {n} dropped: {ENV_DIR} holds a file its user cannot read, or one "
+                        f"that is no longer a regular file ({e.strerror or e}); nothing of it is kept")
+            files = tuple((rel, Path(f"/proc/self/fd/{fd}"), mode) for (rel, _, mode), fd in zip(files, fds))
         verify = tuple(shlex.split(self.settings.cooperative_verify_command))
-        return Taken(StateSource(files, request=n, ranks=ranks, write_seconds=seconds, verify_command=verify), taken)
+        return Taken(StateSource(files, request=n, ranks=ranks, write_seconds=seconds, verify_command=verify), taken,
+                     fds)
+
+    def give(self, restored: Path) -> None:
+        """A put back state (``restore_dir``), made by us, to the workload's user before its command starts."""
+        if self.owner is None:
+            return
+        for top, dirs, names in os.walk(restored):  # ours alone until now: nothing in it was planted
+            for name in (*dirs, *names):
+                os.lchown(os.path.join(top, name), *self.owner)
+        os.lchown(restored, *self.owner)
 
     def _tell(self, workload: Workload) -> str:
         """The request's signal, to each process of the tree that handles it (of those the ready file names,
@@ -222,9 +274,51 @@ def _complete(marker: Path, n: int) -> bool:
     """COMPLETE, empty or holding this request's number (coop.done writes it): one a late writer of an
     earlier request left is not this one's."""
     try:
-        return marker.read_text().strip() in ("", str(n))
-    except OSError:
+        return _read_small(marker, 64).strip() in ("", str(n))
+    except (OSError, UnicodeDecodeError):
         return False
+
+
+def _read_small(path: Path, limit: int) -> str:
+    """A marker the workload wrote: a regular file, not through a link at the end, never waiting on a FIFO,
+    at most ``limit`` bytes (more: OSError)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        data = os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise OSError(f"{path} is larger than {limit} bytes")
+    return data.decode()
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def open_as(path: Path, owner: tuple[int, int]) -> int:
+    """``path`` opened for reading as ``owner`` (this thread's fsuid and fsgid: the kernel judges every
+    folder on the way and the file itself as it would for that user, with none of root's file
+    capabilities), not through a link at the end, not a FIFO or device: a regular file's descriptor, or
+    OSError. Linux keeps the fs ids per thread, so no other thread of ours is affected."""
+    uid, gid = owner
+    _libc.setfsgid(gid)
+    _libc.setfsuid(uid)
+    try:
+        if (_libc.setfsuid(-1), _libc.setfsgid(-1)) != (uid, gid):  # -1 changes nothing and says the current one
+            raise OSError(f"could not take on uid {uid} and gid {gid} to read {path}")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    finally:
+        _libc.setfsuid(os.geteuid())  # back to ours: root's file capabilities come back with fsuid 0
+        _libc.setfsgid(os.getegid())
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _link(link: Path, target: Path) -> None:
@@ -237,6 +331,7 @@ def _link(link: Path, target: Path) -> None:
 def _write_json(path: Path, doc: dict[str, object]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(doc))
+    tmp.chmod(0o644)  # the workload reads it, whatever our umask (an agent's caller runs as another user)
     os.replace(tmp, path)
 
 

@@ -132,6 +132,8 @@ def run_workload(
     restore_tree: RestoreTree | None = None,
     caller_uid: int | None = None,
     owner_checked: bool = False,
+    coop_root: Path | None = None,
+    coop_owner: tuple[int, int] | None = None,
 ) -> RunResult:
     """Run ``command`` managed (or, with ``command=None``, only restore) and return how it ended.
 
@@ -151,8 +153,11 @@ def run_workload(
     it could restore and the command starts fresh (the node agent tells its caller).
     ``starter``: what starts a fresh tree (the node agent's starts it as its caller); ``restore_tree``:
     what restores one (the node agent's runs CRIU under the tree's shim; restores are then full).
-    ``cooperative=False``: a checkpoint the workload wrote itself is refused, never restored (the node
-    agent: restoring one starts its command, which this process would start as itself, root).
+    ``cooperative=False``: a checkpoint the workload wrote itself is refused, never restored. Restoring
+    one starts its recorded command through ``starter`` (the node agent's starts it as its caller).
+    ``coop_root``: this run's cooperative folder (default: a new one in the work dir; the node agent names
+    one per workload, which an agent started after it takes up); ``coop_owner``: the uid and gid the
+    workload runs as where they are not ours (the node agent's caller: run/cooperative.py).
     ``caller_uid``: the node agent's caller, written into every manifest; one other than root may use
     only an ID whose newest checkpoint is its own uid's (or a new one), checked before the writer lease.
     ``owner_checked``: that was judged when the run began (an agent taking up another agent's run, whose
@@ -186,7 +191,8 @@ def run_workload(
             lease.held() if lease is not None else contextlib.nullcontext(), _work_dir(settings) as work_dir:
         # In every mode: whatever wrote the newest checkpoint restores it (a cooperative one needs this).
         # (a folder of this run's own: a node agent runs many in one process)
-        coop = Cooperation(work_dir / f"coop-{os.getpid()}-{secrets.token_hex(4)}", settings)
+        coop = Cooperation(coop_root or work_dir / f"coop-{os.getpid()}-{secrets.token_hex(4)}", settings,
+                           owner=coop_owner)
         if env is None:  # ours, less the store's credentials: they would be in every image
             env = workload_env(os.environ, settings.keep_env)
         # Without CRIU there may be no root either: no PID namespace then, the workload's session is its tree.
@@ -196,8 +202,7 @@ def run_workload(
             assert env is not None
             argv = list(command) if command is not None else list(m.process.command)  # `restore`: the recorded one
             wd = cwd if command is not None or cwd is not None else m.process.cwd
-            return Workload.start(argv, cwd=wd, env={**env, **coop.env(restore_dir)}, stdout=out, stderr=err,
-                                  isolate=isolate)
+            return starter(argv, cwd=wd, env={**env, **coop.env(restore_dir)}, stdout=out, stderr=err, isolate=isolate)
 
         cp = Checkpointer(engine, store, store_cfg, checkpoint_id, settings, work_dir=work_dir, try_number=try_number,
                           lease=lease, gpu=gpu, airflow=airflow, coop=coop, key=key,

@@ -8,6 +8,7 @@ nothing more (agent/shim.py, agent/trees.py)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -914,25 +915,80 @@ def test_a_retry_that_starts_fresh_says_why_in_its_caller_s_log(agent, tmp_path)
         "and was not renewed"), msg
 
 
-def test_a_checkpoint_the_workload_wrote_itself_is_never_restored_by_the_agent(agent, tmp_path):
-    """A signed cooperative checkpoint in the node's store, its newest naming nobody as its caller (written
-    by a root supervisor, re-signed here as a future agent could): restoring one starts a command, which
-    the agent would start as root. A retry through the agent refuses it and
-    starts fresh as its caller; a restore without a command is refused in one line, and runs nothing."""
+def test_a_non_root_caller_s_cooperative_checkpoints_are_taken_and_resumed_as_that_caller(agent, tmp_path):
+    """``mode = cooperative`` through the agent (0.8.4): the workload, as nobody, writes its state when asked
+    into a folder of its own; the agent stores it signed for nobody; the caller dies with its tree; a retry
+    as nobody gets it back, given to nobody, and the command resumes where it was and ends with an
+    uninterrupted run's total. A link the workload leaves in its state is refused, and nothing of that
+    request is kept."""
     sock, _ = agent
-    proc = start_cli("run", "--id", "agent-coop", "--mode", "cooperative", "--heartbeat", "0.3", "--", sys.executable,
-                     str(REPO / "tests" / "workloads" / "coop_counter.py"), "--steps", "400", "--step-seconds", "0.05",
-                     env=cli_env(tmp_path, "node-a", "work-coop"), out=tmp_path / "coop")
-    ms = wait_for_checkpoints(tmp_path / "store", "agent-coop", 1, proc)
-    kill_node(proc, ms[-1]["process"]["pid"])
-    assert ms[-1]["engine"] == "cooperative"
-    _signed_for(tmp_path / "store", "agent-coop", NOBODY)  # as if the agent had taken it for nobody: only the kind refuses
-    assert _resumed_by(sock, NOBODY, "agent-coop") == f"{NOBODY}\n"  # started fresh, as nobody: never as root
+    store = tmp_path / "store"
+    argv = [str(WORKER_ENV / "bin" / "python"), str(REPO / "tests" / "workloads" / "coop_counter.py"), "--steps", "300",
+            "--step-seconds", "0.05"]
+    settings = {"mode": "cooperative", "heartbeat_seconds": 0.3, "cooperative_signal": "none"}
     out_r, out_w = os.pipe()
-    msg, _ = as_uid(NOBODY, _start(sock, [], out_w, checkpoint_id="agent-coop", restore_only=True, try_number=2))
+    msg, fds = as_uid(NOBODY, _start(sock, argv, out_w, checkpoint_id="coop-nobody", settings=settings))
     os.close(out_w)
-    assert msg.get("error") == "CorruptCheckpoint" and "written by the workload (cooperative)" in msg["line"], msg
-    assert _read_all(out_r) == ""  # nothing ran
+    assert "ok" in msg, msg
+    deadline = time.monotonic() + 60
+    while len(manifests(store, "coop-nobody")) < 2:
+        assert time.monotonic() < deadline, "no two cooperative checkpoints within 60 s"
+        time.sleep(0.1)
+    socket.socket(fileno=fds[0]).close()  # the caller is gone: its tree with it
+    first = _read_all(out_r)
+    m = manifests(store, "coop-nobody")[-1]
+    assert m["engine"] == "cooperative" and m["caller"]["uid"] == NOBODY, m
+    assert not list((sock.parent / "coop").glob("*/state-*")), "a request's folder outlived its run"
+
+    out_r, out_w = os.pipe()
+    msg, fds = as_uid(NOBODY, _start(sock, argv, out_w, checkpoint_id="coop-nobody", settings=settings, resume=True,
+                                     try_number=1))
+    os.close(out_w)
+    assert "ok" in msg and msg["ok"]["restored_seq"] is not None, msg
+    with socket.socket(fileno=fds[0]) as lifeline:
+        assert _event(lifeline)["ev"] == "started"
+        assert _event(lifeline, 60)["ev"] == "exit"
+    second = _read_all(out_r)
+    resumed = int(second.split("rank 0 resumed at step ")[1].split()[0])
+    assert 0 < resumed <= int(first.split("step ")[-1].split()[0]), (first[-200:], second[:200])
+    import random
+    assert second.strip().endswith(f"done total={sum(random.Random(s).randrange(1000) for s in range(300))}"), second[-300:]
+
+
+def test_a_cooperative_state_is_read_as_its_caller_never_through_a_link_nor_from_a_fifo(tmp_path):
+    """What a workload that is not root wrote is opened as its user (run/cooperative.py: open_as): a link at
+    the end is refused, a folder on the way swapped for a link reaches only what that user may read, and a
+    FIFO is refused without waiting."""
+    from cedana_airflow.run.cooperative import open_as
+
+    top = Path(tempfile.mkdtemp(prefix="cedana-open-as-"))  # /tmp's: nobody may reach it (tmp_path is root's)
+    top.chmod(0o755)
+    try:
+        _open_as_checks(open_as, top / "taken")
+    finally:
+        shutil.rmtree(top)
+
+
+def _open_as_checks(open_as: Callable[[Path, tuple[int, int]], int], d: Path) -> None:
+    d.mkdir()
+    (d / "ok").write_text("mine")
+    os.symlink("/etc/shadow", d / "link")
+    (d / "sub").symlink_to("/root")  # a folder of the path swapped for a link, after the listing
+    os.mkfifo(d / "fifo")
+    for p in d.iterdir():
+        os.lchown(p, NOBODY, NOBODY)
+    os.chown(d, NOBODY, NOBODY)
+    fd = open_as(d / "ok", (NOBODY, NOBODY))
+    assert os.read(fd, 10) == b"mine"
+    os.close(fd)
+    for name, err in (("link", errno.ELOOP), ("sub/.bashrc", errno.EACCES)):
+        with pytest.raises(OSError) as e:
+            open_as(d / name, (NOBODY, NOBODY))
+        assert e.value.errno == err, (name, e.value)
+    with pytest.raises(OSError, match="not a regular file"):
+        open_as(d / "fifo", (NOBODY, NOBODY))
+    assert open(d / "ok").read() == "mine"  # root's own access is back afterwards
+    assert Path("/etc/shadow").read_bytes()
 
 
 def test_an_agent_started_after_a_killed_one_takes_up_its_workloads(tmp_path):
