@@ -113,10 +113,16 @@ def _coop_manifests(store: Path, dag_id: str, task: str) -> list[dict]:
 
 def test_cooperative_ddp_training_resumes_on_another_node_and_auto_protects_a_worker_without_criu(airflow_stack,
                                                                                                  tmp_path):
-    stack, store, coop = airflow_stack, tmp_path / "store", tmp_path / "coop"
-    coop.mkdir()
+    """train_ddp runs as nobody (Airflow's run_as_user) through each node's agent (0.8.4): its ranks write their
+    state into folders of nobody's, the agent stores it for nobody, and the retry's agent puts it back as
+    nobody's and starts torchrun again as nobody."""
+    stack, store = airflow_stack, tmp_path / "store"
+    coop = stack.user_dir("coop")  # nobody's: the nobody task parses the DAG file again, which reads node
     (coop / "node").write_text("node-a\n")
-    dag_id = stack.add_dag("coop", "dags_torch:coop_dag", root=str(coop), store=f"file://{store}")
+    dag_id = stack.add_dag("coop", "dags_torch:coop_dag", root=str(coop), store=f"file://{store}", agents=stack.agents)
+
+    def stored(task: str) -> Path:
+        return stack.agent_store if task == "train_ddp" else store
     run_id = stack.trigger(dag_id)
     deadline = time.monotonic() + 240
     running = ["train_ddp", "auto_no_criu"]
@@ -124,7 +130,7 @@ def test_cooperative_ddp_training_resumes_on_another_node_and_auto_protects_a_wo
         assert time.monotonic() < deadline, stack.logs()
         for task in list(running):
             assert stack.task_instance(dag_id, run_id, task)["state"] not in ("failed", "success"), stack.logs()
-            if len(ms := _coop_manifests(store, dag_id, task)) >= 2:
+            if len(ms := _coop_manifests(stored(task), dag_id, task)) >= 2:
                 (coop / "node").write_text("node-b\n")  # the retries parse the DAG file again: another node
                 pid = ms[-1]["process"]["pid"]
                 os.kill(pid, signal.SIGKILL)  # the tree's init: every rank goes with it
@@ -148,8 +154,10 @@ def test_cooperative_ddp_training_resumes_on_another_node_and_auto_protects_a_wo
     assert tis["train_ddp"]["state"] == "success" and tis["train_ddp"]["try_number"] == 2, ddp[-4000:]
     assert re.search(r"cedana: restored seq \d+ of try 1 \(node node-a\) on node node-b", ddp), ddp[-4000:]
     assert re.search(r"resumed at step [1-9]\d*", ddp), ddp[-4000:]
-    ms = _coop_manifests(store, dag_id, "train_ddp")
+    assert "(through the node agent)" in ddp and "store=the node agent's (" in logs["train_ddp", 1], ddp[-4000:]
+    ms = _coop_manifests(stored("train_ddp"), dag_id, "train_ddp")
     assert {m["engine"] for m in ms} == {"cooperative"} and {m["format_version"] for m in ms} == {4}
+    assert {m["caller"]["uid"] for m in ms} == {65534}  # nobody's, taken by the agent
     assert all(m["cooperative"]["ranks"] == 2 and [f["path"] for f in m["cooperative"]["files"]]
                == ["rank-0.pt", "rank-1.pt"] and m["files"] == [] for m in ms)
     reference = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

@@ -51,14 +51,17 @@ def torch_dag(dag_id: str, *, root: str, store: str, args: list[str], agents: di
         )
 
 
-def coop_dag(dag_id: str, *, root: str, store: str) -> None:
-    """Two-rank DDP training under torchrun in mode cooperative; a cooperative workload with mode auto on a
-    worker where CRIU cannot run; and a transparent task on that worker, which runs unprotected and says why."""
+def coop_dag(dag_id: str, *, root: str, store: str, agents: dict[str, str] | None = None) -> None:
+    """Two-rank DDP training under torchrun in mode cooperative (as nobody through the node's agent when
+    ``agents`` are given); a cooperative workload with mode auto on a worker where CRIU cannot run; and a
+    transparent task on that worker, which runs unprotected and says why (those two: in the task's process)."""
     here = {"work_dir": f"{root}/work", **_node(root)}
+    user, ddp = _on_node(root, agents)
     with DAG(dag_id, schedule=None, start_date=datetime(2026, 1, 1), catchup=False,
              default_args={"retries": 1, "retry_delay": timedelta(seconds=1)}):
         CheckpointedCommandOperator(
-            task_id="train_ddp", mode="cooperative", heartbeat=timedelta(seconds=1), store=store, settings=here,
+            task_id="train_ddp", mode="cooperative", heartbeat=timedelta(seconds=1), store=store,
+            settings={**here, **ddp}, **user,
             command=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                      str(WORKLOADS / "ddp_coop.py"), "--steps", "80", "--step-seconds", "0.1"],
         )
