@@ -640,13 +640,19 @@ def _cmd_drill(args: argparse.Namespace) -> int:
     params: dict[str, Any] = (
         dict(mb=args.mb, steps=args.steps, step_seconds=args.step_seconds, heartbeat=args.heartbeat,
              heartbeats=args.heartbeats) if args.mode == "canary" else dict(ids=args.ids, sample=args.sample))
-    if _through_agent(settings):  # not root: the node agent runs it with the node's store, key and CRIU
+    report = None
+    if _through_agent(settings) and not getattr(args, "store", None):  # not root: the node agent runs it
         from .agent.client import AgentClient
         from .drill.report import DrillReport
 
-        with AgentClient.connect(settings.agent_socket) as agent:
-            report = DrillReport.model_validate(agent.drill(args.mode, params)["report"])
-    else:
+        try:
+            with AgentClient.connect(settings.agent_socket) as agent:
+                report = DrillReport.model_validate(agent.drill(args.mode, params)["report"])
+        except AgentUnavailable as e:
+            if settings.agent != "auto":
+                raise
+            print(f"cedana: {e}; the drill reads the store itself", file=sys.stderr)  # as before 0.8.4
+    if report is None:
         store = open_store(settings.resolved_store(), settings)
         # a canary writes checkpoints (it may create the store); verify only reads one
         cfg = store.open(create=args.mode == "canary", chunk_avg_bytes=settings.chunk_avg_bytes)

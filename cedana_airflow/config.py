@@ -157,9 +157,14 @@ class Settings(BaseModel):
     )
     agent_readers: tuple[str, ...] = Field(
         default=(), description="The node agent's: groups (names or gids) whose members may see, through the agent, "
-        "every checkpoint ID's facts (seq, node, time, size, Airflow task; never an image): a live drill's user, "
-        "the triggerer's user for deferred checkpoint sensors. Anyone else sees only its own uid's IDs, and root "
-        "all. Several: separated by ','.",
+        "every checkpoint ID's facts (seq, node, time, size, Airflow task; never an image), e.g. the triggerer's "
+        "user for deferred checkpoint sensors. Anyone else sees only its own uid's IDs, and root all. Several: "
+        "separated by ','.",
+    )
+    agent_drillers: tuple[str, ...] = Field(
+        default=(), description="The node agent's: groups (names or gids) whose members may have it run fleet drills "
+        "(verify, canary: as root, with the node's store and key) and keep live drill reports, and see every ID as "
+        "agent_readers do: the drill DAG's user. Several: separated by ','.",
     )
     writer_lease_seconds: float = Field(
         default=60.0, ge=0, allow_inf_nan=False,
@@ -338,7 +343,7 @@ class Settings(BaseModel):
             raise ValueError(f"store {redact(v)!r} has no known scheme; {STORE_URL_HINT}")
         return v
 
-    @field_validator("keep_env", "agent_readers", mode="before")
+    @field_validator("keep_env", "agent_readers", "agent_drillers", mode="before")
     @classmethod
     def _names_from_text(cls, v: object) -> object:
         if isinstance(v, str):  # CEDANA_KEEP_ENV, [cedana] keep_env

@@ -5,6 +5,7 @@ asks the node agent, as a task's workload goes through it (docs/agent.md)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,7 @@ from cedana_airflow.agent.client import AgentClient
 from cedana_airflow.agent.route import through_agent
 from cedana_airflow.airflow.config import task_settings
 from cedana_airflow.hooks.store import task_store
-from cedana_airflow.errors import CedanaError, CheckpointIdError, ConfigError
+from cedana_airflow.errors import AgentUnavailable, CedanaError, CheckpointIdError, ConfigError
 from cedana_airflow.ids import validate_checkpoint_id
 from cedana_airflow.store import FileStore
 from cedana_airflow.store.transfer import load_manifests
@@ -27,23 +28,33 @@ if TYPE_CHECKING:
 
 __all__ = ["CheckpointSensor", "CheckpointTrigger", "fresh_checkpoint"]
 
+log = logging.getLogger(__name__)
+
 
 def fresh_checkpoint(checkpoint_id: str, max_age_seconds: float | None, store: str | None,
                      aws_conn_id: str | None) -> dict[str, Any] | None:
     """The newest complete checkpoint of an ID (restore order) if it is young enough, else None. Where
-    this process is not root (``[cedana] agent``: agent/route.py), the node agent answers: it holds the
-    store and the key, and tells a caller only of its own uid's checkpoints (agent/views.py)."""
+    this process is not root (``[cedana] agent``: agent/route.py) and the sensor names no store of its own,
+    the node agent answers: it holds the store and the key, and tells a caller only of its own uid's
+    checkpoints (agent/views.py); where none answers and ``agent = auto``, the sensor reads the store itself,
+    as it did before 0.8.4."""
     overrides = {"store": store, "aws_conn_id": aws_conn_id}
     settings, options = task_settings(overrides)
     cid = validate_checkpoint_id(checkpoint_id)
-    if through_agent(settings):
-        with AgentClient.connect(settings.agent_socket) as agent:
-            rows = agent.checkpoints([cid])
-        if not rows:
-            return None
-        row = rows[0]
-        return _young_enough(row["id"], row["seq"], row["try_number"], row["node"],
-                             datetime.fromisoformat(row["created_at"]), row["image_bytes"], max_age_seconds)
+    if through_agent(settings) and not (store or aws_conn_id):  # a store the DAG names is read as before
+        try:
+            with AgentClient.connect(settings.agent_socket) as agent:
+                rows = agent.checkpoints([cid])
+        except AgentUnavailable as e:
+            if settings.agent != "auto":
+                raise
+            log.info("cedana: %s; the sensor reads the store itself", e)  # as before 0.8.4
+        else:
+            if not rows:
+                return None
+            row = rows[0]
+            return _young_enough(row["id"], row["seq"], row["try_number"], row["node"],
+                                 datetime.fromisoformat(row["created_at"]), row["image_bytes"], max_age_seconds)
     s = task_store(settings, options.aws_conn_id)
     if isinstance(s, FileStore) and not s.root.exists():
         return None  # a file store appears with its first checkpoint; a sensor may start before that

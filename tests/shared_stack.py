@@ -49,7 +49,7 @@ READY_DAG = "shared_stack_ready"
 #: The stack's node agents: one per node name a test's nobody task may run on.
 NODES = ("node-a", "node-b")
 #: One more agent, with a store of its own that only the live drill's test writes (a drill chooses among every
-#: running task of the stack that has a checkpoint it can see), and nobody's group among its agent_readers.
+#: running task of the stack that has a checkpoint it can see), and nobody's group among its agent_drillers.
 DRILL_NODE = "node-drill"
 #: Airflow's CLI in the worker environment: the interpreter a task re-executes under sudo must be one any
 #: user may run (the tests' .venv lives in root's 0700 home).
@@ -64,7 +64,7 @@ def _start_agents(d: Path) -> tuple[dict[str, str], list[subprocess.Popen[bytes]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CEDANA_", "AIRFLOW", "AWS_", "PYTEST_"))}
     env.update(CEDANA_STORE=f"file://{d / 'store'}", PYTHONUNBUFFERED="1")
     agents, procs = {}, []
-    drill = {"CEDANA_STORE": f"file://{d / 'store-drill'}", "CEDANA_AGENT_READERS": "65534"}  # nogroup
+    drill = {"CEDANA_STORE": f"file://{d / 'store-drill'}", "CEDANA_AGENT_DRILLERS": "65534"}  # nogroup
     for node in (*NODES, DRILL_NODE):
         sock, log = socks / f"{node}.sock", d / f"agent-{node}.log"
         with open(log, "wb") as out:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import itertools
+import json
 import os
 import socket
 import struct
@@ -26,6 +27,8 @@ __all__ = ["AgentClient", "Started"]
 #: How long a connection and each answer may take before the agent counts as not answering.
 CONNECT_SECONDS = 2.0
 ANSWER_SECONDS = 30.0
+#: The largest drill report read from the agent.
+REPORT_BYTES = 16 << 20
 #: How long a checkpoints query may take: the agent reads the store (manifests, for every page's IDs).
 QUERY_SECONDS = 120.0
 
@@ -165,21 +168,39 @@ class AgentClient:
 
     def drill(self, mode: str, params: Mapping[str, Any] | None = None, *,
               report: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Have the agent run a ``verify`` or ``canary`` drill with ``params`` (its reply's ``report``), or
-        ``keep`` a live drill's ``report`` in the store (``kept``). For root and agent_readers only."""
+        """Have the agent run a ``verify`` or ``canary`` drill with ``params`` (the reply's ``report``), or
+        ``keep`` a live drill's ``report`` in the store (``kept``). For root and agent_drillers only. Reports
+        travel in a memfd (a busy fleet's is larger than a message)."""
         hello = self.hello()
         if "drill" not in hello.get("features", ()):
             raise errors.AgentUnavailable(f"the cedana agent at {self.path} runs {hello.get('agent', 'an older version')}"
                                           ", which runs no drills for a caller (0.8.4 and later do). Upgrade it")
-        with self._answer_within(None):  # a canary takes its steps' time; a dead agent still ends it
-            fields: dict[str, Any] = {"mode": mode, "params": dict(params or {})}
-            if report is not None:
-                fields["report"] = dict(report)
-            return self.request("drill", **fields)[0]
+        fields: dict[str, Any] = {"mode": mode, "params": dict(params or {})}
+        fds: list[int] = []
+        if report is not None:
+            fds = [os.memfd_create("cedana-report", os.MFD_CLOEXEC)]
+            os.write(fds[0], json.dumps(report).encode())
+        try:
+            with self._answer_within(None):  # a canary takes its steps' time; a dead agent still ends it
+                reply, got = self.request("drill", fds, **fields)
+        finally:
+            protocol.close_fds(fds)
+        if mode == "keep":
+            protocol.close_fds(got)
+            return reply
+        try:
+            if len(got) != 1:
+                raise errors.AgentUnavailable(f"the cedana agent at {self.path} sent no report for its {mode} drill. "
+                                              "Check the agent's log")
+            data = os.pread(got[0], min(int(reply.get("report_bytes", 0)), REPORT_BYTES), 0)
+        finally:
+            protocol.close_fds(got)
+        return {**reply, "report": json.loads(data)}
 
     def checkpoints(self, ids: Sequence[str] | None = None, *, detail: bool = False) -> builtins.list[dict[str, Any]]:
         """What we may know of the store's checkpoints (agent/views.py): a row per ID of ``ids`` we may see
-        (None: every such ID, page by page); ``detail``: each named ID's writer lease and restore records.
+        (None: every ID, page by page, for a caller that sees every ID); ``detail``: each named ID's writer
+        lease, restore records and newest checkpoints.
         An agent older than 0.8.4 cannot answer: :class:`errors.AgentUnavailable`, naming it."""
         hello = self.hello()
         if "checkpoints" not in hello.get("features", ()):
@@ -190,7 +211,15 @@ class AgentClient:
             if ids is not None:
                 step = 1 if detail else protocol.MAX_QUERY_IDS  # a detailed row is asked for alone
                 for at in range(0, len(ids), step):
-                    rows += self.request("checkpoints", ids=list(ids[at:at + step]), detail=detail)[0]["rows"]
+                    ask = list(ids[at:at + step])
+                    while ask:  # what did not fit one reply is asked for again
+                        reply = self.request("checkpoints", ids=ask, detail=detail)[0]
+                        rows += reply["rows"]
+                        rest = list(reply.get("rest") or ())
+                        if len(rest) >= len(ask):
+                            raise errors.AgentUnavailable(f"the cedana agent at {self.path} answered none of "
+                                                          f"{len(ask)} IDs. Check the agent's log")
+                        ask = rest
                 return rows
             after = ""
             while True:

@@ -42,7 +42,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from .. import __version__, errors
-from ..config import Settings, load_settings
+from ..config import Settings, load_settings, printable
 from ..errors import ConfigError
 from ..format.manifest import AirflowTask
 from ..fsafe import UnsafePath, secure_base
@@ -52,7 +52,7 @@ from .callers import Caller, read_caller, read_self
 from .protocol import Peer
 from . import DEFAULT_SOCKET
 from .remembered import recall
-from .views import MAX_DETAILED, MAX_IDS, PAGE_IDS, Viewer, checkpoint_rows
+from .views import MAX_DETAILED, MAX_IDS, Viewer, checkpoint_rows, valid_ids
 from .workloads import Run, task_settings
 
 __all__ = ["Agent", "DEFAULT_SOCKET"]
@@ -189,7 +189,13 @@ class _Drill(BaseModel):
     report: dict[str, Any] | None = None
 
 
-_LIVE_DRILL_ID = re.compile(r"^[0-9]{8}T[0-9]{6}Z-live-[0-9a-f]{6}$")
+_LIVE_DRILL_ID = re.compile(r"[0-9]{8}T[0-9]{6}Z-live-[0-9a-f]{6}")  # fullmatch
+#: IDs one page of "every ID" reads (its reply also stops at views.REPLY_BYTES), and how long the store's
+#: listing serves the pages after it.
+PAGE_IDS = 32
+LISTING_SECONDS = 30.0
+#: The largest drill report the agent reads or writes (it travels in a memfd, not in a message).
+REPORT_BYTES = 16 << 20
 
 
 class _Target(BaseModel):
@@ -210,7 +216,10 @@ class Agent:
         self._environ = dict(environ)
         self.settings = load_settings(environ=self._environ)  # a bad node setting stops the agent here
         self.node = self.settings.resolved_node()
-        self._readers = reader_gids(self.settings)
+        self._readers = group_ids(self.settings.agent_readers, "agent_readers")
+        self._drillers = group_ids(self.settings.agent_drillers, "agent_drillers")
+        self._drilling = threading.Lock()  # one drill at a time on a node (a canary is a whole workload)
+        self._listing: tuple[float, list[str]] = (0.0, [])  # the store's IDs, for the pages of "every ID"
         self._store_client: Any = None  # the checkpoints op's (_store)
         self.socket_path = socket_path
         self._audit_path = audit
@@ -486,7 +495,8 @@ class Agent:
                # cooperative: a start's mode and cooperative settings (0.8.4)
                "you": {"uid": peer.uid, "gid": peer.gid},
                # 0.8.4: whose checkpoints the checkpoints op shows this caller (agent_readers, views.py)
-               "sees": "every" if Viewer(peer, self._readers).sees_all else "own",
+               "sees": "every" if self._viewer(caller).sees_all else "own",
+               "drills": self._may_drill(caller) == "",
                "protected": True}  # every caller's workload is checkpointed (one other than root's: shim.py)
         return out, []
 
@@ -561,12 +571,37 @@ class Agent:
             mine = [r.public() for r in self._runs.values() if peer.uid == 0 or r.uid == peer.uid]
         return {"workloads": mine}, []
 
+    def _viewer(self, caller: Caller) -> Viewer:
+        """Root the agent would start workloads for (not one in a container or with fewer capabilities), and
+        members of agent_readers and agent_drillers, see every ID; anyone else its own uid's."""
+        peer = caller.peer
+        groups = {peer.gid, *peer.groups}
+        root = peer.uid == 0 and not caller.refusal(self._self)
+        return Viewer(peer, root or bool(groups & (self._readers | self._drillers)))
+
+    def _may_drill(self, caller: Caller) -> str:
+        """Why this caller may not have the agent run drills ("" where it may): root the agent trusts, or
+        a member of agent_drillers."""
+        peer = caller.peer
+        if peer.uid == 0:
+            why = caller.refusal(self._self)
+            return f"drills are not run for it: {why}" if why else ""
+        if {peer.gid, *peer.groups} & self._drillers:
+            return ""
+        return (f"{peer} may not run drills through the agent: they read every checkpoint of the node's store and "
+                "run as root. Add its group to the node's agent_drillers")
+
     def _checkpoints(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
-        """The store's facts the caller may see (views.py): the IDs it names, or a page of every ID."""
+        """The store's facts the caller may see (views.py): the IDs it names, or (a caller that sees every ID)
+        a page of every ID."""
         req = _parsed(_Checkpoints, msg, "checkpoints")
+        viewer = self._viewer(caller)
         if req.ids is not None:
             for cid in req.ids:
                 validate_checkpoint_id(cid)
+        elif not viewer.sees_all:
+            raise errors.Refused(f"checkpoints: {caller.peer} sees only its own uid's checkpoints, so it names the IDs "
+                                 "it asks about (ids). Listing every ID is for the node's agent_readers")
         if req.detail and not (req.ids and len(req.ids) <= MAX_DETAILED):
             raise errors.Refused(f"checkpoints: detail is given for at most {MAX_DETAILED} ID a request names. "
                                  "Name it in ids")
@@ -575,45 +610,78 @@ class Agent:
 
         store = self._store()
         if isinstance(store, FileStore) and not store.root.exists():
-            return {"rows": [], "next": ""}, []  # a file store appears with its first checkpoint
+            return {"rows": [], "next": "", "rest": []}, []  # a file store appears with its first checkpoint
         store.open(create=False, chunk_avg_bytes=self.settings.chunk_avg_bytes)
-        viewer = Viewer(caller.peer, self._readers)
         trust = node_trust(self.settings)
         if req.ids is not None:
-            return {"rows": checkpoint_rows(store, trust, viewer, req.ids, detail=req.detail), "next": ""}, []
-        # every ID: a page of PAGE_IDS IDs at a time (each read in full to judge it), in ID order
-        later = sorted(c for c in store.list_ids() if c > req.after)
+            rows, rest = checkpoint_rows(store, trust, viewer, req.ids, detail=req.detail)
+            return {"rows": rows, "next": "", "rest": rest}, []
+        # every ID, in ID order: a page of at most PAGE_IDS IDs, and of what fits a reply
+        later = [c for c in self._store_ids(store, fresh=not req.after) if c > req.after]
         page = later[:PAGE_IDS]
-        nxt = page[-1] if len(later) > PAGE_IDS else ""
-        return {"rows": checkpoint_rows(store, trust, viewer, page), "next": nxt}, []
+        rows, rest = checkpoint_rows(store, trust, viewer, page)
+        if rest:
+            nxt = page[page.index(rest[0]) - 1]
+        else:
+            nxt = page[-1] if len(later) > PAGE_IDS else ""
+        return {"rows": rows, "next": nxt, "rest": []}, []
+
+    def _store_ids(self, store: Any, fresh: bool) -> list[str]:
+        """The store's checkpoint IDs, sorted: read again for a listing's first page, else kept a while (its
+        next pages), so that a walk of N IDs lists the store once, not N/PAGE_IDS times."""
+        with self._lock:
+            at, ids = self._listing
+        if fresh or time.monotonic() - at > LISTING_SECONDS:
+            ids = sorted(valid_ids(store.list_ids()))
+            with self._lock:
+                self._listing = (time.monotonic(), ids)
+        return ids
 
     def _drill(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
-        """A drill of the node's (drill/), for root and agent_readers only: ``verify`` and ``canary`` run here,
-        with the node's store, key and CRIU, and their report is kept and returned; ``keep`` keeps the report
-        of a live drill its caller ran (it fails and clears tasks through Airflow's API, which the agent has
-        no access to)."""
+        """A drill of the node's (drill/), for root and agent_drillers only, one at a time: ``verify`` and
+        ``canary`` run here, with the node's store, key and CRIU, and their report is kept and returned (in a
+        memfd: a report may be larger than a message); ``keep`` keeps the report of a live drill its caller
+        ran (it fails and clears tasks through Airflow's API, which the agent has no access to), sent the
+        same way."""
         req = _parsed(_Drill, msg, "drill")
-        if not Viewer(caller.peer, self._readers).sees_all:
-            raise errors.Refused(f"{caller.peer} may not run drills through the agent: they read every checkpoint "
-                                 "of the node's store. Add its group to the node's agent_readers")
+        if why := self._may_drill(caller):
+            raise errors.Refused(why)
         from ..drill.report import DrillReport, save_report
         from ..drill.run import run_drill
 
-        store = self._store()
-        cfg = store.open(create=True, chunk_avg_bytes=self.settings.chunk_avg_bytes)
         if req.mode == "keep":
+            if len(fds) != 1:
+                raise errors.Refused("drill keep: send the live drill's report as one fd (a memfd). Use the agent "
+                                     "client")
             try:
-                report = DrillReport.model_validate(req.report or {})
-            except ValidationError as e:
+                report = DrillReport.model_validate_json(_read_fd(fds[0], REPORT_BYTES))
+            except (ValidationError, ValueError) as e:
                 raise errors.Refused(f"drill keep: the report is not one: {protocol.printable(str(e), 200)}. "
                                      "Send a live drill's report") from None
-            if report.mode != "live" or not _LIVE_DRILL_ID.match(report.drill_id):
+            if report.mode != "live" or not _LIVE_DRILL_ID.fullmatch(report.drill_id):
                 raise errors.Refused("drill keep: only a live drill's report (its drill_id as new_drill_id makes "
                                      "it) is kept this way; the agent runs the other drills itself")
+            store = self._store()
+            store.open(create=True, chunk_avg_bytes=self.settings.chunk_avg_bytes)
             return {"kept": save_report(store, report)}, []
         model = _VerifyParams if req.mode == "verify" else _CanaryParams
         params = _parsed(model, req.params, f"drill {req.mode}").model_dump()
-        return {"report": run_drill(req.mode, store, cfg, self.settings, **params).model_dump(mode="json")}, []
+        if not self._drilling.acquire(blocking=False):
+            raise errors.Refused("a drill runs on this node now; one runs at a time. Try again when it has ended")
+        try:
+            store = self._store()
+            cfg = store.open(create=True, chunk_avg_bytes=self.settings.chunk_avg_bytes)
+            report = run_drill(req.mode, store, cfg, self.settings, **params)
+        except errors.CedanaError:
+            raise
+        except Exception as e:  # noqa: BLE001 (a canary's subprocess, say: one line, not a dead connection)
+            log.exception("agent: drill %s failed", req.mode)
+            raise errors.CedanaError(f"the {req.mode} drill failed in the agent: {type(e).__name__}: "
+                                     f"{protocol.printable(str(e), 300)}. Check the agent's log") from None
+        finally:
+            self._drilling.release()
+        data = report.model_dump_json().encode()
+        return {"drill_id": report.drill_id, "passed": report.ok, "report_bytes": len(data)}, [_memfd(data, "report")]
 
     def _store(self) -> Any:
         """The node's store, one client for every query (a boto3 client is thread-safe, and slow to make)."""
@@ -660,19 +728,38 @@ def coop_base(settings: Settings, socket_path: Path) -> Path:
     return base
 
 
-def reader_gids(settings: Settings) -> frozenset[int]:
-    """``agent_readers`` as gids: a group this node does not know stops the agent, in one line."""
+def group_ids(names: tuple[str, ...], setting: str) -> frozenset[int]:
+    """A setting's groups (names, or gids in ASCII digits) as gids: one this node does not know stops the
+    agent, in one line."""
     out = set()
-    for name in settings.agent_readers:
-        if name.isdigit():
+    for name in names:
+        if name.isascii() and name.isdigit():
             out.add(int(name))
             continue
         try:
             out.add(grp.getgrnam(name).gr_gid)
-        except KeyError:
-            raise ConfigError(f"agent_readers names group {name!r}, which this node does not have. Create it, or "
-                              "name another group (or a gid)") from None
+        except (KeyError, ValueError):
+            raise ConfigError(f"{setting} names group {printable(name, 60)!r}, which this node does not have. Create "
+                              "it, or name another group (or a gid)") from None
     return frozenset(out)
+
+
+def _memfd(data: bytes, name: str) -> int:
+    fd = os.memfd_create(f"cedana-{name}", os.MFD_CLOEXEC)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _read_fd(fd: int, limit: int) -> bytes:
+    """What a caller passed in a regular file or memfd, at most ``limit`` bytes (never a pipe or a socket,
+    which could keep us waiting)."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise ValueError("not a regular file or memfd")
+    data = os.pread(fd, limit + 1, 0)
+    if len(data) > limit:
+        raise ValueError(f"larger than {limit} bytes")
+    return data
 
 
 def _parsed(model: type[BaseModel], msg: Mapping[str, Any], op: str) -> Any:

@@ -8,7 +8,8 @@ configured notifier (``[cedana] drill_notifier``) see it.
 A drill task that is not root (``[cedana] agent``, as for a workload: agent/route.py) holds neither the
 store nor the key: the node agent runs ``verify`` and ``canary`` itself, and a ``live`` drill, which
 fails and clears tasks through Airflow's API from the task, reads the store's facts through the agent
-and has it keep the report. The drill's user must be in the node's ``agent_readers`` (docs/agent.md).
+and has it keep the report. The drill's user must be in the node's ``agent_drillers`` (docs/agent.md). A drill
+DAG that names a store of its own, or a node without an agent (``agent = auto``), reads the store itself.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ..drill import run as drill
 from ..drill.facts import AgentFacts
 from ..drill.live import live
 from ..drill.report import DrillReport
-from ..errors import AgentUnavailable, ConfigError
+from ..errors import AgentUnavailable, CedanaError, ConfigError
 from ..hooks.store import task_store
 from ..scope.optin import load_optin
 from .config import airflow_options, task_settings
@@ -104,10 +105,10 @@ def _through_agent(mode: str, core: Settings, fleet: ApiFleet | None, params: Ma
         if "drill" not in hello.get("features", ()):
             raise AgentUnavailable(f"the cedana agent at {core.agent_socket} runs {hello.get('agent')}, which runs no "
                                    "drills for a task that is not root (0.8.4 and later do). Upgrade it")
-        if hello.get("sees") != "every":
-            raise ConfigError(f"this drill runs as uid {hello.get('you', {}).get('uid')}, which the node agent at "
-                              f"{core.agent_socket} shows only its own checkpoints: a drill reads them all. Add its "
-                              "group to the node's agent_readers (docs/agent.md), or run the drill DAG as such a user")
+        if not hello.get("drills"):
+            raise ConfigError(f"this drill runs as uid {hello.get('you', {}).get('uid')}, for which the node agent at "
+                              f"{core.agent_socket} runs no drills: a drill reads every checkpoint. Add its group to the "
+                              "node's agent_drillers (docs/drills.md), or run the drill DAG as such a user")
         if mode != "live":
             if mode not in drill.MODES:
                 raise ConfigError(f"drill mode {mode!r} is unknown; use one of {', '.join(drill.MODES)}.")
@@ -115,9 +116,28 @@ def _through_agent(mode: str, core: Settings, fleet: ApiFleet | None, params: Ma
         assert fleet is not None
         report = live(AgentFacts(agent), fleet, load_optin(core.optin_file).drills, node=str(hello.get("node")),
                       **params)
-        if not agent.drill("keep", report=report.model_dump(mode="json")).get("kept"):
-            log.warning("cedana: drill report %s was not kept in the store (the agent's log says why)", report.drill_id)
+        try:  # a keep that fails loses nothing else: the task still says and returns the report
+            if not agent.drill("keep", report=report.model_dump(mode="json")).get("kept"):
+                log.warning("cedana: drill report %s was not kept in the store (the agent's log says why)",
+                            report.drill_id)
+        except CedanaError as e:
+            log.warning("cedana: drill report %s was not kept in the store: %s", report.drill_id, e)
         return report
+
+
+def _via_agent(core: Settings, named_store: bool) -> bool:
+    """Whether this drill asks the node agent: a task that is not root (``agent = auto``) and names no store of
+    its own (a drill DAG aimed at another store reads it itself, as before 0.8.4); where no agent answers and
+    ``agent = auto``, it reads the store itself, saying so once."""
+    if named_store or not through_agent(core):
+        return False
+    if core.agent == "auto":
+        try:
+            AgentClient.connect(core.agent_socket).close()
+        except AgentUnavailable as e:
+            log.info("cedana: %s; this drill reads the store itself", e)
+            return False
+    return True
 
 
 def run_drill(mode: str, settings: Mapping[str, Any] | None = None, **params: Any) -> dict[str, Any]:
@@ -126,7 +146,7 @@ def run_drill(mode: str, settings: Mapping[str, Any] | None = None, **params: An
     with airflow_errors():
         core, options = task_settings(settings)
         fleet = _fleet(core) if mode == "live" else None
-        if through_agent(core):
+        if _via_agent(core, named_store=bool(settings and (settings.get("store") or settings.get("aws_conn_id")))):
             report = _through_agent(mode, core, fleet, params)
         else:
             store = task_store(core, options.aws_conn_id)

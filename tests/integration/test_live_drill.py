@@ -59,7 +59,7 @@ def test_the_shipped_drill_dag_has_its_live_task_once_the_opt_in_list_enables_li
 def test_a_live_drill_fails_only_an_eligible_task_and_measures_the_retry_that_restores_it(tmp_path, airflow_stack):
     """Everything as nobody, with the default ``agent = auto``: the target tasks checkpoint through the stack's
     drill agent, and the drill task, holding neither the store nor the key, reads their facts through it (nobody's
-    group is among its agent_readers) and has it keep the report."""
+    group is among its agent_drillers) and has it keep the report."""
     stack = airflow_stack
     store = stack.drill_store  # the drill agent's: only this test writes there
     # Its own kill switch: a Variable no other test's drill reads.
