@@ -17,7 +17,8 @@ reply carries the caller's end of the lifeline), which runs it as run/runner.py 
 heartbeat checkpoints signed by the node's key into the node's store (workloads.py); ``status``;
 ``stop`` (the final checkpoint, then the end); ``kill`` (no checkpoint); ``list``. A start with
 ``resume`` restores the ID's newest checkpoint first (CRIU under the tree's shim, in full).
-``checkpoints`` (0.8.4) answers what the caller may know of the store's checkpoints (views.py).
+``checkpoints`` (0.8.4) answers what the caller may know of the store's checkpoints (views.py), and
+``drill`` (0.8.4) runs a fleet drill of the node's for agent_drillers (drill/).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ MAX_RUNS_PER_UID = 32
 REFUSALS_PER_MINUTE = 50
 #: Messages that are not requests, in a row, after which a connection is closed.
 GARBAGE_IN_A_ROW = 10
+#: How long the accept loop waits before it looks at a stop again (serve).
+ACCEPT_SECONDS = 0.5
 #: A connection that sends nothing for this long is closed (a caller connects again for its next request).
 IDLE_SECONDS = 300.0
 _WID = re.compile(r"^w-[0-9a-f]{12}$")
@@ -186,7 +189,6 @@ class _Drill(BaseModel):
 
     mode: Literal["verify", "canary", "keep"]  # keep: a live drill's report, which its task ran (drill/live.py)
     params: dict[str, Any] = {}
-    report: dict[str, Any] | None = None
 
 
 _LIVE_DRILL_ID = re.compile(r"[0-9]{8}T[0-9]{6}Z-live-[0-9a-f]{6}")  # fullmatch
@@ -298,9 +300,15 @@ class Agent:
         """Accept callers until :meth:`close`. Nothing a caller does ends this loop: a refused or failed
         accept is said and the next one goes on (a flood of connections costs the flooder, not the node)."""
         log.info("agent serving on %s node=%s", self.socket_path, self.node)
+        # A stop's signal may be delivered to any of our threads, and Python runs its handler only in this one,
+        # between two calls: an accept that waits for ever would never see it (a SIGTERM left the agent running
+        # until the next caller came). So the wait is short, and the loop looks again.
+        self._listener.settimeout(ACCEPT_SECONDS)
         while not self._closing.is_set():
             try:
                 conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
             except OSError as e:
                 if self._closing.is_set():
                     return

@@ -1343,3 +1343,29 @@ def test_no_socket_folder_is_made_for_a_non_root_tree_where_an_acl_forbids_its_u
         assert not os.path.exists(folder)
     finally:
         shutil.rmtree(parent, ignore_errors=True)
+
+
+def test_a_stop_signal_delivered_to_any_thread_of_the_agent_stops_it(tmp_path):
+    """The kernel may hand a process's SIGTERM to any thread; Python runs the handler only in the main one,
+    which waited in accept() for ever: under load the agent outlived `systemctl stop` until its next caller
+    came. Sent here to a thread other than the main one (tgkill), it must stop within seconds."""
+    import ctypes
+    import platform
+
+    tgkill = {"x86_64": 234, "aarch64": 131}.get(platform.machine())
+    if tgkill is None:
+        pytest.skip(f"tgkill's number on {platform.machine()} is not listed here")
+    folder = Path(f"/run/cedana-test-agent-{os.getpid()}-sigterm")
+    proc = start_agent(folder / "agent.sock", cli_env(tmp_path, "node-a", "work"), tmp_path / "agent.log")
+    try:
+        others = [int(t.name) for t in Path(f"/proc/{proc.pid}/task").iterdir() if int(t.name) != proc.pid]
+        assert others, "the agent has no thread but its main one"
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.syscall(tgkill, proc.pid, others[0], signal.SIGTERM) == 0
+        proc.wait(10)
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
