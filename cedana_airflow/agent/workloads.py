@@ -30,6 +30,7 @@ from ..engine.images import read_external_mounts, read_mountpoints
 from ..format.manifest import AirflowTask, Manifest
 from ..run.environment import workload_env
 from ..run.no_io_uring import filter_program
+from ..coop import ENV_RESTORE
 from ..run.cooperative import Cooperation
 from ..run.runner import RunResult, run_workload
 from ..run.summary import run_summary
@@ -173,6 +174,7 @@ class Run:
                                     restored=Cooperation.restoring(env or {}))
 
         env_ = workload_env(env, self.settings.keep_env)  # never the store's credentials, whoever sent them
+        env_.pop(ENV_RESTORE, None)  # only a restore names a put back state (the start's reply says which)
         self._launch(None if argv is None else list(argv), cwd, env_, resume or argv is None, starter,
                      _ShimRestore(self, out_w, err_w))
 
@@ -190,7 +192,8 @@ class Run:
                                                on_fresh=self._fresh, caller_uid=self.peer.uid,
                                                owner_checked=self._taken_up,
                                                coop_root=self.coop_base / self.wid if self.coop_base else None,
-                                               coop_owner=(self.peer.uid, self.peer.gid) if self.peer.uid else None)
+                                               coop_owner=(self.peer.uid, self.peer.gid, tuple(self.peer.groups))
+                                               if self.peer.uid else None)
             except errors.CedanaError as e:
                 self.failure = e
             except Exception as e:  # noqa: BLE001 (a bug: said, and the caller is not left waiting)

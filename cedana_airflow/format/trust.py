@@ -47,6 +47,11 @@ class Trust:
         return signature_problem(m, legacy if legacy is not None else self.key)
 
     def owner_refusal(self, m: Manifest) -> str | None:
+        if not self.uid and m.cooperative is not None and m.caller is not None and m.caller.uid != 0:
+            # Restoring a cooperative checkpoint starts a command with the state another uid wrote: as root, or as
+            # whoever restores in its own process, that would run that uid's doing with more than it has.
+            return (f"it was written by uid {m.caller.uid}'s workload, whose command runs only as uid "
+                    f"{m.caller.uid}: restore it as that uid (through the node agent)")
         if self.uid:  # a caller other than root: only its own uid's IDs (the caller block is signed)
             if m.caller is None:
                 return (f"it was written without a caller's uid (by a supervisor running as root, or an agent before "

@@ -380,7 +380,6 @@ class Checkpointer:
         except WriterFenced:
             return None
         finally:
-            taken.release()
             if not self.settings.keep_local:  # (kept, it goes at the next request: run/cooperative.py)
                 shutil.rmtree(taken.where, ignore_errors=True)
         self._known = manifest.chunk_digests()

@@ -10,12 +10,14 @@ One root per supervisor, in its work directory (root's eyes only, like every dum
     coop-<pid>/taken/      a completed state, renamed out of the workload's way while it is stored
     coop-<pid>/restore-S/  CEDANA_RESTORE_DIR: checkpoint seq S, put back before the command starts
 
-For the node agent's caller (``owner``: its uid and gid), the root is root's and 0711: the workload
-reaches the request file and its own folders by name, and can neither list nor change the root (else it
-could plant a link where the agent writes). Its folders are the caller's: ``state-N/``, the put back
-``restore-S/`` (given to it before its command starts) and ``answers/``, where its ready file goes. What
-it wrote is opened as the caller (its fsuid and fsgid, no link followed at the end): a link swapped in
-after the listing reaches only what the caller itself may read, and a read never waits on a FIFO.
+For the node agent's caller (``owner``: its uid, gid and groups), the root is root's and 0711: the
+workload reaches the request file and its own folders by name, and can neither list nor change the root
+(else it could plant a link where the agent writes). Its folders are the caller's: ``state-N/``, the put
+back ``restore-S/`` (given to it before its command starts) and ``answers/``, where its ready file goes.
+Root never opens, lists, maps or removes anything in them: a helper running as the caller copies a
+completed state into a folder of the agent's own (``private``) and removes the caller's folders
+(run/state_copy.py); only the markers are read by root, by name in a folder the workload cannot swap,
+never through a link and never from a FIFO.
 
 A request is withdrawn (the file and the link removed, its directory renamed away and deleted) when its
 deadline passes, the workload ends, or the run stops: what a late writer still writes lands nowhere
@@ -27,7 +29,6 @@ request's number is not this request's.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ import shlex
 import shutil
 import signal
 import stat
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -45,9 +47,10 @@ from pathlib import Path
 from ..config import Settings
 from ..coop import COMPLETE, DONE_PREFIX, ENV_DIR, ENV_READY, ENV_REQUEST, ENV_RESTORE, ENV_SIGNAL
 from ..store.transfer import StateSource
+from .state_copy import copy_as, remove_as
 from .workload import Workload
 
-__all__ = ["Cooperation", "Taken", "catches", "open_as"]
+__all__ = ["Cooperation", "Taken", "catches"]
 
 log = logging.getLogger(__name__)
 
@@ -57,22 +60,15 @@ _MARKERS = re.compile(rf"^(?:{COMPLETE}|{re.escape(DONE_PREFIX)}\d+|\.(?:{COMPLE
 
 @dataclass(frozen=True)
 class Taken:
-    """A completed request: what to store, and the directory to delete once it is stored. ``fds``: the
-    files opened as the caller (an owner's), which ``source`` names by /proc/self/fd; :meth:`release`
-    closes them."""
+    """A completed request: what to store, and the directory to delete once it is stored (ours: for the node
+    agent's caller, the copy of what it wrote)."""
 
     source: StateSource
     where: Path
-    fds: tuple[int, ...] = ()
 
     @property
     def bytes(self) -> int:
         return sum(f.stat().st_size for _, f, _ in self.source.files)
-
-    def release(self) -> None:
-        for fd in self.fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
 
 
 def catches(pid: int, signum: int) -> bool:
@@ -99,16 +95,19 @@ def _status(pid: int) -> tuple[int, int]:
 class Cooperation:
     """Requests to one workload, one at a time, under ``root``."""
 
-    def __init__(self, root: Path, settings: Settings, owner: tuple[int, int] | None = None) -> None:
-        """``owner``: the uid and gid the workload runs as, where they are not ours (the node agent's caller)."""
+    def __init__(self, root: Path, settings: Settings, owner: tuple[int, int, tuple[int, ...]] | None = None,
+                 private: Path | None = None) -> None:
+        """``owner``: the uid, gid and groups the workload runs as, where they are not ours (the node agent's
+        caller); ``private``: a folder of ours alone (the work dir), where its states are copied."""
         self.root, self.settings, self.owner = root, settings, owner
+        self.private = private or root
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.request_file, self.ready_file = root / "request", root / "ready"
         if owner is not None:
             root.chmod(0o711)  # reached by name, never listed nor written by the workload
             answers = root / "answers"
             answers.mkdir(mode=0o700, exist_ok=True)  # (there: an agent took up a former agent's run)
-            os.lchown(answers, *owner)
+            os.lchown(answers, owner[0], owner[1])
             self.ready_file = answers / "ready"
         self.state_link = root / "state"
         self.requests = 0
@@ -133,12 +132,16 @@ class Cooperation:
     def declared(self) -> bool:
         """Whether the workload said it answers (its ready file): what ``mode = auto`` asks first. Another
         process's handler for the signal (a framework's own use of SIGUSR1) is no such declaration."""
-        return self.ready_file.exists()
+        try:  # not through a link: that would tell whether a path of root's exists
+            os.lstat(self.ready_file)
+        except OSError:
+            return False
+        return True
 
     def _listeners(self) -> set[int]:
         """The PIDs the ready file names (empty: none named, or no file)."""
         try:
-            return {int(x) for x in _read_small(self.ready_file, 64 << 10).split() if x.isdigit()}
+            return {int(x) for x in _read_small(self.ready_file, 64 << 10).split() if x.isascii() and x.isdigit()}
         except (OSError, UnicodeDecodeError):
             return set()
 
@@ -150,11 +153,11 @@ class Cooperation:
         self.requests += 1
         n = self.requests
         for left in [*self.root.glob("state-*"), self.root / "taken"]:  # a withdrawn request's, a kept one's
-            _remove(left)
+            self._remove(left)
         d = self.root / f"state-{n}"
         d.mkdir(mode=0o700)
         if self.owner is not None:
-            os.chown(d, *self.owner)  # new, in a folder only we write: no link can be in its place
+            os.chown(d, self.owner[0], self.owner[1])  # new, in a folder only we write: nothing in its place
         _link(self.state_link, d)
         timeout = self.settings.cooperative_timeout_seconds if budget is None else min(
             budget, self.settings.cooperative_timeout_seconds)
@@ -177,39 +180,56 @@ class Cooperation:
         self.request_file.unlink(missing_ok=True)  # withdrawn or answered: either way no longer open
         self.state_link.unlink(missing_ok=True)
         if why:
-            _remove(d)
+            self._remove(d)
             log.debug("cooperative request %d withdrawn: %s", n, why)
             if workload.poll() is not None or why == "the run is stopping":
                 return None  # nothing to protect any more, or the stop's own request follows: no skip
             return f"cooperative checkpoint {n} dropped: {why}; nothing of it is kept"
         taken = self.root / "taken"
         os.rename(d, taken)  # out of the workload's way: what it writes now goes nowhere kept
-        try:
-            files, ranks = _listing(taken)
-        except ValueError as e:
-            _remove(taken)
-            return f"cooperative checkpoint {n} dropped: {e}"
-        fds: tuple[int, ...] = ()
-        if self.owner is not None:
-            try:
-                fds = tuple(open_as(path, self.owner) for _, path, _ in files)
-            except OSError as e:
-                _remove(taken)
-                return (f"cooperative checkpoint {n} dropped: {ENV_DIR} holds a file its user cannot read, or one "
-                        f"that is no longer a regular file ({e.strerror or e}); nothing of it is kept")
-            files = tuple((rel, Path(f"/proc/self/fd/{fd}"), mode) for (rel, _, mode), fd in zip(files, fds))
         verify = tuple(shlex.split(self.settings.cooperative_verify_command))
-        return Taken(StateSource(files, request=n, ranks=ranks, write_seconds=seconds, verify_command=verify), taken,
-                     fds)
+        if self.owner is None:
+            try:
+                files, ranks = _listing(taken)
+            except ValueError as e:
+                _remove(taken)
+                return f"cooperative checkpoint {n} dropped: {e}"
+            return Taken(StateSource(files, request=n, ranks=ranks, write_seconds=seconds, verify_command=verify),
+                         taken)
+        copy = Path(tempfile.mkdtemp(prefix=f"coop-copy-{n}-", dir=self.private)) / "state"
+        try:
+            files, ranks = copy_as(self.owner, taken, copy, max_bytes=self.settings.max_checkpoint_bytes,
+                                   timeout=max(60.0, self.settings.cooperative_timeout_seconds))
+        except ValueError as e:
+            shutil.rmtree(copy.parent, ignore_errors=True)
+            return f"cooperative checkpoint {n} dropped: {ENV_DIR} {e}; nothing of it is kept"
+        finally:
+            self._remove(taken)
+        return Taken(StateSource(files, request=n, ranks=ranks, write_seconds=seconds, verify_command=verify),
+                     copy.parent)
+
+    def _remove(self, path: Path) -> None:
+        """A folder of the workload's gone: removed as its user where it is the node agent's caller's."""
+        if self.owner is None:
+            _remove(path)
+            return
+        if not path.exists():
+            return
+        aside = path.with_name(f"{path.name}.gone-{time.monotonic_ns()}")
+        with contextlib.suppress(OSError):
+            os.rename(path, aside)  # in our folder: the workload cannot put anything in its place
+            path = aside
+        remove_as(self.owner, path)
 
     def give(self, restored: Path) -> None:
         """A put back state (``restore_dir``), made by us, to the workload's user before its command starts."""
         if self.owner is None:
             return
+        uid, gid = self.owner[0], self.owner[1]
         for top, dirs, names in os.walk(restored):  # ours alone until now: nothing in it was planted
             for name in (*dirs, *names):
-                os.lchown(os.path.join(top, name), *self.owner)
-        os.lchown(restored, *self.owner)
+                os.lchown(os.path.join(top, name), uid, gid)
+        os.lchown(restored, uid, gid)
 
     def _tell(self, workload: Workload) -> str:
         """The request's signal, to each process of the tree that handles it (of those the ready file names,
@@ -226,8 +246,13 @@ class Cooperation:
         return told
 
     def close(self) -> None:
-        if not self.settings.keep_local:
-            _remove(self.root)
+        if self.settings.keep_local:
+            return
+        if self.owner is not None and self.root.is_dir():  # the caller's folders first, as the caller
+            for child in self.root.iterdir():  # our folder: its entries are ours to name
+                if child.is_dir() and not child.is_symlink() and child.stat().st_uid == self.owner[0]:
+                    self._remove(child)
+        _remove(self.root)
 
 
 def _listing(top: Path) -> tuple[tuple[tuple[str, Path, int], ...], int]:
@@ -294,31 +319,6 @@ def _read_small(path: Path, limit: int) -> str:
     return data.decode()
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def open_as(path: Path, owner: tuple[int, int]) -> int:
-    """``path`` opened for reading as ``owner`` (this thread's fsuid and fsgid: the kernel judges every
-    folder on the way and the file itself as it would for that user, with none of root's file
-    capabilities), not through a link at the end, not a FIFO or device: a regular file's descriptor, or
-    OSError. Linux keeps the fs ids per thread, so no other thread of ours is affected."""
-    uid, gid = owner
-    _libc.setfsgid(gid)
-    _libc.setfsuid(uid)
-    try:
-        if (_libc.setfsuid(-1), _libc.setfsgid(-1)) != (uid, gid):  # -1 changes nothing and says the current one
-            raise OSError(f"could not take on uid {uid} and gid {gid} to read {path}")
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    finally:
-        _libc.setfsuid(os.geteuid())  # back to ours: root's file capabilities come back with fsuid 0
-        _libc.setfsgid(os.getegid())
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def _link(link: Path, target: Path) -> None:

@@ -133,7 +133,7 @@ def run_workload(
     caller_uid: int | None = None,
     owner_checked: bool = False,
     coop_root: Path | None = None,
-    coop_owner: tuple[int, int] | None = None,
+    coop_owner: tuple[int, int, tuple[int, ...]] | None = None,
 ) -> RunResult:
     """Run ``command`` managed (or, with ``command=None``, only restore) and return how it ended.
 
@@ -157,7 +157,7 @@ def run_workload(
     one starts its recorded command through ``starter`` (the node agent's starts it as its caller).
     ``coop_root``: this run's cooperative folder (default: a new one in the work dir; the node agent names
     one per workload, which an agent started after it takes up); ``coop_owner``: the uid and gid the
-    workload runs as where they are not ours (the node agent's caller: run/cooperative.py).
+    workload runs as where they are not ours (the node agent's caller, with its groups: run/cooperative.py).
     ``caller_uid``: the node agent's caller, written into every manifest; one other than root may use
     only an ID whose newest checkpoint is its own uid's (or a new one), checked before the writer lease.
     ``owner_checked``: that was judged when the run began (an agent taking up another agent's run, whose
@@ -192,7 +192,7 @@ def run_workload(
         # In every mode: whatever wrote the newest checkpoint restores it (a cooperative one needs this).
         # (a folder of this run's own: a node agent runs many in one process)
         coop = Cooperation(coop_root or work_dir / f"coop-{os.getpid()}-{secrets.token_hex(4)}", settings,
-                           owner=coop_owner)
+                           owner=coop_owner, private=work_dir)
         if env is None:  # ours, less the store's credentials: they would be in every image
             env = workload_env(os.environ, settings.keep_env)
         # Without CRIU there may be no root either: no PID namespace then, the workload's session is its tree.

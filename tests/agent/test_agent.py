@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import os
 import shutil
 import signal
@@ -939,11 +940,27 @@ def test_a_non_root_caller_s_cooperative_checkpoints_are_taken_and_resumed_as_th
     m = manifests(store, "coop-nobody")[-1]
     assert m["engine"] == "cooperative" and m["caller"]["uid"] == NOBODY, m
     assert not list((sock.parent / "coop").glob("*/state-*")), "a request's folder outlived its run"
-
+    # root never restores it: its command would run nobody's doing as root (format/trust.py)
     out_r, out_w = os.pipe()
-    msg, fds = as_uid(NOBODY, _start(sock, argv, out_w, checkpoint_id="coop-nobody", settings=settings, resume=True,
-                                     try_number=1))
+    msg, fds = as_uid(0, _start(sock, ["sh", "-c", "id -u"], out_w, checkpoint_id="coop-nobody", resume=True,
+                                try_number=1))
     os.close(out_w)
+    assert "ok" in msg and "written by uid 65534's workload, whose command runs only as uid 65534" in (
+        msg["ok"]["fresh"] or ""), msg
+    with socket.socket(fileno=fds[0]) as lifeline:
+        assert _event(lifeline)["ev"] == "started" and _event(lifeline)["ev"] == "exit"
+    assert _read_all(out_r) == "0\n"  # root's own command, started fresh
+
+    deadline = time.monotonic() + 10
+    while True:  # root's run is over once the agent has seen its end, a moment after its caller did
+        out_r, out_w = os.pipe()
+        msg, fds = as_uid(NOBODY, _start(sock, argv, out_w, checkpoint_id="coop-nobody", settings=settings,
+                                         resume=True, try_number=2))
+        os.close(out_w)
+        if "in use by another uid" not in msg.get("line", "") or time.monotonic() > deadline:
+            break
+        os.close(out_r)
+        time.sleep(0.2)
     assert "ok" in msg and msg["ok"]["restored_seq"] is not None, msg
     with socket.socket(fileno=fds[0]) as lifeline:
         assert _event(lifeline)["ev"] == "started"
@@ -955,40 +972,63 @@ def test_a_non_root_caller_s_cooperative_checkpoints_are_taken_and_resumed_as_th
     assert second.strip().endswith(f"done total={sum(random.Random(s).randrange(1000) for s in range(300))}"), second[-300:]
 
 
-def test_a_cooperative_state_is_read_as_its_caller_never_through_a_link_nor_from_a_fifo(tmp_path):
-    """What a workload that is not root wrote is opened as its user (run/cooperative.py: open_as): a link at
-    the end is refused, a folder on the way swapped for a link reaches only what that user may read, and a
-    FIFO is refused without waiting."""
-    from cedana_airflow.run.cooperative import open_as
+def test_a_cooperative_state_is_copied_and_removed_as_its_caller_never_by_root(tmp_path):
+    """What a workload that is not root wrote is copied out by a helper running as its user (run/state_copy.py):
+    regular files and folders only (a link or a FIFO refuses the state, without waiting), only what that user
+    may read, bounded in bytes before a byte is read; and its folders are removed as that user, so a link in
+    them is unlinked, never followed."""
+    from cedana_airflow.run.state_copy import copy_as, remove_as
 
-    top = Path(tempfile.mkdtemp(prefix="cedana-open-as-"))  # /tmp's: nobody may reach it (tmp_path is root's)
+    top = Path(tempfile.mkdtemp(prefix="cedana-state-copy-"))  # /tmp's: nobody may reach it (tmp_path is root's)
     top.chmod(0o755)
+    me = (NOBODY, NOBODY, ())
     try:
-        _open_as_checks(open_as, top / "taken")
+        def state(name: str, **files: str) -> Path:
+            d = top / name
+            (d / "sub").mkdir(parents=True)
+            (d / "rank-0").write_text("weights")
+            (d / "sub" / "opt").write_text("moments")
+            (d / "COMPLETE").write_text("")
+            for rel, what in files.items():
+                p = d / rel
+                if what == "link":
+                    p.symlink_to("/etc/shadow")
+                elif what == "fifo":
+                    os.mkfifo(p)
+                elif what == "root-only":
+                    p.write_text("root's")
+                    p.chmod(0o600)
+                    continue  # stays root's
+                elif what == "sparse":
+                    with open(p, "wb") as f:
+                        f.truncate(1 << 40)
+            for p in [d, *d.rglob("*")]:
+                if p.name != "secret":
+                    os.lchown(p, NOBODY, NOBODY)
+            return d
+
+        files, ranks = copy_as(me, state("good"), top / "out-good", max_bytes=1 << 20, timeout=60)
+        assert sorted((rel, p.read_text(), mode) for rel, p, mode in files) == [
+            ("rank-0", "weights", 0o644), ("sub/opt", "moments", 0o644)]
+        assert ranks == 1 and all(p.stat().st_uid == 0 for _, p, _ in files)  # our copies, not the caller's files
+        for name, kind, says in (("link", "link", "a symlink, 'sub/x'"), ("fifo", "fifo", "a special file, 'sub/x'"),
+                                 ("secret", "root-only", "Permission denied"),
+                                 ("sparse", "sparse", f"more than {1 << 20} bytes")):
+            t0 = time.monotonic()
+            with pytest.raises(ValueError, match=re.escape(says)):
+                copy_as(me, state(name, **{"sub/x" if kind != "root-only" else "secret": kind}), top / f"out-{name}",
+                        max_bytes=1 << 20, timeout=60)
+            assert time.monotonic() - t0 < 30, name  # refused, not waited on
+
+        victim = top / "victim"
+        victim.write_text("root's file")
+        d = state("removed")
+        (d / "sub" / "link").symlink_to(victim)
+        os.lchown(d / "sub" / "link", NOBODY, NOBODY)
+        remove_as(me, d)
+        assert not d.exists() and victim.read_text() == "root's file"
     finally:
         shutil.rmtree(top)
-
-
-def _open_as_checks(open_as: Callable[[Path, tuple[int, int]], int], d: Path) -> None:
-    d.mkdir()
-    (d / "ok").write_text("mine")
-    os.symlink("/etc/shadow", d / "link")
-    (d / "sub").symlink_to("/root")  # a folder of the path swapped for a link, after the listing
-    os.mkfifo(d / "fifo")
-    for p in d.iterdir():
-        os.lchown(p, NOBODY, NOBODY)
-    os.chown(d, NOBODY, NOBODY)
-    fd = open_as(d / "ok", (NOBODY, NOBODY))
-    assert os.read(fd, 10) == b"mine"
-    os.close(fd)
-    for name, err in (("link", errno.ELOOP), ("sub/.bashrc", errno.EACCES)):
-        with pytest.raises(OSError) as e:
-            open_as(d / name, (NOBODY, NOBODY))
-        assert e.value.errno == err, (name, e.value)
-    with pytest.raises(OSError, match="not a regular file"):
-        open_as(d / "fifo", (NOBODY, NOBODY))
-    assert open(d / "ok").read() == "mine"  # root's own access is back afterwards
-    assert Path("/etc/shadow").read_bytes()
 
 
 def test_an_agent_started_after_a_killed_one_takes_up_its_workloads(tmp_path):
