@@ -30,6 +30,7 @@ from fleet_stack import FleetStack  # noqa: E402
 from cedana_airflow.airflow.live_fleet import ApiFleet  # noqa: E402
 from cedana_airflow.config import load_settings  # noqa: E402
 from cedana_airflow.drill.fleet import FINISHED, RunningTask, wait  # noqa: E402
+from cedana_airflow.drill.facts import StoreFacts  # noqa: E402
 from cedana_airflow.drill.follow import follow_retry, seen_failed  # noqa: E402
 from cedana_airflow.ids import derive_checkpoint_id  # noqa: E402
 from cedana_airflow.store import Store, open_store  # noqa: E402
@@ -95,7 +96,7 @@ def failover(fleet: FleetStack, *, dag_id: str = "cedana_failover", checkpoints_
                            "last_checkpoint_seq": before[0].seq if before else None,
                            "lost_work_seconds": round(killed - before[0].created_at.timestamp(), 3) if before else None}
     out["detect_seconds"] = seen_failed(api, task, t0, deadline, 0.5)
-    figures = follow_retry(store, api, task, cid, killed_at, deadline, 0.5)
+    figures = follow_retry(StoreFacts(store, None), api, task, cid, killed_at, deadline, 0.5)
     figures.pop("lost_work_seconds", None)  # a node loss: from the kill, above (follow_retry counts to the last output)
     out.update(figures)
     wait(lambda: True if api.now(task).state in FINISHED else None, deadline, 0.5)  # a fresh start ends too

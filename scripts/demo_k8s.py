@@ -229,6 +229,7 @@ def live_drill(cluster: Cluster, prefix: str) -> Case:
     from pod_fleet import PodFleet
 
     from cedana_airflow.config import load_settings
+    from cedana_airflow.drill.facts import StoreFacts
     from cedana_airflow.drill.live import live
     from cedana_airflow.scope.optin import Drills
     from cedana_airflow.store import open_store
@@ -240,7 +241,8 @@ def live_drill(cluster: Cluster, prefix: str) -> Case:
     cluster.wait_checkpoints(prefix, 1, first)
     first.checkpoints_before_end = len(cluster.checkpoints(prefix))
     store = open_store(f"s3://{BUCKET}/{prefix}", load_settings(environ={}))
-    case.report = live(store, fleet, Drills(live=True, follow_seconds=300), node="drill-runner", seed=1, poll=0.5)
+    case.report = live(StoreFacts(store, None), fleet, Drills(live=True, follow_seconds=300), node="drill-runner",
+                       seed=1, poll=0.5)
     case.tries = fleet.tries
     cluster.finish(case.tries[-1], 120)
     for t in case.tries:

@@ -189,7 +189,7 @@ class AgentClient:
             protocol.close_fds(got)
             return reply
         try:
-            if len(got) != 1:
+            if len(got) != 1 or not isinstance(reply.get("report_bytes"), int):
                 raise errors.AgentUnavailable(f"the cedana agent at {self.path} sent no report for its {mode} drill. "
                                               "Check the agent's log")
             data = os.pread(got[0], min(int(reply.get("report_bytes", 0)), REPORT_BYTES), 0)

@@ -762,9 +762,12 @@ def _memfd(data: bytes, name: str) -> int:
 def _read_fd(fd: int, limit: int) -> bytes:
     """What a caller passed in a regular file or memfd, at most ``limit`` bytes (never a pipe or a socket,
     which could keep us waiting)."""
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        raise ValueError("not a regular file or memfd")
-    data = os.pread(fd, limit + 1, 0)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file or memfd")
+        data = os.pread(fd, limit + 1, 0)
+    except OSError as e:  # an O_PATH or write-only fd
+        raise ValueError(f"it cannot be read ({e.strerror or e})") from None
     if len(data) > limit:
         raise ValueError(f"larger than {limit} bytes")
     return data

@@ -133,10 +133,9 @@ class Cooperation:
         """Whether the workload said it answers (its ready file): what ``mode = auto`` asks first. Another
         process's handler for the signal (a framework's own use of SIGUSR1) is no such declaration."""
         try:  # not through a link: that would tell whether a path of root's exists
-            os.lstat(self.ready_file)
+            return stat.S_ISREG(os.lstat(self.ready_file).st_mode)
         except OSError:
             return False
-        return True
 
     def _listeners(self) -> set[int]:
         """The PIDs the ready file names (empty: none named, or no file)."""
@@ -198,7 +197,7 @@ class Cooperation:
                          taken)
         copy = Path(tempfile.mkdtemp(prefix=f"coop-copy-{n}-", dir=self.private)) / "state"
         try:
-            files, ranks = copy_as(self.owner, taken, copy, max_bytes=self.settings.max_checkpoint_bytes,
+            files, ranks = copy_as(self.owner, taken, copy, max_bytes=self.settings.max_checkpoint_bytes or 1 << 40,
                                    timeout=max(60.0, self.settings.cooperative_timeout_seconds))
         except ValueError as e:
             shutil.rmtree(copy.parent, ignore_errors=True)
@@ -305,12 +304,17 @@ def _complete(marker: Path, n: int) -> bool:
 
 
 def _read_small(path: Path, limit: int) -> str:
-    """A marker the workload wrote: a regular file, not through a link at the end, never waiting on a FIFO,
-    at most ``limit`` bytes (more: OSError)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    """A marker the workload wrote: a regular file, not through a link at the end, at most ``limit`` bytes
+    (more: OSError). Looked at first without opening it (O_PATH), so that a FIFO or a device linked in its
+    place is never opened (an open of a device has effects of its own)."""
+    where = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        if not stat.S_ISREG(os.fstat(where).st_mode):
             raise OSError(f"{path} is not a regular file")
+        fd = os.open(f"/proc/self/fd/{where}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # that same file
+    finally:
+        os.close(where)
+    try:
         data = os.read(fd, limit + 1)
     finally:
         os.close(fd)

@@ -15,7 +15,8 @@ uid, gid and groups at once (no capability survives: the kernel clears them with
   the agent then removes, empty).
 
 The kernel judges every open as it would for the caller; a hung read hangs the helper, which is killed
-after its time. Standard library only, and nothing imported from the caller's reach (``-I``).
+after its time. Standard library only (and coop/, which is too), nothing imported from the caller's reach
+(``-I``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
+from ..coop import COMPLETE, DONE_PREFIX  # standard library only, as this module
+
 __all__ = ["copy_as", "remove_as"]
 
 #: What one state may hold: files, folder depth.
@@ -37,9 +40,8 @@ MAX_FILES = 100_000
 MAX_DEPTH = 64
 _HEADER_BYTES = 64 << 10
 _CHUNK = 1 << 20
-#: The markers of the contract (coop/__init__.py: COMPLETE, DONE-<rank>) and their in-flight copies, which
-#: are counted, not kept. (Spelled out here: this module imports nothing of the package.)
-_MARKERS = re.compile(r"^(?:COMPLETE|DONE-\d+|\.(?:COMPLETE|DONE-\d+)\.\d+\.tmp)$")
+#: The markers of the contract and their in-flight copies (coop/__init__.py), counted, not kept.
+_MARKERS = re.compile(rf"^(?:{COMPLETE}|{re.escape(DONE_PREFIX)}\d+|\.(?:{COMPLETE}|{re.escape(DONE_PREFIX)}\d+)\.\d+\.tmp)$")
 
 
 # -- the helper (the caller's side) -----------------------------------------------------------------------
@@ -81,7 +83,7 @@ def _copy(top: str, max_bytes: int) -> None:
                 raise ValueError(f"it holds a name a manifest cannot carry, {r!r}; name files with printable UTF-8 only")
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             if not rel and _MARKERS.match(name):
-                ranks += name.startswith("DONE-")
+                ranks += name.startswith(DONE_PREFIX)
             elif stat.S_ISDIR(st.st_mode):
                 sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
                 try:

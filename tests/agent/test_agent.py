@@ -989,6 +989,8 @@ def test_a_cooperative_state_is_copied_and_removed_as_its_caller_never_by_root(t
             (d / "rank-0").write_text("weights")
             (d / "sub" / "opt").write_text("moments")
             (d / "COMPLETE").write_text("")
+            (d / ".done-0").write_text("")  # two ranks' markers: counted, not copied
+            (d / ".done-1").write_text("")
             for rel, what in files.items():
                 p = d / rel
                 if what == "link":
@@ -1010,7 +1012,7 @@ def test_a_cooperative_state_is_copied_and_removed_as_its_caller_never_by_root(t
         files, ranks = copy_as(me, state("good"), top / "out-good", max_bytes=1 << 20, timeout=60)
         assert sorted((rel, p.read_text(), mode) for rel, p, mode in files) == [
             ("rank-0", "weights", 0o644), ("sub/opt", "moments", 0o644)]
-        assert ranks == 1 and all(p.stat().st_uid == 0 for _, p, _ in files)  # our copies, not the caller's files
+        assert ranks == 2 and all(p.stat().st_uid == 0 for _, p, _ in files)  # our copies, not the caller's files
         for name, kind, says in (("link", "link", "a symlink, 'sub/x'"), ("fifo", "fifo", "a special file, 'sub/x'"),
                                  ("secret", "root-only", "Permission denied"),
                                  ("sparse", "sparse", f"more than {1 << 20} bytes")):
