@@ -199,9 +199,12 @@ class Cooperation:
         try:
             files, ranks = copy_as(self.owner, taken, copy, max_bytes=self.settings.max_checkpoint_bytes or 1 << 40,
                                    timeout=max(60.0, self.settings.cooperative_timeout_seconds))
-        except ValueError as e:
+        except ValueError as e:  # (copy_as leaves nothing of it behind)
             shutil.rmtree(copy.parent, ignore_errors=True)
             return f"cooperative checkpoint {n} dropped: {ENV_DIR} {e}; nothing of it is kept"
+        except BaseException:
+            shutil.rmtree(copy.parent, ignore_errors=True)
+            raise
         finally:
             self._remove(taken)
         return Taken(StateSource(files, request=n, ranks=ranks, write_seconds=seconds, verify_command=verify),
@@ -247,11 +250,27 @@ class Cooperation:
     def close(self) -> None:
         if self.settings.keep_local:
             return
-        if self.owner is not None and self.root.is_dir():  # the caller's folders first, as the caller
-            for child in self.root.iterdir():  # our folder: its entries are ours to name
-                if child.is_dir() and not child.is_symlink() and child.stat().st_uid == self.owner[0]:
-                    self._remove(child)
-        _remove(self.root)
+        if self.owner is None:
+            _remove(self.root)
+            return
+        if not self.root.is_dir():
+            return
+        # Never a recursive removal as root over what the caller made: its folders are emptied by the helper, as
+        # the caller; ours (entries of our folder, named by us) are removed one by one; what is left stays.
+        for child in list(self.root.iterdir()):
+            st = child.lstat()
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == self.owner[0]:
+                self._remove(child)
+            elif stat.S_ISDIR(st.st_mode):
+                with contextlib.suppress(OSError):
+                    os.rmdir(child)  # a restore folder given back: the helper emptied it above, or it stays
+            else:
+                child.unlink(missing_ok=True)
+        try:
+            os.rmdir(self.root)
+        except OSError as e:
+            log.warning("cooperative folder %s not removed: %s (the workload left something its user cannot "
+                        "remove)", self.root, e.strerror or e)
 
 
 def _listing(top: Path) -> tuple[tuple[tuple[str, Path, int], ...], int]:

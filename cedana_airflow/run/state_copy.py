@@ -21,6 +21,7 @@ after its time. Standard library only (and coop/, which is too), nothing importe
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -35,9 +36,12 @@ from ..coop import COMPLETE, DONE_PREFIX  # standard library only, as this modul
 
 __all__ = ["copy_as", "remove_as"]
 
-#: What one state may hold: files, folder depth.
+#: What one state may hold: files and folders, folder depth, a file's path (relative to the state).
 MAX_FILES = 100_000
 MAX_DEPTH = 64
+MAX_PATH = 1024
+#: Free space a copy leaves on the agent's file system at least.
+ROOM_BYTES = 1 << 30
 _HEADER_BYTES = 64 << 10
 _CHUNK = 1 << 20
 #: The markers of the contract and their in-flight copies (coop/__init__.py), counted, not kept.
@@ -51,10 +55,15 @@ def _drop(uid: int, gid: int, groups: Sequence[int]) -> None:
     os.setgroups(list(groups))
     os.setresgid(gid, gid, gid)
     os.setresuid(uid, uid, uid)
+    libc = ctypes.CDLL(None, use_errno=True)  # (imported before the drop: the caller may not read our Python)
+    # Not dumpable: a process of the caller's uid may then neither trace us nor open our /proc files (else it
+    # could write the stream the agent reads), whatever the node's fs.suid_dumpable; no new privileges.
+    if libc.prctl(4, 0, 0, 0, 0) != 0 or libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS
+        raise PermissionError("could not make the helper undumpable")
     with open("/proc/self/status") as f:
-        eff = next(line.split()[1] for line in f if line.startswith("CapEff:"))
-    if uid != 0 and int(eff, 16) != 0:
-        raise PermissionError(f"capabilities left after dropping to uid {uid}: {eff}")
+        caps = {k: int(v, 16) for k, v in (line.split(":") for line in f if line.startswith(("CapEff", "CapPrm", "CapAmb")))}
+    if uid != 0 and any(caps.values()):
+        raise PermissionError(f"capabilities left after dropping to uid {uid}: {caps}")
 
 
 def _say(doc: dict[str, object]) -> None:
@@ -78,6 +87,9 @@ def _copy(top: str, max_bytes: int) -> None:
         if depth > MAX_DEPTH:
             raise ValueError(f"the state is more than {MAX_DEPTH} folders deep")
         for name in sorted(os.listdir(dfd)):
+            count += 1  # every entry, folders too: a million of them is refused, not walked
+            if count > MAX_FILES:
+                raise ValueError(f"it holds more than {MAX_FILES} files and folders")
             r = f"{rel}{name}"
             if not _name_ok(name):
                 raise ValueError(f"it holds a name a manifest cannot carry, {r!r}; name files with printable UTF-8 only")
@@ -91,9 +103,8 @@ def _copy(top: str, max_bytes: int) -> None:
                 finally:
                     os.close(sub)
             elif stat.S_ISREG(st.st_mode):
-                count += 1
-                if count > MAX_FILES:
-                    raise ValueError(f"it holds more than {MAX_FILES} files")
+                if len(r.encode()) > MAX_PATH:
+                    raise ValueError(f"it holds a path longer than {MAX_PATH} bytes")
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
                 try:
                     fst = os.fstat(fd)
@@ -122,19 +133,38 @@ def _copy(top: str, max_bytes: int) -> None:
     _say({"end": True, "ranks": max(ranks, 1)})
 
 
+def _empty(dfd: int) -> None:
+    """Everything in the folder ``dfd``, removed (as the caller: its own files); a folder it made unreadable
+    to itself is made readable first, a link is unlinked, never followed, and nothing is waited on."""
+    for name in os.listdir(dfd):
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                # readable to its owner again first (a link swapped in meanwhile is followed, but chmod changes
+                # only what the caller owns: nothing of anyone else's)
+                os.chmod(name, 0o700, dir_fd=dfd)
+                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+                try:
+                    _empty(sub)
+                finally:
+                    os.close(sub)
+                os.rmdir(name, dir_fd=dfd)
+            else:
+                os.unlink(name, dir_fd=dfd)
+        except OSError:
+            continue  # swapped meanwhile, or not the caller's to remove: left
+
+
 def _main(argv: Sequence[str]) -> int:
     verb, top, uid, gid, groups = argv[0], argv[1], int(argv[2]), int(argv[3]), argv[4]
     _drop(uid, gid, [int(g) for g in groups.split(",") if g])
     if verb == "remove":
-        for name in os.listdir(top):
-            p = os.path.join(top, name)
-            if os.path.isdir(p) and not os.path.islink(p):
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                try:
-                    os.unlink(p)
-                except OSError:
-                    pass
+        try:
+            os.chmod(top, 0o700)  # (top is in a folder of root's: it cannot be swapped)
+        except OSError:
+            pass
+        dfd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        _empty(dfd)
         return 0
     try:
         _copy(top, int(argv[5]))
@@ -156,8 +186,9 @@ def _helper(verb: str, top: Path, owner: tuple[int, int, Sequence[int]], *more: 
 
 def _safe_rel(rel: str) -> PurePosixPath:
     p = PurePosixPath(rel)
-    if p.is_absolute() or not p.parts or any(part in ("", ".", "..") for part in p.parts):
-        raise ValueError(f"the helper named a path outside the state, {rel!r}")
+    if (p.is_absolute() or not p.parts or any(part in ("", ".", "..") for part in p.parts)
+            or len(rel.encode(errors="replace")) > MAX_PATH or any(len(part.encode(errors="replace")) > 255 for part in p.parts)):
+        raise ValueError(f"the helper named a path outside the state, {rel[:200]!r}")
     return p
 
 
@@ -165,8 +196,22 @@ def copy_as(owner: tuple[int, int, Sequence[int]], src: Path, dst: Path, *, max_
             timeout: float) -> tuple[tuple[tuple[str, Path, int], ...], int]:
     """``src`` (the caller's) copied, as the caller, into ``dst`` (a new folder of ours, made here): each
     file's path relative to it, our copy, its mode bits; and how many ranks marked their part done.
-    ValueError (one line) where the state is refused; the helper is killed after ``timeout`` seconds."""
+    ValueError (one line) where the state is refused or cannot be copied here; ``dst`` is then gone. The
+    helper is killed after ``timeout`` seconds."""
     dst.mkdir(mode=0o700)
+    try:
+        return _copy_into(owner, src, dst, max_bytes, timeout)
+    except BaseException as e:
+        shutil.rmtree(dst, ignore_errors=True)  # ours: nothing of a refused state stays on the agent's disk
+        if isinstance(e, OSError):
+            raise ValueError(f"it could not be copied here ({e.strerror or e})") from None
+        if isinstance(e, (KeyError, TypeError)):
+            raise ValueError("the helper's stream was not one it writes") from None
+        raise
+
+
+def _copy_into(owner: tuple[int, int, Sequence[int]], src: Path, dst: Path, max_bytes: int,
+               timeout: float) -> tuple[tuple[tuple[str, Path, int], ...], int]:
     proc = subprocess.Popen(_helper("copy", src, owner, str(max_bytes)), stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/", env={"PATH": "/usr/bin:/bin"})
     timer = _Killer(proc, timeout)
@@ -179,15 +224,22 @@ def copy_as(owner: tuple[int, int, Sequence[int]], src: Path, dst: Path, *, max_
             if not line.endswith(b"\n"):
                 raise ValueError(_ended(proc, timer, "the copy ended early"))
             head = json.loads(line)
+            if not isinstance(head, dict):
+                raise ValueError("the helper's stream was not one it writes")
             if "error" in head:
                 raise ValueError(str(head["error"])[:500])
-            if head.get("end"):
-                return tuple(files), int(head["ranks"])
-            rel, size, mode = _safe_rel(str(head["path"])), int(head["size"]), int(head["mode"]) & 0o777
+            if head.get("end") is True:
+                return tuple(files), max(1, int(head["ranks"]))
+            rel, size, mode = head["path"], head["size"], head["mode"]
+            if not (isinstance(rel, str) and isinstance(size, int) and isinstance(mode, int) and size >= 0):
+                raise ValueError("the helper's stream was not one it writes")
+            path = dst.joinpath(*_safe_rel(rel).parts)
             total += size
             if total > max_bytes:
                 raise ValueError(f"it holds more than {max_bytes} bytes (max_checkpoint_bytes)")
-            path = dst.joinpath(*rel.parts)
+            st = os.statvfs(dst)
+            if st.f_bavail * st.f_frsize < size + ROOM_BYTES:
+                raise ValueError(f"the agent's work dir has no room for it ({size} bytes more)")
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # ours alone: nothing planted in it
             with open(path, "xb") as f:
                 left = size
@@ -197,7 +249,7 @@ def copy_as(owner: tuple[int, int, Sequence[int]], src: Path, dst: Path, *, max_
                         raise ValueError(_ended(proc, timer, "the copy ended early"))
                     f.write(data)
                     left -= len(data)
-            files.append((str(rel), path, mode))
+            files.append((rel, path, mode & 0o777))
     finally:
         timer.cancel()
         proc.kill()

@@ -1022,11 +1022,22 @@ def test_a_cooperative_state_is_copied_and_removed_as_its_caller_never_by_root(t
                         max_bytes=1 << 20, timeout=60)
             assert time.monotonic() - t0 < 30, name  # refused, not waited on
 
+        deep = state("deep")
+        far = deep.joinpath(*["d" * 200] * 6)
+        far.mkdir(parents=True)
+        (far / "f").write_text("x")
+        for p in deep.rglob("*"):
+            os.lchown(p, NOBODY, NOBODY)
+        with pytest.raises(ValueError, match="a path longer than 1024 bytes"):
+            copy_as(me, deep, top / "out-deep", max_bytes=1 << 20, timeout=60)
+        assert not (top / "out-deep").exists()  # nothing of a refused state stays on the agent's disk
+
         victim = top / "victim"
         victim.write_text("root's file")
         d = state("removed")
         (d / "sub" / "link").symlink_to(victim)
         os.lchown(d / "sub" / "link", NOBODY, NOBODY)
+        (d / "sub").chmod(0o300)  # its own folder, made unlistable to itself: still emptied, as its user
         remove_as(me, d)
         assert not d.exists() and victim.read_text() == "root's file"
     finally:
