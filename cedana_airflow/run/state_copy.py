@@ -61,9 +61,12 @@ def _drop(uid: int, gid: int, groups: Sequence[int]) -> None:
     if libc.prctl(4, 0, 0, 0, 0) != 0 or libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS
         raise PermissionError("could not make the helper undumpable")
     with open("/proc/self/status") as f:
-        caps = {k: int(v, 16) for k, v in (line.split(":") for line in f if line.startswith(("CapEff", "CapPrm", "CapAmb")))}
+        fields = dict(line.split(":", 1) for line in f if line.startswith(("CapEff", "CapPrm", "CapAmb", "TracerPid")))
+    caps = {k: int(v, 16) for k, v in fields.items() if k.startswith("Cap")}
     if uid != 0 and any(caps.values()):
         raise PermissionError(f"capabilities left after dropping to uid {uid}: {caps}")
+    if int(fields.get("TracerPid", "0")) != 0:  # attached in the moment between the drop and the prctl
+        raise PermissionError("the helper is being traced")
 
 
 def _say(doc: dict[str, object]) -> None:
