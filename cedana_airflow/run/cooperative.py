@@ -263,7 +263,7 @@ class Cooperation:
                 self._remove(child)
             elif stat.S_ISDIR(st.st_mode):
                 with contextlib.suppress(OSError):
-                    os.rmdir(child)  # a restore folder given back: the helper emptied it above, or it stays
+                    os.rmdir(child)  # a folder of ours: removed only when empty, never recursively
             else:
                 child.unlink(missing_ok=True)
         try:
