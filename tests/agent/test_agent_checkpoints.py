@@ -1,7 +1,8 @@
 """The agent's ``checkpoints`` query (agent/views.py), as callers of other uids ask it: a caller sees its
 own uid's IDs, as the key vouches for them, and nothing of another uid's (an ID it may not see answers
-exactly as one that does not exist); a member of the node's ``agent_readers`` and root see every ID; a
-manifest the key does not vouch for is nobody's. With real CRIU checkpoints of a tree run as nobody."""
+exactly as one that does not exist); a member of the node's ``agent_readers`` or ``agent_drillers`` and
+root see every ID, and only drillers and root have drills run; a manifest the key does not vouch for is
+nobody's. With real CRIU checkpoints of a tree run as nobody."""
 
 from __future__ import annotations
 
@@ -174,9 +175,9 @@ def test_a_checkpoint_sensor_that_is_not_root_asks_the_agent_and_sees_only_its_u
     assert as_uid(OTHER, fn, prepare)[0] == {"ok": None}
 
 
-def test_drills_through_the_agent_are_for_its_readers_it_runs_verify_itself_and_keeps_a_live_report(agent, tmp_path):
+def test_drills_through_the_agent_are_for_its_drillers_it_runs_verify_itself_and_keeps_a_live_report(agent, tmp_path):
     """A drill task that is not root: the agent runs ``verify`` with its own store and key and keeps the
-    report; it keeps a live drill's report its caller ran; a caller outside agent_readers gets one line."""
+    report; it keeps a live drill's report its caller ran; a caller outside agent_drillers (a reader too) gets one line."""
     from cedana_airflow.drill.report import new_drill_id
 
     store = tmp_path / "store"
