@@ -25,14 +25,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointIdError, CorruptCheckpoint
+from ..errors import CheckpointIdError
 from ..format.layout import lease_key
-from ..format.manifest import Manifest, parse_manifest
+from ..format.manifest import Manifest
 from ..format.selection import restore_order
 from ..format.trust import Trust
 from ..ids import validate_checkpoint_id
 from ..store.base import Store
 from ..store.restores import list_restores
+from ..store.transfer import read_manifest
 from ..store.writer_lease import LeaseRecord
 from .protocol import MAX_QUERY_IDS, Peer, printable
 
@@ -87,11 +88,8 @@ def _vouched(store: Store, trust: Trust, cid: str, want: int) -> tuple[list[Mani
     found: list[Manifest] = []
     for at in range(0, len(seqs), _STEP):
         for seq in seqs[at:at + _STEP]:
-            try:
-                m = parse_manifest(store.get_manifest(cid, seq))
-            except (ValueError, CorruptCheckpoint):
-                continue  # unreadable: nobody's, as it is to a restore
-            if m.checkpoint_id == cid and m.seq == seq and trust.signed_by(m) is not None:
+            m = read_manifest(store, cid, seq)  # unreadable or misplaced: nobody's, as it is to a restore
+            if m is not None and trust.signed_by(m) is not None:
                 found.append(m)
         if len(found) >= want:
             break

@@ -121,7 +121,8 @@ class _Agent(Protocol):
 
 class AgentFacts:
     """The node agent's answers (its ``checkpoints`` query): only checkpoints its key vouches for, and,
-    for a caller outside ``agent_readers``, only its own uid's. A drill's user is meant to be a reader."""
+    for a caller outside ``agent_readers`` and ``agent_drillers``, only its own uid's. A drill's user is
+    meant to be a driller."""
 
     def __init__(self, agent: _Agent) -> None:
         self.agent = agent

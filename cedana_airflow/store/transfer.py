@@ -37,7 +37,7 @@ from .locks import acquire_writer
 from .progress import Progress
 from .quarantine import heal_known, read_chunk
 
-__all__ = ["CAPTURED_DIR", "CapturedSource", "CheckpointMeta", "StateSource", "fetch_checkpoint", "load_manifests",
+__all__ = ["CAPTURED_DIR", "CapturedSource", "CheckpointMeta", "StateSource", "fetch_checkpoint", "load_manifests", "read_manifest",
            "load_manifests_of", "require_latest", "save_checkpoint"]
 
 log = logging.getLogger(__name__)
@@ -278,27 +278,29 @@ def load_manifests(store: Store, checkpoint_id: str) -> list[Manifest]:
     return load_manifests_of(store, [checkpoint_id])[checkpoint_id]
 
 
+def read_manifest(store: Store, checkpoint_id: str, seq: int) -> Manifest | None:
+    """One stored manifest, or None (said in the log) where it does not parse or names another place: it
+    can never be restored. A store that cannot be read raises."""
+    try:
+        m = parse_manifest(store.get_manifest(checkpoint_id, seq))
+    except (ValidationError, ValueError, CorruptCheckpoint) as e:
+        log.warning("manifest unreadable checkpoint_id=%s seq=%d: %s", checkpoint_id, seq, str(e).splitlines()[0])
+        return None
+    if m.checkpoint_id != checkpoint_id or m.seq != seq:
+        log.warning("manifest misplaced checkpoint_id=%s seq=%d names %s/%d; skipped", checkpoint_id, seq,
+                    m.checkpoint_id, m.seq)
+        return None
+    return m
+
+
 def load_manifests_of(store: Store, checkpoint_ids: Sequence[str]) -> dict[str, list[Manifest]]:
     """:func:`load_manifests` for many IDs, reading the manifests ``store.parallelism`` at a time."""
     for cid in checkpoint_ids:
         validate_checkpoint_id(cid)
-
-    def read(key: tuple[str, int]) -> Manifest | None:
-        cid, seq = key
-        try:
-            m = parse_manifest(store.get_manifest(cid, seq))
-        except (ValidationError, ValueError, CorruptCheckpoint) as e:
-            log.warning("manifest unreadable checkpoint_id=%s seq=%d: %s", cid, seq, str(e).splitlines()[0])
-            return None
-        if m.checkpoint_id != cid or m.seq != seq:
-            log.warning("manifest misplaced checkpoint_id=%s seq=%d names %s/%d; skipped", cid, seq, m.checkpoint_id, m.seq)
-            return None
-        return m
-
     with ThreadPoolExecutor(store.parallelism, thread_name_prefix="cedana-list") as pool:
         keys = [(cid, seq) for cids in pool.map(lambda c: [(c, s) for s in store.list_seqs(c)], checkpoint_ids)
                 for cid, seq in cids]
-        found = list(pool.map(read, keys))
+        found = list(pool.map(lambda key: read_manifest(store, *key), keys))
     out: dict[str, list[Manifest]] = {cid: [] for cid in checkpoint_ids}
     for m in found:
         if m is not None:
