@@ -37,7 +37,9 @@ REPO=$(pwd)
 DRY=0
 for a in "$@"; do [ "$a" = --dry-run ] && DRY=1; done
 if [ "$DRY" = 1 ]; then  # the CPU stands in for the GPU: a small model, quick heartbeats
-  GIB=0.02 STEPS=200 STEP_SECONDS=0.1 HEARTBEAT=1  # 20 s: two heartbeats after start-up, on a busy machine too
+  # 60 s paced: time for two heartbeats after start-up on a busy machine too (20 s was not, in CI, where a
+  # torch process's checkpoint took seconds); only the killed run is paced, the restored rest is quick
+  GIB=0.02 STEPS=600 STEP_SECONDS=0.1 HEARTBEAT=1
 else
   GIB=4 STEPS=1000 STEP_SECONDS=0.1 HEARTBEAT=10
 fi
@@ -386,8 +388,12 @@ wait_gpu_free
 ID="gpu-validate-$$"
 STORE="$WORK/store"
 say "protected run: cedana-airflow run --id $ID --gpu $GPU_MODE --heartbeat $HEARTBEAT"
+# Paced while the pace file is there: removed after the kill, so the restored rest runs at full speed and a
+# long paced run (time for the heartbeats on a busy machine) costs nothing after the restore.
+: >"$WORK/pace"
 CEDANA_NODE=gpu-validate-a CEDANA_WORK_DIR="$WORK/work-a" \
   "$CLI" run --id "$ID" --gpu "$GPU_MODE" --heartbeat "$HEARTBEAT" -- "$PY" "${WL[@]}" --step-seconds "$STEP_SECONDS" \
+  --pace-file "$WORK/pace" \
   >"$WORK/run.out" 2>"$WORK/run.err" &
 SUP=$!
 t0=$SECONDS
@@ -442,6 +448,7 @@ SUP=""
 [ -e "/proc/$WPID" ] && fail 1 "the workload (pid $WPID) was still there 30 s after SIGKILL"
 WPID=""
 killed_at=$(grep -c '^step ' "$WORK/run.out" || true)
+rm -f "$WORK/pace"
 say "killed supervisor and workload after step $killed_at; restoring on node gpu-validate-b"
 wait_gpu_free
 

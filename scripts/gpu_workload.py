@@ -41,6 +41,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gib", type=float, default=4.0, help="GPU memory to hold in all, model state included (GiB)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--step-seconds", type=float, default=0.1, help="sleep per step: time for heartbeats to land")
+    ap.add_argument("--pace-file", default=None,
+                    help="sleep --step-seconds only while this file exists: the run that is checkpointed and "
+                         "killed is paced, its restored rest runs at full speed")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--hidden", type=int, default=2048, help="width of the MLP's layers")
     ap.add_argument("--layers", type=int, default=4)
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             ballast[lo:lo + span].mul_(0.5).add_(loss.detach())
         print(f"step {step}/{a.steps} loss={loss.item()!r}", flush=True)
-        if a.step_seconds:
+        if a.step_seconds and (a.pace_file is None or os.path.exists(a.pace_file)):
             time.sleep(a.step_seconds)
 
     h = hashlib.sha256()

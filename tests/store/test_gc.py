@@ -112,15 +112,15 @@ def test_gc_holds_its_lock_while_it_waits_for_the_writers_under_way_and_then_run
     # Under 32 writers heartbeating every 2 s, a gc that dropped its lock at the first writer it saw
     # never ran (5 of 5 failed, docs/faults.md); one that waits holds new writers off and gets its turn.
     s, _ = store
-    writer, released = acquire_writer(s), threading.Event()
+    writer, releasing = acquire_writer(s), threading.Event()
 
     def finish() -> None:
+        releasing.set()  # before the release: set after it, a gc that saw the release at once read as early
         writer.release(s)
-        released.set()
 
     threading.Timer(1.0, finish).start()
     gc = acquire_gc(s, wait_seconds=60, poll_seconds=0.1)
-    assert released.is_set()  # it got the store once that writer was done, not before
+    assert releasing.is_set()  # it got the store once that writer was done, not before
     with pytest.raises(StoreBusy, match="This checkpoint is skipped"):  # a new writer meanwhile
         acquire_writer(s)
     gc.release(s)
