@@ -244,6 +244,22 @@ def start_agent(sock: Path, env: dict[str, str], log: Path, *args: str) -> subpr
     return proc
 
 
+def remove_agent_folder(folder: Path) -> None:
+    """An agent test's socket folder removed, and first the workloads its agents left running: a tree
+    outlives its agent by design (agent.md), so without this a test's counters ran on after the suite.
+    Each is named by its runs file (remembered.py) and killed only while its command line is that run's."""
+    for f in sorted((folder / "runs").glob("*.json")):
+        try:
+            r = json.loads(f.read_text())
+            with open(f"/proc/{int(r['pid'])}/cmdline", "rb") as c:
+                argv = [a.decode(errors="replace") for a in c.read().split(b"\0")[:-1]]
+            if argv == r["command"]:
+                os.kill(int(r["pid"]), signal.SIGKILL)  # a tree's init: its PID namespace goes with it
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # ended already, or not ours to end
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def cli_env(tmp_path: Path, node: str, work: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CEDANA_")}
     env.update(CEDANA_STORE=f"file://{tmp_path / 'store'}", CEDANA_NODE=node,

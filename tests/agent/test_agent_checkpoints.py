@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import pytest
 
 from cedana_airflow.agent.client import AgentClient
-from conftest import cli_env, node_key_bytes, start_agent
+from conftest import cli_env, node_key_bytes, remove_agent_folder, start_agent
 from test_agent import NOBODY, OTHER, _checkpointed, as_uid
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent runs as root")
@@ -36,7 +35,7 @@ def agent(tmp_path) -> Iterator[Path]:
     finally:
         proc.terminate()
         proc.wait(10)
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_agent_folder(folder)
         print(log.read_text()[-4000:])  # shown with a failure
 
 

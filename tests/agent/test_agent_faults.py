@@ -6,7 +6,6 @@ caller; nothing half-written becomes the latest checkpoint; an agent started aft
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from cedana_airflow.agent.client import AgentClient
-from conftest import cli_env, manifests, start_agent
+from conftest import cli_env, manifests, remove_agent_folder, start_agent
 from test_agent import NOBODY, _event, _read_all, _start, as_uid
 
 COUNTER = ["sh", "-c", "i=0; while [ $i -lt 600 ]; do i=$((i+1)); echo $i; sleep 0.05; done"]
@@ -52,7 +51,7 @@ def node(tmp_path: Path) -> Iterator[Node]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_agent_folder(folder)
         for log in sorted(tmp_path.glob("*.log")):
             print(log.name, log.read_text()[-3000:])
 
