@@ -166,6 +166,11 @@ class Settings(BaseModel):
         "(verify, canary: as root, with the node's store and key) and keep live drill reports, and see every ID as "
         "agent_readers do: the drill DAG's user. Several: separated by ','.",
     )
+    agent_max_keep_checkpoints: int = Field(
+        default=50, ge=1, description="The node agent's: the most checkpoints a request may keep per checkpoint ID "
+        "(keep_checkpoints); a request for more is refused in one line. Bounds what one caller makes every listing, "
+        "query and retention pass of that ID cost (0.8.4).",
+    )
     writer_lease_seconds: float = Field(
         default=60.0, ge=0, allow_inf_nan=False,
         description="A supervisor's hold on its checkpoint ID lapses this long after its last renewal (it renews "

@@ -253,7 +253,7 @@ class Agent:
         """Take up what a former agent left running (its runs folder): their heartbeats go on from here."""
         for r in recall(self.runs_dir):
             try:
-                settings = task_settings(self._environ, r.settings)
+                settings = task_settings(self._environ, r.settings, bounded=False)
                 run = Run.take_up(r, settings, node=self.node, staging=self.staging, runs=self.runs_dir, coop=self.coop)
             except Exception as e:  # noqa: BLE001 (a setting gone bad, another version's file: said, never fatal)
                 log.warning("agent: %s (checkpoint_id=%s) not taken up: %s", r.wid, r.checkpoint_id, e)

@@ -48,9 +48,10 @@ log = logging.getLogger(__name__)
 #: How long a shim has to say its workload started (today's _child_of waits as long).
 START_SECONDS = 10.0
 
-def task_settings(node: Mapping[str, str], requested: Mapping[str, Any]) -> Settings:
+def task_settings(node: Mapping[str, str], requested: Mapping[str, Any], *, bounded: bool = True) -> Settings:
     """The node's settings (``node``: the agent's environment) with a request's task settings over them;
-    a setting outside :data:`TASK_SETTINGS` is refused in one line."""
+    a setting outside :data:`TASK_SETTINGS` is refused in one line, and (``bounded``: a new start, not a
+    run a former agent left, which a lowered bound must not orphan) more kept checkpoints than the node allows."""
     other = sorted(set(requested) - TASK_SETTINGS)
     if other:
         raise errors.Refused(f"setting {other[0][:40]!r} is the node's, not a task's: the agent's configuration "
@@ -58,7 +59,12 @@ def task_settings(node: Mapping[str, str], requested: Mapping[str, Any]) -> Sett
     # mode (0.8.4): a cooperative checkpoint is the workload's own files, written in folders of the caller's
     # and read as the caller (run/cooperative.py), and restoring one starts its command through the shim,
     # as the caller; a request that names none gets the node's.
-    return load_settings(dict(requested), node, overrides_source=lambda k: f"the request's settings.{k}")
+    settings = load_settings(dict(requested), node, overrides_source=lambda k: f"the request's settings.{k}")
+    if bounded and settings.keep_checkpoints > settings.agent_max_keep_checkpoints:
+        raise errors.Refused(f"keep_checkpoints = {settings.keep_checkpoints} is more than this node's agent keeps per "
+                             f"checkpoint ID ({settings.agent_max_keep_checkpoints}, agent_max_keep_checkpoints): ask "
+                             "for fewer, or have the node's operator raise it")
+    return settings
 
 
 class ShimWorkload(Workload):

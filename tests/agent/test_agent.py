@@ -29,7 +29,8 @@ import pytest
 from cedana_airflow import __version__, errors
 from cedana_airflow.agent import protocol
 from cedana_airflow.agent.client import AgentClient
-from conftest import REPO, WORKER_ENV, cli, cli_env, kill_node, manifests, node_key_bytes, start_agent, start_cli, uid_folder, wait_for_checkpoints
+from conftest import (REPO, WORKER_ENV, cli, cli_env, kill_node, manifests, node_key_bytes, remove_agent_folder, start_agent,
+                      start_cli, uid_folder, wait_for_checkpoints)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent runs as root")
 
@@ -49,7 +50,7 @@ def agent(tmp_path) -> Iterator[tuple[Path, Path]]:
     finally:
         proc.terminate()
         proc.wait(10)
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_agent_folder(folder)
         print(agent_log.read_text()[-6000:])  # shown with a failure
 
 
@@ -190,7 +191,7 @@ def test_the_agent_dying_leaves_the_workload_running_and_its_exit_still_reaches_
     finally:
         if proc.poll() is None:
             proc.kill()
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_agent_folder(folder)
 
 
 def test_bad_requests_are_one_line_each(agent):
@@ -209,6 +210,8 @@ def test_bad_requests_are_one_line_each(agent):
                 "node setting": lambda: c.start("job", ["true"], cwd="/", stdout=w, stderr=w,
                                                 settings={"lease_renew_command": "id > /etc/x"}),
                 "unsafe id": lambda: c.start("../etc", ["true"], cwd="/", stdout=w, stderr=w),
+                "keeps too many": lambda: c.start("job", ["true"], cwd="/", stdout=w, stderr=w,
+                                                  settings={"keep_checkpoints": 51}),
                 "unknown wid": lambda: c.status("w-nope", "x"),
             }.items():
                 try:
@@ -230,6 +233,9 @@ def test_bad_requests_are_one_line_each(agent):
     assert got["node setting"].startswith("Refused: setting 'lease_renew_command' is the node's, not a task's: the "
                                           "agent's configuration sets it. A request may set ")
     assert got["unsafe id"].startswith("CheckpointIdError: ")
+    assert got["keeps too many"] == ("Refused: keep_checkpoints = 51 is more than this node's agent keeps per checkpoint "
+                                     "ID (50, agent_max_keep_checkpoints): ask for fewer, or have the node's operator "
+                                     "raise it")
     assert all("\n" not in line for line in got.values())
 
 
@@ -269,7 +275,7 @@ def test_a_socket_served_by_a_uid_other_than_root_is_no_agent_and_gets_nothing(t
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_agent_folder(folder)
 
 
 def test_a_root_caller_s_workload_is_checkpointed_on_its_heartbeat_and_its_stop_takes_a_final_checkpoint(agent, tmp_path):
@@ -629,7 +635,7 @@ def test_an_audit_log_that_cannot_be_written_refuses_starts_and_leaves_nothing_r
     finally:
         proc.kill()
         proc.wait()
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_agent_folder(folder)
         subprocess.run(["umount", str(small)], check=False)
 
 
@@ -889,7 +895,7 @@ def test_no_caller_uses_another_uid_s_checkpoint_id_nor_gets_a_tree_restored_wit
     finally:
         agent_b.terminate()
         agent_b.wait(10)
-        shutil.rmtree(folder_b, ignore_errors=True)
+        remove_agent_folder(folder_b)
     os.close(out_r)
 
 
@@ -1103,7 +1109,7 @@ def test_an_agent_started_after_a_killed_one_takes_up_its_workloads(tmp_path):
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_agent_folder(folder)
         for name in ("first", "second"):
             print((tmp_path / f"{name}.log").read_text()[-3000:])
 
@@ -1326,7 +1332,7 @@ def test_a_task_s_code_reads_neither_the_key_nor_another_uid_s_images_nor_its_me
         assert DEFAULT_KEY_FILE.exists() and len(targets) > 20, targets
         assert got == {"ok": {"opened": [], "leaked": []}}, got
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_agent_folder(folder)
 
 
 def _listening_tree_checkpointed(sock: Path, store: Path, cid: str, parent: str) -> tuple[list[str], str]:
@@ -1421,4 +1427,4 @@ def test_a_stop_signal_delivered_to_any_thread_of_the_agent_stops_it(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_agent_folder(folder)
