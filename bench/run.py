@@ -78,7 +78,8 @@ def parse_only(text: str) -> list[str]:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", type=parse_only, default=list(PARTS),
-                    help="run only these parts, comma-separated: local, lazy, lazy-growth, lazy-freeze, talkers, agent, cooperative, s3 (= s3-transfer,"
+                    help="run only these parts, comma-separated: local, lazy, lazy-growth, lazy-freeze, talkers, agent, agent-cooperative, "
+                         "cooperative, s3 (= s3-transfer,"
                          "s3-listing), s3-transfer, s3-listing, heartbeat (default: all); the others keep their previous results in bench/results.*")
     ap.add_argument("--mb", type=int, default=1024, help="workload state size in MB (default 1024; 200 for a quick run)")
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions for freeze and restore (default 5)")
@@ -159,6 +160,10 @@ def run_parts(parts: Parts, engine: CriuEngine, settings: Settings, work: Path) 
         from agent import bench_agent
 
         new.update(parts.run("agent", lambda: bench_agent(args.agent_mb, args.reps, work)))
+    if "agent-cooperative" in args.only:
+        from agent_coop import bench_agent_coop
+
+        new.update(parts.run("agent-cooperative", lambda: bench_agent_coop(args.agent_mb, max(2, args.reps // 2), work)))
     if "cooperative" in args.only:
         from cooperative import bench_cooperative
 
@@ -189,7 +194,8 @@ def run_parts(parts: Parts, engine: CriuEngine, settings: Settings, work: Path) 
 
 def main() -> int:
     args = parse_args()
-    if os.geteuid() != 0 and ({"local", "lazy", "lazy-growth", "lazy-freeze", "talkers", "agent", "s3-transfer"} & set(args.only)):
+    if os.geteuid() != 0 and ({"local", "lazy", "lazy-growth", "lazy-freeze", "talkers", "agent", "agent-cooperative",
+                                 "s3-transfer"} & set(args.only)):
         print("bench/run.py needs root (CRIU uses CAP_SYS_ADMIN and ptrace); run it with sudo.", file=sys.stderr)
         return 2
     t_start = time.monotonic()
