@@ -345,9 +345,27 @@ def _copy_into(src: Path, fd: int) -> None:
 
 
 def _copy_fd(src: int, dst: int) -> None:
-    os.lseek(src, 0, os.SEEK_SET)
-    while data := os.read(src, 1 << 20):
-        os.write(dst, data)
+    """``src``'s bytes into ``dst`` (empty), its holes left holes (SEEK_DATA/SEEK_HOLE): a sparse file
+    costs what it holds, not its length. Root copies the workload's own files, so a file its user made
+    terabytes long and empty must not become terabytes of root's blocks (review 49, F2)."""
+    size = os.fstat(src).st_size
+    off = 0
+    while off < size:
+        try:
+            start = os.lseek(src, off, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno != errno.ENXIO:  # ENXIO: nothing but a hole from here on
+                raise
+            break
+        end = os.lseek(src, start, os.SEEK_HOLE)
+        os.lseek(src, start, os.SEEK_SET)
+        os.lseek(dst, start, os.SEEK_SET)
+        left = end - start
+        while left > 0 and (data := os.read(src, min(left, 1 << 20))):
+            os.write(dst, data)
+            left -= len(data)
+        off = end
+    os.ftruncate(dst, size)  # a trailing hole, and a file that shrank meanwhile is not read past
 
 
 def _write_back(dfd: int, name: str, backup: str, st: os.stat_result) -> None:
@@ -496,19 +514,25 @@ class CapturedFilesBack:
         the file it had. A file with other hard links is never written through (the rename path)."""
         backup = f".{name}.cedana-orig-{secrets.token_hex(6)}"
         bfd = os.open(backup, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-        fd = -1
+        fd, whole = -1, False
         try:
             fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dfd)
             now = os.fstat(fd)
             if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or not stat.S_ISREG(now.st_mode) or now.st_nlink != 1:
                 raise _refused(self.m, f"captured file {target} changed while it was being put back")
+            vfs, held = os.fstatvfs(fd), now.st_blocks * 512
+            if held >= vfs.f_bavail * vfs.f_frsize:  # what users may still take: never root's reserve (F2)
+                raise _refused(self.m, f"captured file {target} holds {held} bytes on this node now, more than its "
+                                       "file system has free for users: keeping a copy of it while the checkpoint's "
+                                       "is put back would fill the disk. Free space there, or remove the file")
             _copy_fd(fd, bfd)
+            whole = True
             os.ftruncate(fd, 0)
             os.lseek(fd, 0, os.SEEK_SET)
             _copy_into(copy, fd)
             os.fchmod(fd, mode & 0o777)  # permission bits only, whatever the manifest says
         except BaseException:
-            if fd >= 0 and os.lseek(bfd, 0, os.SEEK_CUR) == st.st_size:  # the copy is whole: put it back
+            if whole:  # the copy is whole, and the file may be cut already: put it back
                 with contextlib.suppress(OSError):
                     _write_back(dfd, name, backup, st)
             os.unlink(backup, dir_fd=dfd)

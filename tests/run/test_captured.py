@@ -228,6 +228,49 @@ def test_an_existing_file_keeps_its_inode_a_hard_linked_one_is_not_written_throu
     assert sorted(p.name for p in outputs.iterdir()) == ["linked.bin", "steps.db", "steps.db-journal"]
 
 
+def test_a_file_made_sparse_and_huge_after_the_checkpoint_is_kept_sparse_and_one_past_the_free_space_is_refused(
+        tmp_path, monkeypatch):
+    """Root keeps a copy of what a captured file holds on this node while the checkpoint's bytes go into
+    it. Its user can make that file a terabyte long and empty at no cost (review 49, F2): the copy keeps
+    its holes, so it costs the blocks the file holds, and a file holding more than its file system has
+    free for users is refused in one line, nothing written."""
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    log = outputs / "train.log"
+    with open(log, "wb") as f:
+        f.write(b"written after the checkpoint")
+        f.truncate(1 << 40)  # 1 TiB, one block of it held
+        f.seek((1 << 39))
+        f.write(b"in the middle")
+    store, cfg, m = _stored(tmp_path, {str(log): b"at the checkpoint"})
+    fetched = tmp_path / "fetched"
+    fetch_checkpoint(store, m, fetched)
+    roots = restore_roots([outputs], str(tmp_path / "job-cwd"))
+    held = log.stat().st_blocks
+    with pytest.raises(RuntimeError), CapturedFilesBack(m, fetched / "captured", roots):
+        assert log.read_bytes() == b"at the checkpoint"
+        [backup] = [p for p in outputs.iterdir() if p.name.startswith(".train.log.cedana-orig-")]
+        assert backup.stat().st_blocks <= held and backup.stat().st_size == 1 << 40
+        raise RuntimeError("criu restore failed")
+    # put back as it was: its length, its bytes, its holes
+    st = log.stat()
+    assert st.st_size == 1 << 40 and st.st_blocks <= held
+    with open(log, "rb") as f:
+        assert f.read(28) == b"written after the checkpoint"
+        f.seek(1 << 39)
+        assert f.read(13) == b"in the middle"
+    assert sorted(p.name for p in outputs.iterdir()) == ["train.log"]
+
+    free = os.statvfs(outputs)
+    monkeypatch.setattr(captured.os, "fstatvfs", lambda fd: SimpleNamespace(f_bavail=1, f_frsize=free.f_frsize))
+    with pytest.raises(CorruptCheckpoint, match=r"captured file .*train\.log holds \d+ bytes on this node now, more "
+                       r"than its file system has free for users"), CapturedFilesBack(m, fetched / "captured", roots):
+        pass
+    with open(log, "rb") as f:
+        assert f.read(28) == b"written after the checkpoint"
+    assert sorted(p.name for p in outputs.iterdir()) == ["train.log"]
+
+
 # Issue 48: where a restore writes. The deny-list, and files going back as the workload's own user,
 # through directories that user could write (no CRIU: CapturedFilesBack and refusal directly).
 # New names are read through the module (captured.X): on code without them, each test fails alone.
