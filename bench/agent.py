@@ -161,6 +161,7 @@ class _ThroughAgent:
     def run_once(self) -> dict[str, Any]:
         seen = _latest(self.work, self.side)
         out_r, out_w = os.pipe()
+        os.fchown(out_w, NOBODY, NOBODY)  # the caller's pipe: the agent takes no other (server.py)
 
         def start(c: AgentClient) -> tuple[dict[str, Any], list[int]]:
             t0 = time.monotonic()

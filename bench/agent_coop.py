@@ -76,6 +76,7 @@ def _in_process(work: Path, mb: int, cid: str) -> list[float]:
 def _through_agent(agent: _ThroughAgent, work: Path, mb: int, cid: str) -> list[float]:
     """Through the agent as nobody; the caller's stop ends it."""
     out_r, out_w = os.pipe()
+    os.fchown(out_w, NOBODY, NOBODY)  # the caller's pipe: the agent takes no other (server.py)
 
     def start(c: Any) -> tuple[dict[str, Any], list[int]]:
         s = c.start(cid, [PYTHON, "-c", WORKLOAD, str(mb)], cwd="/tmp", env={"PATH": "/usr/bin:/bin"}, stdout=out_w,

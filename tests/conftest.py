@@ -244,6 +244,15 @@ def start_agent(sock: Path, env: dict[str, str], log: Path, *args: str) -> subpr
     return proc
 
 
+def pipe_of(uid: int) -> tuple[int, int]:
+    """A pipe as the caller ``uid`` would have made it (its inode the caller's): the agent takes a
+    workload's stdout and stderr only from a pipe its caller made (server.py, review 49 F1), and a test's
+    root process makes the pipes its callers' children send."""
+    r, w = os.pipe()
+    os.fchown(w, uid, uid)  # one inode for both ends
+    return r, w
+
+
 def remove_agent_folder(folder: Path) -> None:
     """An agent test's socket folder removed, and first the workloads its agents left running: a tree
     outlives its agent by design (agent.md), so without this a test's counters ran on after the suite.

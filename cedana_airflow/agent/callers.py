@@ -46,7 +46,7 @@ _LIMITS = {
 
 @dataclass(frozen=True)
 class Caller:
-    """A connected caller as the kernel shows it, read once at connect."""
+    """A connected caller as the kernel shows it, read at connect and again for each of its messages."""
 
     peer: Peer
     namespaces: dict[str, str]
@@ -72,7 +72,7 @@ class Caller:
         if self.root != agent.root:
             return (f"{self.peer} runs in a chroot; its workload would leave it, and carrying a workload into one is "
                     "not built yet. Call the agent from the node's own root")
-        if self.seccomp != agent.seccomp:
+        if self.seccomp:  # any filter: one equal in kind to an agent's own may still be stricter (review 49, F4)
             return (f"{self.peer} runs under a seccomp filter; its workload would not, and carrying a caller's "
                     "filters is not built yet. Call the agent from a process without one")
         if self.peer.uid == 0 and ((self.cap_bnd, self.cap_prm, self.cap_eff) != (agent.cap_bnd, agent.cap_prm,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import grp
 import hmac
 import json
@@ -127,6 +128,38 @@ class _Refuser:
                 else:
                     kept.append((conn, until))
             held = kept
+
+
+def _pipefs_dev() -> int:
+    r, w = os.pipe()
+    try:
+        return os.fstat(r).st_dev
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+_PIPEFS = _pipefs_dev()
+
+
+def _not_callers_pipe(fd: int, uid: int) -> str:
+    """Why ``fd`` is not the write end of an anonymous pipe ``uid`` made ("" where it is). A restore gives
+    these to ``criu restore --inherit-fd``, which reopens them with the flags the image recorded, through
+    CRIU's usernsd (root) where the tree may not: any other fd (an O_PATH of a root-only file, a named
+    FIFO) would come back to the tree opened by root (review 49, F1)."""
+    try:
+        st, flags = os.fstat(fd), fcntl.fcntl(fd, fcntl.F_GETFL)
+    except OSError as e:
+        return f"it cannot be examined: {e.strerror}"
+    if flags & os.O_PATH:
+        return "an O_PATH descriptor"
+    if not stat.S_ISFIFO(st.st_mode) or st.st_dev != _PIPEFS:
+        return "not an anonymous pipe"
+    if flags & os.O_ACCMODE != os.O_WRONLY:
+        return "not open for writing only"
+    if st.st_uid != uid:
+        return f"made by uid {st.st_uid}"
+    return ""
 
 
 class _Start(BaseModel):
@@ -407,6 +440,23 @@ class Agent:
                 self._audit(peer, msg, str(refusal))
                 protocol.send(conn, protocol.error_reply(msg.get("id"), refusal))
                 return
+            if sender.pid != peer.pid:
+                # The same uid, another process: a connection handed on (to a child that then confined itself,
+                # say) would be judged by its opener's confinement; it is the opener's alone (review 49, F4).
+                protocol.close_fds(fds)
+                refusal = errors.Refused(f"this connection was opened by {peer}; a message from pid {sender.pid} on "
+                                         "it is refused. Connect from the process that sends, and do not hand the "
+                                         "connection on")
+                self._audit(peer, msg, str(refusal))
+                protocol.send(conn, protocol.error_reply(msg.get("id"), refusal))
+                return
+            try:  # read again for each message: a process may confine itself after it connected (F4)
+                caller = read_caller(conn, peer)
+            except errors.Refused as e:
+                protocol.close_fds(fds)
+                self._audit(peer, msg, str(e))
+                protocol.send(conn, protocol.error_reply(msg.get("id"), e))
+                return
             reply, out_fds = self._answer(caller, msg, fds)
             try:
                 protocol.send(conn, reply, out_fds)
@@ -514,6 +564,10 @@ class Agent:
         if len(fds) != 2:
             raise errors.Refused(f"start needs the workload's stdout and stderr as 2 fds, got {len(fds)}. "
                                  "Use the agent client")
+        for name, fd in zip(("stdout", "stderr"), fds):
+            if why := _not_callers_pipe(fd, peer.uid):
+                raise errors.Refused(f"start: the workload's {name} must be the write end of a pipe the caller made "
+                                     f"({why}). Use the agent client")
         validate_checkpoint_id(req.checkpoint_id)
         if why := caller.refusal(self._self):
             raise errors.Refused(why)
@@ -554,38 +608,40 @@ class Agent:
                 "restored_seq": run.restored_seq, "fresh": run.fresh}, [lifeline]
 
     def _status(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
-        peer = caller.peer
         since = _parsed(_Target, msg, "status").said_since
-        return self._owned(peer, msg).public(since), []
+        return self._owned(caller, msg).public(since), []
 
     def _stop(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
-        peer = caller.peer
         """A clean cut, as SIGTERM to a supervisor: the final checkpoint, then the tree's end (run/stop.py)."""
-        run = self._owned(peer, msg)
+        run = self._owned(caller, msg)
         run.stop.set()
         run.wait(run.settings.stop_window_seconds + 30)
         return run.public(), []
 
     def _kill(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
-        peer = caller.peer
-        run = self._owned(peer, msg)
+        run = self._owned(caller, msg)
         run.kill()
         run.wait(30)
         return run.public(), []
 
     def _list(self, caller: Caller, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
-        peer = caller.peer
+        every = self._trusted_root(caller)
         with self._lock:
-            mine = [r.public() for r in self._runs.values() if peer.uid == 0 or r.uid == peer.uid]
+            mine = [r.public() for r in self._runs.values() if every or r.uid == caller.peer.uid]
         return {"workloads": mine}, []
+
+    def _trusted_root(self, caller: Caller) -> bool:
+        """Root the agent would start workloads for: it may list, stop and kill any uid's. Root it refuses
+        (in a container, a chroot, under seccomp, with fewer capabilities) is uid 0 and no more: its own
+        workloads, by their handles (review 49, F3)."""
+        return caller.peer.uid == 0 and not caller.refusal(self._self)
 
     def _viewer(self, caller: Caller) -> Viewer:
         """Root the agent would start workloads for (not one in a container or with fewer capabilities), and
         members of agent_readers and agent_drillers, see every ID; anyone else its own uid's."""
         peer = caller.peer
         groups = {peer.gid, *peer.groups}
-        root = peer.uid == 0 and not caller.refusal(self._self)
-        return Viewer(peer, root or bool(groups & (self._readers | self._drillers)))
+        return Viewer(peer, self._trusted_root(caller) or bool(groups & (self._readers | self._drillers)))
 
     def _may_drill(self, caller: Caller) -> str:
         """Why this caller may not have the agent run drills ("" where it may): root the agent trusts, or
@@ -700,15 +756,16 @@ class Agent:
                 self._store_client = open_store(self.settings.resolved_store(), self.settings)
             return self._store_client
 
-    def _owned(self, peer: Peer, msg: dict[str, Any]) -> Run:
+    def _owned(self, caller: Caller, msg: dict[str, Any]) -> Run:
+        peer, root = caller.peer, self._trusted_root(caller)
         t = _parsed(_Target, msg, protocol.printable(str(msg.get("op")), 40))
         with self._lock:
             run = self._runs.get(t.wid)
         if run is None:
             raise errors.Refused(f"no workload {t.wid[:40]!r} on node {self.node}. List yours with the list op")
-        if peer.uid != 0 and run.uid != peer.uid:
+        if not root and run.uid != peer.uid:
             raise errors.Refused(f"workload {run.wid} belongs to uid {run.uid}, not to {peer}")
-        if peer.uid != 0 and not hmac.compare_digest(t.handle.encode(), run.handle.encode()):
+        if not root and not hmac.compare_digest(t.handle.encode(), run.handle.encode()):
             raise errors.Refused(f"workload {run.wid}: that is not its handle. Use the handle its start returned")
         return run
 

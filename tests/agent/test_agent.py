@@ -29,8 +29,8 @@ import pytest
 from cedana_airflow import __version__, errors
 from cedana_airflow.agent import protocol
 from cedana_airflow.agent.client import AgentClient
-from conftest import (REPO, WORKER_ENV, cli, cli_env, kill_node, manifests, node_key_bytes, remove_agent_folder, start_agent,
-                      start_cli, uid_folder, wait_for_checkpoints)
+from conftest import (REPO, WORKER_ENV, cli, cli_env, kill_node, manifests, node_key_bytes, pipe_of, remove_agent_folder,
+                      start_agent, start_cli, uid_folder, wait_for_checkpoints)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent runs as root")
 
@@ -119,7 +119,7 @@ def _start(sock_path: Path, argv: list[str], out_w: int, **more: Any) -> Callabl
 
 def test_a_caller_s_workload_runs_as_that_caller_and_its_exit_reaches_it(agent):
     sock, audit = agent
-    out_r, out_w = os.pipe()
+    out_r, out_w = pipe_of(NOBODY)
     msg, fds = as_uid(NOBODY, _start(sock, ["sh", "-c", "id -u; grep CapEff /proc/self/status; echo pid=$$"], out_w))
     os.close(out_w)
     assert "ok" in msg, msg
@@ -136,7 +136,7 @@ def test_a_caller_s_workload_runs_as_that_caller_and_its_exit_reaches_it(agent):
 
 def test_another_uid_can_neither_see_nor_stop_nor_ask_about_it_and_a_wrong_handle_is_refused(agent):
     sock, audit = agent
-    out_r, out_w = os.pipe()
+    out_r, out_w = pipe_of(NOBODY)
     msg, fds = as_uid(NOBODY, _start(sock, ["sleep", "30"], out_w))
     os.close(out_w)
     os.close(out_r)
@@ -179,7 +179,7 @@ def test_the_agent_dying_leaves_the_workload_running_and_its_exit_still_reaches_
     sock = folder / "agent.sock"
     proc = start_agent(sock, cli_env(tmp_path, "node-a", "work"), tmp_path / "agent.log")
     try:
-        out_r, out_w = os.pipe()
+        out_r, out_w = pipe_of(NOBODY)
         msg, fds = as_uid(NOBODY, _start(sock, ["sh", "-c", "sleep 1; echo after-the-agent; exit 4"], out_w))
         os.close(out_w)
         lifeline = socket.socket(fileno=fds[0])
@@ -196,10 +196,14 @@ def test_the_agent_dying_leaves_the_workload_running_and_its_exit_still_reaches_
 
 def test_bad_requests_are_one_line_each(agent):
     sock, _ = agent
+    _, roots = os.pipe()  # a pipe root made, which the child (nobody) inherits
 
     def run() -> tuple[Any, list[int]]:
         out = {}
         r, w = os.pipe()
+        with tempfile.TemporaryDirectory() as d:
+            os.mkfifo(f"{d}/fifo")
+            fifo = os.open(f"{d}/fifo", os.O_RDWR)
         with AgentClient.connect(sock) as c:
             for name, call in {
                 "unknown": lambda: c.request("dump"),
@@ -212,6 +216,12 @@ def test_bad_requests_are_one_line_each(agent):
                 "unsafe id": lambda: c.start("../etc", ["true"], cwd="/", stdout=w, stderr=w),
                 "keeps too many": lambda: c.start("job", ["true"], cwd="/", stdout=w, stderr=w,
                                                   settings={"keep_checkpoints": 51}),
+                # a restore would give CRIU these to reopen, as root where the tree may not (review 49, F1)
+                "O_PATH stdout": lambda: c.start("job", ["true"], cwd="/", stdout=os.open("/etc/shadow", os.O_PATH),
+                                                 stderr=w),
+                "read end": lambda: c.start("job", ["true"], cwd="/", stdout=w, stderr=r),
+                "named FIFO": lambda: c.start("job", ["true"], cwd="/", stdout=w, stderr=fifo),
+                "root's pipe": lambda: c.start("job", ["true"], cwd="/", stdout=roots, stderr=w),
                 "unknown wid": lambda: c.status("w-nope", "x"),
             }.items():
                 try:
@@ -233,6 +243,14 @@ def test_bad_requests_are_one_line_each(agent):
     assert got["node setting"].startswith("Refused: setting 'lease_renew_command' is the node's, not a task's: the "
                                           "agent's configuration sets it. A request may set ")
     assert got["unsafe id"].startswith("CheckpointIdError: ")
+    assert got["O_PATH stdout"] == ("Refused: start: the workload's stdout must be the write end of a pipe the caller "
+                                    "made (an O_PATH descriptor). Use the agent client")
+    assert got["read end"] == ("Refused: start: the workload's stderr must be the write end of a pipe the caller made "
+                               "(not open for writing only). Use the agent client")
+    assert got["named FIFO"] == ("Refused: start: the workload's stderr must be the write end of a pipe the caller made "
+                                 "(not an anonymous pipe). Use the agent client")
+    assert got["root's pipe"] == ("Refused: start: the workload's stdout must be the write end of a pipe the caller "
+                                  "made (made by uid 0). Use the agent client")
     assert got["keeps too many"] == ("Refused: keep_checkpoints = 51 is more than this node's agent keeps per checkpoint "
                                      "ID (50, agent_max_keep_checkpoints): ask for fewer, or have the node's operator "
                                      "raise it")
@@ -368,7 +386,7 @@ def _start_as(sock: Path, uid: int, argv: list[str], prepare: Callable[[], None]
               settings: dict[str, Any] | None = None) -> tuple[dict[str, Any], str]:
     """``argv`` started through the agent by a child that ran ``prepare`` as root and then became ``uid``;
     what it got back, and the workload's output (once it ended)."""
-    out_r, out_w = os.pipe()
+    out_r, out_w = pipe_of(uid)
 
     def run() -> tuple[Any, list[int]]:
         with AgentClient.connect(sock) as c:
@@ -459,6 +477,55 @@ def test_a_connection_opened_by_root_then_used_by_another_uid_is_refused(agent):
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+def test_a_connection_handed_to_another_process_of_the_same_uid_or_kept_across_a_confinement_is_refused(agent):
+    """The confinement the agent judges is the one the sender has when it sends (review 49, F4): a child
+    of the same uid sending on its parent's connection is refused, and so is a start from a process that
+    put itself under a seccomp filter after it connected, on the connection it opened before."""
+    sock, _ = agent
+
+    def handed() -> tuple[Any, list[int]]:
+        c = AgentClient.connect(sock)
+        c.hello()  # the opener itself is served
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                try:
+                    c.hello()
+                except errors.Refused as e:
+                    code = 0 if str(e).startswith(f"this connection was opened by uid {NOBODY} (pid {os.getppid()}); "
+                                                  f"a message from pid {os.getpid()} on it is refused") else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        return os.waitstatus_to_exitcode(status), []
+
+    assert as_uid(NOBODY, handed)[0] == {"ok": 0}
+
+    def confined_after() -> tuple[Any, list[int]]:
+        import ctypes
+
+        r, w = os.pipe()
+        with AgentClient.connect(sock) as c:
+            c.hello()
+            raw = ctypes.create_string_buffer(struct_pack_allow())
+
+            class Prog(ctypes.Structure):
+                _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+            libc = ctypes.CDLL(None)
+            assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS: what a filter needs without CAP_SYS_ADMIN
+            assert libc.prctl(22, 2, ctypes.byref(Prog(1, ctypes.addressof(raw))), 0, 0) == 0
+            try:
+                c.start("agent-confined-after", ["true"], cwd="/", env={}, stdout=w, stderr=w)
+                return "accepted", []
+            except errors.CedanaError as e:
+                return str(e), []
+
+    got = as_uid(NOBODY, confined_after)[0]["ok"]
+    assert got.startswith(f"uid {NOBODY} (pid ") and "runs under a seccomp filter; its workload would not" in got, got
+
+
 def test_one_uid_can_neither_hold_every_connection_nor_break_the_agent_with_garbage(agent):
     sock, audit = agent
 
@@ -503,7 +570,7 @@ def test_one_uid_can_neither_hold_every_connection_nor_break_the_agent_with_garb
 
 def test_garbage_on_the_lifeline_ends_nothing(agent):
     sock, _ = agent
-    out_r, out_w = os.pipe()
+    out_r, out_w = pipe_of(NOBODY)
     msg, fds = as_uid(NOBODY, _start(sock, ["sh", "-c", "sleep 0.5; echo done"], out_w))
     os.close(out_w)
     lifeline = socket.socket(fileno=fds[0])
@@ -601,6 +668,45 @@ def test_a_filtered_caller_and_a_root_caller_with_fewer_capabilities_are_refused
 
     root, _ = _start_as(sock, 0, ["true"], prepare=fewer_caps)
     assert root["error"] == "Refused" and "is root with fewer capabilities than the agent" in root["line"]
+
+
+def test_a_confined_root_caller_neither_lists_nor_stops_nor_kills_another_uid_s_workload(agent):
+    """Root the agent refuses to start for (here: CAP_SYS_ADMIN out of its bounding set, as a sandboxed
+    service has it) is uid 0 and no more: nobody's workload is not in its list and not its to stop,
+    kill or ask about (review 49, F3); root the agent trusts lists it."""
+    sock, _ = agent
+    out_r, out_w = pipe_of(NOBODY)
+    msg, fds = as_uid(NOBODY, _start(sock, ["sleep", "30"], out_w, checkpoint_id="agent-confined"))
+    os.close(out_w)
+    os.close(out_r)
+    assert "ok" in msg, msg
+    wid = msg["ok"]["wid"]
+
+    def bounded() -> None:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(24, 21, 0, 0, 0)  # PR_CAPBSET_DROP CAP_SYS_ADMIN
+
+    def ask() -> tuple[Any, list[int]]:
+        out: dict[str, Any] = {}
+        with AgentClient.connect(sock) as c:
+            out["list"] = [w["wid"] for w in c.list()]
+            for op in ("status", "stop", "kill"):
+                try:
+                    c.request(op, wid=wid, handle="")
+                    out[op] = "accepted"
+                except errors.CedanaError as e:
+                    out[op] = str(e)
+        return out, []
+
+    got, _ = as_uid(0, ask, prepare=bounded)
+    assert got["ok"]["list"] == [], got
+    for op in ("status", "stop", "kill"):
+        assert got["ok"][op].startswith(f"workload {wid} belongs to uid {NOBODY}, not to uid 0 (pid "), got
+    with socket.socket(fileno=fds[0]) as lifeline, AgentClient.connect(sock) as c:  # still running, and root sees it
+        assert [w["state"] for w in c.list() if w["wid"] == wid] == ["running"]
+        c.kill(wid, "")
+        assert [_event(lifeline, timeout=30)["ev"] for _ in range(2)] == ["started", "exit"]
 
 
 def struct_pack_allow() -> bytes:
@@ -750,7 +856,7 @@ def test_a_non_root_caller_s_tree_is_checkpointed_and_resumed_as_that_caller_wit
     sock, _ = agent
     counter = ["sh", "-c", "i=0; while [ $i -lt 40 ]; do i=$((i+1)); echo $i; sleep 0.1; done; "
                            "grep -E '^(Uid|CapEff|CapBnd|NoNewPrivs)' /proc/self/status"]
-    out_r, out_w = os.pipe()
+    out_r, out_w = pipe_of(NOBODY)
     msg, fds = as_uid(NOBODY, _start(sock, counter, out_w, checkpoint_id="agent-nobody",
                                      settings={"heartbeat_seconds": 0.5}, resume=True))
     os.close(out_w)
@@ -765,7 +871,7 @@ def test_a_non_root_caller_s_tree_is_checkpointed_and_resumed_as_that_caller_wit
     before = _read_all(out_r).split()
     latest = manifests(tmp_path / "store", "agent-nobody")[-1]["seq"]
 
-    out_r, out_w = os.pipe()
+    out_r, out_w = pipe_of(NOBODY)
     msg, fds = as_uid(NOBODY, _start(sock, counter, out_w, checkpoint_id="agent-nobody",
                                      settings={"heartbeat_seconds": 0.5}, resume=True, try_number=1))
     os.close(out_w)
@@ -788,7 +894,7 @@ def _checkpointed(sock: Path, store: Path, uid: int, checkpoint_id: str,
                   script: str = "i=0; while :; do i=$((i+1)); echo $i; sleep 0.1; done") -> None:
     """A count run as ``uid`` until its first checkpoint; then its caller is gone (and its tree with it)."""
     counter = ["sh", "-c", script]
-    out_r, out_w = os.pipe()
+    out_r, out_w = pipe_of(uid)
     msg, fds = as_uid(uid, _start(sock, counter, out_w, checkpoint_id=checkpoint_id,
                                   settings={"heartbeat_seconds": 0.3}))
     os.close(out_w)
@@ -803,7 +909,7 @@ def _checkpointed(sock: Path, store: Path, uid: int, checkpoint_id: str,
 
 def _resumed_by(sock: Path, uid: int, checkpoint_id: str, script: str = "id -u") -> str:
     """What a retry as ``uid`` printed, to its end."""
-    out_r, out_w = os.pipe()
+    out_r, out_w = pipe_of(uid)
     msg, fds = as_uid(uid, _start(sock, ["sh", "-c", script], out_w, checkpoint_id=checkpoint_id, resume=True,
                                   try_number=1))
     os.close(out_w)
@@ -829,7 +935,7 @@ def _signed_for(store: Path, checkpoint_id: str, uid: int) -> None:
 
 def _refused(sock: Path, uid: int, checkpoint_id: str) -> str:
     """A retry as ``uid`` of another uid's ID: the start's one-line refusal."""
-    out_r, out_w = os.pipe()
+    out_r, out_w = pipe_of(uid)
     msg, _ = as_uid(uid, _start(sock, ["sh", "-c", "id -u"], out_w, checkpoint_id=checkpoint_id, resume=True,
                                 try_number=7, settings={"delete_on_success": True}))
     os.close(out_w)
@@ -879,7 +985,7 @@ def test_no_caller_uses_another_uid_s_checkpoint_id_nor_gets_a_tree_restored_wit
             "not in a user namespace of its own") in log
     assert f"checkpoint agent-nobody-tree seq={ours['agent-nobody-tree'][-1]} is refused for uid {OTHER}: its user namespace maps ids" in log
     # a new ID, before its first checkpoint: another uid cannot start it beside its running owner (its lease)
-    out_r, out_w = os.pipe()
+    out_r, out_w = pipe_of(NOBODY)
     msg, fds = as_uid(NOBODY, _start(sock, ["sleep", "30"], out_w, checkpoint_id="agent-busy",
                                      settings={"heartbeat_seconds": 60}))
     os.close(out_w)
@@ -933,7 +1039,7 @@ def test_a_non_root_caller_s_cooperative_checkpoints_are_taken_and_resumed_as_th
     argv = [str(WORKER_ENV / "bin" / "python"), str(REPO / "tests" / "workloads" / "coop_counter.py"), "--steps", "300",
             "--step-seconds", "0.05"]
     settings = {"mode": "cooperative", "heartbeat_seconds": 0.3, "cooperative_signal": "none"}
-    out_r, out_w = os.pipe()
+    out_r, out_w = pipe_of(NOBODY)
     msg, fds = as_uid(NOBODY, _start(sock, argv, out_w, checkpoint_id="coop-nobody", settings=settings))
     os.close(out_w)
     assert "ok" in msg, msg
@@ -959,7 +1065,7 @@ def test_a_non_root_caller_s_cooperative_checkpoints_are_taken_and_resumed_as_th
 
     deadline = time.monotonic() + 10
     while True:  # root's run is over once the agent has seen its end, a moment after its caller did
-        out_r, out_w = os.pipe()
+        out_r, out_w = pipe_of(NOBODY)
         msg, fds = as_uid(NOBODY, _start(sock, argv, out_w, checkpoint_id="coop-nobody", settings=settings,
                                          resume=True, try_number=2))
         os.close(out_w)
@@ -1068,7 +1174,7 @@ def test_an_agent_started_after_a_killed_one_takes_up_its_workloads(tmp_path):
     second = None
     try:
         counter = ["sh", "-c", "i=0; while [ $i -lt 300 ]; do i=$((i+1)); echo $i; sleep 0.1; done"]
-        out_r, out_w = os.pipe()
+        out_r, out_w = pipe_of(NOBODY)
         msg, fds = as_uid(NOBODY, _start(sock, counter, out_w, checkpoint_id="agent-takeup",
                                          settings={"heartbeat_seconds": 0.3}, resume=True))
         os.close(out_w)
@@ -1293,7 +1399,7 @@ def test_a_task_s_code_reads_neither_the_key_nor_another_uid_s_images_nor_its_me
         agent = start_agent(folder / "agent.sock", env, tmp_path / "agent.log")
         try:
             script = f"read secret < {folder / 'secret'}; i=0; while :; do i=$((i+1)); echo $i; sleep 0.1; done"
-            out_r, out_w = os.pipe()
+            out_r, out_w = pipe_of(OTHER)
             msg, fds = as_uid(OTHER, _start(folder / "agent.sock", ["sh", "-c", script], out_w,
                                             checkpoint_id="agent-secret", settings={"heartbeat_seconds": 0.3}))
             os.close(out_w)
@@ -1346,7 +1452,7 @@ def _listening_tree_checkpointed(sock: Path, store: Path, cid: str, parent: str)
             "for i in range(1, 41):\n    print(i, flush=True); time.sleep(0.1)\n"
             "print('still listening', os.path.exists(os.path.join(d, 'listener')), flush=True)\n")
     argv = ["/usr/bin/python3", "-c", code]  # an interpreter any uid may run (the tests' lives in root's home)
-    out_r, out_w = os.pipe()
+    out_r, out_w = pipe_of(NOBODY)
     msg, fds = as_uid(NOBODY, _start(sock, argv, out_w, checkpoint_id=cid, settings={"heartbeat_seconds": 0.5}))
     os.close(out_w)
     assert "ok" in msg, msg
@@ -1367,7 +1473,7 @@ def test_a_non_root_tree_listening_in_a_temp_folder_resumes_on_a_node_without_th
     that folder back (made by its caller's user, 0700), as a root supervisor's does, and the count goes on."""
     sock, _ = agent
     argv, folder = _listening_tree_checkpointed(sock, tmp_path / "store", "agent-pymp", "/tmp")
-    out_r, out_w = os.pipe()
+    out_r, out_w = pipe_of(NOBODY)
     msg, fds = as_uid(NOBODY, _start(sock, argv, out_w, checkpoint_id="agent-pymp", resume=True, try_number=1))
     os.close(out_w)
     assert "ok" in msg and msg["ok"]["restored_seq"] is not None, msg
@@ -1392,7 +1498,7 @@ def test_no_socket_folder_is_made_for_a_non_root_tree_where_an_acl_forbids_its_u
         parent.chmod(0o1777)
         argv, folder = _listening_tree_checkpointed(sock, tmp_path / "store", "agent-acl", str(parent))
         subprocess.run(["setfacl", "-m", f"u:{NOBODY}:r-x", str(parent)], check=True)
-        out_r, out_w = os.pipe()
+        out_r, out_w = pipe_of(NOBODY)
         msg, fds = as_uid(NOBODY, _start(sock, argv, out_w, checkpoint_id="agent-acl", resume=True, try_number=1))
         os.close(out_w)
         assert "ok" in msg and msg["ok"]["restored_seq"] is None, msg

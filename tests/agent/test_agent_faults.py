@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from cedana_airflow.agent.client import AgentClient
-from conftest import cli_env, manifests, remove_agent_folder, start_agent
+from conftest import cli_env, manifests, pipe_of, remove_agent_folder, start_agent
 from test_agent import NOBODY, _event, _read_all, _start, as_uid
 
 COUNTER = ["sh", "-c", "i=0; while [ $i -lt 600 ]; do i=$((i+1)); echo $i; sleep 0.05; done"]
@@ -73,7 +73,7 @@ def _stop(sock: Path, wid: str, handle: str) -> dict[str, Any]:
 
 
 def _first_run(n: Node, cid: str, argv: list[str]) -> tuple[dict[str, Any], socket.socket, int]:
-    out_r, out_w = os.pipe()
+    out_r, out_w = pipe_of(NOBODY)
     msg, fds = as_uid(NOBODY, _start(n.sock, argv, out_w, checkpoint_id=cid, settings={"heartbeat_seconds": 0.5}))
     os.close(out_w)
     assert "ok" in msg, msg
@@ -129,7 +129,7 @@ def test_the_agent_killed_mid_restore_leaves_nothing_running_and_the_retry_resum
         before = _read_all(out_r).split()
         latest = n.checkpoints("mid-restore")[-1]
 
-        out_r, out_w = os.pipe()
+        out_r, out_w = pipe_of(NOBODY)
         msg, _ = as_uid(NOBODY, _start(n.sock, COUNTER, out_w, checkpoint_id="mid-restore", resume=True, try_number=1,
                                        settings={"heartbeat_seconds": 0.5}))
         os.close(out_w)
@@ -137,7 +137,7 @@ def test_the_agent_killed_mid_restore_leaves_nothing_running_and_the_retry_resum
         first.wait(60)
         assert _read_all(out_r) == ""  # and nothing of the restore runs: it never printed
         n.agent("second")
-        out_r, out_w = os.pipe()
+        out_r, out_w = pipe_of(NOBODY)
         msg, fds = as_uid(NOBODY, _start(n.sock, COUNTER, out_w, checkpoint_id="mid-restore", resume=True, try_number=2,
                                          settings={"heartbeat_seconds": 0.5}))
         os.close(out_w)
