@@ -344,10 +344,17 @@ def _copy_into(src: Path, fd: int) -> None:
         _copy_fd(i.fileno(), fd)
 
 
-def _copy_fd(src: int, dst: int) -> None:
+class _NoRoomForUsers(OSError):
+    """A backup copy stopped before it took space only root may use."""
+
+
+def _copy_fd(src: int, dst: int, *, users_room: bool = False) -> None:
     """``src``'s bytes into ``dst`` (empty), its holes left holes (SEEK_DATA/SEEK_HOLE): a sparse file
     costs what it holds, not its length. Root copies the workload's own files, so a file its user made
-    terabytes long and empty must not become terabytes of root's blocks (review 49, F2)."""
+    terabytes long and empty must not become terabytes of root's blocks (review 49, F2). ``users_room``:
+    before each write, what users may still take on ``dst``'s file system must hold it, so that no copy
+    (several restores at once, a file its user fills while it is copied, a file system without holes)
+    reaches root's reserve; past that, _NoRoomForUsers."""
     size = os.fstat(src).st_size
     off = 0
     while off < size:
@@ -358,12 +365,22 @@ def _copy_fd(src: int, dst: int) -> None:
                 raise
             break
         end = os.lseek(src, start, os.SEEK_HOLE)
+        if start < off or end <= start:  # a file system that answers otherwise is never looped on
+            raise OSError(errno.EIO, f"its file system answered SEEK_DATA {start} and SEEK_HOLE {end} after {off}")
         os.lseek(src, start, os.SEEK_SET)
         os.lseek(dst, start, os.SEEK_SET)
         left = end - start
         while left > 0 and (data := os.read(src, min(left, 1 << 20))):
-            os.write(dst, data)
+            if users_room:
+                vfs = os.fstatvfs(dst)
+                if len(data) > vfs.f_bavail * vfs.f_frsize:
+                    raise _NoRoomForUsers(errno.ENOSPC, "its file system has no more room for users")
+            view = memoryview(data)
+            while view:
+                view = view[os.write(dst, view):]
             left -= len(data)
+        if left > 0:  # it ended early (it shrank meanwhile): nothing past here
+            break
         off = end
     os.ftruncate(dst, size)  # a trailing hole, and a file that shrank meanwhile is not read past
 
@@ -521,21 +538,30 @@ class CapturedFilesBack:
             if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or not stat.S_ISREG(now.st_mode) or now.st_nlink != 1:
                 raise _refused(self.m, f"captured file {target} changed while it was being put back")
             vfs, held = os.fstatvfs(fd), now.st_blocks * 512
-            if held >= vfs.f_bavail * vfs.f_frsize:  # what users may still take: never root's reserve (F2)
+            try:
+                if held > vfs.f_bavail * vfs.f_frsize:  # what users may still take: never root's reserve (F2)
+                    raise _NoRoomForUsers(errno.ENOSPC, "")
+                _copy_fd(fd, bfd, users_room=True)
+            except _NoRoomForUsers:
                 raise _refused(self.m, f"captured file {target} holds {held} bytes on this node now, more than its "
                                        "file system has free for users: keeping a copy of it while the checkpoint's "
-                                       "is put back would fill the disk. Free space there, or remove the file")
-            _copy_fd(fd, bfd)
+                                       "is put back would fill the disk. Free space there, or remove the file") from None
             whole = True
             os.ftruncate(fd, 0)
             os.lseek(fd, 0, os.SEEK_SET)
             _copy_into(copy, fd)
             os.fchmod(fd, mode & 0o777)  # permission bits only, whatever the manifest says
         except BaseException:
+            kept = False
             if whole:  # the copy is whole, and the file may be cut already: put it back
-                with contextlib.suppress(OSError):
+                try:
                     _write_back(dfd, name, backup, st)
-            os.unlink(backup, dir_fd=dfd)
+                except OSError as e:  # its only copy now: left where it is, and said
+                    kept = True
+                    log.warning("captured file %s could not be put back as it was (%s); what it held is in %s beside "
+                                "it", target, e.strerror or e, backup)
+            if not kept:
+                os.unlink(backup, dir_fd=dfd)
             raise
         finally:
             os.close(bfd)

@@ -270,6 +270,17 @@ def test_a_file_made_sparse_and_huge_after_the_checkpoint_is_kept_sparse_and_one
         assert f.read(28) == b"written after the checkpoint"
     assert sorted(p.name for p in outputs.iterdir()) == ["train.log"]
 
+    # Room that goes while the copy runs (other restores at once, the user filling the file's holes): the
+    # copy stops before it would take what only root may, and the checkpoint is refused (review 49, R1).
+    rooms = iter([1 << 40, 1 << 40, 0])
+    monkeypatch.setattr(captured.os, "fstatvfs", lambda fd: SimpleNamespace(f_bavail=next(rooms, 0), f_frsize=1))
+    with pytest.raises(CorruptCheckpoint, match=r"more than its file system has free for users"), \
+            CapturedFilesBack(m, fetched / "captured", roots):
+        pass
+    with open(log, "rb") as f:
+        assert f.read(28) == b"written after the checkpoint"
+    assert sorted(p.name for p in outputs.iterdir()) == ["train.log"]
+
 
 # Issue 48: where a restore writes. The deny-list, and files going back as the workload's own user,
 # through directories that user could write (no CRIU: CapturedFilesBack and refusal directly).
