@@ -135,16 +135,54 @@ def _read(pid: int, peer: Peer) -> Caller:
         namespaces = {n: os.readlink(proc / "ns" / n) for n in _NAMESPACES}
         stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
         root = os.stat(proc / "root")
-        return Caller(peer=peer, namespaces=namespaces, root=(root.st_dev, root.st_ino),
-                      cap_bnd=int(status["CapBnd"], 16), cap_prm=int(status["CapPrm"], 16),
-                      cap_eff=int(status["CapEff"], 16), no_new_privs=status.get("NoNewPrivs", "0").strip() == "1",
-                      seccomp=int(status.get("Seccomp", "0")),
+        c = _Confinement.of(status)
+        for task in sorted((proc / "task").iterdir()):  # each thread's own: a message may come from any of them
+            if task.name != str(pid):
+                c = c.with_thread(task, namespaces, (root.st_dev, root.st_ino))
+        root_id = (root.st_dev, root.st_ino) if c.root is None else c.root
+        return Caller(peer=peer, namespaces=c.namespaces or namespaces, root=root_id,
+                      cap_bnd=c.cap_bnd, cap_prm=c.cap_prm, cap_eff=c.cap_eff, no_new_privs=c.no_new_privs,
+                      seccomp=c.seccomp,
                       cgroup_procs=_cgroup_procs((proc / "cgroup").read_bytes().decode(errors="surrogateescape")),
                       limits=_limits((proc / "limits").read_text()),
                       umask=int(status.get("Umask", "0022"), 8), nice=int(stat[16]),
                       oom_score_adj=int((proc / "oom_score_adj").read_text()))
     except (OSError, KeyError, ValueError, IndexError) as e:
         raise errors.Refused(f"{peer} could not be read ({type(e).__name__}: {e}): nothing to act for") from None
+
+
+@dataclass(frozen=True)
+class _Confinement:
+    """What confines a process, taken over all its threads: seccomp, no_new_privs and capabilities are
+    each thread's own, and a thread may setns or chroot alone. A message's sender is a process, never a
+    thread (SCM_CREDENTIALS), so the most confined thread stands for it (review 49, R2)."""
+
+    cap_bnd: int
+    cap_prm: int
+    cap_eff: int
+    no_new_privs: bool
+    seccomp: int
+    namespaces: dict[str, str] | None = None  # a thread's, where one differs from the process's
+    root: tuple[int, int] | None = None
+
+    @classmethod
+    def of(cls, status: dict[str, str]) -> _Confinement:
+        return cls(int(status["CapBnd"], 16), int(status["CapPrm"], 16), int(status["CapEff"], 16),
+                   status.get("NoNewPrivs", "0").strip() == "1", int(status.get("Seccomp", "0")))
+
+    def with_thread(self, task: Path, main_ns: dict[str, str], main_root: tuple[int, int]) -> _Confinement:
+        """This, and what confines the thread ``task`` (/proc/PID/task/TID) too."""
+        try:
+            text = (task / "status").read_bytes().decode(errors="surrogateescape")
+            t = _Confinement.of(dict(line.split(":\t", 1) for line in text.split("\n") if ":\t" in line))
+            ns = {n: os.readlink(task / "ns" / n) for n in _NAMESPACES}
+            st = os.stat(task / "root")
+        except FileNotFoundError:  # a thread that ended while we read: it sends nothing more
+            return self
+        root = (st.st_dev, st.st_ino)
+        return _Confinement(self.cap_bnd & t.cap_bnd, self.cap_prm & t.cap_prm, self.cap_eff & t.cap_eff,
+                            self.no_new_privs or t.no_new_privs, max(self.seccomp, t.seccomp),
+                            ns if ns != main_ns else self.namespaces, root if root != main_root else self.root)
 
 
 def _cgroup_procs(text: str) -> tuple[str, ...]:

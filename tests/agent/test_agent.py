@@ -525,6 +525,38 @@ def test_a_connection_handed_to_another_process_of_the_same_uid_or_kept_across_a
     got = as_uid(NOBODY, confined_after)[0]["ok"]
     assert got.startswith(f"uid {NOBODY} (pid ") and "runs under a seccomp filter; its workload would not" in got, got
 
+    def a_thread_confined() -> tuple[Any, list[int]]:  # seccomp is a thread's own: the main one stays free (R2)
+        import ctypes
+        import threading
+
+        r, w = os.pipe()
+        said: list[str] = []
+        with AgentClient.connect(sock) as c:
+            c.hello()
+
+            def confined() -> None:
+                raw = ctypes.create_string_buffer(struct_pack_allow())
+
+                class Prog(ctypes.Structure):
+                    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+                libc = ctypes.CDLL(None)
+                assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS, then the filter: this thread only
+                assert libc.prctl(22, 2, ctypes.byref(Prog(1, ctypes.addressof(raw))), 0, 0) == 0
+                try:
+                    c.start("agent-thread-confined", ["true"], cwd="/", env={}, stdout=w, stderr=w)
+                    said.append("accepted")
+                except errors.CedanaError as e:
+                    said.append(str(e))
+
+            t = threading.Thread(target=confined)
+            t.start()
+            t.join()
+        return said[0], []
+
+    got = as_uid(NOBODY, a_thread_confined)[0]["ok"]
+    assert "runs under a seccomp filter; its workload would not" in got, got
+
 
 def test_one_uid_can_neither_hold_every_connection_nor_break_the_agent_with_garbage(agent):
     sock, audit = agent
