@@ -118,10 +118,11 @@ class AgentClient:
               settings: Mapping[str, Any] | None = None, claim: Mapping[str, Any] | None = None,
               resume: bool = False, restore_only: bool = False) -> Started:
         """Start ``argv`` as us, checkpointed under ``checkpoint_id``; ``stdout``/``stderr``: write ends the
-        workload gets (ours stay ours to close), of pipes we made (0.8.4: the agent refuses anything else); ``settings``: task settings (agent/workloads.py:
-        TASK_SETTINGS); ``claim``: the Airflow task this is (dag_id, task_id, run_id, map_index);
-        ``resume``: restore the newest checkpoint of ``checkpoint_id`` when there is one (a retry);
-        ``restore_only`` (``argv`` empty): only that, none being an error (hello's feature ``restore``)."""
+        workload gets (ours stay ours to close), of pipes we made (0.8.4: the agent refuses anything else);
+        ``settings``: task settings (agent/workloads.py: TASK_SETTINGS); ``claim``: the Airflow task this is
+        (dag_id, task_id, run_id, map_index); ``resume``: restore the newest checkpoint of
+        ``checkpoint_id`` when there is one (a retry); ``restore_only`` (``argv`` empty): only that, none
+        being an error (hello's feature ``restore``)."""
         fields: dict[str, Any] = {"checkpoint_id": checkpoint_id, "argv": list(argv), "cwd": cwd or os.getcwd(),
                                   "env": dict(os.environ if env is None else env), "try_number": try_number,
                                   "settings": dict(settings or {}), "resume": resume}
