@@ -15,6 +15,7 @@ heartbeat the checkpoints run back to back, and the cycle is the time between co
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -46,8 +47,6 @@ WORKLOAD = ("import os, sys, time\nfrom cedana_airflow import coop\n"
 
 
 def _cycles(work: Path, side: str, cid: str) -> list[float]:
-    import json
-
     d = work / side / "store" / cid
     ms = sorted((json.loads(p.read_text()) for p in d.glob("*/manifest.json")), key=lambda m: m["seq"])
     t = [datetime.fromisoformat(m["created_at"]).timestamp() for m in ms]
@@ -98,7 +97,8 @@ def _through_agent(agent: _ThroughAgent, work: Path, mb: int, cid: str) -> list[
 def bench_agent_coop(mb: int, reps: int, work: Path) -> dict[str, Any]:
     if not Path(PYTHON).exists():
         raise SystemExit(f"bench agent-cooperative: needs the worker environment's {PYTHON} (make worker)")
-    say(f"agent-cooperative: {mb} MB state, heartbeat {HEARTBEAT} s, {CYCLES} cycles x {reps} runs per side, alternating")
+    say(f"agent-cooperative: {mb} MB state, heartbeat {HEARTBEAT} s, {CYCLES} cycles x {reps} runs a side, "
+        "alternating")
     work.chmod(0o755)  # the agent side's store is root's; only the workload's cwd (/tmp) must be nobody's
     ours = _ThroughAgent(work, mb)
     cycles: dict[str, list[float]] = {"in-process": [], "agent": []}
