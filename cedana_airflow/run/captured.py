@@ -41,6 +41,7 @@ import pwd
 import secrets
 import stat
 import sys
+import threading
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -339,13 +340,23 @@ def ensure_cwd(m: Manifest, roots: Sequence[PurePosixPath], denied: DenyList | N
         raise _refused(m, f"its working directory {m.process.cwd} cannot be created safely ({blocked(e)})") from None
 
 
-def _copy_into(src: Path, fd: int) -> None:
+def _copy_into(src: Path, fd: int, *, users_room: bool = False) -> None:
     with open(src, "rb") as i:
-        _copy_fd(i.fileno(), fd)
+        _copy_fd(i.fileno(), fd, users_room=users_room)
 
 
 class _NoRoomForUsers(OSError):
-    """A backup copy stopped before it took space only root may use."""
+    """A copy stopped before it took space only root may use."""
+
+
+#: Held from the room check to the end of each write, so that the agent's restores at once (threads of one
+#: process) cannot each pass the check before the others' writes land (review 49, third review T3).
+_ROOM = threading.Lock()
+
+
+def _no_room(m: Manifest, target: PurePosixPath) -> CorruptCheckpoint:
+    return _refused(m, f"captured file {target} cannot be put back: its file system has no more room for users, "
+                       "and root's writes there would take the space only root may use. Free space there")
 
 
 def _copy_fd(src: int, dst: int, *, users_room: bool = False) -> None:
@@ -371,13 +382,14 @@ def _copy_fd(src: int, dst: int, *, users_room: bool = False) -> None:
         os.lseek(dst, start, os.SEEK_SET)
         left = end - start
         while left > 0 and (data := os.read(src, min(left, 1 << 20))):
-            if users_room:
-                vfs = os.fstatvfs(dst)
-                if len(data) > vfs.f_bavail * vfs.f_frsize:
-                    raise _NoRoomForUsers(errno.ENOSPC, "its file system has no more room for users")
-            view = memoryview(data)
-            while view:
-                view = view[os.write(dst, view):]
+            with _ROOM if users_room else contextlib.nullcontext():
+                if users_room:
+                    vfs = os.fstatvfs(dst)
+                    if len(data) > vfs.f_bavail * vfs.f_frsize:
+                        raise _NoRoomForUsers(errno.ENOSPC, "its file system has no more room for users")
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(dst, view):]
             left -= len(data)
         if left > 0:  # it ended early (it shrank meanwhile): nothing past here
             break
@@ -474,7 +486,10 @@ class CapturedFilesBack:
             tmp = f".{name}.cedana-{secrets.token_hex(6)}"  # not guessable, and O_EXCL: never someone's link
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
             try:
-                _copy_into(copy, fd)
+                try:  # root's bytes, the checkpoint's: never into root's reserve either (third review, T2)
+                    _copy_into(copy, fd, users_room=True)
+                except _NoRoomForUsers:
+                    raise _no_room(self.m, target) from None
                 if self.creds.uid:
                     os.fchown(fd, self.creds.uid, self.creds.gid)  # the workload's own file, as it had it
                 os.fchmod(fd, mode & 0o777)  # permission bits only, whatever the manifest says
@@ -549,7 +564,10 @@ class CapturedFilesBack:
             whole = True
             os.ftruncate(fd, 0)
             os.lseek(fd, 0, os.SEEK_SET)
-            _copy_into(copy, fd)
+            try:
+                _copy_into(copy, fd, users_room=True)
+            except _NoRoomForUsers:  # what it held goes back below, from the backup
+                raise _no_room(self.m, target) from None
             os.fchmod(fd, mode & 0o777)  # permission bits only, whatever the manifest says
         except BaseException:
             kept = False

@@ -281,6 +281,23 @@ def test_a_file_made_sparse_and_huge_after_the_checkpoint_is_kept_sparse_and_one
         assert f.read(28) == b"written after the checkpoint"
     assert sorted(p.name for p in outputs.iterdir()) == ["train.log"]
 
+    # The checkpoint's own bytes are root's writes too (third review, T2): with no room for users they are
+    # refused, whether the file is gone (a new file) or there (written in place, what it held put back).
+    small = b"the node's own, small"
+    log.write_bytes(small)
+    rooms = iter([1 << 40, 1 << 40])  # the in-place check and the backup's one chunk; then none
+    monkeypatch.setattr(captured.os, "fstatvfs", lambda fd: SimpleNamespace(f_bavail=next(rooms, 0), f_frsize=1))
+    with pytest.raises(CorruptCheckpoint, match=r"captured file .*train\.log cannot be put back: its file system has "
+                       r"no more room for users"), CapturedFilesBack(m, fetched / "captured", roots):
+        pass
+    assert log.read_bytes() == small and sorted(p.name for p in outputs.iterdir()) == ["train.log"]
+    log.unlink()
+    monkeypatch.setattr(captured.os, "fstatvfs", lambda fd: SimpleNamespace(f_bavail=0, f_frsize=1))
+    with pytest.raises(CorruptCheckpoint, match=r"cannot be put back: its file system has no more room for users"), \
+            CapturedFilesBack(m, fetched / "captured", roots):
+        pass
+    assert list(outputs.iterdir()) == []
+
 
 # Issue 48: where a restore writes. The deny-list, and files going back as the workload's own user,
 # through directories that user could write (no CRIU: CapturedFilesBack and refusal directly).
