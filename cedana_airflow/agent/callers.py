@@ -155,15 +155,19 @@ def _read(pid: int, peer: Peer) -> Caller:
 class _Confinement:
     """What confines a process, taken over all its threads: seccomp, no_new_privs and capabilities are
     each thread's own, and a thread may setns or chroot alone. A message's sender is a process, never a
-    thread (SCM_CREDENTIALS), so the most confined thread stands for it (review 49, R2)."""
+    thread (SCM_CREDENTIALS), so the most confined thread stands for it, and threads in namespaces or
+    roots of their own make it stand nowhere the agent is (review 49, R2). Not a boundary, and not meant as
+    one: threads share memory, so a process is as strong as its least confined thread, and a confined
+    thread that sent and then ended is not seen (third review, T1); what this catches is a process that
+    confined one of its threads and meant that thread's work to stay confined."""
 
     cap_bnd: int
     cap_prm: int
     cap_eff: int
     no_new_privs: bool
     seccomp: int
-    namespaces: dict[str, str] | None = None  # a thread's, where one differs from the process's
-    root: tuple[int, int] | None = None
+    namespaces: dict[str, str] | None = None  # where a thread's differ: marked mixed, never the agent's
+    root: tuple[int, int] | None = None  # (-1, -1) where a thread's root differs
 
     @classmethod
     def of(cls, status: dict[str, str]) -> _Confinement:
@@ -177,12 +181,14 @@ class _Confinement:
             t = _Confinement.of(dict(line.split(":\t", 1) for line in text.split("\n") if ":\t" in line))
             ns = {n: os.readlink(task / "ns" / n) for n in _NAMESPACES}
             st = os.stat(task / "root")
-        except FileNotFoundError:  # a thread that ended while we read: it sends nothing more
-            return self
+        except (FileNotFoundError, ProcessLookupError, PermissionError):  # one that ended as we read (ESRCH or,
+            return self  # for its ns links, EACCES): only a task that is gone is unreadable to root here
+        mixed = {n: f"threads in {main_ns[n]} and {ns[n]}" for n in _NAMESPACES if ns[n] != main_ns[n]}
         root = (st.st_dev, st.st_ino)
         return _Confinement(self.cap_bnd & t.cap_bnd, self.cap_prm & t.cap_prm, self.cap_eff & t.cap_eff,
                             self.no_new_privs or t.no_new_privs, max(self.seccomp, t.seccomp),
-                            ns if ns != main_ns else self.namespaces, root if root != main_root else self.root)
+                            {**main_ns, **(self.namespaces or {}), **mixed} if mixed else self.namespaces,
+                            (-1, -1) if root != main_root else self.root)
 
 
 def _cgroup_procs(text: str) -> tuple[str, ...]:

@@ -414,6 +414,22 @@ def test_a_caller_in_another_namespace_and_a_confined_root_caller_are_refused_in
     assert "is in another net namespace than the agent (a container or a sandbox); its workload would leave it" \
         in netns["line"]
 
+    def a_thread_in_a_netns() -> None:  # one thread elsewhere: the process stands nowhere the agent is (R2)
+        import threading
+
+        ready = threading.Event()
+
+        def elsewhere() -> None:
+            _unshare(0x40000000)  # CLONE_NEWNET, this thread only
+            ready.set()
+            time.sleep(60)
+
+        threading.Thread(target=elsewhere, daemon=True).start()
+        assert ready.wait(10)
+
+    thread, _ = _start_as(sock, NOBODY, ["true"], prepare=a_thread_in_a_netns)
+    assert thread["error"] == "Refused" and "is in another net namespace than the agent" in thread["line"], thread
+
     def bounded() -> None:
         import ctypes
 
@@ -422,7 +438,7 @@ def test_a_caller_in_another_namespace_and_a_confined_root_caller_are_refused_in
     root, _ = _start_as(sock, 0, ["true"], prepare=bounded)
     assert root["error"] == "Refused" and "is root with fewer capabilities than the agent or no_new_privs set; its " \
         "workload would be full root. Run the task as a user other than root" in root["line"]
-    assert sum('"refused: ' in line for line in audit.read_text().splitlines()) == 2
+    assert sum('"refused: ' in line for line in audit.read_text().splitlines()) == 3
 
 
 def test_a_workload_keeps_its_caller_s_cgroup_limits_umask_nice_and_oom_score(agent):
