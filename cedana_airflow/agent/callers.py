@@ -123,13 +123,17 @@ def read_self() -> Caller:
     return _read(me.pid, me)
 
 
+def _status(proc: Path) -> dict[str, str]:
+    """/proc/PID/status (or a thread's) as its fields. Bytes, split on newlines only (text mode and
+    splitlines break lines at "\r" too: a process names itself, and its name is the status's first line)."""
+    text = (proc / "status").read_bytes().decode(errors="surrogateescape")
+    return dict(line.split(":\t", 1) for line in text.split("\n") if ":\t" in line)
+
+
 def _read(pid: int, peer: Peer) -> Caller:
     proc = Path(f"/proc/{pid}")
     try:
-        # Bytes, split on newlines only (text mode and splitlines break lines at "\r" too: a process names
-        # itself, and its name is the status's first line).
-        text = (proc / "status").read_bytes().decode(errors="surrogateescape")
-        status = dict(line.split(":\t", 1) for line in text.split("\n") if ":\t" in line)
+        status = _status(proc)
         if int(status["Uid"].split()[0]) != peer.uid:
             raise errors.Refused(f"{peer} is gone (pid {pid} is another user's process now): nothing to act for")
         namespaces = {n: os.readlink(proc / "ns" / n) for n in _NAMESPACES}
@@ -177,8 +181,7 @@ class _Confinement:
     def with_thread(self, task: Path, main_ns: dict[str, str], main_root: tuple[int, int]) -> _Confinement:
         """This, and what confines the thread ``task`` (/proc/PID/task/TID) too."""
         try:
-            text = (task / "status").read_bytes().decode(errors="surrogateescape")
-            t = _Confinement.of(dict(line.split(":\t", 1) for line in text.split("\n") if ":\t" in line))
+            t = _Confinement.of(_status(task))
             ns = {n: os.readlink(task / "ns" / n) for n in _NAMESPACES}
             st = os.stat(task / "root")
         except (FileNotFoundError, ProcessLookupError, PermissionError):  # one that ended as we read (ESRCH or,

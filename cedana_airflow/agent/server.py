@@ -51,7 +51,7 @@ from ..fsafe import UnsafePath, secure_base
 from ..ids import validate_checkpoint_id
 from . import protocol
 from .callers import Caller, read_caller, read_self
-from .protocol import Peer
+from .protocol import Peer, Sender
 from . import DEFAULT_SOCKET
 from .remembered import recall
 from .views import MAX_DETAILED, MAX_IDS, Viewer, checkpoint_rows, valid_ids
@@ -160,6 +160,21 @@ def _not_callers_pipe(fd: int, uid: int) -> str:
     if st.st_uid != uid:
         return f"made by uid {st.st_uid}"
     return ""
+
+
+def _sender_refusal(peer: Peer, sender: Sender | None) -> errors.Refused | None:
+    """Why a message's sender may not use this connection (None where it may): the connection is its
+    opener's alone. SO_PEERCRED is the connector's, so a socket handed on, or kept across a change of uid, is
+    not its sender's to use (unix(7)); and one handed to another process of the same uid (a child that then
+    confined itself, say) would be judged by its opener's confinement (review 49, F4)."""
+    if sender is None or (sender.uid, sender.gid) != (peer.uid, peer.gid):
+        who = f"uid {sender.uid} (pid {sender.pid})" if sender else "a sender the kernel did not name"
+        return errors.Refused(f"this connection was opened by {peer}; a message from {who} on it is refused. Connect "
+                              "after the last change of uid, and do not hand the connection on")
+    if sender.pid != peer.pid:
+        return errors.Refused(f"this connection was opened by {peer}; a message from pid {sender.pid} on it is "
+                              "refused. Connect from the process that sends, and do not hand the connection on")
+    return None
 
 
 class _Start(BaseModel):
@@ -429,33 +444,16 @@ class Agent:
             garbage = 0
             if msg is None:
                 return
-            if sender is None or (sender.uid, sender.gid) != (peer.uid, peer.gid):
-                # SO_PEERCRED is the connector's: a socket handed on, or kept across a change of uid, is not
-                # its sender's to use (unix(7)); one line, and the connection ends.
+            refusal = _sender_refusal(peer, sender)
+            if refusal is None:
+                try:  # read again for each message: a process may confine itself after it connected (F4)
+                    caller = read_caller(conn, peer)
+                except errors.Refused as e:
+                    refusal = e
+            if refusal is not None:  # one line, and the connection ends
                 protocol.close_fds(fds)
-                who = f"uid {sender.uid} (pid {sender.pid})" if sender else "a sender the kernel did not name"
-                refusal = errors.Refused(f"this connection was opened by {peer}; a message from {who} on it is "
-                                         "refused. Connect after the last change of uid, and do not hand the "
-                                         "connection on")
                 self._audit(peer, msg, str(refusal))
                 protocol.send(conn, protocol.error_reply(msg.get("id"), refusal))
-                return
-            if sender.pid != peer.pid:
-                # The same uid, another process: a connection handed on (to a child that then confined itself,
-                # say) would be judged by its opener's confinement; it is the opener's alone (review 49, F4).
-                protocol.close_fds(fds)
-                refusal = errors.Refused(f"this connection was opened by {peer}; a message from pid {sender.pid} on "
-                                         "it is refused. Connect from the process that sends, and do not hand the "
-                                         "connection on")
-                self._audit(peer, msg, str(refusal))
-                protocol.send(conn, protocol.error_reply(msg.get("id"), refusal))
-                return
-            try:  # read again for each message: a process may confine itself after it connected (F4)
-                caller = read_caller(conn, peer)
-            except errors.Refused as e:
-                protocol.close_fds(fds)
-                self._audit(peer, msg, str(e))
-                protocol.send(conn, protocol.error_reply(msg.get("id"), e))
                 return
             reply, out_fds = self._answer(caller, msg, fds)
             try:
