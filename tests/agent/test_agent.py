@@ -471,26 +471,35 @@ def test_a_workload_keeps_its_caller_s_cgroup_limits_umask_nice_and_oom_score(ag
     assert lines[1].split()[3:5] == ["64", "64"] and lines[2:] == ["0077", "5", "500"], out
 
 
-def test_a_connection_opened_by_root_then_used_by_another_uid_is_refused(agent):
-    sock, _ = agent
-    c = AgentClient.connect(sock)  # root connects ...
+def _child_sends(c: AgentClient, refusal: Callable[[int, int], str], become: int | None = None) -> int:
+    """A forked child (that became ``become``, where given) sends a hello on ``c``, its parent's connection:
+    0 where it was refused with a line starting ``refusal(parent pid, child pid)``, 2 with another, 1 where
+    it was answered."""
     pid = os.fork()
-    if pid == 0:  # ... and a child that became nobody sends on that connection
+    if pid == 0:
         code = 1
         try:
-            os.setgroups([])
-            os.setresgid(NOBODY, NOBODY, NOBODY)
-            os.setresuid(NOBODY, NOBODY, NOBODY)
+            if become is not None:
+                os.setgroups([])
+                os.setresgid(become, become, become)
+                os.setresuid(become, become, become)
             try:
                 c.hello()
             except errors.Refused as e:
-                code = 0 if str(e).startswith(f"this connection was opened by uid 0 (pid {os.getppid()}); a message "
-                                              f"from uid {NOBODY} (pid {os.getpid()}) on it is refused") else 2
+                code = 0 if str(e).startswith(refusal(os.getppid(), os.getpid())) else 2
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_a_connection_opened_by_root_then_used_by_another_uid_is_refused(agent):
+    sock, _ = agent
+    c = AgentClient.connect(sock)  # root connects, and a child that became nobody sends on that connection
+    code = _child_sends(c, lambda parent, child: f"this connection was opened by uid 0 (pid {parent}); a message "
+                                                 f"from uid {NOBODY} (pid {child}) on it is refused", become=NOBODY)
     c.close()
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert code == 0
 
 
 def test_a_connection_handed_to_another_process_of_the_same_uid_or_kept_across_a_confinement_is_refused(agent):
@@ -502,36 +511,16 @@ def test_a_connection_handed_to_another_process_of_the_same_uid_or_kept_across_a
     def handed() -> tuple[Any, list[int]]:
         c = AgentClient.connect(sock)
         c.hello()  # the opener itself is served
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                try:
-                    c.hello()
-                except errors.Refused as e:
-                    code = 0 if str(e).startswith(f"this connection was opened by uid {NOBODY} (pid {os.getppid()}); "
-                                                  f"a message from pid {os.getpid()} on it is refused") else 2
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        return os.waitstatus_to_exitcode(status), []
+        return _child_sends(c, lambda parent, child: f"this connection was opened by uid {NOBODY} (pid {parent}); "
+                                                     f"a message from pid {child} on it is refused"), []
 
     assert as_uid(NOBODY, handed)[0] == {"ok": 0}
 
     def confined_after() -> tuple[Any, list[int]]:
-        import ctypes
-
         r, w = os.pipe()
         with AgentClient.connect(sock) as c:
             c.hello()
-            raw = ctypes.create_string_buffer(struct_pack_allow())
-
-            class Prog(ctypes.Structure):
-                _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-            libc = ctypes.CDLL(None)
-            assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS: what a filter needs without CAP_SYS_ADMIN
-            assert libc.prctl(22, 2, ctypes.byref(Prog(1, ctypes.addressof(raw))), 0, 0) == 0
+            install_allow_all_filter(no_new_privs=True)
             try:
                 c.start("agent-confined-after", ["true"], cwd="/", env={}, stdout=w, stderr=w)
                 return "accepted", []
@@ -542,7 +531,6 @@ def test_a_connection_handed_to_another_process_of_the_same_uid_or_kept_across_a
     assert got.startswith(f"uid {NOBODY} (pid ") and "runs under a seccomp filter; its workload would not" in got, got
 
     def a_thread_confined() -> tuple[Any, list[int]]:  # seccomp is a thread's own: the main one stays free (R2)
-        import ctypes
         import threading
 
         r, w = os.pipe()
@@ -551,14 +539,7 @@ def test_a_connection_handed_to_another_process_of_the_same_uid_or_kept_across_a
             c.hello()
 
             def confined() -> None:
-                raw = ctypes.create_string_buffer(struct_pack_allow())
-
-                class Prog(ctypes.Structure):
-                    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-                libc = ctypes.CDLL(None)
-                assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS, then the filter: this thread only
-                assert libc.prctl(22, 2, ctypes.byref(Prog(1, ctypes.addressof(raw))), 0, 0) == 0
+                install_allow_all_filter(no_new_privs=True)  # this thread only
                 try:
                     c.start("agent-thread-confined", ["true"], cwd="/", env={}, stdout=w, stderr=w)
                     said.append("accepted")
@@ -695,15 +676,8 @@ def test_a_filtered_caller_and_a_root_caller_with_fewer_capabilities_are_refused
 
     sock, _ = agent
 
-    def allow_all_filter() -> None:  # installed as root, without no_new_privs, as a hardened unit has it
-        raw = ctypes.create_string_buffer(struct_pack_allow())
-
-        class Prog(ctypes.Structure):
-            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-        assert ctypes.CDLL(None).prctl(22, 2, ctypes.byref(Prog(1, ctypes.addressof(raw))), 0, 0) == 0
-
-    filtered, _ = _start_as(sock, NOBODY, ["true"], prepare=allow_all_filter)
+    # installed as root, without no_new_privs, as a hardened unit has it
+    filtered, _ = _start_as(sock, NOBODY, ["true"], prepare=install_allow_all_filter)
     assert filtered["error"] == "Refused" and "runs under a seccomp filter; its workload would not" in filtered["line"]
 
     def fewer_caps() -> None:  # a root service with its capabilities dropped from the permitted set
@@ -761,6 +735,22 @@ def struct_pack_allow() -> bytes:
     import struct
 
     return struct.pack("HBBI", 0x06, 0, 0, 0x7FFF0000)  # BPF_RET|BPF_K SECCOMP_RET_ALLOW
+
+
+def install_allow_all_filter(no_new_privs: bool = False) -> None:
+    """An allow-all seccomp filter on the calling thread (a filter all the same: Seccomp 2). Without
+    CAP_SYS_ADMIN a filter needs ``no_new_privs`` first (PR_SET_NO_NEW_PRIVS)."""
+    import ctypes
+
+    raw = ctypes.create_string_buffer(struct_pack_allow())
+
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    libc = ctypes.CDLL(None)
+    if no_new_privs:
+        assert libc.prctl(38, 1, 0, 0, 0) == 0
+    assert libc.prctl(22, 2, ctypes.byref(Prog(1, ctypes.addressof(raw))), 0, 0) == 0  # SECCOMP_MODE_FILTER
 
 
 def test_an_audit_log_that_cannot_be_written_refuses_starts_and_leaves_nothing_running(tmp_path):
