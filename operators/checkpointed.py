@@ -18,13 +18,13 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowException
 
 from cedana_airflow.agent.route import fresh_line, run_via_agent, through_agent
 from cedana_airflow.airflow.logsink import LogSink
 from cedana_airflow.airflow.task import (CEDANA_TEMPLATE_FIELDS, CedanaTask, Placement, TaskSetup, airflow_errors,
                                          command_argv)
 from cedana_airflow.airflow.task_state import STATE_KEY, TaskState, airflow_task
+from cedana_airflow.airflow_compat import AirflowException
 from cedana_airflow.config import Settings
 from cedana_airflow.engine.cuda import load_driver
 from cedana_airflow.errors import AgentUnavailable, ConfigError, EngineUnavailable, GpuUnavailable
@@ -146,6 +146,10 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
         beat = settings.heartbeat_seconds
         self.log.info("cedana: checkpoint_id=%s node=%s try=%d store=%s heartbeat=%s", cid, node, ti.try_number,
                       where, beat if isinstance(beat, str) else f"{beat:g}s" if beat else "off")
+        if not state.kept and ti.try_number > 1:
+            self.log.info("cedana: this Airflow has no task state store (it came in 3.3): where earlier tries ran "
+                          "is not known, so a retry on the node of a failed try is not detected "
+                          "(same_node_retry = %s is not enforced)", setup.options.same_node_retry)
         self._check_same_node(previous, node, setup.options.same_node_retry)
         state.add_try(ti.try_number, node, checkpoint_id=cid)
 

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseSensorOperator
-from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
+from cedana_airflow.airflow_compat import AirflowFailException, AirflowSkipException
 from cedana_airflow.engine.cuda import load_driver
 from cedana_airflow.errors import GpuUnavailable
 from cedana_airflow.node.gpu import read_gpus, unmet_conditions

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 from airflow.sdk import BaseSensorOperator
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from cedana_airflow.airflow.kube import NOT_READY_TAINT
+from cedana_airflow.airflow_compat import AirflowException, AirflowFailException
 from cedana_airflow.scope.optin import DEFAULT_NODE_LABEL
 
 if TYPE_CHECKING:

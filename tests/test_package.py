@@ -26,6 +26,7 @@ LAYERS = [
     {"cedana_airflow.run", "cedana_airflow.scope", "cedana_airflow.slurm"},
     {"cedana_airflow.drill"},
     {"cedana_airflow.agent"},  # it runs drills for callers that are not root (0.8.4)
+    {"cedana_airflow.airflow_compat"},  # what differs between Airflow 3.1, 3.2 and 3.3 (0.9.0)
     {"cedana_airflow.hooks"},
     {"cedana_airflow.triggers"},
     {"cedana_airflow.cli", "cedana_airflow.airflow"},

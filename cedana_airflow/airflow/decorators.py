@@ -27,7 +27,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_decorator_factory
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from ..airflow_compat import AirflowException, AirflowFailException
 
 from cedana_airflow.airflow.config import task_settings
 from cedana_airflow.airflow.task import airflow_errors

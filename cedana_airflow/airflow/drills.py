@@ -158,7 +158,7 @@ def run_drill(mode: str, settings: Mapping[str, Any] | None = None, **params: An
         log.info("cedana: drill %s %s: %s.%s (%s) try %d: %s%s", report.drill_id, "CHOSE" if t.chosen else "passed over",
                  t.dag_id, t.task_id, t.run_id, t.try_number, t.reason, f"; {t.problem}" if t.problem else "")
     if not report.ok:
-        from airflow.sdk.exceptions import AirflowException
+        from ..airflow_compat import AirflowException
 
         raise AirflowException(f"{summary}: {'; '.join(report.problems)}")
     return report.model_dump(mode="json")

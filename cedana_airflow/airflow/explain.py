@@ -14,11 +14,12 @@ __all__ = ["task_facts"]
 
 def task_facts(dag_id: str, task_id: str, dags_folder: str | None) -> dict[str, Any]:
     from airflow.configuration import conf
-    from airflow.dag_processing.dagbag import DagBag
+
+    from ..airflow_compat import dag_bag
 
     folder = dags_folder or conf.get("core", "dags_folder")
     with contextlib.redirect_stdout(sys.stderr):  # Airflow logs the parse on stdout: `explain --json` owns it
-        bag = DagBag(dag_folder=folder)
+        bag = dag_bag(dag_folder=folder)
     dag = bag.dags.get(dag_id)
     if dag is None:
         broken = [f"{path}: {err.splitlines()[-1] if err else '?'}" for path, err in bag.import_errors.items()]

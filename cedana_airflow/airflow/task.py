@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
 
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from ..airflow_compat import AirflowException, AirflowFailException
 
 from ..config import Settings
 from ..errors import CedanaError, CheckpointIdError, ConfigError, SlurmRefused

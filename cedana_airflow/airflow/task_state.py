@@ -41,6 +41,11 @@ class TaskState:
         return cls(context.get("task_state_store"), log)
 
     @property
+    def kept(self) -> bool:
+        """Whether this Airflow keeps the record across tries (its task state store came in 3.3)."""
+        return self._store is not None
+
+    @property
     def tries(self) -> list[dict[str, Any]]:
         return list(self.record.get("tries") or [])
 

@@ -26,7 +26,8 @@ def s3_client_for(aws_conn_id: str, settings: Settings) -> Any:
 def named_connection(conn_id: str, option: str, without: str) -> Any:
     """The Airflow connection an option names; a missing one is one line naming the option and the fix."""
     from airflow.sdk import BaseHook
-    from airflow.sdk.exceptions import AirflowNotFoundException
+
+    from ..airflow_compat import AirflowNotFoundException
 
     try:
         return BaseHook.get_connection(conn_id)

@@ -1,0 +1,49 @@
+"""What differs between the Airflow minors we support (3.1.8 and later: 3.1, 3.2, 3.3), in one place.
+
+Every Airflow-facing module takes these names from here, never from a version's own path, so the next
+minor's move is one edit. What moved, read in each minor's source:
+
+- ``AirflowFailException``, ``AirflowSkipException`` and ``AirflowNotFoundException`` are in
+  ``airflow.sdk.exceptions`` from 3.2; 3.1's has only ``AirflowException`` and keeps the rest in
+  ``airflow.exceptions`` (which 3.2+ still has, as deprecated aliases). 3.1's task runner catches
+  ``airflow.exceptions.AirflowFailException``, so raising that class there still fails without retry.
+- ``DagBag`` is ``airflow.dag_processing.dagbag`` from 3.2, ``airflow.models.dagbag`` in 3.1.
+- ``context["task_state_store"]`` exists from 3.3 (:data:`HAS_TASK_STATE_STORE`): below it, where
+  earlier tries ran is not known (airflow/task_state.py degrades with one line).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:  # Airflow 3.2+
+    from airflow.sdk.exceptions import (AirflowException, AirflowFailException, AirflowNotFoundException,
+                                        AirflowSkipException)
+except ImportError:  # Airflow 3.1
+    from airflow.exceptions import (AirflowException, AirflowFailException,  # type: ignore[no-redef,attr-defined]
+                                    AirflowNotFoundException, AirflowSkipException)
+
+__all__ = ["AIRFLOW_VERSION", "AirflowException", "AirflowFailException", "AirflowNotFoundException",
+           "AirflowSkipException", "HAS_TASK_STATE_STORE", "dag_bag"]
+
+
+def _version() -> tuple[int, int]:
+    from airflow import __version__
+
+    major, minor = __version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+#: (major, minor) of the Airflow installed beside us.
+AIRFLOW_VERSION = _version()
+#: Whether a task's context carries ``task_state_store`` (Airflow 3.3+).
+HAS_TASK_STATE_STORE = AIRFLOW_VERSION >= (3, 3)
+
+
+def dag_bag(**kwargs: Any) -> Any:
+    """Airflow's DagBag (imported when asked: it loads the ORM models)."""
+    try:  # Airflow 3.2+
+        from airflow.dag_processing.dagbag import DagBag
+    except ImportError:  # Airflow 3.1
+        from airflow.models.dagbag import DagBag  # type: ignore[no-redef]
+    return DagBag(**kwargs)
