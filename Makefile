@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup criu worker worker-torch torch browser services slurm pods cc soak-tools demo ui demo-fleet demo-slurm demo-k8s test test-fast test-unit soak bench faults clean
+.PHONY: setup criu worker worker-torch compat torch browser services slurm pods cc soak-tools demo ui demo-fleet demo-slurm demo-k8s test test-fast test-unit soak bench faults clean
 
 setup: $(STAMP) criu
 
@@ -35,6 +35,11 @@ $(WORKER)/.installed: pyproject.toml setup.py Makefile
 	  'apache-airflow-providers-celery>=3.10' 'celery>=5.5,<5.7' 'psycopg2-binary>=2.9' 'asyncpg>=0.29'
 	chmod -R a+rX $(WORKER)
 	touch $@
+
+# Airflow 3.1 and 3.2 beside the 3.3 of .venv, each in a venv of its own from the set pinned in tests/compat/
+# (tests/integration/test_airflow_compat.py installs the built wheel into a copy of each and runs a task).
+compat:
+	@for lock in tests/compat/airflow-*.txt; do bash scripts/compat_venv.sh "$$lock"; done
 
 # PyTorch's CPU build (about 200 MB) for the real training jobs of the tests and the soak; not a
 # dependency of the package. The worker environment gets it too (`make test`): the stack's torch jobs
@@ -103,7 +108,7 @@ demo-k8s: setup pods
 # The suite in parallel pytest-xdist workers: most end-to-end tests wait on heartbeats and Airflow's loops,
 # so their waits overlap (tests/harness.py; docs/testing.md has the budget and the latest figures).
 TEST_WORKERS ?= 4
-test: setup torch browser services slurm pods cc worker worker-torch
+test: setup torch browser services slurm pods cc worker worker-torch compat
 	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # The inner loop: units and the pieces that need no Airflow stack, cluster or pod (under 3 minutes).

@@ -626,6 +626,49 @@ def _migrated(d: Path) -> dict[str, Any]:
 harness.SERVICES["airflow-db"] = _migrated
 
 
+# -- what users install: the wheel and the sdist, built once per run ------------------------------------
+#: what the build reads (copied: an in-tree build would leave build/ behind, whose stale files could ship)
+BUILD_INPUTS = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "NOTICE", "cedana_airflow", "operators",
+                "sensors")
+
+
+def _built(d: Path) -> dict[str, Any]:
+    src, out = d / "src", d / "dist"
+    for name in BUILD_INPUTS:
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            src.mkdir(exist_ok=True)
+            shutil.copy2(REPO / name, src / name)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                        "--disable-pip-version-check", "-w", str(out), str(src)], capture_output=True, text=True,
+                       timeout=300)
+    if r.returncode:
+        raise RuntimeError(f"pip wheel failed: {r.stderr[-2000:]}")
+    r = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; "
+                        "print(b.build_sdist(sys.argv[1]))", str(out)], cwd=src, capture_output=True, text=True,
+                       timeout=300)
+    if r.returncode:
+        raise RuntimeError(f"building the sdist failed: {r.stderr[-2000:]}")
+    [wheel] = out.glob("cedana_airflow-*.whl")
+    [sdist] = out.glob("cedana_airflow-*.tar.gz")
+    return {"wheel": str(wheel), "sdist": str(sdist)}
+
+
+harness.SERVICES["wheel"] = _built
+
+
+@pytest.fixture(scope="session")
+def wheel() -> Path:
+    """cedana-airflow's wheel, built once per run from a copy of the checkout (every worker shares it)."""
+    return Path(harness.service("wheel")["wheel"])
+
+
+@pytest.fixture(scope="session")
+def sdist() -> Path:
+    return Path(harness.service("wheel")["sdist"])
+
+
 @pytest.fixture(scope="session")
 def airflow_db() -> Path:
     """An Airflow metadata DB migrated once per run (for every worker); each test copies it into its own home."""
@@ -636,10 +679,12 @@ def airflow_db() -> Path:
 OPTIN_ALL = '[node]\nhostnames = ["*"]\n[queue]\nqueues = ["*"]\n[workload]\ndags = ["*"]\n'
 
 
-def airflow_env(tmp_path: Path, airflow_db: Path, **extra: str) -> dict[str, str]:
+def airflow_env(tmp_path: Path, airflow_db: Path | None, **extra: str) -> dict[str, str]:
+    """An Airflow home in ``tmp_path`` with a copy of ``airflow_db`` (None: none; the caller migrates one)."""
     home = tmp_path / "airflow"
     home.mkdir(exist_ok=True)
-    shutil.copy(airflow_db, home / "airflow.db")
+    if airflow_db is not None:
+        shutil.copy(airflow_db, home / "airflow.db")
     (tmp_path / "optin.toml").write_text(OPTIN_ALL)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CEDANA_", "AIRFLOW", "AWS_"))}
     env.update(AIRFLOW_HOME=str(home), AIRFLOW__CORE__DAGS_FOLDER=str(REPO / "tests" / "dags"),

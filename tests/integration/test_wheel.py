@@ -29,10 +29,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("wheel")]
 #: top-level folders of the checkout -> the package they ship as (setup.py)
 SHIPPED = {"cedana_airflow": "cedana_airflow", "operators": "cedana_airflow.operators",
            "sensors": "cedana_airflow.sensors"}
-#: what the wheel is built from: everything the build reads
-BUILD_INPUTS = ("pyproject.toml", "setup.py", "README.md", *SHIPPED)
-
-
 def _source_files() -> set[str]:
     """Every file the source tree means to ship, as its path inside the wheel."""
     out = set()
@@ -41,20 +37,6 @@ def _source_files() -> set[str]:
             if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
                 out.add("/".join([*package.split("."), *path.relative_to(REPO / folder).parts]))
     return out
-
-
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("dist")
-    for name in BUILD_INPUTS:
-        copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy2
-        copy(REPO / name, src / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
-                                         if (REPO / name).is_dir() else {}))
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                        "-w", str(out), str(src)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    [built] = out.glob("cedana_airflow-*.whl")
-    return built
 
 
 def test_the_wheel_holds_every_module_and_file_of_the_source_tree(wheel):
