@@ -10,7 +10,8 @@ setup: $(STAMP) criu
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev,airflow]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check 'pip>=25.1'  # --group: PEP 735's dependency groups
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[amazon,cncf-kubernetes,ssh,gpu,s3]' --group dev
 	touch $(STAMP)
 
 criu:
@@ -31,7 +32,7 @@ worker: $(WORKER)/.installed
 $(WORKER)/.installed: pyproject.toml setup.py Makefile
 	@/usr/bin/python3 -c 'import ensurepip' 2>/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-venv; }
 	/usr/bin/python3 -m venv $(WORKER)
-	$(WORKER)/bin/python -m pip install -q --disable-pip-version-check '.[airflow]' numpy \
+	$(WORKER)/bin/python -m pip install -q --disable-pip-version-check '.[amazon,cncf-kubernetes,ssh,gpu]' numpy \
 	  'apache-airflow-providers-celery>=3.10' 'celery>=5.5,<5.7' 'psycopg2-binary>=2.9' 'asyncpg>=0.29'
 	chmod -R a+rX $(WORKER)
 	touch $@

@@ -53,11 +53,12 @@ git ls-files -z --cached --others --exclude-standard | xargs -0 sh -c 'for f; do
 quiet "building the wheel" "$PY" -m pip wheel --no-deps --disable-pip-version-check -q "$work/src" -w "$BUNDLE/wheels"
 wheel=$(ls "$BUNDLE"/wheels/cedana_airflow-*.whl)
 
-# The dependencies come from pyproject.toml (core plus the gpu extra), so the bundle follows it.
+# The dependencies come from pyproject.toml (the supervisor group, which leaves Airflow out, plus the gpu
+# extra), so the bundle follows it.
 mapfile -t reqs < <("$PY" - <<'EOF'
 import tomllib
-p = tomllib.load(open("pyproject.toml", "rb"))["project"]
-for r in [*p["dependencies"], *p.get("optional-dependencies", {}).get("gpu", [])]:
+p = tomllib.load(open("pyproject.toml", "rb"))
+for r in [*p["dependency-groups"]["supervisor"], *p["project"]["optional-dependencies"]["gpu"]]:
     print(r)
 EOF
 )

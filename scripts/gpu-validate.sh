@@ -274,8 +274,9 @@ if [ -n "$BUNDLE" ]; then
   pipwhl=$(ls "$BUNDLE"/wheels/pip-*.whl | head -n1)
   wheel=$(ls "$BUNDLE"/wheels/cedana_airflow-*.whl | head -n1)
   # pip runs from its own wheel: no ensurepip, no registry (--no-index).
-  "$VENV/bin/python" "$pipwhl/pip" install --no-index --find-links "$BUNDLE/wheels" --disable-pip-version-check -q \
-    "$wheel[gpu]" >"$WORK/pip.err" 2>&1 || fail 1 "installing cedana-airflow from $BUNDLE/ failed: $(grep -v '^ ' "$WORK/pip.err" | tail -n1)"
+  # --no-deps: the bundle holds the supervisor's dependencies (gpu-bundle.sh), not Airflow's.
+  "$VENV/bin/python" "$pipwhl/pip" install --no-index --no-deps --disable-pip-version-check -q \
+    "$BUNDLE"/wheels/*.whl >"$WORK/pip.err" 2>&1 || fail 1 "installing cedana-airflow from $BUNDLE/ failed: $(grep -v '^ ' "$WORK/pip.err" | tail -n1)"
 else
   # Dry run without a bundle: a wheel of this work tree (tracked and untracked-but-not-ignored files,
   # as gpu-bundle.sh builds it), its dependencies from $PY's packages.

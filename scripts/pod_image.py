@@ -43,7 +43,7 @@ IMAGE = "localhost/cedana-airflow-pod"
 #: The base stands in for an operator's workload image: Debian with Python, nothing of ours.
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
 #: What the wheel is built from (as tests/integration/test_wheel.py builds it).
-BUILD_INPUTS = ("pyproject.toml", "setup.py", "README.md", "cedana_airflow", "operators", "sensors")
+BUILD_INPUTS = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "NOTICE", "cedana_airflow", "operators", "sensors")
 PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_CACHE = REPO / ".cedana" / "images"
 
@@ -65,6 +65,14 @@ def release_and_mirror() -> tuple[str, str]:
         if "security" not in url:
             return codename, url
     return codename, "http://deb.debian.org/debian"
+
+
+def supervisor_requirements() -> list[str]:
+    """What the pod's supervisor needs beside our wheel (installed --no-deps): pyproject's supervisor group,
+    the package's dependencies without Airflow, which the pod never runs."""
+    import tomllib
+
+    return list(tomllib.loads((REPO / "pyproject.toml").read_text())["dependency-groups"]["supervisor"])
 
 
 def _wheel_digest(wheel: Path) -> str:
@@ -143,7 +151,7 @@ def build(cache: Path = DEFAULT_CACHE, rt: PodRuntime | None = None, python: str
                   "--only-binary=:all:", "--python-version", pyver, "--implementation", "cp", "--abi", abi,
                   *(a for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
                     for a in ("--platform", p)),
-                  "--find-links", str(wheels), f"cedana-airflow[s3]=={wheel.name.split('-')[1]}"],
+                  *supervisor_requirements()],
                  "downloading the wheel's dependencies", timeout=600)
             (ctx / "install-criu.sh").write_bytes((REPO / "scripts" / "install-criu.sh").read_bytes())
             h = hashlib.sha256()

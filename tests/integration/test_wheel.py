@@ -3,7 +3,7 @@
 The wheel is built from a copy of the project (a stale ``build/`` of the checkout cannot leak into it),
 its files are compared with the source tree's, and it is installed into a fresh virtual environment.
 That environment gets Airflow and every other dependency from this checkout's ``.venv`` by hard links
-(installing Airflow from PyPI costs minutes, and ``pip install --no-index wheel[airflow]`` below still
+(installing Airflow from PyPI costs minutes, and ``pip install --no-index wheel[amazon,...]`` below still
 proves the wheel's declared dependencies are met by them); the editable install of the checkout is
 left out, and every command runs outside the checkout, so only the wheel can answer.
 """
@@ -73,9 +73,9 @@ def installed(wheel, tmp_path_factory) -> tuple[Path, dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "CEDANA_", "PYTHON"))}
     env.update(AIRFLOW_HOME=str(home), AIRFLOW__CORE__LOAD_EXAMPLES="False",
                AIRFLOW__CORE__DAGS_FOLDER=str(home / "dags"), PATH=f"{venv / 'bin'}:{env.get('PATH', '')}")
-    # Not --no-deps: pip must find every dependency the wheel declares (and its airflow extra) installed.
+    # Not --no-deps: pip must find every dependency the wheel declares (and its extras) installed.
     r = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-index", "--disable-pip-version-check",
-                        f"{wheel}[airflow]"], cwd=home, env=env, capture_output=True, text=True, timeout=300)
+                        f"{wheel}[amazon,cncf-kubernetes,ssh,gpu]"], cwd=home, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return python, env
 
@@ -131,3 +131,48 @@ def test_the_shipped_dags_parse_and_the_dag_policy_refuses_a_broken_one(installe
     assert list(errors) == [str(broken)] and "cedana:" in errors[str(broken)], errors  # the policy ran
     shipped = {p.stem for p in (REPO / "dags").glob("*.py")}
     assert shipped <= set(parsed["dags"]), parsed
+
+
+def _metadata(text: str) -> tuple[dict[str, list[str]], str]:
+    """A METADATA/PKG-INFO file's fields (each a list of its values) and its body (the long description)."""
+    from email.parser import Parser
+
+    msg = Parser().parsestr(text)
+    fields: dict[str, list[str]] = {}
+    for key, value in msg.items():
+        fields.setdefault(key, []).append(value)
+    return fields, msg.get_payload()
+
+
+def test_the_wheel_and_sdist_carry_a_providers_metadata_and_pass_twine(wheel, sdist):
+    import tarfile
+
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        [meta_path] = [n for n in names if n.endswith(".dist-info/METADATA")]
+        wheel_meta, _ = _metadata(z.read(meta_path).decode())
+    with tarfile.open(sdist) as t:
+        members = {m.name.split("/", 1)[1] for m in t.getmembers() if "/" in m.name}
+        [pkg_info] = [m for m in t.getmembers() if m.name.count("/") == 1 and m.name.endswith("/PKG-INFO")]
+        sdist_meta, _ = _metadata(t.extractfile(pkg_info).read().decode())  # type: ignore[union-attr]
+    for what, meta in (("wheel", wheel_meta), ("sdist", sdist_meta)):
+        assert meta["License-Expression"] == ["Apache-2.0"], (what, meta.get("License-Expression"))
+        assert set(meta["License-File"]) == {"LICENSE", "NOTICE"}, (what, meta.get("License-File"))
+        assert "Framework :: Apache Airflow :: Provider" in meta["Classifier"], what
+        assert "Typing :: Typed" in meta["Classifier"], what
+        urls = dict(u.split(", ", 1) for u in meta["Project-URL"])
+        assert urls.get("Documentation", "").startswith("https://"), (what, urls)
+        assert set(meta["Provides-Extra"]) == {"s3", "amazon", "cncf-kubernetes", "ssh", "gpu", "airflow"}, what
+        [airflow] = [r for r in meta["Requires-Dist"] if r.split(">")[0].split(";")[0].strip() == "apache-airflow"]
+        assert airflow.replace(" ", "") == "apache-airflow>=3.1.8", (what, airflow)  # a floor, no cap
+        assert not any("pytest" in r or "playwright" in r for r in meta["Requires-Dist"]), what  # dev tools: a group
+    license_text = (REPO / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0" in license_text
+    with zipfile.ZipFile(wheel) as z:
+        shipped_licenses = {n.rsplit("/", 1)[1]: z.read(n).decode() for n in z.namelist() if ".dist-info/licenses/" in n}
+    assert shipped_licenses == {"LICENSE": license_text, "NOTICE": (REPO / "NOTICE").read_text()}
+    assert {"LICENSE", "NOTICE", "README.md", "pyproject.toml"} <= members, sorted(members)[:40]
+    assert "cedana_airflow/py.typed" in names
+    r = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", str(wheel), str(sdist)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
