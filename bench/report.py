@@ -14,7 +14,7 @@ from harness import BENCH, MB, med
 from cedana_airflow.run.cadence import duration_text
 
 PARTS = ("local", "lazy", "lazy-growth", "lazy-freeze", "talkers", "agent", "agent-cooperative", "cooperative",
-         "s3-transfer", "s3-listing", "heartbeat")
+         "s3-transfer", "s3-listing", "heartbeat", "plugin")
 PART_TITLES = {"local": "local (freeze, stored bytes, restore from file://)",
                "lazy": "lazy restore (file:// and S3)",
                "lazy-growth": "lazy restore by image size (file://)",
@@ -25,7 +25,8 @@ PART_TITLES = {"local": "local (freeze, stored bytes, restore from file://)",
                "cooperative": "cooperative heartbeat (S3)",
                "s3-transfer": "S3 first checkpoint, heartbeats, restore",
                "s3-listing": "S3 listing",
-               "heartbeat": "heartbeat = auto vs fixed intervals (simulated fleet)"}
+               "heartbeat": "heartbeat = auto vs fixed intervals (simulated fleet)",
+               "plugin": "loading the cedana plugin in a task process, now vs 0.8.4"}
 HEAD = ["benchmark", "baseline", "ours", "ratio", "target", "result"]
 
 MOTO_NOTE = ("S3 endpoint: moto's S3 server (python -m moto.server, one Python process on loopback) is a protocol "
@@ -90,6 +91,11 @@ def table_rows(res: dict[str, Any]) -> list[list[str]]:
         rows += _s3_rows(res["s3"])
     if "heartbeat" in res:
         rows += _heartbeat_rows(res["heartbeat"])
+    if "plugin" in res:
+        p = res["plugin"]
+        rows += [[f"plugin load in a task process ({p['modules']['ours']} vs {p['modules']['baseline']} modules)",
+                  secs(p["baseline_seconds"], p["spread"]["baseline"]), secs(p["ours_seconds"], p["spread"]["ours"]),
+                  f"{p['ratio']:.3f}x", f"<= {p['target']:.1f}x", _ok(p["pass"])]]
     return rows
 
 
@@ -320,6 +326,18 @@ def details(res: dict[str, Any]) -> list[str]:
             lines.append(_s3_listing_details(s3["listing"]))
     if "heartbeat" in res:
         lines.append(_heartbeat_details(res["heartbeat"]))
+    if "plugin" in res:
+        p = res["plugin"]
+        lines.append(f"loading the cedana plugin in a task process (bench/plugin_import.py; fresh interpreters that "
+                     f"imported Airflow's task runner and plugins manager first, {p['reps']} runs a side, alternating; "
+                     f"medians (min-max)): 0.8.4 built the browser's FastAPI app at import, "
+                     f"{secs(p['baseline_seconds'], p['spread']['baseline'])} and {p['modules']['baseline']} modules, "
+                     f"Airflow's API server {'among them' if p['api_server']['baseline'] else 'not among them'}; now the "
+                     f"module alone, {secs(p['ours_seconds'], p['spread']['ours'])} and {p['modules']['ours']} modules "
+                     f"(API server {'loaded' if p['api_server']['ours'] else 'not loaded'}), the app built on the "
+                     f"browser's first request in the api-server; integrate_macros_plugins() as a whole (every plugin "
+                     f"installed here) {secs(p['integrate_seconds'], p['spread']['integrate'])}, "
+                     f"{p['modules']['integrate']} modules (info)")
     return lines
 
 

@@ -80,7 +80,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--only", type=parse_only, default=list(PARTS),
                     help="run only these parts, comma-separated: local, lazy, lazy-growth, lazy-freeze, talkers, agent, agent-cooperative, "
                          "cooperative, s3 (= s3-transfer,"
-                         "s3-listing), s3-transfer, s3-listing, heartbeat (default: all); the others keep their previous results in bench/results.*")
+                         "s3-listing), s3-transfer, s3-listing, heartbeat, plugin (default: all); the others keep their previous results in bench/results.*")
     ap.add_argument("--mb", type=int, default=1024, help="workload state size in MB (default 1024; 200 for a quick run)")
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions for freeze and restore (default 5)")
     ap.add_argument("--agent-mb", type=int, default=256,
@@ -180,6 +180,10 @@ def run_parts(parts: Parts, engine: CriuEngine, settings: Settings, work: Path) 
         s3_new["listing"] = parts.run("s3-listing", lambda: bench_listing(work, args.listing_ids, args.listing_seqs))
     if s3_new:
         new["s3"] = s3_new
+    if "plugin" in args.only:
+        from plugin_import import bench_plugin
+
+        new.update(parts.run("plugin", lambda: bench_plugin(max(5, args.reps))))
     if "heartbeat" in args.only:
         from heartbeat_sim import bench_heartbeat
 

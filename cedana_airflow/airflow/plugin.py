@@ -3,8 +3,14 @@
 - the macro that names a task's default checkpoint ID, so a DAG can pass the same ID to a
   CheckpointSensor: ``{{ macros.cedana.checkpoint_id(ti, run_id) }}``;
 - the checkpoint browser (browser/) mounted at ``/cedana`` in the api-server, with a nav item
-  (Browse > Checkpoints) and a tab on every task instance. Hrefs are built on ``[api] base_url``
-  when it has a path, so a deployment under a prefix keeps working.
+  (Browse > Checkpoints) and a Checkpoints tab on task instances (``[cedana] task_instance_tab``: Airflow
+  shows a plugin's tab on every task instance, it cannot limit one to some operators; our operators also
+  carry a Checkpoints extra link, links.py). Hrefs are built on ``[api] base_url`` when it has a path, so
+  a deployment under a prefix keeps working.
+
+Every process that loads plugins imports this module, task processes included, so it imports almost
+nothing: the browser's app, which pulls in Airflow's API server (over 700 modules, most of a second), is
+built on its first request in the api-server (:class:`_LazyApp`; bench/plugin_import.py measures both).
 """
 
 from __future__ import annotations
@@ -34,20 +40,35 @@ def _href(path: str) -> str:
     return f"{prefix}/{path}" if prefix else path
 
 
-def _fastapi_apps() -> list[dict[str, Any]]:
-    from .browser import fastapi_app
+class _LazyApp:
+    """The browser's ASGI app, imported and built on its first request. The api-server mounts it as it
+    would the FastAPI app; every other process that loads the plugin never builds it."""
 
-    return [{"app": fastapi_app(), "url_prefix": "/cedana", "name": "cedana checkpoint browser"}]
+    def __init__(self) -> None:
+        self._app: Any = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self._app is None:  # built without awaiting: no other request of this loop runs in between
+            from .browser import fastapi_app
+
+            self._app = fastapi_app()
+        await self._app(scope, receive, send)
+
+
+def _task_instance_tab() -> bool:
+    from airflow.configuration import conf
+
+    return conf.getboolean("cedana", "task_instance_tab", fallback=True)
 
 
 class CedanaPlugin(AirflowPlugin):
     name = "cedana"
     macros = [checkpoint_id]
-    fastapi_apps = _fastapi_apps()
+    fastapi_apps = [{"app": _LazyApp(), "url_prefix": "/cedana", "name": "cedana checkpoint browser"}]
     external_views = [
         {"name": "Checkpoints", "href": _href("cedana/"), "destination": "nav", "category": "browse",
          "url_route": "cedana-checkpoints"},
-        {"name": "Checkpoints", "href": _href("cedana/ti?dag_id={DAG_ID}&run_id={RUN_ID}&task_id={TASK_ID}"
-                                              "&map_index={MAP_INDEX}"),
-         "destination": "task_instance", "url_route": "cedana-task-checkpoints"},
+        *([{"name": "Checkpoints", "href": _href("cedana/ti?dag_id={DAG_ID}&run_id={RUN_ID}&task_id={TASK_ID}"
+                                                 "&map_index={MAP_INDEX}"),
+            "destination": "task_instance", "url_route": "cedana-task-checkpoints"}] if _task_instance_tab() else []),
     ]
