@@ -38,6 +38,7 @@ def get_provider_info() -> dict[str, Any]:
     rather than at module level: provider discovery imports this package before Airflow's config is ready.
     """
     from .config import config_options
+    from .option_versions import VERSION_ADDED
 
     return {
         "package-name": "cedana-airflow",
@@ -46,15 +47,22 @@ def get_provider_info() -> dict[str, Any]:
         "versions": [__version__],
         "integrations": [{"integration-name": INTEGRATION, "tags": ["software"]}],
         **{kind: [{"integration-name": INTEGRATION, "python-modules": _modules(f"cedana_airflow.{kind}")}]
-           for kind in ("operators", "sensors", "hooks", "triggers")},
+           for kind in ("operators", "sensors")},
+        # hooks/ holds helpers, not BaseHook classes: nothing to declare. CheckpointSensor's trigger lives
+        # beside its sensor, so its module is named as well as triggers/'.
+        "triggers": [{"integration-name": INTEGRATION,
+                      "python-modules": [*_modules("cedana_airflow.triggers"), "cedana_airflow.sensors.checkpoint"]}],
+        "extra-links": ["cedana_airflow.airflow.links.CheckpointsLink"],
         "task-decorators": [{"name": "checkpointed", "class-name": "cedana_airflow.airflow.decorators.checkpointed_task"}],
         "config": {
             "cedana": {
                 "description": "cedana-airflow: where checkpoints go and how often they are taken. Also AIRFLOW__CEDANA__<OPTION>.",
                 "options": {
-                    # the inline node key is masked by Airflow's config API and UI, and may come from _SECRET/_CMD
-                    o.name: {"description": o.description, "version_added": None, "type": o.type, "example": None,
-                             "default": o.default, **({"sensitive": True} if o.name == "signing_key" else {})}
+                    # A core option declares no default (config.py says why) but shows it as its example.
+                    # The inline node key is masked by Airflow's config API and UI, and may come from _SECRET/_CMD.
+                    o.name: {"description": o.description, "version_added": VERSION_ADDED[o.name], "type": o.type,
+                             "example": o.example, "default": o.default,
+                             **({"sensitive": True} if o.name == "signing_key" else {})}
                     for o in config_options()
                 },
             }

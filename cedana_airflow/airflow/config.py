@@ -85,6 +85,10 @@ class AirflowOptions(BaseModel):
     learned_duration_runs: int = Field(
         default=10, ge=0, le=100, description="The short-task rule, for a task without expected_duration: the "
         "median duration of its last this many successful runs (all tries of each). 0 = declared durations only.")
+    task_instance_tab: bool = Field(
+        default=True, description="Show the Checkpoints tab on task instances (read when the api-server starts). "
+        "Airflow shows a plugin's tab on every task instance, of every operator; false: only our operators' "
+        "Checkpoints link leads to a task's checkpoints.")
 
 
 #: Where a core setting's meaning differs inside Airflow, the [cedana] description says so.
@@ -102,6 +106,7 @@ class ConfigOption(NamedTuple):
     type: str  # Airflow's option types: string, integer, float, boolean
     default: str | None  # as airflow.cfg would spell it; None: unset
     description: str
+    example: str | None = None  # a core option's default, shown (`airflow config list --include-examples`), not set
 
 
 def _airflow_type(annotation: Any) -> str:
@@ -125,7 +130,7 @@ def config_options() -> tuple[ConfigOption, ...]:
         said = _AIRFLOW_WORDING.get(name, f.description or "")
         if default is not None and "Default: " not in said:
             said = f"{said} Default: {default}."
-        out.append(ConfigOption(name, _airflow_type(f.annotation), None, said))
+        out.append(ConfigOption(name, _airflow_type(f.annotation), None, said, default))
     for name, f in AirflowOptions.model_fields.items():
         out.append(ConfigOption(name, _airflow_type(f.annotation), _spelled(f.default), f.description or ""))
     return tuple(out)

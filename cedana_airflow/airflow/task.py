@@ -20,13 +20,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import shlex
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
 
-from ..airflow_compat import AirflowException, AirflowFailException
+from airflow.sdk import BaseOperatorLink
 
+from ..airflow_compat import AirflowException, AirflowFailException
 from ..config import Settings
 from ..errors import CedanaError, CheckpointIdError, ConfigError, SlurmRefused
 from ..hooks.store import task_store
@@ -35,6 +36,7 @@ from ..scope.optin import Decision, OptInList, Where, decide, load_optin
 from ..store import Store
 from .config import AirflowOptions, task_settings, with_scope_defaults
 from .history import AirflowHistory
+from .links import CheckpointsLink
 
 __all__ = ["CEDANA_TEMPLATE_FIELDS", "CedanaTask", "Placement", "TaskSetup", "airflow_errors", "command_argv",
            "scope_decision"]
@@ -138,6 +140,8 @@ class CedanaTask:
 
     #: The cluster policy (policy.py) checks the DAG-tag rules on every task that carries this.
     cedana_checkpointed = True
+    #: A Checkpoints button on this operator's task instances (links.py); ahead of BaseOperator's in the MRO.
+    operator_extra_links: Collection[BaseOperatorLink] = (CheckpointsLink(),)
 
     # BaseOperator's, for the type checker
     task_id: str

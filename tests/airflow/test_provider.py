@@ -139,7 +139,7 @@ def test_log_sink_logs_whole_lines_and_the_rest_at_close():
     assert rec.lines == ["step 1", "step 2", "no newline"]
 
 
-def test_the_provider_info_declares_every_operator_sensor_hook_and_trigger_and_fits_airflows_schema():
+def test_the_provider_info_declares_every_operator_sensor_trigger_and_link_and_fits_airflows_schema():
     import importlib
     import json
     from pathlib import Path
@@ -151,17 +151,72 @@ def test_the_provider_info_declares_every_operator_sensor_hook_and_trigger_and_f
     schema = json.loads((Path(airflow.__file__).parent / "provider_info.schema.json").read_text())
     jsonschema.validate(info, schema)
     integrations = {i["integration-name"] for i in info["integrations"]}
+    from airflow.sdk import BaseOperatorLink, BaseSensorOperator
+    from airflow.triggers.base import BaseTrigger
+
     declared = {}
-    for kind in ("operators", "sensors", "hooks", "triggers"):
+    for kind in ("operators", "sensors", "triggers"):
         [entry] = info[kind]
         assert entry["integration-name"] in integrations
         declared[kind] = entry["python-modules"]
-        for module in entry["python-modules"]:
-            importlib.import_module(module)
     assert "cedana_airflow.operators.slurm" in declared["operators"]
     assert "cedana_airflow.sensors.node_ready" in declared["sensors"]
-    assert declared["hooks"] == ["cedana_airflow.hooks.slurm", "cedana_airflow.hooks.store"]
-    assert declared["triggers"] == ["cedana_airflow.triggers.slurm"]
+
+    def defines(module: str, base: type) -> list[str]:
+        mod = importlib.import_module(module)
+        return [n for n, c in vars(mod).items() if isinstance(c, type) and issubclass(c, base)
+                and c is not base and c.__module__ == module]
+
+    # each declared module holds what its kind says; hooks/ holds no BaseHook, so none is declared
+    assert "hooks" not in info
+    assert all(defines(m, BaseTrigger) for m in declared["triggers"]), declared["triggers"]
+    assert defines("cedana_airflow.sensors.checkpoint", BaseTrigger) == ["CheckpointTrigger"]
+    assert all(defines(m, BaseSensorOperator) for m in declared["sensors"]), declared["sensors"]
+    [link] = info["extra-links"]
+    module, name = link.rsplit(".", 1)
+    assert issubclass(getattr(importlib.import_module(module), name), BaseOperatorLink)
+    # every option says the version that added it; a core option shows its default as its example
+    from cedana_airflow import __version__
+
+    def version(v: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in v.split("."))
+
+    options = info["config"]["cedana"]["options"]
+    assert all(version("0.1.0") <= version(o["version_added"]) <= version(__version__) for o in options.values())
+    from cedana_airflow.config import Settings
+
+    for name, field in Settings.model_fields.items():
+        assert options[name]["default"] is None
+        assert options[name]["example"] == (None if field.default in (None, "", ()) else str(field.default)), name
+
+
+def test_our_operators_carry_the_checkpoints_link_and_it_names_the_task_instance(monkeypatch):
+    from types import SimpleNamespace
+
+    from cedana_airflow.airflow.links import CheckpointsLink
+    from cedana_airflow.operators import CedanaSlurmOperator
+
+    op = CheckpointedCommandOperator(task_id="train", command="true")
+    assert [type(x) for x in op.operator_extra_links] == [CheckpointsLink]
+    assert [type(x) for x in CedanaSlurmOperator(task_id="s", command="true", partition="p").operator_extra_links] \
+        == [CheckpointsLink]
+    key = SimpleNamespace(dag_id="d 1", run_id="manual__2026-01-01T00:00:00+00:00", task_id="train", map_index=2)
+    monkeypatch.setenv("AIRFLOW__API__BASE_URL", "")
+    assert CheckpointsLink().get_link(op, ti_key=key) == (
+        "/cedana/ti?dag_id=d+1&run_id=manual__2026-01-01T00%3A00%3A00%2B00%3A00&task_id=train&map_index=2")
+    monkeypatch.setenv("AIRFLOW__API__BASE_URL", "https://airflow.example.com/prefix")
+    assert CheckpointsLink().get_link(op, ti_key=key).startswith("https://airflow.example.com/prefix/cedana/ti?dag_id=d+1&")
+
+
+def test_deferrable_follows_airflows_default_deferrable_unless_given(monkeypatch):
+    from cedana_airflow.operators import CedanaSlurmOperator
+    from cedana_airflow.sensors import CheckpointSensor
+
+    for default, want in (("False", False), ("True", True)):
+        monkeypatch.setenv("AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE", default)
+        assert CedanaSlurmOperator(task_id="s", command="true", partition="p").deferrable is want
+        assert CheckpointSensor(task_id="c", checkpoint_id="x").deferrable is want
+        assert CedanaSlurmOperator(task_id="t", command="true", partition="p", deferrable=not want).deferrable is not want
 
 
 def test_what_airflow_config_list_shows_is_what_the_code_uses(tmp_path):
