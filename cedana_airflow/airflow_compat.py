@@ -24,7 +24,7 @@ except ImportError:  # Airflow 3.1
                                     AirflowNotFoundException, AirflowSkipException)
 
 __all__ = ["AIRFLOW_VERSION", "AirflowException", "AirflowFailException", "AirflowNotFoundException",
-           "AirflowSkipException", "HAS_TASK_STATE_STORE", "dag_bag"]
+           "AirflowSkipException", "HAS_TASK_STATE_STORE", "dag_bag", "default_deferrable"]
 
 
 def _version() -> tuple[int, int]:
@@ -38,6 +38,16 @@ def _version() -> tuple[int, int]:
 AIRFLOW_VERSION = _version()
 #: Whether a task's context carries ``task_state_store`` (Airflow 3.3+).
 HAS_TASK_STATE_STORE = AIRFLOW_VERSION >= (3, 3)
+
+
+def default_deferrable(deferrable: bool | None) -> bool:
+    """An operator's ``deferrable`` argument, or Airflow's ``[operators] default_deferrable`` when not given
+    (as Airflow's own deferrable operators read it)."""
+    if deferrable is not None:
+        return deferrable
+    from airflow.configuration import conf
+
+    return conf.getboolean("operators", "default_deferrable", fallback=False)
 
 
 def dag_bag(**kwargs: Any) -> Any:

@@ -20,7 +20,7 @@ from airflow.sdk import BaseOperator
 
 from cedana_airflow.airflow.task import CEDANA_TEMPLATE_FIELDS, CedanaTask, Placement, airflow_errors
 from cedana_airflow.airflow.task_state import airflow_task
-from cedana_airflow.airflow_compat import AirflowException, AirflowFailException
+from cedana_airflow.airflow_compat import AirflowException, AirflowFailException, default_deferrable
 from cedana_airflow.config import Settings
 from cedana_airflow.errors import CedanaError, ConfigError
 from cedana_airflow.hooks.slurm import slurm_client
@@ -58,7 +58,8 @@ class CedanaSlurmOperator(CedanaTask, BaseOperator):
         the nodes' own settings, e.g. ``store_credentials_dir`` or ``signing_key_file``. The task's
         settings that differ from the defaults are carried into the job as well (never a secret).
     :param ssh_conn_id: submit on the login node of this SSH connection instead of this worker.
-    :param deferrable: follow the job in the triggerer, holding no worker slot (default True).
+    :param deferrable: follow the job in the triggerer, holding no worker slot (default: Airflow's
+        ``[operators] default_deferrable``, False unless set; before 0.9.0 True).
     :param poll_interval: how often Slurm is asked about the job.
     :param signal_before_end: SIGTERM to the job's supervisor this long before its time limit,
         so it takes a final checkpoint before Slurm kills it.
@@ -71,7 +72,7 @@ class CedanaSlurmOperator(CedanaTask, BaseOperator):
                  mem: str | None = None, sbatch_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                  job_dir: str | None = None, cli: Sequence[str] = ("cedana-airflow",), node_config: str | None = None,
                  ssh_conn_id: str | None = None,
-                 deferrable: bool = True, poll_interval: timedelta = timedelta(seconds=10),
+                 deferrable: bool | None = None, poll_interval: timedelta = timedelta(seconds=10),
                  requeue_settle: timedelta = timedelta(seconds=30),
                  signal_before_end: timedelta = timedelta(minutes=2), checkpoint_id: str | None = None,
                  heartbeat: timedelta | Literal["auto"] | None = None,
@@ -90,7 +91,7 @@ class CedanaSlurmOperator(CedanaTask, BaseOperator):
         self.cpus_per_task, self.mem, self.sbatch_args = cpus_per_task, mem or "", tuple(sbatch_args)
         self.env = dict(env or {})
         self.job_dir = job_dir
-        self.cli, self.ssh_conn_id, self.deferrable = tuple(cli), ssh_conn_id, deferrable
+        self.cli, self.ssh_conn_id, self.deferrable = tuple(cli), ssh_conn_id, default_deferrable(deferrable)
         self.node_config = node_config or ""
         self.poll_seconds = poll_interval.total_seconds()
         self.settle_seconds = requeue_settle.total_seconds()

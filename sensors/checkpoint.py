@@ -16,7 +16,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from cedana_airflow.agent.client import AgentClient
 from cedana_airflow.agent.route import through_agent
 from cedana_airflow.airflow.config import task_settings
-from cedana_airflow.airflow_compat import AirflowException, AirflowFailException
+from cedana_airflow.airflow_compat import AirflowException, AirflowFailException, default_deferrable
 from cedana_airflow.hooks.store import task_store
 from cedana_airflow.errors import AgentUnavailable, CedanaError, CheckpointIdError, ConfigError
 from cedana_airflow.ids import validate_checkpoint_id
@@ -111,16 +111,17 @@ class CheckpointSensor(BaseSensorOperator):
     :param checkpoint_id: templated; e.g. ``{{ macros.cedana.checkpoint_id(ti, run_id, 'train') }}``.
     :param max_age: how fresh the checkpoint must be (default: any age).
     :param store: / :param aws_conn_id: as for CheckpointedCommandOperator (default: [cedana]).
-    :param deferrable: wait in the triggerer instead of holding a worker slot.
+    :param deferrable: wait in the triggerer instead of holding a worker slot (default: Airflow's
+        ``[operators] default_deferrable``).
     """
 
     template_fields: Sequence[str] = ("checkpoint_id", "store")
 
     def __init__(self, *, checkpoint_id: str, max_age: timedelta | None = None, store: str | None = None,
-                 aws_conn_id: str | None = None, deferrable: bool = False, **kwargs: Any) -> None:
+                 aws_conn_id: str | None = None, deferrable: bool | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.checkpoint_id, self.max_age, self.store = checkpoint_id, max_age, store
-        self.aws_conn_id, self.deferrable = aws_conn_id, deferrable
+        self.aws_conn_id, self.deferrable = aws_conn_id, default_deferrable(deferrable)
 
     @property
     def _max_age_seconds(self) -> float | None:

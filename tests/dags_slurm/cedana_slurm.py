@@ -16,8 +16,9 @@ from cedana_airflow.operators import CedanaSlurmOperator
 TRAIN = str(Path(__file__).resolve().parent.parent / "workloads" / "train.py")
 ARGS = os.environ.get("CEDANA_SLURM_TRAIN_ARGS", "--mb 32 --steps 100 --step-seconds 0.2").split()
 CLI = (sys.executable, "-m", "cedana_airflow")
+# deferrable: followed in the triggerer (Airflow's [operators] default_deferrable is False here)
 FAST = {"cli": CLI, "poll_interval": timedelta(seconds=1), "heartbeat": timedelta(seconds=1),
-        "env": {"PYTHONUNBUFFERED": "1"}}
+        "env": {"PYTHONUNBUFFERED": "1"}, "deferrable": True}
 START = datetime(2026, 1, 1)
 
 # The node-loss scenario: in a checkpoint partition and in scope, so the job carries CEDANA_ENABLE=1.
@@ -34,7 +35,7 @@ with DAG("cedana_slurm_unprotected", schedule=None, start_date=START, catchup=Fa
                         partition="cedana", **FAST)
     # followed in the worker instead of the triggerer: the job's lines reach the task log as they come
     CedanaSlurmOperator(task_id="followed_in_the_worker", command=[sys.executable, TRAIN, "--mb", "8", "--steps", "5"],
-                        partition="batch", deferrable=False, **FAST)
+                        partition="batch", **{**FAST, "deferrable": False})
 
 # Bad input: each is one line, and the task fails without using its retries.
 with DAG("cedana_slurm_bad", schedule=None, start_date=START, catchup=False,
