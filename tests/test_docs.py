@@ -2,9 +2,12 @@
 
 - docs/configuration.md's reference is what scripts/config_reference.py generates from the settings
   models now, so a new or changed setting fails here until the page is regenerated;
-- every relative link in README.md and docs/*.md names a file that exists, and every ``#anchor`` into
-  a markdown file names one of its headings (GitHub's slugs);
-- README.md opens with the two set-up commands, and stays a front page (under 250 lines).
+- every relative link in README.md and docs/*.md, and every absolute one into this repository on GitHub,
+  names a file that exists, and every ``#anchor`` into a markdown file names one of its headings (GitHub's
+  slugs);
+- README.md is also the PyPI page: it opens with ``pip install``, its links and images are absolute (PyPI
+  has no repository to resolve a relative one against), it holds the two set-up commands for
+  contributors, and it stays a front page (under 250 lines).
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ _INLINE_CODE = re.compile(r"(`+)(.+?)\1")
 _LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 _REFERENCE = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+.*)?$")
 _HTML_ANCHOR = re.compile(r"<a\s+(?:name|id)=\"([^\"]+)\"")
+#: this repository on GitHub: such a link is checked as the relative one it stands for
+_OURS = re.compile(r"^https://(?:github\.com/cedana/cedana-airflow/(?:blob|tree)/main/|"
+                   r"raw\.githubusercontent\.com/cedana/cedana-airflow/main/)(.*)$")
+_REPO_PAGE = "https://github.com/cedana/cedana-airflow"
 
 
 def _script() -> ModuleType:
@@ -109,10 +116,12 @@ def broken_links(path: Path) -> list[str]:
     """What is wrong with each relative link of ``path``: a file that does not exist, or an unknown anchor."""
     problems = []
     for target in links(path):
-        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto: ...
+        ours = _OURS.match(target)
+        if not ours and re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto: ...
             continue
-        file_part, _, anchor = target.partition("#")
-        dest = (path.parent / file_part).resolve() if file_part else path
+        file_part, _, anchor = (ours.group(1) if ours else target).partition("#")
+        base = REPO if ours else path.parent
+        dest = (base / file_part).resolve() if file_part else path
         if not dest.exists():
             problems.append(f"{target}: {dest.relative_to(REPO) if dest.is_relative_to(REPO) else dest} does not exist")
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
@@ -135,13 +144,22 @@ def test_every_relative_link_leads_to_a_file_and_a_heading(page: Path) -> None:
     assert not problems, f"{page.relative_to(REPO)}: broken links:\n  " + "\n  ".join(problems)
 
 
-def test_readme_opens_with_exactly_the_two_set_up_commands() -> None:
+def test_readme_opens_with_pip_install_and_holds_the_two_set_up_commands() -> None:
     blocks = _fenced_blocks(README.read_text())
-    assert blocks, "README.md has no fenced block; its first must hold `make demo` and `make test`"
-    commands = [line.split("#", 1)[0].strip() for line in blocks[0]]
-    assert commands == ["make demo", "make test"], (
-        f"README.md's first fenced block must be exactly `make demo` and `make test` (comments allowed), "
-        f"not {blocks[0]!r}")
+    assert blocks and blocks[0][0].startswith("pip install"), (
+        f"README.md is the PyPI page: its first fenced block must be the `pip install` line, not {blocks[:1]!r}")
+    commands = [[line.split("#", 1)[0].strip() for line in block] for block in blocks]
+    assert ["make demo", "make test"] in commands, (
+        "README.md must keep a fenced block of exactly `make demo` and `make test` (comments allowed), for contributors")
+
+
+def test_readme_links_and_images_are_absolute_for_pypi() -> None:
+    relative = [t for t in links(README) if not re.match(r"^(https?:|mailto:|#)", t)]
+    assert not relative, f"README.md is also the PyPI page, which cannot resolve relative links: {relative}"
+    ours = [t for t in links(README) if t.startswith(_REPO_PAGE)]
+    assert ours and all(_OURS.match(t) or t.rstrip("/") in (_REPO_PAGE, _REPO_PAGE + "#readme") for t in ours)
+    images = re.findall(r"!\[[^\]]*\]\(([^)\s]+)", "\n".join(_prose(README.read_text())))
+    assert images and all(t.startswith("https://raw.githubusercontent.com/") for t in images), images
 
 
 def test_readme_is_a_front_page() -> None:
