@@ -146,9 +146,13 @@ class CedanaSlurmOperator(CedanaTask, BaseOperator):
         context["ti"].xcom_push(key=XCOM_JOB_KEY, value=job_id)
         self._job_id = job_id
         if self.deferrable:
+            client.close()
             self.defer(trigger=SlurmJobTrigger(job_id, self.ssh_conn_id, self.poll_seconds, self.settle_seconds, output),
                        method_name="execute_complete")
-        return self._follow(client, job_id, output)
+        try:
+            return self._follow(client, job_id, output)  # the submit's login serves every poll
+        finally:
+            client.close()
 
     # -- following -----------------------------------------------------------------------------------
     def _follow(self, client: SlurmClient, job_id: str, output: str) -> Any:

@@ -1,4 +1,9 @@
-"""Where the Slurm route's commands run: this worker, or a login node over the SSH provider's connection."""
+"""Where the Slurm route's commands run: this worker, or a login node over the SSH provider's connection.
+
+Over SSH, one login serves every command of a client (a submit, or every poll of a trigger run or of a
+task that follows its job): a new login per poll costs the login node an authentication and a session
+each time. A login that dropped is made again before the next command, never by running a command twice.
+"""
 
 from __future__ import annotations
 
@@ -40,16 +45,40 @@ def _ssh_runner(ssh_conn_id: str) -> Runner:
         except (paramiko.SSHException, OSError) as e:
             raise SlurmError(f"cannot reach {where} ({hook.remote_host}:{hook.port}): {e}") from None
 
-    def run(argv: Sequence[str], stdin: str | None, timeout: float) -> tuple[int, str, str]:
-        with connect() as client:
-            i, o, e = client.exec_command(shlex.join(argv), timeout=timeout)
+    return _SshSession(connect, where, paramiko.SSHException)
+
+
+class _SshSession:
+    """A runner over one SSH login, made on the first command and again only once it has dropped."""
+
+    def __init__(self, connect: Any, where: str, ssh_error: type[Exception]) -> None:
+        self._connect, self._where, self._ssh_error = connect, where, ssh_error
+        self._client: Any = None
+        self.logins = 0  # how many times it logged in: one, unless the login node dropped it
+
+    def __call__(self, argv: Sequence[str], stdin: str | None, timeout: float) -> tuple[int, str, str]:
+        transport = self._client.get_transport() if self._client is not None else None
+        if transport is None or not transport.is_active():
+            self.close()
+            self._client = self._connect()
+            self.logins += 1
+        try:
+            i, o, e = self._client.exec_command(shlex.join(argv), timeout=timeout)
             if stdin is not None:
                 i.write(stdin)
             i.channel.shutdown_write()
             out, err = o.read().decode(errors="replace"), e.read().decode(errors="replace")
-            return o.channel.recv_exit_status(), out, err
+            return int(o.channel.recv_exit_status()), out, err
+        except (self._ssh_error, EOFError, OSError) as exc:  # the login dropped mid-command: not run again here
+            self.close()
+            raise SlurmError(f"the SSH session to {self._where} failed during {argv[0]}: {exc}") from None
 
-    return run
+    def close(self) -> None:
+        if self._client is not None:
+            try:
+                self._client.close()
+            finally:
+                self._client = None
 
 
 def slurm_client(ssh_conn_id: str | None) -> SlurmClient:

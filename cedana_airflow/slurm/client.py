@@ -47,6 +47,12 @@ class SlurmClient:
     def __init__(self, runner: Runner, where: str = "this worker", timeout: float = 60, local: bool = False) -> None:
         self.runner, self.where, self.timeout, self.local = runner, where, timeout, local
 
+    def close(self) -> None:
+        """End what the runner holds open (an SSH login); a later command opens it again."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     def _run(self, argv: Sequence[str], stdin: str | None = None) -> tuple[int, str, str]:
         try:
             return self.runner(argv, stdin, self.timeout)

@@ -41,8 +41,9 @@ class SlurmJobTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         failures = 0
+        client = None
         try:
-            client = slurm_client(self.ssh_conn_id)
+            client = slurm_client(self.ssh_conn_id)  # one login for every poll of this run
             end = JobEnd(self.settle_seconds)
             seen: tuple[str, int] | None = None
             while True:
@@ -73,3 +74,6 @@ class SlurmJobTrigger(BaseTrigger):
         except CedanaError as e:
             yield TriggerEvent({"status": "error", "message": str(e), "retryable": True,  # type: ignore[no-untyped-call]
                                 "job_id": self.job_id})
+        finally:
+            if client is not None:
+                client.close()

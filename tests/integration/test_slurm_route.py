@@ -156,7 +156,10 @@ def test_a_job_submitted_through_a_login_node_over_ssh_is_checkpointed_and_follo
     store = open_store(env["AIRFLOW__CEDANA__STORE"], load_settings(environ={}))
     [cid] = [i for i in store.list_ids() if i.startswith("cedana_slurm_ssh.train.")]
     assert store.list_seqs(cid), "no heartbeat checkpoint was stored"
-    assert "Accepted publickey for root from 127.0.0.1" in sshd_log
+    # one login per client: the operator's (mkdir, submit), the trigger run's (every poll), the output's
+    # read at the end; before 0.9.0 every command logged in again, every poll of the trigger included
+    logins = sshd_log.count("Accepted publickey for root from 127.0.0.1")
+    assert logins == 3, f"{logins} logins to the login node for one job followed in the triggerer"
     # a login node that is not the one pinned: one line, and no retry
     said = [ln for ln in log.splitlines() if "cannot log in to the login node of SSH connection 'cedana_login_wrong_key'" in ln]
     assert said and "Host key for server" in said[0] and "does not match" in said[0], log[-4000:]
