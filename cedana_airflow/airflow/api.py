@@ -3,6 +3,11 @@
 Airflow 3 tasks have no database access: what a task reads of Airflow's history (airflow/history.py)
 and what a live drill does (live_fleet.py) go through the API, with the permissions of the user it
 logs in as, exactly as a person in the UI would.
+
+The user comes from an Airflow connection, with any auth manager: a token in its extra
+(``{"token": ...}``) is sent as is; a login and password are exchanged at ``POST /auth/token``, which the
+simple, FAB (database and LDAP users) and Keycloak auth managers answer. The connection's host, when it
+has one, is the API's address.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from urllib.parse import urlencode
 from ..errors import CedanaError, ConfigError
 from ..hooks.store import named_connection
 
-__all__ = ["AirflowApi", "PAGE", "api_base_url"]
+__all__ = ["AirflowApi", "PAGE", "api_base_url", "connection_url"]
 
 #: Rows per request of a paged listing.
 PAGE = 100
@@ -39,14 +44,29 @@ def api_base_url(option: str | None) -> str:
     return base.rstrip("/")
 
 
-class AirflowApi:
-    """A logged-in client. ``conn_id``: a connection with a login and password (or extra {"token": ...});
-    None: the simple auth manager's all-admins token. ``option``: the [cedana] option that names the
-    connection, for error messages; ``denied_fix``: what to do about a 401/403."""
+def connection_url(conn: Any) -> str | None:
+    """The API's address a connection names in its host (``http://airflow:8080``, or host, port and
+    schema as an HTTP connection keeps them), or None when it names none."""
+    host = (getattr(conn, "host", None) or "").strip().rstrip("/")
+    if not host:
+        return None
+    if "://" not in host:
+        port = getattr(conn, "port", None)
+        host = f"{getattr(conn, 'schema', None) or 'http'}://{host}{f':{port}' if port else ''}"
+    return host
 
-    def __init__(self, base_url: str, conn_id: str | None, *, option: str, denied_fix: str) -> None:
-        self.base, self.option, self.denied_fix = base_url, option, denied_fix
-        self.token = self._login(conn_id)
+
+class AirflowApi:
+    """A logged-in client. ``url``: the [cedana] *_api_url option; unset, the connection's host, else
+    the api-server this worker reports to. ``conn_id``: a connection with a login and password or an
+    extra {"token": ...}; None: the simple auth manager's all-admins token. ``option``: the [cedana] option
+    that names the connection, for error messages; ``denied_fix``: what to do about a 401/403."""
+
+    def __init__(self, url: str | None, conn_id: str | None, *, option: str, denied_fix: str) -> None:
+        self.option, self.denied_fix = option, denied_fix
+        conn = named_connection(conn_id, f"[cedana] {option}", "to use the all-admins token") if conn_id else None
+        self.base = api_base_url(url or (connection_url(conn) if conn is not None else None))
+        self.token = self._login(conn)
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None, *, token: str | None = None,
              missing_ok: bool = False) -> Any:
@@ -80,11 +100,10 @@ class AirflowApi:
                 break
         return out
 
-    def _login(self, conn_id: str | None) -> str:
-        if not conn_id:  # the simple auth manager in all-admins mode hands out a token
+    def _login(self, c: Any) -> str:
+        if c is None:  # the simple auth manager in all-admins mode hands out a token
             got = self.call("GET", "/auth/token", token="")
         else:
-            c = named_connection(conn_id, f"[cedana] {self.option}", "to use the all-admins token")
             if tok := (c.extra_dejson or {}).get("token"):
                 return str(tok)
             got = self.call("POST", "/auth/token", {"username": c.login, "password": c.password}, token="")

@@ -30,7 +30,7 @@ from ..errors import AgentUnavailable, CedanaError, ConfigError
 from ..hooks.store import task_store
 from ..scope.optin import load_optin
 from .config import airflow_options, task_settings
-from .live_fleet import ApiFleet, api_base_url
+from .live_fleet import ApiFleet
 from .task import airflow_errors
 
 __all__ = ["canary_queues", "drill_notifier", "drill_schedule", "live_enabled", "run_drill"]
@@ -95,7 +95,7 @@ def _fleet(core: Settings) -> ApiFleet:
 
     limits = load_optin(core.optin_file).drills
     api = airflow_options("drill_api_url", "drill_api_conn_id")
-    return ApiFleet(api_base_url(api.drill_api_url), api.drill_api_conn_id, get_current_context()["dag"].dag_id,
+    return ApiFleet(api.drill_api_url, api.drill_api_conn_id, get_current_context()["dag"].dag_id,
                     limits.kill_switch_variable)
 
 

@@ -40,7 +40,7 @@ from urllib.parse import quote, urlencode
 
 from ..config import FailureHistory
 from ..errors import CedanaError
-from .api import AirflowApi, api_base_url
+from .api import AirflowApi
 from .config import AirflowOptions, airflow_options
 
 __all__ = ["AirflowHistory", "Ending", "INFRASTRUCTURE", "LearnedDuration", "TryEnd", "classify", "failure_history", "learned_duration"]
@@ -184,7 +184,7 @@ class AirflowHistory:
         if self._api is None and not self._broken:
             try:
                 o = self.options
-                self._api = AirflowApi(api_base_url(o.history_api_url or o.drill_api_url),
+                self._api = AirflowApi(o.history_api_url or o.drill_api_url,
                                        o.history_api_conn_id or o.drill_api_conn_id, option="history_api_conn_id",
                                        denied_fix="Give the user of [cedana] history_api_conn_id read access to task "
                                        "instances and the audit log.")

@@ -14,16 +14,16 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 from ..drill.fleet import RunningTask, TaskNow
-from .api import AirflowApi, api_base_url
+from .api import AirflowApi
 
-__all__ = ["ApiFleet", "api_base_url"]
+__all__ = ["ApiFleet"]
 
 _OFF = {"", "0", "false", "no", "off"}
 
 
 class ApiFleet(AirflowApi):
-    def __init__(self, base_url: str, conn_id: str | None, drill_dag_id: str, kill_switch_variable: str) -> None:
-        super().__init__(base_url, conn_id, option="drill_api_conn_id",
+    def __init__(self, url: str | None, conn_id: str | None, drill_dag_id: str, kill_switch_variable: str) -> None:
+        super().__init__(url, conn_id, option="drill_api_conn_id",
                          denied_fix="Give the drill's user (drill_api_conn_id) edit permission on this DAG.")
         self.drill_dag_id, self.kill_switch_variable = drill_dag_id, kill_switch_variable
 
