@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from . import __version__
 from .config import Settings, load_settings
 from .errors import AgentUnavailable, CedanaError, ConfigError
+from .units import binary_size
 
 if TYPE_CHECKING:
     from .store.base import Store
@@ -448,11 +449,11 @@ def _cmd_checkpoints(args: argparse.Namespace) -> int:
     if not listed:
         print(f"no checkpoints in {store.url}" + (f" under {args.id}" if args.id else ""))
         return 0
-    print(f"{'ID':<40} {'SEQ':>4} {'TRY':>3} {'NODE':<16} {'CREATED':<20} {'IMAGE MB':>9} {'STORED MB':>9}")
+    print(f"{'ID':<40} {'SEQ':>4} {'TRY':>3} {'NODE':<16} {'CREATED':<20} {'IMAGE':>10} {'STORED':>10}")
     for x in listed:
         for r in x.checkpoints:
             print(f"{x.checkpoint_id[:40]:<40} {r.seq:>4} {r.try_number:>3} {r.node[:16]:<16} "
-                  f"{r.created_at.isoformat()[:19]:<20} {r.image_bytes / 1e6:>9.1f} {r.stored_bytes / 1e6:>9.1f}")
+                  f"{r.created_at.isoformat()[:19]:<20} {binary_size(r.image_bytes):>10} {binary_size(r.stored_bytes):>10}")
     for x in listed:
         if x.skipped_heartbeats:
             print(f"{x.checkpoint_id}: {x.skipped_heartbeats} heartbeat(s) skipped as too large; last: {x.last_skip}")
@@ -479,7 +480,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         print(json.dumps(report.__dict__))
     else:
         verb = "would remove" if report.dry_run else "removed"
-        print(f"{verb} {report.chunks_removed} chunk(s), {report.bytes_removed / 1e6:,.1f} MB, and "
+        print(f"{verb} {report.chunks_removed} chunk(s), {binary_size(report.bytes_removed)}, and "
               f"{report.temp_removed} temporary file(s); kept {report.chunks_kept} chunk(s) named by "
               f"{report.manifests} checkpoint(s), {report.young_unreferenced} younger than {grace:g} s")
         expired = report.leases_removed + report.quarantine_removed + report.sidecars_removed
@@ -519,7 +520,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
               + ", ".join(map(str, seqs)))
     u = report.unreferenced
     if u.get("chunks") or u.get("expired_leases") or u.get("settled_quarantine") or u.get("lock_files") or u.get("temp"):
-        print(f"unreferenced (gc removes them): {u['chunks']} chunk(s) ({u['chunk_bytes'] / 1e6:,.1f} MB), "
+        print(f"unreferenced (gc removes them): {u['chunks']} chunk(s) ({binary_size(u['chunk_bytes'])}), "
               f"{u['expired_leases']} expired writer lease(s), {u['settled_quarantine']} settled quarantine record(s), "
               f"{u['lock_files']} unused lock file(s), {u['temp']} temporary file(s)")
     if report.clean:
@@ -667,7 +668,7 @@ def _cmd_drill(args: argparse.Namespace) -> int:
     else:
         for c in report.checked:
             print(f"{'OK  ' if c.ok else 'FAIL'} {c.checkpoint_id} seq {c.seq}: "
-                  + (f"{c.bytes_fetched / 1e6:.1f} MB verified in {c.fetch_seconds:.2f} s" if c.ok else c.problem)
+                  + (f"{binary_size(c.bytes_fetched)} verified in {c.fetch_seconds:.2f} s" if c.ok else c.problem)
                   + (f"; {c.note}" if c.note else ""))
         per_id = {f"{c.checkpoint_id}: {c.problem}" for c in report.checked if not c.ok}
         print(f"drill {report.drill_id}: {'passed' if report.ok else 'FAILED'}"

@@ -1,8 +1,8 @@
 """Sizes as people read them: binary units (KiB, MiB, GiB), the way memory and GPU tools print them.
 
-One formatter for the places that show a size to a person in prose or on a page (the checkpoint
-browser, its chart, the demo's summary), so those never read "333 MB" in one and "318 MiB" in another.
-The CLI's tables still print decimal MB (scripts read those columns); moving them is its own change.
+One formatter for every place that shows a size to a person (the checkpoint browser, its chart, the
+demo's summary, the CLI's tables and lines, progress, the task log), so none reads "333 MB" where another
+reads "318 MiB". Scripts read sizes from ``--json``, in bytes (0.9.0 moved the CLI's tables from decimal MB).
 """
 
 from __future__ import annotations

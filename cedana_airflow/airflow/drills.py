@@ -29,6 +29,7 @@ from ..drill.report import DrillReport
 from ..errors import AgentUnavailable, CedanaError, ConfigError
 from ..hooks.store import task_store
 from ..scope.optin import load_optin
+from ..units import binary_size
 from .config import airflow_options, task_settings
 from .live_fleet import ApiFleet
 from .task import airflow_errors
@@ -84,7 +85,7 @@ def _summary(report: DrillReport) -> str:
         return head + (f"dry run: would fail {', '.join(chosen) or 'nothing'}" if report.dry_run else f"did nothing: {report.stopped}")
     head += f"{'passed' if report.ok else 'FAILED'} on {report.node}"
     if report.mode == "verify":
-        return head + f"; {len(report.checked)} ID(s) verified, {report.bytes_fetched / 1e6:.1f} MB"
+        return head + f"; {len(report.checked)} ID(s) verified, {binary_size(report.bytes_fetched)}"
     live = (f"; {report.checkpoint_id} taken on {report.from_node}, restored seq {report.restored_seq} on {report.to_node}; "
             f"retry ran {report.retry_seconds} s after the failure" if report.mode == "live" else "")
     return head + live + f"; RTO {report.rto_seconds} s, restore {report.restore_seconds} s, lost work {report.lost_work_seconds} s"

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..store.read_stats import READS, ReadCounts
+from ..units import binary_size
 
 __all__ = ["Timeline"]
 
@@ -88,7 +89,7 @@ class Timeline:
         for name, at in sorted(d["marks"].items(), key=lambda kv: kv[1]):
             out.append(f"  {at:7.3f}         {name}")
         for when, r in (("by resume", d["store_reads"]["by_resume"]), ("in all", d["store_reads"]["total"])):
-            out.append(f"  store reads {when}: {r['chunks']} chunks, {r['bytes'] / 1e6:.1f} MB, get {r['get_seconds']:.3f} s, "
+            out.append(f"  store reads {when}: {r['chunks']} chunks, {binary_size(r['bytes'])}, get {r['get_seconds']:.3f} s, "
                        f"verify {r['verify_seconds']:.3f} s (summed over threads)")
         if d["page_source"]:
             out.append("  page source: " + ", ".join(f"{k} {v}" for k, v in d["page_source"].items()))

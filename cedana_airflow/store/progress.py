@@ -7,6 +7,8 @@ import threading
 import time
 from typing import TextIO
 
+from ..units import binary_size
+
 __all__ = ["Progress"]
 
 
@@ -28,9 +30,9 @@ class Progress:
             if now - self._last < 0.2 and self.done < self.total:
                 return
             self._last = now
-            rate = self.done / max(now - self._t0, 1e-6) / 1e6
+            rate = self.done / max(now - self._t0, 1e-6)
             pct = 100 * self.done / self.total
-            self.stream.write(f"\r{self.label}: {pct:5.1f}% of {self.total / 1e6:,.0f} MB ({rate:,.0f} MB/s)")
+            self.stream.write(f"\r{self.label}: {pct:5.1f}% of {binary_size(self.total)} ({binary_size(rate)}/s)")
             self.stream.flush()
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ def test_progress_shows_on_a_terminal():
     p = Progress("checkpoint job", 10_000_000, "auto", out)
     p.advance(10_000_000)
     p.close()
-    assert "checkpoint job: 100.0% of 10 MB" in out.getvalue() and out.getvalue().endswith("\n")
+    assert "checkpoint job: 100.0% of 9.5 MiB" in out.getvalue() and out.getvalue().endswith("\n")
 
 
 def test_progress_stays_quiet_in_logs():
