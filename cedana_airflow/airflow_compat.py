@@ -8,8 +8,8 @@ minor's move is one edit. What moved, read in each minor's source:
   ``airflow.exceptions`` (which 3.2+ still has, as deprecated aliases). 3.1's task runner catches
   ``airflow.exceptions.AirflowFailException``, so raising that class there still fails without retry.
 - ``DagBag`` is ``airflow.dag_processing.dagbag`` from 3.2, ``airflow.models.dagbag`` in 3.1.
-- ``context["task_state_store"]`` exists from 3.3 (:data:`HAS_TASK_STATE_STORE`): below it, where
-  earlier tries ran is not known (airflow/task_state.py degrades with one line).
+- ``context["task_state_store"]`` exists from 3.3: below it, where earlier tries ran is not known
+  (``TaskState.kept``; the command operator's retry says so in one line).
 """
 
 from __future__ import annotations
@@ -23,21 +23,8 @@ except ImportError:  # Airflow 3.1
     from airflow.exceptions import (AirflowException, AirflowFailException,  # type: ignore[no-redef,attr-defined]
                                     AirflowNotFoundException, AirflowSkipException)
 
-__all__ = ["AIRFLOW_VERSION", "AirflowException", "AirflowFailException", "AirflowNotFoundException",
-           "AirflowSkipException", "HAS_TASK_STATE_STORE", "dag_bag", "default_deferrable"]
-
-
-def _version() -> tuple[int, int]:
-    from airflow import __version__
-
-    major, minor = __version__.split(".")[:2]
-    return int(major), int(minor)
-
-
-#: (major, minor) of the Airflow installed beside us.
-AIRFLOW_VERSION = _version()
-#: Whether a task's context carries ``task_state_store`` (Airflow 3.3+).
-HAS_TASK_STATE_STORE = AIRFLOW_VERSION >= (3, 3)
+__all__ = ["AirflowException", "AirflowFailException", "AirflowNotFoundException", "AirflowSkipException",
+           "dag_bag", "default_deferrable"]
 
 
 def default_deferrable(deferrable: bool | None) -> bool:

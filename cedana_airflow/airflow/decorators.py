@@ -27,10 +27,10 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_decorator_factory
-from ..airflow_compat import AirflowException, AirflowFailException
 
 from cedana_airflow.airflow.config import task_settings
 from cedana_airflow.airflow.task import airflow_errors
+from cedana_airflow.airflow_compat import AirflowException, AirflowFailException
 from cedana_airflow.fsafe import UnsafePath, private_folder, read_bounded, replace_file, secure_base, unlink
 from cedana_airflow.keys import node_trust
 from cedana_airflow.operators.checkpointed import CheckpointedCommandOperator

@@ -33,7 +33,6 @@ def test_on_this_airflow_the_names_are_the_task_sdk_s():
 
     assert airflow_compat.AirflowFailException is sdk.AirflowFailException
     assert airflow_compat.AirflowSkipException is sdk.AirflowSkipException
-    assert airflow_compat.HAS_TASK_STATE_STORE is (airflow_compat.AIRFLOW_VERSION >= (3, 3))
 
 
 def test_an_airflow_3_1_layout_falls_back_to_airflow_exceptions():
