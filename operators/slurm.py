@@ -22,12 +22,12 @@ from cedana_airflow.airflow.task import CEDANA_TEMPLATE_FIELDS, CedanaTask, Plac
 from cedana_airflow.airflow.task_state import airflow_task
 from cedana_airflow.airflow_compat import AirflowException, AirflowFailException, default_deferrable
 from cedana_airflow.config import Settings
-from cedana_airflow.errors import CedanaError, ConfigError
+from cedana_airflow.errors import CedanaError, ConfigError, SlurmError, SlurmRefused
 from cedana_airflow.hooks.slurm import slurm_client
 from cedana_airflow.scope.optin import Decision, OptInList
 from cedana_airflow.slurm.batch import JobSpec, job_settings_env, shell_command
 from cedana_airflow.slurm.client import OUTPUT_READ_BYTES, SlurmClient
-from cedana_airflow.slurm.jobs import JobEnd, JobInfo
+from cedana_airflow.slurm.jobs import GIVE_UP_SECONDS, JobEnd, JobInfo
 from cedana_airflow.triggers.slurm import SlurmJobTrigger
 
 if TYPE_CHECKING:
@@ -137,8 +137,12 @@ class CedanaSlurmOperator(CedanaTask, BaseOperator):
         with airflow_errors():
             spec = self._spec(context)
             client = slurm_client(self.ssh_conn_id)
-            client.mkdir(spec.output.rsplit("/", 1)[0])
-            job_id = client.submit(spec)
+            try:
+                client.mkdir(spec.output.rsplit("/", 1)[0])
+                job_id = client.submit(spec)
+            except BaseException:
+                client.close()
+                raise
         output = spec.output.replace("%j", job_id)
         self.log.info("cedana: submitted Slurm job %s to partition %s (%s); checkpoint_id=%s output %s", job_id,
                       spec.partition, "CEDANA_ENABLE=1" if spec.enable else "without CEDANA_ENABLE: unprotected",
@@ -156,26 +160,43 @@ class CedanaSlurmOperator(CedanaTask, BaseOperator):
 
     # -- following -----------------------------------------------------------------------------------
     def _follow(self, client: SlurmClient, job_id: str, output: str) -> Any:
-        """Not deferrable: poll here, printing the job's new output lines as they come."""
-        end, pos, seen = JobEnd(self.settle_seconds), 0, None
-        while True:
+        """Not deferrable: poll here, printing the job's new output lines as they come. Slurm may fail to
+        answer for GIVE_UP_SECONDS, as in the triggerer; past that, or on a refusal, the job is cancelled
+        before the try fails, so that the retry's job does not run beside it."""
+        end, pos, seen, failing_since = JobEnd(self.settle_seconds), 0, None, None
+        try:
+            while True:
+                try:
+                    info = client.job(job_id)
+                    if (info.state, info.restarts) != seen:
+                        seen = (info.state, info.restarts)
+                        self.log.info("cedana: %s", info.describe())
+                    over = end.over(info, time.monotonic())
+                    while True:  # whole lines only while it runs; at the end, the rest
+                        data = client.read_from(output, pos)
+                        taken = data if over else data[: data.rfind(b"\n") + 1]
+                        for line in taken.decode(errors="replace").splitlines():
+                            self.log.info("slurm job %s: %s", job_id, line)
+                        pos += len(taken)
+                        if not taken or len(data) < OUTPUT_READ_BYTES:
+                            break
+                except SlurmRefused:
+                    raise
+                except SlurmError as e:  # a controller restart, a dropped login: the job may well be fine
+                    failing_since = failing_since or time.monotonic()
+                    if time.monotonic() - failing_since >= GIVE_UP_SECONDS:
+                        raise
+                    self.log.warning("cedana: Slurm did not answer about job %s (%s); asking again", job_id, e)
+                    time.sleep(self.poll_seconds)
+                    continue
+                failing_since = None
+                if over:
+                    return self._outcome(info, None)
+                time.sleep(self.poll_seconds)
+        except CedanaError:
+            self.on_kill()  # no longer followed: it must not run on beside the retry's job
             with airflow_errors():
-                info = client.job(job_id)
-            if (info.state, info.restarts) != seen:
-                seen = (info.state, info.restarts)
-                self.log.info("cedana: %s", info.describe())
-            over = end.over(info, time.monotonic())
-            while True:  # whole lines only while it runs; at the end, the rest
-                data = client.read_from(output, pos)
-                taken = data if over else data[: data.rfind(b"\n") + 1]
-                for line in taken.decode(errors="replace").splitlines():
-                    self.log.info("slurm job %s: %s", job_id, line)
-                pos += len(taken)
-                if not taken or len(data) < OUTPUT_READ_BYTES:
-                    break
-            if over:
-                return self._outcome(info, None)
-            time.sleep(self.poll_seconds)
+                raise
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
         if event.get("status") != "done":
@@ -187,7 +208,9 @@ class CedanaSlurmOperator(CedanaTask, BaseOperator):
         info, output = JobInfo(**event["job"]), event.get("output", "")
         text = ""
         try:
-            text = slurm_client(self.ssh_conn_id).read(output) if output else ""
+            if output:
+                with slurm_client(self.ssh_conn_id) as client:
+                    text = client.read(output)
         except CedanaError as e:
             self.log.warning("cedana: the job's output %s cannot be read: %s", output, e)
         return self._outcome(info, text)
@@ -206,7 +229,8 @@ class CedanaSlurmOperator(CedanaTask, BaseOperator):
         job_id = getattr(self, "_job_id", None)
         if job_id:  # the job's supervisor takes a final checkpoint on the SIGTERM Slurm sends first
             try:
-                slurm_client(self.ssh_conn_id).cancel(job_id)
+                with slurm_client(self.ssh_conn_id) as client:
+                    client.cancel(job_id)
                 self.log.info("cedana: cancelled Slurm job %s", job_id)
             except CedanaError as e:
                 self.log.warning("cedana: could not cancel Slurm job %s: %s", job_id, e)

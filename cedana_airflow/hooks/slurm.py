@@ -49,36 +49,59 @@ def _ssh_runner(ssh_conn_id: str) -> Runner:
 
 
 class _SshSession:
-    """A runner over one SSH login, made on the first command and again only once it has dropped."""
+    """A runner over one SSH login, made on the first command and again once it has dropped.
+
+    A channel that cannot be opened means the command was never sent: the login is made again and the
+    channel opened once more (a half-open connection looks active until a send fails). Once the command
+    is sent, a failure is final for it: it is never sent twice (an ``sbatch`` would submit twice).
+    """
 
     def __init__(self, connect: Any, where: str, ssh_error: type[Exception]) -> None:
         self._connect, self._where, self._ssh_error = connect, where, ssh_error
-        self._client: Any = None
+        self._client: Any = None  # read once per use: a trigger's cancellation may close it from another thread
         self.logins = 0  # how many times it logged in: one, unless the login node dropped it
 
+    def _channel(self, timeout: float) -> Any:
+        for attempt in (1, 2):
+            client = self._client
+            transport = client.get_transport() if client is not None else None
+            if transport is None or not transport.is_active():
+                self.close()
+                client = self._client = self._connect()
+                self.logins += 1
+                transport = client.get_transport()
+            try:
+                return transport.open_session(timeout=timeout)
+            except (self._ssh_error, EOFError, OSError) as exc:  # not sent: safe to log in again once
+                self.close()
+                if attempt == 2:
+                    raise SlurmError(f"cannot open a session on {self._where}: {exc}") from None
+        raise AssertionError("unreachable")
+
     def __call__(self, argv: Sequence[str], stdin: str | None, timeout: float) -> tuple[int, str, str]:
-        transport = self._client.get_transport() if self._client is not None else None
-        if transport is None or not transport.is_active():
-            self.close()
-            self._client = self._connect()
-            self.logins += 1
+        chan = self._channel(timeout)
         try:
-            i, o, e = self._client.exec_command(shlex.join(argv), timeout=timeout)
+            chan.settimeout(timeout)
+            chan.exec_command(shlex.join(argv))
             if stdin is not None:
-                i.write(stdin)
-            i.channel.shutdown_write()
-            out, err = o.read().decode(errors="replace"), e.read().decode(errors="replace")
-            return int(o.channel.recv_exit_status()), out, err
-        except (self._ssh_error, EOFError, OSError) as exc:  # the login dropped mid-command: not run again here
+                chan.sendall(stdin.encode())
+            chan.shutdown_write()
+            out = chan.makefile("rb").read().decode(errors="replace")
+            err = chan.makefile_stderr("rb").read().decode(errors="replace")
+            if not chan.status_event.wait(timeout):
+                raise TimeoutError(f"no exit status within {timeout:.0f} s")
+            return int(chan.recv_exit_status()), out, err
+        except (self._ssh_error, EOFError, OSError) as exc:  # sent: never sent again
             self.close()
-            raise SlurmError(f"the SSH session to {self._where} failed during {argv[0]}: {exc}") from None
+            hint = " Check that slurmctld is up (scontrol ping)." if isinstance(exc, TimeoutError) else ""
+            raise SlurmError(f"{argv[0]} on {self._where} failed: {exc or type(exc).__name__}.{hint}") from None
+        finally:
+            chan.close()
 
     def close(self) -> None:
-        if self._client is not None:
-            try:
-                self._client.close()
-            finally:
-                self._client = None
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
 
 
 def slurm_client(ssh_conn_id: str | None) -> SlurmClient:

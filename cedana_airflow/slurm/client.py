@@ -53,6 +53,12 @@ class SlurmClient:
         if close is not None:
             close()
 
+    def __enter__(self) -> SlurmClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _run(self, argv: Sequence[str], stdin: str | None = None) -> tuple[int, str, str]:
         try:
             return self.runner(argv, stdin, self.timeout)

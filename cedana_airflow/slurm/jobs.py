@@ -11,7 +11,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["FAILED_STATES", "JobInfo", "JobEnd", "parse_sacct", "parse_show_job"]
+__all__ = ["FAILED_STATES", "GIVE_UP_SECONDS", "JobInfo", "JobEnd", "parse_sacct", "parse_show_job"]
+
+#: How long Slurm may fail to answer about a job before following it is given up, in the triggerer or in
+#: the worker (the job is then cancelled, so that a retry does not run a second copy beside it).
+GIVE_UP_SECONDS = 600
 
 #: States in which a job is over and failed (the try fails with the state and exit code).
 FAILED_STATES = frozenset({"FAILED", "NODE_FAIL", "TIMEOUT", "OUT_OF_MEMORY", "CANCELLED", "BOOT_FAIL", "DEADLINE",

@@ -12,13 +12,10 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from ..errors import CedanaError, SlurmError, SlurmRefused
 from ..hooks.slurm import slurm_client
-from ..slurm.jobs import JobEnd
+from ..slurm.jobs import GIVE_UP_SECONDS, JobEnd
 
 __all__ = ["SlurmJobTrigger"]
 
-#: How long Slurm may fail to answer about a job before following it is given up (the job is then
-#: cancelled, so that a retry does not run a second copy beside it).
-_GIVE_UP_SECONDS = 600
 
 
 class SlurmJobTrigger(BaseTrigger):
@@ -53,7 +50,7 @@ class SlurmJobTrigger(BaseTrigger):
                     raise
                 except SlurmError as e:  # a controller restart or a slow answer: the job may well be fine
                     failures += 1
-                    if failures * self.poll_seconds >= _GIVE_UP_SECONDS:
+                    if failures * self.poll_seconds >= GIVE_UP_SECONDS:
                         raise
                     self.log.warning("cedana: Slurm did not answer about job %s (%s); asking again", self.job_id, e)
                     await asyncio.sleep(self.poll_seconds)

@@ -204,8 +204,9 @@ def test_our_operators_carry_the_checkpoints_link_and_it_names_the_task_instance
     monkeypatch.setenv("AIRFLOW__API__BASE_URL", "")
     assert CheckpointsLink().get_link(op, ti_key=key) == (
         "/cedana/ti?dag_id=d+1&run_id=manual__2026-01-01T00%3A00%3A00%2B00%3A00&task_id=train&map_index=2")
-    monkeypatch.setenv("AIRFLOW__API__BASE_URL", "https://airflow.example.com/prefix")
-    assert CheckpointsLink().get_link(op, ti_key=key).startswith("https://airflow.example.com/prefix/cedana/ti?dag_id=d+1&")
+    # a worker's base_url may name the api-server by an in-cluster address: only its path is taken
+    monkeypatch.setenv("AIRFLOW__API__BASE_URL", "http://airflow-api-server.airflow.svc:8080/prefix/")
+    assert CheckpointsLink().get_link(op, ti_key=key).startswith("/prefix/cedana/ti?dag_id=d+1&")
 
 
 def test_deferrable_follows_airflows_default_deferrable_unless_given(monkeypatch):
@@ -263,3 +264,55 @@ def _airflow_python(code: str, *, tmp_path) -> str:
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
+
+
+def test_a_slurm_job_followed_in_the_worker_survives_slurm_s_silence_and_is_cancelled_when_given_up(monkeypatch):
+    """deferrable=False (Airflow's default_deferrable): Slurm may not answer for a while, as in the triggerer;
+    once following is given up, the job is cancelled before the try fails, so the retry's job runs alone."""
+    import cedana_airflow.operators.slurm as slurm_operator
+
+    from cedana_airflow.errors import SlurmError
+    from cedana_airflow.operators import CedanaSlurmOperator
+    from cedana_airflow.slurm.jobs import JobInfo
+
+    class Slurm:
+        def __init__(self, answers: list[object]) -> None:
+            self.answers, self.cancelled, self.closed = answers, [], 0
+
+        def job(self, job_id: str) -> JobInfo:
+            answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+            if isinstance(answer, Exception):
+                raise answer
+            return answer  # type: ignore[return-value]
+
+        def read_from(self, path: str, pos: int) -> bytes:
+            return b""
+
+        def cancel(self, job_id: str) -> None:
+            self.cancelled.append(job_id)
+
+        def close(self) -> None:
+            self.closed += 1
+
+        def __enter__(self) -> "Slurm":
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.close()
+
+    done = JobInfo(job_id="7", state="COMPLETED", exit_code="0:0", nodes="n1", restarts=0, reason="None")
+    op = CedanaSlurmOperator(task_id="s", command="true", partition="p", deferrable=False,
+                             poll_interval=timedelta(seconds=0.01))
+    op._job_id = "7"
+    silent = SlurmError("scontrol did not answer")
+    # a few silent polls, then the job's end: the try succeeds and nothing is cancelled
+    slurm = Slurm([silent, silent, done])
+    monkeypatch.setattr(slurm_operator, "slurm_client", lambda conn: slurm)
+    assert op._follow(slurm, "7", "/out")["state"] == "COMPLETED" and slurm.cancelled == []
+    # silent past the give-up time: the job is cancelled, then the try fails (and may retry)
+    monkeypatch.setattr(slurm_operator, "GIVE_UP_SECONDS", 0.05)
+    slurm = Slurm([silent])
+    monkeypatch.setattr(slurm_operator, "slurm_client", lambda conn: slurm)
+    with pytest.raises(AirflowException, match="cedana: scontrol did not answer"):
+        op._follow(slurm, "7", "/out")
+    assert slurm.cancelled == ["7"] and slurm.closed == 1  # on_kill's own login, closed
