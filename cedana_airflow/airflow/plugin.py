@@ -15,6 +15,7 @@ built on its first request in the api-server (:class:`_LazyApp`; bench/plugin_im
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from airflow.plugins_manager import AirflowPlugin
@@ -22,6 +23,8 @@ from airflow.plugins_manager import AirflowPlugin
 from ..ids import derive_checkpoint_id
 
 __all__ = ["CedanaPlugin", "checkpoint_id"]
+
+log = logging.getLogger(__name__)
 
 
 def checkpoint_id(ti: Any, run_id: str, task_id: str | None = None) -> str:
@@ -49,16 +52,33 @@ class _LazyApp:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if self._app is None:  # built without awaiting: no other request of this loop runs in between
-            from .browser import fastapi_app
+            try:
+                from .browser import fastapi_app
 
-            self._app = fastapi_app()
+                self._app = fastapi_app()
+            except Exception as e:  # was a plugin import error shown in the UI: now said here, and answered
+                log.exception("cedana: the checkpoint browser could not be built")
+                await _unavailable(send, f"cedana: the checkpoint browser could not be built: {type(e).__name__}: "
+                                   f"{e} (the api-server's log has the traceback)")
+                return
         await self._app(scope, receive, send)
+
+
+async def _unavailable(send: Any, line: str) -> None:
+    body = line.encode()
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _task_instance_tab() -> bool:
     from airflow.configuration import conf
 
-    return conf.getboolean("cedana", "task_instance_tab", fallback=True)
+    try:
+        return conf.getboolean("cedana", "task_instance_tab", fallback=True)
+    except Exception as e:  # a bad value must not take the plugin (and its macro) down in every process
+        log.warning("cedana: [cedana] task_instance_tab: %s; the tab is shown", e)
+        return True
 
 
 class CedanaPlugin(AirflowPlugin):

@@ -54,3 +54,33 @@ def test_task_instance_tab_turns_the_tab_on_every_task_instance_off(setting, tab
     got = _fresh("import json\nfrom cedana_airflow.airflow.plugin import CedanaPlugin\n"
                  "print(json.dumps([v['destination'] for v in CedanaPlugin.external_views]))", **env)
     assert got == tabs
+
+
+def test_a_browser_that_cannot_be_built_answers_one_line_and_logs_why():
+    got = _fresh("import json, logging\n"
+                 "from fastapi import FastAPI\n"
+                 "from fastapi.testclient import TestClient\n"
+                 "import cedana_airflow.airflow.browser as browser\n"
+                 "def broken(): raise ImportError('no module named jinja2')\n"
+                 "browser.fastapi_app = broken\n"
+                 "said = []\n"
+                 "class Keep(logging.Handler):\n"
+                 "    def emit(self, record): said.append(record.getMessage())\n"
+                 "logging.getLogger('cedana_airflow.airflow.plugin').addHandler(Keep())\n"
+                 "from cedana_airflow.airflow.plugin import CedanaPlugin\n"
+                 "[spec] = CedanaPlugin.fastapi_apps\n"
+                 "root = FastAPI(); root.mount(spec['url_prefix'], spec['app'])\n"
+                 "r = TestClient(root).get('/cedana/')\n"
+                 "print(json.dumps({'status': r.status_code, 'text': r.text, 'said': said}))")
+    assert got["status"] == 503, got
+    assert got["text"] == ("cedana: the checkpoint browser could not be built: ImportError: no module named jinja2 "
+                           "(the api-server's log has the traceback)")
+    assert got["said"] == ["cedana: the checkpoint browser could not be built"]
+
+
+def test_a_task_instance_tab_value_airflow_cannot_read_keeps_the_plugin_and_its_macro():
+    got = _fresh("import json\nfrom cedana_airflow.airflow.plugin import CedanaPlugin\n"
+                 "print(json.dumps([[v['destination'] for v in CedanaPlugin.external_views],\n"
+                 "                  [m.__name__ for m in CedanaPlugin.macros]]))",
+                 AIRFLOW__CEDANA__TASK_INSTANCE_TAB="maybe")
+    assert got == [["nav", "task_instance"], ["checkpoint_id"]]
