@@ -18,14 +18,31 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Self
 
-__all__ = ["AIRFLOW", "Deployment", "Postgres", "descendants", "free_port", "MOTO_S3", "moto_server", "reap", "stop_parts",
-           "tail"]
+__all__ = ["AIRFLOW", "BUILD_INPUTS", "Deployment", "Postgres", "copy_build_inputs", "descendants", "free_port", "MOTO_S3",
+           "moto_server", "reap", "stop_parts", "tail"]
 
 #: Airflow's CLI in this interpreter. ``-P``: the working directory stays off sys.path. Run from a
 #: checkout's root, ``-m`` would put it first, and with it the ``cedana_airflow.egg-info`` that
 #: ``pip install -e`` leaves there: Airflow then finds our plugin's entry point twice and its UI shows
 #: "Plugin 'cedana' already registered, skipping" as a plugin import error.
 AIRFLOW = [sys.executable, "-P", "-m", "airflow"]
+#: What building the wheel reads (the pod image, the tests' wheel and sdist): a new input is named once, here.
+BUILD_INPUTS = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "NOTICE", "cedana_airflow", "operators", "sensors")
+_REPO = Path(__file__).resolve().parent.parent
+
+
+def copy_build_inputs(dest: Path) -> Path:
+    """A copy of what the build reads, to build from: an in-tree build would leave build/ behind, whose stale
+    files ship."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in BUILD_INPUTS:
+        if (_REPO / name).is_dir():
+            shutil.copytree(_REPO / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(_REPO / name, dest / name)
+    return dest
+
+
 #: The worker environment (`make worker`): Debian's python3 with our wheel, Airflow and its Celery provider,
 #: where any user may run them: what an Airflow worker or a Slurm job that is not root runs.
 WORKER_ENV = Path("/opt/cedana-airflow/worker")

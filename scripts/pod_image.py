@@ -23,7 +23,6 @@ import argparse
 import hashlib
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -36,14 +35,13 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
+from local_parts import copy_build_inputs  # noqa: E402
 from pod_runtime import PodError, PodRuntime  # noqa: E402
 
 CONTAINERFILE = REPO / "deploy" / "Containerfile"
 IMAGE = "localhost/cedana-airflow-pod"
 #: The base stands in for an operator's workload image: Debian with Python, nothing of ours.
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
-#: What the wheel is built from (as tests/integration/test_wheel.py builds it).
-BUILD_INPUTS = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "NOTICE", "cedana_airflow", "operators", "sensors")
 PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_CACHE = REPO / ".cedana" / "images"
 
@@ -132,13 +130,7 @@ def build(cache: Path = DEFAULT_CACHE, rt: PodRuntime | None = None, python: str
         ctx = Path(tmp) / "context"
         wheels = ctx / "wheels"
         wheels.mkdir(parents=True)
-        src = Path(tmp) / "src"  # a copy: an in-tree build would leave build/ behind, whose stale files ship
-        src.mkdir()
-        for name in BUILD_INPUTS:
-            if (REPO / name).is_dir():
-                shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-            else:
-                shutil.copy2(REPO / name, src / name)
+        src = copy_build_inputs(Path(tmp) / "src")
         _run([python, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--disable-pip-version-check",
               str(src), "-w", str(wheels)], "building cedana-airflow's wheel")
         [wheel] = wheels.glob("cedana_airflow-*.whl")

@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("airflow")
 
 from cedana_airflow.airflow.api import AirflowApi, connection_url  # noqa: E402
+from conftest import send_json  # noqa: E402
 
 
 @pytest.mark.parametrize(("conn", "url"), [
@@ -34,26 +35,18 @@ def api_server():
         def log_message(self, *args: object) -> None:
             pass
 
-        def _answer(self, code: int, body: object) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
         def do_POST(self) -> None:  # noqa: N802
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
             seen.append(("POST", self.path, self.headers.get("Authorization"), body))
             if self.path == "/auth/token" and body == {"username": "drills", "password": "s3cret"}:
-                return self._answer(201, {"access_token": "jwt-for-drills"})  # as FAB answers: 201 Created
-            self._answer(401, {"detail": "Invalid credentials"})
+                return send_json(self, 201, {"access_token": "jwt-for-drills"})  # as FAB answers: 201 Created
+            send_json(self, 401, {"detail": "Invalid credentials"})
 
         def do_GET(self) -> None:  # noqa: N802
             seen.append(("GET", self.path, self.headers.get("Authorization"), {}))
             if self.headers.get("Authorization") in ("Bearer jwt-for-drills", "Bearer minted-elsewhere"):
-                return self._answer(200, {"version": "3.3.2"})
-            self._answer(401, {"detail": "Not authenticated"})
+                return send_json(self, 200, {"version": "3.3.2"})
+            send_json(self, 401, {"detail": "Not authenticated"})
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, link_site_packages
 
 # one worker runs this module's tests, in order: its module fixture is started once (tests/harness.py)
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("wheel")]
@@ -59,14 +59,8 @@ def installed(wheel, tmp_path_factory) -> tuple[Path, dict[str, str]]:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     target = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
     [dev] = [Path(p) for p in site.getsitepackages() if Path(p, "airflow").is_dir()]
-    for entry in dev.iterdir():  # hard links: seconds, where pip from PyPI takes minutes
-        if entry.name.startswith(("__editable__", "cedana_airflow")) or entry.name == "__pycache__":
-            continue  # the checkout's editable install: the wheel must stand on its own
-        dest = target / entry.name
-        if entry.is_dir():
-            shutil.copytree(entry, dest, copy_function=os.link, symlinks=True)
-        else:
-            os.link(entry, dest)
+    # without the checkout's editable install: the wheel must stand on its own
+    link_site_packages(dev, target, skip=("__editable__", "cedana_airflow"))
     python = venv / "bin" / "python"
     home = tmp_path_factory.mktemp("airflow_home")
     shutil.copytree(REPO / "dags", home / "dags", ignore=shutil.ignore_patterns("__pycache__", "*.md"))

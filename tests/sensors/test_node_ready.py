@@ -14,6 +14,7 @@ pytest.importorskip("airflow.providers.cncf.kubernetes")
 from airflow.sdk.exceptions import AirflowFailException  # noqa: E402
 
 from cedana_airflow.sensors import NodeReadySensor  # noqa: E402
+from conftest import send_json  # noqa: E402
 
 
 def _node(name: str, tainted: bool, ready: str = "True") -> dict:
@@ -38,13 +39,7 @@ class Replay(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):  # noqa: N802
         type(self).paths.append(self.path)
-        code, body = type(self).answers.pop(0)
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, *type(self).answers.pop(0))
 
     def log_message(self, *args):
         pass
