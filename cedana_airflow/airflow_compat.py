@@ -24,17 +24,7 @@ except ImportError:  # Airflow 3.1
                                     AirflowNotFoundException, AirflowSkipException)
 
 __all__ = ["AirflowException", "AirflowFailException", "AirflowNotFoundException", "AirflowSkipException",
-           "dag_bag", "default_deferrable"]
-
-
-def default_deferrable(deferrable: bool | None) -> bool:
-    """An operator's ``deferrable`` argument, or Airflow's ``[operators] default_deferrable`` when not given
-    (as Airflow's own deferrable operators read it)."""
-    if deferrable is not None:
-        return deferrable
-    from airflow.configuration import conf
-
-    return conf.getboolean("operators", "default_deferrable", fallback=False)
+           "dag_bag"]
 
 
 def dag_bag(**kwargs: Any) -> Any:

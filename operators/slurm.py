@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from airflow.sdk import BaseOperator
 
+from cedana_airflow.airflow.config import default_deferrable
 from cedana_airflow.airflow.task import CEDANA_TEMPLATE_FIELDS, CedanaTask, Placement, airflow_errors
 from cedana_airflow.airflow.task_state import airflow_task
-from cedana_airflow.airflow_compat import AirflowException, AirflowFailException, default_deferrable
+from cedana_airflow.airflow_compat import AirflowException, AirflowFailException
 from cedana_airflow.config import Settings
 from cedana_airflow.errors import CedanaError, ConfigError, SlurmError, SlurmRefused
 from cedana_airflow.hooks.slurm import slurm_client

@@ -15,8 +15,8 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from cedana_airflow.agent.client import AgentClient
 from cedana_airflow.agent.route import through_agent
-from cedana_airflow.airflow.config import task_settings
-from cedana_airflow.airflow_compat import AirflowException, AirflowFailException, default_deferrable
+from cedana_airflow.airflow.config import default_deferrable, task_settings
+from cedana_airflow.airflow_compat import AirflowException, AirflowFailException
 from cedana_airflow.hooks.store import task_store
 from cedana_airflow.errors import AgentUnavailable, CedanaError, CheckpointIdError, ConfigError
 from cedana_airflow.ids import validate_checkpoint_id

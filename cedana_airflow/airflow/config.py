@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..config import Settings, load_settings, node_settings_refusal, redact
 from ..errors import ConfigError
 
-__all__ = ["AirflowOptions", "ConfigOption", "airflow_options", "config_options", "task_settings",
+__all__ = ["AirflowOptions", "ConfigOption", "airflow_options", "config_options", "default_deferrable", "task_settings",
            "with_scope_defaults"]
 
 log = logging.getLogger(__name__)
@@ -134,6 +134,16 @@ def config_options() -> tuple[ConfigOption, ...]:
     for name, f in AirflowOptions.model_fields.items():
         out.append(ConfigOption(name, _airflow_type(f.annotation), _spelled(f.default), f.description or ""))
     return tuple(out)
+
+
+def default_deferrable(deferrable: bool | None) -> bool:
+    """An operator's ``deferrable`` argument, or Airflow's ``[operators] default_deferrable`` when not given
+    (as Airflow's own deferrable operators read it)."""
+    if deferrable is not None:
+        return deferrable
+    from airflow.configuration import conf
+
+    return conf.getboolean("operators", "default_deferrable", fallback=False)
 
 
 def _where(key: str) -> str:
