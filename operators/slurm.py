@@ -138,26 +138,20 @@ class CedanaSlurmOperator(CedanaTask, BaseOperator):
         with airflow_errors():
             spec = self._spec(context)
             client = slurm_client(self.ssh_conn_id)
-            try:
+        with client:  # one login for the submit and, in the worker, every poll; closed however this ends
+            with airflow_errors():
                 client.mkdir(spec.output.rsplit("/", 1)[0])
                 job_id = client.submit(spec)
-            except BaseException:
-                client.close()
-                raise
-        output = spec.output.replace("%j", job_id)
-        self.log.info("cedana: submitted Slurm job %s to partition %s (%s); checkpoint_id=%s output %s", job_id,
-                      spec.partition, "CEDANA_ENABLE=1" if spec.enable else "without CEDANA_ENABLE: unprotected",
-                      spec.checkpoint_id, output)
-        context["ti"].xcom_push(key=XCOM_JOB_KEY, value=job_id)
-        self._job_id = job_id
-        if self.deferrable:
-            client.close()
-            self.defer(trigger=SlurmJobTrigger(job_id, self.ssh_conn_id, self.poll_seconds, self.settle_seconds, output),
-                       method_name="execute_complete")
-        try:
-            return self._follow(client, job_id, output)  # the submit's login serves every poll
-        finally:
-            client.close()
+            output = spec.output.replace("%j", job_id)
+            self.log.info("cedana: submitted Slurm job %s to partition %s (%s); checkpoint_id=%s output %s", job_id,
+                          spec.partition, "CEDANA_ENABLE=1" if spec.enable else "without CEDANA_ENABLE: unprotected",
+                          spec.checkpoint_id, output)
+            context["ti"].xcom_push(key=XCOM_JOB_KEY, value=job_id)
+            self._job_id = job_id
+            if self.deferrable:  # the trigger logs in for itself
+                self.defer(trigger=SlurmJobTrigger(job_id, self.ssh_conn_id, self.poll_seconds, self.settle_seconds,
+                                                   output), method_name="execute_complete")
+            return self._follow(client, job_id, output)
 
     # -- following -----------------------------------------------------------------------------------
     def _follow(self, client: SlurmClient, job_id: str, output: str) -> Any:
