@@ -116,6 +116,8 @@ def run_via_agent(path: Path, checkpoint_id: str, argv: Sequence[str], *, cwd: s
             if select.select([started.lifeline], [], [], _POLL_SECONDS)[0]:
                 ended = _ended(started.lifeline)
         status = _until_ended(path, started.wid, started.handle, said)
+        if not said_restore and status.get("restore") is not None and on_restore is not None:
+            on_restore(status["restore"])  # a restored tree that ended before a status said it was restored
     for pump in pumps:
         pump.join()
     if status.get("error"):
