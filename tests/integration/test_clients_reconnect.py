@@ -103,7 +103,13 @@ def test_a_client_whose_connection_a_restore_closed(client, tmp_path):
     # came before it noticed (CLOSE_WAIT), and then it too is closed
     closed = "restore closes 1 connection(s) to peers outside the tree" in r.stderr
     assert closed or client == "boto3", r.stderr[-3000:]
-    steps = [ln for ln in r.stdout.splitlines() if ln.startswith("step ")]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("call ", "step "))]
+    steps = [ln for ln in lines if ln.startswith("step ")]
+    if lines[0].startswith("step ") and EXPECTED_FIRST_CALL[client] == "ok":
+        # the checkpoint caught this call in flight (its "call" line is in node-a's output): its socket was closed
+        # under it, and no library retries a call half done; what the table says is the next call's
+        steps = steps[1:]
+    assert len(steps) >= 20, r.stdout[-2000:]
     first = "ok" if steps[0].endswith(" ok") else "failed"
     assert first == EXPECTED_FIRST_CALL[client], steps[:3]
     if client == "psycopg2":  # no reconnect of its own: every call fails, with psycopg2's own errors

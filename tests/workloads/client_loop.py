@@ -1,7 +1,8 @@
 """A workload holding one long-lived client of a service outside its tree, as jobs do (a requests Session,
 a boto3 client, a psycopg2 connection, a redis-py client): each step makes one call through it. A call
 that fails is said in one line and not retried here: what a restore shows is what the library does by
-itself. Prints ``step i ok`` or ``step i failed: <exception>``."""
+itself. Prints ``call i`` as each call begins (so a test can tell a call the checkpoint caught in flight from one
+begun after the restore), then ``step i ok`` or ``step i failed: <exception>``."""
 
 import argparse
 import time
@@ -49,6 +50,7 @@ else:
 
 print(f"start-up: {a.client} client of {a.url}", flush=True)
 for i in range(1, a.steps + 1):
+    print(f"call {i}", flush=True)
     try:
         call()
     except Exception as e:  # noqa: BLE001 - what the library raised is the finding
