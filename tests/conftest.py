@@ -160,6 +160,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     _machine["busy"] = harness.machine_cpu_seconds() - _machine["busy"]
     if (starts := getattr(session.config, "_cedana_services", None)) is not None:
         starts.close()
+    _machine["services"] = harness.service_cpu_seconds()
     _machine["killed"] = harness.stop_services()
     sweep(Path(tempfile.gettempdir()))
     reap()
@@ -192,6 +193,9 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         low = " (nearly full: a failure above may be the disk's)" if disk.lowest < 1 << 30 else ""
         write(f"temp disk ({disk.path}): {disk.start / 2**30:.1f} GiB free at the start, {disk.lowest / 2**30:.1f} GiB "
               f"at the lowest, {(disk.start - disk.lowest) / 2**30:.1f} GiB taken at the peak{low}")
+    if services := _machine.get("services"):
+        write(f"shared services' CPU time ({sum(services.values()):.0f} s in all): "
+              + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in sorted(services.items(), key=lambda kv: -kv[1])))
     if _machine.get("killed"):
         write(f"shared services that did not stop on SIGTERM within 30 s, killed: {', '.join(_machine['killed'])}")
     write(f"suite: {len(_durations)} tests in {wall:.0f} s of pytest ({wall / 60:.1f} min; budget 15 min), "

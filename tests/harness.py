@@ -259,6 +259,28 @@ def _alive(pgid: int) -> bool:
     return True
 
 
+def _process_cpu(stat: str) -> float:
+    """utime + stime + cutime + cstime of one /proc/<pid>/stat line: the process and what it reaped."""
+    fields = stat.rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def service_cpu_seconds() -> dict[str, float]:
+    """CPU time of each running service's processes (those still in its process groups, with what they
+    reaped): the half of the run's CPU that no test's own count holds (docs/testing.md)."""
+    groups = {int(pgid): name for name, got in _records() for pgid in got.get("pgids", [])}
+    spent: dict[str, float] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = (proc / "stat").read_text()
+            name = groups.get(int(stat.rsplit(")", 1)[1].split()[2]))  # field 5, the process group
+            if name is not None:
+                spent[name] = spent.get(name, 0.0) + _process_cpu(stat)
+    return spent
+
+
 def stop_services(timeout: float = 30) -> list[str]:
     """The controller's last step: SIGTERM every service's process groups, SIGKILL what is left after
     ``timeout``; the run's directory goes too. Returns what had to be killed."""
