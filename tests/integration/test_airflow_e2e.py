@@ -350,7 +350,7 @@ def test_stopping_a_running_task_takes_a_final_checkpoint_that_the_clear_resumes
     # A long heartbeat, so the only checkpoint after the first is the one on_kill takes, and a long
     # run, so the task is still running when Airflow's SIGTERM reaches it.
     # 20 MB: the final checkpoint must fit Airflow's 5 s on a loaded machine too (the suite runs tests side by side)
-    args = ["--mb", "20", "--steps", "300", "--step-seconds", "0.1"]
+    args = ["--mb", "20", "--steps", "300", "--step-seconds", "0.1", "--fast-after-restores", "1"]  # try 2: no sleeps
     dag = Clearing(airflow_stack, tmp_path, train_args=args, heartbeat=4.0)
     stack = airflow_stack
     run_id, first = dag.start_run_until_first_checkpoint()
@@ -391,7 +391,7 @@ def test_stopping_a_task_through_the_node_agent_takes_a_final_checkpoint_that_th
     a task that runs as uid nobody (run_as_user: its task process is under sudo) with default settings:
     on_kill becomes the agent's stop, the agent takes the final checkpoint, and the Clear's try resumes it
     through the agent (issue 49)."""
-    args = ["--mb", "20", "--steps", "300", "--step-seconds", "0.1"]
+    args = ["--mb", "20", "--steps", "300", "--step-seconds", "0.1", "--fast-after-restores", "1"]  # try 2: no sleeps
     dag = Clearing(airflow_stack, tmp_path, nobody=True, train_args=args, heartbeat=4.0)
     stack = airflow_stack
     run_id, first = dag.start_run_until_first_checkpoint()

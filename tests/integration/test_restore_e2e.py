@@ -192,8 +192,9 @@ def test_a_final_checkpoint_that_cannot_fit_the_stop_window_is_abandoned_and_the
 
 def test_a_few_gigabytes_of_numpy_state_checkpoint_and_restore(tmp_path):
     # 40 s of steps: the first full-size checkpoint (2 GB through CRIU, the chunker and the store) lands
-    # before the workload ends even on a machine busy with other tests; nothing here is timed
-    args = ["--mb", "2048", "--steps", "80", "--step-seconds", "0.5"]
+    # before the workload ends even on a machine busy with other tests; nothing here is timed, and the restored
+    # run goes on without its sleeps
+    args = ["--mb", "2048", "--steps", "80", "--step-seconds", "0.5", "--fast-after-restores", "1"]
     proc = start_cli("run", "--id", "big", "--heartbeat", "3", "--", *_train(*args),
                      env=cli_env(tmp_path, "node-a", "work-a"), out=tmp_path / "a")
     deadline = time.monotonic() + 300
