@@ -350,7 +350,7 @@ def summary(cases: list[Case]) -> str:
 def main() -> int:
     os.environ.setdefault("AIRFLOW__LOGGING__LOGGING_LEVEL", "WARNING")  # the summary says what the operator did
     root = Path(tempfile.mkdtemp(prefix="cedana-k8s-"))
-    print(f"playing the wrap route's pods with podman in {root} (image cached in .cedana/images)...", flush=True)
+    print(f"playing the wrap route's pods with podman in {root} (image cached in {pod_image.DEFAULT_CACHE})...", flush=True)
     try:
         cases = run(root)
     except PodError as e:

@@ -1,6 +1,6 @@
 """The wrap route's container image, built here with no registry, cached by the hash of its inputs.
 
-    python scripts/pod_image.py [--cache DIR]     # prints the image tarball's path
+    python scripts/pod_image.py [--cache DIR]     # prints the image tarball's path (default: DEFAULT_CACHE)
 
 What a cluster's image is, from what we ship: deploy/Containerfile (the file operators build from
 their own workload image) run by ``podman build`` on a local base, with our wheel and its
@@ -43,7 +43,18 @@ IMAGE = "localhost/cedana-airflow-pod"
 #: The base stands in for an operator's workload image: Debian with Python, nothing of ours.
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
 PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-DEFAULT_CACHE = REPO / ".cedana" / "images"
+#: Machine-wide where it may be written (as root: a clean clone, CI's, finds the base and an unchanged image
+#: there, as the compat venvs under /opt are found), else in the checkout; CEDANA_IMAGE_CACHE chooses another.
+MACHINE_CACHE = Path("/var/cache/cedana-airflow/images")
+
+
+def _default_cache() -> Path:
+    if chosen := os.environ.get("CEDANA_IMAGE_CACHE"):
+        return Path(chosen)
+    return MACHINE_CACHE if os.geteuid() == 0 else REPO / ".cedana" / "images"
+
+
+DEFAULT_CACHE = _default_cache()
 
 
 def _say(msg: str) -> None:
