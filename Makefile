@@ -102,13 +102,13 @@ demo-slurm: setup slurm worker
 	$(BIN)/python scripts/demo_slurm.py
 
 # The wrap route's pods, played by podman: a node loss and a drain, each resumed by the retry's pod
-# (the image is built from deploy/Containerfile and our wheel, cached in .cedana/images).
+# (the image is built from deploy/Containerfile and our wheel, cached in /var/cache/cedana-airflow/images as root).
 demo-k8s: setup pods
 	$(BIN)/python scripts/demo_k8s.py
 
 # The suite in parallel pytest-xdist workers: most end-to-end tests wait on heartbeats and Airflow's loops,
 # so their waits overlap (tests/harness.py; docs/testing.md has the budget and the latest figures).
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 5
 test: setup torch browser services slurm pods cc worker worker-torch compat
 	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
