@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from ..config import FailureHistory, Settings
 from ..format.manifest import Manifest
 from ..store.index import HeartbeatRow
+from ..units import duration_text
 
 __all__ = ["COST_WINDOW", "Cadence", "FREEZE_SECONDS_PER_GIB", "HeartbeatChoice", "checkpoint_cost", "duration_text",
            "estimated_cost", "mean_time_between_failures", "young_daly"]
@@ -172,18 +173,6 @@ def _failures_text(h: FailureHistory | None, prior_hours: float | None, mtbf: fl
     if mtbf is None:
         return f"no failures seen ({seen}){note}"
     return f"failures every ~{duration_text(mtbf)} ({seen}{prior}){note}"
-
-
-def duration_text(seconds: float) -> str:
-    """7m12s, 9.4h, 45s: short, for a log line."""
-    if seconds < 60:
-        return f"{seconds:.0f}s" if seconds >= 10 else f"{seconds:.2g}s"
-    if seconds < 3600:
-        m, s = divmod(round(seconds), 60)
-        return f"{m}m{s:02d}s" if s else f"{m}m"
-    if seconds < 48 * 3600:
-        return f"{seconds / 3600:.1f}h"
-    return f"{seconds / 86400:.1f}d"
 
 
 def _seconds_text(s: float) -> str:

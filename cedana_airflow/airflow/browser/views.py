@@ -29,7 +29,7 @@ from jinja2.runtime import Context
 
 from ...drill.report import DrillReport
 from ...store.listing import IdListing
-from ...run.cadence import duration_text
+from ...units import duration_text
 from ...units import binary_size
 from .chart import checkpoint_chart
 from .data import AirflowTry, Fleet, IdDetail, tries
