@@ -12,7 +12,9 @@ Nothing here runs at import time; :func:`load_settings` reads the sources when c
 
 from __future__ import annotations
 
+import difflib
 import json
+import logging
 import os
 import re
 import socket
@@ -21,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 
@@ -91,9 +93,10 @@ class Settings(BaseModel):
     criu: str = Field(default="", description="Path to the criu binary. Empty means: private prefix, else PATH.")
     criu_prefix: Path = Field(default=Path(DEFAULT_CRIU_PREFIX), description="Private CRIU prefix.")
     heartbeat_seconds: float | Literal["auto"] = Field(
-        default=0.0, description="Seconds between heartbeats; 0 = none; auto = chosen from this task's measured "
-        "checkpoint cost and the failure rate of its kind of work (Young/Daly: docs/heartbeat.md), between "
-        "heartbeat_min_seconds and heartbeat_max_seconds, and chosen again as the cost changes.",
+        default=600.0, description="Seconds between heartbeats: a task the opt-in list admits is checkpointed every "
+        "10 minutes unless this says otherwise; 0 = none (only a stop's final checkpoint); auto = chosen from this "
+        "task's measured checkpoint cost and the failure rate of its kind of work (Young/Daly: docs/heartbeat.md), "
+        "between heartbeat_min_seconds and heartbeat_max_seconds, and chosen again as the cost changes.",
     )
     heartbeat_min_seconds: float = Field(
         default=60.0, gt=0, allow_inf_nan=False, description="heartbeat = auto never checkpoints more often than this.")
@@ -439,6 +442,38 @@ class Settings(BaseModel):
     def heartbeat_on(self) -> bool:
         return self.heartbeat_auto or float(self.heartbeat_seconds) > 0
 
+    #: Where each value came from (a flag, a variable, a file, airflow.cfg, an operator argument): said
+    #: next to the value where a person reads it (the heartbeat in force). A value not named is the default.
+    _sources: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    def source(self, name: str) -> str:
+        return self._sources.get(name, f"the default of {name}")
+
+    def given(self, name: str) -> bool:
+        """Whether ``name`` was set somewhere (not its default)."""
+        return name in self._sources
+
+    def with_sources(self, sources: Mapping[str, str]) -> Settings:
+        """These settings, with ``sources`` said for the values they name (on top of those known)."""
+        self._sources = {**self._sources, **sources}
+        return self
+
+    def sources(self) -> dict[str, str]:
+        return dict(self._sources)
+
+    def heartbeat_text(self) -> str:
+        """The heartbeat in force and where it came from, as a person reads it: ``every 10m (the default of
+        heartbeat_seconds)``, ``off (heartbeat_seconds = 0 from --heartbeat)``, ``auto, 1m to 10m (...)``."""
+        from .units import duration_text
+
+        where = self.source("heartbeat_seconds")
+        if self.heartbeat_auto:
+            return (f"auto, between {duration_text(self.heartbeat_min_seconds)} and "
+                    f"{duration_text(self.heartbeat_max_seconds)} (from {where})")
+        if not self.heartbeat_on:
+            return f"off (heartbeat_seconds = 0 from {where}): only a stop's final checkpoint protects it"
+        return f"every {duration_text(float(self.heartbeat_seconds))} (from {where})"
+
     @model_validator(mode="after")
     def _kms_needs_key(self) -> Settings:
         if self.s3_sse_kms_key_id and self.s3_sse != "aws:kms":
@@ -485,7 +520,32 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
         key = env_var(name)
         if key in environ and environ[key] != "":
             out[name] = environ[key]
+    _warn_near_misses(environ)
     return out
+
+
+_said_near_misses: set[str] = set()
+#: CEDANA_* variables of ours that are not settings: what the routes and the hooks hand a workload or a pod.
+OWN_VARIABLES = frozenset({
+    "CEDANA_CONFIG", "CEDANA_ENABLE", "CEDANA_CHECKPOINT", "CEDANA_CHECKPOINT_ID", "CEDANA_CHECKPOINT_DIR",
+    "CEDANA_CHECKPOINT_READY", "CEDANA_CHECKPOINT_REQUEST", "CEDANA_CHECKPOINT_SIGNAL", "CEDANA_RESTORE_DIR",
+    "CEDANA_RESTORE_GAP_SECONDS", "CEDANA_IDEMPOTENCY_KEY", "CEDANA_FAILPOINTS", "CEDANA_MIN_SUPERVISOR",
+    "CEDANA_NODE_LABELS", "CEDANA_OPERATOR_VERSION", "CEDANA_TEMPLATE_FIELDS"})
+
+
+def _warn_near_misses(environ: Mapping[str, str]) -> None:
+    """A CEDANA_* variable that no setting reads and that is one typo from one (CEDANA_STOR): said once per
+    process, with the name meant, instead of ignored in silence. Only near misses: other tools (and our own
+    routes: CEDANA_ENABLE, CEDANA_CHECKPOINT_DIR) set CEDANA_* names of their own."""
+    known = [env_var(name) for name in Settings.model_fields]
+    for var in environ:
+        if var.startswith(_ENV_PREFIX) and var not in known and var not in OWN_VARIABLES and var not in _said_near_misses:
+            close = [f"{var}_SECONDS"] if f"{var}_SECONDS" in known else difflib.get_close_matches(var, known, n=1,
+                                                                                                    cutoff=0.85)
+            if close:
+                _said_near_misses.add(var)
+                logging.getLogger(__name__).warning("%s is not a setting and is ignored. Did you mean %s?", var,
+                                                    close[0])
 
 
 def _from_file(path: str) -> dict[str, Any]:
@@ -539,7 +599,7 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
             if v is not None:
                 merged[k], source[k] = v, name(k)
     try:
-        return Settings(**merged)
+        return Settings(**merged).with_sources(source)
     except ValidationError as e:
         err = e.errors()[0]
         if not err["loc"]:  # a rule between settings (model_validator): its message names them
@@ -551,5 +611,6 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
             raise ConfigError(f"unknown setting {field!r} (from {where}). Known settings: {known}.") from None
         shown = "***" if field in ("signing_key",) else redact(merged.get(field))  # a key is never said, even a bad one
         raise ConfigError(
-            f"setting {field} = {shown!r} (from {where}) is invalid: {err['msg']}. Fix or remove it."
+            f"setting {field} = {shown!r} (from {where}) is invalid: {str(err['msg']).removeprefix('Value error, ')}. "
+            "Fix or remove it."
         ) from None

@@ -12,7 +12,7 @@ def test_defaults_without_any_source(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     s = load_settings(environ={})
     assert s.resolved_store() == f"file://{tmp_path}/.cedana/store"
-    assert s.heartbeat_seconds == 0 and s.work_dir is None and s.checkpoint_on_term
+    assert s.heartbeat_seconds == 600 and s.work_dir is None and s.checkpoint_on_term
 
 
 def test_precedence_file_then_env_then_overrides(tmp_path):
@@ -21,6 +21,12 @@ def test_precedence_file_then_env_then_overrides(tmp_path):
     env = {"CEDANA_CONFIG": str(cfg), "CEDANA_NODE": "env-node"}
     s = load_settings({"heartbeat_seconds": 5, "store": None}, environ=env)
     assert (s.store, s.node, s.heartbeat_seconds) == ("file:///from-file", "env-node", 5)
+    # where each came from, as the heartbeat's line says it (issue 51)
+    assert (s.source("store"), s.source("node"), s.source("heartbeat_seconds"), s.source("mode")) == (
+        f"{cfg} [cedana] store", "CEDANA_NODE", "--heartbeat-seconds", "the default of mode")
+    assert s.given("node") and not s.given("mode")
+    assert s.heartbeat_text() == "every 5s (from --heartbeat-seconds)"
+    assert load_settings(environ={}).heartbeat_text() == "every 10m (from the default of heartbeat_seconds)"
 
 
 def test_bad_value_names_the_setting_its_source_and_value():

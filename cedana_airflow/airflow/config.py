@@ -54,7 +54,8 @@ class AirflowOptions(BaseModel):
         "'wrap' (our CLI wrapped around the container's command).")
     k8s_runtime_class: str = Field(default="cedana", description="The runtime class of the 'cedana' route.")
     k8s_heartbeat_seconds: int = Field(
-        default=600, gt=0, description="A pod's heartbeat when neither its operator's heartbeat nor heartbeat_seconds "
+        default=600, gt=0, description="A pod's heartbeat when neither its operator's heartbeat nor a heartbeat_seconds "
+        "set in [cedana], the environment or the opt-in list (not its default) "
         "gives one: both Kubernetes routes need an interval.")
     k8s_key_secret: str = Field(
         default="cedana-node-key", description="The Kubernetes Secret (key node.key) the wrap route mounts, "
@@ -94,7 +95,8 @@ class AirflowOptions(BaseModel):
 #: Where a core setting's meaning differs inside Airflow, the [cedana] description says so.
 _AIRFLOW_WORDING = {
     "store": "Store URL: file:///DIR or s3://bucket/prefix. Unset: file://$AIRFLOW_HOME/cedana/store.",
-    "heartbeat_seconds": "Default seconds between heartbeat checkpoints for operators without `heartbeat`; 0 = none; "
+    "heartbeat_seconds": "Seconds between heartbeat checkpoints for operators without `heartbeat` (default 600: a task "
+    "the opt-in list admits is checkpointed every 10 minutes); 0 = none, only a stop's final checkpoint; "
     "auto = chosen from the task's measured checkpoint cost and the failures Airflow saw on its queue (docs/heartbeat.md).",
     "checkpoint_on_term": "Take a final checkpoint when Airflow stops a task (drain, preemption, mark-failed).",
     "work_dir": "Local directory for dumps and restores. Unset: a temp dir per task.",
@@ -258,7 +260,8 @@ def with_scope_defaults(settings: Settings, defaults: Mapping[str, Any], overrid
     if not update:
         return settings
     try:
-        return Settings(**{**settings.model_dump(), **update})
+        return Settings(**{**settings.model_dump(), **update}).with_sources(
+            {**settings.sources(), **{k: "the opt-in list's defaults" for k in update}})
     except ValidationError as e:
         err = e.errors()[0]
         field = str(err["loc"][0]) if err["loc"] else "?"

@@ -189,11 +189,13 @@ def restore_rules_env(settings: Settings) -> dict[str, str]:
 
 
 def route_heartbeat(settings: Settings, kind: str, fallback_seconds: int) -> int | Literal["auto"]:
-    """The pod's heartbeat: the task's, else [cedana] k8s_heartbeat_seconds. auto stays auto on the wrap route
+    """The pod's heartbeat: the task's (its operator's, the list's, or a heartbeat_seconds the deployment set;
+    not that setting's default), else [cedana] k8s_heartbeat_seconds. auto stays auto on the wrap route
     (our CLI in the pod measures and chooses); Cedana's runtime takes a number, so there auto is chosen now,
     from this history and a reference cost (1 GiB at the reference freeze rate): it cannot follow the cost."""
     if not settings.heartbeat_auto:
-        return int(float(settings.heartbeat_seconds) or fallback_seconds)
+        given = float(settings.heartbeat_seconds) if settings.given("heartbeat_seconds") else 0.0
+        return int(given or fallback_seconds)
     if kind == "wrap":
         return "auto"
     cadence = Cadence(settings, first_cost=FREEZE_SECONDS_PER_GIB, cost_source="estimated: 1 GiB at the reference rate")
