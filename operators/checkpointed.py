@@ -143,9 +143,8 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
         node = settings.resolved_node()
         state = TaskState.of(context, self.log)
         previous = state.previous_try(ti.try_number)
-        beat = settings.heartbeat_seconds
-        self.log.info("cedana: checkpoint_id=%s node=%s try=%d store=%s heartbeat=%s", cid, node, ti.try_number,
-                      where, beat if isinstance(beat, str) else f"{beat:g}s" if beat else "off")
+        self.log.info("cedana: checkpoint_id=%s node=%s try=%d store=%s; heartbeat %s", cid, node, ti.try_number,
+                      where, settings.heartbeat_text())
         if not state.kept and ti.try_number > 1:
             self.log.info("cedana: this Airflow has no task state store (it came in 3.3): where earlier tries ran "
                           "is not known, so a retry on the node of a failed try is not detected "

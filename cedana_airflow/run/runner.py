@@ -41,6 +41,7 @@ from ..store import Store, index, open_store
 from ..store.gc import delete_checkpoint_id
 from ..store.restores import RestoreRecord, record_restore
 from ..store.writer_lease import WriterLease
+from ..units import duration_text
 from .cadence import COST_WINDOW, Cadence, HeartbeatChoice, checkpoint_cost, estimated_cost
 from .checkpoint_triggers import Failures, Heartbeat, MemoryWatch
 from .checkpointer import Checkpointer, RestoreTree, check_owner
@@ -75,6 +76,8 @@ class RunResult:
     heartbeat_failures: list[dict[str, Any]] = field(default_factory=list)  # each kind: its latest line, how often
     stop: StopReport | None = None  # how a stop went (final checkpoint, the tree's end), when there was one
     heartbeat: index.HeartbeatRow | None = None  # the interval in use at the end and its figures (run/cadence.py)
+    heartbeat_in_force: str = ""  # what the run was given and where from (Settings.heartbeat_text)
+    unprotected: str = ""  # in scope, yet no checkpoint to resume from: why, in one line (issue 51)
 
 
 #: Signals that stop a managed run (final checkpoint first) and those passed straight to the workload.
@@ -417,17 +420,19 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
                handle_signals: bool, stop: threading.Event | None, stopped: list[StopReport]) -> RunResult:
     """Run the triggers while the workload runs; a stop is a clean cut (run/stop.py)."""
     stop_requested = stop or threading.Event()
+    started = time.monotonic()
     cp.stopping = stop_requested  # a cooperative heartbeat waiting on the workload gives way to the stop
     got: list[int] = []
     cadence = _cadence(settings, cp, workload) if settings.heartbeat_on else None
+    recorded: list[index.HeartbeatRow] = []  # the heartbeat row this run last wrote to the index
 
     def take() -> None:
         t0 = time.monotonic()
         m = cp.checkpoint(workload)
         if m is not None:
             result.checkpoints.append(m)
-            if cadence is not None:
-                _chosen(cp, cadence.observe(checkpoint_cost(m), time.monotonic() - t0))
+            if cadence is not None and (row := _chosen(cp, cadence.observe(checkpoint_cost(m), time.monotonic() - t0))):
+                recorded[:] = [row]
 
     def beat() -> None:
         if workload.poll() is None:
@@ -471,9 +476,29 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
     result.failed_heartbeats = failures.total
     result.heartbeat_failures = failures.as_json()
     result.heartbeat = cadence.choice.as_row() if cadence is not None else None
+    if result.checkpoints and result.heartbeat is not None and [result.heartbeat] != recorded:
+        # the index keeps what the run ended with (its summary's figures), not the last change of 10% or more
+        index.record_heartbeat(cp.store, cp.checkpoint_id, result.heartbeat)
+    result.heartbeat_in_force = settings.heartbeat_text()
     log.info("workload exited checkpoint_id=%s exit_code=%d checkpoints=%d skipped_heartbeats=%d failed_heartbeats=%d",
              cp.checkpoint_id, result.exit_code, len(result.checkpoints), cp.skipped, failures.total)
+    if not result.checkpoints and result.restored_from is None:
+        result.unprotected = _why_no_checkpoint(settings, result, time.monotonic() - started)
+        log.warning("no checkpoint was taken checkpoint_id=%s: %s", cp.checkpoint_id, result.unprotected)
     return result
+
+
+def _why_no_checkpoint(settings: Settings, result: RunResult, ran: float) -> str:
+    """Why a run in scope ended with nothing a retry could resume from, and what would change that."""
+    lost = "a failure would have lost all of its work"
+    if result.failed_heartbeats or result.skipped_heartbeats:
+        most = result.heartbeat_failures[0]["cause"] if result.heartbeat_failures else "see the lines above"
+        return (f"{result.failed_heartbeats} heartbeat(s) failed and {result.skipped_heartbeats} were skipped "
+                f"(the most frequent cause: {most}); {lost} (docs/heartbeat.md#when-a-heartbeat-fails-or-is-skipped)")
+    if not settings.heartbeat_on:
+        return f"heartbeat {settings.heartbeat_text()}; {lost} before its end. Set a heartbeat to protect it"
+    return (f"it ran {duration_text(ran)}, less than its first heartbeat (heartbeat {settings.heartbeat_text()}); "
+            f"{lost}. A shorter heartbeat protects runs this short")
 
 
 def _cadence(settings: Settings, cp: Checkpointer, workload: Workload) -> Cadence:
@@ -500,13 +525,16 @@ def _own_rows(cp: Checkpointer) -> list[index.IndexRow]:
         return []
 
 
-def _chosen(cp: Checkpointer, choice: HeartbeatChoice | None) -> None:
-    """A new interval (or the first measured figures): said once in the log (auto), kept in the index."""
+def _chosen(cp: Checkpointer, choice: HeartbeatChoice | None) -> index.HeartbeatRow | None:
+    """A new interval (or the first measured figures): said once in the log (auto), kept in the index.
+    Returns the row written."""
     if choice is None:
-        return
+        return None
     if choice.auto:
         log.info("%s checkpoint_id=%s", choice.line(), cp.checkpoint_id)
-    index.record_heartbeat(cp.store, cp.checkpoint_id, choice.as_row())
+    row = choice.as_row()
+    index.record_heartbeat(cp.store, cp.checkpoint_id, row)
+    return row
 
 
 def _fleet_freeze_rate(store: Store) -> float | None:

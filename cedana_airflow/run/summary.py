@@ -58,6 +58,10 @@ def run_summary(result: RunResult, checkpoint_id: str, node: str) -> dict[str, A
         "restore_timings": result.restore_timeline.as_dict() if result.restore_timeline is not None else None,
         # 0.7.0: the heartbeat in use at the end: interval, cost, expected work lost (docs/heartbeat.md); null: none
         "heartbeat": result.heartbeat.model_dump() if result.heartbeat is not None else None,
+        # 0.10.0: the heartbeat the run was given and where from, and why nothing a retry could resume from was
+        # taken ("" when something was, or the run was itself a restore)
+        "heartbeat_in_force": result.heartbeat_in_force,
+        "unprotected": result.unprotected,
         "error": None,
     }
 
