@@ -16,7 +16,7 @@ import signal
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
 from .config import Settings, load_settings
@@ -41,11 +41,28 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work-dir", help="local work directory (default: CEDANA_WORK_DIR, else a temp dir)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """An error is one line naming the command and what is wrong, and where help is: not the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see '{self.prog} --help')\n")
+
+
+def _duration(text: str) -> float:
+    """A duration flag: seconds (90) or with a unit (30s, 10m, 1h, 2d)."""
+    from .units import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="cedana-airflow", description=__doc__.splitlines()[0] if __doc__ else None)
+    ap = _Parser(prog="cedana-airflow", description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--version", action="version", version=f"cedana-airflow {__version__}")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = ap.add_subparsers(dest="verb", required=True)
+    sub = ap.add_subparsers(dest="verb", required=True, parser_class=_Parser)
 
     run = sub.add_parser("run", help="run COMMAND managed, checkpointing on a heartbeat")
     run.add_argument("--resume", action="store_true", help="restore the latest checkpoint of ID if there is one")
@@ -68,11 +85,12 @@ def _parser() -> argparse.ArgumentParser:
 
     gc = sub.add_parser("gc", help="remove chunks no checkpoint names (older than the grace period)")
     gc.add_argument("--dry-run", action="store_true", help="report what would be removed, remove nothing")
-    gc.add_argument("--grace", type=float, default=None, help="seconds an unreferenced chunk is spared (default 3600)")
-    gc.add_argument("--wait", type=float, default=None, metavar="S",
-                    help="seconds to wait for checkpoints being written to finish; new ones skip their heartbeat "
-                         f"meanwhile (default {GC_WAIT_SECONDS:g}; 0: fail at once)")
-    gc.add_argument("--json", action="store_true")
+    gc.add_argument("--grace", type=_duration, default=None, metavar="DURATION",
+                    help="how long an unreferenced chunk is spared: seconds, or 30m, 1h, 2d (default 1h)")
+    gc.add_argument("--wait", type=_duration, default=None, metavar="DURATION",
+                    help="how long to wait for checkpoints being written to finish; new ones skip their heartbeat "
+                         f"meanwhile (default {GC_WAIT_SECONDS:g}s; 0: fail at once)")
+    gc.add_argument("--json", action="store_true", help="print the report as one JSON object")
     _common(gc)
 
     ck = sub.add_parser("check", help="is every checkpoint restorable? (exit 0 clean, 1 problems found, 2 bad input)")
@@ -81,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     reading.add_argument("--read-data-subset", metavar="N%", help="read and verify a random N%% of the chunks")
     ck.add_argument("--repair", action="store_true", help="set missing and bad chunks aside, so that the next "
                     "heartbeat of a writer that has them uploads them again")
-    ck.add_argument("--json", action="store_true")
+    ck.add_argument("--json", action="store_true", help="print the report as one JSON object")
     _common(ck)
 
     ex = sub.add_parser("explain", help="is a task in scope of the opt-in list, and why (not)?")
@@ -93,14 +111,15 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--pool", help="the task's Airflow pool (default: from the DAG, else default_pool)")
     ex.add_argument("--partition", help="the Slurm partition the task's job goes to (the Slurm route)")
     ex.add_argument("--tag", action="append", default=None, help="a DAG tag (repeatable; default: from the DAG)")
-    ex.add_argument("--expected-seconds", type=float, help="the task's expected duration (rule short-task)")
+    ex.add_argument("--expected-seconds", type=_duration, metavar="DURATION",
+                    help="the task's expected duration, seconds or 30m, 2h (rule short-task)")
     ex.add_argument("--job-server", action="store_true", default=None, help="the task drives a third-party job server")
     ex.add_argument("--gpu", action="store_true", default=None, help="the task uses a GPU")
     ex.add_argument("--no-nvidia", action="store_true", help="the node has no NVIDIA driver (rule gpu)")
     ex.add_argument("--dags-folder", help="read queue, pool, tags and the task's arguments from this DAG folder "
                                           "through Airflow (needs the airflow extra)")
     ex.add_argument("--optin-file", help="the opt-in list (default: CEDANA_OPTIN_FILE / [cedana] optin_file)")
-    ex.add_argument("--json", action="store_true")
+    ex.add_argument("--json", action="store_true", help="print the decision as one JSON object")
 
     dr = sub.add_parser("drill", help="run a fleet drill here and print its report (exit 0 pass, 1 fail)")
     dr.add_argument("mode", choices=("verify", "canary", "live"),  # drill.run.MODES
@@ -113,15 +132,18 @@ def _parser() -> argparse.ArgumentParser:
     dr.add_argument("--step-seconds", type=float, default=0.1, help="canary: seconds per step (default 0.1)")
     dr.add_argument("--heartbeat", type=float, default=1.0, help="canary: seconds between checkpoints (default 1)")
     dr.add_argument("--heartbeats", type=int, default=2, help="canary: checkpoints before the kill (default 2)")
-    dr.add_argument("--json", action="store_true")
+    dr.add_argument("--json", action="store_true", help="print the report as one JSON object")
     _common(dr)
 
     drs = sub.add_parser("drills", help="list the drill reports kept in the store")
-    drs.add_argument("--json", action="store_true")
+    drs.add_argument("--json", action="store_true", help="print the reports and their trends as one JSON object")
     _common(drs)
 
     doc = sub.add_parser("doctor", help="check that checkpointing can work here")
-    doc.add_argument("--json", action="store_true")
+    doc.add_argument("--json", action="store_true", help="print the checks as a JSON array")
+    doc.add_argument("--probe-store", action="store_true", help="also check that the store can be written: creates "
+                     "store.json where absent and, on a file store, writes and removes a probe file (without it, "
+                     "doctor writes nothing)")
     _common(doc)
 
     key = sub.add_parser("key", help="the node key that signs and verifies checkpoints (docs/security.md)")
@@ -129,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
                      "it is and its public key ID (never the key)")
     key.add_argument("--file", type=Path, default=None, help="the key file (default: signing_key_file, else "
                      "/etc/cedana-airflow/node.key)")
-    key.add_argument("--json", action="store_true")
+    key.add_argument("--json", action="store_true", help="print the key's file and ID as one JSON object")
 
     from .agent.__main__ import add_arguments as agent_arguments
 
@@ -165,24 +187,27 @@ def _cmd_key(args: argparse.Namespace) -> int:
 
 
 def _heartbeat(text: str) -> float | str:
-    """--heartbeat: seconds, or auto (Settings judges the number)."""
+    """--heartbeat: a duration (90, 30s, 10m), or auto (Settings judges the number)."""
     if text.strip().lower() == "auto":
         return "auto"
+    from .units import parse_duration
+
     try:
-        return float(text)
+        return parse_duration(text.lstrip("-")) * (-1 if text.strip().startswith("-") else 1)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of seconds nor auto") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a duration (90, 30s, 10m) nor auto") from None
 
 
 def _supervised(p: argparse.ArgumentParser, *, when_none_left: str) -> None:
     """The options `run` and `restore` share: both supervise a workload under one checkpoint ID."""
     p.add_argument("--id", required=True, help="checkpoint ID")
-    p.add_argument("--heartbeat", type=_heartbeat, metavar="SECONDS|auto",
-                   help="seconds between checkpoints (0 = none), or auto: chosen from the measured checkpoint cost "
-                   "and the failure rate (heartbeat_min_seconds .. heartbeat_max_seconds, mtbf_hours)")
+    p.add_argument("--heartbeat", type=_heartbeat, metavar="DURATION|auto",
+                   help="time between checkpoints: seconds or 30s, 10m (default: CEDANA_HEARTBEAT_SECONDS, else 10m; "
+                   "0 = none), or auto: chosen from the measured checkpoint cost and the failure rate "
+                   "(heartbeat_min_seconds .. heartbeat_max_seconds, mtbf_hours)")
     p.add_argument("--try-number", type=int, default=0,
                    help="which try this is: a higher one takes the ID's writer lease over from a lower one")
-    p.add_argument("--max-restore-gap", type=float, metavar="SECONDS",
+    p.add_argument("--max-restore-gap", type=_duration, metavar="DURATION",
                    help=f"never restore a checkpoint older than this; with none left, {when_none_left}")
     p.add_argument("--gpu", choices=("auto", "off", "require"),
                    help="GPU state: auto (default), require (refuse to start where it cannot be checkpointed), off")
@@ -223,6 +248,11 @@ def _task_of(args: argparse.Namespace) -> Any:
                           "Pass all three, or none.") from None
 
 
+#: The flag that sets each setting, as the user typed it (an error names the flag, not the setting).
+_FLAGS = {"store": "--store", "node": "--node", "work_dir": "--work-dir", "heartbeat_seconds": "--heartbeat",
+          "max_restore_gap_seconds": "--max-restore-gap", "gpu": "--gpu", "mode": "--mode"}
+
+
 def _settings(args: argparse.Namespace) -> Settings:
     return load_settings({
         "store": args.store, "node": args.node, "work_dir": args.work_dir,
@@ -230,7 +260,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         "max_restore_gap_seconds": getattr(args, "max_restore_gap", None),
         "gpu": getattr(args, "gpu", None),
         "mode": getattr(args, "checkpoint_mode", None),  # (`drill`'s positional is args.mode)
-    })
+    }, overrides_source=lambda k: _FLAGS.get(k, f"--{k.replace('_', '-')}"))
 
 
 def _existing_store(settings: Settings) -> Store:
@@ -442,17 +472,22 @@ def _cmd_checkpoints(args: argparse.Namespace) -> int:
     settings = _settings(args)
     store = _existing_store(settings)
     listed = list_store(store, args.id, exact=args.exact)
+    missing = 1 if args.id and not listed else 0  # an ID named and not there: the lookup failed (scripts test it)
     if args.json:
         # Indented only for a person: with indent, json falls back to its pure-Python encoder (0.8 s for 10,000 rows).
         print(json.dumps([as_json(x) for x in listed], indent=1 if sys.stdout.isatty() else None))
-        return 0
+        return missing
     if not listed:
-        print(f"no checkpoints in {store.url}" + (f" under {args.id}" if args.id else ""))
-        return 0
-    print(f"{'ID':<40} {'SEQ':>4} {'TRY':>3} {'NODE':<16} {'CREATED':<20} {'IMAGE':>10} {'STORED':>10}")
+        print(f"no checkpoints in {store.url}" + (f" under {args.id}" if args.id else ""),
+              file=sys.stderr if missing else sys.stdout)
+        return missing
+    # whole IDs and nodes, whatever their length: what a person pastes into `restore --id`
+    wid = max(2, *(len(x.checkpoint_id) for x in listed))
+    wnode = max(4, *(len(r.node) for x in listed for r in x.checkpoints))
+    print(f"{'ID':<{wid}} {'SEQ':>4} {'TRY':>3} {'NODE':<{wnode}} {'CREATED':<20} {'IMAGE':>10} {'STORED':>10}")
     for x in listed:
         for r in x.checkpoints:
-            print(f"{x.checkpoint_id[:40]:<40} {r.seq:>4} {r.try_number:>3} {r.node[:16]:<16} "
+            print(f"{x.checkpoint_id:<{wid}} {r.seq:>4} {r.try_number:>3} {r.node:<{wnode}} "
                   f"{r.created_at.isoformat()[:19]:<20} {binary_size(r.image_bytes):>10} {binary_size(r.stored_bytes):>10}")
     for x in listed:
         if x.skipped_heartbeats:
@@ -547,6 +582,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
              "expected_seconds": args.expected_seconds, "job_server": args.job_server, "gpu": args.gpu}
     facts.update({k: v for k, v in given.items() if v is not None})
     task_mode = facts.pop("mode", None)  # the operator's argument: above the list's defaults and [cedana]
+    task_heartbeat = facts.pop("heartbeat", None)  # the same
     optin = load_optin(settings.optin_file)
     if args.dags_folder and facts["expected_seconds"] is None and optin.rules.min_expected_seconds:
         # as the task would: its past durations, from Airflow's history (airflow/history.py)
@@ -559,11 +595,14 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     warnings = _restore_warnings(settings, where.dag_id, where.task_id)
     mode = task_mode or decision.defaults.get("mode") or settings.mode
     how = _how_checkpointed(settings, mode) if decision.in_scope else ""
+    beat = _heartbeat_in_force(settings, decision.defaults, task_heartbeat) if decision.in_scope else None
     if args.json:
         print(json.dumps({"dag_id": where.dag_id, "task_id": where.task_id, "node": where.node, "queue": where.queue,
                           "pool": where.pool, "in_scope": decision.in_scope, "reasons": list(decision.reasons),
                           "defaults": decision.defaults, "restore_warnings": warnings,
                           "mode": mode, "mode_here": how, "expected_seconds": where.expected_seconds,
+                          "heartbeat_seconds": beat.heartbeat_seconds if beat else None,
+                          "heartbeat": beat.heartbeat_text() if beat else "",
                           "expected_source": where.expected_source if where.expected_seconds is not None else ""},
                          default=str))
     else:
@@ -573,9 +612,23 @@ def _cmd_explain(args: argparse.Namespace) -> int:
             print("  settings from the list: " + ", ".join(f"{k}={v}" for k, v in sorted(decision.defaults.items())))
         if how:
             print(f"  checkpoints: {how}")
+        if beat:
+            print(f"  heartbeat: {beat.heartbeat_text()}")
         for w in warnings:
             print(f"  its checkpoints: {w}")
-    return 0
+    return 0 if decision.in_scope else 1  # docs/opt-in.md#explain: a script can test it
+
+
+def _heartbeat_in_force(settings: Settings, defaults: dict[str, Any], task: float | str | None) -> Settings:
+    """The settings whose heartbeat the task would run with: the operator's argument, else the list's
+    default for its scope, else the node's configuration (its environment and CEDANA_CONFIG here: airflow.cfg's
+    [cedana] is read by the task, not by this command), else the default."""
+    for value, where in ((task, "the operator's heartbeat argument"),
+                         (defaults.get("heartbeat_seconds"), "the opt-in list's defaults")):
+        if value is not None:
+            return Settings(**{**settings.model_dump(), "heartbeat_seconds": value}).with_sources(
+                {**settings.sources(), "heartbeat_seconds": where})
+    return settings
 
 
 def _how_checkpointed(settings: Settings, mode: str) -> str:
@@ -617,7 +670,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from .node.doctor import run_checks
 
     settings = _settings(args)
-    checks = [*run_checks(settings), agent_check(settings.agent_socket)]
+    checks = [*run_checks(settings, probe_store=args.probe_store), agent_check(settings.agent_socket)]
     if args.json:
         print(json.dumps([{k: v for k, v in c.__dict__.items() if k != "gpu" or v is not None} for c in checks], indent=1))
     else:

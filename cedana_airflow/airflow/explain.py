@@ -33,4 +33,13 @@ def task_facts(dag_id: str, task_id: str, dags_folder: str | None) -> dict[str, 
             "expected_seconds": expected.total_seconds() if expected is not None else None,
             "job_server": bool(getattr(task, "job_server", False)), "gpu": bool(getattr(task, "gpu", False)),
             "checkpointed": bool(getattr(task, "cedana_checkpointed", False)),
-            "mode": getattr(task, "mode", None) or (getattr(task, "settings", None) or {}).get("mode")}
+            "mode": getattr(task, "mode", None) or (getattr(task, "settings", None) or {}).get("mode"),
+            "heartbeat": _heartbeat_argument(task)}
+
+
+def _heartbeat_argument(task: object) -> float | str | None:
+    """The operator's ``heartbeat`` (a timedelta or "auto"), else its settings' heartbeat_seconds."""
+    beat = getattr(task, "heartbeat", None)
+    if beat is None:
+        return (getattr(task, "settings", None) or {}).get("heartbeat_seconds")
+    return beat if isinstance(beat, str) else float(beat.total_seconds())

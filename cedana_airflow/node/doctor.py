@@ -17,7 +17,7 @@ from ..engine import cuda
 from ..engine.criu import CriuEngine, find_criu
 from ..engine.fds import carries_inet_sockets
 from ..engine.page_file import fuse_available
-from ..errors import CedanaError, GpuUnavailable
+from ..errors import CedanaError, GpuUnavailable, StoreUnavailable
 from ..store import open_store
 
 __all__ = ["Check", "run_checks"]
@@ -48,7 +48,7 @@ def _criu(settings: Settings) -> list[Check]:
     except CedanaError as e:
         return [Check("criu", "fail", *_cause_and_fix(str(e)))]
     out = [Check("criu", "ok", f"{binary.path} (from {binary.source})"),
-           Check("criu version", "ok", binary.version), _sockets(binary.version)]
+           Check("criu version", "ok", binary.version), _sockets(binary.version), _io_uring(settings)]
     if os.geteuid() == 0:
         engine = CriuEngine(binary)
         ok, last = engine.check()
@@ -68,6 +68,15 @@ def _sockets(version: str) -> Check:
     return Check("criu sockets", "warn", f"CRIU {version} cannot dump a TCP or UDP socket on Linux {platform.release()} "
                  "(criu#2718): a workload that holds one is not checkpointed",
                  "install CRIU 4.2 or later (scripts/install-criu.sh) or set CEDANA_CRIU to one")
+
+
+def _io_uring(settings: Settings) -> Check:
+    """CRIU cannot dump an io_uring: what this node does about the workloads that would take one."""
+    if settings.io_uring == "deny":
+        return Check("io_uring", "ok", "io_uring = deny: a workload's io_uring_setup answers ENOSYS, so libuv (torchrun's "
+                     "TCPStore, Node.js) falls back to epoll and stays checkpointable (docs/compatibility.md)")
+    return Check("io_uring", "warn", "io_uring = allow: a workload that opens an io_uring is not checkpointed (every "
+                 "heartbeat fails, named at the first); torchrun jobs do", "set io_uring = deny (the default)")
 
 
 def _restore_mode(settings: Settings, engine: CriuEngine) -> Check:
@@ -91,8 +100,12 @@ def _restore_mode(settings: Settings, engine: CriuEngine) -> Check:
                  "set restore_mode = full to silence this")
 
 
-def _store(settings: Settings) -> Check:
+def _store(settings: Settings, probe: bool) -> Check:
+    """Read only, unless ``probe`` (``--probe-store``): then store.json is created where absent and, on a file
+    store, a probe file written and removed, and the line says so."""
     url = settings.resolved_store()
+    if not probe:
+        return _store_read_only(settings, url)
     try:
         store = open_store(url, settings)
         store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
@@ -103,8 +116,27 @@ def _store(settings: Settings) -> Check:
     except (CedanaError, OSError) as e:
         return Check("store", "fail", *_cause_and_fix(str(e)))
     if url.startswith("file://"):
-        return Check("store", "ok", f"{url} reachable and writable")
-    return Check("store", "ok", f"{url} reachable, bucket present, store.json readable")
+        return Check("store", "ok", f"{url} reachable and writable (--probe-store: wrote and removed a probe file; "
+                                    "store.json created if it was absent)")
+    return Check("store", "ok", f"{url} reachable, bucket present, store.json readable (--probe-store: store.json "
+                                "created if it was absent; writes to chunks/ are not probed)")
+
+
+def _store_read_only(settings: Settings, url: str) -> Check:
+    try:
+        open_store(url, settings).open(create=False, chunk_avg_bytes=settings.chunk_avg_bytes)
+    except StoreUnavailable as e:
+        if url.startswith("file://") and "does not exist" in str(e):
+            root = Path(url[len("file://"):])
+            parent = next(p for p in root.parents if p.exists())
+            if os.access(parent, os.W_OK | os.X_OK):
+                return Check("store", "ok", f"{url} does not exist yet: the first checkpoint creates it "
+                                            f"({parent} is writable; nothing was written)")
+        return Check("store", "fail", *_cause_and_fix(str(e)))
+    except (CedanaError, OSError) as e:
+        return Check("store", "fail", *_cause_and_fix(str(e)))
+    return Check("store", "ok", f"{url} reachable, store.json readable (nothing was written: --probe-store "
+                                "checks that it can be)")
 
 
 def _gpu() -> list[Check]:
@@ -227,7 +259,7 @@ def _node_key(settings: Settings) -> Check:
     return Check("node key", "ok", f"{k.where}: key {k.key_id}")
 
 
-def run_checks(settings: Settings) -> list[Check]:
+def run_checks(settings: Settings, probe_store: bool = False) -> list[Check]:
     checks = _criu(settings)
     root = os.geteuid() == 0
     checks.append(Check("root", "ok" if root else "fail", f"euid {os.geteuid()}",
@@ -236,7 +268,7 @@ def run_checks(settings: Settings) -> list[Check]:
         path = shutil.which(tool)
         checks.append(Check(tool, "ok" if path else "fail", path or "not found",
                             "" if path else "apt-get install util-linux"))
-    checks.append(_store(settings))
+    checks.append(_store(settings, probe_store))
     checks.append(_node_key(settings))
     checks.extend(_gpu())
     checks.append(_gpu_state(settings))
