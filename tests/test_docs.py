@@ -179,3 +179,30 @@ def test_readme_is_a_front_page() -> None:
 ])
 def test_slugs_follow_githubs_rules(heading: str, anchor: str) -> None:
     assert slug(heading) == anchor
+
+
+#: Where each command's flags are documented (docs/cli.md points to these pages for the commands it does not describe).
+_CLI_PAGES = {"explain": "opt-in.md", "drill": "drills.md", "drills": "drills.md", "agent": "agent.md",
+              "slurm-job": "slurm.md", "key": "security.md"}
+
+
+def test_the_cli_reference_and_the_parser_agree() -> None:
+    """Every flag docs/cli.md's synopsis shows exists on its command, and every flag of every command is
+    documented (docs/cli.md, or the page it points to for that command): issue 51's `--exact`, `--json`."""
+    sys.path.insert(0, str(REPO))
+    from cedana_airflow.cli import _parser
+
+    [sub] = [a for a in _parser()._actions if a.dest == "verb"]
+    flags = {verb: {s for a in p._actions for s in a.option_strings if s.startswith("--")} for verb, p in sub.choices.items()}
+    cli_md = (REPO / "docs" / "cli.md").read_text()
+    synopsis = cli_md.split("```", 2)[1]
+    shown = [(m[1], flag) for m in re.finditer(r"^cedana-airflow ([\w-]+)(.*?)(?:#|$)", synopsis, re.M)
+             for flag in re.findall(r"--[\w-]+", m[2].split(" -- ")[0])]  # not the workload's own flags
+    assert shown, "docs/cli.md's synopsis names no flag"
+    assert [f"{verb} {flag}" for verb, flag in shown if flag not in flags[verb]] == []
+    undocumented = []
+    for verb, options in flags.items():
+        text = cli_md + ((REPO / "docs" / _CLI_PAGES[verb]).read_text() if verb in _CLI_PAGES else "")
+        undocumented += [f"{verb} {flag}" for flag in sorted(options - {"--help"}) if f"`{flag}" not in text
+                         and not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text)]
+    assert undocumented == []

@@ -106,7 +106,13 @@ def test_explain_prints_the_decision_and_every_reason(tmp_path, first_week):
     assert r.returncode == 0, r.stderr
     assert "train_llm.fit on node gpu-test-01, queue cedana, pool default_pool: IN SCOPE: checkpointed" in r.stdout
     assert "settings from the list: heartbeat_seconds=600, keep_checkpoints=2" in r.stdout
-    out = json.loads(cli("explain", "train_llm", "fit", "--node", "cpu-1", "--json", env=env).stdout)
+    assert "  heartbeat: every 10m (from the opt-in list's defaults)" in r.stdout.splitlines()  # issue 51
+    beat = json.loads(cli("explain", "train_llm", "fit", "--queue", "cedana", "--json", env=env).stdout)
+    assert (beat["heartbeat_seconds"], beat["heartbeat"]) == (600, "every 10m (from the opt-in list's defaults)")
+    # out of scope: exit 1, so a script can test it (0.10.0); nothing said of a heartbeat it will not have
+    out_of_scope = cli("explain", "train_llm", "fit", "--node", "cpu-1", "--json", env=env)
+    out = json.loads(out_of_scope.stdout)
+    assert out_of_scope.returncode == 1 and out["heartbeat"] == "" and out["heartbeat_seconds"] is None
     assert out["in_scope"] is False and out["reasons"][0].startswith("node: cpu-1 refused")
     assert "queue: queue default / pool default_pool refused" in out["reasons"][1]
     bad = cli("explain", "d", "t", "--optin-file", str(tmp_path / "nope.toml"), env=env)
@@ -197,9 +203,14 @@ def test_explain_reads_the_task_from_a_real_dag_folder(tmp_path, first_week):
     env = cli_env(tmp_path, "gpu-test-01", "w", CEDANA_OPTIN_FILE=str(first_week), AIRFLOW_HOME=str(tmp_path / "af"),
                   AIRFLOW__CORE__LOAD_EXAMPLES="False")
     r = cli("explain", "cedana_demo_training", "train", "--dags-folder", str(REPO / "dags"), env=env)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr  # out of scope (0.10.0)
     assert "queue default, pool default_pool: OUT OF SCOPE" in r.stdout  # the list admits queue cedana only
     assert "workload: cedana_demo_training.train refused" in r.stdout
+    (tmp_path / "all.toml").write_text('[node]\nhostnames = ["*"]\n[queue]\nqueues = ["*"]\n[workload]\ndags = ["*"]\n')
+    admitted = cli("explain", "cedana_demo_training", "train", "--dags-folder", str(REPO / "dags"), "--optin-file",
+                   str(tmp_path / "all.toml"), env=env)
+    assert admitted.returncode == 0, admitted.stderr  # the DAG's own heartbeat, and where it came from
+    assert "  heartbeat: every 5s (from the operator's heartbeat argument)" in admitted.stdout.splitlines()
     missing = cli("explain", "nope", "train", "--dags-folder", str(REPO / "dags"), env=env)
     assert missing.returncode == 2 and "DAG 'nope' is not in" in missing.stderr
 
@@ -238,5 +249,5 @@ def test_slurm_partitions_are_a_node_scope_and_explain_says_what_the_job_needs(t
     assert not other.in_scope and "Slurm partition batch refused" in other.reasons[0]  # a partition, not the host
     env = cli_env(tmp_path, "login-1", "w", CEDANA_OPTIN_FILE=str(p))
     r = cli("explain", "train_llm", "fit", "--queue", "cedana", "--partition", "batch", "--json", env=env)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr  # out of scope
     assert json.loads(r.stdout)["reasons"][0].startswith("node: Slurm partition batch refused: not in partitions ['cedana*']")
