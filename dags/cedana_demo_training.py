@@ -2,7 +2,8 @@
 
 `make demo` runs it through Airflow's scheduler and workers, kills the workload of try 1 after a few
 heartbeats (as a lost spot node or a GPU Xid would), and try 2 restores from the latest checkpoint.
-The store and heartbeat come from [cedana] (AIRFLOW__CEDANA__*), as on a real cluster.
+The store comes from [cedana] (AIRFLOW__CEDANA__*), as on a real cluster; the 5 s heartbeat is the operator's
+argument (without it, [cedana] heartbeat_seconds: every 10 minutes by default).
 """
 
 import os
