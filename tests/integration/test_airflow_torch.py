@@ -237,9 +237,11 @@ def test_heartbeat_auto_chooses_from_what_it_measured_and_what_airflow_saw_fail(
     # from Airflow (all three tries of the one successful run) and refuses it against a 1 h minimum.
     optin = tmp_path / "optin-short.toml"
     optin.write_text(OPTIN_ALL + "[rules]\nmin_expected_seconds = 3600\n")
-    said = json.loads(subprocess.run([sys.executable, "-m", "cedana_airflow", "explain", dag_id, "train",
-                                      "--dags-folder", str(stack.dags), "--optin-file", str(optin),
-                                      "--json"], env=env, capture_output=True, text=True, check=True).stdout)
+    explained = subprocess.run([sys.executable, "-m", "cedana_airflow", "explain", dag_id, "train", "--dags-folder",
+                                str(stack.dags), "--optin-file", str(optin), "--json"], env=env, capture_output=True,
+                               text=True)
+    assert explained.returncode == 1, explained.stderr  # out of scope (0.10.0)
+    said = json.loads(explained.stdout)
     assert said["expected_source"] == "learned: the median of its last 1 successful run", said
     # the run's own length: tries 1 and 2 each ran past two checkpoints (the first interval is AUTO_MAX), try 3 ran fast
     assert said["expected_seconds"] >= AUTO_MAX and not said["in_scope"]
