@@ -85,12 +85,25 @@ class Timeline:
         for s in d["spans"]:
             out.append(f"  {s['start']:7.3f} +{s['seconds']:.3f}  {s['name']}")
         if d["criu"]:
-            out.append("           criu's own: " + ", ".join(f"{k} {v:.3f}" for k, v in d["criu"].items()))
+            out.append("           criu's own: " + ", ".join(_figure(k, v) for k, v in d["criu"].items()))
         for name, at in sorted(d["marks"].items(), key=lambda kv: kv[1]):
             out.append(f"  {at:7.3f}         {name}")
         for when, r in (("by resume", d["store_reads"]["by_resume"]), ("in all", d["store_reads"]["total"])):
             out.append(f"  store reads {when}: {r['chunks']} chunks, {binary_size(r['bytes'])}, get {r['get_seconds']:.3f} s, "
                        f"verify {r['verify_seconds']:.3f} s (summed over threads)")
         if d["page_source"]:
-            out.append("  page source: " + ", ".join(f"{k} {v}" for k, v in d["page_source"].items()))
+            out.append("  page source: " + ", ".join(_figure(k, v) for k, v in d["page_source"].items()))
         return "\n".join(out)
+
+
+def _figure(name: str, value: object) -> str:
+    """One figure as a person reads it: bytes in binary units, seconds with an ``s``, counts whole
+    (``pages_restored 372``, not ``372.000``; ``--json`` keeps the raw numbers)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if name.endswith("_bytes"):
+            return f"{name.removesuffix('_bytes')} {binary_size(value)}"
+        if name.endswith("_seconds") or name in ("forking", "restore"):
+            return f"{name.removesuffix('_seconds')} {value:.3f} s"
+        if float(value).is_integer():
+            return f"{name} {int(value)}"
+    return f"{name} {value}"

@@ -5,6 +5,7 @@ stream``) that ends where an uninterrupted run ends, and refuses a corrupt chunk
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 
 from cedana_airflow.engine.page_file import FSTYPE, fuse_available
 from cedana_airflow.errors import StoreUnavailable
+from cedana_airflow.units import binary_size
 from conftest import (TRAIN, cli, cli_env, kill_node, manifests, ours, restore_as_the_s3_store_goes_away, start_cli,
                       uninterrupted_digest, wait_for_checkpoints)
 
@@ -59,6 +61,9 @@ def test_restore_timings_say_where_the_time_went(tmp_path, mode):
     assert starts == sorted(starts) and all(s["seconds"] >= 0 for s in t["spans"])
     # CRIU's own phases, from the stats-restore image it left: it restored every page or (lazy) the eager ones
     assert t["criu"]["restore"] > 0 and t["criu"]["pages_restored"] > 0
+    # the same figures on stderr as a person reads them (issue 51): a count whole, seconds with their unit
+    assert re.search(rf"pages_restored {t['criu']['pages_restored']:.0f}(,|$)", r.stderr, re.M), r.stderr
+    assert f"restore {t['criu']['restore']:.3f} s" in r.stderr, r.stderr
     marks = t["marks"]
     assert 0 < marks["resumed"] <= marks["first_output"]
     assert ("pages_in" in marks) == (mode == "lazy")
@@ -68,6 +73,7 @@ def test_restore_timings_say_where_the_time_went(tmp_path, mode):
     assert t["store_reads"]["total"]["verify_seconds"] > 0
     if mode == "lazy":
         assert t["page_source"]["served_bytes"] > 0
+        assert f"served {binary_size(t['page_source']['served_bytes'])}" in r.stderr, r.stderr  # not raw bytes
         assert t["store_reads"]["by_resume"]["bytes"] <= t["store_reads"]["total"]["bytes"]
 
 
