@@ -135,7 +135,7 @@ def _store_read_only(settings: Settings, url: str) -> Check:
         return Check("store", "fail", *_cause_and_fix(str(e)))
     except (CedanaError, OSError) as e:
         return Check("store", "fail", *_cause_and_fix(str(e)))
-    return Check("store", "ok", f"{url} reachable, store.json readable (nothing was written: --probe-store "
+    return Check("store", "ok", f"{url} reachable and read (nothing was written: --probe-store "
                                 "checks that it can be)")
 
 
