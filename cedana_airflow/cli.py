@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import sys
 import signal
@@ -502,12 +501,9 @@ def _cmd_checkpoints(args: argparse.Namespace) -> int:
 def _cmd_gc(args: argparse.Namespace) -> int:
     from .store.gc import DEFAULT_GRACE_SECONDS, collect_garbage
 
+    # --grace and --wait are durations (_duration): never negative, nan or inf, which would spare nothing
     grace = DEFAULT_GRACE_SECONDS if args.grace is None else args.grace
     wait = GC_WAIT_SECONDS if args.wait is None else args.wait
-    for flag, value, eg in (("--grace", grace, "3600"), ("--wait", wait, "60")):
-        if not math.isfinite(value) or value < 0:  # nan compares false with everything: it would spare nothing
-            print(f"usage: {flag} {value:g} is not a number of seconds >= 0; give e.g. {flag} {eg}", file=sys.stderr)
-            return 2
     settings = _settings(args)
     store = _existing_store(settings)
     report = collect_garbage(store, grace_seconds=grace, dry_run=args.dry_run, wait_seconds=wait)
