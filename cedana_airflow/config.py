@@ -26,6 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
+from .units import parse_duration
 
 __all__ = ["FailureHistory", "HEARTBEAT_AUTO_SETTINGS", "Layer", "Settings", "default", "env_text", "env_var",
            "load_settings", "redact", "NODE_SETTINGS", "node_settings_refusal", "DEFAULT_CRIU_PREFIX", "STORE_URL_HINT"]
@@ -418,6 +419,21 @@ class Settings(BaseModel):
     def _history_from_text(cls, v: object) -> object:
         if isinstance(v, str):  # CEDANA_FAILURE_HISTORY: JSON, as the routes carry it
             return json.loads(v) if v.strip() else None
+        return v
+
+    @field_validator("heartbeat_seconds", "heartbeat_min_seconds", "heartbeat_max_seconds", "cooperative_timeout_seconds",
+                     "writer_lease_seconds", "gpu_lock_timeout_seconds", "stop_grace_seconds", "stop_window_seconds",
+                     "s3_read_timeout_seconds", "s3_connect_timeout_seconds", "max_restore_gap_seconds", "lease_seconds",
+                     mode="before")
+    @classmethod
+    def _duration_text(cls, v: object) -> object:
+        """``10m``, ``1h30m``, ``250ms`` wherever seconds are taken (a variable, airflow.cfg, a DAG's argument):
+        a number stays pydantic's to check, ``auto`` its field's."""
+        if isinstance(v, str) and v.strip() and v.strip().lower() != "auto":
+            try:
+                float(v)
+            except ValueError:
+                return parse_duration(v)  # its ValueError names the forms it takes
         return v
 
     @field_validator("heartbeat_seconds")

@@ -38,7 +38,7 @@ def duration_text(seconds: float) -> str:
     return f"{seconds / 86400:.1f}d"
 
 
-_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?")
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?", re.ASCII)  # "٣m" is no duration
 _SECONDS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 

@@ -186,6 +186,19 @@ def _section(names: Sequence[str]) -> dict[str, str]:
     return out
 
 
+#: The operator's argument each setting comes from, where the two names differ (task.py): a source names
+#: the argument the DAG's author wrote, as `explain` does.
+_ARGUMENTS = {"heartbeat_seconds": "heartbeat", "heartbeat_min_seconds": "heartbeat_min",
+              "heartbeat_max_seconds": "heartbeat_max", "mtbf_hours": "mtbf", "max_restore_gap_seconds": "max_restore_gap",
+              "lease_seconds": "lease"}
+
+
+def _argument(setting: str) -> str:
+    if setting in _ARGUMENTS:
+        return f"the operator's {_ARGUMENTS[setting]} argument"
+    return f"operator argument {setting}"
+
+
 def airflow_options(*names: str, overrides: Mapping[str, Any] | None = None) -> AirflowOptions:
     """The Airflow-only options ``names`` (all when none are named), from [cedana], then ``overrides``;
     options not asked for keep their defaults, so a bad value of one never breaks a reader of another."""
@@ -231,7 +244,7 @@ def task_settings(overrides: Mapping[str, Any] | None = None) -> tuple[Settings,
     core = {k: v for k, v in (overrides or {}).items() if k not in AirflowOptions.model_fields}
     node_settings_refusal(core, "operator argument settings")
     _removed_options()
-    settings = load_settings(core, layers=layers, overrides_source=lambda k: f"operator argument {k}")
+    settings = load_settings(core, layers=layers, overrides_source=_argument)
     if not settings.store:
         settings = settings.model_copy(update={"store": _default_store()})
     # Airflow's code and configuration are never a restore's to write, whatever a DAG's settings say.

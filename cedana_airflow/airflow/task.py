@@ -34,6 +34,7 @@ from ..hooks.store import task_store
 from ..ids import derive_checkpoint_id, validate_checkpoint_id
 from ..scope.optin import Decision, OptInList, Where, decide, load_optin
 from ..store import Store
+from ..units import parse_duration
 from .config import AirflowOptions, task_settings, with_scope_defaults
 from .history import AirflowHistory
 from .links import CheckpointsLink
@@ -58,6 +59,27 @@ def airflow_errors() -> Iterator[None]:
         raise AirflowFailException(f"cedana: {e}") from None
     except CedanaError as e:
         raise AirflowException(f"cedana: {e}") from None
+
+
+#: A duration argument: a timedelta, seconds, or text such as ``"10m"`` or ``"1h30m"``.
+Duration = timedelta | float | str
+
+
+def _duration(name: str, value: Duration | None) -> timedelta | None:
+    """``value`` as a timedelta; a text or number that is no duration is the DAG's import error."""
+    if value is None or isinstance(value, timedelta):
+        return value
+    what = "give a timedelta, seconds, or text such as '10m'"
+    if isinstance(value, bool):  # float(True) is 1.0: "on" is no duration
+        raise ConfigError(f"{name}={value!r} is not a duration: {what}")
+    try:
+        seconds = parse_duration(value) if isinstance(value, str) else float(value)
+        if not 0 <= seconds < float("inf"):
+            raise ValueError(f"{value!r} is not a duration of 0 or more seconds")
+        return timedelta(seconds=seconds)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ConfigError(f"{name}: {e}" if isinstance(e, ValueError) else f"{name}={value!r} is not a duration: "
+                          f"{what}") from None
 
 
 def command_argv(command: str | Sequence[str] | None) -> list[str]:
@@ -112,6 +134,8 @@ class CedanaTask:
 
     :param checkpoint_id: label of the workload's checkpoints. Default: derived from dag_id, task_id,
         map_index and run_id, so a new DAG run starts fresh and a retry or Clear of the same run resumes.
+    Every duration takes a timedelta, seconds, or text such as ``"10m"`` or ``"1h30m"``.
+
     :param heartbeat: time between checkpoints, or ``"auto"``: chosen from this task's measured checkpoint cost
         and the failures Airflow saw on its queue (docs/heartbeat.md). Default: [cedana] heartbeat_seconds.
     :param heartbeat_min: / :param heartbeat_max: the bounds of ``"auto"`` (default: [cedana]
@@ -143,31 +167,44 @@ class CedanaTask:
     #: A Checkpoints button on this operator's task instances (links.py); ahead of BaseOperator's in the MRO.
     operator_extra_links: Collection[BaseOperatorLink] = (CheckpointsLink(),)
 
+    heartbeat: timedelta | Literal["auto"] | None
+    max_restore_gap: timedelta | None
+    lease: timedelta | None
+    expected_duration: timedelta | None
+    heartbeat_min: timedelta | None
+    heartbeat_max: timedelta | None
+    mtbf: timedelta | None
+
     # BaseOperator's, for the type checker
     task_id: str
     queue: str
     pool: str
     log: Any
 
-    def init_cedana(self, *, checkpoint_id: str | None = None, heartbeat: timedelta | Literal["auto"] | None = None,
+    def init_cedana(self, *, checkpoint_id: str | None = None, heartbeat: Duration | Literal["auto"] | None = None,
                     store: str | None = None, aws_conn_id: str | None = None, settings: dict[str, Any] | None = None,
-                    idempotency_key: str | None = None, max_restore_gap: timedelta | None = None,
-                    lease: timedelta | None = None, lease_renew_command: str | Sequence[str] | None = None,
-                    expected_duration: timedelta | None = None, job_server: bool = False, gpu: bool = False,
+                    idempotency_key: str | None = None, max_restore_gap: Duration | None = None,
+                    lease: Duration | None = None, lease_renew_command: str | Sequence[str] | None = None,
+                    expected_duration: Duration | None = None, job_server: bool = False, gpu: bool = False,
                     route_settings: Mapping[str, Any] | None = None, mode: str | None = None,
-                    heartbeat_min: timedelta | None = None, heartbeat_max: timedelta | None = None,
-                    mtbf: timedelta | None = None) -> None:
+                    heartbeat_min: Duration | None = None, heartbeat_max: Duration | None = None,
+                    mtbf: Duration | None = None) -> None:
         """Keep the arguments, and check them now: a bad value is the DAG's import error, not a stack
         trace in a worker later. ``route_settings``: settings a route sets from its own arguments."""
-        self.checkpoint_id, self.heartbeat, self.store, self.aws_conn_id = checkpoint_id, heartbeat, store, aws_conn_id
+        self.checkpoint_id, self.store, self.aws_conn_id = checkpoint_id, store, aws_conn_id
         self.settings = dict(settings or {})
-        self.idempotency_key, self.max_restore_gap, self.lease = idempotency_key, max_restore_gap, lease
+        self.idempotency_key = idempotency_key
         self.lease_renew_command = lease_renew_command
-        self.expected_duration, self.job_server, self.gpu = expected_duration, job_server, gpu
+        self.job_server, self.gpu = job_server, gpu
         self.route_settings = dict(route_settings or {})
         self.mode = mode
-        self.heartbeat_min, self.heartbeat_max, self.mtbf = heartbeat_min, heartbeat_max, mtbf
         try:
+            self.heartbeat = "auto" if heartbeat == "auto" else _duration("heartbeat", heartbeat)
+            self.max_restore_gap, self.lease = _duration("max_restore_gap", max_restore_gap), _duration("lease", lease)
+            self.expected_duration = _duration("expected_duration", expected_duration)
+            self.heartbeat_min, self.heartbeat_max = _duration("heartbeat_min", heartbeat_min), _duration("heartbeat_max",
+                                                                                                           heartbeat_max)
+            self.mtbf = _duration("mtbf", mtbf)
             task_settings(self.cedana_overrides())
         except CedanaError as e:
             raise AirflowException(f"{self.task_id}: {e}") from None
@@ -176,8 +213,7 @@ class CedanaTask:
         """The operator's arguments as settings: they win over every other layer."""
         out: dict[str, Any] = {**self.settings, "aws_conn_id": self.aws_conn_id}
         if self.heartbeat is not None:
-            out["heartbeat_seconds"] = (self.heartbeat if isinstance(self.heartbeat, str)
-                                        else self.heartbeat.total_seconds())
+            out["heartbeat_seconds"] = self.heartbeat if self.heartbeat == "auto" else self.heartbeat.total_seconds()
         for name, value in (("heartbeat_min_seconds", self.heartbeat_min), ("heartbeat_max_seconds", self.heartbeat_max)):
             if value is not None:
                 out[name] = value.total_seconds()

@@ -5,6 +5,7 @@ tests/integration/test_wheel.py."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from datetime import timedelta
@@ -121,6 +122,27 @@ def test_the_operator_refuses_bad_settings_when_the_dag_is_parsed():
         CheckpointedCommandOperator(task_id="train", command="python train.py", heartbeat=timedelta(seconds=-5))
     # a templated store is checked when it is rendered, at run time
     CheckpointedCommandOperator(task_id="ok", command=["python"], store="{{ var.value.store }}")
+
+
+def test_every_duration_argument_takes_text_seconds_or_a_timedelta(monkeypatch):
+    """`heartbeat="10m"` as `--heartbeat 10m` and `CEDANA_HEARTBEAT_SECONDS=10m` (0.11.0): one form everywhere."""
+    op = CheckpointedCommandOperator(task_id="t", command="x", heartbeat="10m", lease="1h30m", max_restore_gap=90,
+                                     heartbeat_min=timedelta(minutes=2), mtbf="6h")
+    assert (op.heartbeat, op.lease, op.max_restore_gap) == (timedelta(minutes=10), timedelta(minutes=90),
+                                                            timedelta(seconds=90))
+    assert op.cedana_overrides()["heartbeat_seconds"] == 600 and op.cedana_overrides()["mtbf_hours"] == 6
+    assert CheckpointedCommandOperator(task_id="a", command="x", heartbeat="auto").cedana_overrides()[
+        "heartbeat_seconds"] == "auto"
+    for bad, said in ((True, "heartbeat=True is not a duration"), ("ten", "heartbeat: 'ten' is not a duration"),
+                      ("-5m", "is not a duration"), (1e20, "is not a duration")):
+        with pytest.raises(AirflowException, match=re.escape(f"t: {said}") if "True" in said else said):
+            CheckpointedCommandOperator(task_id="t", command="x", heartbeat=bad)
+    monkeypatch.setenv("AIRFLOW__CEDANA__HEARTBEAT_SECONDS", "2m")
+    settings, _ = task_settings({})
+    assert settings.heartbeat_seconds == 120 and "AIRFLOW__CEDANA__HEARTBEAT_SECONDS" in settings.heartbeat_text()
+    # where a value came from names the argument the DAG's author wrote
+    assert CheckpointedCommandOperator(task_id="h", command="x", heartbeat="30s") and task_settings(
+        {"heartbeat_seconds": 30.0})[0].heartbeat_text() == "every 30s (from the operator's heartbeat argument)"
 
 
 def test_log_sink_logs_whole_lines_and_the_rest_at_close():
