@@ -128,8 +128,10 @@ def _parser() -> argparse.ArgumentParser:
     dr.add_argument("--sample", type=int, default=10, metavar="N", help="verify: how many IDs (default 10)")
     dr.add_argument("--mb", type=int, default=64, help="canary: memory it holds, MiB (default 64)")
     dr.add_argument("--steps", type=int, default=60, help="canary: steps it runs (default 60)")
-    dr.add_argument("--step-seconds", type=float, default=0.1, help="canary: seconds per step (default 0.1)")
-    dr.add_argument("--heartbeat", type=float, default=1.0, help="canary: seconds between checkpoints (default 1)")
+    dr.add_argument("--step-seconds", type=_duration, default=0.1, metavar="DURATION",
+                    help="canary: time per step (default 0.1s)")
+    dr.add_argument("--heartbeat", type=_duration, default=1.0, metavar="DURATION",
+                    help="canary: time between checkpoints (default 1s)")
     dr.add_argument("--heartbeats", type=int, default=2, help="canary: checkpoints before the kill (default 2)")
     dr.add_argument("--json", action="store_true", help="print the report as one JSON object")
     _common(dr)
@@ -331,10 +333,10 @@ def _run_through_agent(args: argparse.Namespace, settings: Any, command: list[st
                            env=workload_env(dict(os.environ), settings.keep_env), try_number=args.try_number,
                            settings=settings, claim=task.model_dump(mode="json") if task else None,
                            stdout=_Out(sys.stdout), stderr=_Out(sys.stderr), stop=stop,
-                           on_restore=lambda r: print(
-                               f"cedana: restored checkpoint_id={args.id} seq={r['seq']} from_node={r['node']} "
-                               f"node={r.get('restored_on', '?')} gap_seconds={r['gap_seconds']:.1f} restore_seconds="
-                               f"{r['restore_seconds']:.2f} try={r['try_number']} (through the node agent)",
+                           on_restore=lambda r: print(  # an agent older than 0.8.2: it says no lines of its own
+                               f"cedana: restored seq {r['seq']} of try {r['try_number']} (node {r['node']}) on node "
+                               f"{r.get('restored_on', '?')}: gap {r['gap_seconds']:.1f} s, restore "
+                               f"{r['restore_seconds']:.2f} s, checkpoint_id={args.id} (through the node agent)",
                                file=sys.stderr, flush=True),
                            on_fresh=lambda why: print(fresh_line(why, args.id), file=sys.stderr),
                            restore_only=command is None, resume=getattr(args, "resume", True))
@@ -747,6 +749,14 @@ def _cmd_drills(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Lines(logging.Formatter):
+    """``cedana:`` on our lines only: a library's (Airflow's, loading a DAG for `explain`) says whose it is."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ours = record.name.startswith("cedana_airflow.")
+        return f"{'cedana' if ours else record.name}: {super().format(record)}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from .compat import supervisor_refusal
 
@@ -757,6 +767,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="cedana: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(_Lines())
     # Not ours to print, and botocore's DEBUG lines carry request headers (access key ID, signatures):
     # kept at WARNING even with --verbose, so no credential reaches a log.
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):

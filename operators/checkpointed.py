@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from airflow.sdk import BaseOperator
 
 from cedana_airflow.agent.route import fresh_line, run_via_agent, through_agent
-from cedana_airflow.airflow.logsink import LogSink
+from cedana_airflow.airflow.logsink import LogSink, prefixed
 from cedana_airflow.airflow.task import (CEDANA_TEMPLATE_FIELDS, CedanaTask, Placement, TaskSetup, airflow_errors,
                                          command_argv)
 from cedana_airflow.airflow.task_state import STATE_KEY, TaskState, airflow_task
@@ -30,7 +30,7 @@ from cedana_airflow.engine.cuda import load_driver
 from cedana_airflow.errors import AgentUnavailable, ConfigError, EngineUnavailable, GpuUnavailable
 from cedana_airflow.keys import node_key
 from cedana_airflow.run.environment import workload_env
-from cedana_airflow.run.runner import RunResult, run_workload, usable_engine
+from cedana_airflow.run.runner import run_workload, usable_engine
 from cedana_airflow.run.summary import run_summary
 from cedana_airflow.run.stop import UNPROTECTED_GRACE_SECONDS
 from cedana_airflow.run.workload import run_unprotected
@@ -111,6 +111,7 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
                          gpu=self.gpu, nvidia=_has_nvidia() if self.gpu else None)
 
     # -- execution ---------------------------------------------------------------------------------
+    @prefixed
     def execute(self, context: Context) -> dict[str, Any]:
         # A stop belongs to one try. `airflow dags test` and dag.test() run every try on this same object,
         # and Airflow calls on_kill after an execution_timeout: the old event would stop each retry at once.
@@ -178,8 +179,7 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
                 else:
                     result = run_workload(settings, cid, argv, resume=True, try_number=ti.try_number, cwd=self.cwd,
                                           env=env, stdout=out, stderr=err, handle_signals=False, stop=self._stop,
-                                          store=store, airflow=airflow_task(context),
-                                          on_restore=lambda r: self._log_restore(cid, node, r))
+                                          store=store, airflow=airflow_task(context))  # its restore line is ours
                     summary = run_summary(result, cid, node)
         finally:
             out.close()
@@ -267,17 +267,9 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
             }
         return out
 
-    def _log_restore(self, cid: str, node: str, result: RunResult) -> None:
-        """The restore, in the task log when it happens (before the workload's next output): what a reader
-        looks for first, the long checkpoint ID last."""
-        m = result.restored_from
-        if m is not None:
-            self.log.info("cedana: restored seq %d of try %d (node %s) on node %s: gap %.1f s, restore %.2f s, "
-                          "checkpoint_id=%s", m.seq, m.try_number, m.node, node, result.restore_gap_seconds,
-                          result.restore_seconds, cid)
-
     def _log_agent_restore(self, cid: str, node: str, r: dict[str, Any]) -> None:
-        """:meth:`_log_restore`'s line, from what the agent says was restored (its ``status``)."""
+        """The supervisor's restore line (run/runner.py), from what an agent that does not say its lines
+        (older than 0.8.2) says was restored (its ``status``)."""
         self.log.info("cedana: restored seq %d of try %d (node %s) on node %s: gap %.1f s, restore %.2f s, "
                       "checkpoint_id=%s (through the node agent)", r["seq"], r["try_number"], r["node"], node,
                       r["gap_seconds"], r["restore_seconds"], cid)

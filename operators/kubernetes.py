@@ -19,6 +19,7 @@ from kubernetes.client import models as k8s
 from cedana_airflow.airflow.config import airflow_options
 from cedana_airflow.airflow.kube import (Route, apply_route, node_label_of, restore_rules_env, route_heartbeat, uses_gpu,
                                          with_env)
+from cedana_airflow.airflow.logsink import prefixed
 from cedana_airflow.airflow.task import CEDANA_TEMPLATE_FIELDS, CedanaTask, Placement, TaskSetup, airflow_errors
 from cedana_airflow.airflow.task_state import TaskState, airflow_task
 from cedana_airflow.config import Settings
@@ -84,6 +85,10 @@ class CedanaKubernetesPodOperator(CedanaTask, KubernetesPodOperator):
                          settings=settings, idempotency_key=idempotency_key, max_restore_gap=max_restore_gap,
                          lease=lease, lease_renew_command=lease_renew_command, expected_duration=expected_duration,
                          job_server=job_server, gpu=gpu)
+
+    @prefixed
+    def execute(self, context: Context) -> Any:
+        return super().execute(context)  # the pod's; our set-up's lines in the task log carry `cedana:`
 
     def build_pod_request_obj(self, context: Context | None = None, *, dry_run: bool = False) -> k8s.V1Pod:
         pod = super().build_pod_request_obj(context, dry_run=dry_run)

@@ -175,7 +175,7 @@ def summarize(out: dict[str, Any], expect: str, steps: int) -> tuple[str, bool]:
     last = out["logs"].get(out["tries"], "")
     digests = re.findall(r"done digest=\w+", last)
     restored = re.search(r"cedana: restored seq (\d+) of try (\d+) \(node (\S+)\) on node (\S+): gap ([\d.]+) s, "
-                         r"restore ([\d.]+) s, checkpoint_id=(\S+)", last)
+                         r"restore ([\d.]+) s, checkpoint_id=([^\s,]+)", last)
     # the restore is logged when it happens: the steps after it are the ones try 2 ran
     after = last[restored.end():] if restored else ""
     first_step = re.search(rf"step (\d+)/{steps}", after)

@@ -324,7 +324,7 @@ def summary(cases: list[Case]) -> str:
     for case in cases:
         lines.append(f"== {case.name} ({case.seconds:.0f} s)")
         for t in case.tries:
-            restored = [line.split("cedana: ", 1)[-1] for line in t.stderr.splitlines() if "restored checkpoint_id=" in line]
+            restored = [line.split("cedana: ", 1)[-1] for line in t.stderr.splitlines() if "restored seq " in line]
             ended = f"; {t.checkpoints_before_end} checkpoint(s) stored before it ended" if t.checkpoints_before_end else ""
             lines.append(f"  try {t.try_number}: pod {t.pod} on {t.node}, exit {t.exit_code}{ended}")
             lines.extend(f"    affinity {k} {op} {v}" for k, op, v in t.affinity)

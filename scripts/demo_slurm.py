@@ -159,8 +159,8 @@ def node_loss(cluster: SlurmCluster, env: dict[str, str], root: Path, checkpoint
 def summary(out: dict[str, Any], expect: str) -> str:
     final = re.findall(r"done digest=\w+", out.get("log", ""))
     got = final[-1] if final else "(no final output)"
-    restored = re.search(r"cedana: restored checkpoint_id=\S+ seq=(\d+) from_node=(\S+) node=(\S+) gap_seconds=\S+ "
-                         r"restore_seconds=(\S+)", out.get("log", ""))
+    restored = re.search(r"cedana: (?:node agent: )?restored seq (\d+)(?: of try \d+)? \(node (\S+)\) on node (\S+): gap \S+ s, "
+                         r"restore (\S+) s", out.get("log", ""))
     lines = [
         f"checkpoint ID {out.get('checkpoint_id')} (Slurm job {out.get('job_id')}, partition cedana, CEDANA_ENABLE=1)",
         f"node lost: {out.get('node_a')} SIGKILLed with its slurmd and the job after checkpoint seq {out.get('last_seq')}",

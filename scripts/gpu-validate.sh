@@ -470,8 +470,8 @@ err = (work / "restore.err").read_text(errors="replace")
 def num(pattern):
     m = re.search(pattern, err)
     return float(m.group(1)) if m else None
-json.dump({"restore_seconds": num(r"restored checkpoint_id=\S+ seq=\d+ .*restore_seconds=([0-9.]+)"),
-           "seq": num(r"restored checkpoint_id=\S+ seq=(\d+)"),
+json.dump({"restore_seconds": num(r"restored seq \d+ .*, restore ([0-9.]+) s,"),
+           "seq": num(r"restored seq (\d+)"),
            "gpu_seconds": num(r"gpu state restored .*seconds=([0-9.]+)")}, open(work / "restore.json", "w"))
 EOF
 [ "$rc" = 0 ] || fail 1 "cedana-airflow restore exited $rc: $(grep -v '^ ' "$WORK/restore.err" | grep -v '^step ' | tail -n1)"

@@ -194,8 +194,8 @@ class Round:
 
 
 _STEP = re.compile(rb"^step (\d+)/\d+", re.M)
-_MODE = re.compile(r"restored checkpoint_id=\S+ seq=\d+ .* mode=(\w+)")
-_VIA = re.compile(r"lazy restore complete checkpoint_id=\S+ seq=\d+ via=(\w+)")
+_MODE = re.compile(r"restored seq \d+ .*, checkpoint_id=\S+ mode (\w+)")
+_VIA = re.compile(r"lazy restore complete seq=\d+: every page in \S+ s via (\w+),")
 _DROPPED = "no longer mapped, dropped"
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from .. import errors
 from ..config import load_settings
 from . import DEFAULT_SOCKET
+from .said import NAMED
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -24,11 +25,23 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--audit", type=Path, help="append one JSON line per request here")
 
 
+class _RunFormatter(logging.Formatter):
+    """The agent's log holds every run of the node: a line that leaves its checkpoint ID to the record (a
+    heartbeat's: the ID is said once, where its run starts) names it here, at the end."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        cid = getattr(record, "checkpoint_id", None)
+        return line if cid is None or cid in NAMED.findall(line) else f"{line} checkpoint_id={cid}"
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run the agent until a signal stops it; its exit code (2: it could not start, one line why)."""
     from .server import Agent  # here: `cedana-airflow`'s other verbs do not pay for importing it
 
     logging.basicConfig(level=logging.INFO, format="cedana agent: %(message)s", force=True)
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(_RunFormatter("cedana agent: %(message)s"))
     try:
         socket_path = args.socket or load_settings().agent_socket
         agent = Agent(socket_path, environ={**os.environ, **({"CEDANA_NODE": args.node} if args.node else {})},

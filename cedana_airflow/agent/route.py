@@ -65,7 +65,8 @@ def run_via_agent(path: Path, checkpoint_id: str, argv: Sequence[str], *, cwd: s
     """Run ``argv`` as us through the agent at ``path``, resuming ``checkpoint_id``'s newest checkpoint when
     there is one; return the run's summary once it ended. ``stop`` set: the agent takes the final
     checkpoint and ends the workload (as SIGTERM does to a supervisor). ``on_restore``: called with what
-    was restored (``status``'s ``restore``) once the agent says so; ``on_fresh``: with why, when the
+    was restored (``status``'s ``restore``) once an agent that does not say its lines (older than 0.8.2)
+    says so (one that does says the supervisor's own restore line through ``on_said``); ``on_fresh``: with why, when the
     resume found nothing to restore and the workload started fresh; ``restore_only`` (``argv`` empty): restore
     only, as `restore` does (nothing to restore is CheckpointNotFound); ``resume=False``: start fresh
     whatever is stored (`run` without --resume); ``on_said``: called with each of the agent's lines about
@@ -98,8 +99,12 @@ def run_via_agent(path: Path, checkpoint_id: str, argv: Sequence[str], *, cwd: s
                 on_fresh(started.fresh)
             except Exception:  # a hook's failure (a closed stderr) must not drop the lifeline: that ends the tree
                 log.warning("on_fresh failed", exc_info=True)
-        said = _Said(on_said or (lambda line: log.info("%s", line)))
-        said_restore = started.restored_seq is None or on_restore is None
+        said = _Said(on_said or (lambda line: log.info("node agent: %s", line)))
+        # An agent that says its lines says the restore in the supervisor's own line: on_restore is for one
+        # that does not (older than 0.8.2), so that the restore is said once either way. Either way it is
+        # asked for often until it is said, so that it comes before the restored workload's output.
+        says_lines = "said" in (hello.get("features") or ())
+        said_restore = started.restored_seq is None
         ended = False
         next_ask = 0.0
         while not ended:
@@ -110,13 +115,14 @@ def run_via_agent(path: Path, checkpoint_id: str, argv: Sequence[str], *, cwd: s
                 status = _ask(path, lambda c: c.status(started.wid, started.handle, said.last))
                 said.take(status)
                 next_ask = time.monotonic() + _SAID_SECONDS
-                if not said_restore and status.get("restore") is not None and on_restore is not None:
-                    on_restore(status["restore"])
+                if not said_restore and status.get("restore") is not None:
                     said_restore = True
+                    if on_restore is not None and not says_lines:
+                        on_restore(status["restore"])
             if select.select([started.lifeline], [], [], _POLL_SECONDS)[0]:
                 ended = _ended(started.lifeline)
         status = _until_ended(path, started.wid, started.handle, said)
-        if not said_restore and status.get("restore") is not None and on_restore is not None:
+        if not said_restore and status.get("restore") is not None and on_restore is not None and not says_lines:
             on_restore(status["restore"])  # a restored tree that ended before a status said it was restored
     for pump in pumps:
         pump.join()

@@ -16,7 +16,7 @@ import threading
 
 from . import protocol
 
-__all__ = ["KEPT", "Said"]
+__all__ = ["KEPT", "NAMED", "Said"]
 
 #: Lines kept per run: a minute of one-second heartbeats with room to spare; and at most this much of
 #: them, as JSON (the agent keeps a uid's ended runs a while: server.py caps how many).
@@ -26,13 +26,14 @@ KEPT_BYTES = 256 << 10
 #: with the next.
 REPLY_BYTES = 16 << 10
 #: A checkpoint ID a line names: every character ids.py allows, as many as follow.
-_NAMED = re.compile(r"checkpoint_id=([A-Za-z0-9._=+@-]*)")
+NAMED = re.compile(r"checkpoint_id=([A-Za-z0-9._=+@-]*)")
 _AGENT_LOGGERS = ("cedana_airflow.agent.",)
 
 
 class Said(logging.Handler):
     """While attached (``with Said(cid):``) to our package's logger, keeps each record at INFO or above
-    whose message names ``checkpoint_id=<cid>`` and no other ID (the agent's own loggers aside), as
+    whose message names ``checkpoint_id=<cid>``, or that carries it (``extra={"checkpoint_id": cid}``: a
+    heartbeat's line), and no other ID (the agent's own loggers aside), as
     ``(n, line)`` with n counting from 1."""
 
     def __init__(self, checkpoint_id: str) -> None:
@@ -52,7 +53,9 @@ class Said(logging.Handler):
             return
         # Every ID the line names must be this run's: a line may quote a caller's text (a file name in a
         # CRIU error, its failure history), which must not carry it into another run's lines.
-        named = _NAMED.findall(message)
+        named = NAMED.findall(message)
+        if (carried := getattr(record, "checkpoint_id", None)) is not None:  # a line that says its ID once, at start
+            named.append(carried)
         if not named or any(cid != self.checkpoint_id for cid in named):
             return
         line = protocol.printable(message, 2000)

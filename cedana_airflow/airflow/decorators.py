@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_decorator_factory
 
 from cedana_airflow.airflow.config import task_settings
+from cedana_airflow.airflow.logsink import prefixed
 from cedana_airflow.airflow.task import airflow_errors
 from cedana_airflow.airflow_compat import AirflowException, AirflowFailException
 from cedana_airflow.fsafe import UnsafePath, private_folder, read_bounded, replace_file, secure_base, unlink
@@ -171,6 +172,7 @@ class _CheckpointedDecoratedOperator(DecoratedOperator, CheckpointedCommandOpera
         self._folder_path: Path | None = None
         self._restored_cwd: str | None = None
 
+    @prefixed
     def execute(self, context: Context) -> Any:
         with airflow_errors():
             cid = self.checkpoint_id_for(context)

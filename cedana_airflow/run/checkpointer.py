@@ -45,6 +45,7 @@ from ..store.gc import prune_checkpoints
 from ..store.transfer import (CapturedSource, CheckpointMeta, fetch_checkpoint, load_manifests, require_latest,
                               save_checkpoint)
 from ..store.writer_lease import WriterLease
+from ..units import binary_size
 from .captured import NOBODY, CapturedFilesBack, DenyList, ensure_cwd, node_denied, refusal, restore_roots
 from .cooperative import Cooperation
 from .estimate import captured_too_large, copies_too_large, dump_too_large, estimate_checkpoint, too_large
@@ -298,12 +299,14 @@ class Checkpointer:
                 )
                 captured = [CapturedSource(p, c, m) for p, c, m in dump.captured]
                 failpoint("heartbeat.capture", workload=workload.pid, work_dir=self.work_dir)
+                saving = time.monotonic()
                 with self._phase("save"):
                     manifest = save_checkpoint(self.store, self.store_cfg, meta, dump.image_dir, captured,
                                                known_digests=self._known, compression=self.settings.compression,
                                                progress_mode=self.settings.progress, signing_key=self._key,
                                                before_commit=self.lease.confirm if self.lease else None,
                                                memo=self._memo)
+                saved = time.monotonic() - saving  # the store's part alone: gc and the index come after
             except WriterFenced:
                 shutil.rmtree(dump_dir, ignore_errors=True)
                 return None  # taken over while this one was being saved: the lease has said so, once
@@ -320,10 +323,9 @@ class Checkpointer:
             failpoint("heartbeat.index", workload=workload.pid)
             index.record_checkpoint(self.store, manifest, kept)
             self._check_restorable(manifest)  # after the row: an index entry without checkpoints is dropped
-            log.info("freeze checkpoint_id=%s seq=%d freeze_seconds=%.3f rss_bytes=%d%s",
-                     self.checkpoint_id, manifest.seq, freeze, rss,
-                     f" gpu_bytes={estimate.gpu_bytes} gpu_checkpoint_seconds={gpu.checkpoint_seconds:.3f} "
-                     f"gpu_resume_seconds={gpu.resume_seconds:.3f}" if gpu else "")
+            self._say_taken(manifest, f"froze {freeze:.3f} s", saved,
+                            f"; GPU {binary_size(estimate.gpu_bytes)} out in {gpu.checkpoint_seconds:.3f} s, back in "
+                            f"{gpu.resume_seconds:.3f} s" if gpu else "")
             return manifest
 
     def _route(self, workload: Workload) -> str:
@@ -371,12 +373,14 @@ class Checkpointer:
                                 stdout_pipe="", stderr_pipe=""),
             try_number=self.try_number, freeze_seconds=taken.source.write_seconds, parent_seq=self.parent_seq,
             airflow=self.airflow, caller_uid=self.caller_uid)
+        saving = time.monotonic()
         try:
             with self._phase("save"):
                 manifest = save_checkpoint(self.store, self.store_cfg, meta, None, state=taken.source,
                                            known_digests=self._known, compression=self.settings.compression,
                                            progress_mode=self.settings.progress, signing_key=self._key,
                                            before_commit=self.lease.confirm if self.lease else None, memo=self._memo)
+            saved = time.monotonic() - saving
         except WriterFenced:
             return None
         finally:
@@ -386,10 +390,18 @@ class Checkpointer:
         self._check_stop_window(manifest, time.monotonic() - started, taken.source.write_seconds)
         kept = prune_checkpoints(self.store, self.checkpoint_id, self.settings.keep_checkpoints, self.trusted)[0]
         index.record_checkpoint(self.store, manifest, kept)
-        log.info("cooperative checkpoint checkpoint_id=%s seq=%d request=%d ranks=%d files=%d write_seconds=%.3f",
-                 self.checkpoint_id, manifest.seq, taken.source.request, taken.source.ranks,
-                 len(taken.source.files), taken.source.write_seconds)
+        self._say_taken(manifest, f"written by the workload in {taken.source.write_seconds:.3f} s "
+                        f"({taken.source.ranks} rank(s), {len(taken.source.files)} file(s), request {taken.source.request})",
+                        saved)
         return manifest
+
+    def _say_taken(self, m: Manifest, held: str, save_seconds: float, more: str = "") -> None:
+        """A checkpoint's one line: what a reader weighs (how long the workload was held, what it cost the
+        store). The ID was said when the run started: it goes with the record, for whoever must tell runs
+        apart (the node agent's log, its callers' lines: agent/said.py)."""
+        log.info("checkpoint seq=%d: %s; image %s, %s stored (%d of %d chunks new) in %.2f s%s", m.seq, held,
+                 binary_size(m.image_bytes), binary_size(m.stored_bytes), m.new_chunks, len(m.chunk_refs()),
+                 save_seconds, more, extra={"checkpoint_id": self.checkpoint_id})
 
     def _check_restorable(self, m: Manifest) -> None:
         """Say at the first checkpoint, not at the first restore, when a restore would refuse it: its

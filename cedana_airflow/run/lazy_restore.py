@@ -51,6 +51,7 @@ from ..errors import CorruptCheckpoint, StoreUnavailable
 from ..format.manifest import Manifest
 from ..store.base import Store
 from ..store.chunk_view import ChunkView
+from ..units import binary_size
 from .timeline import Timeline
 from .workload import WAIT_FOR_SUPERVISOR
 
@@ -334,11 +335,13 @@ class LazyFeed:
             self.timeline.mark("pages_in", at=self.finished)
         # unmapped_bytes: lazy pages the process had unmapped (a forked child without a MADV_DONTFORK
         # region): nothing is dropped that is still mapped, or the restore would have failed
-        log.info("lazy restore complete checkpoint_id=%s seq=%d via=%s pages_bytes=%d fetched_bytes=%d "
-                 "requests=%d serving_seconds=%.3f seconds=%.3f unmapped_bytes=%d", self.manifest.checkpoint_id,
-                 self.manifest.seq, self.transport, sum(p.served_bytes for p in parts), self.fetched_bytes,
-                 sum(p.requests for p in parts), sum(p.busy_seconds for p in parts), self.finished - self.started,
-                 sum(getattr(p, "unmapped_bytes", 0) for p in parts))
+        unmapped = sum(getattr(p, "unmapped_bytes", 0) for p in parts)
+        log.info("lazy restore complete seq=%d: every page in %.2f s via %s, %s served in %d request(s) "
+                 "(%.2f s serving), %s fetched from the store%s", self.manifest.seq, self.finished - self.started, self.transport,
+                 binary_size(sum(p.served_bytes for p in parts)), sum(p.requests for p in parts),
+                 sum(p.busy_seconds for p in parts), binary_size(self.fetched_bytes),
+                 f", {binary_size(unmapped)} the process had unmapped" if unmapped else "",
+                 extra={"checkpoint_id": self.manifest.checkpoint_id})
 
     @property
     def fetched_bytes(self) -> int:

@@ -344,8 +344,11 @@ def _restore_into(cp: Checkpointer, result: RunResult, *, must_restore: bool, cw
     result.restore_seconds = time.monotonic() - t0
     result.restore_timeline = restored.timeline
     result.restore_gap_seconds = max(0.0, (started_at - m.created_at).total_seconds())
-    log.info("restored checkpoint_id=%s seq=%d from_node=%s node=%s gap_seconds=%.1f restore_seconds=%.2f mode=%s",
-             cp.checkpoint_id, m.seq, m.node, cp.node, result.restore_gap_seconds, result.restore_seconds, restored.mode)
+    # The one line a restore gets (the task log's, the CLI's, the agent's caller's): what a reader looks for
+    # first, the long ID last.
+    log.info("restored seq %d%s (node %s) on node %s: gap %.1f s, restore %.2f s, checkpoint_id=%s, mode %s",
+             m.seq, f" of try {m.try_number}" if m.try_number else "", m.node, cp.node, result.restore_gap_seconds,
+             result.restore_seconds, cp.checkpoint_id, restored.mode)
     if on_restore is not None:
         try:
             on_restore(result)
@@ -475,7 +478,7 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
     result.skipped_heartbeats = cp.skipped
     result.failed_heartbeats = failures.total
     result.heartbeat_failures = failures.as_json()
-    result.heartbeat = cadence.choice.as_row() if cadence is not None else None
+    result.heartbeat = cadence.choice.as_row(settings.heartbeat_text()) if cadence is not None else None
     if result.checkpoints and result.heartbeat is not None and [result.heartbeat] != recorded:
         # the index keeps what the run ended with (its summary's figures), not the last change of 10% or more
         index.record_heartbeat(cp.store, cp.checkpoint_id, result.heartbeat)
@@ -532,7 +535,7 @@ def _chosen(cp: Checkpointer, choice: HeartbeatChoice | None) -> index.Heartbeat
         return None
     if choice.auto:
         log.info("%s checkpoint_id=%s", choice.line(), cp.checkpoint_id)
-    row = choice.as_row()
+    row = choice.as_row(cp.settings.heartbeat_text())
     index.record_heartbeat(cp.store, cp.checkpoint_id, row)
     return row
 

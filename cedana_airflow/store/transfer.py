@@ -251,7 +251,7 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path 
         if store.put_manifest(meta.checkpoint_id, seq, data):
             break
         seq += 1  # another writer took this seq first; ours goes after it
-    log.info(
+    log.debug(
         "checkpoint saved checkpoint_id=%s seq=%d chunks=%d new=%d image_bytes=%d stored_bytes=%d seconds=%.2f "
         "segments=%d recalled=%d",
         meta.checkpoint_id, seq, len(manifest.chunk_refs()), w.new_chunks, total, w.stored_bytes, time.monotonic() - t0,

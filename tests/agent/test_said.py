@@ -32,6 +32,19 @@ def test_a_run_keeps_the_lines_that_name_its_id_and_no_other_id_s():
     assert other.since(0) == ([[1, "checkpoint saved checkpoint_id=job.a.b seq=1"]], False)
 
 
+def test_a_line_that_leaves_its_id_to_the_record_is_its_run_s_alone():
+    """A heartbeat's line names no ID (said once, where the run starts: 0.11.0); the record carries it."""
+    log = logging.getLogger("cedana_airflow.run.checkpointer")
+    log.setLevel(logging.INFO)
+    with Said("job.a") as said, Said("job.b") as other:
+        log.info("checkpoint seq=1: froze 0.010 s", extra={"checkpoint_id": "job.a"})
+        log.info("checkpoint seq=1: froze 0.020 s", extra={"checkpoint_id": "job.b"})
+        log.info("quoting checkpoint_id=job.b", extra={"checkpoint_id": "job.a"})  # names another run: neither's
+        log.info("checkpoint seq=2: froze 0.030 s")  # no ID at all: nobody's
+    assert said.since(0) == ([[1, "checkpoint seq=1: froze 0.010 s"]], False)
+    assert other.since(0) == ([[1, "checkpoint seq=1: froze 0.020 s"]], False)
+
+
 def test_a_caller_that_never_asks_loses_only_the_oldest_lines_and_long_ones_come_a_reply_at_a_time():
     log = logging.getLogger("cedana_airflow.run.checkpointer")
     with Said("many") as said:

@@ -304,13 +304,13 @@ def run_case(bench: Bench, step: str, fault: str) -> Outcome:
             nxt = _start(case, f"try{n}", _env(bench, case, f"node-{'abc'[n - 1]}", prefix), n, cid)
             tries.append(nxt)
             # held up by nothing but its own start-up and restore: a lease left behind would show here
-            o.next_try_wait_seconds = round(nxt.seconds_until(r"restored checkpoint_id|workload started checkpoint_id"), 2)
+            o.next_try_wait_seconds = round(nxt.seconds_until(r"restored seq \d+|workload started checkpoint_id"), 2)
             o.tries.append(nxt.wait())
             # the event, not the time (a loaded machine is slow to start a try): the lease's own line
             o.next_try_held = bool(re.search(r"writer lease of checkpoint ID \S+ is held by", nxt.stderr()))
             if not o.line:  # the faulted try was killed before it could say anything: the retry says what it found
                 o.line = next((ln[len("cedana: "):] for ln in nxt.stderr().splitlines()
-                               if "restored checkpoint_id" in ln or "no checkpoint to resume" in ln), "")[:240]
+                               if "restored seq " in ln or "no checkpoint to resume" in ln), "")[:240]
             last = nxt
         o.output_equal = last.stdout().strip().splitlines()[-1:] == [bench.expected]
         o.committed = len(bench.manifests(prefix))

@@ -95,8 +95,8 @@ def test_a_pytorch_dataloader_job_resumes_on_another_node_with_default_settings(
     log2 = stack.task_log(dag_id, run_id, "train", 2)
     assert ti["state"] == "success" and ti["try_number"] == 2, log2[-4000:]
 
-    assert re.search(r"cedana: restored seq \d+ of try 1 \(node node-a\) on node node-b: gap [\d.]+ s, restore [\d.]+ s, "
-                     rf"checkpoint_id={dag_id}\.train\.\S+ \(through the node agent\)", log2), log2[-4000:]
+    assert re.search(r"cedana \(node agent\): restored seq \d+ of try 1 \(node node-a\) on node node-b: gap [\d.]+ s, "
+                     rf"restore [\d.]+ s, checkpoint_id={dag_id}\.train\.[^\s,]+, mode ", log2), log2[-4000:]
     assert "store=the node agent's (" in log1 and "store=the node agent's (" in log2
     assert "checkpoint refused" not in log2, log2[-4000:]  # the newest restored: not one put aside for a folder
     assert "start-up" in log1 and "start-up" not in log2  # try 2 did not import torch or build its loader again
@@ -154,9 +154,9 @@ def test_cooperative_ddp_training_resumes_on_another_node_and_auto_protects_a_wo
     # the latest and trained to the parameters of an uninterrupted run.
     ddp = logs["train_ddp", 2]
     assert tis["train_ddp"]["state"] == "success" and tis["train_ddp"]["try_number"] == 2, ddp[-4000:]
-    assert re.search(r"cedana: restored seq \d+ of try 1 \(node node-a\) on node node-b", ddp), ddp[:6000]
+    assert re.search(r"cedana[^:]*: restored seq \d+ of try 1 \(node node-a\) on node node-b", ddp), ddp[:6000]
     assert re.search(r"resumed at step [1-9]\d*", ddp), ddp[-4000:]
-    assert "(through the node agent)" in ddp and "store=the node agent's (" in logs["train_ddp", 1], ddp[-4000:]
+    assert "cedana (node agent): restored seq " in ddp and "store=the node agent's (" in logs["train_ddp", 1], ddp[-4000:]
     ms = _coop_manifests(stored("train_ddp"), dag_id, "train_ddp")
     assert {m["engine"] for m in ms} == {"cooperative"} and {m["format_version"] for m in ms} == {4}
     assert {m["caller"]["uid"] for m in ms} == {65534}  # nobody's, taken by the agent
@@ -223,7 +223,7 @@ def test_heartbeat_auto_chooses_from_what_it_measured_and_what_airflow_saw_fail(
         got = re.match(r"heartbeat ([\d.]+)s( \(heartbeat_min_seconds\))?: checkpoint costs [\d.]+ s \(measured on "
                        r"\d+ earlier checkpoint\(s\) of this ID\), failures every ~", lines[0])
         assert got and 1 <= float(got.group(1)) < AUTO_MAX, lines  # shorter than with no failure seen, within the bounds
-    assert re.search(r"cedana: restored seq \d+ of try 2", logs[2]), logs[2][-4000:]
+    assert re.search(r"cedana[^:]*: restored seq \d+ of try 2", logs[2]), logs[2][-4000:]
     reference = subprocess.run([sys.executable, str(REPO / "tests" / "workloads" / "train.py"), *AUTO_ARGS, "--step-seconds", "0"],
                                capture_output=True, text=True, check=True).stdout
     assert re.findall(r"done digest=\w+", logs[2]) == re.findall(r"done digest=\w+", reference)
@@ -318,7 +318,7 @@ def test_a_transparent_torchrun_job_and_a_serving_worker_resume_through_airflows
     ddp, serve = stack.task_log(dag_id, run_id, "ddp", 2), stack.task_log(dag_id, run_id, "serve", 2)
     for task, log in (("ddp", ddp), ("serve", serve)):
         assert tis[task]["state"] == "success" and tis[task]["try_number"] == 2, log[-4000:]
-        assert re.search(r"cedana: restored seq \d+ of try 1 \(node node-a\) on node node-b", log), log[-4000:]
+        assert re.search(r"cedana[^:]*: restored seq \d+ of try 1 \(node node-a\) on node node-b", log), log[-4000:]
         assert "heartbeat failed" not in stack.task_log(dag_id, run_id, task, 1)
     assert not re.search(r"\bserving$", serve, re.M) and "served 4" in serve  # restored, not started again
     reference = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

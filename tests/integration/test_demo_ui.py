@@ -59,7 +59,7 @@ def test_try_2s_log_through_the_rest_api_names_the_checkpoint_it_restored(demo_r
     log2 = out["logs"][2]
     line = next((x for x in log2.splitlines() if x.startswith("cedana: restored ")), "")
     assert re.match(rf"cedana: restored seq {restore['seq']} of try 1 \(node \S+\) on node \S+: gap [\d.]+ s, restore "
-                    rf"[\d.]+ s, checkpoint_id={re.escape(cid)}$", line), log2[-3000:]
+                    rf"[\d.]+ s, checkpoint_id={re.escape(cid)}, mode \w+$", line), log2[-3000:]
     # what a reader looks for is seen first, even where a log viewer cuts a long line
     assert f"seq {restore['seq']}" in line[:100] and "gap" in line[:100], line
     # logged when the restore happened: every step try 2 ran comes after it, not before

@@ -61,7 +61,7 @@ def test_the_retry_of_a_task_whose_node_died_resumes_on_the_other_worker(fleet):
     assert not out["problem"], summary(out, expect)
     # try 1 ran on A and died there; try 2 ran on B and restored what A took
     assert (out["retry_try_number"], out["retry_host"], out["from_node"], out["to_node"]) == (2, b, a, b)
-    assert re.search(rf"cedana: restored seq \d+ of try 1 \(node {a}\) on node {b}: .*checkpoint_id="
+    assert re.search(rf"cedana[^:]*: restored seq \d+ of try 1 \(node {a}\) on node {b}: .*checkpoint_id="
                      rf"{re.escape(out['checkpoint_id'])}", out["log_2"]), out["log_2"][-3000:]
     assert out["restored_seq"] >= out["last_checkpoint_seq"] >= 3
     assert "start-up: allocating" not in out["log_2"]  # it did not start over
@@ -73,7 +73,8 @@ def test_the_retry_of_a_task_whose_node_died_resumes_on_the_other_worker(fleet):
     assert f"taken on node {a}" in text and f"restored on node {b}" in text and f"final output: {expect} == uninterrupted run" in text
     # both tries were the agents' callers, as nobody; the workers had no store and ran as nobody
     nobody = pwd.getpwnam("nobody").pw_uid
-    assert "store=the node agent's (" in out["log_1"] and "(through the node agent)" in out["log_2"], out["log_2"][-3000:]
+    assert "store=the node agent's (" in out["log_1"] and "cedana (node agent): restored seq " in out["log_2"], \
+        out["log_2"][-3000:]
     for node in (a, b):
         starts = [r for r in audit(fleet.root / f"agent-{node}.audit") if r.get("op") == "start"]
         assert starts and all(r["uid"] == nobody and r["decision"] == "allowed" for r in starts), starts

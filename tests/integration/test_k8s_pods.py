@@ -11,6 +11,8 @@ plays a drain without the drill."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("airflow.providers.cncf.kubernetes")
@@ -29,7 +31,7 @@ def cases(tmp_path_factory):
 
 
 def _restored(t):
-    return [line for line in t.stderr.splitlines() if "restored checkpoint_id=" in line]
+    return [line for line in t.stderr.splitlines() if "cedana: restored seq " in line]
 
 
 def test_pods_node_loss_the_retry_pod_restores_on_another_node_and_its_output_equals_an_uninterrupted_run(cases):
@@ -39,7 +41,7 @@ def test_pods_node_loss_the_retry_pod_restores_on_another_node_and_its_output_eq
     assert first.checkpoints_before_end >= 3 and "final checkpoint" not in first.stderr
     assert ("kubernetes.io/hostname", "NotIn", ["gpu-node-a"]) in retry.affinity and retry.node == "gpu-node-b"
     [line] = _restored(retry)
-    assert "from_node=gpu-node-a node=gpu-node-b" in line and "seq=0" not in line
+    assert "(node gpu-node-a) on node gpu-node-b: " in line and "restored seq 0 " not in line
     assert retry.exit_code == 0
     assert not any(s.startswith("start-up") for s in retry.stdout.splitlines())  # resumed, not started over
     assert case.digest == case.expected and case.digest.startswith("done digest=")
@@ -65,7 +67,7 @@ def test_pods_live_drill_deletes_the_running_pod_the_final_checkpoint_fits_the_g
         final, "gpu-node-a", "gpu-node-b", 2)
     assert target.retry_state == "success" and retry.exit_code == 0
     [line] = _restored(retry)
-    assert f"seq={final} from_node=gpu-node-a node=gpu-node-b" in line
+    assert re.search(rf"restored seq {final}(?: of try \d+)? \(node gpu-node-a\) on node gpu-node-b: ", line), line
     assert report.detect_seconds > 0 and report.rto_seconds > report.restore_seconds > 0
     assert report.bytes_fetched > 0 and report.lost_work_seconds is not None
     assert case.digest == case.expected

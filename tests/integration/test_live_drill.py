@@ -113,9 +113,9 @@ def _drills(stack: SharedStack, tmp_path: Path, store: Path, target: str, drill:
 
     base = f"/api/v2/dags/{target}/dagRuns/{quote(run_id)}/taskInstances/train"
     log2 = stack.task_log(target, run_id, "train", 2)
-    restored = re.search(r"cedana: restored seq (\d+) of try 1 \(node (\S+)\) on node ([^:\s]+): .*checkpoint_id=(\S+)",
-                         log2)
-    assert restored and log2[restored.end():].startswith(" (through the node agent)"), log2[-3000:]
+    restored = re.search(r"cedana \(node agent\): restored seq (\d+) of try 1 \(node (\S+)\) on node ([^:\s]+): "
+                         r".*checkpoint_id=([^\s,]+), mode ", log2)
+    assert restored, log2[-3000:]
     assert "start-up: allocating" not in log2  # try 2 did not start over
     assert re.findall(r"done digest=\w+", log2) == [uninterrupted_digest(*ARGS)]
     # The report's figures are this retry's

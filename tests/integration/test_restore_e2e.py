@@ -49,7 +49,7 @@ def test_numpy_workload_survives_node_loss_and_resumes_on_another_node(tmp_path)
     assert not any(ln.startswith("start-up") for ln in out), out[:3]
     assert out[0].startswith("step ") and int(out[0].split()[1].split("/")[0]) > 1, out[:3]
     assert out[-1] == uninterrupted_digest(*args)
-    assert "from_node=node-a node=node-b" in r.stderr
+    assert "(node node-a) on node node-b: " in r.stderr
     assert all(m["node"] == "node-a" for m in ms)
     [hist] = [json.loads(p.read_text()) for p in (tmp_path / "store" / "train-1" / "restores").glob("*.json")]
     assert (hist["outcome"], hist["from_node"], hist["node"]) == ("restored", "node-a", "node-b")
@@ -111,7 +111,7 @@ def test_flipped_byte_in_a_chunk_falls_back_to_the_previous_checkpoint(tmp_path)
     assert r.returncode == 0, r.stderr
     assert f"checkpoint refused checkpoint_id=flip seq={newest['seq']}" in r.stderr
     assert "falling back to the previous one" in r.stderr
-    assert f"restored checkpoint_id=flip seq={older['seq']}" in r.stderr
+    assert f"restored seq {older['seq']} " in r.stderr and "checkpoint_id=flip," in r.stderr
     assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
 
 
@@ -224,7 +224,7 @@ def test_s3_store_node_loss_and_restore_reads_only_the_bucket(tmp_path, bucket, 
     proc = start_cli("run", "--id", "s3job", "--heartbeat", "1", "--", *_train(*args),
                      env=cli_env(tmp_path, "node-a", "work-a", CEDANA_STORE=store, **s3_env), out=tmp_path / "a")
     deadline = time.monotonic() + 120
-    while "checkpoint saved checkpoint_id=s3job seq=1" not in (tmp_path / "a.err").read_text():
+    while "checkpoint seq=1: " not in (tmp_path / "a.err").read_text():
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "a.err").read_text()
         time.sleep(0.1)
     rows = json.loads(cli("checkpoints", "s3job", "--json", env=cli_env(tmp_path, "x", "w", CEDANA_STORE=store, **s3_env)).stdout)
@@ -263,7 +263,7 @@ def test_an_unreachable_store_never_kills_the_workload(tmp_path):
         # 10 s of steps: a heartbeat comes after the endpoint is gone, however late the first one was
         args = ["--mb", "20", "--steps", "100", "--step-seconds", "0.1"]
         proc = start_cli("run", "--id", "flaky", "--heartbeat", "0.7", "--", *_train(*args), env=env, out=tmp_path / "a")
-        while "checkpoint saved checkpoint_id=flaky seq=1" not in (tmp_path / "a.err").read_text():
+        while "checkpoint seq=1: " not in (tmp_path / "a.err").read_text():
             assert proc.poll() is None and time.monotonic() < deadline + 60
             time.sleep(0.05)
         moto.kill()  # the endpoint goes away mid-run

@@ -86,7 +86,7 @@ def test_a_streamed_full_restore_ends_with_the_uninterrupted_digest(tmp_path):
             env=cli_env(tmp_path, "node-b", "work-b", CEDANA_RESTORE_MODE="full", CEDANA_FULL_RESTORE_VIA="stream"))
     assert r.returncode == 0, r.stderr
     assert "streamed restore checkpoint_id=stream-1 seq=1 pushed_bytes=" in r.stderr
-    assert "from_node=node-a node=node-b" in r.stderr and "mode=full" in r.stderr
+    assert "(node node-a) on node node-b: " in r.stderr and "checkpoint_id=stream-1, mode full" in r.stderr
     assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
     assert any(m["node"] == "node-b" for m in manifests(tmp_path / "store", "stream-1"))  # heartbeats went on
     assert _no_page_files_left(tmp_path)
@@ -111,7 +111,7 @@ def test_a_corrupt_chunk_in_a_streamed_restore_refuses_that_checkpoint_and_resto
     assert r.returncode == 0, r.stderr
     assert f"checkpoint refused checkpoint_id=stream-bad seq={newest['seq']}" in r.stderr
     assert f"chunk {victim}" in r.stderr and "falling back to the previous one" in r.stderr
-    assert f"restored checkpoint_id=stream-bad seq={older['seq']}" in r.stderr
+    assert f"restored seq {older['seq']} " in r.stderr and "checkpoint_id=stream-bad," in r.stderr
     assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
     assert _no_page_files_left(tmp_path)
 

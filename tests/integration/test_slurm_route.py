@@ -73,8 +73,8 @@ def test_a_job_whose_node_dies_is_requeued_by_slurm_and_resumes_on_the_other_nod
     a, b = out["node_a"], out["node_b"]
     assert out["exit_code"] == 0 and {a, b} == {"node1", "node2"}, text + log[-4000:]
     # the requeued job (same Slurm job, same Airflow try) restored what the dead node took, on the other node
-    restored = re.search(rf"slurm job {out['job_id']}: cedana: restored checkpoint_id={re.escape(out['checkpoint_id'])} "
-                         rf"seq=(\d+) from_node={a} node={b}", log)
+    restored = re.search(rf"slurm job {out['job_id']}: cedana: (?:node agent: )?restored seq (\d+)(?: of try \d+)? \(node {a}\) on node {b}: "
+                         rf".*checkpoint_id={re.escape(out['checkpoint_id'])},", log)
     assert restored and int(restored.group(1)) >= out["last_seq"] >= 3, log[-4000:]
     assert f"protected: checkpoint partition cedana, CEDANA_ENABLE=1; node {b}, Slurm restart 1" in log
     assert log.count("start-up: allocating") == 1  # the requeued run did not start over

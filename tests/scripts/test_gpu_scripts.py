@@ -163,6 +163,8 @@ def test_gpu_validate_dry_run_passes_every_step_that_needs_no_gpu_no_gpu_here(tm
     assert interp["workload"] == str(torch_python) and interp["venv"] != interp["workload"]
     assert report["baseline"]["dry_run"] is True and report["baseline"]["python"] == interp["venv"]
     assert report["doctor_gpu"]["what_happens"]
+    # read from the restore's log line (0.11.0's shape): a figure the GPU machine's report must not lose
+    assert report["restore"]["restore_seconds"] > 0 and report["restore"]["seq"] >= 1, report["restore"]
     with tarfile.open(out / "gpu-validate-logs.tar.gz") as tar:
         names = {Path(n).name for n in tar.getnames()}
     assert {"run.err", "run.out", "restore.err", "restore.out", "reference.out", "baseline.err", "doctor.json"} <= names, names

@@ -97,7 +97,7 @@ def test_delete_checkpoint_id_removes_every_checkpoint_of_that_id_only(store, tm
 def test_cli_gc_and_delete_on_success(tmp_path):
     env = cli_env(tmp_path, "n", "w", CEDANA_DELETE_ON_SUCCESS="true")
     r = cli("run", "--id", "ok", "--heartbeat", "0.3", "--", "sleep", "1.2", env=env)
-    assert r.returncode == 0 and "checkpoint saved checkpoint_id=ok" in r.stderr
+    assert r.returncode == 0 and "cedana: checkpoint seq=1: " in r.stderr
     assert "checkpoints deleted checkpoint_id=ok" in r.stderr
     assert json.loads(cli("checkpoints", "--json", env=env).stdout) == []
     g = cli("gc", "--grace", "0", "--dry-run", env=env)
