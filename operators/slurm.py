@@ -9,6 +9,7 @@ the SlurmJobTrigger (or a polling loop) and the outcome. What runs inside the jo
 
 from __future__ import annotations
 
+import re
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -20,6 +21,7 @@ from airflow.sdk import BaseOperator
 
 from cedana_airflow.airflow.config import default_deferrable
 from cedana_airflow.airflow.task import CEDANA_TEMPLATE_FIELDS, CedanaTask, Placement, airflow_errors
+from cedana_airflow.airflow.logsink import prefixed
 from cedana_airflow.airflow.task_state import airflow_task
 from cedana_airflow.airflow_compat import AirflowException, AirflowFailException
 from cedana_airflow.config import Settings
@@ -134,6 +136,7 @@ class CedanaSlurmOperator(CedanaTask, BaseOperator):
             settings_env=job_settings_env(settings, self.node_config) if decision.in_scope else {},
             cedana_env=self.cedana_env(None), airflow_task=(task.dag_id, task.task_id, task.run_id, task.map_index))
 
+    @prefixed
     def execute(self, context: Context) -> Any:
         with airflow_errors():
             spec = self._spec(context)
@@ -159,6 +162,7 @@ class CedanaSlurmOperator(CedanaTask, BaseOperator):
         answer for GIVE_UP_SECONDS, as in the triggerer; past that, or on a refusal, the job is cancelled
         before the try fails, so that the retry's job does not run beside it."""
         end, pos, seen, failing_since = JobEnd(self.settle_seconds), 0, None, None
+        exited: list[str] = []  # the supervisors' last lines: the XCom's heartbeat counts
         try:
             while True:
                 try:
@@ -172,6 +176,8 @@ class CedanaSlurmOperator(CedanaTask, BaseOperator):
                         taken = data if over else data[: data.rfind(b"\n") + 1]
                         for line in taken.decode(errors="replace").splitlines():
                             self.log.info("slurm job %s: %s", job_id, line)
+                            if _EXITED.match(line):
+                                exited.append(line)
                         pos += len(taken)
                         if not taken or len(data) < OUTPUT_READ_BYTES:
                             break
@@ -186,13 +192,14 @@ class CedanaSlurmOperator(CedanaTask, BaseOperator):
                     continue
                 failing_since = None
                 if over:
-                    return self._outcome(info, None)
+                    return self._outcome(info, None, heartbeat_counts("\n".join(exited)))
                 time.sleep(self.poll_seconds)
         except CedanaError:
             self.on_kill()  # no longer followed: it must not run on beside the retry's job
             with airflow_errors():
                 raise
 
+    @prefixed
     def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
         if event.get("status") != "done":
             if event.get("job_id"):  # no longer followed: it must not run on beside the retry's job
@@ -210,14 +217,16 @@ class CedanaSlurmOperator(CedanaTask, BaseOperator):
             self.log.warning("cedana: the job's output %s cannot be read: %s", output, e)
         return self._outcome(info, text)
 
-    def _outcome(self, info: JobInfo, text: str | None) -> Any:
+    def _outcome(self, info: JobInfo, text: str | None, counts: dict[str, int] | None = None) -> Any:
+        """The try's end from the job's; ``text``: its output, to log (None: logged as it came, and
+        ``counts`` are its heartbeat counts)."""
         if text is not None:
             for line in text.splitlines():
                 self.log.info("slurm job %s: %s", info.job_id, line)
         if info.succeeded:
             self.log.info("cedana: %s", info.describe())
             return {"job_id": info.job_id, "state": info.state, "exit_code": info.exit_code, "nodes": info.nodes,
-                    "restarts": info.restarts}
+                    "restarts": info.restarts, **(counts if counts is not None else heartbeat_counts(text or ""))}
         raise AirflowException(f"cedana: {info.describe()}")
 
     def on_kill(self) -> None:
@@ -238,3 +247,21 @@ def _sbatch_time(t: str | timedelta | None) -> str:
         return t
     minutes = max(1, int(t.total_seconds() + 59) // 60)  # sbatch's unit is a minute
     return f"{minutes // 60:02d}:{minutes % 60:02d}:00"
+
+
+#: The supervisor's last line of each run in a job's output (run/runner.py); a requeued job's runs append.
+#: The whole line: the workload's own output shares the file (a line of its that quotes one is not counted,
+#: one that copies it exactly is; the figures are the XCom's, never a decision's).
+_EXITED = re.compile(r"^cedana: (?:node agent: )?workload exited checkpoint_id=\S+ exit_code=-?\d+ checkpoints=(\d+) "
+                     r"skipped_heartbeats=(\d+) failed_heartbeats=(\d+)$", re.M)
+
+
+def heartbeat_counts(output: str) -> dict[str, int]:
+    """What the job's supervisors said of their heartbeats, summed over its runs (a requeue starts another):
+    the XCom's ``checkpoints``, ``skipped_heartbeats`` and ``failed_heartbeats`` (0.11.0), as the command
+    operator's summary has them. Empty where the output holds no such line (it could not be read)."""
+    runs = _EXITED.findall(output)
+    if not runs:
+        return {}
+    return {name: sum(int(r[i]) for r in runs)
+            for i, name in enumerate(("checkpoints", "skipped_heartbeats", "failed_heartbeats"))}

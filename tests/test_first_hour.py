@@ -115,3 +115,40 @@ def test_doctor_writes_nothing_unless_asked_and_warns_where_criu_cannot_carry_so
     probed = {c["name"]: c for c in json.loads(cli("doctor", "--json", "--probe-store", env=env).stdout)}
     assert "--probe-store: wrote and removed a probe file" in probed["store"]["detail"]
     assert os.listdir(tmp_path / "store") == ["store.json"]  # what it said it would write, and no probe left
+
+
+def test_doctor_warns_where_nothing_can_hold_a_connection_still_while_it_is_dumped_fake_binary(tmp_path):
+    """A stand-in CRIU built without libnftables, on a node without the iptables command: CRIU's network
+    lock has nothing to work with, so a workload holding an established TCP connection is never dumped."""
+    fake = tmp_path / "bin" / "criu"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo 'Version: 4.2.1' && exit 0\n"
+                    "[ \"$2\" = --feature ] && exit 1\necho 'Looks good.'\n")
+    fake.chmod(0o755)
+    env = cli_env(tmp_path, "n", "w", CEDANA_CRIU=str(fake), PATH=str(fake.parent))
+    checks = {c["name"]: c for c in json.loads(cli("doctor", "--json", env=env).stdout)}
+    lock = checks["network lock"]
+    assert lock["status"] == "warn" and "not checkpointed (every heartbeat fails)" in lock["detail"], lock
+    assert lock["fix"] == "install iptables (apt-get install iptables), or a CRIU built with libnftables"
+    (fake.parent / "iptables").symlink_to("/bin/true")  # one command per address family: CRIU's default lock
+    lock = {c["name"]: c for c in json.loads(cli("doctor", "--json", env=env).stdout)}["network lock"]
+    assert lock["status"] == "warn" and "but no ip6tables: a workload that holds an established IPv6" in lock["detail"]
+    (fake.parent / "ip6tables").symlink_to("/bin/true")
+    checks = {c["name"]: c for c in json.loads(cli("doctor", "--json", env=env).stdout)}
+    assert checks["network lock"]["status"] == "ok" and checks["network lock"]["detail"].startswith("iptables ("), checks
+
+
+def test_a_heartbeat_says_one_line_with_its_figures_and_the_id_is_said_where_the_run_starts(tmp_path):
+    """Logs a person reads (0.11.0): a line per checkpoint, its units binary; the long ID at the start and
+    the end, not on every heartbeat; a restore said once."""
+    env = cli_env(tmp_path, "node-a", "wa")
+    job = [sys.executable, "-c", "import time\nfor i in range(12): print('step', i, flush=True); time.sleep(0.25)"]
+    r = cli("run", "--id", "one-line-" + "x" * 60, "--heartbeat", "1s", "--", *job, env=env)
+    ours = [ln for ln in _lines(r.stderr) if ln.startswith("cedana: ")]
+    beats = [ln for ln in ours if " seq=" in ln]
+    assert r.returncode == 0 and beats and len(beats) == len({re.search(r"seq=(\d+)", b)[1] for b in beats}), ours
+    assert all(re.fullmatch(r"cedana: checkpoint seq=\d+: froze [\d.]+ s; image [\d.]+ [KM]iB, [\d.]+ [KM]iB stored "
+                            r"\(\d+ of \d+ chunks new\) in [\d.]+ s", b) for b in beats), beats
+    named = [ln for ln in ours if "one-line-" in ln]
+    assert [ln.split(" checkpoint_id=")[0] for ln in named] == ["cedana: workload started", "cedana: workload exited"]
+    assert all(ln.startswith("cedana: ") or ln.startswith("step ") for ln in _lines(r.stderr) + _lines(r.stdout))

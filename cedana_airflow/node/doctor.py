@@ -16,6 +16,7 @@ from ..config import Settings
 from ..engine import cuda
 from ..engine.criu import CriuEngine, find_criu
 from ..engine.fds import carries_inet_sockets
+from ..engine.net_lock import lock_flags
 from ..engine.page_file import fuse_available
 from ..errors import CedanaError, GpuUnavailable, StoreUnavailable
 from ..store import open_store
@@ -50,6 +51,7 @@ def _criu(settings: Settings) -> list[Check]:
     out = [Check("criu", "ok", f"{binary.path} (from {binary.source})"),
            Check("criu version", "ok", binary.version), _sockets(binary.version), _io_uring(settings)]
     if os.geteuid() == 0:
+        out.append(_network_lock(str(binary.path)))
         engine = CriuEngine(binary)
         ok, last = engine.check()
         out.append(Check("criu check", "ok" if ok else "fail", last,
@@ -68,6 +70,27 @@ def _sockets(version: str) -> Check:
     return Check("criu sockets", "warn", f"CRIU {version} cannot dump a TCP or UDP socket on Linux {platform.release()} "
                  "(criu#2718): a workload that holds one is not checkpointed",
                  "install CRIU 4.2 or later (scripts/install-criu.sh) or set CEDANA_CRIU to one")
+
+
+def _network_lock(criu: str) -> Check:
+    """While it dumps a TCP connection CRIU holds the connection's packets back: with libnftables, or
+    the iptables command (CRIU's default). Without either, a workload that holds a connection fails
+    every heartbeat."""
+    if lock_flags(criu):
+        return Check("network lock", "ok", "nftables (CRIU's libnftables): a workload's TCP connections are held "
+                     "still while it is dumped")
+    v4, v6 = shutil.which("iptables"), shutil.which("ip6tables")  # CRIU runs one per address family
+    if v4 and v6:
+        return Check("network lock", "ok", f"iptables ({v4}, {v6}): a workload's TCP connections are held still while "
+                     "it is dumped (nftables, faster, needs a CRIU built with libnftables)")
+    if v4 or v6:
+        missing = "ip6tables" if v4 else "iptables"
+        return Check("network lock", "warn", f"{v4 or v6} but no {missing}: a workload that holds an established "
+                     f"{'IPv6' if v4 else 'IPv4'} TCP connection is not checkpointed (every heartbeat fails)",
+                     f"install {missing} (apt-get install iptables), or a CRIU built with libnftables")
+    return Check("network lock", "warn", "neither nftables support in this CRIU nor an iptables command: a workload "
+                 "that holds an established TCP connection is not checkpointed (every heartbeat fails)",
+                 "install iptables (apt-get install iptables), or a CRIU built with libnftables")
 
 
 def _io_uring(settings: Settings) -> Check:

@@ -100,12 +100,14 @@ class HeartbeatChoice:
                 f"{_seconds_text(self.cost_seconds)} ({self.cost_source}){failures}; expected work lost "
                 f"per failure ~{duration_text(self.expected_loss_seconds)}")
 
-    def as_row(self) -> HeartbeatRow:
-        """What the listing index keeps of it, and what ``run --json`` and the operator's summary say."""
+    def as_row(self, in_force: str = "") -> HeartbeatRow:
+        """What the listing index keeps of it, and what ``run --json`` and the operator's summary say;
+        ``in_force``: the setting it came from, as ``explain`` says it (Settings.heartbeat_text)."""
         return HeartbeatRow(interval_seconds=round(self.interval_seconds, 3), auto=self.auto,
                             cost_seconds=round(self.cost_seconds, 4), commit_seconds=round(self.commit_seconds, 3),
                             mtbf_seconds=None if self.mtbf_seconds is None else round(self.mtbf_seconds, 1),
-                            expected_loss_seconds=round(self.expected_loss_seconds, 3), reason=self.line())
+                            expected_loss_seconds=round(self.expected_loss_seconds, 3), reason=self.line(),
+                            in_force=in_force)
 
 
 class Cadence:

@@ -70,6 +70,7 @@ class HeartbeatRow(_Model):
     mtbf_seconds: float | None = None  # None: no failure seen and no prior
     expected_loss_seconds: float = 0.0  # work a failure loses, on average
     reason: str = ""  # the task log's line
+    in_force: str = ""  # the setting it came from, e.g. "every 10m (from the default of heartbeat_seconds)" (0.11.0)
 
 
 class IndexEntry(_Model):

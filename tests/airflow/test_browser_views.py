@@ -276,9 +276,12 @@ def test_the_id_page_says_the_heartbeat_its_cost_and_the_work_a_failure_loses() 
     page = views.id_page(DETAIL, may_delete=False)
     assert ("Heartbeat <b>7m12s</b> (auto): a checkpoint costs the workload 3.10 s and commits 9.0 s after it starts; "
             "a failure loses ~3m45s of work, failures every ~9.4h.") in page
-    fixed = IdDetail(_listing("fixed", None, heartbeat=HeartbeatRow(interval_seconds=600, cost_seconds=0.5,
-                                                                     expected_loss_seconds=301)), (), ())
-    assert "Heartbeat <b>10m</b>: a checkpoint costs the workload 0.50 s" in views.id_page(fixed, may_delete=False)
+    fixed = IdDetail(_listing("fixed", None, heartbeat=HeartbeatRow(
+        interval_seconds=600, cost_seconds=0.5, expected_loss_seconds=301,
+        in_force="every 10m (from the default of heartbeat_seconds)")), (), ())
+    page = views.id_page(fixed, may_delete=False)
+    assert "Heartbeat <b>10m</b>: a checkpoint costs the workload 0.50 s" in page
+    assert "In force: every 10m (from the default of heartbeat_seconds)." in page  # where it came from (0.11.0)
     assert "Heartbeat" not in views.id_page(IdDetail(_listing("none", None), (), ()), may_delete=False)
 
 
@@ -289,3 +292,11 @@ def test_the_id_page_says_how_many_heartbeats_failed_and_the_latest_line() -> No
     assert ("20 heartbeats failed (the workload kept running); the latest: criu dump of pid 7 failed: &lt;sock&gt;"
             in page)
     assert "heartbeats failed" not in views.id_page(IdDetail(_listing("fine", None), (), ()), may_delete=False)
+
+
+def test_the_fleet_page_counts_each_id_s_failed_heartbeats_and_sorts_by_them() -> None:
+    fleet = Fleet((_listing("fine", None), _listing("serve", None, failed_heartbeats=20, last_failure="criu <sock>")),
+                  0, 0, 0, 0)
+    html = views.fleet_page(fleet, store_url="file:///s", q="", dag="", sort="-failed", page=1)
+    assert "<td class=n title='criu &lt;sock&gt;'>20</td>" in html and ">failed</a>" in html
+    assert [v for t, k, v in _Page(html).attrs if k == "href" and v.startswith("ids/")] == ["ids/serve", "ids/fine"]

@@ -357,3 +357,40 @@ def test_a_task_of_one_dag_can_neither_write_nor_restore_under_another_dags_chec
                        r"\(map index -1\), not to this task \(DAG 'other_dag' task 'steal' \(map index -1\)\)"):
         op.execute(_context(dag_id="other_dag", task_id="steal"))
     assert not ran.exists()
+
+
+def test_a_slurm_job_s_xcom_counts_the_heartbeats_of_every_run_of_its_output():
+    """A requeued job's runs append to one output: the XCom sums what each run's supervisor said (0.11.0)."""
+    from cedana_airflow.operators.slurm import heartbeat_counts
+
+    output = ("cedana: workload started checkpoint_id=j pid=7 node=node1\nstep 1\n"
+              "cedana: workload exited checkpoint_id=j exit_code=-9 checkpoints=3 skipped_heartbeats=1 failed_heartbeats=0\n"
+              "cedana: node agent: workload exited checkpoint_id=j exit_code=0 checkpoints=2 skipped_heartbeats=0 "
+              "failed_heartbeats=4\n")
+    assert heartbeat_counts(output) == {"checkpoints": 5, "skipped_heartbeats": 1, "failed_heartbeats": 4}
+    assert heartbeat_counts("the output could not be read") == {}
+
+
+def test_a_slurm_job_followed_in_the_worker_counts_its_heartbeats_in_its_xcom(log):
+    """deferrable=False (Airflow's default_deferrable): the output is read as it comes, and its supervisors'
+    last lines make the XCom's counts (a review found them missing there)."""
+    from cedana_airflow.slurm.jobs import JobInfo
+
+    class Client:
+        def __init__(self) -> None:
+            self.output = (b"cedana: workload started checkpoint_id=j pid=7 node=node1\nstep 1\n"
+                           b"cedana: node agent: workload exited checkpoint_id=j exit_code=0 checkpoints=4 "
+                           b"skipped_heartbeats=0 failed_heartbeats=2\n"
+                           b"cedana: workload exited checkpoint_id=j exit_code=0 checkpoints=99 skipped_heartbeats=0 "
+                           b"failed_heartbeats=0 (the workload quoting one)\n")
+
+        def job(self, job_id: str) -> JobInfo:
+            return JobInfo(job_id, "COMPLETED", exit_code="0:0", nodes="node1")
+
+        def read_from(self, path: str, pos: int) -> bytes:
+            return self.output[pos:]
+
+    op = CedanaSlurmOperator(task_id="finetune", command="python train.py", partition="cedana", deferrable=False)
+    out = op._follow(Client(), "7", "/out/7.log")  # type: ignore[arg-type]
+    assert out["state"] == "COMPLETED" and (out["checkpoints"], out["failed_heartbeats"]) == (4, 2), out
+    assert log.said("slurm job 7: step 1")

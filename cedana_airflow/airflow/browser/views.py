@@ -124,11 +124,13 @@ SORTS: dict[str, tuple[str, Callable[[IdListing], Any], bool]] = {
     "image": ("image", lambda x: x.checkpoints[-1].image_bytes if x.checkpoints else 0, True),
     "stored": ("stored", lambda x: -sum(r.stored_bytes for r in x.checkpoints), True),
     "skipped": ("skipped", lambda x: x.skipped_heartbeats, True),
+    "failed": ("failed", lambda x: x.failed_heartbeats, True),  # heartbeats that failed (0.11.0)
     "restores": ("restores", lambda x: x.restores, True),
 }
 _DESCENDING_KEYS = {"stored"}  # their plain key puts the largest first
 _FIRST_CLICK = {"id": "id", "dag": "dag", "task": "task", "run": "run", "latest": "latest", "stored": "stored",
-                "seq": "-seq", "image": "-image", "skipped": "-skipped", "restores": "-restores"}
+                "seq": "-seq", "image": "-image", "skipped": "-skipped", "failed": "-failed",
+                "restores": "-restores"}
 
 
 def _sorted(ids: Sequence[IdListing], sort: str) -> list[IdListing]:
