@@ -34,7 +34,7 @@ def test_a_restored_tree_gets_its_huge_pages_back_and_ends_with_the_uninterrupte
     r = cli("restore", "--id", "thp", "--heartbeat", "1",
             env=cli_env(tmp_path, "node-b", "work-b", CEDANA_RESTORE_MODE=mode))
     assert r.returncode == 0, r.stderr
-    assert f"mode={mode}" in r.stderr
+    assert f"checkpoint_id=thp, mode {mode}" in r.stderr  # the restore line (0.11.0: "mode lazy", was "mode=lazy")
     m = _LINE.search(r.stderr)
     assert m, r.stderr[-3000:]
     asked, before, after = (int(x) for x in m.group(2, 3, 4))
