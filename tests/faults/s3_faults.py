@@ -3,7 +3,8 @@ endpoint does on a bad day, over a real socket, to the real boto3 client of the 
 
     proxy.arm(Rule("PUT", r"/chunks/", "503", times=6))   # the next 6 chunk uploads get SlowDown
 
-Kinds: ``500`` (InternalError), ``503`` (SlowDown), ``reset`` (the connection is reset, no answer),
+``drop_headers`` makes it a gateway that drops request headers (``{"if-none-match", "if-match"}``: one that
+ignores conditional writes). Kinds: ``500`` (InternalError), ``503`` (SlowDown), ``reset`` (the connection is reset, no answer),
 ``timeout`` (no answer for ``hang`` seconds, then closed), ``short`` (the answer's body is cut in half
 under its full Content-Length). ``times``: how many matching requests in a row (boto3 retries 5
 times: 6 makes one operation fail; a large number is an outage).
@@ -47,6 +48,8 @@ class FaultProxy:
         self.upstream = (u.hostname or "127.0.0.1", u.port or 80)
         self.rule: Rule | None = None
         self.faults = 0  # answered with a fault, since the proxy started
+        #: Request headers it drops (lower case): a gateway that does not pass conditional writes on.
+        self.drop_headers: set[str] = set()
         self._lock = threading.Lock()
         proxy = self
 
@@ -79,7 +82,7 @@ class FaultProxy:
                     return
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
                 headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in ("connection", "keep-alive", "expect")}
+                           if k.lower() not in ("connection", "keep-alive", "expect", *proxy.drop_headers)}
                 conn.request(self.command, self.path, body=body, headers=headers)
                 r = conn.getresponse()
                 data = r.read()

@@ -218,7 +218,10 @@ def test_a_workload_does_not_outlive_its_killed_supervisor(tmp_path):
     assert wait_gone(pid, 15), "the workload kept running without its supervisor"
 
 
-def test_s3_store_node_loss_and_restore_reads_only_the_bucket(tmp_path, bucket, s3_env):
+def test_s3_store_node_loss_and_restore_reads_only_the_bucket(tmp_path, seaweed_bucket, seaweed_env):
+    """On a real S3 server (SeaweedFS, issue 52): a lazy restore on another node reads only the bucket, and its
+    parallel reads find a pooled connection each (urllib3 said "Connection pool is full" with a pool of 16)."""
+    bucket, s3_env = seaweed_bucket, seaweed_env
     args = ["--mb", "100", "--steps", "40", "--step-seconds", "0.1"]
     store = f"s3://{bucket}/checkpoints"
     proc = start_cli("run", "--id", "s3job", "--heartbeat", "1", "--", *_train(*args),
@@ -236,6 +239,9 @@ def test_s3_store_node_loss_and_restore_reads_only_the_bucket(tmp_path, bucket, 
     assert r.returncode == 0, r.stderr
     assert not any(ln.startswith("start-up") for ln in r.stdout.splitlines())
     assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)
+    assert ", mode lazy" in r.stderr, r.stderr[-2000:]
+    said = (tmp_path / "a.err").read_text() + r.stderr
+    assert "Connection pool is full" not in said, said[-3000:]
 
 
 def test_an_unreachable_store_never_kills_the_workload(tmp_path):

@@ -1,7 +1,9 @@
-"""The S3 backend against moto's S3 server over HTTP: the same contract as the file store."""
+"""The S3 backend over HTTP against two servers, moto's (a mock in one Python process) and SeaweedFS (a real
+S3 server, issue 52): the same contract as the file store."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -17,6 +19,12 @@ from cedana_airflow.store.transfer import CheckpointMeta, fetch_checkpoint, load
 
 PROC = ProcessInfo(pid=42, command=("train",), cwd="/", stdout_pipe="pipe:[1]", stderr_pipe="pipe:[2]")
 META = CheckpointMeta(checkpoint_id="job", node="n1", engine_version="4.1.1", process=PROC)
+
+
+@pytest.fixture(params=["moto", "seaweedfs"])
+def bucket(request):
+    """Each contract test on both servers: where a real one behaves otherwise than moto, one of them fails."""
+    return request.getfixturevalue("moto_bucket" if request.param == "moto" else "seaweed_bucket")
 
 
 def _images(d: Path, seed: bytes) -> Path:
@@ -162,7 +170,9 @@ def test_wrong_credentials_are_one_clear_line_without_the_secret(tmp_path):
     assert "wrong-secret-4711" not in r.stderr + r.stdout and "AKIANOTAREALKEY00000" not in r.stderr + r.stdout
 
 
-def test_credentials_from_a_mounted_secret_directory_and_one_line_when_a_key_is_missing(tmp_path, bucket, s3_endpoint):
+def test_credentials_from_a_mounted_secret_directory_and_one_line_when_a_key_is_missing(tmp_path, moto_bucket,
+                                                                                        s3_endpoint):
+    bucket = moto_bucket
     from conftest import cli, cli_env
 
     secret = tmp_path / "secret"  # a Kubernetes Secret as a volume: one file per key
@@ -179,3 +189,57 @@ def test_credentials_from_a_mounted_secret_directory_and_one_line_when_a_key_is_
     (secret / "AWS_SECRET_ACCESS_KEY").write_text("also-from-the-file")
     r = cli("checkpoints", env=env)  # no AWS_* in the environment: without the files botocore has no credentials
     assert r.returncode == 0, r.stderr
+
+
+def test_a_server_that_ignores_conditional_writes_is_refused_in_one_line_before_the_first_write(moto_bucket,
+                                                                                                s3_endpoint, monkeypatch):
+    """The store's safety rests on create-only manifests and compare-and-swap index writes (issue 52): a gateway
+    that drops If-None-Match and If-Match would let two writers both win, silently. The writer's first open
+    probes a scratch key and refuses such a server, naming it and the setting; `trust` skips the probe."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "faults"))
+    from s3_faults import FaultProxy
+
+    from cedana_airflow.store import s3 as s3_store
+
+    bucket = moto_bucket
+    monkeypatch.setattr(s3_store, "_PROBED", set())
+    s, _ = _store(bucket)  # moto honours both: probed and passed
+    assert s.probe_conditional_writes().endswith(f"at {s3_endpoint} honours create-only and compare-and-swap PUTs")
+    proxy = FaultProxy(s3_endpoint)
+    proxy.drop_headers = {"if-none-match", "if-match"}
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        with pytest.raises(StoreUnavailable) as e:
+            _store(bucket)
+        line = str(e.value)
+        assert "\n" not in line and f"the S3 server at {proxy.url} (" in line and "ignores conditional writes" in line
+        assert "a second create-only PUT (If-None-Match: *) of the same key succeeded" in line
+        assert "a PUT with a stale If-Match succeeded" in line and "s3_conditional_writes = trust" in line
+        keys = [o["Key"] for o in boto3.client("s3", endpoint_url=s3_endpoint).list_objects_v2(Bucket=bucket)
+                .get("Contents", [])]
+        assert not [k for k in keys if "/.probe/" in k], keys  # the scratch key is gone
+        trusted, _ = _store(bucket, s3_conditional_writes="trust")  # the operator's choice, at their risk
+        assert trusted.list_ids() == []
+        reader = open_store(f"s3://{bucket}/ckpt/team-a", load_settings({}, environ={}))  # through the gateway
+        assert reader.open(create=False, chunk_avg_bytes=64 << 10)  # a reader never probes: nothing it writes
+    finally:
+        proxy.close()
+
+
+def test_a_real_s3_server_honours_the_conditional_writes_the_store_rests_on(seaweed_bucket):
+    s, _ = _store(seaweed_bucket)  # a writer's open probes it
+    said = s.probe_conditional_writes()
+    assert "honours create-only and compare-and-swap PUTs" in said and "SeaweedFS" in said, said
+
+
+def test_doctor_probe_store_says_whether_the_server_honours_conditional_writes(tmp_path, seaweed_bucket, seaweed_env):
+    from conftest import cli, cli_env
+
+    env = cli_env(tmp_path, "n", "w", CEDANA_STORE=f"s3://{seaweed_bucket}/ckpt", **seaweed_env)
+    checks = {c["name"]: c for c in json.loads(cli("doctor", "--json", "--probe-store", env=env).stdout)}
+    store = checks["store"]
+    assert store["status"] == "ok" and "honours create-only and compare-and-swap PUTs" in store["detail"], store
+    keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket=seaweed_bucket).get("Contents", [])]
+    assert keys == ["ckpt/store.json"], keys  # what it said it wrote, and no scratch key left
