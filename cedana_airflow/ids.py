@@ -16,7 +16,7 @@ __all__ = ["MAX_ID_LENGTH", "RESERVED_NAMES", "validate_checkpoint_id", "derive_
 
 MAX_ID_LENGTH = 200
 #: Top-level names of the store layout (docs/store-format.md) that no checkpoint ID may take.
-RESERVED_NAMES = frozenset({"chunks", "drills", "index", "leases", "locks", "quarantine", "store.json", ".probe"})
+RESERVED_NAMES = frozenset({"chunks", "drills", "index", "leases", "locks", "quarantine", "store.json"})
 _SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=+@-]*")
 _UNSAFE_CHAR = re.compile(r"[^A-Za-z0-9._=+@-]")
 

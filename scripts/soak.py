@@ -9,8 +9,9 @@ A round runs one workload shape under ``cedana-airflow run`` on node-a, kills th
 the workload's whole tree at a random point after a checkpoint (between heartbeats or in the middle
 of one), throws node-a's work dir away (and the workload's output folder: another node has none of
 it), restores under node-b (and, in some rounds, kills that one too and restores under node-c), in
-the round's restore mode, on file:// or on moto's S3 server; a lazy round's pages are served by the
-round's lazy-pages daemon (``--lazy-via``: ours, or CRIU's fed by page files or a socket). It passes when:
+the round's restore mode, on file:// or on a real S3 server (SeaweedFS, 0.11.0; moto's before); a lazy
+round's pages are served by the round's lazy-pages daemon (``--lazy-via``: ours, or CRIU's fed by page
+files or a socket). It passes when:
 
 - the last restore exits 0 and prints the digest an uninterrupted run of the same arguments prints;
 - the start-up code ran once (a restore that starts over is not a restore);
@@ -48,7 +49,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
-from local_parts import descendants, moto_server, reap  # noqa: E402
+from local_parts import descendants, reap, seaweed_server  # noqa: E402
 
 WORKLOADS = REPO / "tests" / "workloads"
 PY = sys.executable
@@ -315,7 +316,7 @@ class Soak:
             r.problems.append(f"left behind: {'; '.join(left)}")
         if r.ok:
             shutil.rmtree(d, ignore_errors=True)
-            if r.store == "s3":  # moto keeps every object in memory: 169 rounds' worth got it OOM-killed
+            if r.store == "s3":  # moto kept every object in memory (169 rounds' worth got it OOM-killed); disk now
                 self.drop_s3(cid)
         elif r.problems:
             (d / "problems.txt").write_text("".join(f"{p}\n" for p in r.problems))
@@ -491,7 +492,7 @@ class Alongside:
 
 @functools.cache
 def s3_client(endpoint: str) -> Any:
-    """One boto3 client for moto's server (made once: the soak polls it every 0.2 s)."""
+    """One boto3 client for the S3 server (made once: the soak polls it every 0.2 s)."""
     import boto3
 
     return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="soak", aws_secret_access_key="soak",
@@ -738,10 +739,10 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         s3_url = None
         if "s3" in stores:
-            s3_url = stack.enter_context(moto_server())
+            s3_url = stack.enter_context(seaweed_server())  # a real S3 server (issue 52)
             s3_client(s3_url).create_bucket(Bucket="soak")
         soak = Soak(root, rng, s3_url, a.big_mb, a.s3_mb, a.hang_seconds)
-        # Ctrl-C or a SIGTERM ends the soak: the round under way is killed, and moto stops.
+        # Ctrl-C or a SIGTERM ends the soak: the round under way is killed, and the S3 server stops.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         stack.callback(soak.stop)
         beside = Alongside(a.alongside, root / "alongside.log") if a.alongside else None

@@ -595,14 +595,20 @@ def s3_endpoint():
         yield url
 
 
-@pytest.fixture
-def s3_env(s3_endpoint, monkeypatch):
-    """Environment for boto3 (here and in CLI subprocesses) pointing at the moto endpoint."""
-    env = {"AWS_ENDPOINT_URL": s3_endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+def _s3_env(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Environment for boto3 (here and in CLI subprocesses) pointing at ``endpoint`` (both servers take any
+    credentials), set here too."""
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_DEFAULT_REGION": "us-east-1"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     return env
+
+
+@pytest.fixture
+def s3_env(s3_endpoint, monkeypatch):
+    """The environment for moto's endpoint."""
+    return _s3_env(s3_endpoint, monkeypatch)
 
 
 def _seaweed(d: Path) -> dict[str, Any]:
@@ -626,12 +632,8 @@ def seaweed_endpoint():
 
 @pytest.fixture
 def seaweed_env(seaweed_endpoint, monkeypatch):
-    """Environment for boto3 (here and in CLI subprocesses) pointing at SeaweedFS (it takes any credentials)."""
-    env = {"AWS_ENDPOINT_URL": seaweed_endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1"}
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    return env
+    """The environment for SeaweedFS's endpoint."""
+    return _s3_env(seaweed_endpoint, monkeypatch)
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from ..ids import validate_checkpoint_id
 
 __all__ = [
     "CHUNKS", "DRILLS", "GC_LOCK_KEY", "INDEX", "INDEX_SHARDS", "LEASES", "LOCKS", "MANIFEST_NAME", "PREFIXES",
-    "PROBES", "QUARANTINE", "RESTORES", "STORE_CONFIG_KEY", "TEMP_PREFIX", "TOP_LEVEL_NAMES",
+    "QUARANTINE", "RESTORES", "STORE_CONFIG_KEY", "TEMP_PREFIX", "TOP_LEVEL_NAMES",
     "CAS_LOCK_PREFIX", "cas_lock_key", "checkpoint_prefix", "chunk_digest", "chunk_key", "drill_report_key", "golden_digest_key",
     "index_shard_key", "index_shard_keys", "is_cas_lock", "is_temp", "lease_key", "manifest_key", "parse_manifest_key",
     "quarantine_digest", "quarantine_key", "restore_record_key", "restores_prefix", "writer_lock_key",
@@ -45,11 +45,8 @@ LOCKS = "locks/"
 QUARANTINE = "quarantine/"
 #: Prefix of the drill reports and the canary's golden digests.
 DRILLS = "drills/"
-#: Prefix of an S3 writer's scratch keys, probing that the server honours conditional writes (issue 52);
-#: removed at once, but a filer-backed server (SeaweedFS) keeps the emptied folder.
-PROBES = ".probe/"
 #: Every top-level folder the code writes (besides the checkpoint IDs' own).
-PREFIXES = (CHUNKS, DRILLS, INDEX, LEASES, LOCKS, QUARANTINE, PROBES)
+PREFIXES = (CHUNKS, DRILLS, INDEX, LEASES, LOCKS, QUARANTINE)
 #: Top-level names that are not checkpoint IDs: listing skips them (equal to ids.RESERVED_NAMES).
 TOP_LEVEL_NAMES = frozenset({STORE_CONFIG_KEY, *(p.rstrip("/") for p in PREFIXES)})
 

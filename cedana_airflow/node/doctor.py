@@ -134,7 +134,9 @@ def _store(settings: Settings, probe: bool) -> Check:
         store = open_store(url, settings)
         store.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes)
         if url.startswith("s3://"):  # what the store's safety rests on (issue 52), asked each time here
-            honoured = "; " + store.probe_conditional_writes()  # type: ignore[attr-defined]
+            honoured = "; " + (store.probe_conditional_writes()  # type: ignore[attr-defined]
+                               if settings.s3_conditional_writes == "probe" else
+                               "s3_conditional_writes = trust: conditional writes not probed")
         if url.startswith("file://"):
             root = Path(url[len("file://"):])
             with tempfile.NamedTemporaryFile(dir=root, prefix=".doctor-"):
@@ -145,7 +147,7 @@ def _store(settings: Settings, probe: bool) -> Check:
         return Check("store", "ok", f"{url} reachable and writable (--probe-store: wrote and removed a probe file; "
                                     "store.json created if it was absent)")
     return Check("store", "ok", f"{url} reachable, bucket present, store.json readable (--probe-store: store.json "
-                                f"created if it was absent; a scratch key under .probe/ written and removed){honoured}")
+                                f"created if it was absent; a scratch key under locks/ written and removed){honoured}")
 
 
 def _store_read_only(settings: Settings, url: str) -> Check:

@@ -16,6 +16,7 @@ import contextlib
 import secrets
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,13 @@ _MISSING = {"NoSuchKey", "404", "NotFound"}
 # concurrent conditional write to it was in flight (409 on AWS).
 _LOST_RACE = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
 _HEAD_BUCKET = "checking the bucket"
-#: Where the conditional-write probe writes its scratch key, under the store's prefix.
-_PROBE_PREFIX = f"{layout.PROBES}conditional-"
+#: Where the conditional-write probe writes its scratch key, under the store's prefix: locks/, whose
+#: readers skip what is not a lock (older versions too; a filer-backed server keeps emptied folders).
+_PROBE_PREFIX = f"{layout.LOCKS}probe-"
+#: Writers the probe races for one new key.
+_RACERS = 4
+#: What a server that does not take conditional writes at all answers (instead of ignoring the header).
+_NO_CONDITIONS = {"NotImplemented", "501", "InvalidArgument", "InvalidRequest"}
 #: Servers (endpoint, bucket) this process has probed: a writer opens its store at every heartbeat.
 _PROBED: set[tuple[str, str]] = set()
 _PROBED_LOCK = threading.Lock()
@@ -170,6 +176,8 @@ class S3Store(RequiredReads):
     def _put(self, key: str, data: bytes, *, create_only: bool = False, if_match: str = "") -> bool:
         from botocore.exceptions import ClientError
 
+        if (create_only or if_match) and self.conditional_writes == "probe":
+            _probe_once(self)  # every writer, not only those that open the store to write (gc, repair, a delete)
         extra = dict(self._put_args)
         if create_only:
             extra["IfNoneMatch"] = "*"
@@ -202,30 +210,68 @@ class S3Store(RequiredReads):
 
     # -- conditional writes ---------------------------------------------------------------------
     def probe_conditional_writes(self) -> str:
-        """Whether this server honours what the store's safety rests on (manifests are create-only, the
-        index and the leases compare-and-swap), tried on a scratch key under the store's prefix, removed
-        after. Returns what it found, in words; raises StoreUnavailable, one line, where it ignores them."""
+        """Whether this server honours what the store's safety rests on (manifests, records and leases are
+        create-only; the index and the leases compare-and-swap), tried as writers use it on a scratch key
+        under locks/ (which every reader skips), removed after. Returns what it found, in words; raises
+        StoreUnavailable, one line, where it does not."""
         key = f"{_PROBE_PREFIX}{secrets.token_hex(8)}"
+        endpoint = str(redact(getattr(getattr(self.client, "meta", None), "endpoint_url", "?")))
+        problems: list[str] = []
         try:
-            with self._errors("probing conditional writes"):
-                r = self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=b"1", IfNoneMatch="*")
-            server = str(r.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("server") or "an unnamed server")
-            ignored = [what for what, won in (
-                ("a second create-only PUT (If-None-Match: *) of the same key succeeded", self._put(key, b"2", create_only=True)),
-                ("a PUT with a stale If-Match succeeded", self._put(key, b"3", if_match='"' + "0" * 32 + '"')))
-                if won]
+            # writers racing for one new key (two supervisors at one seq): exactly one may win, and the key
+            # must hold what it wrote
+            bodies = [f"racer-{i}".encode() for i in range(_RACERS)]
+            with ThreadPoolExecutor(_RACERS, thread_name_prefix="cedana-probe") as pool:
+                raced = list(pool.map(lambda body: self._probe_put(key, body, endpoint, IfNoneMatch="*"), bodies))
+            server = next((srv for _, srv in raced if srv), "") or "an unnamed server"
+            held, etag = self.get_versioned(key)
+            winners = [body for body, (won, _) in zip(bodies, raced) if won]
+            if not winners and held in bodies:  # its own retried PUT lost to its first attempt, which had won
+                winners = [held]
+            if len(winners) != 1 or held != winners[0]:
+                problems.append(f"{len(winners)} of {_RACERS} concurrent create-only PUTs (If-None-Match: *) of one "
+                                "new key succeeded")
+            # compare-and-swap: a stale ETag loses and leaves the object as it was; the current one wins
+            if self._probe_put(key, b"stale", endpoint, IfMatch='"' + "0" * 32 + '"')[0] or self.get(key) != held:
+                problems.append("a PUT with a stale If-Match succeeded")
+            elif not self._probe_put(key, b"swapped", endpoint, IfMatch=etag)[0]:
+                problems.append("a PUT with the current If-Match was refused")
         finally:
             with contextlib.suppress(StoreUnavailable):
                 self.delete(key)
-        endpoint = redact(getattr(getattr(self.client, "meta", None), "endpoint_url", "?"))
-        if ignored:
+        if problems:
             raise StoreUnavailable(
-                f"store {self.url}: the S3 server at {endpoint} ({server}) ignores conditional writes: "
-                f"{'; '.join(ignored)}, so two writers could both commit one checkpoint and the index could lose "
-                "rows. Use a server that honours If-None-Match and If-Match on PUT (AWS S3, SeaweedFS 4, recent "
-                "MinIO), or set s3_conditional_writes = trust for one writer per checkpoint ID at your own risk "
+                f"store {self.url}: the S3 server at {endpoint} ({server}) does not honour conditional writes: "
+                f"{'; '.join(problems)}, so two writers could both commit one checkpoint, or the index and the "
+                "leases could not be updated. Use a server that honours If-None-Match and If-Match on PUT under "
+                "concurrent writers (AWS S3; SeaweedFS 4.17 or later; a recent MinIO), or set "
+                "s3_conditional_writes = trust for one writer per checkpoint ID at your own risk "
                 "(docs/store-format.md, Conditional writes)")
-        return f"{server} at {endpoint} honours create-only and compare-and-swap PUTs"
+        return f"{server} at {endpoint} honours create-only and compare-and-swap PUTs, {_RACERS} writers racing"
+
+    def _probe_put(self, key: str, body: bytes, endpoint: str, **condition: str) -> tuple[bool, str]:
+        """(whether a conditional PUT was taken, the answer's Server header): a real write's arguments."""
+        from botocore.exceptions import ClientError
+
+        def server(meta: dict[str, Any]) -> str:
+            return "".join(c for c in str(meta.get("HTTPHeaders", {}).get("server") or "") if c.isprintable())[:80]
+
+        with self._errors("probing conditional writes"):
+            try:
+                r = self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=body, **self._put_args,
+                                           **condition)
+            except ClientError as e:
+                code = str(e.response.get("Error", {}).get("Code"))
+                if code in _LOST_RACE:
+                    return False, server(e.response.get("ResponseMetadata", {}))
+                if code in _NO_CONDITIONS:  # it refuses the header itself: as good as ignoring it, and said so
+                    raise StoreUnavailable(
+                        f"store {self.url}: the S3 server at {endpoint} refuses conditional writes ({code} to "
+                        f"{', '.join(condition)} on PUT), which the store's safety rests on. Use a server that "
+                        "honours them, or set s3_conditional_writes = trust at your own risk (docs/store-format.md, "
+                        "Conditional writes)") from None
+                raise
+        return True, server(r.get("ResponseMetadata", {}))
 
     # -- Store ----------------------------------------------------------------------------------
     def open(self, *, create: bool, chunk_avg_bytes: int) -> StoreConfig:

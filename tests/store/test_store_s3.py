@@ -206,7 +206,8 @@ def test_a_server_that_ignores_conditional_writes_is_refused_in_one_line_before_
     bucket = moto_bucket
     monkeypatch.setattr(s3_store, "_PROBED", set())
     s, _ = _store(bucket)  # moto honours both: probed and passed
-    assert s.probe_conditional_writes().endswith(f"at {s3_endpoint} honours create-only and compare-and-swap PUTs")
+    assert f"at {s3_endpoint} honours create-only and compare-and-swap PUTs, 4 writers racing" in \
+        s.probe_conditional_writes()
     proxy = FaultProxy(s3_endpoint)
     proxy.drop_headers = {"if-none-match", "if-match"}
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
@@ -214,12 +215,12 @@ def test_a_server_that_ignores_conditional_writes_is_refused_in_one_line_before_
         with pytest.raises(StoreUnavailable) as e:
             _store(bucket)
         line = str(e.value)
-        assert "\n" not in line and f"the S3 server at {proxy.url} (" in line and "ignores conditional writes" in line
-        assert "a second create-only PUT (If-None-Match: *) of the same key succeeded" in line
+        assert "\n" not in line and f"the S3 server at {proxy.url} (" in line and "does not honour conditional" in line
+        assert "4 of 4 concurrent create-only PUTs (If-None-Match: *) of one new key succeeded" in line
         assert "a PUT with a stale If-Match succeeded" in line and "s3_conditional_writes = trust" in line
         keys = [o["Key"] for o in boto3.client("s3", endpoint_url=s3_endpoint).list_objects_v2(Bucket=bucket)
                 .get("Contents", [])]
-        assert not [k for k in keys if "/.probe/" in k], keys  # the scratch key is gone
+        assert not [k for k in keys if "/locks/probe-" in k], keys  # the scratch key is gone
         trusted, _ = _store(bucket, s3_conditional_writes="trust")  # the operator's choice, at their risk
         assert trusted.list_ids() == []
         reader = open_store(f"s3://{bucket}/ckpt/team-a", load_settings({}, environ={}))  # through the gateway
@@ -243,3 +244,41 @@ def test_doctor_probe_store_says_whether_the_server_honours_conditional_writes(t
     assert store["status"] == "ok" and "honours create-only and compare-and-swap PUTs" in store["detail"], store
     keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket=seaweed_bucket).get("Contents", [])]
     assert keys == ["ckpt/store.json"], keys  # what it said it wrote, and no scratch key left
+
+
+class _Stub:
+    """An S3 client that answers 412 to every If-Match PUT, even the one with the current ETag: one that
+    checks the header but never lets a compare-and-swap through (the index and the leases would stall)."""
+
+    class meta:  # noqa: N801 (botocore's attribute)
+        endpoint_url = "http://stub.invalid:9000"
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+
+    def put_object(self, Bucket: str, Key: str, Body: bytes, **kw: str) -> dict:  # noqa: N803 (botocore's names)
+        from botocore.exceptions import ClientError
+
+        if ("IfNoneMatch" in kw and Key in self.objects) or "IfMatch" in kw:
+            raise ClientError({"Error": {"Code": "PreconditionFailed"}, "ResponseMetadata": {}}, "PutObject")
+        self.objects[Key] = Body
+        return {"ResponseMetadata": {"HTTPHeaders": {"server": "Stub\x1b[31m"}}}
+
+    def get_object(self, Bucket: str, Key: str) -> dict:  # noqa: N803
+        import io
+
+        return {"Body": io.BytesIO(self.objects[Key]), "ETag": '"e"'}
+
+    def delete_object(self, Bucket: str, Key: str) -> None:  # noqa: N803
+        self.objects.pop(Key, None)
+
+
+def test_a_server_that_never_lets_a_compare_and_swap_through_is_refused_too():
+    from cedana_airflow.store.s3 import S3Store
+
+    stub = _Stub()
+    store = S3Store("b", "p", stub, load_settings({}, environ={}))
+    with pytest.raises(StoreUnavailable, match=r"\(Stub\[31m\) does not honour conditional writes: a PUT with the "
+                                               r"current If-Match was refused"):
+        store.probe_conditional_writes()
+    assert stub.objects == {}  # the scratch key is gone
