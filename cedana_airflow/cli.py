@@ -321,6 +321,7 @@ def _run_through_agent(args: argparse.Namespace, settings: Any, command: list[st
     runs as us, checkpointed by the agent; SIGTERM and SIGINT stop it with a final checkpoint, as they
     stop an in-process run; the summary is the agent's run's."""
     from .agent.route import fresh_line, run_via_agent
+    from .run.runner import restored_line
     from .run.environment import workload_env
 
     stop = threading.Event()
@@ -329,15 +330,17 @@ def _run_through_agent(args: argparse.Namespace, settings: Any, command: list[st
     if args.timings:
         print("cedana: --timings is not shown through the node agent (its log has the restore's)", file=sys.stderr)
     task = _task_of(args)
+
+    def said_restore(r: dict[str, Any]) -> None:  # an agent older than 0.8.2: it says no lines of its own
+        line = restored_line(r["seq"], r["try_number"], r["node"], r.get("restored_on", "?"), r["gap_seconds"],
+                             r["restore_seconds"], args.id)
+        print(f"cedana: {line} (through the node agent)", file=sys.stderr, flush=True)
+
     result = run_via_agent(settings.agent_socket, args.id, command or [], cwd=os.getcwd(),
                            env=workload_env(dict(os.environ), settings.keep_env), try_number=args.try_number,
                            settings=settings, claim=task.model_dump(mode="json") if task else None,
                            stdout=_Out(sys.stdout), stderr=_Out(sys.stderr), stop=stop,
-                           on_restore=lambda r: print(  # an agent older than 0.8.2: it says no lines of its own
-                               f"cedana: restored seq {r['seq']} of try {r['try_number']} (node {r['node']}) on node "
-                               f"{r.get('restored_on', '?')}: gap {r['gap_seconds']:.1f} s, restore "
-                               f"{r['restore_seconds']:.2f} s, checkpoint_id={args.id} (through the node agent)",
-                               file=sys.stderr, flush=True),
+                           on_restore=said_restore,
                            on_fresh=lambda why: print(fresh_line(why, args.id), file=sys.stderr),
                            restore_only=command is None, resume=getattr(args, "resume", True))
     summary.emit(result)

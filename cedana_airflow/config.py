@@ -23,7 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from .errors import ConfigError
 from .units import parse_duration
@@ -426,15 +427,13 @@ class Settings(BaseModel):
             return json.loads(v) if v.strip() else None
         return v
 
-    @field_validator("heartbeat_seconds", "heartbeat_min_seconds", "heartbeat_max_seconds", "cooperative_timeout_seconds",
-                     "writer_lease_seconds", "gpu_lock_timeout_seconds", "stop_grace_seconds", "stop_window_seconds",
-                     "s3_read_timeout_seconds", "s3_connect_timeout_seconds", "max_restore_gap_seconds", "lease_seconds",
-                     mode="before")
+    @field_validator("*", mode="before")
     @classmethod
-    def _duration_text(cls, v: object) -> object:
-        """``10m``, ``1h30m``, ``250ms`` wherever seconds are taken (a variable, airflow.cfg, a DAG's argument):
-        a number stays pydantic's to check, ``auto`` its field's."""
-        if isinstance(v, str) and v.strip() and v.strip().lower() != "auto":
+    def _duration_text(cls, v: object, info: ValidationInfo) -> object:
+        """``10m``, ``1h30m``, ``250ms`` wherever seconds are taken (every ``*_seconds`` setting: a variable,
+        airflow.cfg, a DAG's argument): a number stays pydantic's to check, ``auto`` its field's."""
+        if (info.field_name or "").endswith("_seconds") and isinstance(v, str) and v.strip() \
+                and v.strip().lower() != "auto":
             try:
                 float(v)
             except ValueError:

@@ -30,7 +30,7 @@ from cedana_airflow.engine.cuda import load_driver
 from cedana_airflow.errors import AgentUnavailable, ConfigError, EngineUnavailable, GpuUnavailable
 from cedana_airflow.keys import node_key
 from cedana_airflow.run.environment import workload_env
-from cedana_airflow.run.runner import run_workload, usable_engine
+from cedana_airflow.run.runner import restored_line, run_workload, usable_engine
 from cedana_airflow.run.summary import run_summary
 from cedana_airflow.run.stop import UNPROTECTED_GRACE_SECONDS
 from cedana_airflow.run.workload import run_unprotected
@@ -270,9 +270,8 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
     def _log_agent_restore(self, cid: str, node: str, r: dict[str, Any]) -> None:
         """The supervisor's restore line (run/runner.py), from what an agent that does not say its lines
         (older than 0.8.2) says was restored (its ``status``)."""
-        self.log.info("cedana: restored seq %d of try %d (node %s) on node %s: gap %.1f s, restore %.2f s, "
-                      "checkpoint_id=%s (through the node agent)", r["seq"], r["try_number"], r["node"], node,
-                      r["gap_seconds"], r["restore_seconds"], cid)
+        self.log.info("cedana: %s (through the node agent)", restored_line(
+            r["seq"], r["try_number"], r["node"], node, r["gap_seconds"], r["restore_seconds"], cid))
 
     def on_kill(self) -> None:
         # Called from Airflow's SIGTERM handler in the task process: the supervision loop sees the

@@ -32,13 +32,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from local_parts import (AIRFLOW, WORKER_ENV, Deployment, Postgres, descendants, free_port, stop_parts,  # noqa: E402
-                         tail, weed_mini)  # (scripts/ is on sys.path)
+                         http_answers, tail, weed_mini)  # (scripts/ is on sys.path)
 HERE = Path(__file__).resolve().parent
 BUCKET = "cedana-fleet"
 
@@ -115,15 +114,7 @@ class FleetStack(Deployment):
         """A real S3 server, SeaweedFS, as the store (issue 52): any credentials, a bucket made here."""
         argv, url = weed_mini(self.root / "s3")
         self._start("s3", argv, env=dict(os.environ), cwd=self.root / "s3")
-
-        def up() -> bool:
-            try:
-                urllib.request.urlopen(url, timeout=1)
-            except urllib.error.HTTPError:
-                pass
-            return True
-
-        self._wait("s3", up, 60)
+        self._wait("s3", lambda: http_answers(url), 60)
         import boto3
 
         boto3.client("s3", endpoint_url=url, aws_access_key_id="fleet", aws_secret_access_key="fleet",

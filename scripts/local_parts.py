@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Self
 
 __all__ = ["AIRFLOW", "BUILD_INPUTS", "Deployment", "Postgres", "Seaweed", "copy_build_inputs", "descendants", "free_port",
-           "MOTO_S3", "seaweed_server", "weed_mini",
+           "MOTO_S3", "http_answers", "seaweed_server", "weed_mini",
            "moto_server", "reap", "stop_parts", "tail"]
 
 #: Airflow's CLI in this interpreter. ``-P``: the working directory stays off sys.path. Run from a
@@ -155,28 +155,34 @@ class Deployment:
 MOTO_S3 = [sys.executable, str(Path(__file__).with_name("moto_s3.py"))]
 
 
+def http_answers(url: str) -> bool:
+    """Whether an HTTP server answers at ``url``, with anything (an S3 server that checks credentials answers an
+    anonymous GET with an error): a part that is up."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(url, timeout=1)
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def moto_server(host: str = "127.0.0.1", **env: str) -> Iterator[str]:
     """moto's S3 server as a subprocess on a free port of ``host`` (loopback unless a pod must reach it),
     for the length of a ``with``."""
-    import urllib.error
-    import urllib.request
-
     port = free_port()
     proc = subprocess.Popen(MOTO_S3 + ["-H", host, "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
     url = f"http://{host}:{port}"
     try:
         deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(url, timeout=1)
-                break
-            except urllib.error.HTTPError:
-                break  # it answered (an auth-checking server answers with an error)
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "moto's S3 server did not start"
-                time.sleep(0.1)
+        while not http_answers(url):
+            assert proc.poll() is None and time.monotonic() < deadline, "moto's S3 server did not start"
+            time.sleep(0.1)
         yield url
     finally:
         proc.terminate()
@@ -221,23 +227,15 @@ class Seaweed:
         log = open(self.dir / "weed.log", "wb")  # noqa: SIM115 (it outlives this call: the server's own)
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.dir)
         deadline = time.monotonic() + timeout
-        import urllib.error
-        import urllib.request
-
-        while True:
-            try:
-                urllib.request.urlopen(self.url, timeout=1)
-                return self.url
-            except urllib.error.HTTPError:
-                return self.url  # it answered
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    said = tail(self.dir / "weed.log", 5)  # before stop() removes it
-                    code = self.proc.poll()
-                    self.stop()
-                    raise RuntimeError(f"SeaweedFS did not start ({'exit ' + str(code) if code is not None else 'no answer'} "
-                                       f"in {timeout:.0f} s): {said}") from None
-                time.sleep(0.1)
+        while not http_answers(self.url):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                said = tail(self.dir / "weed.log", 5)  # before stop() removes it
+                code = self.proc.poll()
+                self.stop()
+                raise RuntimeError(f"SeaweedFS did not start ({'exit ' + str(code) if code is not None else 'no answer'} "
+                                   f"in {timeout:.0f} s): {said}")
+            time.sleep(0.1)
+        return self.url
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -132,10 +132,10 @@ def scope_decision(optin_file: Any, where: Callable[[OptInList], Where]) -> Deci
 class CedanaTask:
     """Mixin of every cedana operator: the arguments every route takes, and the set-up of each try.
 
-    :param checkpoint_id: label of the workload's checkpoints. Default: derived from dag_id, task_id,
-        map_index and run_id, so a new DAG run starts fresh and a retry or Clear of the same run resumes.
     Every duration takes a timedelta, seconds, or text such as ``"10m"`` or ``"1h30m"``.
 
+    :param checkpoint_id: label of the workload's checkpoints. Default: derived from dag_id, task_id,
+        map_index and run_id, so a new DAG run starts fresh and a retry or Clear of the same run resumes.
     :param heartbeat: time between checkpoints, or ``"auto"``: chosen from this task's measured checkpoint cost
         and the failures Airflow saw on its queue (docs/heartbeat.md). Default: [cedana] heartbeat_seconds.
     :param heartbeat_min: / :param heartbeat_max: the bounds of ``"auto"`` (default: [cedana]

@@ -344,11 +344,8 @@ def _restore_into(cp: Checkpointer, result: RunResult, *, must_restore: bool, cw
     result.restore_seconds = time.monotonic() - t0
     result.restore_timeline = restored.timeline
     result.restore_gap_seconds = max(0.0, (started_at - m.created_at).total_seconds())
-    # The one line a restore gets (the task log's, the CLI's, the agent's caller's): what a reader looks for
-    # first, the long ID last.
-    log.info("restored seq %d%s (node %s) on node %s: gap %.1f s, restore %.2f s, checkpoint_id=%s, mode %s",
-             m.seq, f" of try {m.try_number}" if m.try_number else "", m.node, cp.node, result.restore_gap_seconds,
-             result.restore_seconds, cp.checkpoint_id, restored.mode)
+    log.info("%s, mode %s", restored_line(m.seq, m.try_number, m.node, cp.node, result.restore_gap_seconds,
+                                          result.restore_seconds, cp.checkpoint_id), restored.mode)
     if on_restore is not None:
         try:
             on_restore(result)
@@ -527,6 +524,14 @@ def _own_rows(cp: Checkpointer) -> list[index.IndexRow]:
         log.debug("earlier checkpoints' costs not read: %s", e)
         return []
 
+
+def restored_line(seq: int, try_number: int, from_node: str, node: str, gap_seconds: float, restore_seconds: float,
+                  checkpoint_id: str) -> str:
+    """The one line a restore gets (the task log's, the CLI's, an agent's caller's): what a reader looks for
+    first, the long ID last; ``of try T`` only where there was one (a CLI run has none)."""
+    tried = f" of try {try_number}" if try_number else ""
+    return (f"restored seq {seq}{tried} (node {from_node}) on node {node}: gap {gap_seconds:.1f} s, "
+            f"restore {restore_seconds:.2f} s, checkpoint_id={checkpoint_id}")
 
 def _chosen(cp: Checkpointer, choice: HeartbeatChoice | None) -> index.HeartbeatRow | None:
     """A new interval (or the first measured figures): said once in the log (auto), kept in the index.
