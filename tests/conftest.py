@@ -333,14 +333,14 @@ def wait_for_checkpoints(store: Path, checkpoint_id: str, n: int, proc: subproce
 
 
 def wait_for_checkpoint_after(store: Path, checkpoint_id: str, out: Path, text: str, proc: subprocess.Popen[bytes],
-                              timeout: float = 180) -> list[dict]:
-    """Until a checkpoint exists that froze the workload after it printed ``text`` to ``out``; the
+                              timeout: float = 180, n: int = 1) -> list[dict]:
+    """Until ``n`` checkpoints exist that froze the workload after it printed ``text`` to ``out``; the
     manifests. The one in flight when ``text`` appears may have frozen it before, so it waits for the
-    one after that: a restore from it must go on from a later point, never from the start."""
+    ones after that: a restore from them must go on from a later point, never from the start."""
     wait_for_line(out, text, proc, timeout)
     after = max((m["seq"] for m in manifests(store, checkpoint_id)), default=0) + 2
     deadline = time.monotonic() + timeout
-    while (ms := manifests(store, checkpoint_id)) == [] or ms[-1]["seq"] < after:
+    while sum(m["seq"] >= after for m in (ms := manifests(store, checkpoint_id))) < n:
         assert proc.poll() is None, f"supervisor exited early with {proc.returncode}"
         assert time.monotonic() < deadline, f"no checkpoint of {checkpoint_id} after {text!r} within {timeout}s"
         time.sleep(0.2)

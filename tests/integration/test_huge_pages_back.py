@@ -38,5 +38,7 @@ def test_a_restored_tree_gets_its_huge_pages_back_and_ends_with_the_uninterrupte
     m = _LINE.search(r.stderr)
     assert m, r.stderr[-3000:]
     asked, before, after = (int(x) for x in m.group(2, 3, 4))
-    assert asked >= 64 and after >= before + 64, m.group(0)  # most of the state (a block may be refused)
+    # Most of the 96 MiB is back in huge pages (a block may be refused), and the collapse brought some of
+    # them: a full restore's own faults may already have put part of it in huge pages (18 MiB, CI run 68).
+    assert after >= 64 and asked >= 16 and after >= before + 16, m.group(0)
     assert r.stdout.splitlines()[-1] == uninterrupted_digest(*args)

@@ -17,7 +17,7 @@ from cedana_airflow.engine.page_file import fuse_available
 from cedana_airflow.errors import StoreUnavailable
 from cedana_airflow.run.runner import run_workload
 from conftest import (TRAIN, cli, cli_env, kill_node, manifests, ours, restore_as_the_s3_store_goes_away, start_cli,
-                      uninterrupted_digest, wait_for_checkpoints)
+                      uninterrupted_digest, wait_for_checkpoint_after, wait_for_checkpoints)
 
 pytestmark = pytest.mark.integration
 
@@ -61,7 +61,14 @@ def test_a_corrupt_chunk_met_mid_stream_kills_the_tree_and_the_fallback_says_why
     # Steps enough that the restored tree outlives the stream: a tree that ends before the stream reaches the
     # bad chunk never needs it (once in CI, under load, the run ended first and nothing was met).
     args = ["--mb", "120", "--steps", "120", "--step-seconds", "0.1"]
-    ms = _checkpointed_and_lost(tmp_path, "lazy-bad", args, 2)
+    # Both checkpoints of a workload past its start-up: under load, the first heartbeat froze train.py while
+    # it was still filling its array, and the two shared none of it (CI run 68).
+    proc = start_cli("run", "--id", "lazy-bad", "--heartbeat", "1", "--", *_train(*args),
+                     env=cli_env(tmp_path, "node-a", "work-a"), out=tmp_path / "a")
+    ms = wait_for_checkpoint_after(tmp_path / "store", "lazy-bad", tmp_path / "a.out", "step 1/", proc, n=2)
+    kill_node(proc, ms[0]["process"]["pid"])
+    shutil.rmtree(tmp_path / "work-a")
+    ms = manifests(tmp_path / "store", "lazy-bad")
     newest, older = ms[-1], ms[-2]
     # A chunk both checkpoints share, as far as can be from what the newest wrote anew: memory that
     # streams in behind the running process (what it wrote last is restored up front, and checked then).
