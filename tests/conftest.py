@@ -340,11 +340,11 @@ def wait_for_checkpoint_after(store: Path, checkpoint_id: str, out: Path, text: 
     wait_for_line(out, text, proc, timeout)
     after = max((m["seq"] for m in manifests(store, checkpoint_id)), default=0) + 2
     deadline = time.monotonic() + timeout
-    while sum(m["seq"] >= after for m in (ms := manifests(store, checkpoint_id))) < n:
+    while sum(m["seq"] >= after for m in manifests(store, checkpoint_id)) < n:
         assert proc.poll() is None, f"supervisor exited early with {proc.returncode}"
         assert time.monotonic() < deadline, f"no checkpoint of {checkpoint_id} after {text!r} within {timeout}s"
         time.sleep(0.2)
-    return ms
+    return manifests(store, checkpoint_id)
 
 
 def wait_for_line(path: Path, text: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> str:
