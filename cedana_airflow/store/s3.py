@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,9 +32,12 @@ __all__ = ["S3Store", "client_config", "make_s3_client"]
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken",
            "AllAccessDisabled", "403"}
 _MISSING = {"NoSuchKey", "404", "NotFound"}
-# A conditional PUT that lost: the key exists (If-None-Match) or moved on (If-Match), or a
-# concurrent conditional write to it was in flight (409 on AWS).
-_LOST_RACE = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
+# A conditional PUT that lost: the key exists (If-None-Match) or moved on (If-Match).
+_LOST_RACE = {"PreconditionFailed", "412"}
+# A concurrent conditional write to the key was in flight (AWS): its outcome is not known yet, so the
+# PUT is tried again, a few times, before it counts as lost.
+_IN_FLIGHT = {"ConditionalRequestConflict", "409"}
+_IN_FLIGHT_TRIES = 4
 _HEAD_BUCKET = "checking the bucket"
 #: Where the conditional-write probe writes its scratch key, under the store's prefix: locks/, whose
 #: readers skip what is not a lock (older versions too; a filer-backed server keeps emptied folders).
@@ -42,19 +46,25 @@ _PROBE_PREFIX = f"{layout.LOCKS}probe-"
 _RACERS = 4
 #: What a server that does not take conditional writes at all answers (instead of ignoring the header).
 _NO_CONDITIONS = {"NotImplemented", "501", "InvalidArgument", "InvalidRequest"}
-#: Servers (endpoint, bucket) this process has probed: a writer opens its store at every heartbeat.
-_PROBED: set[tuple[str, str]] = set()
+#: Servers (endpoint, bucket, the client's proxies) this process has probed, and when: a writer opens its
+#: store at every heartbeat. A long-lived process (the node agent) probes again after _PROBE_EVERY: the
+#: server behind an endpoint may be replaced (an upgrade, a failover to another cluster).
+_PROBED: dict[tuple[str, str, str], float] = {}
 _PROBED_LOCK = threading.Lock()
+_PROBE_EVERY = 3600.0
+_clock = time.monotonic  # (a test moves it on)
 
 
 def _probe_once(store: S3Store) -> None:
-    where = (str(getattr(getattr(store.client, "meta", None), "endpoint_url", "")), store.bucket)
+    meta = getattr(store.client, "meta", None)
+    proxies = getattr(getattr(meta, "config", None), "proxies", None)
+    where = (str(getattr(meta, "endpoint_url", "")), store.bucket, repr(sorted((proxies or {}).items())))
     with _PROBED_LOCK:
-        if where in _PROBED:
+        if where in _PROBED and _clock() - _PROBED[where] < _PROBE_EVERY:
             return
     store.probe_conditional_writes()  # raises where the server ignores them: probed again next time
     with _PROBED_LOCK:
-        _PROBED.add(where)
+        _PROBED[where] = _clock()
 
 
 def client_config(settings: Settings) -> Any:
@@ -184,13 +194,23 @@ class S3Store(RequiredReads):
         elif if_match:
             extra["IfMatch"] = if_match
         with self._errors(f"writing {key}"):
-            try:
-                self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, **extra)
-            except ClientError as e:
-                if (create_only or if_match) and str(e.response.get("Error", {}).get("Code")) in _LOST_RACE:
+            for attempt in range(_IN_FLIGHT_TRIES):
+                try:
+                    self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, **extra)
+                    return True
+                except ClientError as e:
+                    code = str(e.response.get("Error", {}).get("Code"))
+                    if not (create_only or if_match) or code not in _LOST_RACE | _IN_FLIGHT:
+                        raise
+                    if code in _IN_FLIGHT and attempt + 1 < _IN_FLIGHT_TRIES:
+                        time.sleep(0.05 * 2**attempt)
+                        continue
+                    # botocore tried again after the server had applied the first try, whose answer was lost
+                    # on the way back (a reset, a timeout): the 412 names our own write, not another writer's
+                    if e.response.get("ResponseMetadata", {}).get("RetryAttempts") and self._get(key) == data:
+                        return True
                     return False
-                raise
-        return True
+        return False
 
     def _pages(self, prefix: str, delimiter: str = "", limit: int = 0) -> Iterator[dict[str, Any]]:
         args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._key(prefix)}
@@ -262,7 +282,7 @@ class S3Store(RequiredReads):
                                            **condition)
             except ClientError as e:
                 code = str(e.response.get("Error", {}).get("Code"))
-                if code in _LOST_RACE:
+                if code in _LOST_RACE | _IN_FLIGHT:  # a racer that met another's write in flight lost to it
                     return False, server(e.response.get("ResponseMetadata", {}))
                 if code in _NO_CONDITIONS:  # it refuses the header itself: as good as ignoring it, and said so
                     raise StoreUnavailable(
@@ -328,6 +348,14 @@ class S3Store(RequiredReads):
     def delete(self, key: str) -> None:
         with self._errors(f"deleting {key}"):
             self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+            # A filer-backed server (SeaweedFS) keeps the folders a delete empties, and lists them: a deleted
+            # checkpoint ID stayed among the store's IDs, for gc, check and the agent to walk for ever. Its
+            # folders go as the file store's do: a folder still holding objects is left (tried on SeaweedFS
+            # 4.48); where the server keeps no folders (AWS), the DELETE of a key that is not there is a no-op.
+            parts = key.split("/")
+            if layout.parse_manifest_key(key) or (len(parts) == 3 and f"{parts[1]}/" == layout.RESTORES):
+                for folder in ("/".join(parts[:2]) + "/", parts[0] + "/"):
+                    self.client.delete_object(Bucket=self.bucket, Key=self._key(folder))
 
     def get_versioned(self, key: str) -> tuple[bytes | None, str]:
         from botocore.exceptions import ClientError

@@ -6,7 +6,9 @@ endpoint does on a bad day, over a real socket, to the real boto3 client of the 
 ``drop_headers`` makes it a gateway that drops request headers (``{"if-none-match", "if-match"}``: one that
 ignores conditional writes). Kinds: ``500`` (InternalError), ``503`` (SlowDown), ``reset`` (the connection is reset, no answer),
 ``timeout`` (no answer for ``hang`` seconds, then closed), ``short`` (the answer's body is cut in half
-under its full Content-Length). ``times``: how many matching requests in a row (boto3 retries 5
+under its full Content-Length), ``lost`` (the request reaches the server, which applies it; its answer is
+lost on the way back, the connection reset), ``409`` (ConditionalRequestConflict: AWS's answer while
+another conditional write to the key is in flight). ``times``: how many matching requests in a row (boto3 retries 5
 times: 6 makes one operation fail; a large number is an outage).
 """
 
@@ -22,9 +24,11 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-KINDS = ("500", "503", "reset", "timeout", "short")
+KINDS = ("500", "503", "reset", "timeout", "short", "lost", "409")
 _ERROR = {"500": ("InternalError", "We encountered an internal error. Please try again."),
-          "503": ("SlowDown", "Please reduce your request rate.")}
+          "503": ("SlowDown", "Please reduce your request rate."),
+          "409": ("ConditionalRequestConflict", "A conflicting operation occurred. If using PutObject you can retry "
+                  "the request.")}
 
 
 @dataclass
@@ -86,6 +90,11 @@ class FaultProxy:
                 conn.request(self.command, self.path, body=body, headers=headers)
                 r = conn.getresponse()
                 data = r.read()
+                if fault == "lost":  # applied upstream; the client never hears of it
+                    conn.close()
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.close_connection = True
+                    return
                 self.send_response(r.status, r.reason)
                 head = self.command == "HEAD"  # its Content-Length is the object's, with no body
                 for k, v in r.getheaders():

@@ -89,6 +89,82 @@ def test_manifests_are_create_only(bucket, tmp_path):
     assert load_manifests(s, "job") == [m]
 
 
+def _proxied(monkeypatch):
+    """A fault proxy in front of the endpoint the bucket fixture chose; boto3 pointed at it."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "faults"))
+    from s3_faults import FaultProxy
+
+    proxy = FaultProxy(os.environ["AWS_ENDPOINT_URL"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    return proxy
+
+
+def test_a_conditional_put_whose_answer_was_lost_is_the_writer_s_own_not_a_lost_race(bucket, tmp_path, monkeypatch):
+    """The server applied the manifest's create-only PUT; its answer was lost (a reset); botocore tried again
+    and met 412, its own write. That is a commit, not another writer's: before, the heartbeat took its own
+    manifest for a rival's. The same for the index's compare-and-swap."""
+    proxy = _proxied(monkeypatch)
+    try:
+        from s3_faults import Rule
+
+        s, cfg = _store(bucket, s3_conditional_writes="trust")  # no probe through the proxy's faults
+        proxy.arm(Rule("PUT", r"/job/0000000001/manifest\.json", "lost", times=1))
+        m = save_checkpoint(s, cfg, META, _images(tmp_path / "img", b"x"))
+        assert proxy.rule is not None and proxy.rule.hits == 1  # the first try's answer was lost
+        assert [x.seq for x in load_manifests(s, "job")] == [1] and m.seq == 1
+        # a rival's manifest at seq 1 is still a lost race, retry or not: the read-back tells them apart
+        proxy.arm(Rule("PUT", r"/job/0000000001/manifest\.json", "lost", times=1))
+        assert s.put_manifest("job", 1, b'{"a rival": 1}') is False
+        assert load_manifests(s, "job") == [m]
+        # compare-and-swap: the swap applied, its answer lost, the retry's 412 is ours
+        assert s.put_if_version("scratch", b"one", "") is True
+        token = s.get_versioned("scratch")[1]
+        proxy.arm(Rule("PUT", r"/scratch$", "lost", times=1))
+        assert s.put_if_version("scratch", b"two", token) is True and s.get("scratch") == b"two"
+        assert s.put_if_version("scratch", b"three", token) is False  # a stale token still loses
+    finally:
+        proxy.close()
+
+
+def test_a_conditional_put_met_by_another_write_in_flight_is_tried_again(bucket, monkeypatch):
+    """AWS answers 409 ConditionalRequestConflict while another conditional write to the key is in flight:
+    its outcome is not known yet. A few tries, then a lost race (before: lost at once, where nobody may win)."""
+    proxy = _proxied(monkeypatch)
+    try:
+        from s3_faults import Rule
+
+        s, _ = _store(bucket, s3_conditional_writes="trust")
+        proxy.arm(Rule("PUT", r"/locks/held$", "409", times=2))
+        assert s.put_if_absent("locks/held", b"mine") is True and s.get("locks/held") == b"mine"
+        proxy.arm(Rule("PUT", r"/locks/other$", "409", times=100))  # the rival's write never settles here
+        assert s.put_if_absent("locks/other", b"mine") is False and s.get("locks/other") is None
+    finally:
+        proxy.close()
+
+
+def test_a_deleted_checkpoint_id_leaves_the_store_s_ids(bucket, tmp_path):
+    """SeaweedFS keeps the folders a delete empties, and lists them (moto and AWS keep no folders): every
+    finished task's ID stayed among the store's IDs, for gc, check and the agent's listing to walk."""
+    import dataclasses
+    from datetime import datetime, timezone
+
+    from cedana_airflow.store.gc import delete_checkpoint_id
+    from cedana_airflow.store.restores import RestoreRecord, record_restore
+
+    s, cfg = _store(bucket)
+    save_checkpoint(s, cfg, META, _images(tmp_path / "a", b"a"))
+    save_checkpoint(s, cfg, dataclasses.replace(META, parent_seq=1), _images(tmp_path / "b", b"b"))
+    save_checkpoint(s, cfg, dataclasses.replace(META, checkpoint_id="kept"), _images(tmp_path / "c", b"c"))
+    record_restore(s, RestoreRecord(checkpoint_id="job", outcome="restored", seq=1, at=datetime.now(timezone.utc)))
+    assert s.list_ids() == ["job", "kept"] and s.list_seqs("job") == [1, 2]
+    delete_checkpoint_id(s, "job", [1])  # a folder that still holds a checkpoint stays
+    assert s.list_ids() == ["job", "kept"] and s.list_seqs("job") == [2]
+    delete_checkpoint_id(s, "job")
+    assert s.list_ids() == ["kept"] and s.list_seqs("job") == [] and s.list_seqs("kept") == [1]
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
 def test_corrupt_chunk_objects_are_refused(bucket, tmp_path, damage):
     s, cfg = _store(bucket)
@@ -204,7 +280,7 @@ def test_a_server_that_ignores_conditional_writes_is_refused_in_one_line_before_
     from cedana_airflow.store import s3 as s3_store
 
     bucket = moto_bucket
-    monkeypatch.setattr(s3_store, "_PROBED", set())
+    monkeypatch.setattr(s3_store, "_PROBED", {})
     s, _ = _store(bucket)  # moto honours both: probed and passed
     assert f"at {s3_endpoint} honours create-only and compare-and-swap PUTs, 4 writers racing" in \
         s.probe_conditional_writes()
@@ -282,3 +358,35 @@ def test_a_server_that_never_lets_a_compare_and_swap_through_is_refused_too():
                                                r"current If-Match was refused"):
         store.probe_conditional_writes()
     assert stub.objects == {}  # the scratch key is gone
+
+
+def test_a_process_probes_a_server_once_an_hour_and_again_through_another_proxy(monkeypatch):
+    """A supervisor opens its store at every heartbeat: one probe, not one per heartbeat. The node agent
+    lives for weeks: the server behind its endpoint may be replaced, so the answer lasts an hour. A client
+    through another proxy may reach another server."""
+    from types import SimpleNamespace
+
+    from cedana_airflow.store import s3 as s3_store
+
+    probes: list[str] = []
+    monkeypatch.setattr(s3_store, "_PROBED", {})
+    monkeypatch.setattr(s3_store.S3Store, "probe_conditional_writes", lambda self: probes.append(self.bucket) or "ok")
+    now = [1000.0]
+    monkeypatch.setattr(s3_store, "_clock", lambda: now[0])
+
+    def store(proxies: dict[str, str] | None = None) -> s3_store.S3Store:
+        client = SimpleNamespace(meta=SimpleNamespace(endpoint_url="http://s3.invalid",
+                                                      config=SimpleNamespace(proxies=proxies)))
+        return s3_store.S3Store("b", "p", client, load_settings({}, environ={}))
+
+    s3_store._probe_once(store())
+    s3_store._probe_once(store())
+    assert len(probes) == 1
+    now[0] += 3599
+    s3_store._probe_once(store())
+    assert len(probes) == 1
+    now[0] += 2
+    s3_store._probe_once(store())
+    assert len(probes) == 2
+    s3_store._probe_once(store({"https": "http://proxy.invalid:3128"}))
+    assert len(probes) == 3
