@@ -16,13 +16,14 @@ _UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 
 
 def binary_size(n: float) -> str:
-    """``binary_size(333_000_000) == '317.6 MiB'``; bytes below 1 KiB as ``'512 B'``."""
-    if abs(n) < 1024:
+    """``binary_size(33_000_000) == '31.5 MiB'``; bytes below 1,000 as ``'512 B'``. At most three digits
+    before the point (1,005 KiB is ``'1.0 MiB'``, as ``ls -h`` says it): a log line's sizes read alike."""
+    if abs(n) < 1000:
         return f"{n:.0f} B"
     for unit in _UNITS:
         n /= 1024
-        if abs(n) < 1024 or unit == _UNITS[-1]:
-            return f"{n:,.1f} {unit}" if abs(n) < 100 else f"{n:,.0f} {unit}"
+        if abs(n) < 999.5 or unit == _UNITS[-1]:
+            return f"{n:,.1f} {unit}" if abs(n) < 99.95 else f"{n:,.0f} {unit}"
     raise AssertionError("unreachable")
 
 

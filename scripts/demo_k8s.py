@@ -3,9 +3,9 @@
 CedanaKubernetesPodOperator(route="wrap") builds each try's V1Pod through its own code path
 (build_pod_request_obj with the try's task context); pod_runtime.py places it on one of three
 pretend nodes by its node affinity and plays it with `podman kube play` in the image that
-pod_image.py builds from deploy/Containerfile and our wheel. The store is moto's S3 server on this
-machine, reached from the pods over their network; its credentials are the Secret the operator
-mounts as files. Two cases, each compared with an uninterrupted run of the same workload:
+pod_image.py builds from deploy/Containerfile and our wheel. The store is SeaweedFS, a real S3 server
+(moto's before 0.11.0), on this machine, reached from the pods over their network; its credentials are
+the Secret the operator mounts as files. Two cases, each compared with an uninterrupted run of the same workload:
 
 - node loss: after a few heartbeat checkpoints every process of the pod is SIGKILLed; the retry's
   pod (try 2, same checkpoint ID) goes to another node, restores the latest checkpoint and finishes;
@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from local_parts import moto_server  # noqa: E402
+from local_parts import seaweed_server  # noqa: E402
 from pod_runtime import Node, PodError, PodRuntime, place, pod_dict, translate  # noqa: E402
 
 WORKLOAD = REPO / "tests" / "workloads" / "pool_sum.py"
@@ -120,7 +120,7 @@ def context(try_number: int, state: _TaskStateStore) -> dict[str, Any]:
 
 
 class Cluster:
-    """Three pretend nodes on one podman, moto's S3 server as the store, and the operator's Secret."""
+    """Three pretend nodes on one podman, SeaweedFS as the store, and the operator's Secret."""
 
     def __init__(self, root: Path, image: str, rt: PodRuntime, s3_url: str, canary: str) -> None:
         self.root, self.image, self.rt, self.s3_url = root, image, rt, s3_url
@@ -290,7 +290,7 @@ def run(root: Path, cache: Path | None = None,
 
     optin = root / "optin.toml"
     optin.write_text(OPTIN)
-    canary = f"canary-{os.urandom(8).hex()}"  # moto takes any key: a secret to look for in the images
+    canary = f"canary-{os.urandom(8).hex()}"  # the server takes any key: a secret to look for in the images
     expected = uninterrupted()
     with ExitStack() as stack:
         stack.enter_context(_environ(AIRFLOW_HOME=os.environ.get("AIRFLOW_HOME", str(root / "airflow")),
@@ -298,7 +298,7 @@ def run(root: Path, cache: Path | None = None,
         rt = PodRuntime(root / "podman")
         stack.callback(rt.close)
         _, image = pod_image.build(cache or pod_image.DEFAULT_CACHE, rt)
-        s3_url = stack.enter_context(moto_server(host=host_address()))
+        s3_url = stack.enter_context(seaweed_server(host=host_address()))
         # This process reads the store too (the images, below); the pods get the Secret instead.
         stack.enter_context(_environ(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
                                      AWS_ENDPOINT_URL=s3_url, AWS_DEFAULT_REGION="us-east-1"))

@@ -9,6 +9,8 @@ import json
 import re
 import sys
 
+import pytest
+
 from conftest import cli, cli_env
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(1.5); print('done')"]
@@ -136,6 +138,16 @@ def test_doctor_warns_where_nothing_can_hold_a_connection_still_while_it_is_dump
     (fake.parent / "ip6tables").symlink_to("/bin/true")
     checks = {c["name"]: c for c in json.loads(cli("doctor", "--json", env=env).stdout)}
     assert checks["network lock"]["status"] == "ok" and checks["network lock"]["detail"].startswith("iptables ("), checks
+
+
+@pytest.mark.parametrize(("size", "said"), [(512, "512 B"), (999, "999 B"), (1000, "1.0 KiB"), (1005 * 1024, "1.0 MiB"),
+                                            (999 * 1024, "999 KiB"), (100 * 1024, "100 KiB"), (33_000_000, "31.5 MiB"),
+                                            (5 << 30, "5.0 GiB")])
+def test_a_size_in_a_log_line_has_at_most_three_digits_before_its_point(size, said):
+    """A heartbeat of 1,005 KiB stored said `1,005 KiB` where its neighbour said `1.1 MiB` (CI run 70)."""
+    from cedana_airflow.units import binary_size
+
+    assert binary_size(size) == said
 
 
 def test_a_heartbeat_says_one_line_with_its_figures_and_the_id_is_said_where_the_run_starts(tmp_path):

@@ -1,6 +1,6 @@
 """The Kubernetes wrap route in real pods (`make demo-k8s`, scripts/demo_k8s.py): the pods that
 CedanaKubernetesPodOperator builds are played by podman in the image built from deploy/Containerfile
-and our wheel, against moto's S3 server; a node loss, and the live drill deleting a running try's pod
+and our wheel, against SeaweedFS (a real S3 server); a node loss, and the live drill deleting a running try's pod
 (a drain as the drill causes it), each followed by the retry's pod.
 
 What stands in for the cluster, and only that: the scheduler's affinity filter (three pretend nodes),
