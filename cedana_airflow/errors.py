@@ -36,6 +36,7 @@ __all__ = [
     "CheckpointIdError",
     "CheckpointNotFound",
     "CommandNotFound",
+    "ConditionalWritesIgnored",
     "ConfigError",
     "CorruptCheckpoint",
     "DumpFailed",
@@ -82,6 +83,10 @@ class StoreError(CedanaError):
 
 class StoreUnavailable(StoreError):
     """The store is not reachable, not writable, or written in a format version we do not know."""
+
+
+class ConditionalWritesIgnored(StoreUnavailable):
+    """The S3 server does not honour conditional writes (the probe's verdict, not a failed request)."""
 
 
 class StoreBusy(StoreError):

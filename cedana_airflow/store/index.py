@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -92,6 +93,10 @@ class IndexEntry(_Model):
 class _Shard(_Model):
     format_version: int = 1
     ids: dict[str, IndexEntry] = {}
+    #: Random per write (0.11.0; readers ignore it): two writers making the same change from the same shard
+    #: never write equal bytes, so the S3 store's read-back after a retried PUT tells its own write from a
+    #: rival's (store/s3.py, _put), and no counter increment is lost.
+    nonce: str = ""
 
 
 shard_key = index_shard_key  # the name this module's callers know
@@ -123,7 +128,8 @@ def _update(store: Store, key: str, change: Callable[[dict[str, IndexEntry]], No
         raw, token = store.get_versioned(key)
         ids = dict(_parse(raw, key).ids)
         change(ids)
-        data = _Shard(ids={k: v for k, v in sorted(ids.items()) if not v.empty()}).model_dump_json().encode()
+        data = _Shard(ids={k: v for k, v in sorted(ids.items()) if not v.empty()},
+                      nonce=secrets.token_hex(8)).model_dump_json().encode()
         if store.put_if_version(key, data, token):
             return True
         with _conflicts_lock:

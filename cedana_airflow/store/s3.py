@@ -13,6 +13,8 @@ same raw bytes.
 from __future__ import annotations
 
 import contextlib
+import logging
+import random
 import secrets
 import threading
 import time
@@ -22,12 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Settings, redact
-from ..errors import StoreUnavailable
+from ..errors import ConditionalWritesIgnored, StoreUnavailable
 from ..format import layout
 from ..format.limits import TooLarge
 from .base import RequiredReads, StoreConfig, StoredObject, parse_store_config
 
 __all__ = ["S3Store", "client_config", "make_s3_client"]
+
+log = logging.getLogger(__name__)
 
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken",
            "AllAccessDisabled", "403"}
@@ -46,25 +50,61 @@ _PROBE_PREFIX = f"{layout.LOCKS}probe-"
 _RACERS = 4
 #: What a server that does not take conditional writes at all answers (instead of ignoring the header).
 _NO_CONDITIONS = {"NotImplemented", "501", "InvalidArgument", "InvalidRequest"}
-#: Servers (endpoint, bucket, the client's proxies) this process has probed, and when: a writer opens its
-#: store at every heartbeat. A long-lived process (the node agent) probes again after _PROBE_EVERY: the
-#: server behind an endpoint may be replaced (an upgrade, a failover to another cluster).
-_PROBED: dict[tuple[str, str, str], float] = {}
+#: Servers (endpoint, bucket, the client's proxies) this process has probed: when, and whether the server
+#: keeps the folders a delete empties. A writer opens its store at every heartbeat: one probe, not one per
+#: heartbeat. A long-lived process (the node agent) probes again after _PROBE_EVERY: the server behind an
+#: endpoint may be replaced (an upgrade, a failover to another cluster).
+_PROBED: dict[tuple[str, str, str], tuple[float, bool]] = {}
 _PROBED_LOCK = threading.Lock()
+_PROBING: dict[tuple[str, str, str], threading.Lock] = {}  # one probe at a time per server: the others wait for it
 _PROBE_EVERY = 3600.0
+#: A re-probe that failed on the way (a 503 storm, a timeout) keeps the last verdict this long, then tries again.
+_PROBE_RETRY = 300.0
 _clock = time.monotonic  # (a test moves it on)
 
 
-def _probe_once(store: S3Store) -> None:
+def _where(store: S3Store) -> tuple[str, str, str]:
     meta = getattr(store.client, "meta", None)
     proxies = getattr(getattr(meta, "config", None), "proxies", None)
-    where = (str(getattr(meta, "endpoint_url", "")), store.bucket, repr(sorted((proxies or {}).items())))
+    return str(getattr(meta, "endpoint_url", "")), store.bucket, repr(sorted((proxies or {}).items()))
+
+
+def _probe_once(store: S3Store) -> None:
+    where = _where(store)
     with _PROBED_LOCK:
-        if where in _PROBED and _clock() - _PROBED[where] < _PROBE_EVERY:
+        probing = _PROBING.setdefault(where, threading.Lock())
+    with probing:
+        with _PROBED_LOCK:
+            at, keeps = _PROBED.get(where, (None, False))
+        if at is not None and _clock() - at < _PROBE_EVERY:
+            store.keeps_folders = keeps
             return
-    store.probe_conditional_writes()  # raises where the server ignores them: probed again next time
-    with _PROBED_LOCK:
-        _PROBED[where] = _clock()
+        try:
+            store.probe_conditional_writes()  # raises where the server ignores them: probed again next time
+        except ConditionalWritesIgnored:
+            raise
+        except StoreUnavailable as e:
+            if at is None:
+                raise
+            # A re-probe that could not finish says nothing new about the server: the last verdict stands (a
+            # write that would have succeeded is not failed by the probe's bad luck), and it is tried again soon.
+            log.warning("re-checking conditional writes failed (%s); the last check's answer stands", e)
+            with _PROBED_LOCK:
+                _PROBED[where] = (_clock() - _PROBE_EVERY + _PROBE_RETRY, keeps)
+            store.keeps_folders = keeps
+            return
+        with _PROBED_LOCK:
+            _PROBED[where] = (_clock(), store.keeps_folders)
+
+
+def _folders_of(key: str) -> list[str]:
+    """The folders under which a manifest or a restore record lies, innermost first (seq or restores/, then
+    the ID's); none for any other key."""
+    if found := layout.parse_manifest_key(key):
+        return [layout.manifest_key(*found).rsplit("/", 1)[0] + "/", layout.checkpoint_prefix(found[0])]
+    if len(parts := key.split("/")) == 3 and f"{parts[1]}/" == layout.RESTORES:
+        return [f"{parts[0]}/{layout.RESTORES}", f"{parts[0]}/"]
+    return []
 
 
 def client_config(settings: Settings) -> Any:
@@ -136,6 +176,9 @@ class S3Store(RequiredReads):
         self.client = client
         self.parallelism = settings.s3_parallelism
         self.conditional_writes = settings.s3_conditional_writes
+        #: Whether the server keeps (and lists) the folders a delete empties, as SeaweedFS's filer does: the
+        #: probe finds out. Unknown (no probe: `trust`) counts as no.
+        self.keeps_folders = False
         self._put_args: dict[str, str] = {}
         if settings.s3_sse:
             self._put_args["ServerSideEncryption"] = settings.s3_sse
@@ -193,6 +236,7 @@ class S3Store(RequiredReads):
             extra["IfNoneMatch"] = "*"
         elif if_match:
             extra["IfMatch"] = if_match
+        unsure = False  # whether botocore tried any PUT of this write again: a try it gave up on may have applied
         with self._errors(f"writing {key}"):
             for attempt in range(_IN_FLIGHT_TRIES):
                 try:
@@ -202,14 +246,15 @@ class S3Store(RequiredReads):
                     code = str(e.response.get("Error", {}).get("Code"))
                     if not (create_only or if_match) or code not in _LOST_RACE | _IN_FLIGHT:
                         raise
+                    unsure = unsure or bool(e.response.get("ResponseMetadata", {}).get("RetryAttempts"))
                     if code in _IN_FLIGHT and attempt + 1 < _IN_FLIGHT_TRIES:
-                        time.sleep(0.05 * 2**attempt)
+                        time.sleep(0.05 * 2**attempt * random.uniform(0.5, 1.5))  # racers out of step
                         continue
-                    # botocore tried again after the server had applied the first try, whose answer was lost
-                    # on the way back (a reset, a timeout): the 412 names our own write, not another writer's
-                    if e.response.get("ResponseMetadata", {}).get("RetryAttempts") and self._get(key) == data:
-                        return True
-                    return False
+                    # botocore tried again after the server had applied a try whose answer was lost on the way
+                    # back (a reset, a timeout), and the retry met that write (412, or 409 while it was in flight
+                    # and then 412 here): our own write, not another writer's. Bytes equal to ours are ours:
+                    # manifests, leases and locks carry their writer and time, index shards a nonce.
+                    return unsure and self._get(key) == data
         return False
 
     def _pages(self, prefix: str, delimiter: str = "", limit: int = 0) -> Iterator[dict[str, Any]]:
@@ -234,7 +279,8 @@ class S3Store(RequiredReads):
         create-only; the index and the leases compare-and-swap), tried as writers use it on a scratch key
         under locks/ (which every reader skips), removed after. Returns what it found, in words; raises
         StoreUnavailable, one line, where it does not."""
-        key = f"{_PROBE_PREFIX}{secrets.token_hex(8)}"
+        folder = f"{_PROBE_PREFIX}{secrets.token_hex(8)}/"
+        key = f"{folder}scratch"
         endpoint = str(redact(getattr(getattr(self.client, "meta", None), "endpoint_url", "?")))
         problems: list[str] = []
         try:
@@ -259,8 +305,9 @@ class S3Store(RequiredReads):
         finally:
             with contextlib.suppress(StoreUnavailable):
                 self.delete(key)
+                self.keeps_folders = self._kept(folder)
         if problems:
-            raise StoreUnavailable(
+            raise ConditionalWritesIgnored(
                 f"store {self.url}: the S3 server at {endpoint} ({server}) does not honour conditional writes: "
                 f"{'; '.join(problems)}, so two writers could both commit one checkpoint, or the index and the "
                 "leases could not be updated. Use a server that honours If-None-Match and If-Match on PUT under "
@@ -268,6 +315,19 @@ class S3Store(RequiredReads):
                 "s3_conditional_writes = trust for one writer per checkpoint ID at your own risk "
                 "(docs/store-format.md, Conditional writes)")
         return f"{server} at {endpoint} honours create-only and compare-and-swap PUTs, {_RACERS} writers racing"
+
+    def _kept(self, folder: str) -> bool:
+        """Whether the server still lists ``folder`` (the probe's, emptied): a filer-backed server keeps it,
+        and then it goes too (a DELETE of a folder key that holds nothing)."""
+        with self._errors("probing conditional writes"):
+            # SeaweedFS 4.48 lists an emptied folder as a key of its own under its name (a prefix that is the
+            # folder's name without the slash finds nothing there); S3 lists nothing
+            r = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self._key(folder), Delimiter="/")
+            kept = any(o["Key"] == self._key(folder) for o in r.get("Contents", [])) or any(
+                p["Prefix"] == self._key(folder) for p in r.get("CommonPrefixes", []))
+            if kept:
+                self.client.delete_object(Bucket=self.bucket, Key=self._key(folder))
+        return kept
 
     def _probe_put(self, key: str, body: bytes, endpoint: str, **condition: str) -> tuple[bool, str]:
         """(whether a conditional PUT was taken, the answer's Server header): a real write's arguments."""
@@ -285,7 +345,7 @@ class S3Store(RequiredReads):
                 if code in _LOST_RACE | _IN_FLIGHT:  # a racer that met another's write in flight lost to it
                     return False, server(e.response.get("ResponseMetadata", {}))
                 if code in _NO_CONDITIONS:  # it refuses the header itself: as good as ignoring it, and said so
-                    raise StoreUnavailable(
+                    raise ConditionalWritesIgnored(
                         f"store {self.url}: the S3 server at {endpoint} refuses conditional writes ({code} to "
                         f"{', '.join(condition)} on PUT), which the store's safety rests on. Use a server that "
                         "honours them, or set s3_conditional_writes = trust at your own risk (docs/store-format.md, "
@@ -346,16 +406,28 @@ class S3Store(RequiredReads):
         return self._put(key, data, create_only=True)
 
     def delete(self, key: str) -> None:
+        folders = _folders_of(key)
+        if folders and self.conditional_writes == "probe":
+            _probe_once(self)  # whether the server keeps emptied folders (a process may delete before it writes)
         with self._errors(f"deleting {key}"):
             self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
-            # A filer-backed server (SeaweedFS) keeps the folders a delete empties, and lists them: a deleted
-            # checkpoint ID stayed among the store's IDs, for gc, check and the agent to walk for ever. Its
-            # folders go as the file store's do: a folder still holding objects is left (tried on SeaweedFS
-            # 4.48); where the server keeps no folders (AWS), the DELETE of a key that is not there is a no-op.
-            parts = key.split("/")
-            if layout.parse_manifest_key(key) or (len(parts) == 3 and f"{parts[1]}/" == layout.RESTORES):
-                for folder in ("/".join(parts[:2]) + "/", parts[0] + "/"):
-                    self.client.delete_object(Bucket=self.bucket, Key=self._key(folder))
+        if folders and self.keeps_folders:
+            self._drop_emptied_folders(folders)
+
+    def _drop_emptied_folders(self, folders: list[str]) -> None:
+        """The folders a deleted manifest or restore record leaves empty, on a server that keeps and lists
+        them (SeaweedFS: a deleted ID stayed among the store's IDs, for gc, check and the agent to walk for
+        ever), as the file store drops its own. A folder that still holds objects is left (SeaweedFS 4.48).
+        Only where the probe saw folders kept: on AWS a DELETE in a versioned bucket writes a delete marker
+        even for a key that is not there. Best effort: the delete itself is done."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        for folder in folders:
+            try:
+                self.client.delete_object(Bucket=self.bucket, Key=self._key(folder))
+            except (BotoCoreError, ClientError) as e:
+                log.debug("store %s: removing the emptied folder %s failed (%s)", self.url, folder, e)
+                return
 
     def get_versioned(self, key: str) -> tuple[bytes | None, str]:
         from botocore.exceptions import ClientError

@@ -8,7 +8,8 @@ ignores conditional writes). Kinds: ``500`` (InternalError), ``503`` (SlowDown),
 ``timeout`` (no answer for ``hang`` seconds, then closed), ``short`` (the answer's body is cut in half
 under its full Content-Length), ``lost`` (the request reaches the server, which applies it; its answer is
 lost on the way back, the connection reset), ``409`` (ConditionalRequestConflict: AWS's answer while
-another conditional write to the key is in flight). ``times``: how many matching requests in a row (boto3 retries 5
+another conditional write to the key is in flight). Kinds joined by ``+`` are taken in turn, the last
+one for the rest of ``times``. ``times``: how many matching requests in a row (boto3 retries 5
 times: 6 makes one operation fail; a large number is an outage).
 """
 
@@ -128,7 +129,8 @@ class FaultProxy:
                 return None
             rule.hits += 1
             self.faults += 1
-            return rule.kind
+            kinds = rule.kind.split("+")  # "lost+409": the first match lost, the next ones 409
+            return kinds[min(rule.hits, len(kinds)) - 1]
 
     def arm(self, rule: Rule | None) -> None:
         with self._lock:

@@ -11,7 +11,7 @@ import boto3
 import pytest
 
 from cedana_airflow.config import load_settings
-from cedana_airflow.errors import CorruptCheckpoint, StoreUnavailable
+from cedana_airflow.errors import ConditionalWritesIgnored, CorruptCheckpoint, StoreUnavailable
 from cedana_airflow.format.manifest import ProcessInfo
 from cedana_airflow.store import open_store
 from cedana_airflow.store.base import chunk_key
@@ -124,6 +124,10 @@ def test_a_conditional_put_whose_answer_was_lost_is_the_writer_s_own_not_a_lost_
         proxy.arm(Rule("PUT", r"/scratch$", "lost", times=1))
         assert s.put_if_version("scratch", b"two", token) is True and s.get("scratch") == b"two"
         assert s.put_if_version("scratch", b"three", token) is False  # a stale token still loses
+        # the applied try's answer lost, botocore's retry met it in flight (409, which botocore does not retry),
+        # the store's next try met it done (412, not a retry of botocore's): still our own write
+        proxy.arm(Rule("PUT", r"/job/0000000002/manifest\.json", "lost+409", times=2))
+        assert s.put_manifest("job", 2, b'{"ours": 2}') is True and proxy.rule.hits == 2
     finally:
         proxy.close()
 
@@ -154,6 +158,7 @@ def test_a_deleted_checkpoint_id_leaves_the_store_s_ids(bucket, tmp_path):
     from cedana_airflow.store.restores import RestoreRecord, record_restore
 
     s, cfg = _store(bucket)
+    assert s.keeps_folders is bucket.startswith("sw-")  # the probe saw SeaweedFS keep its emptied folder
     save_checkpoint(s, cfg, META, _images(tmp_path / "a", b"a"))
     save_checkpoint(s, cfg, dataclasses.replace(META, parent_seq=1), _images(tmp_path / "b", b"b"))
     save_checkpoint(s, cfg, dataclasses.replace(META, checkpoint_id="kept"), _images(tmp_path / "c", b"c"))
@@ -348,6 +353,9 @@ class _Stub:
     def delete_object(self, Bucket: str, Key: str) -> None:  # noqa: N803
         self.objects.pop(Key, None)
 
+    def list_objects_v2(self, Bucket: str, Prefix: str, Delimiter: str) -> dict:  # noqa: N803
+        return {"Contents": [{"Key": k} for k in self.objects if k.startswith(Prefix)]}
+
 
 def test_a_server_that_never_lets_a_compare_and_swap_through_is_refused_too():
     from cedana_airflow.store.s3 import S3Store
@@ -390,3 +398,45 @@ def test_a_process_probes_a_server_once_an_hour_and_again_through_another_proxy(
     assert len(probes) == 2
     s3_store._probe_once(store({"https": "http://proxy.invalid:3128"}))
     assert len(probes) == 3
+
+    # an hour on, a re-probe that fails on the way keeps the last verdict (a write is not failed by it) ...
+    def flaky(self):
+        probes.append("flaky")
+        raise StoreUnavailable("store s3://b/p/: probing conditional writes failed (SlowDown) at http://s3.invalid")
+
+    monkeypatch.setattr(s3_store.S3Store, "probe_conditional_writes", flaky)
+    now[0] += 3601
+    s3_store._probe_once(store())
+    s3_store._probe_once(store())  # ... and is tried again in five minutes, not at every write
+    assert probes[3:] == ["flaky"]
+    now[0] += 301
+    # ... where a server found ignoring conditional writes is refused at once
+    monkeypatch.setattr(s3_store.S3Store, "probe_conditional_writes",
+                        lambda self: (_ for _ in ()).throw(ConditionalWritesIgnored("ignores them")))
+    with pytest.raises(ConditionalWritesIgnored):
+        s3_store._probe_once(store())
+    # a first probe that fails is an error: nothing is known of the server yet
+    monkeypatch.setattr(s3_store.S3Store, "probe_conditional_writes", flaky)
+    with pytest.raises(StoreUnavailable):
+        s3_store._probe_once(store({"https": "http://other.invalid:3128"}))
+
+
+def test_the_threads_of_a_process_wait_for_one_probe(monkeypatch):
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from cedana_airflow.store import s3 as s3_store
+
+    probes: list[int] = []
+    monkeypatch.setattr(s3_store, "_PROBED", {})
+    monkeypatch.setattr(s3_store.S3Store, "probe_conditional_writes",
+                        lambda self: probes.append(1) or time.sleep(0.3) or "ok")
+    client = SimpleNamespace(meta=SimpleNamespace(endpoint_url="http://s3.invalid", config=SimpleNamespace(proxies=None)))
+    stores = [s3_store.S3Store("b", "p", client, load_settings({}, environ={})) for _ in range(4)]
+    threads = [threading.Thread(target=s3_store._probe_once, args=(st,)) for st in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert probes == [1]
