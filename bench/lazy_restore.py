@@ -5,8 +5,9 @@ line), and until every page is in.
   ``criu restore`` of a plain image directory of the same state.
                               targets: first progress <= 0.3x full and <= 0.5x bare;
                                        every page in <= 1.3x bare
-- moto's S3: lazy against the naive path (one plain GET per image file with boto3, then a bare
-  ``criu restore``) and our full path.           target: first progress <= 0.3x naive
+- S3 (moto's server; part "seaweedfs-lazy": SeaweedFS, S3 only): lazy against the naive path (one plain
+  GET per image file with boto3, then a bare ``criu restore``) and our full path.
+                                                 target: first progress <= 0.3x naive
 
 The workload steps every 0.05 s (so the sleep it is restored into adds at most that to all of them
 alike) and rewrites 2% of its state per step: its first step after a restore touches that much.
@@ -26,7 +27,7 @@ import boto3
 from boto3.s3.transfer import TransferConfig
 from harness import (MB, StepSink, TailSink, adopt, bare_dump, bare_restore, kill, make_checkpointer, med, prewarm, say,
                      spread, start_workload, timeline_median)
-from s3_server import BUCKET, Moto
+from s3_server import BUCKET, server
 
 from cedana_airflow.config import Settings
 from cedana_airflow.engine.criu import CriuEngine
@@ -42,20 +43,22 @@ STEP_SECONDS, CHANGE = 0.05, 0.02
 _ONE_GET = TransferConfig(multipart_threshold=1 << 50)  # see WHY_NO_RANGES in s3_restore.py
 
 
-def bench_lazy(engine: CriuEngine, mb: int, reps: int, work: Path, settings: Settings, warm: bool) -> dict[str, Any]:
+def bench_lazy(engine: CriuEngine, mb: int, reps: int, work: Path, settings: Settings, warm: bool,
+               wheres: tuple[str, ...] = ("file", "s3")) -> dict[str, Any]:
     """``warm``: touch 2.5x the image of fresh memory (prewarm) before each timed run, as the other
-    restore figures do."""
+    restore figures do. ``wheres``: the stores (file, s3), the S3 one on s3_server.KIND's server."""
     become_subreaper()
-    with Moto(work, "lazy"):
-        stores = {"file": open_store(f"file://{work / 'lazy-store'}"),
-                  "s3": open_store(f"s3://{BUCKET}/lazy", settings)}
+    TIMELINES.clear()
+    with server(work, "lazy"):
+        stores = {k: open_store(f"file://{work / 'lazy-store'}" if k == "file" else f"s3://{BUCKET}/lazy", settings)
+                  for k in wheres}
         cfgs = {k: s.open(create=True, chunk_avg_bytes=settings.chunk_avg_bytes) for k, s in stores.items()}
         final, plain = _checkpoint(engine, mb, work, settings, stores, cfgs)
         client = boto3.client("s3")
         for p in plain.iterdir():  # the naive path's objects: the plain image files (untimed)
             client.upload_file(str(p), BUCKET, f"lazy-naive/{p.name}", Config=_ONE_GET)
         out: dict[str, Any] = {}
-        for where in ("file", "s3"):
+        for where in wheres:
             kinds: dict[str, Callable[[int, StepSink], tuple[Workload, Callable[[], float] | None]]] = {
                 "full": _ours(engine, stores[where], cfgs[where], settings, work, "full", where),
                 "lazy": _ours(engine, stores[where], cfgs[where], settings, work, "lazy", where),

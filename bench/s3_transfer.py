@@ -1,5 +1,6 @@
 """S3 first checkpoint, heartbeats and restore: cedana-airflow against a naive boto3 user, both on
-moto's S3 server over loopback (part "s3-transfer"; one workload, one moto server):
+one S3 server over loopback (part "s3-transfer" on moto's, "seaweedfs-transfer" on SeaweedFS; one
+workload, one server):
 
 1. first checkpoint: Checkpointer.checkpoint() to an S3Store vs a bare ``criu dump --leave-running``
    plus boto3 ``upload_file`` of every image file (default settings, one client, one file after
@@ -9,7 +10,8 @@ moto's S3 server over loopback (part "s3-transfer"; one workload, one moto serve
 3. restore (s3_restore.py): Checkpointer.restore() (download + verify + criu restore) vs boto3
    ``download_file`` of every image file plus a bare ``criu restore``.     target <= 1.1x
 
-moto's server is a protocol test double (one Python process), not a storage system: see MOTO_NOTE.
+moto's server is a protocol test double (one Python process), not a storage system: see MOTO_NOTE;
+SeaweedFS is a real one (SEAWEEDFS_NOTE).
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from typing import Any
 
 import boto3
 from harness import MB, PhaseTimes, StepSink, Warm, bare_dump, drop_dir, kill, make_checkpointer, med, say, start_workload
-from report import MOTO_NOTE, fmt_ops
+from report import MOTO_NOTE, SEAWEEDFS_NOTE, fmt_ops
 from s3_restore import bench_s3_restore
-from s3_server import BUCKET, Moto, WireCounter, delete_prefix, moto_version
+from s3_server import BUCKET, Endpoint, WireCounter, delete_prefix, server, server_name
 
 from cedana_airflow.config import Settings, load_settings
 from cedana_airflow.engine.criu import CriuEngine
@@ -46,21 +48,22 @@ def bench_transfer(engine: CriuEngine, mb: int, reps: int, work: Path, prewarm_o
     settings = load_settings(environ={})  # shipped defaults; boto3 takes the endpoint from AWS_ENDPOINT_URL
     warm_bytes = int(2.5 * mb * MB) if prewarm_on else 0
     step_seconds = 3.0  # longer than a dump, so heartbeats can be taken exactly one step apart
-    with Moto(work, "transfer") as moto:
+    with server(work, "transfer") as srv:
         say(f"s3: starting a {mb} MB workload (a step every {step_seconds:.1f}s, 1% of the state per step)")
         w, out, _ = start_workload(mb, step_seconds=step_seconds, change_fraction=0.01, cwd=work)
         try:
-            first, chain = _FirstCheckpoints(engine, w, out, work, settings, moto).bench(reps, warm_bytes)
-            beats, final, manifest_kb = _heartbeats(w, out, moto, first, chain)
+            first, chain = _FirstCheckpoints(engine, w, out, work, settings, srv).bench(reps, warm_bytes)
+            beats, final, manifest_kb = _heartbeats(w, out, srv, first, chain)
         finally:
             if w.poll() is None:
                 kill(w)
-        restore = bench_s3_restore(engine, final, chain.prefix, reps, work, settings, moto, warm_bytes, step_seconds,
+        restore = bench_s3_restore(engine, final, chain.prefix, reps, work, settings, srv, warm_bytes, step_seconds,
                                    naive_defaults)
-        rss = moto.rss_bytes()
+        rss = srv.rss_bytes()
     beats["manifest_kb_of_a_real_checkpoint"] = manifest_kb
     return {"checkpoint": first, "heartbeats": beats, "restore": restore,
-            "moto": {"version": moto_version(), "rss_bytes_at_end": rss}, "note": MOTO_NOTE}
+            "server": {"name": srv.name, "version": srv.version(), "rss_bytes_at_end": rss},
+            "note": MOTO_NOTE if srv.name == "moto" else SEAWEEDFS_NOTE}
 
 
 def s3_store(prefix: str, settings: Settings) -> tuple[Store, StoreConfig, WireCounter]:
@@ -89,13 +92,13 @@ class Chain:
                    phases, wire, cp_work)
 
 
-def _take(chain: Chain, w: Workload, out: StepSink, moto: Moto, stop_after_dump: bool) -> dict[str, Any]:
+def _take(chain: Chain, w: Workload, out: StepSink, srv: Endpoint, stop_after_dump: bool) -> dict[str, Any]:
     """One timed Checkpointer.checkpoint(), right after a step line. With ``stop_after_dump`` the
     workload is SIGSTOPped from the end of the dump until the upload is done (as the local stored
     bytes benchmark does), so exactly one step lies between this checkpoint and the next one."""
     s = out.step
     _, b0 = chain.wire.snapshot()
-    mark = moto.mark()
+    mark = srv.mark()
     cpu0 = time.process_time()
     chain.phases.reset()
     stop = chain.phases.after("dump", lambda: os.kill(w.pid, signal.SIGSTOP)) if stop_after_dump else nullcontext()
@@ -116,7 +119,7 @@ def _take(chain: Chain, w: Workload, out: StepSink, moto: Moto, stop_after_dump:
             "other": secs - dump - upload, "image_bytes": m.image_bytes, "stored_bytes": m.stored_bytes,
             "bytes_sent": b1 - b0, "ratio_bytes": (b1 - b0) / m.image_bytes, "new_chunks": m.new_chunks,
             "chunks": len(m.chunk_digests()), "stepped_during_dump": stepped, "client_cpu_seconds": cpu,
-            "manifest_bytes": len(m.model_dump_json(indent=1).encode()), **moto.since(mark)}
+            "manifest_bytes": len(m.model_dump_json(indent=1).encode()), **srv.since(mark)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,8 +129,8 @@ class _FirstCheckpoints:
     """The naive path and ours, alternating, the very last run ours: it is heartbeat 1 of ``chain``."""
 
     def __init__(self, engine: CriuEngine, w: Workload, out: StepSink, work: Path, settings: Settings,
-                 moto: Moto) -> None:
-        self.engine, self.w, self.out, self.work, self.settings, self.moto = engine, w, out, work, settings, moto
+                 srv: Endpoint) -> None:
+        self.engine, self.w, self.out, self.work, self.settings, self.srv = engine, w, out, work, settings, srv
         self.naive_client = boto3.client("s3")  # boto3's defaults, as a naive user would make it
         self.naive_wire = WireCounter(self.naive_client)
         self.chain: Chain | None = None
@@ -135,7 +138,7 @@ class _FirstCheckpoints:
     def naive(self, rep: int, last: bool) -> dict[str, Any]:
         d = self.work / f"s3-naive-dump-{rep}"
         _, b0 = self.naive_wire.snapshot()
-        mark = self.moto.mark()
+        mark = self.srv.mark()
         cpu0 = time.process_time()
         t0 = time.monotonic()
         t_dump = bare_dump(self.engine, self.w.pid, d)
@@ -146,7 +149,7 @@ class _FirstCheckpoints:
         cpu = time.process_time() - cpu0
         _, b1 = self.naive_wire.snapshot()
         img = sum(f.stat().st_size for f in files)
-        counts = self.moto.since(mark)
+        counts = self.srv.since(mark)
         drop_dir(d)
         delete_prefix(f"naive-{rep}/")
         return {"seconds": secs, "dump": t_dump, "upload": secs - t_dump, "image_bytes": img,
@@ -156,7 +159,7 @@ class _FirstCheckpoints:
         chain = Chain.open(self.engine, f"first-{rep}", self.settings, self.work / f"s3-first-work-{rep}")
         # the last one is also heartbeat 1 of the heartbeat benchmark: the workload stays stopped from
         # the end of its dump until its upload is done (it sleeps between steps, so this costs nothing)
-        r = _take(chain, self.w, self.out, self.moto, stop_after_dump=last)
+        r = _take(chain, self.w, self.out, self.srv, stop_after_dump=last)
         if last:
             chain.first = r
             self.chain = chain
@@ -180,7 +183,7 @@ class _FirstCheckpoints:
                 say(f"  first checkpoint {name:5} rep {rep}: {r['seconds']:.2f}s, {r['bytes_sent'] / MB:.0f} MB sent "
                     f"(dump {r['dump']:.2f}s + upload {r['upload']:.2f}s"
                     + (f" + other {r['other']:.2f}s" if "other" in r else "")
-                    + f"; {r['requests']} requests: {fmt_ops(r['ops'])}; moto CPU {r['server_cpu_seconds']:.1f}s, "
+                    + f"; {r['requests']} requests: {fmt_ops(r['ops'])}; {server_name()} CPU {r['server_cpu_seconds']:.1f}s, "
                       f"our process CPU {r['client_cpu_seconds']:.1f}s)")
         assert self.chain is not None
         return _first_result(runs, reps), self.chain
@@ -205,7 +208,7 @@ def _first_result(runs: dict[str, list[dict[str, Any]]], reps: int) -> dict[str,
 # --------------------------------------------------------------------------------------------
 # 2. heartbeats 2-4, then the checkpoint both restores use
 # --------------------------------------------------------------------------------------------
-def _heartbeats(w: Workload, out: StepSink, moto: Moto, first: dict[str, Any],
+def _heartbeats(w: Workload, out: StepSink, srv: Endpoint, first: dict[str, Any],
                 chain: Chain) -> tuple[dict[str, Any], Manifest, float]:
     """Heartbeats 2-4 after the last 'ours' first checkpoint (heartbeat 1), exactly one step apart;
     then the checkpoint both restores use."""
@@ -213,7 +216,7 @@ def _heartbeats(w: Workload, out: StepSink, moto: Moto, first: dict[str, Any],
     say(f"  heartbeat 1 = that last first checkpoint (seq {beats[0]['seq']}, at step {beats[0]['at_step']})")
     for _ in range(3):
         out.wait_step(beats[-1]["at_step"], timeout=60)
-        beat = _take(chain, w, out, moto, stop_after_dump=True)
+        beat = _take(chain, w, out, srv, stop_after_dump=True)
         beat["steps_since_previous"] = beat["at_step"] - beats[-1]["at_step"]
         beats.append(beat)
         say(f"  heartbeat {beat['seq']} at step {beat['at_step']}: {beat['seconds']:.2f}s (dump {beat['dump']:.2f} + "
