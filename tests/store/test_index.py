@@ -160,3 +160,19 @@ def test_an_id_whose_every_heartbeat_failed_is_listed_with_the_count_and_the_lat
     assert (x.checkpoint_id, x.failed_heartbeats, x.checkpoints) == ("serve", 2, ())
     assert as_json(x)["last_failure"] == "criu dump of pid 8 failed (exit 1): Can't get 1:16 opt"
     assert list_store(s, "serve")[0].failed_heartbeats == 2
+
+
+def test_no_two_writes_of_a_shard_are_byte_equal(tmp_path):
+    """Two writers making the same change from the same shard write different bytes (a nonce, 0.11.0): the S3
+    store's read-back after a retried PUT takes bytes equal to its own for its own write, and would have
+    counted a rival's equal shard as its own, losing one increment (review of issue 52, F2)."""
+    from cedana_airflow.store import index, open_store
+
+    store = open_store(f"file://{tmp_path / 'store'}")
+    store.open(create=True, chunk_avg_bytes=64 << 10)
+    written: list[bytes] = []
+    put = store.put_if_version
+    store.put_if_version = lambda key, data, token: written.append(data) or put(key, data, token)  # type: ignore[method-assign]
+    for _ in range(2):
+        index._update(store, index.shard_key("job"), lambda ids: None)
+    assert len(written) == 2 and written[0] != written[1]

@@ -440,3 +440,27 @@ def test_the_threads_of_a_process_wait_for_one_probe(monkeypatch):
     for t in threads:
         t.join()
     assert probes == [1]
+
+
+def test_a_folder_the_server_will_not_delete_never_fails_the_delete_that_emptied_it():
+    """Removing an emptied folder is best effort: a server that refuses it (a prefix-scoped policy, a filer's
+    error) must not fail a prune after its commit (review of issue 52, F4)."""
+    from botocore.exceptions import ClientError
+
+    from cedana_airflow.format.layout import manifest_key
+    from cedana_airflow.store.s3 import S3Store
+
+    class Refusing(_Stub):
+        deleted: list[str] = []
+
+        def delete_object(self, Bucket: str, Key: str) -> None:  # noqa: N803
+            if Key.endswith("/"):
+                raise ClientError({"Error": {"Code": "AccessDenied"}, "ResponseMetadata": {}}, "DeleteObject")
+            self.deleted.append(Key)
+            super().delete_object(Bucket, Key)
+
+    stub = Refusing()
+    store = S3Store("b", "p", stub, load_settings({"s3_conditional_writes": "trust"}, environ={}))
+    store.keeps_folders = True
+    store.delete(manifest_key("job", 1))
+    assert stub.deleted == ["p/job/0000000001/manifest.json"]
