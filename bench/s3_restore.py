@@ -155,7 +155,7 @@ def _result(runs: dict[str, list[dict[str, Any]]], final: Manifest, warm_bytes: 
         "pass": o / b <= TARGET, "image_mb": final.image_bytes / MB, "median": summary, "runs": runs,
         "why_no_ranges": WHY_NO_RANGES,
         "note": ("moto holds the objects in memory or in its temp files" if server_name() == "moto" else
-                 "SeaweedFS holds the objects in its volume files on the work dir's disk") + "; os.sync() before each run"
+                 "SeaweedFS holds the objects in its volume files on the local disk") + "; os.sync() before each run"
                 + ("; memory prewarmed before each run, half of it held until right before criu restore"
                    if warm_bytes else ""),
     }

@@ -10,20 +10,21 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import boto3
 from harness import say
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import local_parts  # noqa: E402  (its SeaweedFS, and http_answers)
 
 BUCKET = "bench"
 #: The server the S3 parts run against: "moto" or "seaweedfs".
@@ -83,17 +84,11 @@ class Endpoint:
 
     def _wait_until_up(self, log: Path) -> None:
         deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(self.url, timeout=1)
-                return
-            except urllib.error.HTTPError:
-                return  # it answered
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.__exit__()
-                    raise SystemExit(f"{self.name}'s S3 server did not start; see {log}")
-                time.sleep(0.1)
+        while not local_parts.http_answers(self.url):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise SystemExit(f"{self.name}'s S3 server did not start; see {log}")
+            time.sleep(0.1)
 
     def __enter__(self) -> Endpoint:
         raise NotImplementedError
@@ -191,34 +186,31 @@ _S3_REQUESTS = re.compile(r'^SeaweedFS_s3_request_total\{bucket="[^"]*",code="(\
 
 
 class Seaweed(Endpoint):
-    """SeaweedFS's `weed mini` (master, volume server, filer and S3 gateway in one process; scripts/local_parts.py
-    starts it as the tests do), its data in the work dir. Requests are counted from its Prometheus metrics,
+    """SeaweedFS's `weed mini` (master, volume server, filer and S3 gateway in one process), started as the tests
+    start it (scripts/local_parts.py), its data in a temp dir. Requests are counted from its Prometheus metrics,
     by the gateway's request type (GET, PUT, LIST, DELETE; a HEAD is a GET there) and status."""
 
     name = "SeaweedFS"
 
     def __init__(self, work: Path, name: str) -> None:
         super().__init__()
-        self.dir = work / f"seaweedfs-{name}"
+        port = _free_port()
+        self.metrics = f"http://127.0.0.1:{port}/metrics"
+        self.server = local_parts.Seaweed(extra=(f"-metricsPort={port}",))
 
     def __enter__(self) -> Seaweed:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-        from local_parts import weed_mini
-
-        argv, self.url = weed_mini(self.dir / "data")
-        self.metrics = f"http://127.0.0.1:{_free_port()}/metrics"
-        argv.append(f"-metricsPort={self.metrics.rsplit(':', 1)[1].split('/')[0]}")
-        self._log = open(self.dir / "weed.log", "wb")  # noqa: SIM115 (the server's, closed on exit)
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.dir,
-                                     start_new_session=True)
-        self._wait_until_up(self.dir / "weed.log")
+        try:
+            self.url = self.server.start()
+        except RuntimeError as e:
+            raise SystemExit(f"SeaweedFS's S3 server did not start: {e}") from None
+        assert self.server.proc is not None
+        self.proc = self.server.proc
         self._use()
         return self
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
-        self._log.close()
-        shutil.rmtree(self.dir / "data", ignore_errors=True)
+        self.server.stop()  # its data and log
 
     def version(self) -> str:
         return seaweed_version()
@@ -256,11 +248,8 @@ def server_name() -> str:
 
 
 def seaweed_version() -> str:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    from local_parts import WEED
-
     try:
-        out = subprocess.run([str(WEED), "version"], capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run([str(local_parts.WEED), "version"], capture_output=True, text=True, timeout=30).stdout
     except OSError:
         return "?"
     m = re.search(r"(\d+\.\d+(?:\.\d+)?) ", out)  # "version 8000GB 4.48 pypi linux amd64"

@@ -216,14 +216,15 @@ class Seaweed:
     loopback, its data in a temp dir, telemetry, the admin UI and WebDAV off. Any credentials are taken
     (no IAM config): the tests' and demos' endpoint, not a deployment's (issue 52)."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
-        self.host = host
+    def __init__(self, host: str = "127.0.0.1", extra: tuple[str, ...] = ()) -> None:
+        self.host, self.extra = host, extra  # extra: more of `weed mini`'s flags (the benchmarks' -metricsPort)
         self.dir = Path(tempfile.mkdtemp(prefix="cedana-seaweed-"))
         self.url = ""
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 60) -> str:
         argv, self.url = weed_mini(self.dir / "data", self.host)
+        argv += self.extra
         log = open(self.dir / "weed.log", "wb")  # noqa: SIM115 (it outlives this call: the server's own)
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.dir)
         deadline = time.monotonic() + timeout

@@ -277,11 +277,6 @@ def test_a_server_that_ignores_conditional_writes_is_refused_in_one_line_before_
     """The store's safety rests on create-only manifests and compare-and-swap index writes (issue 52): a gateway
     that drops If-None-Match and If-Match would let two writers both win, silently. The writer's first open
     probes a scratch key and refuses such a server, naming it and the setting; `trust` skips the probe."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "faults"))
-    from s3_faults import FaultProxy
-
     from cedana_airflow.store import s3 as s3_store
 
     bucket = moto_bucket
@@ -289,9 +284,8 @@ def test_a_server_that_ignores_conditional_writes_is_refused_in_one_line_before_
     s, _ = _store(bucket)  # moto honours both: probed and passed
     assert f"at {s3_endpoint} honours create-only and compare-and-swap PUTs, 4 writers racing" in \
         s.probe_conditional_writes()
-    proxy = FaultProxy(s3_endpoint)
+    proxy = _proxied(monkeypatch)
     proxy.drop_headers = {"if-none-match", "if-match"}
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     try:
         with pytest.raises(StoreUnavailable) as e:
             _store(bucket)
