@@ -199,6 +199,13 @@ def _heartbeat(text: str) -> float | str:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a duration (90, 30s, 10m) nor auto") from None
 
 
+def _job_part(text: str) -> tuple[int, int]:
+    part, sep, parts = text.partition("/")
+    if not (sep and part.strip().isdigit() and parts.strip().isdigit() and int(part) < int(parts)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not PART/PARTS with 0 <= PART < PARTS (e.g. 1/2)")
+    return int(part), int(parts)
+
+
 def _supervised(p: argparse.ArgumentParser, *, when_none_left: str) -> None:
     """The options `run` and `restore` share: both supervise a workload under one checkpoint ID."""
     p.add_argument("--id", required=True, help="checkpoint ID")
@@ -215,6 +222,11 @@ def _supervised(p: argparse.ArgumentParser, *, when_none_left: str) -> None:
     p.add_argument("--mode", dest="checkpoint_mode", choices=("transparent", "cooperative", "auto"),
                    help="how checkpoints are taken: transparent (CRIU; default), cooperative (the workload writes its "
                         "state into $CEDANA_CHECKPOINT_DIR when asked), auto (transparent where CRIU can run)")
+    p.add_argument("--job-part", type=_job_part, metavar="PART/PARTS",
+                   help="this is part PART (0 to PARTS-1, the same on every try) of a job on PARTS nodes, each part "
+                        "run by its own `run --job-part` under the same --id: the parts checkpoint together and resume "
+                        "together from the same seq (docs/jobs.md; default: CEDANA_JOB_PART and CEDANA_JOB_PARTS, "
+                        "else 0/1, a job on one node)")
     p.add_argument("--json", action="store_true",
                    help="at the end, print a JSON summary as the last line of stdout (after the workload's output)")
     p.add_argument("--json-file", metavar="FILE", help="at the end, write the JSON summary to FILE")
@@ -251,7 +263,8 @@ def _task_of(args: argparse.Namespace) -> Any:
 
 #: The flag that sets each setting, as the user typed it (an error names the flag, not the setting).
 _FLAGS = {"store": "--store", "node": "--node", "work_dir": "--work-dir", "heartbeat_seconds": "--heartbeat",
-          "max_restore_gap_seconds": "--max-restore-gap", "gpu": "--gpu", "mode": "--mode"}
+          "max_restore_gap_seconds": "--max-restore-gap", "gpu": "--gpu", "mode": "--mode", "job_part": "--job-part",
+          "job_parts": "--job-part"}
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -261,6 +274,8 @@ def _settings(args: argparse.Namespace) -> Settings:
         "max_restore_gap_seconds": getattr(args, "max_restore_gap", None),
         "gpu": getattr(args, "gpu", None),
         "mode": getattr(args, "checkpoint_mode", None),  # (`drill`'s positional is args.mode)
+        "job_part": job[0] if (job := getattr(args, "job_part", None)) else None,
+        "job_parts": job[1] if job else None,
     }, overrides_source=lambda k: _FLAGS.get(k, f"--{k.replace('_', '-')}"))
 
 

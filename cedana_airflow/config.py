@@ -142,6 +142,23 @@ class Settings(BaseModel):
         description="How long a cooperative checkpoint may take from the request to its COMPLETE marker; past "
         "it the heartbeat is skipped (nothing of it is kept) and the workload runs on.",
     )
+    job_parts: int = Field(
+        default=1, ge=1, le=1024,
+        description="How many nodes' parts one job has (docs/jobs.md): above 1, every part's supervisor runs under "
+        "the same checkpoint ID with its own job_part, part 0 opens each heartbeat's round, the parts freeze "
+        "together, and a seq exists only once every part is stored. 1 = a job on one node.",
+    )
+    job_part: int = Field(
+        default=0, ge=0,
+        description="Which part of the job this supervisor runs: 0 (the coordinator) to job_parts - 1, the same "
+        "on every try (a node rank: Slurm's SLURM_NODEID, torchrun's --node-rank).",
+    )
+    job_barrier_seconds: float = Field(
+        default=30.0, gt=0, le=110, allow_inf_nan=False,
+        description="How long the parts of a job may wait for each other, frozen, at a heartbeat (and, after a "
+        "restore, for each other to be up); past it the round fails, every part runs on and the previous seq "
+        "stays the latest.",
+    )
     agent: Literal["off", "auto", "require"] = Field(
         default="auto",
         description="How a task's workload is checkpointed: through the node agent (`cedana-airflow agent`, "
@@ -493,6 +510,13 @@ class Settings(BaseModel):
         if not self.heartbeat_on:
             return f"off (heartbeat_seconds = 0 from {where}): only a stop's final checkpoint protects it"
         return f"every {duration_text(float(self.heartbeat_seconds))} (from {where})"
+
+    @model_validator(mode="after")
+    def _job_part_in_job(self) -> Settings:
+        if self.job_part >= self.job_parts:
+            raise ValueError(f"job_part {self.job_part} is not a part of a job of job_parts {self.job_parts}: "
+                             f"give 0 to {self.job_parts - 1}")
+        return self
 
     @model_validator(mode="after")
     def _kms_needs_key(self) -> Settings:

@@ -47,6 +47,26 @@ class NetNode:
         """``argv`` run inside this node's network namespace."""
         return ["ip", "netns", "exec", self.ns, *argv]
 
+    @property
+    def device(self) -> str:
+        """The node's end of its veth (its address is on it)."""
+        return f"cp{self.ns[2:]}"
+
+    def kill_all(self) -> None:
+        """SIGKILL everything that runs in the node."""
+        for pid in subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True).stdout.split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+
+    def lose(self) -> None:
+        """The node dies: everything in it is SIGKILLed and its address leaves the network."""
+        self.kill_all()
+        _ip("-n", self.ns, "addr", "del", f"{self.address}/24", "dev", self.device, check=False)
+
+    def take_over(self, lost: NetNode) -> None:
+        """This node takes ``lost``'s address too, as a job's network namespace or a pod IP moves with its part."""
+        _ip("-n", self.ns, "addr", "add", f"{lost.address}/24", "dev", self.device)
+
     def pod(self, argv: Sequence[str], hostname: str, hosts: str) -> list[str]:
         """``argv`` run as in a pod on this node: its own hostname, which ``/etc/hosts`` resolves to this
         node's address (as Kubernetes writes a pod's), so what binds "my hostname" (torchrun's gloo)

@@ -48,4 +48,6 @@ VERSION_ADDED: dict[str, str] = {
     "task_instance_tab": "0.9.0",
     # 0.11.0
     "s3_conditional_writes": "0.11.0",
+    # 0.12.0
+    "job_parts": "0.12.0", "job_part": "0.12.0", "job_barrier_seconds": "0.12.0",
 }

@@ -21,6 +21,7 @@ import select
 import shlex
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from ..failpoints import failpoint
@@ -75,7 +76,7 @@ class CaptureOnFreeze:
     up after ``timeout`` seconds, so a lost answer can never keep the workload frozen for good.
     """
 
-    def __init__(self, folder: Path, timeout: int = 120) -> None:
+    def __init__(self, folder: Path, timeout: int = 120, hold: Callable[[], str | None] | None = None) -> None:
         self.dest = folder / "captured"
         self.script = folder / "capture.sh"
         self._req, self._ack = folder / "capture.req", folder / "capture.ack"
@@ -83,6 +84,10 @@ class CaptureOnFreeze:
         self._done = threading.Event()
         self.captured: list[tuple[str, Path, int]] = []
         self.error: str | None = None
+        # Called after the capture, the tree still frozen (a job's parts wait there for each other: run/job.py);
+        # a line back fails the dump, and CRIU lets the tree run on without a checkpoint.
+        self._hold = hold
+        self.held_back: str | None = None  # what ``hold`` said
 
     def __enter__(self) -> CaptureOnFreeze:
         os.mkfifo(self._req, 0o600)
@@ -123,7 +128,10 @@ class CaptureOnFreeze:
                 pid = int(os.read(self._req_fd, 64).split()[0])
                 failpoint("heartbeat.frozen", workload=pid)  # CRIU is mid-dump, the tree frozen, waiting on us
                 self.captured = capture(pid, self.dest)
-                answer = b"ok\n"
+                if self._hold is not None and (why := self._hold()) is not None:
+                    self.held_back = why
+                else:
+                    answer = b"ok\n"
             except Exception as e:  # reported by the dump that waits on us
                 self.error = f"{type(e).__name__}: {e}"
             finally:

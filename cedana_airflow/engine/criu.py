@@ -22,7 +22,7 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -272,7 +272,7 @@ class CriuEngine:
             raise EngineUnavailable(f"{what} needs root (CRIU uses CAP_SYS_ADMIN and ptrace); run as root.")
 
     def dump(self, pid: int, image_dir: Path, *, leave_running: bool = True, capture: bool = True,
-             extra: Sequence[str] = ()) -> DumpResult:
+             extra: Sequence[str] = (), hold: Callable[[], str | None] | None = None) -> DumpResult:
         """Freeze the tree rooted at ``pid``, write its images to ``image_dir``, resume it (or not).
 
         With ``capture``, files the tree holds open for writing are copied while it is still frozen
@@ -280,6 +280,8 @@ class CriuEngine:
         collided with another one on ``proc.crtools`` (proc_mountpoint.py) is tried again: CRIU has
         already let the tree run on, and the other dump is done with the directory in milliseconds.
         ``extra``: more of CRIU's options (the node agent's trees name their mounts: agent/trees.py).
+        ``hold``: called once the images are written, the tree still frozen (with ``capture``); a line back
+        fails the dump (a job's parts waiting for each other: run/job.py).
         """
         self._require_root("checkpointing")
         pids = tree_pids(pid)
@@ -294,7 +296,7 @@ class CriuEngine:
             pairs = net_lock.tree_pairs(pids)
         for attempt in range(1, _DUMP_ATTEMPTS + 1):
             try:
-                return self._dump_once(pid, image_dir, leave_running, capture, dirs, pairs, extra)
+                return self._dump_once(pid, image_dir, leave_running, capture, dirs, pairs, extra, hold)
             except _Collided as e:
                 if attempt == _DUMP_ATTEMPTS:
                     raise DumpFailed(e.line) from None
@@ -307,7 +309,8 @@ class CriuEngine:
         raise AssertionError("unreachable")
 
     def _dump_once(self, pid: int, image_dir: Path, leave_running: bool, capture: bool, dirs: set[str],
-                   pairs: set[net_lock.Pair], extra: Sequence[str] = ()) -> DumpResult:
+                   pairs: set[net_lock.Pair], extra: Sequence[str] = (),
+                   hold: Callable[[], str | None] | None = None) -> DumpResult:
         image_dir.mkdir(parents=True, exist_ok=False)
         log_path = _beside(image_dir, ".dump.log")
         side = _beside(image_dir, ".captured")
@@ -319,7 +322,7 @@ class CriuEngine:
         cmd += extra
         with contextlib.ExitStack() as stack:
             if capture:
-                cap = stack.enter_context(CaptureOnFreeze(side))
+                cap = stack.enter_context(CaptureOnFreeze(side, hold=hold))
                 cmd += ["--action-script", str(cap.script)]
             t0 = time.monotonic()
             with subprocess.Popen([*_dies_with_us(), *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -341,6 +344,8 @@ class CriuEngine:
                              f"finished; log: {log_path}.")
         if proc.returncode != 0:
             tail = _log_tail(log_path) or proc.stderr.strip()[-300:]
+            if capture and cap.held_back:  # the tree ran on at once; no hint about CRIU applies
+                raise DumpFailed(f"{cap.held_back}; log: {log_path}.")
             if capture and cap.error:
                 tail = f"capturing open files failed ({cap.error})"
             hint = proc_mountpoint.hint(tail, dirs) or _hint(tail)

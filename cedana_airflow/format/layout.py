@@ -8,6 +8,8 @@ a documented contract, changes in one place. Checkpoint IDs are validated before
     chunks/<digest[:2]>/<digest>                 one chunk object per digest
     <checkpoint id>/<seq:010d>/manifest.json     one complete checkpoint
     <checkpoint id>/restores/<time>-<try>-<random>.json   restore history
+    <checkpoint id>/rounds/<seq:010d>.json       a job's coordinated checkpoint under way (run/job.py)
+    <checkpoint id>/rounds/<seq:010d>/<what>-<part>   its parts' marks and staged manifests
     index/<hex digit>.json                       the listing index, 16 shards
     leases/<checkpoint id>.json                  the writer lease of an ID
     locks/gc, locks/writer-<host>-<pid>-<random> the gc lock and writers' shared locks
@@ -29,6 +31,7 @@ __all__ = [
     "CAS_LOCK_PREFIX", "cas_lock_key", "checkpoint_prefix", "chunk_digest", "chunk_key", "drill_report_key", "golden_digest_key",
     "index_shard_key", "index_shard_keys", "is_cas_lock", "is_temp", "lease_key", "manifest_key", "parse_manifest_key",
     "quarantine_digest", "quarantine_key", "restore_record_key", "restores_prefix", "writer_lock_key",
+    "ROUNDS", "round_key", "round_prefix", "rounds_prefix", "parse_round_key",
 ]
 
 #: The store's root document.
@@ -103,6 +106,34 @@ def restores_prefix(checkpoint_id: str) -> str:
 def restore_record_key(checkpoint_id: str, at: datetime, try_number: int, token: str) -> str:
     """One restore record: time first, so names sort by time; ``token`` keeps concurrent ones apart."""
     return f"{restores_prefix(checkpoint_id)}{at.strftime('%Y%m%dT%H%M%S.%fZ')}-{try_number}-{token}.json"
+
+
+#: A job's rounds folder inside its checkpoint ID's folder: what its parts agree on while they checkpoint.
+ROUNDS = "rounds/"
+_ROUND_KEY = re.compile(r"(\d{10})\.json")
+
+
+def rounds_prefix(checkpoint_id: str) -> str:
+    """Prefix of a job's round documents (and, one level down, their parts' marks)."""
+    return f"{validate_checkpoint_id(checkpoint_id)}/{ROUNDS}"
+
+
+def round_key(checkpoint_id: str, seq: int) -> str:
+    """The round that takes checkpoint ``seq`` of a job: opened by its coordinator, create-only."""
+    return f"{rounds_prefix(checkpoint_id)}{seq:010d}.json"
+
+
+def parse_round_key(checkpoint_id: str, key: str) -> int | None:
+    """The seq a listed round document is for, or None when ``key`` is not one."""
+    rest = key[len(rounds_prefix(checkpoint_id)):] if key.startswith(rounds_prefix(checkpoint_id)) else ""
+    m = _ROUND_KEY.fullmatch(rest)
+    return int(m.group(1)) if m else None
+
+
+def round_prefix(checkpoint_id: str, seq: int) -> str:
+    """Prefix of round ``seq``'s marks: ``frozen-<part>``, ``failed-<part>``, ``part-<part>.json`` (a part's
+    staged manifest) and ``up-<try>-<part>`` (a part restored from it)."""
+    return f"{rounds_prefix(checkpoint_id)}{seq:010d}/"
 
 
 def index_shard_key(checkpoint_id: str) -> str:

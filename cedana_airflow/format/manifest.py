@@ -6,10 +6,11 @@ chunk by digest, so a restore can verify each byte it uses. See docs/store-forma
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from datetime import datetime, timezone
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
@@ -30,6 +31,10 @@ __all__ = [
     "StateFile",
     "CooperativeState",
     "COOPERATIVE_ENGINE",
+    "JOB_ENGINE",
+    "JobMember",
+    "JobState",
+    "MAX_JOB_PARTS",
     "Manifest",
     "MARKED_BLOCKS_VERSION",
     "parse_manifest",
@@ -192,6 +197,50 @@ class CallerInfo(_Frozen):
     uid: int = Field(ge=0, description="The caller's uid, from the kernel (SO_PEERCRED), never its word.")
 
 
+#: The manifest's ``engine`` for a job's commit: each part's own manifest is inside it (``job``).
+JOB_ENGINE = "job"
+#: The most parts one job's checkpoint holds (a reader parses each part's manifest on its own).
+MAX_JOB_PARTS = 1024
+
+
+class JobMember(_Frozen):
+    """One part of a job that spans nodes, as its node stored it (run/job.py): its own manifest, signed
+    by its own node, and when it froze. A restore of part ``part`` restores ``manifest``."""
+
+    part: int = Field(ge=0, lt=MAX_JOB_PARTS)
+    node: str = Field(min_length=1, max_length=253)
+    addresses: tuple[str, ...] = Field(default=(), max_length=64, description="The node's own addresses when it "
+                                       "froze: its connections to the other parts need them where it resumes.")
+    froze_after_seconds: float = Field(description="When its freeze began, after the round's appointed time "
+                                       "(the node's clock: the skew of clocks is in it).")
+    held_seconds: float = Field(ge=0, description="How long it stayed frozen: its dump and the wait for the others.")
+    manifest: dict[str, Any] = Field(description="The part's own manifest document (format/manifest.py).")
+
+
+class JobState(_Frozen):
+    """Version 4+, required: the commit of a job's checkpoint. The seq exists only once every part's
+    images are stored and named here; a reader that predates it refuses it (upgrade) rather than
+    restoring one part as if it were the whole."""
+
+    parts: int = Field(ge=2, le=MAX_JOB_PARTS)
+    members: tuple[JobMember, ...]
+    freeze_skew_seconds: float = Field(ge=0, description="From the first part's freeze to the last one's.")
+    _parsed: dict[int, Manifest] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _every_part_once(self) -> JobState:
+        if sorted(m.part for m in self.members) != list(range(self.parts)):
+            raise ValueError(f"a job of {self.parts} parts names each part once, 0 to {self.parts - 1}")
+        return self
+
+    def member(self, part: int) -> Manifest:
+        """Part ``part``'s own manifest (parsed once); ValueError where it does not parse."""
+        if part not in self._parsed:
+            doc = next(m.manifest for m in self.members if m.part == part)
+            self._parsed[part] = parse_manifest(json.dumps(doc))
+        return self._parsed[part]
+
+
 #: Version 4 and later mark what a reader must understand (parse_manifest; docs/store-format.md,
 #: "Forward compatibility"): every later version keeps that rule.
 MARKED_BLOCKS_VERSION = 4
@@ -227,6 +276,8 @@ class Manifest(_Frozen):
     writer: str | None = Field(default=None, description="Version 4+: what wrote it, e.g. 'cedana-airflow 0.6.0'.")
     caller: CallerInfo | None = Field(default=None, description="Version 4+ (0.8.2): the node agent's caller it "
                                       "was taken for; absent: a supervisor that ran as itself.")
+    job: JobState | None = Field(default=None, description="Version 4+ (0.12.0), and then required: the commit of "
+                                 "a job's parts on several nodes (engine 'job'), each part's manifest inside.")
     required: tuple[str, ...] = Field(default=(), description="Version 4+: blocks a reader must understand to "
                                       "restore it; any other block may be skipped by a reader that does not know it.")
     #: Version 4+: blocks of a later version this reader skipped (kept: a signature covers them too).
@@ -247,11 +298,18 @@ class Manifest(_Frozen):
                 raise ValueError(f"format_version {self.format_version} names its writer")
             if (self.cooperative is not None) != (self.engine == COOPERATIVE_ENGINE):
                 raise ValueError(f"a cooperative block goes with engine {COOPERATIVE_ENGINE!r}, and only there")
+            if (self.job is not None) != (self.engine == JOB_ENGINE):
+                raise ValueError(f"a job block goes with engine {JOB_ENGINE!r}, and only there")
+            if self.job is not None and ("job" not in self.required or self.files or self.captured
+                                         or self.gpu is not None or self.cooperative is not None):
+                raise ValueError("a job's commit requires its block and holds its parts only inside it")
             if self.cooperative is not None and ("cooperative" not in self.required or self.files or self.captured
                                                  or self.gpu is not None):
                 raise ValueError("a cooperative checkpoint requires its block and has no image files, captured "
                                  "files or GPU state")
             return self
+        if self.job is not None:
+            raise ValueError(f"a job block goes with format_version {MARKED_BLOCKS_VERSION} and later")
         if self.cooperative is not None or self.caller is not None:
             raise ValueError(f"a cooperative or caller block goes with format_version {MARKED_BLOCKS_VERSION} and later")
         if self.writer is not None or self.required:
@@ -280,7 +338,7 @@ class Manifest(_Frozen):
 
     def absent_blocks(self) -> set[str]:
         """Keys the stored document does not have (versions before 4 have no writer or required)."""
-        absent = {k for k in ("signature", "gpu", "airflow", "cooperative", "caller") if getattr(self, k) is None}
+        absent = {k for k in ("signature", "gpu", "airflow", "cooperative", "caller", "job") if getattr(self, k) is None}
         return absent | ({"writer", "required"} if self.format_version < MARKED_BLOCKS_VERSION else set())
 
     @property
@@ -305,8 +363,19 @@ class Manifest(_Frozen):
     def is_cooperative(self) -> bool:
         return self.cooperative is not None
 
+    @property
+    def is_job(self) -> bool:
+        return self.job is not None
+
     def chunk_refs(self) -> list[ChunkRef]:
-        """Every chunk it names, in file order: image files, captured files, state files."""
+        """Every chunk it names, in file order: image files, captured files, state files; a job's commit,
+        every part's (a part whose manifest does not parse names none: it can never be restored)."""
+        if self.job is not None:
+            out: list[ChunkRef] = []
+            for member in self.job.members:
+                with contextlib.suppress(ValueError, CorruptCheckpoint):
+                    out += self.job.member(member.part).chunk_refs()
+            return out
         state = self.cooperative.files if self.cooperative is not None else ()
         return [c for group in (self.files, self.captured, state) for f in group for c in f.chunks]
 

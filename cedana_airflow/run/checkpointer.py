@@ -52,6 +52,7 @@ from .estimate import captured_too_large, copies_too_large, dump_too_large, esti
 from .gpu_state import GpuGate
 from .lazy_restore import LazyFeed, lazy_files
 from .preflight import preflight
+from .job import Job, JobRoundFailed, Round, joined
 from .sockets import prepare_sockets
 from .streamed_restore import PageStream, can_stream, streamed_files
 from .timeline import Timeline
@@ -172,8 +173,10 @@ class Checkpointer:
                  lease: WriterLease | None = None, gpu: GpuGate | None = None,
                  airflow: AirflowTask | None = None, coop: Cooperation | None = None,
                  start: StartCooperative | None = None, engine_why: str = "", key: NodeKey | None = None,
-                 restore_tree: RestoreTree | None = None, caller_uid: int | None = None) -> None:
+                 restore_tree: RestoreTree | None = None, caller_uid: int | None = None,
+                 job: Job | None = None) -> None:
         self.engine, self.store, self.store_cfg = engine, store, store_cfg
+        self.job = job  # this supervisor runs one part of a job that spans nodes (run/job.py)
         self._restore_tree = restore_tree
         if restore_tree is not None and settings.restore_mode != "full":  # its lazy pages would need a shim's watch
             settings = settings.model_copy(update={"restore_mode": "full"})
@@ -233,100 +236,146 @@ class Checkpointer:
                         self.checkpoint_id, what, manifest.seq, manifest.image_bytes, took, freeze, window)
 
     def checkpoint(self, workload: Workload, *, leave_running: bool = True, final: bool = False,
-                   budget: float | None = None) -> Manifest | None:
+                   budget: float | None = None, rnd: Round | None = None) -> Manifest | None:
         """Take a checkpoint and store it; None when it was skipped as too large (see estimate.py), or
         because another supervisor took the checkpoint ID over (said once, by the lease). ``final``: a
-        stop's, with ``budget`` seconds (None: as long as it takes) for a cooperative one."""
+        stop's, with ``budget`` seconds (None: as long as it takes) for a cooperative one. One part of a
+        job checkpoints only in a round (``rnd``; part 0 opens one here): run/job.py."""
         with self._lock:
-            if self.lease is not None and self.lease.fenced:
-                return None  # no freeze either: this supervisor's checkpoints would never be used
-            route = self._route(workload)
-            if route == "cooperative":
-                return self._cooperative(workload, final, budget)
-            if self.engine is None:
-                return None  # unprotected for now: _route said why
-            if not self._pages_in(wait=not leave_running):
-                return None
-            pids = workload.pids()
-            holding, why_not = self.gpu.dump_refusal(pids)
-            if why_not and self.settings.mode == "auto" and self.coop is not None and self.coop.declared():
-                self._say_route(f"this tree cannot be dumped ({why_not}): cooperative checkpoints, as the workload "
-                                "declared it can write them")
-                return self._cooperative(workload, final, budget)
-            if why_not:  # the workload keeps running; said once, not every heartbeat
-                self.gpu.say_once(f"heartbeat skipped checkpoint_id={self.checkpoint_id}: {why_not}; the workload "
-                                  "keeps running without a new checkpoint")
-                return None
-            estimate = estimate_checkpoint(pids, gpu=bool(holding))  # no /dev/nvidia* mapped: no GPU memory
-            why = (too_large(estimate, self.settings.max_checkpoint_bytes, self.work_dir)
-                   or captured_too_large(pids, self.settings.max_captured_bytes))
-            if why:
-                self._skip(why)
-                return None
-            self._count += 1
-            # Each dump gets its own folder: images, CRIU's log and the captured files, removed together.
-            dump_dir = self.work_dir / f"dump-{self._tag}-{self._count}"
-            dump_dir.mkdir(mode=0o700, parents=True)  # images and captured copies are process memory: root's eyes only
-            rss = estimate.rss_bytes
-            started = time.monotonic()
-            try:
-                with self._phase("dump"):
-                    # CUDA state first moves into host memory (engine/cuda.py), then CRIU dumps it with the rest.
-                    with self.gpu.suspended(holding, leave_running=leave_running) as suspension:
-                        failpoint("heartbeat.freeze", workload=workload.pid, work_dir=self.work_dir)
-                        dump = self.engine.dump(workload.pid, dump_dir / "images", leave_running=leave_running,
-                                                extra=workload.criu_dump_options())
-                        failpoint("heartbeat.dump", workload=workload.pid, work_dir=self.work_dir)
-                grew = (dump_too_large(dump, self.settings.max_checkpoint_bytes)
-                        or copies_too_large(dump, self.settings.max_captured_bytes))
-                if grew and leave_running:  # the tree grew after its estimate: the limit still holds for the store
-                    shutil.rmtree(dump_dir, ignore_errors=True)
-                    self._skip(grew)
+            if self.job is None:
+                return self._checkpoint(workload, leave_running, final, budget, None)
+            if not leave_running:
+                return None  # a stop's final checkpoint would be one part's alone: the last committed seq resumes
+            if rnd is None:
+                if not self.job.spec.coordinator:
                     return None
-                if grew:  # a final checkpoint: the tree is gone, these images are all that is left of its work
-                    log.warning("final checkpoint checkpoint_id=%s: %s; stored anyway, the workload has stopped",
-                                self.checkpoint_id, grew)
-                gpu = self.gpu.state(suspension, estimate) if suspension is not None else None
-                # The workload's CUDA work stops for the copy-out and the copy-back too: part of its freeze.
-                freeze = dump.freeze_seconds + (gpu.checkpoint_seconds + gpu.resume_seconds if gpu else 0.0)
-                meta = CheckpointMeta(
-                    checkpoint_id=self.checkpoint_id, node=self.node, engine_version=self.engine.version,
-                    process=ProcessInfo(pid=workload.pid, command=workload.command, cwd=workload.cwd,
-                                        rss_bytes=rss, stdout_pipe=workload.stdout_pipe,
-                                        stderr_pipe=workload.stderr_pipe),
-                    try_number=self.try_number, freeze_seconds=freeze, parent_seq=self.parent_seq, gpu=gpu,
-                    airflow=self.airflow, caller_uid=self.caller_uid,
-                )
-                captured = [CapturedSource(p, c, m) for p, c, m in dump.captured]
-                failpoint("heartbeat.capture", workload=workload.pid, work_dir=self.work_dir)
-                saving = time.monotonic()
-                with self._phase("save"):
-                    manifest = save_checkpoint(self.store, self.store_cfg, meta, dump.image_dir, captured,
-                                               known_digests=self._known, compression=self.settings.compression,
-                                               progress_mode=self.settings.progress, signing_key=self._key,
-                                               before_commit=self.lease.confirm if self.lease else None,
-                                               memo=self._memo)
-                saved = time.monotonic() - saving  # the store's part alone: gc and the index come after
-            except WriterFenced:
+                rnd = self.job.open_round()
+            with joined(self.job, rnd):
+                m = self._checkpoint(workload, leave_running, final, budget, rnd)
+            if m is None:
+                self.job.fail(rnd, f"part {self.job.spec.part} took no checkpoint (skipped: its log says why)")
+            return m
+
+    def _checkpoint(self, workload: Workload, leave_running: bool, final: bool, budget: float | None,
+                    rnd: Round | None) -> Manifest | None:
+        if self.lease is not None and self.lease.fenced:
+            return None  # no freeze either: this supervisor's checkpoints would never be used
+        route = self._route(workload)
+        if route == "cooperative" and rnd is not None:
+            raise JobRoundFailed("a job's parts take transparent checkpoints only (cooperative checkpoints "
+                                 "across nodes are not built yet): run it with mode = transparent")
+        if route == "cooperative":
+            return self._cooperative(workload, final, budget)
+        if self.engine is None:
+            return None  # unprotected for now: _route said why
+        if not self._pages_in(wait=not leave_running):
+            return None
+        pids = workload.pids()
+        holding, why_not = self.gpu.dump_refusal(pids)
+        if why_not and self.settings.mode == "auto" and self.coop is not None and self.coop.declared():
+            self._say_route(f"this tree cannot be dumped ({why_not}): cooperative checkpoints, as the workload "
+                            "declared it can write them")
+            return self._cooperative(workload, final, budget)
+        if why_not:  # the workload keeps running; said once, not every heartbeat
+            self.gpu.say_once(f"heartbeat skipped checkpoint_id={self.checkpoint_id}: {why_not}; the workload "
+                              "keeps running without a new checkpoint")
+            return None
+        estimate = estimate_checkpoint(pids, gpu=bool(holding))  # no /dev/nvidia* mapped: no GPU memory
+        why = (too_large(estimate, self.settings.max_checkpoint_bytes, self.work_dir)
+               or captured_too_large(pids, self.settings.max_captured_bytes))
+        if why:
+            self._skip(why)
+            return None
+        self._count += 1
+        # Each dump gets its own folder: images, CRIU's log and the captured files, removed together.
+        dump_dir = self.work_dir / f"dump-{self._tag}-{self._count}"
+        dump_dir.mkdir(mode=0o700, parents=True)  # images and captured copies are process memory: root's eyes only
+        rss = estimate.rss_bytes
+        job, hold = self.job, None
+        if rnd is not None and job is not None:
+            job.wait_for(rnd)  # every part freezes at the round's appointed moment
+
+            def hold() -> str | None:  # images written, tree frozen: until every part is
+                assert job is not None and rnd is not None
+                return job.hold(rnd)
+        froze_at = time.time()
+        started = time.monotonic()
+        try:
+            with self._phase("dump"):
+                # CUDA state first moves into host memory (engine/cuda.py), then CRIU dumps it with the rest.
+                with self.gpu.suspended(holding, leave_running=leave_running) as suspension:
+                    failpoint("heartbeat.freeze", workload=workload.pid, work_dir=self.work_dir)
+                    dump = self.engine.dump(workload.pid, dump_dir / "images", leave_running=leave_running,
+                                            extra=workload.criu_dump_options(), hold=hold)
+                    failpoint("heartbeat.dump", workload=workload.pid, work_dir=self.work_dir)
+            grew = (dump_too_large(dump, self.settings.max_checkpoint_bytes)
+                    or copies_too_large(dump, self.settings.max_captured_bytes))
+            if grew and leave_running:  # the tree grew after its estimate: the limit still holds for the store
                 shutil.rmtree(dump_dir, ignore_errors=True)
-                return None  # taken over while this one was being saved: the lease has said so, once
-            except BaseException:
-                if not self.settings.keep_local:
-                    _drop_all_but_logs(dump_dir)
-                raise
-            else:
-                if not self.settings.keep_local:
-                    shutil.rmtree(dump_dir, ignore_errors=True)
-            self._known = manifest.chunk_digests()
-            self._check_stop_window(manifest, time.monotonic() - started, freeze)
-            kept = prune_checkpoints(self.store, self.checkpoint_id, self.settings.keep_checkpoints, self.trusted)[0]
-            failpoint("heartbeat.index", workload=workload.pid)
-            index.record_checkpoint(self.store, manifest, kept)
-            self._check_restorable(manifest)  # after the row: an index entry without checkpoints is dropped
-            self._say_taken(manifest, f"froze {freeze:.3f} s", saved,
-                            f"; GPU {binary_size(estimate.gpu_bytes)} out in {gpu.checkpoint_seconds:.3f} s, back in "
-                            f"{gpu.resume_seconds:.3f} s" if gpu else "")
-            return manifest
+                self._skip(grew)
+                return None
+            if grew:  # a final checkpoint: the tree is gone, these images are all that is left of its work
+                log.warning("final checkpoint checkpoint_id=%s: %s; stored anyway, the workload has stopped",
+                            self.checkpoint_id, grew)
+            gpu = self.gpu.state(suspension, estimate) if suspension is not None else None
+            # The workload's CUDA work stops for the copy-out and the copy-back too: part of its freeze.
+            freeze = dump.freeze_seconds + (gpu.checkpoint_seconds + gpu.resume_seconds if gpu else 0.0)
+            meta = CheckpointMeta(
+                checkpoint_id=self.checkpoint_id, node=self.node, engine_version=self.engine.version,
+                process=ProcessInfo(pid=workload.pid, command=workload.command, cwd=workload.cwd,
+                                    rss_bytes=rss, stdout_pipe=workload.stdout_pipe,
+                                    stderr_pipe=workload.stderr_pipe),
+                try_number=self.try_number, freeze_seconds=freeze, parent_seq=self.parent_seq, gpu=gpu,
+                airflow=self.airflow, caller_uid=self.caller_uid,
+            )
+            captured = [CapturedSource(p, c, m) for p, c, m in dump.captured]
+            failpoint("heartbeat.capture", workload=workload.pid, work_dir=self.work_dir)
+            saving = time.monotonic()
+            with self._phase("save"):
+                manifest = save_checkpoint(self.store, self.store_cfg, meta, dump.image_dir, captured,
+                                           known_digests=self._known, compression=self.settings.compression,
+                                           progress_mode=self.settings.progress, signing_key=self._key,
+                                           before_commit=self.lease.confirm if self.lease else None,
+                                           memo=self._memo, stage=self._stage(rnd, froze_at, freeze))
+            saved = time.monotonic() - saving  # the store's part alone: gc and the index come after
+        except WriterFenced:
+            shutil.rmtree(dump_dir, ignore_errors=True)
+            return None  # taken over while this one was being saved: the lease has said so, once
+        except BaseException:
+            if not self.settings.keep_local:
+                _drop_all_but_logs(dump_dir)
+            raise
+        else:
+            if not self.settings.keep_local:
+                shutil.rmtree(dump_dir, ignore_errors=True)
+        self._known = manifest.chunk_digests()
+        more = ""
+        if rnd is not None and self.job is not None:
+            if not self.job.spec.coordinator:  # part 0 commits it, with every other part, or nobody does
+                self._say_taken(manifest, f"froze {freeze:.3f} s", saved,
+                                f"; part {self.job.spec.part} of {self.job.spec.parts}, staged for the job's commit")
+                return manifest
+            manifest = self.job.commit(rnd, manifest, refusal=self.trust.refusal, key=self._key,
+                                       before_commit=self.lease.confirm if self.lease else None, own_seconds=saved)
+            assert manifest.job is not None
+            more = (f"; job of {manifest.job.parts} parts committed, freeze skew "
+                    f"{manifest.job.freeze_skew_seconds * 1000:.1f} ms, held {manifest.freeze_seconds:.3f} s at most")
+        self._check_stop_window(manifest, time.monotonic() - started, freeze)
+        kept = prune_checkpoints(self.store, self.checkpoint_id, self.settings.keep_checkpoints, self.trusted)[0]
+        failpoint("heartbeat.index", workload=workload.pid)
+        index.record_checkpoint(self.store, manifest, kept)
+        self._check_restorable(manifest)  # after the row: an index entry without checkpoints is dropped
+        self._say_taken(manifest, f"froze {freeze:.3f} s", saved,
+                        (f"; GPU {binary_size(estimate.gpu_bytes)} out in {gpu.checkpoint_seconds:.3f} s, back in "
+                         f"{gpu.resume_seconds:.3f} s" if gpu else "") + more)
+        return manifest
+
+    def _stage(self, rnd: Round | None, froze_at: float, freeze: float) -> tuple[int, Callable[[Manifest, bytes], None]] | None:
+        """Where one part of a job puts its manifest instead of committing it (run/job.py)."""
+        job = self.job
+        if rnd is None or job is None:
+            return None
+        return rnd.seq, lambda m, data: job.stage(rnd, data, froze_at, freeze)
 
     def _route(self, workload: Workload) -> str:
         """How this heartbeat is taken: "transparent" or "cooperative" (mode = auto: transparent where CRIU
@@ -544,6 +593,8 @@ class Checkpointer:
         failpoint("restore.lease", work_dir=self.work_dir)  # the runner holds the writer lease by now
         with tl.span("manifests"):
             candidates = require_latest(self.store, self.checkpoint_id)
+            if self.job is not None:  # this part of the newest committed seq, or nothing
+                candidates = [self.job.part_of(candidates[0], self.trust.refusal)]
         for i, m in enumerate(candidates):
             failpoint("restore.manifest", work_dir=self.work_dir)
             with tl.span("checks"):  # signature, GPU, age
@@ -775,11 +826,15 @@ class Checkpointer:
         except ValueError as e:
             raise CorruptCheckpoint(f"checkpoint {self.checkpoint_id} seq={m.seq} is refused: {e}") from None
         denied = self._denied()
+        # One part of a job: the traffic to the other parts is held back until every part is up (run/job.py).
+        gate = self.job.gate(m.seq) if self.job is not None else None
         with CapturedFilesBack(m, dest / CAPTURED_DIR, roots, denied, creds) as files_back, \
-                preflight(dest, m, roots, denied, creds, node_root_tree=node_rooted):
+                preflight(dest, m, roots, denied, creds, node_root_tree=node_rooted), \
+                gate if gate is not None else contextlib.nullcontext():
             ensure_cwd(m, roots, denied, creds)
             try:
-                prepare_sockets(dest, f"checkpoint {self.checkpoint_id} seq={m.seq}")
+                prepare_sockets(dest, f"checkpoint {self.checkpoint_id} seq={m.seq}",
+                                job_peers=self.job.peers if self.job is not None else frozenset())
             except ValueError as e:  # a files.img we cannot read: CRIU will judge it, as before
                 log.debug("sockets not prepared checkpoint_id=%s seq=%d: %s", self.checkpoint_id, m.seq, e)
             become_subreaper()
@@ -819,6 +874,9 @@ class Checkpointer:
                 log.info("gpu state restored checkpoint_id=%s seq=%d processes=%d seconds=%.3f",
                          self.checkpoint_id, m.seq, len(m.gpu.processes), seconds)
             files_back.keep()
+            if gate is not None:
+                with tl.span("job_parts_up"):
+                    gate.open()
         tl.spans.append(("adopt", adopting - tl.t0, time.monotonic() - adopting))
         return workload
 

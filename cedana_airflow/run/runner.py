@@ -49,6 +49,7 @@ from .cooperative import Cooperation
 from .environment import workload_env
 from .estimate import estimate_checkpoint
 from .gpu_state import GpuGate
+from .job import Job, JobSpec
 from .restore_gap import judge_settings
 from .stop import StopReport, clean_cut
 from .timeline import Timeline
@@ -186,9 +187,16 @@ def run_workload(
     owner = f"{airflow.dag_id}/{airflow.task_id}/{airflow.map_index}" if airflow else ""
     if caller_uid:  # the node agent's caller other than root: another uid's newer try never fences this lease
         owner = f"{owner} uid={caller_uid}".strip()
+    spec = JobSpec.of(settings)
+    job = Job(store, checkpoint_id, spec, node=settings.resolved_node(), try_number=try_number) if spec else None
+    if spec is not None:
+        log.info("job checkpoint_id=%s: part %d of %d%s; a stop takes no final checkpoint (the newest committed seq "
+                 "resumes every part)", checkpoint_id, spec.part, spec.parts,
+                 ", the coordinator" if spec.coordinator else "")
+    # The coordinator holds the ID's lease for the job: only it commits (the other parts stage, run/job.py).
     lease = (WriterLease(store, checkpoint_id, node=settings.resolved_node(), try_number=try_number,
                          ttl_seconds=settings.writer_lease_seconds, owner=owner)
-             if settings.writer_lease_seconds > 0 else None)
+             if settings.writer_lease_seconds > 0 and (spec is None or spec.coordinator) else None)
     # The lease comes first: a second supervisor of this ID must neither restore nor start anything.
     with _stop_line(checkpoint_id, lease) as stopped, \
             lease.held() if lease is not None else contextlib.nullcontext(), _work_dir(settings) as work_dir:
@@ -210,7 +218,7 @@ def run_workload(
         cp = Checkpointer(engine, store, store_cfg, checkpoint_id, settings, work_dir=work_dir, try_number=try_number,
                           lease=lease, gpu=gpu, airflow=airflow, coop=coop, key=key,
                           start=start_cooperative if cooperative else None, engine_why=engine_why,
-                          restore_tree=restore_tree, caller_uid=caller_uid)
+                          restore_tree=restore_tree, caller_uid=caller_uid, job=job)
         result = RunResult(exit_code=0, outcome="fresh")
         try:
             if not owner_checked:
@@ -332,7 +340,7 @@ def _restore_into(cp: Checkpointer, result: RunResult, *, must_restore: bool, cw
             history(outcome="fresh", reason="no checkpoint to resume: none was complete before the previous try ended")
         return None
     except CorruptCheckpoint as e:
-        if must_restore:
+        if must_restore or cp.job is not None:  # a job's part starting over while the others resume: never
             raise
         result.skipped = (str(e),)
         log.warning("no checkpoint could be restored checkpoint_id=%s; starting fresh", cp.checkpoint_id)
@@ -439,7 +447,18 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
             take()
 
     failures = Failures(lambda why: index.record_failure(cp.store, cp.checkpoint_id, why))
-    triggers = _Triggers(settings, workload, beat, cadence, failures)
+    job = cp.job
+    if job is not None and not job.spec.coordinator:
+        cadence = None  # part 0 appoints the heartbeats: this part joins its rounds
+
+        def join() -> None:
+            rnd = job.next_round(1.0)
+            if rnd is not None and workload.poll() is None:
+                m = cp.checkpoint(workload, rnd=rnd)
+                if m is not None:
+                    result.checkpoints.append(m)
+    triggers = _Triggers(settings, workload, beat, cadence, failures,
+                         join if job is not None and not job.spec.coordinator else None)
 
     def cut(cause: str) -> None:
         # The triggers are told to halt, not waited for: a heartbeat's upload must not eat the stop window
@@ -561,9 +580,11 @@ class _Triggers:
     """The heartbeat and the memory watch that ``settings`` ask for, started and stopped together."""
 
     def __init__(self, settings: Settings, workload: Workload, beat: Callable[[], None],
-                 cadence: Cadence | None, failures: Failures) -> None:
-        self.heartbeat = (Heartbeat(cadence.interval, beat, alive=lambda: workload.poll() is None, failures=failures)
-                          if cadence is not None else None)
+                 cadence: Cadence | None, failures: Failures, join: Callable[[], None] | None = None) -> None:
+        alive = lambda: workload.poll() is None  # noqa: E731
+        # One part of a job other than part 0 joins part 0's rounds instead (``join`` waits for the next one).
+        self.heartbeat = (Heartbeat(cadence.interval, beat, alive=alive, failures=failures) if cadence is not None
+                          else Heartbeat(0.0, join, alive=alive, failures=failures) if join is not None else None)
         self.watch = (MemoryWatch(settings.checkpoint_above_bytes, lambda: estimate_checkpoint(workload.pids()).total,
                                   beat, failures=failures) if settings.checkpoint_above_bytes > 0 else None)
 

@@ -176,10 +176,20 @@ def holder_of(s: InetSk) -> str:
     return "a process this one cannot see"
 
 
+def _split(sockets: list[InetSk], job_peers: frozenset[str]) -> tuple[list[InetSk], list[InetSk]]:
+    """The connections restored whole (both ends in the tree, or the other end in another part of the
+    job: its peer resumes too, from the same seq) and those to peers outside."""
+    inside, outside = in_tree(sockets)
+    to_job = [s for s in outside if s.dst[0] in job_peers]
+    return inside + to_job, [s for s in outside if s.dst[0] not in job_peers]
+
+
 def prepare_sockets(image_dir: Path, what: str, *, wait: float = PORT_WAIT_SECONDS,
-                    sleep: Callable[[float], None] = time.sleep) -> list[InetSk]:
+                    sleep: Callable[[float], None] = time.sleep, job_peers: frozenset[str] = frozenset()) -> list[InetSk]:
     """Make ``image_dir``'s sockets restorable here (see the module doc); the outside connections it
-    closed. ``what``: the checkpoint, as the error names it. Raises NodeInTheWay."""
+    closed. ``what``: the checkpoint, as the error names it. ``job_peers``: the other parts' addresses, where
+    the tree is one part of a job (run/job.py): connections to them are restored whole, from the addresses
+    they had, which this node must have. Raises NodeInTheWay."""
     sockets = read_inet_sockets(image_dir)
     if not sockets:
         return []
@@ -187,14 +197,20 @@ def prepare_sockets(image_dir: Path, what: str, *, wait: float = PORT_WAIT_SECON
         raise NodeInTheWay(f"{what} cannot be restored on this node: its socket {v6.describe()} is IPv6, and this "
                            "node runs without IPv6 (booted with ipv6.disable=1). Let the retry run on a node with "
                            "IPv6; the checkpoint stays the latest")
-    inside, _ = in_tree(sockets)
+    inside, _ = _split(sockets, job_peers)
     own = inside + [s for s in sockets if _bound_server(s)] + _to_tree_datagrams(sockets)
-    if moves := _moves(own, what):
+    if job_peers and (moves := {k: v for k, v in _moves(own, what).items() if k not in job_peers}):
+        # a peer keeps sending to the address it knew: only this node having it lets the connection go on
+        raise NodeInTheWay(f"{what} cannot be restored on this node: it is one part of a job, and its connections to "
+                           f"the other parts use {', '.join(moves)}, the address its part had, which this node does "
+                           "not have. Give the node that resumes this part that address (the job's network "
+                           "namespace, or a pod IP that moves with it); the checkpoint stays the latest")
+    if not job_peers and (moves := _moves(own, what)):
         moved = move_addresses(image_dir, own, moves)
         log.info("restore moves the tree's address %s on this node (%d socket(s): its connections inside the "
                  "tree, its listeners and its UDP sockets)", ", ".join(f"{a} to {b}" for a, b in moves.items()), moved)
         sockets = read_inet_sockets(image_dir)
-    inside, outside = in_tree(sockets)
+    inside, outside = _split(sockets, job_peers)
     datagrams = [s for s in sockets if s.proto == socket.IPPROTO_UDP and s.dst[1] != 0 and s.src[1] != 0]
     rebind = [s for s in datagrams if _probe(s) != 0]  # connected: connect() binds it here as it did there
     bound = [s for s in sockets if _bound_server(s)]

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from ..format.layout import CHUNKS, checkpoint_prefix, chunk_digest, is_temp, manifest_key
+from ..format.layout import CHUNKS, checkpoint_prefix, chunk_digest, is_temp, manifest_key, rounds_prefix
 from ..errors import CorruptCheckpoint
 from ..format.manifest import Manifest
 from ..ids import validate_checkpoint_id
@@ -146,9 +146,10 @@ def collect_garbage(store: Store, *, grace_seconds: float = DEFAULT_GRACE_SECOND
                 freed += obj.size
                 if not dry_run:
                     store.delete(obj.key)
-        for cid in ids:  # temporary manifests of writers killed before their commit point
+        for cid in ids:  # temporary manifests of writers killed before their commit point, a job's old rounds
+            rounds = rounds_prefix(cid)
             for obj in list(store.list_objects(checkpoint_prefix(cid))):
-                if is_temp(obj.key) and obj.mtime < cutoff:
+                if (is_temp(obj.key) or obj.key.startswith(rounds)) and obj.mtime < cutoff:
                     temps += 1
                     if not dry_run:
                         store.delete(obj.key)

@@ -143,6 +143,7 @@ def save_checkpoint(
     signing_key: bytes | None = None,
     before_commit: Callable[[], None] | None = None,
     memo: chunking.SegmentMemo | None = None,
+    stage: tuple[int, Callable[[Manifest, bytes], None]] | None = None,
 ) -> Manifest:
     """Store an image directory (and captured files) as a new checkpoint; return its manifest.
     With ``state`` (and no ``image_dir``) it is a cooperative checkpoint: the files the workload wrote.
@@ -152,12 +153,14 @@ def save_checkpoint(
     manifest (format/signing.py). ``before_commit``: called right before the manifest is written;
     raising there abandons the checkpoint (the writer lease's last check, store/writer_lease.py).
     ``memo``: the same writer's memo at every heartbeat, so unchanged segments are not cut again.
+    ``stage``: (seq, put) for one part of a job (run/job.py): the manifest gets that seq and goes to ``put``
+    instead of its commit point; the job's coordinator commits every part's together.
     """
     validate_checkpoint_id(meta.checkpoint_id)
     lock = acquire_writer(store)  # garbage collection waits while any checkpoint is being written
     try:
         return _save(store, cfg, meta, image_dir, captured, state, known_digests, compression, progress_mode,
-                     signing_key, before_commit, memo)
+                     signing_key, before_commit, memo, stage)
     finally:
         lock.release(store)
 
@@ -165,7 +168,8 @@ def save_checkpoint(
 def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path | None,
           captured: Sequence[CapturedSource], state: StateSource | None, known_digests: Iterable[str], compression: str,
           progress_mode: str, signing_key: bytes | None, before_commit: Callable[[], None] | None,
-          memo: chunking.SegmentMemo | None) -> Manifest:
+          memo: chunking.SegmentMemo | None, stage: tuple[int, Callable[[Manifest, bytes], None]] | None = None,
+          ) -> Manifest:
     t0 = time.monotonic()
     image_files = sorted(p for p in image_dir.iterdir() if p.is_file()) if image_dir is not None else []
     state_files = state.files if state is not None else ()
@@ -206,8 +210,11 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path 
                              write_seconds=round(state.write_seconds, 6), verify_command=state.verify_command)
             if state is not None else None)
     progress.close()
-    seqs = store.list_seqs(meta.checkpoint_id)
-    seq = (seqs[-1] if seqs else 0) + 1
+    if stage is not None:
+        seq = stage[0]
+    else:
+        seqs = store.list_seqs(meta.checkpoint_id)
+        seq = (seqs[-1] if seqs else 0) + 1
     while True:
         # A cooperative checkpoint is format 4, its block required: a reader that predates it refuses it in
         # one line (upgrade) instead of handing an empty image set to CRIU.
@@ -247,6 +254,9 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path 
         if before_commit is not None:
             before_commit()
         failpoint("heartbeat.manifest")
+        if stage is not None:  # one part of a job: its coordinator's commit makes the seq exist, or nothing does
+            stage[1](manifest, data)
+            break
         # The commit point: until this write succeeds the checkpoint does not exist.
         if store.put_manifest(meta.checkpoint_id, seq, data):
             break
