@@ -144,6 +144,8 @@ def checkpoint(rank: int = 0, world_size: int = 1, *, n: int | None = None, quie
     n = n or _unanswered(doc)
     if not n:
         raise RuntimeError("no checkpoint is requested now: check requested() first")
+    if not doc or doc.n < n:  # ranks on another node saw it first (a job's parts ask together): ours opens now
+        doc = _awaited(n)
     if not doc or doc.n != n:
         # Withdrawn since it was seen: the caller's writes go to a directory nobody keeps.
         with tempfile.TemporaryDirectory(prefix="cedana-withdrawn-") as scratch:
@@ -165,6 +167,21 @@ def checkpoint(rank: int = 0, world_size: int = 1, *, n: int | None = None, quie
                   "going on", file=sys.stderr)
     finally:
         _answered = max(_answered, n)
+
+
+#: How long a rank waits for its own supervisor's request that ranks on another node already answer.
+AWAIT_SECONDS = 30.0
+
+
+def _awaited(n: int) -> _Request | None:
+    """The request ``n`` once this process's supervisor opens it, or None (not within AWAIT_SECONDS)."""
+    until = time.monotonic() + AWAIT_SECONDS
+    while time.monotonic() < until:
+        doc = _request_doc()
+        if doc is not None and doc.n >= n:
+            return doc
+        time.sleep(0.01)
+    return None
 
 
 def done(n: int, rank: int = 0, world_size: int = 1, d: Path | None = None) -> None:

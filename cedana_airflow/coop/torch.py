@@ -18,6 +18,7 @@ same step for the same request. With NCCL the integer lives on the rank's curren
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,14 @@ def _rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def _local(rank: int, world_size: int) -> tuple[int, int]:
+    try:
+        local, size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return rank, world_size
+    return (local, size) if 0 <= local < size <= world_size else (rank, world_size)
+
+
 class Resumable:
     """What a training loop saves and resumes cooperatively. ``extra``: anything else picklable (an
     epoch counter, a data loader's state_dict) returned by :meth:`resume` as ``self.extra``."""
@@ -70,6 +79,10 @@ class Resumable:
                  scheduler: Any | None = None) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.rank, self.world_size = _rank_and_world()
+        # Each node's supervisor takes its own ranks' part of a job on several nodes (run/job.py): its ranks
+        # mark theirs done to its local rank 0 (torchrun's LOCAL_RANK, LOCAL_WORLD_SIZE), every file keeps
+        # its global rank's name.
+        self.local_rank, self.local_world_size = _local(self.rank, self.world_size)
         self.extra: dict[str, Any] = {}
         listen()
 
@@ -113,7 +126,7 @@ class Resumable:
         n = n or request()
         if not n:
             return  # answered already, or withdrawn: nothing to write
-        with checkpoint(self.rank, self.world_size, n=n) as d:
+        with checkpoint(self.local_rank, self.local_world_size, n=n) as d:
             torch.save(state, d / f"rank-{self.rank}.pt")
 
     def save_if_requested(self, step: int) -> bool:

@@ -52,7 +52,7 @@ from .estimate import captured_too_large, copies_too_large, dump_too_large, esti
 from .gpu_state import GpuGate
 from .lazy_restore import LazyFeed, lazy_files
 from .preflight import preflight
-from .job import Job, JobRoundFailed, Round, joined
+from .job import Job, Round, joined
 from .sockets import prepare_sockets
 from .streamed_restore import PageStream, can_stream, streamed_files
 from .timeline import Timeline
@@ -261,11 +261,8 @@ class Checkpointer:
         if self.lease is not None and self.lease.fenced:
             return None  # no freeze either: this supervisor's checkpoints would never be used
         route = self._route(workload)
-        if route == "cooperative" and rnd is not None:
-            raise JobRoundFailed("a job's parts take transparent checkpoints only (cooperative checkpoints "
-                                 "across nodes are not built yet): run it with mode = transparent")
         if route == "cooperative":
-            return self._cooperative(workload, final, budget)
+            return self._cooperative(workload, final, budget, rnd)
         if self.engine is None:
             return None  # unprotected for now: _route said why
         if not self._pages_in(wait=not leave_running):
@@ -398,16 +395,21 @@ class Checkpointer:
             self._route_said = line
             log.log(level, "mode %s checkpoint_id=%s: %s", self.settings.mode, self.checkpoint_id, line)
 
-    def _cooperative(self, workload: Workload, final: bool, budget: float | None) -> Manifest | None:
+    def _cooperative(self, workload: Workload, final: bool, budget: float | None,
+                     rnd: Round | None = None) -> Manifest | None:
         """Ask the workload for its state, then store what it wrote as this ID's next checkpoint. A
         heartbeat's request is withdrawn when a stop comes (the stop asks again, within its window); a
-        stop's leaves a third of its budget for the upload."""
+        stop's leaves a third of its budget for the upload. One part of a job (``rnd``) asks at the round's
+        appointed moment, with the round's seq as the request's number: its ranks agree on it with the
+        ranks of the other nodes (coop.torch), and what it wrote is staged for part 0's commit."""
         assert self.coop is not None
+        if rnd is not None and self.job is not None:
+            self.job.wait_for(rnd)
         started = time.monotonic()
         if final:
             taken = self.coop.ask(workload, budget=None if budget is None else max(0.2, budget * 2 / 3))
         else:
-            taken = self.coop.ask(workload, stop=self.stopping)
+            taken = self.coop.ask(workload, stop=self.stopping, n=rnd.seq if rnd is not None else None)
         if taken is None:  # the workload ended while asked: nothing left to protect
             return None
         if isinstance(taken, str):
@@ -428,7 +430,9 @@ class Checkpointer:
                 manifest = save_checkpoint(self.store, self.store_cfg, meta, None, state=taken.source,
                                            known_digests=self._known, compression=self.settings.compression,
                                            progress_mode=self.settings.progress, signing_key=self._key,
-                                           before_commit=self.lease.confirm if self.lease else None, memo=self._memo)
+                                           before_commit=self.lease.confirm if self.lease else None, memo=self._memo,
+                                           stage=self._stage(rnd, time.time() - taken.source.write_seconds,
+                                                             taken.source.write_seconds))
             saved = time.monotonic() - saving
         except WriterFenced:
             return None
@@ -436,12 +440,20 @@ class Checkpointer:
             if not self.settings.keep_local:  # (kept, it goes at the next request: run/cooperative.py)
                 shutil.rmtree(taken.where, ignore_errors=True)
         self._known = manifest.chunk_digests()
+        wrote = (f"written by the workload in {taken.source.write_seconds:.3f} s ({taken.source.ranks} rank(s), "
+                 f"{len(taken.source.files)} file(s), request {taken.source.request})")
+        if rnd is not None and self.job is not None:
+            if not self.job.spec.coordinator:
+                self._say_taken(manifest, wrote, saved, f"; part {self.job.spec.part} of {self.job.spec.parts}, "
+                                "staged for the job's commit")
+                return manifest
+            manifest = self.job.commit(rnd, manifest, refusal=self.trust.refusal, key=self._key,
+                                       before_commit=self.lease.confirm if self.lease else None, own_seconds=saved)
+            wrote += f"; job of {self.job.spec.parts} parts committed"
         self._check_stop_window(manifest, time.monotonic() - started, taken.source.write_seconds)
         kept = prune_checkpoints(self.store, self.checkpoint_id, self.settings.keep_checkpoints, self.trusted)[0]
         index.record_checkpoint(self.store, manifest, kept)
-        self._say_taken(manifest, f"written by the workload in {taken.source.write_seconds:.3f} s "
-                        f"({taken.source.ranks} rank(s), {len(taken.source.files)} file(s), request {taken.source.request})",
-                        saved)
+        self._say_taken(manifest, wrote, saved)
         return manifest
 
     def _say_taken(self, m: Manifest, held: str, save_seconds: float, more: str = "") -> None:

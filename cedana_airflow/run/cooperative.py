@@ -144,12 +144,14 @@ class Cooperation:
         except (OSError, UnicodeDecodeError):
             return set()
 
-    def ask(self, workload: Workload, *, budget: float | None = None, stop: threading.Event | None = None
-            ) -> Taken | str | None:
+    def ask(self, workload: Workload, *, budget: float | None = None, stop: threading.Event | None = None,
+            n: int | None = None) -> Taken | str | None:
         """Request a checkpoint and wait for COMPLETE: what was written, why there is nothing to store, or
         None when the workload ended meanwhile (nothing left to protect: no skip to report).
-        ``budget``: at most this long (a stop's window), whatever ``cooperative_timeout_seconds`` says."""
-        self.requests += 1
+        ``budget``: at most this long (a stop's window), whatever ``cooperative_timeout_seconds`` says.
+        ``n``: the request's number (one part of a job asks with its round's seq, so that the ranks on every
+        node answer the same number: run/job.py); default the next one."""
+        self.requests = max(self.requests + 1, n or 0)
         n = self.requests
         for left in [*self.root.glob("state-*"), self.root / "taken"]:  # a withdrawn request's, a kept one's
             self._remove(left)

@@ -32,11 +32,11 @@ def nodes():
 
 
 def _part(node: NetNode, tmp_path: Path, part: int, cmd: list[str], *, try_number: int, heartbeat: str, out: str,
-          pod: bool = False, **env: str) -> subprocess.Popen[bytes]:
+          pod: bool = False, mode: str = "transparent", **env: str) -> subprocess.Popen[bytes]:
     """Part ``part`` of 2 of the job ``job``, supervised on ``node`` (in a pod there: torchrun's gloo binds the
     address its hostname resolves to)."""
     argv = [sys.executable, "-m", "cedana_airflow", "run", "--resume", "--id", "job", "--job-part", f"{part}/2",
-            "--try-number", str(try_number), "--heartbeat", heartbeat, "--", *cmd]
+            "--try-number", str(try_number), "--heartbeat", heartbeat, "--mode", mode, "--", *cmd]
     argv = node.pod(argv, f"pod-{part}", str(tmp_path / f"hosts-{out}")) if pod else node.cmd(argv)
     cwd = tmp_path / f"cwd-{node.name}"  # a node's own disk: CRIU's proc.crtools goes into the workload's cwd
     cwd.mkdir(exist_ok=True)
@@ -45,17 +45,19 @@ def _part(node: NetNode, tmp_path: Path, part: int, cmd: list[str], *, try_numbe
 
 
 def _steps(path: Path) -> list[int]:
-    return [int(m.group(1)) for m in re.finditer(r"^step (\d+)/", path.read_text(), re.M)]
+    return [int(m.group(1)) for m in re.finditer(r"^step (\d+)\b", path.read_text(), re.M)]
 
 
 def _resumed(tmp_path: Path, a: NetNode, b: NetNode, c: NetNode, cmds: tuple[list[str], list[str]], *,
-             pod: bool = False, timeout: float = 240) -> tuple[str, str]:
-    """Node b is lost and node c takes its address; the job's retry (try 2) runs part 0 on a and part 1 on
-    c. Both exit 0; their logs."""
+             pod: bool = False, timeout: float = 240, mode: str = "transparent") -> tuple[str, str]:
+    """Node b is lost and node c takes its address (a transparent part's connections need it; a cooperative
+    part starts its processes anew); the job's retry (try 2) runs part 0 on a and part 1 on c. Both exit 0;
+    their logs."""
     b.lose()
-    c.take_over(b)
-    runs = [_part(a, tmp_path, 0, cmds[0], try_number=2, heartbeat="0", out="a2", pod=pod),
-            _part(c, tmp_path, 1, cmds[1], try_number=2, heartbeat="0", out="c2", pod=pod)]
+    if mode == "transparent":
+        c.take_over(b)
+    runs = [_part(a, tmp_path, 0, cmds[0], try_number=2, heartbeat="0", out="a2", pod=pod, mode=mode),
+            _part(c, tmp_path, 1, cmds[1], try_number=2, heartbeat="0", out="c2", pod=pod, mode=mode)]
     try:
         for r, out in zip(runs, ("a2", "c2")):
             assert r.wait(timeout=timeout) == 0, (tmp_path / f"{out}.err").read_text()[-3000:]
@@ -121,14 +123,14 @@ def test_a_two_node_torchrun_job_resumes_on_two_nodes_with_an_uninterrupted_runs
     a, b, c = nodes
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     reference = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                str(DDP), "--steps", "120", "--step-seconds", "0"], capture_output=True, text=True,
+                                str(DDP), "--steps", "60", "--step-seconds", "0"], capture_output=True, text=True,
                                timeout=300, check=True, env=env).stdout.splitlines()[-1]
     assert reference.startswith("done digest=")
 
     def rank(r: int) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
                 "--nproc-per-node", "1", "--master-addr", a.address, "--master-port", "29511", str(DDP),
-                "--steps", "120"]
+                "--steps", "60"]
 
     runs = [_part(a, tmp_path, 0, rank(0), try_number=1, heartbeat="2", out="a1", pod=True),
             _part(b, tmp_path, 1, rank(1), try_number=1, heartbeat="2", out="b1", pod=True)]
@@ -149,3 +151,40 @@ def test_a_two_node_torchrun_job_resumes_on_two_nodes_with_an_uninterrupted_runs
     resumed = _steps(tmp_path / "a2.out")
     assert 3 < resumed[0] <= last + 1, (resumed[:2], last)
     assert (tmp_path / "a2.out").read_text().splitlines()[-1] == reference
+
+
+def test_a_two_node_torchrun_job_that_writes_its_own_state_resumes_from_one_seq_of_every_rank(nodes, tmp_path):
+    """Cooperative across nodes: ``torchrun --nnodes 2`` of a job using ``coop.torch.Resumable`` (DDP, momentum,
+    a step LR schedule, dropout), each node's part under its own supervisor in mode cooperative. At part 0's
+    round both supervisors ask at the appointed moment with the round's seq, the ranks agree on the step (one
+    all-reduce), each node's ranks write theirs, and part 0 commits both nodes' files as one seq. Node b is
+    lost; the retry starts both parts from that seq (part 1 on node c, its own address) and the job ends with
+    an uninterrupted run's parameters."""
+    pytest.importorskip("torch")
+    a, b, c = nodes
+    coop = REPO / "tests" / "workloads" / "ddp_coop.py"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    reference = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                str(coop), "--steps", "60", "--step-seconds", "0"], capture_output=True, text=True,
+                               timeout=300, check=True, env=env).stdout.splitlines()[-1]
+
+    def rank(r: int) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
+                "--nproc-per-node", "1", "--master-addr", a.address, "--master-port", "29512", str(coop),
+                "--steps", "60"]
+
+    runs = [_part(a, tmp_path, 0, rank(0), try_number=1, heartbeat="2", out="a1", pod=True, mode="cooperative"),
+            _part(b, tmp_path, 1, rank(1), try_number=1, heartbeat="2", out="b1", pod=True, mode="cooperative")]
+    try:
+        ms = wait_for_checkpoint_after(tmp_path / "store", "job", tmp_path / "a1.out", "step 5 ", runs[0], timeout=180)
+    finally:
+        a.kill_all()
+    seq = ms[-1]["seq"]
+    members = ms[-1]["job"]["members"]
+    assert [sorted(f["path"] for f in mb["manifest"]["cooperative"]["files"]) for mb in members] == \
+        [["rank-0.pt"], ["rank-1.pt"]]  # each node's supervisor stored its own rank's file, in one seq
+    a2, c2 = _resumed(tmp_path, a, b, c, (rank(0), rank(1)), pod=True, timeout=300, mode="cooperative")
+    assert re.search(rf"restored seq {seq} of try 1 \(node node-b\) on node node-c", c2), c2[-3000:]
+    out = (tmp_path / "a2.out").read_text().splitlines()
+    assert out[0].startswith("resumed at step ") and int(out[0].split()[-1]) > 5, out[:2]
+    assert out[-1] == reference, (out[-2:], reference)
