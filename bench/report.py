@@ -13,13 +13,14 @@ from harness import BENCH, MB, med
 
 from cedana_airflow.run.cadence import duration_text
 
-PARTS = ("local", "lazy", "lazy-growth", "lazy-freeze", "talkers", "agent", "agent-cooperative", "cooperative",
+PARTS = ("local", "lazy", "lazy-growth", "lazy-freeze", "talkers", "job", "agent", "agent-cooperative", "cooperative",
          "s3-transfer", "s3-listing", "seaweedfs-transfer", "seaweedfs-listing", "seaweedfs-lazy", "heartbeat", "plugin")
 PART_TITLES = {"local": "local (freeze, stored bytes, restore from file://)",
                "lazy": "lazy restore (file:// and S3)",
                "lazy-growth": "lazy restore by image size (file://)",
                "lazy-freeze": "freeze per heartbeat after a restore (lazy and full, file://)",
                "talkers": "workloads that talk: torchrun DDP and a serving worker vs bare CRIU",
+               "job": "a job's parts frozen together: 2 and 4 parts vs one part alone (file://)",
                "agent": "through the node agent as uid nobody vs in-process as root (freeze, restore; file://)",
                "agent-cooperative": "cooperative checkpoints through the node agent as uid nobody vs in-process as root (file://)",
                "cooperative": "cooperative heartbeat (S3)",
@@ -87,6 +88,13 @@ def table_rows(res: dict[str, Any]) -> list[list[str]]:
                      secs(a["in_process_cycle_seconds"], a["spread"]["in_process"]),
                      secs(a["agent_cycle_seconds"], a["spread"]["agent"]), f"{a['ratio']:.2f}x", f"<= {a['target']:.1f}x",
                      _ok(a["pass"])])
+    if "job" in res:
+        j = res["job"]
+        for n in ("2", "4"):
+            rows.append([f"job of {n} parts ({j['mb']} MiB each): longest held frozen per round, skew "
+                         f"{1000 * j[n]['skew_seconds']:.1f} ms", secs(j["1"]["held_seconds"], j["1"]["held_spread"]),
+                         secs(j[n]["held_seconds"], j[n]["held_spread"]), f"{j['ratios'][n]:.2f}x",
+                         f"<= {j['targets'][n]:.1f}x", _ok(j["pass"][n])])
     if "cooperative" in res:
         c = res["cooperative"]
         rows += [

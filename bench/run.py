@@ -1,6 +1,6 @@
 """cedana-airflow benchmarks: ratios against baselines measured in the same run.
 
-    .venv/bin/python bench/run.py [--only local|s3|s3-transfer|s3-listing|heartbeat] [--mb 1024] [--reps 5]
+    .venv/bin/python bench/run.py [--only local|s3|s3-transfer|s3-listing|job|heartbeat] [--mb 1024] [--reps 5]
                                   [--s3-reps 2] [--s3-naive-defaults] [--keep] [--no-write] [--no-prewarm]
                                   [--heartbeat-tasks 1000] [--heartbeat-seed 20261203]
                                   [--lazy-freeze-mb 256] [--lazy-freeze-rounds 5]
@@ -89,6 +89,7 @@ def parse_args() -> argparse.Namespace:
                          "previous results in bench/results.*")
     ap.add_argument("--mb", type=int, default=1024, help="workload state size in MB (default 1024; 200 for a quick run)")
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions for freeze and restore (default 5)")
+    ap.add_argument("--job-mb", type=int, default=64, help="the job part: each part's tree, in MiB (default 64)")
     ap.add_argument("--agent-mb", type=int, default=256,
                     help="the agent part's workload size in MB (default 256: each of its runs takes two heartbeats)")
     ap.add_argument("--s3-reps", type=int, default=1,
@@ -162,6 +163,11 @@ def run_parts(parts: Parts, engine: CriuEngine, settings: Settings, work: Path) 
         from talkers import bench_talkers
 
         new.update(parts.run("talkers", lambda: bench_talkers(engine, args.reps, work)))
+    if "job" in args.only:
+        from jobs import bench_jobs
+
+        (work / "job").mkdir(exist_ok=True)
+        new.update(parts.run("job", lambda: bench_jobs(args.job_mb, max(3, args.reps), work / "job")))
     if "agent" in args.only:
         from agent import bench_agent
 
@@ -223,7 +229,7 @@ def run_parts(parts: Parts, engine: CriuEngine, settings: Settings, work: Path) 
 
 def main() -> int:
     args = parse_args()
-    if os.geteuid() != 0 and ({"local", "lazy", "lazy-growth", "lazy-freeze", "talkers", "agent", "agent-cooperative",
+    if os.geteuid() != 0 and ({"local", "lazy", "lazy-growth", "lazy-freeze", "talkers", "job", "agent", "agent-cooperative",
                                  "s3-transfer", "seaweedfs-transfer", "seaweedfs-lazy"} & set(args.only)):
         print("bench/run.py needs root (CRIU uses CAP_SYS_ADMIN and ptrace); run it with sudo.", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.11.0"
+__version__ = "0.12.0"
 
 _NAMES = {
     "Settings": "config",

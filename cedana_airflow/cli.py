@@ -13,7 +13,7 @@ import os
 import sys
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -438,6 +438,16 @@ class _Summary:
             print(text, flush=True)
 
 
+def _slurm_step_part(environ: Mapping[str, str]) -> tuple[int, int] | None:
+    """(part, parts) of a job step on several nodes (srun, one task per node), None elsewhere: the batch
+    script alone runs on the first node only, with no step."""
+    try:
+        parts, part = int(environ["SLURM_STEP_NUM_NODES"]), int(environ["SLURM_NODEID"])
+    except (KeyError, ValueError):
+        return None
+    return (part, parts) if parts > 1 and 0 <= part < parts else None
+
+
 def _cmd_slurm_job(args: argparse.Namespace) -> int:
     """The command of a Slurm route job (slurm/batch.py writes it into the batch script)."""
     from .run.runner import run_workload
@@ -451,6 +461,8 @@ def _cmd_slurm_job(args: argparse.Namespace) -> int:
     node = os.environ.get("SLURMD_NODENAME")
     if node and not args.node:
         args.node = node  # the Slurm node's name, not the host's: two slurmd may share a host
+    if args.job_part is None and (step := _slurm_step_part(os.environ)):
+        args.job_part = step  # one task per node of a multi-node job step: this node's part (docs/jobs.md)
     settings = _settings(args)
     try:
         optin = load_optin(settings.optin_file)
@@ -478,7 +490,9 @@ def _cmd_slurm_job(args: argparse.Namespace) -> int:
         summary.node = settings.resolved_node()
         timings = _Timings() if args.timings else None
         result = run_workload(settings, args.id, command, resume=True, try_number=args.try_number,
-                              airflow=_task_of(args), on_restore=timings.restored if timings is not None else None)
+                              airflow=_task_of(args), on_restore=timings.restored if timings is not None else None,
+                              # a requeue runs the same try again: its parts are a new attempt all the same
+                              job_attempt=f"{args.try_number}.{os.environ.get('SLURM_RESTART_COUNT') or 0}")
         if timings is not None:
             timings.print_now()
         summary.report(result)

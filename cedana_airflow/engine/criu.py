@@ -272,7 +272,8 @@ class CriuEngine:
             raise EngineUnavailable(f"{what} needs root (CRIU uses CAP_SYS_ADMIN and ptrace); run as root.")
 
     def dump(self, pid: int, image_dir: Path, *, leave_running: bool = True, capture: bool = True,
-             extra: Sequence[str] = (), hold: Callable[[], str | None] | None = None) -> DumpResult:
+             extra: Sequence[str] = (), hold: Callable[[], str | None] | None = None,
+             skip_in_flight: bool = True) -> DumpResult:
         """Freeze the tree rooted at ``pid``, write its images to ``image_dir``, resume it (or not).
 
         With ``capture``, files the tree holds open for writing are copied while it is still frozen
@@ -281,7 +282,9 @@ class CriuEngine:
         already let the tree run on, and the other dump is done with the directory in milliseconds.
         ``extra``: more of CRIU's options (the node agent's trees name their mounts: agent/trees.py).
         ``hold``: called once the images are written, the tree still frozen (with ``capture``); a line back
-        fails the dump (a job's parts waiting for each other: run/job.py).
+        fails the dump (a job's parts waiting for each other: run/job.py). ``skip_in_flight=False``: a
+        connection half made while the tree is frozen fails the dump instead of being left out (a job's
+        part: its other end may be in another part's image).
         """
         self._require_root("checkpointing")
         pids = tree_pids(pid)
@@ -296,7 +299,7 @@ class CriuEngine:
             pairs = net_lock.tree_pairs(pids)
         for attempt in range(1, _DUMP_ATTEMPTS + 1):
             try:
-                return self._dump_once(pid, image_dir, leave_running, capture, dirs, pairs, extra, hold)
+                return self._dump_once(pid, image_dir, leave_running, capture, dirs, pairs, extra, hold, skip_in_flight)
             except _Collided as e:
                 if attempt == _DUMP_ATTEMPTS:
                     raise DumpFailed(e.line) from None
@@ -310,13 +313,13 @@ class CriuEngine:
 
     def _dump_once(self, pid: int, image_dir: Path, leave_running: bool, capture: bool, dirs: set[str],
                    pairs: set[net_lock.Pair], extra: Sequence[str] = (),
-                   hold: Callable[[], str | None] | None = None) -> DumpResult:
+                   hold: Callable[[], str | None] | None = None, skip_in_flight: bool = True) -> DumpResult:
         image_dir.mkdir(parents=True, exist_ok=False)
         log_path = _beside(image_dir, ".dump.log")
         side = _beside(image_dir, ".captured")
         side.mkdir()
         cmd = [self.binary.path, "dump", "-t", str(pid), "-D", str(image_dir), "-o", str(log_path), "--file-locks",
-               "-L", no_plugins_dir(), *self._socket_flags(dump=True, connections=bool(pairs))]
+               "-L", no_plugins_dir(), *self._socket_flags(dump=True, connections=bool(pairs), skip_in_flight=skip_in_flight)]
         if leave_running:
             cmd.append("--leave-running")
         cmd += extra
@@ -412,7 +415,7 @@ class CriuEngine:
             raise RestoreFailed(f"criu lazy-pages for {image_dir} did not start: {tail}. {_hint(tail)}; log: {log_path}.")
         return proc
 
-    def _socket_flags(self, dump: bool, connections: bool = True) -> list[str]:
+    def _socket_flags(self, dump: bool, connections: bool = True, skip_in_flight: bool = True) -> list[str]:
         """Established TCP connections are carried (a torchrun job's store and gloo connections, both ends
         in the tree) where this CRIU can dump sockets at all; run/sockets.py decides what a restore does
         with a connection whose peer was outside the tree. A dump also leaves out connections a listener
@@ -426,7 +429,8 @@ class CriuEngine:
         if not fds.carries_inet_sockets(self.binary.version):
             return []
         lock = list(net_lock.lock_flags(self.binary.path)) if connections else []
-        return ["--tcp-established", "--skip-in-flight", *lock] if dump else ["--tcp-established", *lock]
+        return (["--tcp-established", *(["--skip-in-flight"] if skip_in_flight else []), *lock] if dump
+                else ["--tcp-established", *lock])
 
     def restore(self, image_dir: Path, *, inherit: dict[int, str], pidfile: Path, lazy: bool = False) -> int:
         """Restore the tree detached (``-d``); return the host PID of its root.

@@ -7,6 +7,7 @@ chunk by digest, so a restore can verify each byte it uses. See docs/store-forma
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 from datetime import datetime, timezone
@@ -33,6 +34,7 @@ __all__ = [
     "COOPERATIVE_ENGINE",
     "JOB_ENGINE",
     "JobMember",
+    "JobPart",
     "JobState",
     "MAX_JOB_PARTS",
     "Manifest",
@@ -203,14 +205,34 @@ JOB_ENGINE = "job"
 MAX_JOB_PARTS = 1024
 
 
+class JobPart(_Frozen):
+    """Version 4+, required: this checkpoint is one part of a job's round (run/job.py), never a checkpoint on
+    its own. Inside the part's own signed manifest, so that what a restore acts on (which part it is, whom
+    its connections go to) is what the part's node wrote, not what a store writer put beside it."""
+
+    part: int = Field(ge=0, lt=MAX_JOB_PARTS)
+    parts: int = Field(ge=2, le=MAX_JOB_PARTS)
+    token: str = Field(pattern=r"^[0-9a-f]{32}$", description="The round's: every part of one commit names it.")
+    endpoints: tuple[tuple[str, int], ...] = Field(default=(), max_length=65536, description="The (address, port) "
+                                                   "of each of the part's TCP sockets, listeners and connections: "
+                                                   "another part's connection to one of them is the job's own.")
+
+    @field_validator("endpoints")
+    @classmethod
+    def _addresses(cls, v: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
+        for addr, port in v:
+            ipaddress.ip_address(addr)  # ValueError: not an address (it reaches firewall rules)
+            if not 0 <= port <= 65535:
+                raise ValueError(f"port {port} of {addr} is out of range")
+        return v
+
+
 class JobMember(_Frozen):
-    """One part of a job that spans nodes, as its node stored it (run/job.py): its own manifest, signed
-    by its own node, and when it froze. A restore of part ``part`` restores ``manifest``."""
+    """One part of a job that spans nodes, in its commit: its own manifest, signed by its own node (with
+    its ``job_part`` block), and when it froze."""
 
     part: int = Field(ge=0, lt=MAX_JOB_PARTS)
     node: str = Field(min_length=1, max_length=253)
-    addresses: tuple[str, ...] = Field(default=(), max_length=64, description="The node's own addresses when it "
-                                       "froze: its connections to the other parts need them where it resumes.")
     froze_after_seconds: float = Field(description="When its freeze began, after the round's appointed time "
                                        "(the node's clock: the skew of clocks is in it).")
     held_seconds: float = Field(ge=0, description="How long it stayed frozen: its dump and the wait for the others.")
@@ -278,6 +300,8 @@ class Manifest(_Frozen):
                                       "was taken for; absent: a supervisor that ran as itself.")
     job: JobState | None = Field(default=None, description="Version 4+ (0.12.0), and then required: the commit of "
                                  "a job's parts on several nodes (engine 'job'), each part's manifest inside.")
+    job_part: JobPart | None = Field(default=None, description="Version 4+ (0.12.0), and then required: one part "
+                                     "of a job's commit, never restored on its own.")
     required: tuple[str, ...] = Field(default=(), description="Version 4+: blocks a reader must understand to "
                                       "restore it; any other block may be skipped by a reader that does not know it.")
     #: Version 4+: blocks of a later version this reader skipped (kept: a signature covers them too).
@@ -300,6 +324,8 @@ class Manifest(_Frozen):
                 raise ValueError(f"a cooperative block goes with engine {COOPERATIVE_ENGINE!r}, and only there")
             if (self.job is not None) != (self.engine == JOB_ENGINE):
                 raise ValueError(f"a job block goes with engine {JOB_ENGINE!r}, and only there")
+            if self.job_part is not None and ("job_part" not in self.required or self.job is not None):
+                raise ValueError("a job's part requires its block, and is no commit itself")
             if self.job is not None and ("job" not in self.required or self.files or self.captured
                                          or self.gpu is not None or self.cooperative is not None):
                 raise ValueError("a job's commit requires its block and holds its parts only inside it")
@@ -308,8 +334,8 @@ class Manifest(_Frozen):
                 raise ValueError("a cooperative checkpoint requires its block and has no image files, captured "
                                  "files or GPU state")
             return self
-        if self.job is not None:
-            raise ValueError(f"a job block goes with format_version {MARKED_BLOCKS_VERSION} and later")
+        if self.job is not None or self.job_part is not None:
+            raise ValueError(f"a job or job_part block goes with format_version {MARKED_BLOCKS_VERSION} and later")
         if self.cooperative is not None or self.caller is not None:
             raise ValueError(f"a cooperative or caller block goes with format_version {MARKED_BLOCKS_VERSION} and later")
         if self.writer is not None or self.required:
@@ -338,7 +364,8 @@ class Manifest(_Frozen):
 
     def absent_blocks(self) -> set[str]:
         """Keys the stored document does not have (versions before 4 have no writer or required)."""
-        absent = {k for k in ("signature", "gpu", "airflow", "cooperative", "caller", "job") if getattr(self, k) is None}
+        absent = {k for k in ("signature", "gpu", "airflow", "cooperative", "caller", "job", "job_part")
+                  if getattr(self, k) is None}
         return absent | ({"writer", "required"} if self.format_version < MARKED_BLOCKS_VERSION else set())
 
     @property

@@ -28,6 +28,7 @@ from ..config import Settings
 from ..engine import thp
 from ..engine.criu import CriuEngine
 from ..engine.images import read_creds, read_restore_stats
+from ..engine.inet_image import InetSk, read_inet_sockets
 from ..engine.page_file import sweep
 from ..engine.uffd import kernel_lazy_pages
 from ..errors import ConfigError, CorruptCheckpoint, NodeInTheWay, NotRestorableHere, RestoreFailed, StoreUnavailable, WriterFenced
@@ -52,8 +53,8 @@ from .estimate import captured_too_large, copies_too_large, dump_too_large, esti
 from .gpu_state import GpuGate
 from .lazy_restore import LazyFeed, lazy_files
 from .preflight import preflight
-from .job import Job, Round, joined
-from .sockets import prepare_sockets
+from .job import RESTORE_WAIT_SECONDS, Job, Round, joined
+from .sockets import prepare_sockets, to_job
 from .streamed_restore import PageStream, can_stream, streamed_files
 from .timeline import Timeline
 from .workload import Sink, Workload, become_subreaper
@@ -177,6 +178,7 @@ class Checkpointer:
                  job: Job | None = None) -> None:
         self.engine, self.store, self.store_cfg = engine, store, store_cfg
         self.job = job  # this supervisor runs one part of a job that spans nodes (run/job.py)
+        self._staged: tuple[int, set[str]] | None = None  # a part's last staged seq and its chunks, not yet known committed
         self._restore_tree = restore_tree
         if restore_tree is not None and settings.restore_mode != "full":  # its lazy pages would need a shim's watch
             settings = settings.model_copy(update={"restore_mode": "full"})
@@ -241,20 +243,35 @@ class Checkpointer:
         because another supervisor took the checkpoint ID over (said once, by the lease). ``final``: a
         stop's, with ``budget`` seconds (None: as long as it takes) for a cooperative one. One part of a
         job checkpoints only in a round (``rnd``; part 0 opens one here): run/job.py."""
+        if self.job is not None and not leave_running:
+            return None  # a stop's final checkpoint would be one part's alone (and must not wait on a round's lock)
         with self._lock:
             if self.job is None:
                 return self._checkpoint(workload, leave_running, final, budget, None)
-            if not leave_running:
-                return None  # a stop's final checkpoint would be one part's alone: the last committed seq resumes
             if rnd is None:
                 if not self.job.spec.coordinator:
                     return None
                 rnd = self.job.open_round()
-            with joined(self.job, rnd):
-                m = self._checkpoint(workload, leave_running, final, budget, rnd)
+            self._job_known()
+            known = self._known
+            try:
+                with joined(self.job, rnd):
+                    m = self._checkpoint(workload, leave_running, final, budget, rnd)
+            except BaseException:
+                self._known = known
+                raise
             if m is None:
+                self._known = known
                 self.job.fail(rnd, f"part {self.job.spec.part} took no checkpoint (skipped: its log says why)")
             return m
+
+    def _job_known(self) -> None:
+        """A part other than 0 staged its last chunks before it knew whether they were committed: only a
+        commit keeps them past gc's grace, so only then does the next round take them as stored (without a
+        commit, the chunks it knew before that round, which a commit named)."""
+        staged, self._staged = self._staged, None
+        if staged is not None and self.job is not None and self.job.committed(staged[0]):
+            self._known = staged[1]
 
     def _checkpoint(self, workload: Workload, leave_running: bool, final: bool, budget: float | None,
                     rnd: Round | None) -> Manifest | None:
@@ -324,6 +341,7 @@ class Checkpointer:
                                     stderr_pipe=workload.stderr_pipe),
                 try_number=self.try_number, freeze_seconds=freeze, parent_seq=self.parent_seq, gpu=gpu,
                 airflow=self.airflow, caller_uid=self.caller_uid,
+                job_part=job.part_block(rnd, _sockets(dump.image_dir)) if rnd is not None and job else None,
             )
             captured = [CapturedSource(p, c, m) for p, c, m in dump.captured]
             failpoint("heartbeat.capture", workload=workload.pid, work_dir=self.work_dir)
@@ -345,18 +363,23 @@ class Checkpointer:
         else:
             if not self.settings.keep_local:
                 shutil.rmtree(dump_dir, ignore_errors=True)
-        self._known = manifest.chunk_digests()
         more = ""
         if rnd is not None and self.job is not None:
             if not self.job.spec.coordinator:  # part 0 commits it, with every other part, or nobody does
+                self._staged = (rnd.seq, manifest.chunk_digests())
                 self._say_taken(manifest, f"froze {freeze:.3f} s", saved,
                                 f"; part {self.job.spec.part} of {self.job.spec.parts}, staged for the job's commit")
                 return manifest
+            own = manifest
             manifest = self.job.commit(rnd, manifest, refusal=self.trust.refusal, key=self._key,
-                                       before_commit=self.lease.confirm if self.lease else None, own_seconds=saved)
+                                       before_commit=self.lease.confirm if self.lease else None, own_seconds=saved,
+                                       froze_at=froze_at, held=freeze)
+            self._known = own.chunk_digests()
             assert manifest.job is not None
             more = (f"; job of {manifest.job.parts} parts committed, freeze skew "
                     f"{manifest.job.freeze_skew_seconds * 1000:.1f} ms, held {manifest.freeze_seconds:.3f} s at most")
+        else:
+            self._known = manifest.chunk_digests()
         self._check_stop_window(manifest, time.monotonic() - started, freeze)
         kept = prune_checkpoints(self.store, self.checkpoint_id, self.settings.keep_checkpoints, self.trusted)[0]
         failpoint("heartbeat.index", workload=workload.pid)
@@ -423,7 +446,8 @@ class Checkpointer:
             process=ProcessInfo(pid=workload.pid, command=workload.command, cwd=workload.cwd, rss_bytes=0,
                                 stdout_pipe="", stderr_pipe=""),
             try_number=self.try_number, freeze_seconds=taken.source.write_seconds, parent_seq=self.parent_seq,
-            airflow=self.airflow, caller_uid=self.caller_uid)
+            airflow=self.airflow, caller_uid=self.caller_uid,
+            job_part=self.job.part_block(rnd) if rnd is not None and self.job is not None else None)
         saving = time.monotonic()
         try:
             with self._phase("save"):
@@ -439,17 +463,23 @@ class Checkpointer:
         finally:
             if not self.settings.keep_local:  # (kept, it goes at the next request: run/cooperative.py)
                 shutil.rmtree(taken.where, ignore_errors=True)
-        self._known = manifest.chunk_digests()
         wrote = (f"written by the workload in {taken.source.write_seconds:.3f} s ({taken.source.ranks} rank(s), "
                  f"{len(taken.source.files)} file(s), request {taken.source.request})")
         if rnd is not None and self.job is not None:
             if not self.job.spec.coordinator:
+                self._staged = (rnd.seq, manifest.chunk_digests())
                 self._say_taken(manifest, wrote, saved, f"; part {self.job.spec.part} of {self.job.spec.parts}, "
                                 "staged for the job's commit")
                 return manifest
+            own = manifest
             manifest = self.job.commit(rnd, manifest, refusal=self.trust.refusal, key=self._key,
-                                       before_commit=self.lease.confirm if self.lease else None, own_seconds=saved)
+                                       before_commit=self.lease.confirm if self.lease else None, own_seconds=saved,
+                                       froze_at=time.time() - taken.source.write_seconds,
+                                       held=taken.source.write_seconds)
+            self._known = own.chunk_digests()
             wrote += f"; job of {self.job.spec.parts} parts committed"
+        else:
+            self._known = manifest.chunk_digests()
         self._check_stop_window(manifest, time.monotonic() - started, taken.source.write_seconds)
         kept = prune_checkpoints(self.store, self.checkpoint_id, self.settings.keep_checkpoints, self.trusted)[0]
         index.record_checkpoint(self.store, manifest, kept)
@@ -839,7 +869,7 @@ class Checkpointer:
             raise CorruptCheckpoint(f"checkpoint {self.checkpoint_id} seq={m.seq} is refused: {e}") from None
         denied = self._denied()
         # One part of a job: the traffic to the other parts is held back until every part is up (run/job.py).
-        gate = self.job.gate(m.seq) if self.job is not None else None
+        gate = self.job.gate(m.seq, to_job(_sockets(dest), self.job.peers)) if self.job is not None else None
         with CapturedFilesBack(m, dest / CAPTURED_DIR, roots, denied, creds) as files_back, \
                 preflight(dest, m, roots, denied, creds, node_root_tree=node_rooted), \
                 gate if gate is not None else contextlib.nullcontext():
@@ -888,9 +918,23 @@ class Checkpointer:
             files_back.keep()
             if gate is not None:
                 with tl.span("job_parts_up"):
-                    gate.open()
+                    up = gate.open()
+                if not up:  # its peers will not come: running on alone, it would wait on them for good
+                    workload.kill()
+                    raise NodeInTheWay(f"checkpoint {self.checkpoint_id} seq={m.seq}: not every part of the job resumed "
+                                       f"from it within {RESTORE_WAIT_SECONDS:.0f} s, so this part gives its try up "
+                                       "(a part's node down, or parts resuming different seqs?); the checkpoint "
+                                       "stays the latest")
         tl.spans.append(("adopt", adopting - tl.t0, time.monotonic() - adopting))
         return workload
+
+
+def _sockets(image_dir: Path) -> list[InetSk]:
+    """The image's inet sockets; none where its files.img cannot be read (CRIU judges it, as before)."""
+    try:
+        return read_inet_sockets(image_dir)
+    except ValueError:
+        return []
 
 
 class _FirstOutput:

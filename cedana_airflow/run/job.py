@@ -5,51 +5,63 @@ its own ``job_part`` (0 to ``job_parts`` - 1). They agree through the store they
 port is opened between nodes and nothing new needs to be trusted. At each heartbeat:
 
 1. Part 0, the coordinator, opens a round: ``<id>/rounds/<seq>.json``, create-only, naming the seq, its
-   try and the moment every part freezes (``freeze_at``: a lead ahead, so that how often a part looks
-   does not set the skew; only the nodes' clocks and their wake-ups do).
+   attempt (the try, and Slurm's restart count), a fresh token and the moment every part freezes
+   (``freeze_at``: a lead ahead, so that how often a part looks does not set the skew; only the nodes'
+   clocks and their wake-ups do). A seq is never opened twice: the round's document stays until gc.
 2. Every part freezes at that moment (CRIU, ``--leave-running``). Once its images are written, still
    frozen, it marks ``frozen-<part>`` and holds until every part has (:meth:`Job.hold`). A part only
    marks once frozen, and no part lets go before it has seen every mark, so the last freeze comes before
    the first thaw: the connections between the parts are dumped in one cut (what one part sent and the
    other had not read is in one image or the other, never in neither and never twice). Past
    ``job_barrier_seconds`` a part lets go without the others: its dump fails, nothing of it is staged.
-3. Each part stores its chunks and stages its manifest (``part-<part>.json``, signed by its node). A
+3. Each part stores its chunks and stages its manifest (``part-<part>.json``, signed by its node, with a
+   required ``job_part`` block: its part, the round's token and the endpoints of its TCP sockets). A
    staged part is no checkpoint: nothing lists or restores it.
 4. The coordinator waits for every staged part (or a ``failed-<part>`` mark), verifies each with its
-   node key and writes the seq's manifest with all of them inside (block ``job``): that create-only
-   write is the commit. A part that failed, a coordinator that died before the write: no manifest, the
+   node key (and that it names this round's token and its own part) and writes the seq's manifest with
+   all of them inside (block ``job``; its own part from memory): that create-only write is the commit. A part that failed, a coordinator that died before the write: no manifest, the
    previous seq stays the latest, and the staged parts' chunks are garbage for gc.
+
+The round's document and every mark carry an HMAC with the node key (the key every node of the fleet
+holds, format/signing.py): a store writer without it can stall a round, never release a frozen part
+early or slip a part into a commit.
 
 A restore of part r restores part r of the newest committed seq and never an older one on its own
 (parts of two seqs do not fit together): where it cannot, its try fails, in one line. Its connections to
-the other parts are restored whole, so the node it resumes on needs the address its part had (the job's
-network namespace, a pod IP that moves with the pod); until every part is up, each drops the traffic
-to and from the others (:class:`RestoreGate`), so that no part's kernel answers a resumed peer with a
-reset before its own sockets are back.
+another part's endpoints (as that part's signed block names them) are restored whole, so the node it
+resumes on needs the address its part had (the job's network namespace, a pod IP that moves with the
+pod); until every part of this attempt is up from the same seq, each drops those connections' packets
+(:class:`RestoreGate`), so that no part's kernel answers a resumed peer with a reset before its own
+sockets are back. A part whose peers do not come up in time fails its try rather than run on alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
+import ipaddress
 import json
 import logging
 import os
+import secrets
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
 from .. import __version__
 from ..config import Settings
+from ..engine.inet_image import InetSk
 from ..errors import CedanaError, CorruptCheckpoint
 from ..format import layout
-from ..format.manifest import (JOB_ENGINE, MARKED_BLOCKS_VERSION, JobMember, JobState, Manifest, parse_manifest)
+from ..format.manifest import JOB_ENGINE, MARKED_BLOCKS_VERSION, JobMember, JobPart, JobState, Manifest, parse_manifest
 from ..format.signing import sign
 from ..store.base import Store
 
-__all__ = ["Job", "JobRoundFailed", "JobSpec", "RestoreGate", "Round", "node_addresses"]
+__all__ = ["Job", "JobRoundFailed", "JobSpec", "RestoreGate", "Round", "joined", "node_addresses"]
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +73,12 @@ HOLD_POLL_SECONDS = 0.02
 WATCH_POLL_SECONDS = 0.25
 #: How long the coordinator waits for the other parts' uploads, at least and at most: beyond the least, as
 #: long as its own upload took times ``COMMIT_WAIT_FACTOR`` (the parts of one job are about one size). A part
-#: whose node died after the freeze marks nothing: this bound is what ends the wait for it.
-COMMIT_WAIT_SECONDS = (60.0, 1800.0)  # the most: half of gc's grace, which keeps the staged chunks
+#: whose node died after the freeze marks nothing: this bound is what ends the wait for it. The most: half of
+#: gc's grace, which keeps the staged chunks meanwhile.
+COMMIT_WAIT_SECONDS = (60.0, 1800.0)
 COMMIT_WAIT_FACTOR = 20.0
+#: How long a resumed part waits for every other part of its attempt to be up before it gives up its try.
+RESTORE_WAIT_SECONDS = 600.0
 
 
 class JobRoundFailed(CedanaError):
@@ -91,22 +106,36 @@ class JobSpec:
 @dataclass(frozen=True)
 class Round:
     seq: int
-    try_number: int
+    attempt: str  # the try (and Slurm's restart count): every part of one attempt joins only its rounds
+    token: str  # fresh per round: marks and staged parts name it
     freeze_at: float  # unix time: the same moment on every node, as far as their clocks agree
     deadline: float  # unix time: past it nobody holds for the others
     node: str  # the coordinator's
 
-    def to_json(self) -> bytes:
-        return json.dumps(self.__dict__).encode()
+    def to_json(self, key: bytes) -> bytes:
+        doc = asdict(self)
+        return json.dumps({**doc, "mac": _mac(key, "round", json.dumps(doc, sort_keys=True))}).encode()
 
     @classmethod
-    def parse(cls, raw: bytes) -> Round:
-        d = json.loads(raw)
-        return cls(int(d["seq"]), int(d["try_number"]), float(d["freeze_at"]), float(d["deadline"]), str(d["node"]))
+    def parse(cls, raw: bytes, key: bytes) -> Round | None:
+        """The round, or None where it does not parse or no node key of ours wrote it."""
+        try:
+            d = json.loads(raw)
+            mac = d.pop("mac")
+            rnd = cls(int(d["seq"]), str(d["attempt"]), str(d["token"]), float(d["freeze_at"]),
+                      float(d["deadline"]), str(d["node"]))
+        except (ValueError, LookupError, TypeError, AttributeError):
+            return None
+        ok = isinstance(mac, str) and hmac.compare_digest(mac, _mac(key, "round", json.dumps(asdict(rnd), sort_keys=True)))
+        return rnd if ok else None
+
+
+def _mac(key: bytes, *parts: object) -> str:
+    return hmac.new(key, "\0".join(["cedana-airflow job", *map(str, parts)]).encode(), hashlib.sha256).hexdigest()
 
 
 def node_addresses() -> tuple[str, ...]:
-    """This node's own global addresses (``ip -j addr``), as a part's connections to the others use them."""
+    """This node's own global addresses (``ip -j addr``)."""
     ip = shutil.which("ip")
     if ip is None:
         return ()
@@ -118,14 +147,26 @@ def node_addresses() -> tuple[str, ...]:
         return ()
 
 
+def endpoints_of(sockets: Sequence[InetSk]) -> tuple[tuple[str, int], ...]:
+    """The (address, port) of each TCP socket of a part's image, listeners and connections, that another part
+    could be connected to (bound to a port, not loopback: loopback never reaches another node)."""
+    out = set()
+    for s in sockets:
+        if s.proto == 6 and s.src[1] and not ipaddress.ip_address(s.src[0]).is_loopback:
+            out.add((str(ipaddress.ip_address(s.src[0])), s.src[1]))
+    return tuple(sorted(out))
+
+
 class Job:
     """One part's view of its job: the rounds it joins or opens, its marks, and the coordinator's commit."""
 
-    def __init__(self, store: Store, checkpoint_id: str, spec: JobSpec, *, node: str, try_number: int) -> None:
+    def __init__(self, store: Store, checkpoint_id: str, spec: JobSpec, *, node: str, try_number: int, key: bytes,
+                 attempt: str = "") -> None:
         self.store, self.checkpoint_id, self.spec = store, checkpoint_id, spec
-        self.node, self.try_number = node, try_number
+        self.node, self.try_number, self._key = node, try_number, key
+        self.attempt = attempt or str(try_number)
         self._seen = 0  # the newest round this part has looked at
-        self.peers: frozenset[str] = frozenset()  # the other parts' addresses, from the restored commit
+        self.peers: frozenset[tuple[str, int]] = frozenset()  # the other parts' endpoints, from the restored commit
 
     # -- rounds ---------------------------------------------------------------------------------------
     def _round_seqs(self) -> list[int]:
@@ -134,20 +175,21 @@ class Job:
         return sorted(s for s in found if s is not None)
 
     def open_round(self) -> Round:
-        """The coordinator's: the next seq's round, appointed ``LEAD_SECONDS`` ahead."""
+        """The coordinator's: the next seq's round, appointed ``LEAD_SECONDS`` ahead. A seq whose round was
+        ever opened is never opened again (its document stays until gc), so no stale mark meets a new round."""
         seqs = self.store.list_seqs(self.checkpoint_id)
         seq = max([0, self._seen, *seqs[-1:], *self._round_seqs()[-1:]]) + 1
         while True:
             now = time.time()
-            rnd = Round(seq, self.try_number, now + LEAD_SECONDS, now + LEAD_SECONDS + self.spec.barrier_seconds,
-                        self.node)
-            if self.store.put_if_absent(layout.round_key(self.checkpoint_id, seq), rnd.to_json()):
+            rnd = Round(seq, self.attempt, secrets.token_hex(16), now + LEAD_SECONDS,
+                        now + LEAD_SECONDS + self.spec.barrier_seconds, self.node)
+            if self.store.put_if_absent(layout.round_key(self.checkpoint_id, seq), rnd.to_json(self._key)):
                 self._seen = seq
                 return rnd
-            seq += 1  # a round of an earlier try failed at this seq: ours goes after it
+            seq += 1
 
     def next_round(self, wait: float) -> Round | None:
-        """The next round of this try that is still open, waited for up to ``wait`` seconds; None without one."""
+        """The next round of this attempt that is still open, waited for up to ``wait`` seconds; None without one."""
         until = time.monotonic() + wait
         while True:
             for seq in self._round_seqs():
@@ -155,13 +197,13 @@ class Job:
                     continue
                 self._seen = seq
                 raw = self.store.get(layout.round_key(self.checkpoint_id, seq))
-                try:
-                    rnd = Round.parse(raw) if raw is not None else None
-                except (ValueError, LookupError, TypeError):
-                    log.warning("job round seq %d of checkpoint_id=%s does not parse; skipped", seq, self.checkpoint_id)
+                rnd = Round.parse(raw, self._key) if raw is not None else None
+                if rnd is None:
+                    log.warning("job round seq %d of checkpoint_id=%s is not one a node of this job opened (it does "
+                                "not parse, or no node key of ours signed it); not joined", seq, self.checkpoint_id)
                     continue
-                # Another try's (a coordinator of a try that is gone) never holds this one frozen.
-                if rnd is not None and rnd.try_number == self.try_number and rnd.deadline > time.time():
+                # Another attempt's (a coordinator of a try that is gone) never holds this one frozen.
+                if rnd.seq == seq and rnd.attempt == self.attempt and rnd.deadline > time.time():
                     return rnd
             if time.monotonic() >= until:
                 return None
@@ -173,29 +215,47 @@ class Job:
         if delay > 0:
             time.sleep(delay)
 
-    def _marks(self, rnd: Round, what: str) -> dict[int, str]:
-        """Part -> key of each ``<what>-<part>`` mark of the round."""
+    def _marks(self, rnd: Round, what: str, verified: dict[str, bool] | None = None) -> dict[int, str]:
+        """Part -> key of each ``<what>-<part>`` mark of the round that a node of ours signed for it."""
         prefix = layout.round_prefix(self.checkpoint_id, rnd.seq)
         out: dict[int, str] = {}
         for o in self.store.list_objects(prefix):
             name = o.key[len(prefix):]
-            if name.startswith(f"{what}-"):
-                part = name[len(what) + 1:].removesuffix(".json")
-                if part.isdigit() and int(part) < self.spec.parts:
-                    out[int(part)] = o.key
+            if not name.startswith(f"{what}-"):
+                continue
+            part = name[len(what) + 1:].removesuffix(".json")
+            if not (part.isdigit() and int(part) < self.spec.parts):
+                continue
+            if what in ("frozen", "failed"):
+                if verified is None or o.key not in verified:
+                    body = self.store.get(o.key) or b""
+                    ok = hmac.compare_digest(body[:64], self._mark_mac(rnd, what, int(part)).encode())
+                    if verified is not None:
+                        verified[o.key] = ok
+                else:
+                    ok = verified[o.key]
+                if not ok:
+                    continue
+            out[int(part)] = o.key
         return out
 
+    def _mark_mac(self, rnd: Round, what: str, part: int) -> str:
+        return _mac(self._key, self.checkpoint_id, rnd.seq, rnd.token, what, part)
+
     def _mark(self, rnd: Round, what: str, body: bytes = b"") -> None:
-        self.store.put_if_absent(f"{layout.round_prefix(self.checkpoint_id, rnd.seq)}{what}-{self.spec.part}", body)
+        mac = self._mark_mac(rnd, what, self.spec.part).encode()
+        self.store.put_if_absent(f"{layout.round_prefix(self.checkpoint_id, rnd.seq)}{what}-{self.spec.part}",
+                                 mac + body)
 
     def hold(self, rnd: Round) -> str | None:
         """Called frozen, images written: mark this part frozen and wait for every part's mark. None once every
         part is frozen; past the round's deadline, or once a part failed, the line that fails this dump."""
         self._mark(rnd, "frozen")
+        seen: dict[str, bool] = {}
         while True:
-            if failed := self._marks(rnd, "failed"):
+            if failed := self._marks(rnd, "failed", seen):
                 return f"job round seq {rnd.seq}: part {min(failed)} failed, so no part's checkpoint is kept"
-            have = self._marks(rnd, "frozen")
+            have = self._marks(rnd, "frozen", seen)
             if len(have) == self.spec.parts:
                 return None
             if time.time() > rnd.deadline:
@@ -212,14 +272,16 @@ class Job:
         except CedanaError as e:
             log.debug("job round seq %d: marking part %d failed: %s", rnd.seq, self.spec.part, e)
 
-    def stage(self, rnd: Round, data: bytes, froze_at: float, held: float) -> None:
-        """This part's manifest, staged for the coordinator's commit."""
-        member = JobMember(part=self.spec.part, node=self.node, addresses=node_addresses(),
-                           froze_after_seconds=round(froze_at - rnd.freeze_at, 6), held_seconds=round(held, 6),
-                           manifest=json.loads(data))
-        self._mark_json(rnd, member)
+    def part_block(self, rnd: Round, sockets: Sequence[InetSk] = ()) -> JobPart:
+        """What this part's manifest says of its place in the round (signed with it)."""
+        return JobPart(part=self.spec.part, parts=self.spec.parts, token=rnd.token, endpoints=endpoints_of(sockets))
 
-    def _mark_json(self, rnd: Round, member: JobMember) -> None:
+    def stage(self, rnd: Round, data: bytes, froze_at: float, held: float) -> None:
+        """This part's manifest, staged for the coordinator's commit (the coordinator's own stays in memory)."""
+        if self.spec.coordinator:
+            return
+        member = JobMember(part=self.spec.part, node=self.node, froze_after_seconds=round(froze_at - rnd.freeze_at, 6),
+                           held_seconds=round(held, 6), manifest=json.loads(data))
         key = f"{layout.round_prefix(self.checkpoint_id, rnd.seq)}part-{self.spec.part}.json"
         if not self.store.put_if_absent(key, member.model_dump_json().encode()):
             raise JobRoundFailed(f"job round seq {rnd.seq}: part {self.spec.part} was staged already (two supervisors "
@@ -227,37 +289,41 @@ class Job:
 
     # -- the coordinator's commit ---------------------------------------------------------------------
     def commit(self, rnd: Round, own: Manifest, *, refusal: Callable[[Manifest], str | None], key: bytes | None,
-               before_commit: Callable[[], None] | None = None, own_seconds: float = 0.0,
-               wait: float | None = None) -> Manifest:
-        """Wait for every part's staged manifest, verify each, and write the seq's manifest holding them all.
-        ``own``: this part's (the commit takes its process, task and engine version), stored in ``own_seconds``.
-        Raises JobRoundFailed, and then clears the round."""
+               before_commit: Callable[[], None] | None = None, own_seconds: float = 0.0, froze_at: float = 0.0,
+               held: float = 0.0, wait: float | None = None) -> Manifest:
+        """Wait for every other part's staged manifest, verify each, and write the seq's manifest holding them
+        all. ``own``: this part's, stored in ``own_seconds`` (the commit takes its process, task and engine
+        version), frozen at ``froze_at`` for ``held`` seconds. Raises JobRoundFailed, and then clears the round."""
+        mine = JobMember(part=0, node=self.node, froze_after_seconds=round(froze_at - rnd.freeze_at, 6) if froze_at else 0.0,
+                         held_seconds=round(held, 6), manifest=json.loads(own.to_json()))
         try:
-            return self._commit(rnd, own, refusal, key, before_commit, wait if wait is not None else
+            return self._commit(rnd, own, mine, refusal, key, before_commit, wait if wait is not None else
                                 min(max(COMMIT_WAIT_SECONDS[0], COMMIT_WAIT_FACTOR * own_seconds), COMMIT_WAIT_SECONDS[1]))
         except JobRoundFailed:
             self.clear(rnd.seq)  # what a slow part stages later is gc's (its rounds folder, after the grace)
             raise
 
-    def _commit(self, rnd: Round, own: Manifest, refusal: Callable[[Manifest], str | None], key: bytes | None,
-                before_commit: Callable[[], None] | None, wait: float) -> Manifest:
+    def _commit(self, rnd: Round, own: Manifest, mine: JobMember, refusal: Callable[[Manifest], str | None],
+                key: bytes | None, before_commit: Callable[[], None] | None, wait: float) -> Manifest:
         until = time.monotonic() + wait
+        others = set(range(1, self.spec.parts))
+        seen: dict[str, bool] = {}
         while True:
-            if failed := self._marks(rnd, "failed"):
+            if failed := self._marks(rnd, "failed", seen):
                 part = min(failed)
-                why = (self.store.get(failed[part]) or b"").decode(errors="replace").strip()
+                why = (self.store.get(failed[part]) or b"")[64:].decode(errors="replace").strip()
                 raise JobRoundFailed(f"job round seq {rnd.seq}: part {part} failed ({why or 'no reason given'}); "
                                      "the previous seq stays the latest")
             staged = self._marks(rnd, "part")
-            if len(staged) == self.spec.parts:
+            if others <= set(staged):
                 break
             if time.monotonic() > until:
-                missing = sorted(set(range(self.spec.parts)) - set(staged))
+                missing = sorted(others - set(staged))
                 raise JobRoundFailed(f"job round seq {rnd.seq}: part(s) {', '.join(map(str, missing[:8]))} stored "
                                      f"nothing within {wait:g} s; the previous seq stays the latest")
             time.sleep(0.1)
-        members = []
-        for part in range(self.spec.parts):
+        members = [(mine, own)]
+        for part in sorted(others):
             raw = self.store.get(staged[part]) or b""
             try:
                 member = JobMember.model_validate_json(raw)
@@ -265,10 +331,14 @@ class Job:
             except (ValueError, CorruptCheckpoint) as e:
                 raise JobRoundFailed(f"job round seq {rnd.seq}: part {part}'s staged manifest does not parse "
                                      f"({str(e).splitlines()[0]})") from None
-            if member.part != part or m.checkpoint_id != self.checkpoint_id or m.seq != rnd.seq or m.is_job:
-                raise JobRoundFailed(f"job round seq {rnd.seq}: part {part}'s staged manifest names another place")
             if (refused := refusal(m)) is not None:  # a store writer without the key cannot slip a part in
                 raise JobRoundFailed(f"job round seq {rnd.seq}: part {part}'s staged manifest is refused: {refused}")
+            # Its own signed block says which part of which round it is, not the name of the key it lies under.
+            if (m.checkpoint_id != self.checkpoint_id or m.seq != rnd.seq or m.job_part is None
+                    or m.job_part.part != part or m.job_part.parts != self.spec.parts or m.job_part.token != rnd.token
+                    or member.part != part):
+                raise JobRoundFailed(f"job round seq {rnd.seq}: part {part}'s staged manifest is not this round's part "
+                                     f"{part}")
             members.append((member, m))
         after = [mb.froze_after_seconds for mb, _ in members]
         job = JobState(parts=self.spec.parts, members=tuple(mb for mb, _ in members),
@@ -292,12 +362,16 @@ class Job:
         return manifest
 
     def clear(self, seq: int) -> None:
-        """Remove a round's document and staged parts (best effort: gc's grace covers what is left)."""
+        """Remove a round's marks and staged parts (best effort: gc's grace covers what is left). Its document
+        stays, so that its seq is never opened again."""
         with contextlib.suppress(CedanaError):
             for o in list(self.store.list_objects(layout.round_prefix(self.checkpoint_id, seq))):
                 if not o.key.rsplit("/", 1)[-1].startswith("up-"):
                     self.store.delete(o.key)
-            self.store.delete(layout.round_key(self.checkpoint_id, seq))
+
+    def committed(self, seq: int) -> bool:
+        """Whether ``seq`` was committed (a part learns it at the next round: run/checkpointer.py)."""
+        return seq in self.store.list_seqs(self.checkpoint_id)
 
     # -- restoring ------------------------------------------------------------------------------------
     def part_of(self, newest: Manifest, refusal: Callable[[Manifest], str | None]) -> Manifest:
@@ -315,85 +389,110 @@ class Job:
         if (why := refusal(newest)) is not None:
             raise CorruptCheckpoint(f"{why}; a job's part never falls back to an older seq on its own, so this try "
                                     "fails")
-        try:
-            mine = newest.job.member(self.spec.part)
-        except (ValueError, CorruptCheckpoint) as e:
-            raise CorruptCheckpoint(f"checkpoint {cid} seq={seq}: part {self.spec.part}'s manifest does not parse "
-                                    f"({str(e).splitlines()[0]})") from None
-        if mine.checkpoint_id != cid or mine.seq != seq or mine.is_job:
-            raise CorruptCheckpoint(f"checkpoint {cid} seq={seq}: part {self.spec.part}'s manifest names another place")
-        self.peers = frozenset(a for mb in newest.job.members if mb.part != self.spec.part for a in mb.addresses)
+        parts: dict[int, Manifest] = {}
+        for member in newest.job.members:
+            try:
+                m = newest.job.member(member.part)
+            except (ValueError, CorruptCheckpoint) as e:
+                raise CorruptCheckpoint(f"checkpoint {cid} seq={seq}: part {member.part}'s manifest does not parse "
+                                        f"({str(e).splitlines()[0]})") from None
+            block = m.job_part
+            if (m.checkpoint_id != cid or m.seq != seq or block is None or block.part != member.part
+                    or block.parts != self.spec.parts):
+                raise CorruptCheckpoint(f"checkpoint {cid} seq={seq}: part {member.part}'s manifest is not part "
+                                        f"{member.part} of this commit's round")
+            parts[member.part] = m
+        if len({m.job_part.token for m in parts.values() if m.job_part is not None}) != 1:
+            raise CorruptCheckpoint(f"checkpoint {cid} seq={seq}: its parts were taken in different rounds")
+        mine = parts[self.spec.part]
+        # (the others' signatures are judged here too: their endpoints choose which connections stay whole)
+        for part, m in parts.items():
+            if part != self.spec.part and (why := refusal(m)) is not None:
+                raise CorruptCheckpoint(f"checkpoint {cid} seq={seq}: part {part}'s manifest is refused: {why}")
+        self.peers = frozenset(e for p, m in parts.items() if p != self.spec.part and m.job_part is not None
+                               for e in m.job_part.endpoints)
         return mine
 
-    def gate(self, seq: int) -> RestoreGate:
-        return RestoreGate(self, seq)
+    def gate(self, seq: int, connections: Sequence[InetSk]) -> RestoreGate:
+        return RestoreGate(self, seq, connections)
 
     def up(self, seq: int) -> None:
-        self.store.put_if_absent(f"{layout.round_prefix(self.checkpoint_id, seq)}up-{self.try_number}-"
-                                 f"{self.spec.part}", b"")
+        self._mark_plain(seq, f"up-{self.attempt}-{self.spec.part}")
+
+    def _mark_plain(self, seq: int, name: str) -> None:
+        self.store.put_if_absent(f"{layout.round_prefix(self.checkpoint_id, seq)}{name}",
+                                 _mac(self._key, self.checkpoint_id, seq, name).encode())
 
     def all_up(self, seq: int) -> bool:
         prefix = layout.round_prefix(self.checkpoint_id, seq)
-        mine = f"{prefix}up-{self.try_number}-"  # (a file store lists folders, not name prefixes)
-        return len({o.key for o in self.store.list_objects(prefix) if o.key.startswith(mine)}) >= self.spec.parts
+        mine = f"{prefix}up-{self.attempt}-"  # (a file store lists folders, not name prefixes)
+        up = set()
+        for o in self.store.list_objects(prefix):
+            if o.key.startswith(mine) and (part := o.key[len(mine):]).isdigit():
+                name = o.key[len(prefix):]
+                if hmac.compare_digest((self.store.get(o.key) or b"")[:64], _mac(self._key, self.checkpoint_id, seq,
+                                                                                 name).encode()):
+                    up.add(int(part))
+        return len(up) >= self.spec.parts
 
 
 class RestoreGate:
-    """While this part's tree is restored and until every part's is: the traffic between this node and
-    the other parts' addresses is dropped (an nftables table of its own), so a peer's retransmission
-    meets silence, not a reset from a node whose sockets are not back yet. TCP sends again once the gate
-    opens. Without ``nft`` (or without peers) it only waits."""
+    """While this part's tree is restored and until every part of its attempt is up from the same seq: the
+    packets of its connections to the other parts are dropped (an nftables table of its own, one rule per
+    connection, built from the image's parsed addresses), so that a peer's retransmission meets silence,
+    not a reset from a node whose sockets are not back yet. TCP sends again once the gate opens. Without
+    ``nft`` it only waits."""
 
-    def __init__(self, job: Job, seq: int) -> None:
-        self.job, self.seq = job, seq
-        self.table = f"cedana-job-{os.getpid()}"
-        self._nft = shutil.which("nft")
+    def __init__(self, job: Job, seq: int, connections: Sequence[InetSk]) -> None:
+        self.job, self.seq, self.connections = job, seq, list(connections)
+        self.table = f"cedana-job-{os.getpid()}-{secrets.token_hex(4)}"  # the node agent restores many at once
+        self._nft = shutil.which("nft") if self.connections else None
         self._closed = False
+
+    def _rules(self) -> str:
+        ins, outs = [], []
+        for s in self.connections:
+            (la, lp), (ra, rp) = s.src, s.dst
+            fam = "ip6" if ipaddress.ip_address(la).version == 6 else "ip"
+            la, ra = str(ipaddress.ip_address(la)), str(ipaddress.ip_address(ra))  # parsed: nothing else reaches nft
+            ins.append(f"{fam} saddr {ra} {fam} daddr {la} tcp sport {int(rp)} tcp dport {int(lp)} drop")
+            outs.append(f"{fam} saddr {la} {fam} daddr {ra} tcp sport {int(lp)} tcp dport {int(rp)} drop")
+        return (f"table inet {self.table} {{\n"
+                "  chain input { type filter hook input priority -150; policy accept;\n    "
+                + "\n    ".join(ins) + "\n  }\n"
+                "  chain output { type filter hook output priority -150; policy accept;\n    "
+                + "\n    ".join(outs) + "\n  }\n}\n")
 
     def __enter__(self) -> RestoreGate:
         _sweep_gates()
-        peers = sorted(self.job.peers)
-        if not peers or self._nft is None:
-            if peers:
-                log.warning("nft not found: a resumed part's peers may meet a reset before this part is back")
+        if self.connections and self._nft is None:
+            log.warning("nft not found: a resumed part's peers may meet a reset before this part is back")
+        if self._nft is None:
             return self
-        v4 = [a for a in peers if ":" not in a]
-        v6 = [a for a in peers if ":" in a]
-        rules = []
-        for fam, addrs in (("ip", v4), ("ip6", v6)):
-            if addrs:
-                rules.append((f"{fam} saddr {{ {', '.join(addrs)} }} drop", f"{fam} daddr {{ {', '.join(addrs)} }} drop"))
-        text = (f"table inet {self.table} {{\n"
-                f"  chain input {{ type filter hook input priority -150; policy accept; {'; '.join(r[0] for r in rules)}; }}\n"
-                f"  chain output {{ type filter hook output priority -150; policy accept; {'; '.join(r[1] for r in rules)}; }}\n"
-                "}\n")
-        r = subprocess.run([self._nft, "-f", "-"], input=text, capture_output=True, text=True, timeout=10)
+        r = subprocess.run([self._nft, "-f", "-"], input=self._rules(), capture_output=True, text=True, timeout=30)
         if r.returncode:
             log.warning("the job's restore gate was not set (nft: %s): a resumed part's peers may meet a reset",
                         r.stderr.strip()[-200:])
             self._nft = None
         return self
 
-    def open(self) -> float:
-        """This part is up: say so, wait (up to job_barrier_seconds) for every part, then let traffic through.
-        The seconds waited."""
-        t0 = time.monotonic()
+    def open(self, wait: float = RESTORE_WAIT_SECONDS) -> bool:
+        """This part is up: say so, and wait for every part of this attempt to be up from this seq; then let
+        its connections' packets through. False (the gate closes all the same) where they were not within
+        ``wait`` seconds: the caller gives its try up, since its peers will not come."""
         try:
             self.job.up(self.seq)
-            until = t0 + self.job.spec.barrier_seconds
+            until = time.monotonic() + wait
             while not self.job.all_up(self.seq):
                 if time.monotonic() > until:
-                    log.warning("job checkpoint_id=%s seq=%d: not every part was up within job_barrier_seconds "
-                                "(%g s); this part's traffic to them goes through now", self.job.checkpoint_id,
-                                self.seq, self.job.spec.barrier_seconds)
-                    break
+                    return False
                 time.sleep(0.05)
+            return True
         finally:
             self._remove()
-        return time.monotonic() - t0
 
     def _remove(self) -> None:
-        if not self._closed and self._nft is not None and self.job.peers:
+        if not self._closed and self._nft is not None:
             subprocess.run([self._nft, "delete", "table", "inet", self.table], capture_output=True, timeout=10)
         self._closed = True
 
@@ -409,7 +508,7 @@ def _sweep_gates() -> None:
     r = subprocess.run([nft, "list", "tables"], capture_output=True, text=True, timeout=10)
     for line in r.stdout.splitlines():
         name = line.split()[-1] if line.startswith("table inet cedana-job-") else ""
-        pid = name.removeprefix("cedana-job-")
+        pid = name.removeprefix("cedana-job-").split("-")[0]
         if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             subprocess.run([nft, "delete", "table", "inet", name], capture_output=True, timeout=10)
 

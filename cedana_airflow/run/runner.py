@@ -138,6 +138,7 @@ def run_workload(
     owner_checked: bool = False,
     coop_root: Path | None = None,
     coop_owner: tuple[int, int, tuple[int, ...]] | None = None,
+    job_attempt: str = "",
 ) -> RunResult:
     """Run ``command`` managed (or, with ``command=None``, only restore) and return how it ended.
 
@@ -166,6 +167,8 @@ def run_workload(
     only an ID whose newest checkpoint is its own uid's (or a new one), checked before the writer lease.
     ``owner_checked``: that was judged when the run began (an agent taking up another agent's run, whose
     IDs an older agent may have written without its caller's uid): not judged again.
+    ``job_attempt``: for one part of a job (``job_parts`` above 1), what every part of this attempt shares and
+    no earlier attempt had (default: the try number; the Slurm route adds the job's restart count).
     """
     validate_checkpoint_id(checkpoint_id)
     if try_number < 0:
@@ -188,7 +191,8 @@ def run_workload(
     if caller_uid:  # the node agent's caller other than root: another uid's newer try never fences this lease
         owner = f"{owner} uid={caller_uid}".strip()
     spec = JobSpec.of(settings)
-    job = Job(store, checkpoint_id, spec, node=settings.resolved_node(), try_number=try_number) if spec else None
+    job = (Job(store, checkpoint_id, spec, node=settings.resolved_node(), try_number=try_number, key=key.key,
+               attempt=job_attempt) if spec else None)
     if spec is not None:
         log.info("job checkpoint_id=%s: part %d of %d%s; a stop takes no final checkpoint (the newest committed seq "
                  "resumes every part)", checkpoint_id, spec.part, spec.parts,

@@ -41,7 +41,7 @@ from ..engine.inet_image import (InetSk, clear_leftovers, close_outside_connecti
                                  read_inet_sockets, unbind_datagrams)
 from ..errors import NodeInTheWay, NotRestorableHere
 
-__all__ = ["PORT_WAIT_SECONDS", "holder_of", "prepare_sockets"]
+__all__ = ["PORT_WAIT_SECONDS", "holder_of", "prepare_sockets", "to_job"]
 
 log = logging.getLogger(__name__)
 
@@ -176,18 +176,29 @@ def holder_of(s: InetSk) -> str:
     return "a process this one cannot see"
 
 
-def _split(sockets: list[InetSk], job_peers: frozenset[str]) -> tuple[list[InetSk], list[InetSk]]:
+def _end(end: tuple[str, int]) -> tuple[str, int]:
+    return str(ipaddress.ip_address(end[0])), end[1]
+
+
+def to_job(sockets: list[InetSk], job_peers: frozenset[tuple[str, int]]) -> list[InetSk]:
+    """The connections whose other end is one of another part's endpoints (run/job.py): its peer resumes too,
+    from the same seq."""
+    return [s for s in sockets if s.connection and _end(s.dst) in job_peers] if job_peers else []
+
+
+def _split(sockets: list[InetSk], job_peers: frozenset[tuple[str, int]]) -> tuple[list[InetSk], list[InetSk]]:
     """The connections restored whole (both ends in the tree, or the other end in another part of the
-    job: its peer resumes too, from the same seq) and those to peers outside."""
+    job) and those to peers outside."""
     inside, outside = in_tree(sockets)
-    to_job = [s for s in outside if s.dst[0] in job_peers]
-    return inside + to_job, [s for s in outside if s.dst[0] not in job_peers]
+    job = to_job(outside, job_peers)
+    return inside + job, [s for s in outside if s not in job]
 
 
 def prepare_sockets(image_dir: Path, what: str, *, wait: float = PORT_WAIT_SECONDS,
-                    sleep: Callable[[float], None] = time.sleep, job_peers: frozenset[str] = frozenset()) -> list[InetSk]:
+                    sleep: Callable[[float], None] = time.sleep,
+                    job_peers: frozenset[tuple[str, int]] = frozenset()) -> list[InetSk]:
     """Make ``image_dir``'s sockets restorable here (see the module doc); the outside connections it
-    closed. ``what``: the checkpoint, as the error names it. ``job_peers``: the other parts' addresses, where
+    closed. ``what``: the checkpoint, as the error names it. ``job_peers``: the other parts' endpoints, where
     the tree is one part of a job (run/job.py): connections to them are restored whole, from the addresses
     they had, which this node must have. Raises NodeInTheWay."""
     sockets = read_inet_sockets(image_dir)
@@ -199,7 +210,7 @@ def prepare_sockets(image_dir: Path, what: str, *, wait: float = PORT_WAIT_SECON
                            "IPv6; the checkpoint stays the latest")
     inside, _ = _split(sockets, job_peers)
     own = inside + [s for s in sockets if _bound_server(s)] + _to_tree_datagrams(sockets)
-    if job_peers and (moves := {k: v for k, v in _moves(own, what).items() if k not in job_peers}):
+    if job_peers and (moves := {k: v for k, v in _moves(own, what).items() if k not in {a for a, _ in job_peers}}):
         # a peer keeps sending to the address it knew: only this node having it lets the connection go on
         raise NodeInTheWay(f"{what} cannot be restored on this node: it is one part of a job, and its connections to "
                            f"the other parts use {', '.join(moves)}, the address its part had, which this node does "

@@ -124,6 +124,11 @@ def batch_script(spec: JobSpec) -> str:
         task = ["--dag-id", dag_id, "--task-id", task_id, "--run-id", run_id, "--map-index", str(map_index)]
     argv = [*spec.cli, "slurm-job", "--id", spec.checkpoint_id, "--try-number", str(spec.try_number),
             "--heartbeat", heartbeat_arg(spec.heartbeat_seconds), *task, "--", *spec.command]
+    if spec.nodes > 1:
+        # One supervisor per node, each one part of the job (slurm-job reads SLURM_NODEID, SLURM_STEP_NUM_NODES:
+        # run/job.py); a part that fails ends the step, so the job fails and is requeued as one.
+        argv = ["srun", f"--nodes={spec.nodes}", f"--ntasks={spec.nodes}", "--ntasks-per-node=1",
+                "--kill-on-bad-exit=1", "--export=ALL", *argv]  # (sbatch's --export=NONE would reach srun too)
     lines.append("exec " + " ".join(q(a) for a in argv))
     return "\n".join(lines) + "\n"
 

@@ -27,7 +27,8 @@ from ..errors import CheckpointNotFound, CorruptCheckpoint, StoreError
 from ..failpoints import failpoint
 from ..format import chunking, layout, limits
 from ..format.manifest import (CAPTURED_DIR, COOPERATIVE_ENGINE, MARKED_BLOCKS_VERSION, AirflowTask, CallerInfo,
-                               CapturedFile, ChunkRef, CooperativeState, FileEntry, GpuState, Manifest, ProcessInfo, StateFile,
+                               CapturedFile, ChunkRef, CooperativeState, FileEntry, GpuState, JobPart, Manifest, ProcessInfo,
+                               StateFile,
                                parse_manifest)
 from ..format.selection import restore_order
 from ..format.signing import sign
@@ -76,6 +77,7 @@ class CheckpointMeta:
     gpu: GpuState | None = None  # CUDA state the driver moved into the images (engine/cuda.py)
     airflow: AirflowTask | None = None  # the task instance that wrote it (the UI's permission filter)
     caller_uid: int | None = None  # the node agent's caller it was taken for (format 4's caller block)
+    job_part: JobPart | None = None  # one part of a job's round (run/job.py): format 4, its block required
 
 
 @dataclass
@@ -227,6 +229,9 @@ def _save(store: Store, cfg: StoreConfig, meta: CheckpointMeta, image_dir: Path 
             {"format_version": Manifest.version_for(signed=False, blocks=meta.gpu is not None or meta.airflow is not None)})
         if meta.caller_uid is not None:
             marked["caller"] = CallerInfo(uid=meta.caller_uid)
+        if meta.job_part is not None:
+            marked.update(format_version=MARKED_BLOCKS_VERSION, writer=f"cedana-airflow {__version__}",
+                          required=(*marked.get("required", ()), "job_part"), job_part=meta.job_part)
         manifest = Manifest(
             **marked,
             gpu=meta.gpu,

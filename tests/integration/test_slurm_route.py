@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,61 @@ def test_a_job_submitted_through_a_login_node_over_ssh_is_checkpointed_and_follo
     assert said and "Host key for server" in said[0] and "does not match" in said[0], log[-4000:]
     assert "Fix the connection's login, key or pinned host_key" in said[0]
     assert len(re.findall(r"running task <TaskInstance: cedana_slurm_ssh\.wrong_host_key ", log)) == 1
+
+
+def test_a_job_on_two_nodes_is_checkpointed_as_one_and_requeued_resumes_both_parts_from_one_seq(cluster, open_tmp):
+    """``nodes=2``: the batch script runs one ``slurm-job`` per node (srun), each one part of the job
+    (SLURM_NODEID of SLURM_STEP_NUM_NODES), talking over one TCP connection (job_pingpong.py), checkpointed
+    as one. Slurm requeues the job; both parts resume from the same seq, their connection whole, and end with
+    an uninterrupted run's digest. (A node loss is tests/integration/test_jobs.py's: here both "nodes" share
+    one kernel, which closes a killed part's connection, so the other part would see it end.)"""
+    from cedana_airflow.run.job import node_addresses
+    from cedana_airflow.slurm.batch import JobSpec, batch_script, sbatch_argv
+
+    ip = next(a for a in node_addresses() if ":" not in a)  # both "nodes" are this host: its own address
+    pingpong = REPO / "tests" / "workloads" / "job_pingpong.py"
+    py = sys.executable
+    cmd = ("bash", "-c", f'if [ "$SLURM_NODEID" = 0 ]; then exec {py} {pingpong} --serve 0.0.0.0:7411 --steps 250; '
+                         f'else exec {py} {pingpong} --connect {ip}:7411 --steps 250; fi')
+    (open_tmp / "optin.toml").write_text('[node]\npartitions = ["cedana"]\n')
+    spec = JobSpec(name="two-nodes", command=cmd, partition="cedana", checkpoint_id="two-nodes",
+                   output=str(open_tmp / "job.%j.out"), enable=True, heartbeat_seconds=1, nodes=2,
+                   cli=(py, "-m", "cedana_airflow"), store=f"file://{open_tmp / 'store'}",
+                   optin_file=str(open_tmp / "optin.toml"), work_dir=str(open_tmp / "work"),
+                   env={"PYTHONUNBUFFERED": "1"})
+    job_id = subprocess.run(sbatch_argv(spec), input=batch_script(spec), env=cluster.env(), capture_output=True,
+                            text=True, check=True, timeout=30).stdout.strip()
+    out = open_tmp / f"job.{job_id}.out"
+    store = open_store(f"file://{open_tmp / 'store'}", load_settings(environ={}))
+    deadline = time.monotonic() + 120
+    while len(store.list_seqs("two-nodes")) < 2:
+        assert time.monotonic() < deadline, out.read_text(errors="replace")[-3000:] if out.exists() else "no output"
+        time.sleep(0.5)
+    # Requeued (as a preemption or an operator does): every part is stopped, and none takes a final checkpoint
+    # of its own; the job runs again and resumes both from the newest whole seq.
+    seq_before = max(store.list_seqs("two-nodes"))
+    cluster.run("scontrol", "requeue", job_id)
+    deadline = time.monotonic() + 240
+    released = False
+    while (state := cluster.job(job_id).get("JobState")) not in ("COMPLETED", "FAILED", "CANCELLED"):
+        assert time.monotonic() < deadline, (state, out.read_text(errors="replace")[-3000:])
+        if state == "PENDING" and not released:  # held until its BeginTime (about 2 minutes): released now
+            released = cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False).returncode == 0
+        time.sleep(1)
+    log = out.read_text(errors="replace")
+    assert cluster.job(job_id)["JobState"] == "COMPLETED", log[-4000:]
+    restored = re.findall(r"restored seq (\d+)(?: of try \d+)? \(node (node\d)\) on node (node\d)", log)
+    assert len(restored) == 2 and {r[0] for r in restored} == {restored[0][0]}, log[-4000:]  # one seq, both parts
+    assert int(restored[0][0]) >= seq_before, (restored, seq_before)
+    assert "restore closes" not in log  # the connection between the parts came back whole
+    reference = _pingpong_reference(pingpong, 250)
+    assert re.findall(r"done digest=\w+", log) == [reference, reference], log[-3000:]
+
+
+def _pingpong_reference(pingpong: Path, steps: int) -> str:
+    serve = subprocess.Popen([sys.executable, str(pingpong), "--serve", "127.0.0.1:7998", "--steps", str(steps)],
+                             stdout=subprocess.PIPE, text=True)
+    talk = subprocess.run([sys.executable, str(pingpong), "--connect", "127.0.0.1:7998", "--steps", str(steps),
+                           "--step-seconds", "0"], capture_output=True, text=True, timeout=60, check=True)
+    serve.communicate(timeout=60)
+    return talk.stdout.splitlines()[-1]

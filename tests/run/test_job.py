@@ -37,7 +37,8 @@ def store(request, tmp_path):
 
 
 def _jobs(s, parts: int = 2, barrier: float = 5.0, try_number: int = 1) -> list[Job]:
-    return [Job(s, "job", JobSpec(parts, p, barrier), node=f"node-{p}", try_number=try_number) for p in range(parts)]
+    return [Job(s, "job", JobSpec(parts, p, barrier), node=f"node-{p}", try_number=try_number, key=KEY)
+            for p in range(parts)]
 
 
 def _part(store, tmp_path: Path, job: Job, rnd, key: bytes = KEY) -> Manifest:
@@ -46,7 +47,8 @@ def _part(store, tmp_path: Path, job: Job, rnd, key: bytes = KEY) -> Manifest:
     d = tmp_path / f"img-{rnd.seq}-{job.spec.part}-{os.urandom(3).hex()}"
     d.mkdir()
     (d / "pages-1.img").write_bytes(os.urandom(150_000))
-    return save_checkpoint(s, cfg, CheckpointMeta("job", job.node, "4.2.1", PROC), d, signing_key=key,
+    meta = CheckpointMeta("job", job.node, "4.2.1", PROC, job_part=job.part_block(rnd))
+    return save_checkpoint(s, cfg, meta, d, signing_key=key,
                            stage=(rnd.seq, lambda m, data: job.stage(rnd, data, time.time(), 0.01)))
 
 
@@ -74,9 +76,9 @@ def test_a_seq_exists_once_every_part_is_stored_and_each_part_restores_its_own(s
     assert latest.chunk_digests() == parts[0].chunk_digests() | parts[1].chunk_digests()
     for p in parts:  # every part's chunks are there and verify
         fetch_checkpoint(s, p, tmp_path / f"out-{p.node}")
-    assert jobs[1].peers == frozenset(latest.job.members[0].addresses)  # its connections go to part 0's addresses
-    # what the round left is gone: only the checkpoint stays
-    assert not [o.key for o in s.list_objects(layout.rounds_prefix("job"))]
+    assert parts[1].job_part is not None and parts[1].job_part.token == parts[0].job_part.token  # one round's
+    # what the round left is gone but its document, which keeps its seq from being opened again (gc's, later)
+    assert [o.key for o in s.list_objects(layout.rounds_prefix("job"))] == [layout.round_key("job", 1)]
 
 
 def test_a_part_that_fails_mid_round_leaves_the_previous_seq_the_latest(store, tmp_path):
@@ -135,7 +137,7 @@ def test_a_part_never_restores_a_commit_it_cannot_trust_nor_another_shape_of_job
     forged = sign(forged, b"x" * 32)
     with pytest.raises(CorruptCheckpoint, match="never falls back to an older seq on its own"):
         jobs[1].part_of(forged, TRUST.refusal)
-    three = Job(s, "job", JobSpec(3, 2, 5.0), node="node-2", try_number=1)
+    three = Job(s, "job", JobSpec(3, 2, 5.0), node="node-2", try_number=1, key=KEY)
     with pytest.raises(CorruptCheckpoint, match="holds a job of 2 parts, and this run is part 2 of 3"):
         three.part_of(m, TRUST.refusal)
     single = parse_manifest(json.dumps(m.job.members[0].manifest))
@@ -180,6 +182,41 @@ def test_a_part_that_never_freezes_fails_the_round_for_the_others_at_the_barrier
     why = jobs[0].hold(rnd)
     assert why is not None and "part(s) 1 did not freeze within job_barrier_seconds (0.5 s)" in why
     assert time.monotonic() - t0 < 5
+
+
+def test_a_store_writer_cannot_release_a_frozen_part_nor_open_a_round_nor_relabel_a_part(store, tmp_path):
+    """Marks and rounds carry the node key's HMAC, and a part's place is inside its own signed manifest."""
+    s, _ = store
+    jobs = _jobs(s, barrier=0.6)
+    rnd = jobs[0].open_round()
+    forged = layout.round_key("job", rnd.seq + 1)
+    s.put_if_absent(forged, json.dumps({"seq": rnd.seq + 1, "attempt": "1", "token": "0" * 32, "freeze_at": time.time(),
+                                         "deadline": time.time() + 60, "node": "x", "mac": "0" * 64}).encode())
+    assert jobs[1].next_round(0.3) == rnd and jobs[1].next_round(0.3) is None  # the forged one is not joined
+    s.put_if_absent(f"{layout.round_prefix('job', rnd.seq)}frozen-1", b"")  # forged: part 1 never froze
+    why = jobs[0].hold(rnd)
+    assert why is not None and "part(s) 1 did not freeze" in why
+    m = _round(store, tmp_path, jobs)
+    assert m.seq == rnd.seq + 2  # never the forged round's seq, nor the first round's again
+    doc = json.loads(m.to_json())
+    doc["job"]["members"][0]["part"], doc["job"]["members"][1]["part"] = 1, 0  # swap the labels (signature aside)
+    swapped = parse_manifest(json.dumps(doc))
+    with pytest.raises(CorruptCheckpoint):
+        jobs[0].part_of(swapped, lambda m: None)
+
+
+def test_a_part_staged_in_another_round_is_never_committed(store, tmp_path):
+    s, _ = store
+    jobs = _jobs(s)
+    old = jobs[0].open_round()
+    new = jobs[0].open_round()
+    own = _part(store, tmp_path, jobs[0], new)
+    late = _part(store, tmp_path, jobs[1], old)  # staged for the old round...
+    key = f"{layout.round_prefix('job', new.seq)}part-1.json"  # ...and copied where the new round looks
+    s.put_if_absent(key, s.get(f"{layout.round_prefix('job', old.seq)}part-1.json"))
+    with pytest.raises(JobRoundFailed, match="is not this round's part 1"):
+        jobs[0].commit(new, own, refusal=TRUST.refusal, key=KEY, wait=5.0)
+    assert late.seq == old.seq and load_manifests(s, "job") == []
 
 
 def test_a_round_of_another_try_is_not_joined(store):
