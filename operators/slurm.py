@@ -66,6 +66,10 @@ class CedanaSlurmOperator(CedanaTask, BaseOperator):
     :param poll_interval: how often Slurm is asked about the job.
     :param signal_before_end: SIGTERM to the job's supervisor this long before its time limit,
         so it takes a final checkpoint before Slurm kills it.
+    :param one_part_per_node: with ``nodes`` above 1, run ``command`` once on every node (``srun``, one task
+        per node; e.g. ``torchrun --nnodes`` with ``--node-rank $SLURM_NODEID``), each node's run one part
+        of the job: checkpointed together and resumed together from one seq (docs/jobs.md, 0.12.0).
+        Without it a job on several nodes runs ``command`` once, on the batch host, unprotected.
     """
 
     template_fields: Sequence[str] = ("command", "partition", "env", "job_dir", *CEDANA_TEMPLATE_FIELDS)
@@ -84,11 +88,12 @@ class CedanaSlurmOperator(CedanaTask, BaseOperator):
                  idempotency_key: str | None = None, max_restore_gap: timedelta | None = None,
                  lease: timedelta | None = None, lease_renew_command: str | Sequence[str] | None = None,
                  expected_duration: timedelta | None = None, job_server: bool = False, gpu: bool = False,
-                 **kwargs: Any) -> None:
+                 one_part_per_node: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if gpus and gres:
             raise ValueError(f"{self.task_id}: give gpus= or gres=, not both.")
         self.command, self.partition, self.nodes = command, partition, nodes
+        self.one_part_per_node = one_part_per_node
         self.gres = gres or (f"gpu:{gpus}" if gpus else "")
         self.time_limit = _sbatch_time(time_limit)
         self.cpus_per_task, self.mem, self.sbatch_args = cpus_per_task, mem or "", tuple(sbatch_args)
@@ -115,9 +120,10 @@ class CedanaSlurmOperator(CedanaTask, BaseOperator):
         ti = context["ti"]
         setup = self.cedana_setup(context, self._placement)
         decision, settings = setup.decision, setup.settings
-        if decision.in_scope and self.nodes > 1:
+        if decision.in_scope and self.nodes > 1 and not self.one_part_per_node:
             self.log.info("cedana: a job on %d nodes runs unprotected: only the batch host's processes could be "
-                          "checkpointed, not the other nodes' steps", self.nodes)
+                          "checkpointed, not the other nodes' steps (one_part_per_node=True runs the command on every "
+                          "node, checkpointed as one job: docs/jobs.md)", self.nodes)
             decision = Decision(False, (*decision.reasons, f"nodes={self.nodes}: multi-node jobs are not checkpointed"))
         if not self.job_dir and self.ssh_conn_id:
             raise ConfigError("submitting through a login node needs job_dir=: a directory the login node and the "
@@ -130,6 +136,7 @@ class CedanaSlurmOperator(CedanaTask, BaseOperator):
             partition=self.partition, checkpoint_id=cid,
             output=f"{job_dir}/{cid}.try{ti.try_number}.%j.out", enable=decision.in_scope,
             try_number=ti.try_number, heartbeat_seconds=settings.heartbeat_seconds, nodes=self.nodes,
+            one_part_per_node=self.one_part_per_node,
             gres=self.gres, time_limit=self.time_limit, cpus_per_task=self.cpus_per_task, mem=self.mem,
             signal_seconds=self.signal_seconds, extra_args=self.sbatch_args, cli=self.cli, store=settings.store,
             optin_file=str(settings.optin_file or ""), work_dir=str(settings.work_dir or ""), env=self.env,

@@ -50,6 +50,9 @@ class JobSpec:
     try_number: int = 0
     heartbeat_seconds: float | str = 0  # or "auto"
     nodes: int = 1
+    # Run the command once per node (srun), each node's run one part of the job, checkpointed as one
+    # (docs/jobs.md). Without it the batch script runs the command once, on the batch host.
+    one_part_per_node: bool = False
     gres: str = ""  # e.g. gpu:1
     time_limit: str = ""  # sbatch --time, e.g. 02:00:00
     cpus_per_task: int = 0
@@ -124,7 +127,7 @@ def batch_script(spec: JobSpec) -> str:
         task = ["--dag-id", dag_id, "--task-id", task_id, "--run-id", run_id, "--map-index", str(map_index)]
     argv = [*spec.cli, "slurm-job", "--id", spec.checkpoint_id, "--try-number", str(spec.try_number),
             "--heartbeat", heartbeat_arg(spec.heartbeat_seconds), *task, "--", *spec.command]
-    if spec.nodes > 1:
+    if spec.nodes > 1 and spec.one_part_per_node:
         # One supervisor per node, each one part of the job (slurm-job reads SLURM_NODEID, SLURM_STEP_NUM_NODES:
         # run/job.py); a part that fails ends the step, so the job fails and is requeued as one.
         argv = ["srun", f"--nodes={spec.nodes}", f"--ntasks={spec.nodes}", "--ntasks-per-node=1",

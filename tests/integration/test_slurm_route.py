@@ -169,7 +169,7 @@ def test_a_job_submitted_through_a_login_node_over_ssh_is_checkpointed_and_follo
 
 
 def test_a_job_on_two_nodes_is_checkpointed_as_one_and_requeued_resumes_both_parts_from_one_seq(cluster, open_tmp):
-    """``nodes=2``: the batch script runs one ``slurm-job`` per node (srun), each one part of the job
+    """``nodes=2, one_part_per_node``: the batch script runs one ``slurm-job`` per node (srun), each one part of the job
     (SLURM_NODEID of SLURM_STEP_NUM_NODES), talking over one TCP connection (job_pingpong.py), checkpointed
     as one. Slurm requeues the job; both parts resume from the same seq, their connection whole, and end with
     an uninterrupted run's digest. (A node loss is tests/integration/test_jobs.py's: here both "nodes" share
@@ -184,7 +184,7 @@ def test_a_job_on_two_nodes_is_checkpointed_as_one_and_requeued_resumes_both_par
                          f'else exec {py} {pingpong} --connect {ip}:7411 --steps 250; fi')
     (open_tmp / "optin.toml").write_text('[node]\npartitions = ["cedana"]\n')
     spec = JobSpec(name="two-nodes", command=cmd, partition="cedana", checkpoint_id="two-nodes",
-                   output=str(open_tmp / "job.%j.out"), enable=True, heartbeat_seconds=1, nodes=2,
+                   output=str(open_tmp / "job.%j.out"), enable=True, heartbeat_seconds=1, nodes=2, one_part_per_node=True,
                    cli=(py, "-m", "cedana_airflow"), store=f"file://{open_tmp / 'store'}",
                    optin_file=str(open_tmp / "optin.toml"), work_dir=str(open_tmp / "work"),
                    env={"PYTHONUNBUFFERED": "1"})

@@ -43,6 +43,19 @@ def test_the_script_runs_the_command_unchanged_under_slurm_job_with_every_argume
     assert "export CEDANA_MIN_SUPERVISOR=" in script  # the node's CLI may be older: it refuses in one line (compat.py)
 
 
+def test_a_job_on_several_nodes_runs_one_part_per_node_only_when_asked_and_each_part_knows_its_place():
+    from cedana_airflow.cli import _slurm_step_part
+
+    once = batch_script(JobSpec(**{**SPEC, "nodes": 2})).splitlines()[-1]
+    assert once.startswith("exec cedana-airflow slurm-job")  # as before 0.12.0: the batch host runs it once
+    per_node = batch_script(JobSpec(**{**SPEC, "nodes": 2, "one_part_per_node": True})).splitlines()[-1]
+    assert per_node.startswith("exec srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --export=ALL "
+                               "cedana-airflow slurm-job")
+    assert _slurm_step_part({"SLURM_STEP_NUM_NODES": "2", "SLURM_NODEID": "1"}) == (1, 2)
+    assert _slurm_step_part({"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0"}) is None  # the batch script, no step
+    assert _slurm_step_part({"SLURM_STEP_NUM_NODES": "1", "SLURM_NODEID": "0"}) is None
+
+
 def test_bad_job_specs_are_one_line_each():
     with pytest.raises(ConfigError, match="no partition"):
         JobSpec(**{**SPEC, "partition": ""})
