@@ -213,6 +213,8 @@ class JobPart(_Frozen):
     part: int = Field(ge=0, lt=MAX_JOB_PARTS)
     parts: int = Field(ge=2, le=MAX_JOB_PARTS)
     token: str = Field(pattern=r"^[0-9a-f]{32}$", description="The round's: every part of one commit names it.")
+    froze_after_seconds: float = Field(default=0.0, ge=-86400, le=86400, description="When its freeze (or its "
+                                       "request) began, after the round's appointed moment (its node's clock).")
     endpoints: tuple[tuple[str, int], ...] = Field(default=(), max_length=65536, description="The (address, port) "
                                                    "of each of the part's TCP sockets, listeners and connections: "
                                                    "another part's connection to one of them is the job's own.")
@@ -221,7 +223,8 @@ class JobPart(_Frozen):
     @classmethod
     def _addresses(cls, v: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
         for addr, port in v:
-            ipaddress.ip_address(addr)  # ValueError: not an address (it reaches firewall rules)
+            if str(ipaddress.ip_address(addr)) != addr:  # ValueError: not an address (it reaches firewall rules)
+                raise ValueError(f"endpoint address {addr!r} is not in its plain form")
             if not 0 <= port <= 65535:
                 raise ValueError(f"port {port} of {addr} is out of range")
         return v
@@ -232,7 +235,7 @@ class JobMember(_Frozen):
     its ``job_part`` block), and when it froze."""
 
     part: int = Field(ge=0, lt=MAX_JOB_PARTS)
-    node: str = Field(min_length=1, max_length=253)
+    node: str = Field(pattern=r"^[^\s/]{1,253}$")
     froze_after_seconds: float = Field(description="When its freeze began, after the round's appointed time "
                                        "(the node's clock: the skew of clocks is in it).")
     held_seconds: float = Field(ge=0, description="How long it stayed frozen: its dump and the wait for the others.")

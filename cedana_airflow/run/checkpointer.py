@@ -243,7 +243,7 @@ class Checkpointer:
         because another supervisor took the checkpoint ID over (said once, by the lease). ``final``: a
         stop's, with ``budget`` seconds (None: as long as it takes) for a cooperative one. One part of a
         job checkpoints only in a round (``rnd``; part 0 opens one here): run/job.py."""
-        if self.job is not None and not leave_running:
+        if self.job is not None and (final or not leave_running):
             return None  # a stop's final checkpoint would be one part's alone (and must not wait on a round's lock)
         with self._lock:
             if self.job is None:
@@ -252,10 +252,11 @@ class Checkpointer:
                 if not self.job.spec.coordinator:
                     return None
                 rnd = self.job.open_round()
-            self._job_known()
             known = self._known
             try:
                 with joined(self.job, rnd):
+                    self._job_known()
+                    known = self._known
                     m = self._checkpoint(workload, leave_running, final, budget, rnd)
             except BaseException:
                 self._known = known
@@ -270,7 +271,7 @@ class Checkpointer:
         commit keeps them past gc's grace, so only then does the next round take them as stored (without a
         commit, the chunks it knew before that round, which a commit named)."""
         staged, self._staged = self._staged, None
-        if staged is not None and self.job is not None and self.job.committed(staged[0]):
+        if staged is not None and self.job is not None and self.job.committed(staged[0], staged[1]):
             self._known = staged[1]
 
     def _checkpoint(self, workload: Workload, leave_running: bool, final: bool, budget: float | None,
@@ -289,7 +290,7 @@ class Checkpointer:
         if why_not and self.settings.mode == "auto" and self.coop is not None and self.coop.declared():
             self._say_route(f"this tree cannot be dumped ({why_not}): cooperative checkpoints, as the workload "
                             "declared it can write them")
-            return self._cooperative(workload, final, budget)
+            return self._cooperative(workload, final, budget, rnd)
         if why_not:  # the workload keeps running; said once, not every heartbeat
             self.gpu.say_once(f"heartbeat skipped checkpoint_id={self.checkpoint_id}: {why_not}; the workload "
                               "keeps running without a new checkpoint")
@@ -341,7 +342,8 @@ class Checkpointer:
                                     stderr_pipe=workload.stderr_pipe),
                 try_number=self.try_number, freeze_seconds=freeze, parent_seq=self.parent_seq, gpu=gpu,
                 airflow=self.airflow, caller_uid=self.caller_uid,
-                job_part=job.part_block(rnd, _sockets(dump.image_dir)) if rnd is not None and job else None,
+                job_part=(job.part_block(rnd, _sockets(dump.image_dir), froze_at=froze_at)
+                          if rnd is not None and job else None),
             )
             captured = [CapturedSource(p, c, m) for p, c, m in dump.captured]
             failpoint("heartbeat.capture", workload=workload.pid, work_dir=self.work_dir)
@@ -447,7 +449,8 @@ class Checkpointer:
                                 stdout_pipe="", stderr_pipe=""),
             try_number=self.try_number, freeze_seconds=taken.source.write_seconds, parent_seq=self.parent_seq,
             airflow=self.airflow, caller_uid=self.caller_uid,
-            job_part=self.job.part_block(rnd) if rnd is not None and self.job is not None else None)
+            job_part=(self.job.part_block(rnd, froze_at=time.time() - taken.source.write_seconds)
+                      if rnd is not None and self.job is not None else None))
         saving = time.monotonic()
         try:
             with self._phase("save"):

@@ -55,7 +55,7 @@ from datetime import datetime, timezone
 from .. import __version__
 from ..config import Settings
 from ..engine.inet_image import InetSk
-from ..errors import CedanaError, CorruptCheckpoint
+from ..errors import CedanaError, CorruptCheckpoint, NodeInTheWay
 from ..format import layout
 from ..format.manifest import JOB_ENGINE, MARKED_BLOCKS_VERSION, JobMember, JobPart, JobState, Manifest, parse_manifest
 from ..format.signing import sign
@@ -272,9 +272,11 @@ class Job:
         except CedanaError as e:
             log.debug("job round seq %d: marking part %d failed: %s", rnd.seq, self.spec.part, e)
 
-    def part_block(self, rnd: Round, sockets: Sequence[InetSk] = ()) -> JobPart:
+    def part_block(self, rnd: Round, sockets: Sequence[InetSk] = (), froze_at: float = 0.0) -> JobPart:
         """What this part's manifest says of its place in the round (signed with it)."""
-        return JobPart(part=self.spec.part, parts=self.spec.parts, token=rnd.token, endpoints=endpoints_of(sockets))
+        after = max(-86400.0, min(86400.0, round(froze_at - rnd.freeze_at, 6))) if froze_at else 0.0
+        return JobPart(part=self.spec.part, parts=self.spec.parts, token=rnd.token, endpoints=endpoints_of(sockets),
+                       froze_after_seconds=after)
 
     def stage(self, rnd: Round, data: bytes, froze_at: float, held: float) -> None:
         """This part's manifest, staged for the coordinator's commit (the coordinator's own stays in memory)."""
@@ -294,8 +296,8 @@ class Job:
         """Wait for every other part's staged manifest, verify each, and write the seq's manifest holding them
         all. ``own``: this part's, stored in ``own_seconds`` (the commit takes its process, task and engine
         version), frozen at ``froze_at`` for ``held`` seconds. Raises JobRoundFailed, and then clears the round."""
-        mine = JobMember(part=0, node=self.node, froze_after_seconds=round(froze_at - rnd.freeze_at, 6) if froze_at else 0.0,
-                         held_seconds=round(held, 6), manifest=json.loads(own.to_json()))
+        mine = JobMember(part=0, node=own.node, froze_after_seconds=own.job_part.froze_after_seconds if own.job_part
+                         else 0.0, held_seconds=round(held, 6), manifest=json.loads(own.to_json()))
         try:
             return self._commit(rnd, own, mine, refusal, key, before_commit, wait if wait is not None else
                                 min(max(COMMIT_WAIT_SECONDS[0], COMMIT_WAIT_FACTOR * own_seconds), COMMIT_WAIT_SECONDS[1]))
@@ -339,7 +341,12 @@ class Job:
                     or member.part != part):
                 raise JobRoundFailed(f"job round seq {rnd.seq}: part {part}'s staged manifest is not this round's part "
                                      f"{part}")
-            members.append((member, m))
+            # What the commit says of it comes from what its node signed, not from the staged wrapper.
+            members.append((JobMember(part=part, node=m.node, froze_after_seconds=m.job_part.froze_after_seconds,
+                                      held_seconds=m.freeze_seconds, manifest=member.manifest), m))
+        if len({m.engine for _, m in members}) != 1:  # a cut of frozen trees and a step the workload chose: no
+            raise JobRoundFailed(f"job round seq {rnd.seq}: its parts were taken in different modes "
+                                 f"({', '.join(sorted({m.engine for _, m in members}))}); set one mode for the job")
         after = [mb.froze_after_seconds for mb, _ in members]
         job = JobState(parts=self.spec.parts, members=tuple(mb for mb, _ in members),
                        freeze_skew_seconds=round(max(after) - min(after), 6))
@@ -369,9 +376,15 @@ class Job:
                 if not o.key.rsplit("/", 1)[-1].startswith("up-"):
                     self.store.delete(o.key)
 
-    def committed(self, seq: int) -> bool:
-        """Whether ``seq`` was committed (a part learns it at the next round: run/checkpointer.py)."""
-        return seq in self.store.list_seqs(self.checkpoint_id)
+    def committed(self, seq: int, digests: set[str]) -> bool:
+        """Whether this part's staged chunks ``digests`` were committed at ``seq`` (a part learns it at the next
+        round: run/checkpointer.py): a job's commit there names this part with exactly those chunks."""
+        try:
+            raw = self.store.get(layout.manifest_key(self.checkpoint_id, seq))
+            m = parse_manifest(raw) if raw is not None else None
+            return m is not None and m.job is not None and m.job.member(self.spec.part).chunk_digests() == digests
+        except (ValueError, CorruptCheckpoint, StopIteration):
+            return False
 
     # -- restoring ------------------------------------------------------------------------------------
     def part_of(self, newest: Manifest, refusal: Callable[[Manifest], str | None]) -> Manifest:
@@ -419,6 +432,11 @@ class Job:
     def up(self, seq: int) -> None:
         self._mark_plain(seq, f"up-{self.attempt}-{self.spec.part}")
 
+    def was_up(self, seq: int) -> bool:
+        """Whether this part already resumed ``seq`` in this attempt: its own up mark is there."""
+        return self.store.get(f"{layout.round_prefix(self.checkpoint_id, seq)}up-{self.attempt}-{self.spec.part}") \
+            is not None
+
     def _mark_plain(self, seq: int, name: str) -> None:
         self.store.put_if_absent(f"{layout.round_prefix(self.checkpoint_id, seq)}{name}",
                                  _mac(self._key, self.checkpoint_id, seq, name).encode())
@@ -464,6 +482,11 @@ class RestoreGate:
                 + "\n    ".join(outs) + "\n  }\n}\n")
 
     def __enter__(self) -> RestoreGate:
+        if self.job.was_up(self.seq):  # its peers' marks from then would open the gate before they are back
+            raise NodeInTheWay(f"checkpoint {self.job.checkpoint_id} seq={self.seq} was resumed before by part "
+                               f"{self.job.spec.part} in this attempt ({self.job.attempt}): give every retry of a "
+                               "job a higher try number (--try-number; Airflow's and Slurm's routes do); the "
+                               "checkpoint stays the latest")
         _sweep_gates()
         if self.connections and self._nft is None:
             log.warning("nft not found: a resumed part's peers may meet a reset before this part is back")

@@ -227,3 +227,36 @@ def test_a_round_of_another_try_is_not_joined(store):
     assert new[1].next_round(0.3) is None
     rnd = new[0].open_round()
     assert new[1].next_round(2.0) == rnd and rnd.seq == 2
+
+
+def test_a_commit_of_parts_taken_in_different_modes_is_refused(store, tmp_path):
+    """A frozen tree's cut and a step the workload chose are no one cut (mode = auto may take either)."""
+    from cedana_airflow.store.transfer import StateSource
+
+    s, cfg = store
+    jobs = _jobs(s)
+    rnd = jobs[0].open_round()
+    own = _part(store, tmp_path, jobs[0], rnd)
+    state = tmp_path / "rank-1.pt"
+    state.write_bytes(os.urandom(1000))
+    meta = CheckpointMeta("job", "node-1", "0.12.0", PROC, job_part=jobs[1].part_block(rnd))
+    save_checkpoint(s, cfg, meta, None, state=StateSource(files=(("rank-1.pt", state, 0o600),), request=rnd.seq),
+                    signing_key=KEY, stage=(rnd.seq, lambda m, data: jobs[1].stage(rnd, data, time.time(), 0.01)))
+    with pytest.raises(JobRoundFailed, match="taken in different modes"):
+        jobs[0].commit(rnd, own, refusal=TRUST.refusal, key=KEY, wait=5.0)
+
+
+def test_a_part_resumed_twice_in_one_attempt_says_so_instead_of_opening_its_gate_at_once(store):
+    from cedana_airflow.errors import NodeInTheWay
+    from cedana_airflow.run.job import RestoreGate
+
+    s, _ = store
+    jobs = _jobs(s)
+    for j in jobs:
+        j.up(5)  # the attempt's first resumption of seq 5: every part came up
+    with pytest.raises(NodeInTheWay, match="was resumed before by part 1 in this attempt"):
+        with RestoreGate(jobs[1], 5, []):
+            pass
+    later = Job(s, "job", JobSpec(2, 1, 5.0), node="node-1", try_number=2, key=KEY)
+    with RestoreGate(later, 5, []) as gate:  # the next try's is its own
+        assert gate.open(wait=0.2) is False  # (part 0 of try 2 never came up here)
