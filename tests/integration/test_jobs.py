@@ -123,14 +123,14 @@ def test_a_two_node_torchrun_job_resumes_on_two_nodes_with_an_uninterrupted_runs
     a, b, c = nodes
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     reference = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                str(DDP), "--steps", "60", "--step-seconds", "0"], capture_output=True, text=True,
+                                str(DDP), "--steps", "150", "--step-seconds", "0"], capture_output=True, text=True,
                                timeout=300, check=True, env=env).stdout.splitlines()[-1]
     assert reference.startswith("done digest=")
 
     def rank(r: int) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
                 "--nproc-per-node", "1", "--master-addr", a.address, "--master-port", "29511", str(DDP),
-                "--steps", "60"]
+                "--steps", "150"]
 
     runs = [_part(a, tmp_path, 0, rank(0), try_number=1, heartbeat="2", out="a1", pod=True),
             _part(b, tmp_path, 1, rank(1), try_number=1, heartbeat="2", out="b1", pod=True)]
@@ -165,13 +165,13 @@ def test_a_two_node_torchrun_job_that_writes_its_own_state_resumes_from_one_seq_
     coop = REPO / "tests" / "workloads" / "ddp_coop.py"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     reference = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                str(coop), "--steps", "60", "--step-seconds", "0"], capture_output=True, text=True,
+                                str(coop), "--steps", "150", "--step-seconds", "0"], capture_output=True, text=True,
                                timeout=300, check=True, env=env).stdout.splitlines()[-1]
 
     def rank(r: int) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
                 "--nproc-per-node", "1", "--master-addr", a.address, "--master-port", "29512", str(coop),
-                "--steps", "60"]
+                "--steps", "150"]
 
     runs = [_part(a, tmp_path, 0, rank(0), try_number=1, heartbeat="2", out="a1", pod=True, mode="cooperative"),
             _part(b, tmp_path, 1, rank(1), try_number=1, heartbeat="2", out="b1", pod=True, mode="cooperative")]
