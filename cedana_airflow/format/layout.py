@@ -132,7 +132,7 @@ def parse_round_key(checkpoint_id: str, key: str) -> int | None:
 
 def round_prefix(checkpoint_id: str, seq: int) -> str:
     """Prefix of round ``seq``'s marks: ``frozen-<part>``, ``failed-<part>``, ``part-<part>.json`` (a part's
-    staged manifest) and ``up-<try>-<part>`` (a part restored from it)."""
+    staged manifest) and ``up-<attempt>-<part>`` (a part resumed from it)."""
     return f"{rounds_prefix(checkpoint_id)}{seq:010d}/"
 
 
