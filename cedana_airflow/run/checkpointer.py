@@ -629,17 +629,31 @@ class Checkpointer:
         CheckpointNotFound when there is none, and CorruptCheckpoint (with every reason) when none
         could be restored.
         """
-        roots: Sequence[PurePosixPath] = ()
         tl = self.timeline = Timeline()
         stdout, stderr = _FirstOutput.wrap(stdout, tl), _FirstOutput.wrap(stderr, tl)
         if stale := sweep(self.work_dir):
             log.warning("unmounted %d page file(s) a killed supervisor left under %s", stale, self.work_dir)
-        skipped: list[str] = []
         failpoint("restore.lease", work_dir=self.work_dir)  # the runner holds the writer lease by now
         with tl.span("manifests"):
             candidates = require_latest(self.store, self.checkpoint_id)
             if self.job is not None:  # this part of the newest committed seq, or nothing
-                candidates = [self.job.part_of(candidates[0], self.trust.refusal)]
+                try:
+                    candidates = [self.job.part_of(candidates[0], self.trust.refusal)]
+                except BaseException:
+                    self.job.down(candidates[0].seq)
+                    raise
+        if self.job is not None:
+            try:
+                return self._restore_candidates(candidates, tl, stdout, stderr, cwd)
+            except BaseException:
+                self.job.down(candidates[0].seq)  # the other parts waiting at their gates give up now
+                raise
+        return self._restore_candidates(candidates, tl, stdout, stderr, cwd)
+
+    def _restore_candidates(self, candidates: list[Manifest], tl: Timeline, stdout: Sink | None,
+                            stderr: Sink | None, cwd: str | None) -> Restored:
+        """restore()'s work on its candidates, newest first."""
+        skipped: list[str] = []
         for i, m in enumerate(candidates):
             failpoint("restore.manifest", work_dir=self.work_dir)
             with tl.span("checks"):  # signature, GPU, age

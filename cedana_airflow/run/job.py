@@ -441,17 +441,29 @@ class Job:
         self.store.put_if_absent(f"{layout.round_prefix(self.checkpoint_id, seq)}{name}",
                                  _mac(self._key, self.checkpoint_id, seq, name).encode())
 
-    def all_up(self, seq: int) -> bool:
+    def down(self, seq: int) -> None:
+        """This part's resumption of ``seq`` failed: the parts waiting for it at their gates give up at once
+        (best effort: a failure to say so leaves them their wait)."""
+        try:
+            self._mark_plain(seq, f"down-{self.attempt}-{self.spec.part}")
+        except CedanaError as e:
+            log.debug("job seq %d: marking part %d down: %s", seq, self.spec.part, e)
+
+    def _resumed(self, seq: int, what: str) -> set[int]:
+        """The parts of this attempt with a signed ``<what>`` mark (``up``, ``down``) for ``seq``."""
         prefix = layout.round_prefix(self.checkpoint_id, seq)
-        mine = f"{prefix}up-{self.attempt}-"  # (a file store lists folders, not name prefixes)
-        up = set()
+        mine = f"{prefix}{what}-{self.attempt}-"  # (a file store lists folders, not name prefixes)
+        out = set()
         for o in self.store.list_objects(prefix):
             if o.key.startswith(mine) and (part := o.key[len(mine):]).isdigit():
                 name = o.key[len(prefix):]
                 if hmac.compare_digest((self.store.get(o.key) or b"")[:64], _mac(self._key, self.checkpoint_id, seq,
                                                                                  name).encode()):
-                    up.add(int(part))
-        return len(up) >= self.spec.parts
+                    out.add(int(part))
+        return out
+
+    def all_up(self, seq: int) -> bool:
+        return len(self._resumed(seq, "up")) >= self.spec.parts
 
 
 class RestoreGate:
@@ -507,8 +519,8 @@ class RestoreGate:
             self.job.up(self.seq)
             until = time.monotonic() + wait
             while not self.job.all_up(self.seq):
-                if time.monotonic() > until:
-                    return False
+                if time.monotonic() > until or self.job._resumed(self.seq, "down"):
+                    return False  # (a part whose resumption failed said so: no use waiting for it)
                 time.sleep(0.05)
             return True
         finally:

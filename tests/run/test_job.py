@@ -260,3 +260,18 @@ def test_a_part_resumed_twice_in_one_attempt_says_so_instead_of_opening_its_gate
     later = Job(s, "job", JobSpec(2, 1, 5.0), node="node-1", try_number=2, key=KEY)
     with RestoreGate(later, 5, []) as gate:  # the next try's is its own
         assert gate.open(wait=0.2) is False  # (part 0 of try 2 never came up here)
+
+
+def test_a_part_whose_resumption_failed_releases_the_others_from_their_gates_at_once(store):
+    from cedana_airflow.run.job import RestoreGate
+
+    s, _ = store
+    jobs = _jobs(s)
+    s.put_if_absent(f"{layout.round_prefix('job', 7)}down-1-1", b"0" * 64)  # forged: releases nobody early...
+    with RestoreGate(jobs[0], 7, []) as gate:
+        t0 = time.monotonic()
+        assert gate.open(wait=0.5) is False and time.monotonic() - t0 >= 0.5  # ...it waited its whole time
+    jobs[1].down(8)  # part 1's resumption of seq 8 failed
+    with RestoreGate(jobs[0], 8, []) as gate:
+        t0 = time.monotonic()
+        assert gate.open(wait=30) is False and time.monotonic() - t0 < 5
