@@ -353,7 +353,7 @@ class Checkpointer:
                                            known_digests=self._known, compression=self.settings.compression,
                                            progress_mode=self.settings.progress, signing_key=self._key,
                                            before_commit=self.lease.confirm if self.lease else None,
-                                           memo=self._memo, stage=self._stage(rnd, froze_at, freeze))
+                                           memo=self._memo, stage=self._stage(rnd))
             saved = time.monotonic() - saving  # the store's part alone: gc and the index come after
         except WriterFenced:
             shutil.rmtree(dump_dir, ignore_errors=True)
@@ -366,17 +366,10 @@ class Checkpointer:
             if not self.settings.keep_local:
                 shutil.rmtree(dump_dir, ignore_errors=True)
         more = ""
-        if rnd is not None and self.job is not None:
-            if not self.job.spec.coordinator:  # part 0 commits it, with every other part, or nobody does
-                self._staged = (rnd.seq, manifest.chunk_digests())
-                self._say_taken(manifest, f"froze {freeze:.3f} s", saved,
-                                f"; part {self.job.spec.part} of {self.job.spec.parts}, staged for the job's commit")
+        if rnd is not None:
+            if (committed := self._round_stored(rnd, manifest, f"froze {freeze:.3f} s", saved)) is None:
                 return manifest
-            own = manifest
-            manifest = self.job.commit(rnd, manifest, refusal=self.trust.refusal, key=self._key,
-                                       before_commit=self.lease.confirm if self.lease else None, own_seconds=saved,
-                                       froze_at=froze_at, held=freeze)
-            self._known = own.chunk_digests()
+            manifest = committed
             assert manifest.job is not None
             more = (f"; job of {manifest.job.parts} parts committed, freeze skew "
                     f"{manifest.job.freeze_skew_seconds * 1000:.1f} ms, held {manifest.freeze_seconds:.3f} s at most")
@@ -392,12 +385,27 @@ class Checkpointer:
                          f"{gpu.resume_seconds:.3f} s" if gpu else "") + more)
         return manifest
 
-    def _stage(self, rnd: Round | None, froze_at: float, freeze: float) -> tuple[int, Callable[[Manifest, bytes], None]] | None:
+    def _stage(self, rnd: Round | None) -> tuple[int, Callable[[Manifest, bytes], None]] | None:
         """Where one part of a job puts its manifest instead of committing it (run/job.py)."""
         job = self.job
         if rnd is None or job is None:
             return None
-        return rnd.seq, lambda m, data: job.stage(rnd, data, froze_at, freeze)
+        return rnd.seq, lambda m, data: job.stage(rnd, m, data)
+
+    def _round_stored(self, rnd: Round, manifest: Manifest, held: str, saved: float) -> Manifest | None:
+        """This part's checkpoint of a job's round, stored: a part other than 0 staged it (said here; None),
+        part 0 commits every part's and returns the commit (raises JobRoundFailed). Only a commit makes this
+        part's chunks known as stored (a part other than 0 learns of it at the next round: _job_known)."""
+        assert self.job is not None
+        if not self.job.spec.coordinator:
+            self._staged = (rnd.seq, manifest.chunk_digests())
+            self._say_taken(manifest, held, saved,
+                            f"; part {self.job.spec.part} of {self.job.spec.parts}, staged for the job's commit")
+            return None
+        committed = self.job.commit(rnd, manifest, refusal=self.trust.refusal, key=self._key,
+                                    before_commit=self.lease.confirm if self.lease else None, own_seconds=saved)
+        self._known = manifest.chunk_digests()
+        return committed
 
     def _route(self, workload: Workload) -> str:
         """How this heartbeat is taken: "transparent" or "cooperative" (mode = auto: transparent where CRIU
@@ -458,8 +466,7 @@ class Checkpointer:
                                            known_digests=self._known, compression=self.settings.compression,
                                            progress_mode=self.settings.progress, signing_key=self._key,
                                            before_commit=self.lease.confirm if self.lease else None, memo=self._memo,
-                                           stage=self._stage(rnd, time.time() - taken.source.write_seconds,
-                                                             taken.source.write_seconds))
+                                           stage=self._stage(rnd))
             saved = time.monotonic() - saving
         except WriterFenced:
             return None
@@ -468,19 +475,12 @@ class Checkpointer:
                 shutil.rmtree(taken.where, ignore_errors=True)
         wrote = (f"written by the workload in {taken.source.write_seconds:.3f} s ({taken.source.ranks} rank(s), "
                  f"{len(taken.source.files)} file(s), request {taken.source.request})")
-        if rnd is not None and self.job is not None:
-            if not self.job.spec.coordinator:
-                self._staged = (rnd.seq, manifest.chunk_digests())
-                self._say_taken(manifest, wrote, saved, f"; part {self.job.spec.part} of {self.job.spec.parts}, "
-                                "staged for the job's commit")
+        if rnd is not None:
+            if (committed := self._round_stored(rnd, manifest, wrote, saved)) is None:
                 return manifest
-            own = manifest
-            manifest = self.job.commit(rnd, manifest, refusal=self.trust.refusal, key=self._key,
-                                       before_commit=self.lease.confirm if self.lease else None, own_seconds=saved,
-                                       froze_at=time.time() - taken.source.write_seconds,
-                                       held=taken.source.write_seconds)
-            self._known = own.chunk_digests()
-            wrote += f"; job of {self.job.spec.parts} parts committed"
+            manifest = committed
+            assert manifest.job is not None
+            wrote += f"; job of {manifest.job.parts} parts committed"
         else:
             self._known = manifest.chunk_digests()
         self._check_stop_window(manifest, time.monotonic() - started, taken.source.write_seconds)

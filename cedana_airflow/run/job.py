@@ -157,6 +157,13 @@ def endpoints_of(sockets: Sequence[InetSk]) -> tuple[tuple[str, int], ...]:
     return tuple(sorted(out))
 
 
+def _member(m: Manifest, doc: dict[str, object]) -> JobMember:
+    """A part's entry in the commit: ``m`` (stored as ``doc``), and what its node signed of when it froze."""
+    return JobMember(part=m.job_part.part if m.job_part else 0, node=m.node,
+                     froze_after_seconds=m.job_part.froze_after_seconds if m.job_part else 0.0,
+                     held_seconds=m.freeze_seconds, manifest=doc)
+
+
 class Job:
     """One part's view of its job: the rounds it joins or opens, its marks, and the coordinator's commit."""
 
@@ -215,47 +222,54 @@ class Job:
         if delay > 0:
             time.sleep(delay)
 
-    def _marks(self, rnd: Round, what: str, verified: dict[str, bool] | None = None) -> dict[int, str]:
-        """Part -> key of each ``<what>-<part>`` mark of the round that a node of ours signed for it."""
+    def _signed(self, seq: int, context: str, kind: str, verified: dict[str, bool] | None = None) -> dict[int, str]:
+        """Part -> key of each ``<kind>-<part>`` mark of ``seq`` that a node of ours signed for ``context`` (a
+        round's token, or an attempt). ``verified``: the keys already judged, so that a poll reads a mark once."""
+        prefix = layout.round_prefix(self.checkpoint_id, seq)
+        out: dict[int, str] = {}
+        for o in self.store.list_objects(prefix):  # (a file store lists folders, not name prefixes)
+            name = o.key[len(prefix):]
+            part = name[len(kind) + 1:] if name.startswith(f"{kind}-") else ""
+            if not (part.isdigit() and int(part) < self.spec.parts):
+                continue
+            if verified is None or o.key not in verified:
+                ok = hmac.compare_digest((self.store.get(o.key) or b"")[:64], self._mark_mac(seq, context, name).encode())
+                if verified is not None:
+                    verified[o.key] = ok
+            else:
+                ok = verified[o.key]
+            if ok:
+                out[int(part)] = o.key
+        return out
+
+    def _mark_mac(self, seq: int, context: str, name: str) -> str:
+        return _mac(self._key, self.checkpoint_id, seq, context, name)
+
+    def _mark(self, seq: int, context: str, kind: str, body: bytes = b"") -> None:
+        """This part's ``<kind>-<part>`` mark of ``seq``: its HMAC for ``context``, then ``body``."""
+        name = f"{kind}-{self.spec.part}"
+        self.store.put_if_absent(f"{layout.round_prefix(self.checkpoint_id, seq)}{name}",
+                                 self._mark_mac(seq, context, name).encode() + body)
+
+    def _staged(self, rnd: Round) -> dict[int, str]:
+        """Part -> key of each staged manifest of the round (judged by its own signature at the commit)."""
         prefix = layout.round_prefix(self.checkpoint_id, rnd.seq)
         out: dict[int, str] = {}
         for o in self.store.list_objects(prefix):
-            name = o.key[len(prefix):]
-            if not name.startswith(f"{what}-"):
-                continue
-            part = name[len(what) + 1:].removesuffix(".json")
-            if not (part.isdigit() and int(part) < self.spec.parts):
-                continue
-            if what in ("frozen", "failed"):
-                if verified is None or o.key not in verified:
-                    body = self.store.get(o.key) or b""
-                    ok = hmac.compare_digest(body[:64], self._mark_mac(rnd, what, int(part)).encode())
-                    if verified is not None:
-                        verified[o.key] = ok
-                else:
-                    ok = verified[o.key]
-                if not ok:
-                    continue
-            out[int(part)] = o.key
+            part = o.key[len(prefix):].removeprefix("part-").removesuffix(".json")
+            if o.key[len(prefix):] == f"part-{part}.json" and part.isdigit() and int(part) < self.spec.parts:
+                out[int(part)] = o.key
         return out
-
-    def _mark_mac(self, rnd: Round, what: str, part: int) -> str:
-        return _mac(self._key, self.checkpoint_id, rnd.seq, rnd.token, what, part)
-
-    def _mark(self, rnd: Round, what: str, body: bytes = b"") -> None:
-        mac = self._mark_mac(rnd, what, self.spec.part).encode()
-        self.store.put_if_absent(f"{layout.round_prefix(self.checkpoint_id, rnd.seq)}{what}-{self.spec.part}",
-                                 mac + body)
 
     def hold(self, rnd: Round) -> str | None:
         """Called frozen, images written: mark this part frozen and wait for every part's mark. None once every
         part is frozen; past the round's deadline, or once a part failed, the line that fails this dump."""
-        self._mark(rnd, "frozen")
+        self._mark(rnd.seq, rnd.token, "frozen")
         seen: dict[str, bool] = {}
         while True:
-            if failed := self._marks(rnd, "failed", seen):
+            if failed := self._signed(rnd.seq, rnd.token, "failed", seen):
                 return f"job round seq {rnd.seq}: part {min(failed)} failed, so no part's checkpoint is kept"
-            have = self._marks(rnd, "frozen", seen)
+            have = self._signed(rnd.seq, rnd.token, "frozen", seen)
             if len(have) == self.spec.parts:
                 return None
             if time.time() > rnd.deadline:
@@ -268,7 +282,7 @@ class Job:
     def fail(self, rnd: Round, why: str) -> None:
         """Mark this part failed in ``rnd`` (best effort): the others let go and the coordinator stops waiting."""
         try:
-            self._mark(rnd, "failed", why.encode()[:2000])
+            self._mark(rnd.seq, rnd.token, "failed", why.encode()[:2000])
         except CedanaError as e:
             log.debug("job round seq %d: marking part %d failed: %s", rnd.seq, self.spec.part, e)
 
@@ -278,26 +292,24 @@ class Job:
         return JobPart(part=self.spec.part, parts=self.spec.parts, token=rnd.token, endpoints=endpoints_of(sockets),
                        froze_after_seconds=after)
 
-    def stage(self, rnd: Round, data: bytes, froze_at: float, held: float) -> None:
-        """This part's manifest, staged for the coordinator's commit (the coordinator's own stays in memory)."""
+    def stage(self, rnd: Round, m: Manifest, data: bytes) -> None:
+        """This part's manifest ``m`` (stored as ``data``), staged for the coordinator's commit (the coordinator's
+        own stays in memory)."""
         if self.spec.coordinator:
             return
-        member = JobMember(part=self.spec.part, node=self.node, froze_after_seconds=round(froze_at - rnd.freeze_at, 6),
-                           held_seconds=round(held, 6), manifest=json.loads(data))
         key = f"{layout.round_prefix(self.checkpoint_id, rnd.seq)}part-{self.spec.part}.json"
-        if not self.store.put_if_absent(key, member.model_dump_json().encode()):
+        if not self.store.put_if_absent(key, _member(m, json.loads(data)).model_dump_json().encode()):
             raise JobRoundFailed(f"job round seq {rnd.seq}: part {self.spec.part} was staged already (two supervisors "
                                  "run this part: give each node its own job_part)")
 
     # -- the coordinator's commit ---------------------------------------------------------------------
     def commit(self, rnd: Round, own: Manifest, *, refusal: Callable[[Manifest], str | None], key: bytes | None,
-               before_commit: Callable[[], None] | None = None, own_seconds: float = 0.0, froze_at: float = 0.0,
-               held: float = 0.0, wait: float | None = None) -> Manifest:
+               before_commit: Callable[[], None] | None = None, own_seconds: float = 0.0,
+               wait: float | None = None) -> Manifest:
         """Wait for every other part's staged manifest, verify each, and write the seq's manifest holding them
         all. ``own``: this part's, stored in ``own_seconds`` (the commit takes its process, task and engine
-        version), frozen at ``froze_at`` for ``held`` seconds. Raises JobRoundFailed, and then clears the round."""
-        mine = JobMember(part=0, node=own.node, froze_after_seconds=own.job_part.froze_after_seconds if own.job_part
-                         else 0.0, held_seconds=round(held, 6), manifest=json.loads(own.to_json()))
+        version). Raises JobRoundFailed, and then clears the round."""
+        mine = _member(own, json.loads(own.to_json()))
         try:
             return self._commit(rnd, own, mine, refusal, key, before_commit, wait if wait is not None else
                                 min(max(COMMIT_WAIT_SECONDS[0], COMMIT_WAIT_FACTOR * own_seconds), COMMIT_WAIT_SECONDS[1]))
@@ -311,12 +323,12 @@ class Job:
         others = set(range(1, self.spec.parts))
         seen: dict[str, bool] = {}
         while True:
-            if failed := self._marks(rnd, "failed", seen):
+            if failed := self._signed(rnd.seq, rnd.token, "failed", seen):
                 part = min(failed)
                 why = (self.store.get(failed[part]) or b"")[64:].decode(errors="replace").strip()
                 raise JobRoundFailed(f"job round seq {rnd.seq}: part {part} failed ({why or 'no reason given'}); "
                                      "the previous seq stays the latest")
-            staged = self._marks(rnd, "part")
+            staged = self._staged(rnd)
             if others <= set(staged):
                 break
             if time.monotonic() > until:
@@ -342,8 +354,7 @@ class Job:
                 raise JobRoundFailed(f"job round seq {rnd.seq}: part {part}'s staged manifest is not this round's part "
                                      f"{part}")
             # What the commit says of it comes from what its node signed, not from the staged wrapper.
-            members.append((JobMember(part=part, node=m.node, froze_after_seconds=m.job_part.froze_after_seconds,
-                                      held_seconds=m.freeze_seconds, manifest=member.manifest), m))
+            members.append((_member(m, member.manifest), m))
         if len({m.engine for _, m in members}) != 1:  # a cut of frozen trees and a step the workload chose: no
             raise JobRoundFailed(f"job round seq {rnd.seq}: its parts were taken in different modes "
                                  f"({', '.join(sorted({m.engine for _, m in members}))}); set one mode for the job")
@@ -429,41 +440,25 @@ class Job:
     def gate(self, seq: int, connections: Sequence[InetSk]) -> RestoreGate:
         return RestoreGate(self, seq, connections)
 
+    def resumed(self, seq: int, kind: str, seen: dict[str, bool] | None = None) -> dict[int, str]:
+        """The parts of this attempt with a signed ``kind`` mark (``up``, ``down``) for ``seq``: each attempt
+        marks under names of its own, so a later attempt never meets an earlier one's (put_if_absent)."""
+        return self._signed(seq, self.attempt, f"{kind}-{self.attempt}", seen)
+
     def up(self, seq: int) -> None:
-        self._mark_plain(seq, f"up-{self.attempt}-{self.spec.part}")
+        self._mark(seq, self.attempt, f"up-{self.attempt}")
 
     def was_up(self, seq: int) -> bool:
         """Whether this part already resumed ``seq`` in this attempt: its own up mark is there."""
-        return self.store.get(f"{layout.round_prefix(self.checkpoint_id, seq)}up-{self.attempt}-{self.spec.part}") \
-            is not None
-
-    def _mark_plain(self, seq: int, name: str) -> None:
-        self.store.put_if_absent(f"{layout.round_prefix(self.checkpoint_id, seq)}{name}",
-                                 _mac(self._key, self.checkpoint_id, seq, name).encode())
+        return self.spec.part in self.resumed(seq, "up")
 
     def down(self, seq: int) -> None:
         """This part's resumption of ``seq`` failed: the parts waiting for it at their gates give up at once
         (best effort: a failure to say so leaves them their wait)."""
         try:
-            self._mark_plain(seq, f"down-{self.attempt}-{self.spec.part}")
+            self._mark(seq, self.attempt, f"down-{self.attempt}")
         except CedanaError as e:
             log.debug("job seq %d: marking part %d down: %s", seq, self.spec.part, e)
-
-    def _resumed(self, seq: int, what: str) -> set[int]:
-        """The parts of this attempt with a signed ``<what>`` mark (``up``, ``down``) for ``seq``."""
-        prefix = layout.round_prefix(self.checkpoint_id, seq)
-        mine = f"{prefix}{what}-{self.attempt}-"  # (a file store lists folders, not name prefixes)
-        out = set()
-        for o in self.store.list_objects(prefix):
-            if o.key.startswith(mine) and (part := o.key[len(mine):]).isdigit():
-                name = o.key[len(prefix):]
-                if hmac.compare_digest((self.store.get(o.key) or b"")[:64], _mac(self._key, self.checkpoint_id, seq,
-                                                                                 name).encode()):
-                    out.add(int(part))
-        return out
-
-    def all_up(self, seq: int) -> bool:
-        return len(self._resumed(seq, "up")) >= self.spec.parts
 
 
 class RestoreGate:
@@ -515,11 +510,12 @@ class RestoreGate:
         """This part is up: say so, and wait for every part of this attempt to be up from this seq; then let
         its connections' packets through. False (the gate closes all the same) where they were not within
         ``wait`` seconds: the caller gives its try up, since its peers will not come."""
+        job, seen = self.job, dict[str, bool]()
         try:
-            self.job.up(self.seq)
+            job.up(self.seq)
             until = time.monotonic() + wait
-            while not self.job.all_up(self.seq):
-                if time.monotonic() > until or self.job._resumed(self.seq, "down"):
+            while len(job.resumed(self.seq, "up", seen)) < job.spec.parts:
+                if time.monotonic() > until or job.resumed(self.seq, "down", seen):
                     return False  # (a part whose resumption failed said so: no use waiting for it)
                 time.sleep(0.05)
             return True

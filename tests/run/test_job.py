@@ -49,7 +49,7 @@ def _part(store, tmp_path: Path, job: Job, rnd, key: bytes = KEY) -> Manifest:
     (d / "pages-1.img").write_bytes(os.urandom(150_000))
     meta = CheckpointMeta("job", job.node, "4.2.1", PROC, job_part=job.part_block(rnd))
     return save_checkpoint(s, cfg, meta, d, signing_key=key,
-                           stage=(rnd.seq, lambda m, data: job.stage(rnd, data, time.time(), 0.01)))
+                           stage=(rnd.seq, lambda m, data: job.stage(rnd, m, data)))
 
 
 def _round(store, tmp_path, jobs: list[Job]) -> Manifest:
@@ -241,7 +241,7 @@ def test_a_commit_of_parts_taken_in_different_modes_is_refused(store, tmp_path):
     state.write_bytes(os.urandom(1000))
     meta = CheckpointMeta("job", "node-1", "0.12.0", PROC, job_part=jobs[1].part_block(rnd))
     save_checkpoint(s, cfg, meta, None, state=StateSource(files=(("rank-1.pt", state, 0o600),), request=rnd.seq),
-                    signing_key=KEY, stage=(rnd.seq, lambda m, data: jobs[1].stage(rnd, data, time.time(), 0.01)))
+                    signing_key=KEY, stage=(rnd.seq, lambda m, data: jobs[1].stage(rnd, m, data)))
     with pytest.raises(JobRoundFailed, match="taken in different modes"):
         jobs[0].commit(rnd, own, refusal=TRUST.refusal, key=KEY, wait=5.0)
 
