@@ -652,6 +652,19 @@ def bucket(moto_bucket):
     return moto_bucket
 
 
+@pytest.fixture(params=["file", "s3"])
+def file_or_s3_store(request, tmp_path):
+    """An opened store and its config, once on disk and once on S3 (``bucket``): the test runs on both. The
+    S3 one is under a prefix named after the module (buckets are named after the test, cut short)."""
+    from cedana_airflow.config import load_settings
+    from cedana_airflow.store import open_store
+
+    prefix = request.module.__name__.rsplit(".", 1)[-1]
+    url = f"file://{tmp_path / 'store'}" if request.param == "file" else f"s3://{request.getfixturevalue('bucket')}/{prefix}"
+    s = open_store(url, load_settings(environ={}))
+    return s, s.open(create=True, chunk_avg_bytes=64 << 10)
+
+
 @pytest.fixture
 def moto_bucket(s3_env, request):
     import boto3

@@ -13,14 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from cedana_airflow.config import load_settings
 from cedana_airflow.errors import CorruptCheckpoint
 from cedana_airflow.format import layout
 from cedana_airflow.format.manifest import JOB_ENGINE, Manifest, ProcessInfo, parse_manifest
 from cedana_airflow.format.signing import sign
 from cedana_airflow.format.trust import Trust
 from cedana_airflow.run.job import Job, JobRoundFailed, JobSpec
-from cedana_airflow.store import open_store
 from cedana_airflow.store.gc import _digests_in, collect_garbage
 from cedana_airflow.store.transfer import CheckpointMeta, fetch_checkpoint, load_manifests, save_checkpoint
 
@@ -29,11 +27,9 @@ TRUST = Trust(KEY, (), False, None, None)
 PROC = ProcessInfo(pid=42, command=("train",), cwd="/", stdout_pipe="pipe:[1]", stderr_pipe="pipe:[2]")
 
 
-@pytest.fixture(params=["file", "s3"])
-def store(request, tmp_path):
-    url = f"file://{tmp_path / 'store'}" if request.param == "file" else f"s3://{request.getfixturevalue('bucket')}/j"
-    s = open_store(url, load_settings(environ={}))
-    return s, s.open(create=True, chunk_avg_bytes=64 << 10)
+@pytest.fixture
+def store(file_or_s3_store):
+    return file_or_s3_store
 
 
 def _jobs(s, parts: int = 2, barrier: float = 5.0, try_number: int = 1) -> list[Job]:

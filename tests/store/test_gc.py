@@ -11,10 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cedana_airflow.config import load_settings
 from cedana_airflow.errors import StoreBusy
 from cedana_airflow.format.manifest import ProcessInfo
-from cedana_airflow.store import open_store
 from cedana_airflow.store.gc import collect_garbage, delete_checkpoint_id, prune_checkpoints
 from cedana_airflow.store.locks import acquire_gc, acquire_writer
 from cedana_airflow.store.transfer import CheckpointMeta, fetch_checkpoint, load_manifests, save_checkpoint
@@ -23,14 +21,9 @@ from conftest import cli, cli_env
 PROC = ProcessInfo(pid=42, command=("train",), cwd="/", stdout_pipe="pipe:[1]", stderr_pipe="pipe:[2]")
 
 
-@pytest.fixture(params=["file", "s3"])
-def store(request, tmp_path):
-    if request.param == "file":
-        url = f"file://{tmp_path / 'store'}"
-    else:
-        url = f"s3://{request.getfixturevalue('bucket')}/gc"
-    s = open_store(url, load_settings(environ={}))
-    return s, s.open(create=True, chunk_avg_bytes=64 << 10)
+@pytest.fixture
+def store(file_or_s3_store):
+    return file_or_s3_store
 
 
 def _save(store, tmp_path: Path, n: int, cid: str = "job"):

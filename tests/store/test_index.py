@@ -20,11 +20,9 @@ from cedana_airflow.store.transfer import CheckpointMeta, save_checkpoint
 PROC = ProcessInfo(pid=42, command=("train",), cwd="/", stdout_pipe="pipe:[1]", stderr_pipe="pipe:[2]")
 
 
-@pytest.fixture(params=["file", "s3"])
-def store(request, tmp_path):
-    url = f"file://{tmp_path / 'store'}" if request.param == "file" else f"s3://{request.getfixturevalue('bucket')}/idx"
-    s = open_store(url, load_settings(environ={}))
-    return s, s.open(create=True, chunk_avg_bytes=64 << 10)
+@pytest.fixture
+def store(file_or_s3_store):
+    return file_or_s3_store
 
 
 def _save(store, tmp_path: Path, cid: str, n: int):
