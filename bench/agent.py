@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import REPO, med, say, spread
+from harness import REPO, med, say, spread, stored_manifests
 
 from cedana_airflow.agent.client import AgentClient
 
@@ -55,14 +55,7 @@ def _env(work: Path, side: str) -> dict[str, str]:
 
 
 def _manifests(work: Path, side: str, cid: str) -> list[dict[str, Any]]:
-    d = work / side / "store" / cid
-    out = []
-    for p in sorted(d.glob("*/manifest.json")) if d.is_dir() else []:
-        try:
-            out.append(json.loads(p.read_text()))
-        except (OSError, ValueError):
-            continue
-    return out
+    return stored_manifests(work / side / "store", cid)
 
 
 def _latest(work: Path, side: str) -> int:

@@ -6,6 +6,7 @@ the other way round.
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import platform
@@ -39,6 +40,19 @@ MB = 1 << 20
 
 def say(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def stored_manifests(store: Path, checkpoint_id: str) -> list[dict[str, Any]]:
+    """The manifests of ``checkpoint_id`` in the ``file://`` store at ``store``, oldest first, as JSON (one that
+    cannot be read this instant is left out: the next look finds it)."""
+    d = store / checkpoint_id
+    out = []
+    for p in sorted(d.glob("*/manifest.json")) if d.is_dir() else []:
+        try:
+            out.append(json.loads(p.read_text()))
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def med(xs: list[float]) -> float:

@@ -12,7 +12,6 @@ each have their own node: their dumps contend, so the held time here is an upper
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -21,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import med, say, spread
+from harness import med, say, spread, stored_manifests
 
 TARGETS = {2: 2.0, 4: 4.0}
 HEARTBEAT = "3"
@@ -30,14 +29,6 @@ HEARTBEAT = "3"
 def _workload(mb: int) -> list[str]:
     return [sys.executable, "-c", f"import os, time\nb = bytearray(os.urandom({mb} << 20))\n"
             "while True:\n    b[0] = (b[0] + 1) % 256\n    time.sleep(0.05)\n"]
-
-
-def _manifests(store: Path, cid: str) -> list[dict[str, Any]]:
-    d = store / cid
-    if not d.is_dir():
-        return []
-    return [json.loads((p / "manifest.json").read_text()) for p in sorted(d.iterdir())
-            if p.name.isdigit() and (p / "manifest.json").exists()]
 
 
 def _configuration(parts: int, mb: int, reps: int, work: Path) -> dict[str, Any]:
@@ -56,7 +47,7 @@ def _configuration(parts: int, mb: int, reps: int, work: Path) -> dict[str, Any]
                                            "CEDANA_NODE": f"part-{r}", "CEDANA_KEEP_CHECKPOINTS": "100"}))
     try:
         deadline = time.monotonic() + 120 + 10 * reps
-        while len(ms := _manifests(store, cid)) < reps + 1:  # the first one writes every chunk: left out
+        while len(ms := stored_manifests(store, cid)) < reps + 1:  # the first one writes every chunk: left out
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 errs = [(work / f"{cid}-part-{r}" / "err").read_text()[-800:] for r in range(parts)]
                 raise SystemExit(f"job bench: {parts} part(s) committed {len(ms)} of {reps + 1}: {errs}")
