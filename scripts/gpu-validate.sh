@@ -37,10 +37,10 @@ REPO=$(pwd)
 DRY=0
 for a in "$@"; do [ "$a" = --dry-run ] && DRY=1; done
 if [ "$DRY" = 1 ]; then  # the CPU stands in for the GPU: a small model, quick heartbeats
-  # up to 300 s paced: time for two heartbeats after start-up on a busy machine too (20 s was not, in CI,
-  # where a torch process's checkpoint took seconds, nor 60 s once, on a landing machine 90% busy). The run
-  # is killed after its second checkpoint, and the restored rest runs unpaced (3000 small steps: 7 s)
-  GIB=0.02 STEPS=3000 STEP_SECONDS=0.1 HEARTBEAT=1
+  # 60 s paced, then held before its last step while paced (--pace-file): time for two heartbeats after
+  # start-up on a busy machine too (20 s was not, in CI, where a torch process's checkpoint took seconds, nor
+  # 60 s once, on a landing machine 90% busy, before the hold); the restored rest runs unpaced
+  GIB=0.02 STEPS=600 STEP_SECONDS=0.1 HEARTBEAT=1
 else
   GIB=4 STEPS=1000 STEP_SECONDS=0.1 HEARTBEAT=10
 fi

@@ -42,8 +42,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--step-seconds", type=float, default=0.1, help="sleep per step: time for heartbeats to land")
     ap.add_argument("--pace-file", default=None,
-                    help="sleep --step-seconds only while this file exists: the run that is checkpointed and "
-                         "killed is paced, its restored rest runs at full speed")
+                    help="sleep --step-seconds only while this file exists, and hold before the last step until "
+                         "it is gone: the run that is checkpointed and killed is paced and never ends before its "
+                         "checkpoints (a busy machine), its restored rest runs at full speed")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--hidden", type=int, default=2048, help="width of the MLP's layers")
     ap.add_argument("--layers", type=int, default=4)
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step {step}/{a.steps} loss={loss.item()!r}", flush=True)
         if a.step_seconds and (a.pace_file is None or os.path.exists(a.pace_file)):
             time.sleep(a.step_seconds)
+        while a.pace_file and step == a.steps - 1 and os.path.exists(a.pace_file):
+            time.sleep(a.step_seconds or 0.1)  # its checkpoints are still to come: held, not ended
 
     h = hashlib.sha256()
     with torch.no_grad():
