@@ -293,10 +293,18 @@ def start_cli(*args: str, env: dict[str, str], out: Path, **kw: Any) -> subproce
 
 
 def manifests(store: Path, checkpoint_id: str) -> list[dict]:
+    """The ID's manifests in a file store, oldest first; one that retention removes while this reads is left
+    out (keep_checkpoints prunes the oldest as each new one lands: CI run 78 read one mid-removal)."""
     d = store / checkpoint_id
     if not d.is_dir():
         return []
-    return [json.loads((p / "manifest.json").read_text()) for p in sorted(d.iterdir()) if (p / "manifest.json").exists()]
+    found = []
+    for p in sorted(d.iterdir()):
+        try:
+            found.append(json.loads((p / "manifest.json").read_text()))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return found
 
 
 def forge_unsigned(manifest: Path, **changes: Any) -> dict:
