@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from . import __version__
 from .config import HEARTBEAT_AUTO_SETTINGS, env_var
 
-__all__ = ["COOPERATIVE_FLOOR", "HEARTBEAT_AUTO_FLOOR", "MIN_SUPERVISOR_ENV", "OPERATOR_VERSION_ENV", "SUPERVISOR_FLOOR", "handshake_env",
+__all__ = ["COOPERATIVE_FLOOR", "HEARTBEAT_AUTO_FLOOR", "JOB_FLOOR", "MIN_SUPERVISOR_ENV", "OPERATOR_VERSION_ENV", "SUPERVISOR_FLOOR", "handshake_env",
            "supervisor_refusal"]
 
 MIN_SUPERVISOR_ENV = "CEDANA_MIN_SUPERVISOR"
@@ -31,6 +31,9 @@ SUPERVISOR_FLOOR = "0.8.0"
 COOPERATIVE_FLOOR = "0.6.0"
 #: ... and ``--heartbeat auto`` with its settings (0.7.0).
 HEARTBEAT_AUTO_FLOOR = "0.7.0"
+#: ... and a job of several parts (0.12.0): an older supervisor would run each part as a job of its own,
+#: every part fighting the others for the checkpoint ID's lease (docs/jobs.md).
+JOB_FLOOR = "0.12.0"
 _AUTO_SETTINGS = frozenset(env_var(name) for name in HEARTBEAT_AUTO_SETTINGS)
 
 
@@ -39,16 +42,19 @@ def _parse(version: str) -> tuple[int, ...] | None:
     return tuple(int(p or 0) for p in m.groups()) if m else None
 
 
-def handshake_env(carried: Mapping[str, str] | None = None, *, heartbeat_auto: bool = False) -> dict[str, str]:
+def handshake_env(carried: Mapping[str, str] | None = None, *, heartbeat_auto: bool = False,
+                  job: bool = False) -> dict[str, str]:
     """What an operator puts beside the command it writes; ``carried``: the CEDANA_* settings it passes along
     (a cooperative mode needs a supervisor that knows it: an older one would fail on an unknown setting);
-    ``heartbeat_auto``: the command says ``--heartbeat auto``."""
+    ``heartbeat_auto``: the command says ``--heartbeat auto``; ``job``: it runs one part of a job."""
     carried = carried or {}
     cooperative = any(k.startswith("CEDANA_COOPERATIVE_") or (k == "CEDANA_MODE" and v != "transparent")
                       for k, v in carried.items())
     auto = heartbeat_auto or any(k in _AUTO_SETTINGS for k in carried)
-    feature = HEARTBEAT_AUTO_FLOOR if auto else COOPERATIVE_FLOOR if cooperative else SUPERVISOR_FLOOR
-    floor = max(feature, SUPERVISOR_FLOOR, key=lambda v: _parse(v) or ())
+    job = job or "CEDANA_JOB_PARTS" in carried
+    needed = [SUPERVISOR_FLOOR, *([COOPERATIVE_FLOOR] if cooperative else []), *([HEARTBEAT_AUTO_FLOOR] if auto else []),
+              *([JOB_FLOOR] if job else [])]
+    floor = max(needed, key=lambda v: _parse(v) or ())
     return {MIN_SUPERVISOR_ENV: floor, OPERATOR_VERSION_ENV: __version__}
 
 

@@ -2,15 +2,15 @@
 
 from .checkpointed import CheckpointedCommandOperator
 
-__all__ = ["CheckpointedCommandOperator", "CedanaKubernetesPodOperator", "CedanaSlurmOperator"]
+__all__ = ["CheckpointedCommandOperator", "CedanaKubernetesJobOperator", "CedanaKubernetesPodOperator", "CedanaSlurmOperator"]
 
 
 def __getattr__(name: str) -> object:
     # The Kubernetes operator imports the kubernetes client: only when asked for.
-    if name == "CedanaKubernetesPodOperator":
-        from .kubernetes import CedanaKubernetesPodOperator
+    if name in ("CedanaKubernetesPodOperator", "CedanaKubernetesJobOperator"):
+        from . import kubernetes
 
-        return CedanaKubernetesPodOperator
+        return getattr(kubernetes, name)
     if name == "CedanaSlurmOperator":
         from .slurm import CedanaSlurmOperator
 

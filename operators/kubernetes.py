@@ -1,4 +1,5 @@
-"""CedanaKubernetesPodOperator: a KubernetesPodOperator that asks for checkpointing with one line.
+"""CedanaKubernetesPodOperator: a KubernetesPodOperator that asks for checkpointing with one line; and
+CedanaKubernetesJobOperator: a job of several pods (one part per pod), checkpointed and resumed as one.
 
 Pods go to opted-in nodes; a retry's pod avoids the node where the previous try ran (recorded by the
 pod-starting callback in the task state record, cedana_airflow.airflow.task_state) and is always a
@@ -13,12 +14,13 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 from airflow.providers.cncf.kubernetes.callbacks import KubernetesPodOperatorCallback
+from airflow.providers.cncf.kubernetes.operators.job import KubernetesJobOperator
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from kubernetes.client import models as k8s
 
 from cedana_airflow.airflow.config import airflow_options
-from cedana_airflow.airflow.kube import (Route, apply_route, node_label_of, restore_rules_env, route_heartbeat, uses_gpu,
-                                         with_env)
+from cedana_airflow.airflow.kube import (Route, apply_job_route, apply_route, node_label_of, restore_rules_env,
+                                         route_heartbeat, uses_gpu, with_env)
 from cedana_airflow.airflow.logsink import prefixed
 from cedana_airflow.airflow.task import CEDANA_TEMPLATE_FIELDS, CedanaTask, Placement, TaskSetup, airflow_errors
 from cedana_airflow.airflow.task_state import TaskState, airflow_task
@@ -30,7 +32,7 @@ from cedana_airflow.scope.optin import OptInList
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-__all__ = ["CedanaKubernetesPodOperator"]
+__all__ = ["CedanaKubernetesJobOperator", "CedanaKubernetesPodOperator"]
 
 
 class _RecordNode(KubernetesPodOperatorCallback):
@@ -138,3 +140,91 @@ class CedanaKubernetesPodOperator(CedanaTask, KubernetesPodOperator):
         for level, note in verdict.notes:
             self.log.log(level, "cedana: %s", note)
         return verdict.resume
+
+
+class CedanaKubernetesJobOperator(CedanaTask, KubernetesJobOperator):
+    """``KubernetesJobOperator`` for a job that spans pods (``torchrun --nnodes N``, a sharded server), each
+    pod one part of the job, checkpointed and resumed as one (docs/jobs.md). Everything it takes, the
+    arguments every route takes (checkpoint_id, heartbeat, store, idempotency_key, ...), and
+
+    :param parts: how many pods (2 or more): an Indexed Job of that many, each running the same command
+        with its part in ``JOB_COMPLETION_INDEX`` (e.g. ``torchrun --node-rank $(JOB_COMPLETION_INDEX)``).
+    :param store_secret: as CedanaKubernetesPodOperator's: the store's credentials as files for our CLI.
+
+    The wrap route only: our CLI in each pod runs that pod's part (``CEDANA_JOB_PART`` from the completion
+    index). One pod per node; no pod is restarted or recreated: the first part that fails fails the Job,
+    and Airflow's retry starts a new Job whose parts all resume from the newest seq that holds every part.
+    ``wait_until_job_complete`` is on, so that the task follows the Job. A transparent job's connections
+    between its pods come back only where each part's pod gets its address back (a CNI that pins an address
+    per completion index); elsewhere use ``mode = cooperative`` (coop.torch.Resumable), whose ranks meet
+    again at their new addresses. Out of scope, the Job runs as given, unprotected, as on every route.
+    """
+
+    template_fields: Sequence[str] = (*KubernetesJobOperator.template_fields, *CEDANA_TEMPLATE_FIELDS)
+
+    def __init__(self, *, parts: int, route: str | None = None, store_secret: str | None = None,
+                 checkpoint_id: str | None = None, heartbeat: timedelta | Literal["auto"] | None = None,
+                 heartbeat_min: timedelta | None = None, heartbeat_max: timedelta | None = None,
+                 mtbf: timedelta | None = None, store: str | None = None, aws_conn_id: str | None = None,
+                 settings: dict[str, Any] | None = None, idempotency_key: str | None = None,
+                 max_restore_gap: timedelta | None = None, lease: timedelta | None = None,
+                 lease_renew_command: str | Sequence[str] | None = None, expected_duration: timedelta | None = None,
+                 job_server: bool = False, gpu: bool = False, **kwargs: Any) -> None:
+        task_id = kwargs.get("task_id", "?")
+        if not isinstance(parts, int) or parts < 2:
+            raise ValueError(f"{task_id}: parts={parts!r}: a job of several pods has 2 or more parts "
+                             "(one pod: CedanaKubernetesPodOperator)")
+        # What makes the Job one attempt of every part: the Job's own settings, so none may differ.
+        fixed = {"parallelism": parts, "completions": parts, "completion_mode": "Indexed", "backoff_limit": 0}
+        if clash := [f"{k}={kwargs[k]!r}" for k, v in fixed.items() if kwargs.get(k) not in (None, v)]:
+            raise ValueError(f"{task_id}: {', '.join(clash)}: a checkpointed job runs its {parts} parts at once, "
+                             f"indexed, and fails as one (backoff_limit=0, Airflow's retry resumes it); leave them out")
+        if (route or airflow_options("k8s_route").k8s_route) != "wrap":
+            raise ValueError(f"{task_id}: a job of several pods is checkpointed on the wrap route only (Cedana's "
+                             "runtime checkpoints each pod on its own): pass route='wrap'")
+        kwargs.setdefault("wait_until_job_complete", True)
+        super().__init__(**{**kwargs, **fixed})
+        self.parts, self.store_secret, self.route = parts, store_secret, "wrap"
+        self.init_cedana(checkpoint_id=checkpoint_id, heartbeat=heartbeat, heartbeat_min=heartbeat_min,
+                         heartbeat_max=heartbeat_max, mtbf=mtbf, store=store, aws_conn_id=aws_conn_id,
+                         settings=settings, idempotency_key=idempotency_key, max_restore_gap=max_restore_gap,
+                         lease=lease, lease_renew_command=lease_renew_command, expected_duration=expected_duration,
+                         job_server=job_server, gpu=gpu)
+
+    @prefixed
+    def execute(self, context: Context) -> Any:
+        return super().execute(context)
+
+    def build_job_request_obj(self, context: Context | None = None) -> k8s.V1Job:
+        job = super().build_job_request_obj(context)
+        if context is None:
+            return job
+        with airflow_errors():
+            return self._checkpointed(job, context)
+
+    def _checkpointed(self, job: k8s.V1Job, context: Context) -> k8s.V1Job:
+        template = job.spec.template
+        pod = k8s.V1Pod(metadata=template.metadata, spec=template.spec)
+
+        def placement(optin: OptInList | None, settings: Settings) -> Placement:
+            label = node_label_of(optin)
+            return Placement(f"(nodes labelled {label[0]}={label[1]})", dict([label]), gpu=self.gpu or uses_gpu(pod))
+
+        setup = self.cedana_setup(context, placement)
+        if not setup.in_scope:
+            if uses_gpu(pod):
+                self.log.warning("cedana: this job asks for GPUs but is out of scope: it runs unprotected")
+            pod = with_env(pod, self.cedana_env(None))
+            job.spec.template = k8s.V1PodTemplateSpec(metadata=pod.metadata, spec=pod.spec)
+            return job
+        options = airflow_options("k8s_heartbeat_seconds", "k8s_key_secret")
+        settings = setup.settings
+        route = Route(kind="wrap", checkpoint_id=setup.checkpoint_id,
+                      heartbeat_seconds=route_heartbeat(settings, "wrap", options.k8s_heartbeat_seconds),
+                      node_label=next(iter(setup.placement.node_labels.items())), store=settings.store or "",
+                      store_secret=self.store_secret or "", try_number=context["ti"].try_number,
+                      airflow=airflow_task(context), env={**self.cedana_env(None), **restore_rules_env(settings)},
+                      key_secret=options.k8s_key_secret, job_parts=self.parts)
+        self.log.info("cedana: a job of %d pods, one part each, checkpointed as one (checkpoint_id=%s)", self.parts,
+                      setup.checkpoint_id)
+        return apply_job_route(job, route)

@@ -1,11 +1,11 @@
 """`make demo-k8s`: the Kubernetes wrap route run for real, in pods played by podman.
 
 CedanaKubernetesPodOperator(route="wrap") builds each try's V1Pod through its own code path
-(build_pod_request_obj with the try's task context); pod_runtime.py places it on one of three
+(build_pod_request_obj with the try's task context); pod_runtime.py places it on one of four
 pretend nodes by its node affinity and plays it with `podman kube play` in the image that
 pod_image.py builds from deploy/Containerfile and our wheel. The store is SeaweedFS, a real S3 server
 (moto's before 0.11.0), on this machine, reached from the pods over their network; its credentials are
-the Secret the operator mounts as files. Two cases, each compared with an uninterrupted run of the same workload:
+the Secret the operator mounts as files. The cases, each compared with an uninterrupted run of its workload:
 
 - node loss: after a few heartbeat checkpoints every process of the pod is SIGKILLed; the retry's
   pod (try 2, same checkpoint ID) goes to another node, restores the latest checkpoint and finishes;
@@ -15,7 +15,9 @@ the Secret the operator mounts as files. Two cases, each compared with an uninte
   fails it by deleting its pod; the deletion as the API reports it, and Airflow's retry, stand in
   (pod_fleet.py); the drill follows the retry's pod and measures it;
 - version skew: an operator newer than the image's CLI writes the pod; the CLI refuses in one line
-  (compat.py), before anything runs.
+  (compat.py), before anything runs;
+- job: CedanaKubernetesJobOperator's two pods, one part each of a job talking over TCP between them; a
+  node is lost, and the retry's Job resumes both parts from one seq (pod_jobs.py).
 
 Not exercised (no API server here): the API server and kubelet, the scheduler beyond the affinity
 filter, the runtime class handler, image pulls.
@@ -51,9 +53,9 @@ WORKLOAD_ARGS = ["--seed", "5", "--steps", "150", "--workers", "2", "--step-seco
 BUCKET = "ckpt"
 DAG_ID, TASK_ID, RUN_ID = "train_llm", "finetune", "scheduled__2026-12-01T00:00:00+00:00"
 OPTIN = '[node]\nlabels = { "cedana.ai/enabled" = "true" }\n[queue]\nqueues = ["*"]\n[workload]\ndags = ["train_llm"]\n'
-#: The cluster we pretend to have: one node off the opt-in list, two on it.
+#: The cluster we pretend to have: one node off the opt-in list, three on it.
 NODES = [Node("cpu-node-0"), Node("gpu-node-a", {"cedana.ai/enabled": "true"}),
-         Node("gpu-node-b", {"cedana.ai/enabled": "true"})]
+         Node("gpu-node-b", {"cedana.ai/enabled": "true"}), Node("gpu-node-c", {"cedana.ai/enabled": "true"})]
 GRACE_SECONDS = 20
 
 
@@ -81,6 +83,7 @@ class Case:
     manifests: list[dict[str, Any]] = field(default_factory=list)  # in the store at the end
     seconds: float = 0.0
     report: Any = None  # the live drill's DrillReport
+    newest_before_end: int | None = None  # a job: its newest commit when try 1 ended
 
     @property
     def digest(self) -> str:
@@ -193,7 +196,9 @@ def images_hold(cluster: Cluster, prefix: str, secret: str, into: Path) -> bool:
     from cedana_airflow.store.transfer import fetch_checkpoint
 
     store = open_store(f"s3://{BUCKET}/{prefix}", load_settings(environ={}))
-    for i, m in enumerate(cluster.checkpoints(prefix)):
+    # a job's commit holds no images of its own: each part's manifest, inside it, names that part's
+    docs = [d for m in cluster.checkpoints(prefix) for d in ([x["manifest"] for x in m["job"]["members"]] if m.get("job") else [m])]
+    for i, m in enumerate(docs):
         fetch_checkpoint(store, Manifest.model_validate(m), into / str(i))
     return any(secret.encode() in p.read_bytes() for p in into.rglob("*") if p.is_file())
 
@@ -281,8 +286,21 @@ def _environ(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def job_expected() -> str:
+    import pod_jobs
+
+    return pod_jobs.uninterrupted()
+
+
+def job(cluster: Cluster, prefix: str) -> Case:
+    """A job of two pods loses a node; the retry's Job resumes both parts from one seq (pod_jobs.py)."""
+    import pod_jobs
+
+    return pod_jobs.job_loss(cluster, prefix)
+
+
 def run(root: Path, cache: Path | None = None,
-        cases: tuple[str, ...] = ("node loss", "drain", "live drill", "version skew")) -> list[Case]:
+        cases: tuple[str, ...] = ("node loss", "drain", "live drill", "version skew", "job")) -> list[Case]:
     """Build (or load) the image, start the store, and play each case; every pod is gone afterwards."""
     import boto3
 
@@ -305,14 +323,15 @@ def run(root: Path, cache: Path | None = None,
         boto3.client("s3").create_bucket(Bucket=BUCKET)
         cluster = Cluster(root, image, rt, s3_url, canary)
         done = []
-        for name, play in (("node loss", node_loss), ("drain", drain), ("live drill", live_drill), ("version skew", skew)):
+        plays = (("node loss", node_loss), ("drain", drain), ("live drill", live_drill), ("version skew", skew), ("job", job))
+        for name, play in plays:
             if name in cases:
                 prefix = name.replace(" ", "-")
                 with _environ(AIRFLOW__CEDANA__STORE=f"s3://{BUCKET}/{prefix}"):
                     t0 = time.monotonic()
                     case = play(cluster, prefix)
                     case.seconds = time.monotonic() - t0
-                case.expected = expected if name != "version skew" else ""
+                case.expected = "" if name == "version skew" else job_expected() if name == "job" else expected
                 case.manifests = cluster.checkpoints(prefix)
                 case.images_hold_credentials = images_hold(cluster, prefix, canary, root / "images" / prefix)
                 done.append(case)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -76,10 +77,26 @@ def _matches(expr: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
     raise PodError(f"node affinity operator {op!r} is not understood by this stand-in scheduler")
 
 
-def fits(pod: Mapping[str, Any], node: Node) -> bool:
-    """Does the node meet the pod's nodeSelector and required node affinity (terms ORed, expressions ANDed)?"""
+def _repelled(pod: Mapping[str, Any], node: Node, running: Mapping[str, list[Mapping[str, str]]]) -> bool:
+    """Does a required pod anti-affinity term keep the pod off ``node``, given the labels of the pods
+    ``running`` on each node? Only what our Jobs use: matchLabels, per node (topologyKey hostname)."""
+    anti = ((pod["spec"].get("affinity") or {}).get("podAntiAffinity") or {})
+    for term in anti.get("requiredDuringSchedulingIgnoredDuringExecution") or []:
+        if term.get("topologyKey") != "kubernetes.io/hostname" or set(term.get("labelSelector") or {}) - {"matchLabels"}:
+            raise PodError(f"pod anti-affinity {term!r} is not understood by this stand-in scheduler")
+        want = term["labelSelector"]["matchLabels"]
+        if any(all(labels.get(k) == v for k, v in want.items()) for labels in running.get(node.name, [])):
+            return True
+    return False
+
+
+def fits(pod: Mapping[str, Any], node: Node, running: Mapping[str, list[Mapping[str, str]]] | None = None) -> bool:
+    """Does the node meet the pod's nodeSelector, required node affinity (terms ORed, expressions ANDed)
+    and required pod anti-affinity against the pods ``running`` there (node name -> their labels)?"""
     spec, labels = pod["spec"], node.all_labels()
     if any(labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()):
+        return False
+    if _repelled(pod, node, running or {}):
         return False
     required = (((spec.get("affinity") or {}).get("nodeAffinity") or {})
                 .get("requiredDuringSchedulingIgnoredDuringExecution") or {})
@@ -87,10 +104,10 @@ def fits(pod: Mapping[str, Any], node: Node) -> bool:
     return not terms or any(all(_matches(e, labels) for e in t.get("matchExpressions") or []) for t in terms)
 
 
-def place(pod: Mapping[str, Any], nodes: list[Node]) -> Node:
+def place(pod: Mapping[str, Any], nodes: list[Node], running: Mapping[str, list[Mapping[str, str]]] | None = None) -> Node:
     """The first node the pod may run on, as the scheduler's filter would find it."""
     for node in nodes:
-        if fits(pod, node):
+        if fits(pod, node, running):
             return node
     raise PodError(f"no node fits pod {pod['metadata']['name']}: its node affinity rules out "
                    + ", ".join(n.name for n in nodes))
@@ -129,6 +146,15 @@ def translate(pod: Mapping[str, Any], node: Node, secrets: Mapping[str, Mapping[
                 e["value"] = node.name
                 notes.append(f"env {e['name']}: fieldRef spec.nodeName resolved to {node.name!r} "
                              "(podman does not support that fieldPath)")
+            elif ref and (m := re.fullmatch(r"metadata\.annotations\['([^']+)'\]", ref)):
+                annotations = pod["metadata"].get("annotations") or {}
+                if m.group(1) not in annotations:
+                    raise PodError(f"pod {pod['metadata']['name']}: env {e['name']} reads annotation {m.group(1)}, "
+                                   "which the pod does not have")
+                e.pop("valueFrom")
+                e["value"] = annotations[m.group(1)]
+                notes.append(f"env {e['name']}: fieldRef {ref} resolved to {e['value']!r} (the kubelet's downward "
+                             "API, written here)")
     for v in spec.get("volumes") or []:
         secret = v.get("secret")
         if secret is None:
@@ -168,6 +194,7 @@ class PodRuntime:
                     "CONTAINERS_REGISTRIES_CONF": str(root / "registries.conf")}
         (root / "registries.conf").write_text("unqualified-search-registries = []\n")
         self.pods: list[str] = []
+        self.networks: list[str] = []
 
     def podman(self, *args: str, timeout: float = 300, check: bool = True,
                input: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -178,13 +205,21 @@ class PodRuntime:
             raise PodError(f"podman {args[0]} {args[1] if len(args) > 1 else ''} failed: {last}")
         return r
 
-    def play(self, manifest: Mapping[str, Any]) -> str:
-        """Start the pod (podman kube play takes JSON, a subset of YAML); return its name."""
+    def play(self, manifest: Mapping[str, Any], *, network: str = "", ip: str = "") -> str:
+        """Start the pod (podman kube play takes JSON, a subset of YAML) on ``network`` (podman's default
+        when empty) at ``ip`` (any free address when empty); return its name."""
         name = str(manifest["metadata"]["name"])
         path = self.root / f"{name}.json"
         path.write_text(json.dumps(manifest, indent=1))
         self.pods.append(name)
-        self.podman("kube", "play", str(path))
+        self.podman("kube", "play", *(["--network", network] if network else []), *(["--ip", ip] if ip else []),
+                    str(path))
+        return name
+
+    def network(self, name: str, subnet: str) -> str:
+        """A bridge network of its own (pods on it reach each other and, through NAT, this machine)."""
+        self.podman("network", "create", "--subnet", subnet, name)
+        self.networks.append(name)
         return name
 
     def container(self, pod: str) -> str:
@@ -237,5 +272,7 @@ class PodRuntime:
     def close(self) -> None:
         for pod in self.pods:
             self.remove(pod)
+        for net in self.networks:
+            self.podman("network", "rm", "--force", net, check=False, timeout=120)
         # Unmounts the private storage's layers, so the directory can be removed.
         self.podman("system", "reset", "--force", check=False, timeout=120)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cedana_airflow import __version__
-from cedana_airflow.compat import SUPERVISOR_FLOOR, handshake_env, supervisor_refusal
+from cedana_airflow.compat import COOPERATIVE_FLOOR, JOB_FLOOR, SUPERVISOR_FLOOR, handshake_env, supervisor_refusal
 from conftest import cli, cli_env
 
 
@@ -24,6 +24,15 @@ def test_a_supervisor_runs_what_it_understands_and_refuses_what_it_may_not(own, 
 def test_operators_ask_for_this_versions_floor():
     assert handshake_env() == {"CEDANA_MIN_SUPERVISOR": SUPERVISOR_FLOOR, "CEDANA_OPERATOR_VERSION": __version__}
     assert supervisor_refusal(handshake_env()) is None  # this version runs its own commands
+
+
+def test_the_floor_is_the_newest_of_what_the_command_needs():
+    assert handshake_env({"CEDANA_MODE": "cooperative"})["CEDANA_MIN_SUPERVISOR"] == max(
+        SUPERVISOR_FLOOR, COOPERATIVE_FLOOR, key=lambda v: tuple(map(int, v.split("."))))
+    assert handshake_env({"CEDANA_MODE": "cooperative"}, job=True)["CEDANA_MIN_SUPERVISOR"] == JOB_FLOOR
+    assert handshake_env({"CEDANA_JOB_PARTS": "2"})["CEDANA_MIN_SUPERVISOR"] == JOB_FLOOR
+    assert "needs a supervisor of 0.12.0 or later; this one is 0.11.2" in supervisor_refusal(
+        handshake_env(job=True), "0.11.2")
 
 
 def test_the_cli_refuses_a_newer_operators_command_before_reading_its_flags(tmp_path):

@@ -13,6 +13,11 @@ Two routes (``[cedana] k8s_route``):
 
 Both pin the pod to opted-in nodes (a node label, by default ``cedana.ai/enabled=true``) and, on a
 retry, keep it off the node where the previous try ran.
+
+A job of several pods (CedanaKubernetesJobOperator: ``torchrun --nnodes N`` and the like) takes the wrap
+route as an Indexed Job (:func:`apply_job_route`): each pod runs one part of the job (its completion index),
+one pod per node, and the first pod that fails fails the Job, so that Airflow's retry starts every part
+again from the same seq (docs/jobs.md).
 """
 
 from __future__ import annotations
@@ -32,13 +37,18 @@ from ..ids import validate_checkpoint_id
 from ..run.cadence import FREEZE_SECONDS_PER_GIB, Cadence
 from ..scope.optin import DEFAULT_NODE_LABEL, OptInList
 
-__all__ = ["HEARTBEAT_LABEL", "CHECKPOINT_ENV", "CREDENTIALS_MOUNT", "KEY_MOUNT", "NOT_READY_TAINT", "Route", "apply_route", "route_heartbeat",
+__all__ = ["HEARTBEAT_LABEL", "CHECKPOINT_ENV", "COMPLETION_INDEX_ANNOTATION", "CREDENTIALS_MOUNT", "KEY_MOUNT",
+           "NOT_READY_TAINT", "Route", "apply_job_route", "apply_route", "route_heartbeat",
            "kubernetes_executor_route", "node_label_of", "restore_rules_env", "uses_gpu", "with_env"]
 
 HEARTBEAT_LABEL = "cedana.ai/heartbeat-checkpoint"
 CHECKPOINT_ENV = "CEDANA_CHECKPOINT"
 NOT_READY_TAINT = "cedana.ai/not-ready"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
+#: What the Job controller writes on each pod of an Indexed Job (and reads JOB_COMPLETION_INDEX from).
+COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+#: The label the Job controller puts on its pods (every version; batch.kubernetes.io/job-name since 1.27).
+JOB_NAME_LABEL = "job-name"
 #: Where the wrap route mounts the store Secret (read-only, root only) for the CLI's store_credentials_dir.
 CREDENTIALS_MOUNT = "/var/run/secrets/cedana/store"
 _CREDENTIALS_VOLUME = "cedana-store-credentials"
@@ -69,6 +79,7 @@ class Route:
     env: Mapping[str, str] = field(default_factory=dict)  # more for the workload's container (ours: CEDANA_*)
     resume: bool = True  # False: the pod starts fresh (cedana route: no CEDANA_CHECKPOINT to restore from)
     key_secret: str = "cedana-node-key"  # wrap: the Secret holding node.key, the workers' node key
+    job_parts: int = 1  # wrap: above 1, the pod runs one part of a job (its Indexed Job completion index)
 
 
 def uses_gpu(pod: k8s.V1Pod) -> bool:
@@ -142,8 +153,13 @@ def apply_route(pod: k8s.V1Pod, route: Route) -> k8s.V1Pod:
     main.command = [*route.cli, "run", "--resume", "--id", route.checkpoint_id, "--heartbeat",
                     str(route.heartbeat_seconds), "--try-number", str(route.try_number), *task, "--", *original]
     main.args = None
-    for name, value in handshake_env(route.env, heartbeat_auto=route.heartbeat_seconds == "auto").items():  # the image's CLI may be older than this operator
+    handshake = handshake_env(route.env, heartbeat_auto=route.heartbeat_seconds == "auto", job=route.job_parts > 1)
+    for name, value in handshake.items():  # the image's CLI may be older than this operator
         _env(main, name, value)
+    if route.job_parts > 1:  # which part: the pod's completion index, as the Job controller writes it
+        _env(main, "CEDANA_JOB_PARTS", str(route.job_parts))
+        _env(main, "CEDANA_JOB_PART", source=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(
+            field_path=f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']")))
     if route.store:
         _env(main, "CEDANA_STORE", route.store)
     _env(main, "CEDANA_NODE", source=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path="spec.nodeName")))
@@ -170,6 +186,34 @@ def apply_route(pod: k8s.V1Pod, route: Route) -> k8s.V1Pod:
     main.security_context = main.security_context or k8s.V1SecurityContext()
     main.security_context.privileged = True  # CRIU: ptrace, namespaces, /proc/sys writes
     return pod
+
+
+def apply_job_route(job: k8s.V1Job, route: Route) -> k8s.V1Job:
+    """Return a copy of ``job`` whose pods each run one part of it on the wrap route: an Indexed Job of
+    ``route.job_parts`` pods, all at once, one per node (a required pod anti-affinity on the job's name), and
+    no pod restarted or recreated (restartPolicy Never, backoffLimit 0): a part that fails fails the Job,
+    whose other pods the Job controller then stops, and Airflow's retry runs every part again from the newest
+    seq that holds them all. Not on the ``cedana`` route: Cedana's runtime checkpoints each pod on its own."""
+    if route.kind != "wrap" or route.job_parts < 2:
+        raise ConfigError(f"a job of several pods is checkpointed on the wrap route with 2 or more parts "
+                          f"(route {route.kind!r}, {route.job_parts} part(s)): set route='wrap' and parts=N")
+    job = copy.deepcopy(job)
+    template = job.spec.template
+    pod = apply_route(k8s.V1Pod(metadata=template.metadata or k8s.V1ObjectMeta(), spec=template.spec), route)
+    pod.spec.restart_policy = "Never"  # a restarted container would be a part of no attempt
+    name = job.metadata.name
+    if name:
+        # one part per node: two parts on one node would be lost together and share its address
+        term = k8s.V1PodAffinityTerm(label_selector=k8s.V1LabelSelector(match_labels={JOB_NAME_LABEL: name}),
+                                     topology_key=HOSTNAME_LABEL)
+        anti = pod.spec.affinity.pod_anti_affinity = pod.spec.affinity.pod_anti_affinity or k8s.V1PodAntiAffinity()
+        anti.required_during_scheduling_ignored_during_execution = [
+            *(anti.required_during_scheduling_ignored_during_execution or []), term]
+    job.spec.template = k8s.V1PodTemplateSpec(metadata=pod.metadata, spec=pod.spec)
+    job.spec.completion_mode = "Indexed"
+    job.spec.completions = job.spec.parallelism = route.job_parts
+    job.spec.backoff_limit = 0
+    return job
 
 
 def node_label_of(optin: OptInList | None) -> tuple[str, str]:

@@ -117,7 +117,8 @@ def batch_script(spec: JobSpec) -> str:
     window = {"CEDANA_STOP_WINDOW_SECONDS": str(min(spec.signal_seconds, SLURM_KILL_WAIT_SECONDS))}
     cedana = {**window, **spec.settings_env, **spec.cedana_env, "CEDANA_CHECKPOINT_ID": spec.checkpoint_id, "CEDANA_STORE": spec.store,
               "CEDANA_OPTIN_FILE": spec.optin_file, "CEDANA_WORK_DIR": spec.work_dir,
-              **handshake_env(spec.settings_env, heartbeat_auto=spec.heartbeat_seconds == "auto")}  # the compute node's CLI may be older than this operator
+              **handshake_env(spec.settings_env, heartbeat_auto=spec.heartbeat_seconds == "auto",
+                             job=spec.enable and spec.nodes > 1 and spec.one_part_per_node)}  # the compute node's CLI may be older than this operator
     lines = ["#!/bin/bash", f"# cedana-airflow Slurm route: checkpoint ID {spec.checkpoint_id}, try {spec.try_number}"]
     lines += [f"export {k}={q(v)}" for k, v in env.items()]  # an empty value is a value (CUDA_VISIBLE_DEVICES=)
     lines += [f"export {k}={q(v)}" for k, v in cedana.items() if v]

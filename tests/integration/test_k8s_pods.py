@@ -1,11 +1,13 @@
 """The Kubernetes wrap route in real pods (`make demo-k8s`, scripts/demo_k8s.py): the pods that
 CedanaKubernetesPodOperator builds are played by podman in the image built from deploy/Containerfile
 and our wheel, against SeaweedFS (a real S3 server); a node loss, and the live drill deleting a running try's pod
-(a drain as the drill causes it), each followed by the retry's pod.
+(a drain as the drill causes it), each followed by the retry's pod; and a job of two pods
+(CedanaKubernetesJobOperator) that loses a node, followed by the retry's Job (scripts/pod_jobs.py).
 
-What stands in for the cluster, and only that: the scheduler's affinity filter (three pretend nodes),
+What stands in for the cluster, and only that: the scheduler's affinity filter (four pretend nodes),
 the task context of each try, and the translations podman needs (scripts/pod_runtime.py); for the live
-drill, the deletion as the API reports it and Airflow's retry (scripts/pod_fleet.py). The API server,
+drill, the deletion as the API reports it and Airflow's retry (scripts/pod_fleet.py); for the job, the Job
+controller's pods and a CNI that gives each completion index its address again (scripts/pod_jobs.py). The API server,
 the kubelet and the runtime class handler are not exercised (docs/testing.md). `make demo-k8s` also
 plays a drain without the drill."""
 
@@ -27,7 +29,8 @@ def cases(tmp_path_factory):
     from conftest import wait_for_pod_image
 
     wait_for_pod_image()  # started at collection, beside the tests before these
-    return {c.name: c for c in demo_k8s.run(tmp_path_factory.mktemp("k8s"), cases=("node loss", "live drill", "version skew"))}
+    return {c.name: c for c in demo_k8s.run(tmp_path_factory.mktemp("k8s"),
+                                            cases=("node loss", "live drill", "version skew", "job"))}
 
 
 def _restored(t):
@@ -81,7 +84,32 @@ def test_pods_an_image_older_than_the_operator_refuses_in_one_line_before_anythi
     assert not cases["version skew"].manifests
 
 
+def test_pods_a_job_of_two_pods_loses_a_node_and_the_retrys_job_resumes_both_parts_from_one_seq(cases):
+    """CedanaKubernetesJobOperator(parts=2): part 0 serves, part 1 talks to it over TCP between the pods. After
+    two commits node b is lost and the Job fails; try 2's Job runs part 0 on node a and part 1 on node c (the
+    anti-affinity keeps them apart; b is gone), both restore the same seq, the connection between them comes
+    back whole, and both end with an uninterrupted run's digest."""
+    case = cases["job"]
+    a1, b1, a2, c2 = case.tries
+    assert [(t.try_number, t.node) for t in case.tries] == [(1, "gpu-node-a"), (1, "gpu-node-b"), (2, "gpu-node-a"),
+                                                           (2, "gpu-node-c")]
+    assert a1.checkpoints_before_end >= 2 and "done digest" not in a1.stdout + b1.stdout  # lost mid-job
+    assert "job of 2 parts committed" in a1.stderr, a1.stderr[-3000:]
+    assert any("CEDANA_JOB_PART" in n and "resolved to '1'" in n for n in b1.notes)  # the pod's completion index
+    seqs = set()
+    for t, lost_on in ((a2, "gpu-node-a"), (c2, "gpu-node-b")):
+        assert t.exit_code == 0, t.stderr[-3000:]
+        [line] = _restored(t)
+        m = re.search(rf"restored seq (\d+) of try 1 \(node {lost_on}\) on node {t.node}: ", line)
+        assert m, line
+        seqs.add(int(m.group(1)))
+        assert t.stdout.strip().splitlines()[-1] == case.expected and case.expected.startswith("done digest=")
+        assert not t.stdout.startswith("step 1/")  # resumed, not started over
+    # one seq, no older than the newest commit seen just before node b was lost
+    assert len(seqs) == 1 and min(seqs) >= case.newest_before_end, (seqs, case.newest_before_end)
+
+
 def test_pods_the_store_credentials_reach_the_cli_as_files_and_never_a_checkpoint_image(cases):
-    for case in (cases["node loss"], cases["live drill"]):
+    for case in (cases["node loss"], cases["live drill"], cases["job"]):
         assert case.images_hold_credentials is False, case.name  # the canary key is in the Secret, not the images
         assert any("Secret volume" in n for n in case.tries[0].notes)

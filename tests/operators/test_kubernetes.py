@@ -1,7 +1,8 @@
-"""The Kubernetes route as pod specs: there is no Kubernetes API server here, so these are spec tests.
-The pod comes from the operator's own build_pod_request_obj(dry_run=True) and is checked field by field,
+"""The Kubernetes route as pod and Job specs: there is no Kubernetes API server here, so these are spec tests.
+The pod comes from the operator's own build_pod_request_obj(dry_run=True) (a job's V1Job from
+CedanaKubernetesJobOperator's build_job_request_obj with a try's context) and is checked field by field,
 then round-tripped through the installed kubernetes client's OpenAPI models. The wrap route's pods run
-for real, in podman, in tests/integration/test_k8s_pods.py."""
+for real, in podman, in tests/integration/test_k8s_pods.py (a job's two pods in its "job" case)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ pytest.importorskip("airflow.providers.cncf.kubernetes")
 from kubernetes.client import ApiClient  # noqa: E402
 from kubernetes.client import models as k8s  # noqa: E402
 
-from cedana_airflow.airflow.kube import CREDENTIALS_MOUNT, HEARTBEAT_LABEL, KEY_MOUNT  # noqa: E402
-from cedana_airflow.operators import CedanaKubernetesPodOperator  # noqa: E402
+from cedana_airflow.airflow.kube import COMPLETION_INDEX_ANNOTATION, CREDENTIALS_MOUNT, HEARTBEAT_LABEL, KEY_MOUNT  # noqa: E402
+from cedana_airflow.compat import JOB_FLOOR, supervisor_refusal  # noqa: E402
+from cedana_airflow.operators import CedanaKubernetesJobOperator, CedanaKubernetesPodOperator  # noqa: E402
 
 OPTIN = '[node]\nlabels = { "cedana.ai/enabled" = "true" }\n[queue]\nqueues = ["*"]\n[workload]\ndags = ["*"]\n'
 
@@ -182,3 +184,111 @@ def test_spec_heartbeat_auto_stays_auto_in_the_wrap_routes_pod_and_is_chosen_now
     cedana = _op(route="cedana", heartbeat="auto", heartbeat_max=timedelta(minutes=20)).build_pod_request_obj(
         _context(), dry_run=True)
     assert cedana.metadata.labels["cedana.ai/heartbeat-checkpoint"] == "1200"  # no failure seen: heartbeat_max
+
+
+# -- CedanaKubernetesJobOperator: a job of several pods, checkpointed as one (docs/jobs.md) --------------------
+
+#: A kube config whose API server is never called: KubernetesPodOperator's build_pod_request_obj asks its
+#: hook whether it runs in a cluster, which reads one (the spec is built locally; the Job is never created).
+KUBECONFIG = """apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:9"}}]
+users: [{name: u, user: {token: unused}}]
+contexts: [{name: c, context: {cluster: c, user: u}}]
+current-context: c
+"""
+
+
+@pytest.fixture
+def job_op(optin):
+    """A CedanaKubernetesJobOperator maker, with the kube config above (written beside the opt-in list)."""
+    config = optin.parent / "kubeconfig"
+    config.write_text(KUBECONFIG)
+
+    def make(**kw):
+        kw.setdefault("cmds", ["torchrun"])
+        kw.setdefault("arguments", ["--nnodes", "2", "--node-rank", "$(JOB_COMPLETION_INDEX)", "train.py"])
+        return CedanaKubernetesJobOperator(task_id="pretrain", name="pretrain", namespace="ml", image="ml/train:1",
+                                           route="wrap", store_secret="ckpt-s3", config_file=str(config),
+                                           **{"parts": 2, "heartbeat": timedelta(minutes=5), **kw})
+    return make
+
+
+def _job(op, try_number=1):
+    job = op.build_job_request_obj(_context(try_number))
+    api = ApiClient()
+    data = api.sanitize_for_serialization(job)
+    again = api._ApiClient__deserialize(data, "V1Job")  # every model validates its required fields
+    assert api.sanitize_for_serialization(again) == data
+    return job, data
+
+
+def test_spec_a_job_of_two_pods_is_an_indexed_job_each_pod_one_part_of_one_checkpoint_id(job_op):
+    job, data = _job(job_op())
+    spec = data["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == ("Indexed", 2, 2, 0)
+    pod = spec["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    [main] = pod["containers"]
+    assert main["command"][:3] == ["cedana-airflow", "run", "--resume"] and "--try-number" in main["command"]
+    cid = main["command"][main["command"].index("--id") + 1]
+    assert cid.startswith("train_llm.finetune.scheduled__2026-11-29T00_00_00+00_00-")  # one ID for every part
+    # the user's command, as given: Kubernetes expands $(JOB_COMPLETION_INDEX) in it
+    assert main["command"][main["command"].index("--") + 1:] == ["torchrun", "--nnodes", "2", "--node-rank",
+                                                               "$(JOB_COMPLETION_INDEX)", "train.py"]
+    env = {e["name"]: e for e in main["env"]}
+    assert env["CEDANA_JOB_PARTS"]["value"] == "2"
+    assert env["CEDANA_JOB_PART"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"
+    assert env["CEDANA_SIGNING_KEY_FILE"]["value"] == f"{KEY_MOUNT}/node.key"
+    # an image whose CLI predates jobs refuses the pod in one line, instead of running each part as a job of its own
+    assert env["CEDANA_MIN_SUPERVISOR"]["value"] == JOB_FLOOR
+    assert "0.12.0 or later; this one is 0.11.2" in supervisor_refusal({"CEDANA_MIN_SUPERVISOR": JOB_FLOOR}, "0.11.2")
+    # one part per node, on opted-in nodes
+    [term] = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term == {"labelSelector": {"matchLabels": {"job-name": job.metadata.name}},
+                    "topologyKey": "kubernetes.io/hostname"}
+    [nodes] = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert nodes["matchExpressions"] == [{"key": "cedana.ai/enabled", "operator": "In", "values": ["true"]}]
+
+
+def test_spec_the_retry_is_a_new_job_whose_parts_resume_as_attempt_two_on_any_opted_in_node(job_op):
+    op = job_op()
+    first, _ = _job(op, 1)
+    retry, data = _job(op, 2)
+    assert retry.metadata.name != first.metadata.name  # a new Job, never the failed one
+    main = data["spec"]["template"]["spec"]["containers"][0]
+    assert main["command"][main["command"].index("--try-number") + 1] == "2"
+    # no node is avoided: the lost node is NotReady, and the parts that survived it may run where they ran
+    [nodes] = data["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert [e["key"] for e in nodes["matchExpressions"]] == ["cedana.ai/enabled"]
+
+
+def test_spec_what_would_split_the_job_is_refused_when_the_dag_is_parsed(job_op):
+    with pytest.raises(ValueError, match=r"parts=1: a job of several pods has 2 or more parts"):
+        job_op(parts=1)
+    with pytest.raises(ValueError, match=r"pretrain: parallelism=1, backoff_limit=6: a checkpointed job runs its 2 parts at once"):
+        job_op(backoff_limit=6, parallelism=1)
+    with pytest.raises(ValueError, match=r"on the wrap route only"):
+        CedanaKubernetesJobOperator(task_id="t", name="t", image="i", parts=2, route="cedana")
+    assert job_op(completion_mode="Indexed", backoff_limit=0).backoff_limit == 0  # the same values are fine
+
+
+def test_spec_out_of_scope_the_job_runs_as_given(job_op, optin):
+    optin.write_text('[workload]\ndags = ["another_dag"]\n')
+    _, data = _job(job_op())
+    main = data["spec"]["template"]["spec"]["containers"][0]
+    assert main["command"] == ["torchrun"] and not any(e["name"].startswith("CEDANA_JOB") for e in main.get("env", []))
+
+
+def test_spec_a_cooperative_job_carries_its_mode_and_the_jobs_floor(job_op):
+    _, data = _job(job_op(settings={"mode": "cooperative"}))
+    env = {e["name"]: e.get("value") for e in data["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["CEDANA_MODE"] == "cooperative" and env["CEDANA_MIN_SUPERVISOR"] == JOB_FLOOR
+
+
+def test_spec_the_pod_template_is_a_valid_pod_for_the_kubelet(job_op):
+    job, _ = _job(job_op())
+    pod = k8s.V1Pod(metadata=job.spec.template.metadata, spec=job.spec.template.spec)
+    assert ApiClient().sanitize_for_serialization(pod)["spec"]["containers"][0]["securityContext"]["privileged"] is True

@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 
+from cedana_airflow.compat import JOB_FLOOR
 from cedana_airflow.errors import ConfigError, SlurmError, SlurmRefused
 from cedana_airflow.slurm.batch import JobSpec, batch_script, sbatch_argv, shell_command
 from cedana_airflow.slurm.client import SlurmClient
@@ -48,9 +49,13 @@ def test_a_job_on_several_nodes_runs_one_part_per_node_only_when_asked_and_each_
 
     once = batch_script(JobSpec(**{**SPEC, "nodes": 2})).splitlines()[-1]
     assert once.startswith("exec cedana-airflow slurm-job")  # as before 0.12.0: the batch host runs it once
-    per_node = batch_script(JobSpec(**{**SPEC, "nodes": 2, "one_part_per_node": True})).splitlines()[-1]
+    script = batch_script(JobSpec(**{**SPEC, "nodes": 2, "one_part_per_node": True}))
+    per_node = script.splitlines()[-1]
     assert per_node.startswith("exec srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --export=ALL "
                                "cedana-airflow slurm-job")
+    # a node whose CLI predates jobs refuses its part in one line, instead of running it as a job of its own
+    assert f"export CEDANA_MIN_SUPERVISOR={JOB_FLOOR}\n" in script
+    assert f"export CEDANA_MIN_SUPERVISOR={JOB_FLOOR}" not in batch_script(JobSpec(**{**SPEC, "nodes": 2}))
     assert _slurm_step_part({"SLURM_STEP_NUM_NODES": "2", "SLURM_NODEID": "1"}) == (1, 2)
     assert _slurm_step_part({"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0"}) is None  # the batch script, no step
     assert _slurm_step_part({"SLURM_STEP_NUM_NODES": "1", "SLURM_NODEID": "0"}) is None
