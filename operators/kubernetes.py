@@ -9,7 +9,7 @@ around the command) is configuration: ``[cedana] k8s_route``. The pod spec itsel
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -44,6 +44,23 @@ class _RecordNode(KubernetesPodOperatorCallback):
         if not node or not context or context.get("task_state_store") is None:
             return
         TaskState.of(context, operator.log).add_try(context["ti"].try_number, node)
+
+
+def _placement(task: CedanaTask, pod: k8s.V1Pod) -> Callable[[OptInList | None, Settings], Placement]:
+    """Where the pod runs, for the opt-in list: the scheduler picks the node later, so the node scope is met
+    by pinning the pod to the list's label."""
+    def placement(optin: OptInList | None, settings: Settings) -> Placement:
+        label = node_label_of(optin)
+        return Placement(f"(a node labelled {label[0]}={label[1]})", dict([label]), gpu=task.gpu or uses_gpu(pod))
+    return placement
+
+
+def _unprotected(task: CedanaTask, pod: k8s.V1Pod, gpu_note: str) -> k8s.V1Pod:
+    """An out-of-scope pod: as given, but for CEDANA_IDEMPOTENCY_KEY (the key holds for an unprotected run
+    too); a GPU pod says it runs unprotected."""
+    if uses_gpu(pod):
+        task.log.warning("cedana: %s but is out of scope: it runs unprotected", gpu_note)
+    return with_env(pod, task.cedana_env(None))
 
 
 class CedanaKubernetesPodOperator(CedanaTask, KubernetesPodOperator):
@@ -101,17 +118,9 @@ class CedanaKubernetesPodOperator(CedanaTask, KubernetesPodOperator):
 
     def _checkpointed(self, pod: k8s.V1Pod, context: Context) -> k8s.V1Pod:
         ti = context["ti"]
-
-        def placement(optin: OptInList | None, settings: Settings) -> Placement:
-            """The scheduler picks the node later: the node scope is met by pinning the pod to the list's label."""
-            label = node_label_of(optin)
-            return Placement(f"(a node labelled {label[0]}={label[1]})", dict([label]), gpu=self.gpu or uses_gpu(pod))
-
-        setup = self.cedana_setup(context, placement)
+        setup = self.cedana_setup(context, _placement(self, pod))
         if not setup.in_scope:
-            if uses_gpu(pod):
-                self.log.warning("cedana: this pod asks for a GPU but is out of scope: it runs unprotected")
-            return with_env(pod, self.cedana_env(None))  # the key holds for an unprotected run too
+            return _unprotected(self, pod, "this pod asks for a GPU")
         earlier = TaskState.of(context, self.log).earlier_nodes(ti.try_number)
         if earlier:
             self.log.info("cedana: this retry's pod avoids node(s) %s, where earlier tries ran", ", ".join(earlier))
@@ -163,13 +172,8 @@ class CedanaKubernetesJobOperator(CedanaTask, KubernetesJobOperator):
     template_fields: Sequence[str] = (*KubernetesJobOperator.template_fields, *CEDANA_TEMPLATE_FIELDS)
 
     def __init__(self, *, parts: int, route: str | None = None, store_secret: str | None = None,
-                 checkpoint_id: str | None = None, heartbeat: timedelta | Literal["auto"] | None = None,
-                 heartbeat_min: timedelta | None = None, heartbeat_max: timedelta | None = None,
-                 mtbf: timedelta | None = None, store: str | None = None, aws_conn_id: str | None = None,
-                 settings: dict[str, Any] | None = None, idempotency_key: str | None = None,
-                 max_restore_gap: timedelta | None = None, lease: timedelta | None = None,
-                 lease_renew_command: str | Sequence[str] | None = None, expected_duration: timedelta | None = None,
-                 job_server: bool = False, gpu: bool = False, **kwargs: Any) -> None:
+                 **kwargs: Any) -> None:
+        cedana = self.pop_cedana_args(kwargs)  # checkpoint_id, heartbeat, store, settings, ... (as every route)
         task_id = kwargs.get("task_id", "?")
         if not isinstance(parts, int) or parts < 2:
             raise ValueError(f"{task_id}: parts={parts!r}: a job of several pods has 2 or more parts "
@@ -185,15 +189,11 @@ class CedanaKubernetesJobOperator(CedanaTask, KubernetesJobOperator):
         kwargs.setdefault("wait_until_job_complete", True)
         super().__init__(**{**kwargs, **fixed})
         self.parts, self.store_secret, self.route = parts, store_secret, "wrap"
-        self.init_cedana(checkpoint_id=checkpoint_id, heartbeat=heartbeat, heartbeat_min=heartbeat_min,
-                         heartbeat_max=heartbeat_max, mtbf=mtbf, store=store, aws_conn_id=aws_conn_id,
-                         settings=settings, idempotency_key=idempotency_key, max_restore_gap=max_restore_gap,
-                         lease=lease, lease_renew_command=lease_renew_command, expected_duration=expected_duration,
-                         job_server=job_server, gpu=gpu)
+        self.init_cedana(**cedana)
 
     @prefixed
     def execute(self, context: Context) -> Any:
-        return super().execute(context)
+        return super().execute(context)  # the Job's; our set-up's lines in the task log carry `cedana:`
 
     def build_job_request_obj(self, context: Context | None = None) -> k8s.V1Job:
         job = super().build_job_request_obj(context)
@@ -205,16 +205,9 @@ class CedanaKubernetesJobOperator(CedanaTask, KubernetesJobOperator):
     def _checkpointed(self, job: k8s.V1Job, context: Context) -> k8s.V1Job:
         template = job.spec.template
         pod = k8s.V1Pod(metadata=template.metadata, spec=template.spec)
-
-        def placement(optin: OptInList | None, settings: Settings) -> Placement:
-            label = node_label_of(optin)
-            return Placement(f"(nodes labelled {label[0]}={label[1]})", dict([label]), gpu=self.gpu or uses_gpu(pod))
-
-        setup = self.cedana_setup(context, placement)
+        setup = self.cedana_setup(context, _placement(self, pod))
         if not setup.in_scope:
-            if uses_gpu(pod):
-                self.log.warning("cedana: this job asks for GPUs but is out of scope: it runs unprotected")
-            pod = with_env(pod, self.cedana_env(None))
+            pod = _unprotected(self, pod, "this job asks for GPUs")
             job.spec.template = k8s.V1PodTemplateSpec(metadata=pod.metadata, spec=pod.spec)
             return job
         options = airflow_options("k8s_heartbeat_seconds", "k8s_key_secret")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import shlex
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -208,6 +209,13 @@ class CedanaTask:
             task_settings(self.cedana_overrides())
         except CedanaError as e:
             raise AirflowException(f"{self.task_id}: {e}") from None
+
+    @classmethod
+    def pop_cedana_args(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The arguments :meth:`init_cedana` takes, taken out of an operator's ``kwargs`` (the rest go to
+        the Airflow operator it extends): for an operator that names only its own arguments."""
+        names = inspect.signature(cls.init_cedana).parameters.keys() - {"self", "route_settings", "mode"}
+        return {name: kwargs.pop(name) for name in list(kwargs) if name in names}
 
     def cedana_overrides(self) -> dict[str, Any]:
         """The operator's arguments as settings: they win over every other layer."""

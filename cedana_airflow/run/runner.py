@@ -481,7 +481,9 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
             while workload.poll() is None:
                 if stop_requested.wait(0.1):
                     sig = signal.Signals(got[0] if got else signal.SIGTERM)
-                    log.info("stop requested signal=%s checkpoint_on_term=%s", sig.name, settings.checkpoint_on_term)
+                    # a job's part takes no final checkpoint (one part alone is no seq): said as off
+                    log.info("stop requested signal=%s checkpoint_on_term=%s", sig.name,
+                             settings.checkpoint_on_term and cp.job is None)
                     result.stopped_by_signal = sig
                     cut(sig.name)
                     break
