@@ -9,18 +9,22 @@ around the command) is configuration: ``[cedana] k8s_route``. The pod spec itsel
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
 from airflow.providers.cncf.kubernetes.callbacks import KubernetesPodOperatorCallback
+from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 from airflow.providers.cncf.kubernetes.operators.job import KubernetesJobOperator
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from kubernetes.client import models as k8s
 
 from cedana_airflow.airflow.config import airflow_options
-from cedana_airflow.airflow.kube import (Route, apply_job_route, apply_route, node_label_of, restore_rules_env,
-                                         route_heartbeat, uses_gpu, with_env)
+from cedana_airflow.airflow_compat import AirflowException
+from cedana_airflow.airflow.kube import (CHECKPOINT_ID_LABEL, JOB_LABEL, Route, apply_job_route, apply_route,
+                                         node_label_of, restore_rules_env, route_heartbeat, uses_gpu, with_env)
 from cedana_airflow.airflow.logsink import prefixed
 from cedana_airflow.airflow.task import CEDANA_TEMPLATE_FIELDS, CedanaTask, Placement, TaskSetup, airflow_errors
 from cedana_airflow.airflow.task_state import TaskState, airflow_task
@@ -151,6 +155,31 @@ class CedanaKubernetesPodOperator(CedanaTask, KubernetesPodOperator):
         return verdict.resume
 
 
+class _JobHook(KubernetesHook):
+    """The provider's hook, seeing a Job failed at its FailureTarget condition: from Kubernetes 1.31 ``Failed``
+    comes only once every pod has terminated, and a pod on a lost node stays Terminating until the node comes
+    back or is deleted, so waiting for ``Failed`` could wait forever and the retry would never start."""
+
+    def is_job_complete(self, job: k8s.V1Job) -> bool:
+        return bool(super().is_job_complete(job) or _condition(job, "FailureTarget") or _condition(job, "SuccessCriteriaMet"))
+
+    @staticmethod
+    def is_job_failed(job: k8s.V1Job) -> str | bool:
+        failed = KubernetesHook.is_job_failed(job)
+        if failed or not (target := _condition(job, "FailureTarget")):
+            return failed
+        return f"{target.reason or 'FailureTarget'} (its pods still stopping)"
+
+
+def _condition(job: k8s.V1Job, kind: str) -> Any:
+    conditions = (job.status.conditions if job.status else None) or []
+    return next((c for c in conditions if c.type == kind and c.status in (True, "True")), None)
+
+
+#: How long a try waits for its Job's pods to exist (the provider's own wait lists 4 times, without a pause).
+POD_DISCOVERY_SECONDS = 300.0
+
+
 class CedanaKubernetesJobOperator(CedanaTask, KubernetesJobOperator):
     """``KubernetesJobOperator`` for a job that spans pods (``torchrun --nnodes N``, a sharded server), each
     pod one part of the job, checkpointed and resumed as one (docs/jobs.md). Everything it takes, the
@@ -159,20 +188,25 @@ class CedanaKubernetesJobOperator(CedanaTask, KubernetesJobOperator):
     :param parts: how many pods (2 or more): an Indexed Job of that many, each running the same command
         with its part in ``JOB_COMPLETION_INDEX`` (e.g. ``torchrun --node-rank $(JOB_COMPLETION_INDEX)``).
     :param store_secret: as CedanaKubernetesPodOperator's: the store's credentials as files for our CLI.
+    :param subdomain: the pods' ``subdomain``: with a headless Service of that name selecting them, part 0's
+        pod is ``$(CEDANA_JOB_NAME)-0.<subdomain>`` (a rendezvous address that holds across tries).
+    :param node_lost_seconds: how long a part's pod tolerates its node being unreachable or not ready
+        before it is evicted, which fails the Job (default 60; Kubernetes' own default is 300).
 
     The wrap route only: our CLI in each pod runs that pod's part (``CEDANA_JOB_PART`` from the completion
     index). One pod per node; no pod is restarted or recreated: the first part that fails fails the Job,
     and Airflow's retry starts a new Job whose parts all resume from the newest seq that holds every part.
-    ``wait_until_job_complete`` is on, so that the task follows the Job. A transparent job's connections
-    between its pods come back only where each part's pod gets its address back (a CNI that pins an address
-    per completion index); elsewhere use ``mode = cooperative`` (coop.torch.Resumable), whose ranks meet
-    again at their new addresses. Out of scope, the Job runs as given, unprotected, as on every route.
+    The task follows its Job (``wait_until_job_complete``; not deferrable), fails at the Job's FailureTarget,
+    and deletes its Job when it fails; each try first deletes any earlier try's Job. A transparent job's
+    connections between its pods come back only where each part's pod gets its address back (a CNI that pins
+    an address per completion index); elsewhere use ``mode = cooperative`` (coop.torch.Resumable), whose ranks
+    meet again at their new addresses. Out of scope, the Job runs as given, unprotected, as on every route.
     """
 
     template_fields: Sequence[str] = (*KubernetesJobOperator.template_fields, *CEDANA_TEMPLATE_FIELDS)
 
     def __init__(self, *, parts: int, route: str | None = None, store_secret: str | None = None,
-                 **kwargs: Any) -> None:
+                 subdomain: str | None = None, node_lost_seconds: int = 60, **kwargs: Any) -> None:
         cedana = self.pop_cedana_args(kwargs)  # checkpoint_id, heartbeat, store, settings, ... (as every route)
         task_id = kwargs.get("task_id", "?")
         if not isinstance(parts, int) or parts < 2:
@@ -183,17 +217,82 @@ class CedanaKubernetesJobOperator(CedanaTask, KubernetesJobOperator):
         if clash := [f"{k}={kwargs[k]!r}" for k, v in fixed.items() if kwargs.get(k) not in (None, v)]:
             raise ValueError(f"{task_id}: {', '.join(clash)}: a checkpointed job runs its {parts} parts at once, "
                              f"indexed, and fails as one (backoff_limit=0, Airflow's retry resumes it); leave them out")
+        # What would let a try end while its parts run on, or keep a failed part's pod running
+        unfit = {"wait_until_job_complete": False, "deferrable": True, "do_xcom_push": True, "random_name_suffix": False}
+        if clash := [f"{k}={v!r}" for k, v in unfit.items() if k in kwargs and kwargs[k] == v]:
+            raise ValueError(f"{task_id}: {', '.join(clash)}: a checkpointed job's task follows its Job to the end "
+                             "(a failed part's pod must end: no xcom sidecar; not deferrable: the triggerer's wait "
+                             "would miss a Job failed on a lost node), and each try's Job has a name of its own")
         if (route or airflow_options("k8s_route").k8s_route) != "wrap":
             raise ValueError(f"{task_id}: a job of several pods is checkpointed on the wrap route only (Cedana's "
                              "runtime checkpoints each pod on its own): pass route='wrap'")
-        kwargs.setdefault("wait_until_job_complete", True)
+        if not isinstance(node_lost_seconds, int) or node_lost_seconds < 0:
+            raise ValueError(f"{task_id}: node_lost_seconds={node_lost_seconds!r}: give whole seconds, 0 or more")
+        kwargs["wait_until_job_complete"] = True
         super().__init__(**{**kwargs, **fixed})
         self.parts, self.store_secret, self.route = parts, store_secret, "wrap"
+        self.subdomain, self.node_lost_seconds = subdomain, node_lost_seconds
         self.init_cedana(**cedana)
+
+    @cached_property
+    def hook(self) -> KubernetesHook:
+        return _JobHook(conn_id=self.kubernetes_conn_id, in_cluster=self.in_cluster, config_file=self.config_file,
+                        cluster_context=self.cluster_context)
 
     @prefixed
     def execute(self, context: Context) -> Any:
-        return super().execute(context)  # the Job's; our set-up's lines in the task log carry `cedana:`
+        try:
+            return super().execute(context)  # the Job's; our set-up's lines in the task log carry `cedana:`
+        except Exception:
+            self._delete_job()  # a failed try leaves no part running beside the retry's
+            raise
+
+    def _delete_job(self) -> None:
+        job = getattr(self, "job", None)
+        if job is None:
+            return
+        try:
+            self.job_client.delete_namespaced_job(name=job.metadata.name, namespace=job.metadata.namespace,
+                                                  propagation_policy="Foreground")
+            self.log.info("cedana: deleted Job %s: this try failed, and no part of it may run beside the retry's",
+                          job.metadata.name)
+        except Exception as e:  # the next try deletes it (create_job)
+            self.log.warning("cedana: could not delete Job %s (%s); the next try deletes it", job.metadata.name, e)
+
+    def create_job(self, job_request_obj: k8s.V1Job) -> k8s.V1Job:
+        """Earlier tries' Jobs of this checkpoint ID are deleted first (a worker that died never deleted its
+        try's), so that two attempts' parts never run at once."""
+        labels = job_request_obj.metadata.labels or {}
+        if value := labels.get(CHECKPOINT_ID_LABEL):
+            namespace = job_request_obj.metadata.namespace
+            earlier = self.job_client.list_namespaced_job(namespace=namespace,
+                                                          label_selector=f"{CHECKPOINT_ID_LABEL}={value}").items
+            for old in earlier:
+                if old.metadata.name != job_request_obj.metadata.name:
+                    self.log.info("cedana: deleting Job %s, an earlier try's, before this try's", old.metadata.name)
+                    self.job_client.delete_namespaced_job(name=old.metadata.name, namespace=namespace,
+                                                          propagation_policy="Foreground")
+        return super().create_job(job_request_obj)
+
+    def get_pods(self, pod_request_obj: k8s.V1Pod, context: Context, *,
+                 exclude_checked: bool = True) -> Sequence[k8s.V1Pod]:
+        """This try's Job's pods (by our label, never an earlier try's), waited for until all exist."""
+        job = self.job
+        assert job is not None  # execute creates it before it looks for its pods
+        selector = f"{JOB_LABEL}={job.metadata.name}"
+        deadline = time.monotonic() + POD_DISCOVERY_SECONDS
+        while True:
+            pods = self.client.list_namespaced_pod(namespace=job.metadata.namespace, label_selector=selector).items
+            if len(pods) >= self.parts:
+                break
+            if time.monotonic() > deadline:
+                raise AirflowException(f"cedana: {len(pods)} of the {self.parts} pods of Job {job.metadata.name} were "
+                                       f"made in {POD_DISCOVERY_SECONDS:.0f} s (see the Job's events: a refused pod, "
+                                       "too few opted-in nodes for one part per node)")
+            time.sleep(2)
+        for pod in pods:
+            self.log_matching_pod(pod=pod, context=context)
+        return list(pods)
 
     def build_job_request_obj(self, context: Context | None = None) -> k8s.V1Job:
         job = super().build_job_request_obj(context)
@@ -204,6 +303,8 @@ class CedanaKubernetesJobOperator(CedanaTask, KubernetesJobOperator):
 
     def _checkpointed(self, job: k8s.V1Job, context: Context) -> k8s.V1Job:
         template = job.spec.template
+        if self.subdomain:
+            template.spec.subdomain = self.subdomain
         pod = k8s.V1Pod(metadata=template.metadata, spec=template.spec)
         setup = self.cedana_setup(context, _placement(self, pod))
         if not setup.in_scope:
@@ -217,7 +318,7 @@ class CedanaKubernetesJobOperator(CedanaTask, KubernetesJobOperator):
                       node_label=next(iter(setup.placement.node_labels.items())), store=settings.store or "",
                       store_secret=self.store_secret or "", try_number=context["ti"].try_number,
                       airflow=airflow_task(context), env={**self.cedana_env(None), **restore_rules_env(settings)},
-                      key_secret=options.k8s_key_secret, job_parts=self.parts)
+                      key_secret=options.k8s_key_secret, job_parts=self.parts, node_lost_seconds=self.node_lost_seconds)
         self.log.info("cedana: a job of %d pods, one part each, checkpointed as one (checkpoint_id=%s)", self.parts,
                       setup.checkpoint_id)
         return apply_job_route(job, route)

@@ -5,11 +5,14 @@ with the try's task context). What stands in for the cluster, beyond demo_k8s.py
 
 - the Job controller's part: the Indexed Job's pods, one per completion index, made from the template
   as the controller makes them (the index in the ``batch.kubernetes.io/job-completion-index`` annotation
-  and ``JOB_COMPLETION_INDEX``, the ``job-name`` label), and its reaction to a failed pod with
+  and ``JOB_COMPLETION_INDEX``, the ``job-name`` label, the hostname ``<job>-<index>``), and its reaction to a failed pod with
   ``backoffLimit: 0``: the Job fails and its other pods are deleted (SIGTERM, SIGKILL after the grace
   period). Airflow's retry is the next try's Job, built by the operator for that try number.
 - the scheduler's filter, as for one pod, plus the Job's required pod anti-affinity (one part per node);
-  the lost node is left out, as a NotReady node is.
+  the lost node is left out, as a NotReady node is. On a cluster the lost node's pod counts as failed once
+  evicted (the operator's ``node_lost_seconds``), and stays Terminating until the node is gone; here it is
+  gone at once. The provider's own execute (its wait for the Job, its pod discovery) needs an API server:
+  tests/operators/test_kubernetes.py runs it against a fake one.
 - each part's address: pods on a podman network of their own, each at the address its completion index
   was given the first time. A transparent job's connections between its pods come back only where the
   cluster's CNI pins an address per index (docs/jobs.md, "Kubernetes"); this stands in for that CNI.
@@ -69,9 +72,12 @@ def indexed_pods(job: dict[str, Any]) -> list[dict[str, Any]]:
         labels = {**(meta.get("labels") or {}), "job-name": name, "batch.kubernetes.io/job-name": name,
                   INDEX_ANNOTATION: str(index)}
         annotations = {**(meta.get("annotations") or {}), INDEX_ANNOTATION: str(index)}
-        spec = {**template["spec"], "containers": [
-            {**c, "env": [*(c.get("env") or []), {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {
-                "fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}}]} for c in template["spec"]["containers"]]}
+        index_env = {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {
+            "fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}}
+        spec = {**template["spec"], "hostname": f"{name}-{index}", "containers": [  # a value already there is kept
+            {**c, "env": [*(env := c.get("env") or []), *([index_env] if all(e["name"] != "JOB_COMPLETION_INDEX"
+                                                                             for e in env) else [])]}
+            for c in template["spec"]["containers"]]}
         pods.append({"apiVersion": "v1", "kind": "Pod", "spec": spec, "metadata": {
             **meta, "name": f"{name}-{index}-{secrets.token_hex(3)}", "labels": labels, "annotations": annotations}})
     return pods

@@ -146,13 +146,13 @@ def translate(pod: Mapping[str, Any], node: Node, secrets: Mapping[str, Mapping[
                 e["value"] = node.name
                 notes.append(f"env {e['name']}: fieldRef spec.nodeName resolved to {node.name!r} "
                              "(podman does not support that fieldPath)")
-            elif ref and (m := re.fullmatch(r"metadata\.annotations\['([^']+)'\]", ref)):
-                annotations = pod["metadata"].get("annotations") or {}
-                if m.group(1) not in annotations:
-                    raise PodError(f"pod {pod['metadata']['name']}: env {e['name']} reads annotation {m.group(1)}, "
-                                   "which the pod does not have")
+            elif ref and (m := re.fullmatch(r"metadata\.(annotations|labels)\['([^']+)'\]", ref)):
+                found = pod["metadata"].get(m.group(1)) or {}
+                if m.group(2) not in found:
+                    raise PodError(f"pod {pod['metadata']['name']}: env {e['name']} reads {m.group(1)[:-1]} "
+                                   f"{m.group(2)}, which the pod does not have")
                 e.pop("valueFrom")
-                e["value"] = annotations[m.group(1)]
+                e["value"] = found[m.group(2)]
                 notes.append(f"env {e['name']}: fieldRef {ref} resolved to {e['value']!r} (the kubelet's downward "
                              "API, written here)")
     for v in spec.get("volumes") or []:

@@ -12,7 +12,7 @@ Two routes (``[cedana] k8s_route``):
   to S3 and a retry's pod restores from it. CRIU needs a privileged container.
 
 Both pin the pod to opted-in nodes (a node label, by default ``cedana.ai/enabled=true``) and, on a
-retry, keep it off the node where the previous try ran.
+retry, keep it off the node where the previous try ran (a job's pods do not: a lost node is NotReady).
 
 A job of several pods (CedanaKubernetesJobOperator: ``torchrun --nnodes N`` and the like) takes the wrap
 route as an Indexed Job (:func:`apply_job_route`): each pod runs one part of the job (its completion index),
@@ -23,6 +23,7 @@ again from the same seq (docs/jobs.md).
 from __future__ import annotations
 
 import copy
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -37,8 +38,9 @@ from ..ids import validate_checkpoint_id
 from ..run.cadence import FREEZE_SECONDS_PER_GIB, Cadence
 from ..scope.optin import DEFAULT_NODE_LABEL, OptInList
 
-__all__ = ["HEARTBEAT_LABEL", "CHECKPOINT_ENV", "COMPLETION_INDEX_ANNOTATION", "CREDENTIALS_MOUNT", "KEY_MOUNT",
-           "NOT_READY_TAINT", "Route", "apply_job_route", "apply_route", "route_heartbeat",
+__all__ = ["HEARTBEAT_LABEL", "CHECKPOINT_ENV", "CHECKPOINT_ID_LABEL", "COMPLETION_INDEX_ANNOTATION", "CREDENTIALS_MOUNT",
+           "JOB_LABEL", "KEY_MOUNT", "NODE_LOST_TAINTS", "NOT_READY_TAINT", "Route", "apply_job_route", "apply_route",
+           "job_label_value", "route_heartbeat",
            "kubernetes_executor_route", "node_label_of", "restore_rules_env", "uses_gpu", "with_env"]
 
 HEARTBEAT_LABEL = "cedana.ai/heartbeat-checkpoint"
@@ -47,8 +49,10 @@ NOT_READY_TAINT = "cedana.ai/not-ready"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 #: What the Job controller writes on each pod of an Indexed Job (and reads JOB_COMPLETION_INDEX from).
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
-#: The label the Job controller puts on its pods (every version; batch.kubernetes.io/job-name since 1.27).
-JOB_NAME_LABEL = "job-name"
+#: Our labels on a job's pods (its Job's name: the one-per-node rule, its pods found) and on every try's
+#: Job of one checkpoint ID (an earlier try's Job found and deleted before the next starts).
+JOB_LABEL = "cedana.ai/job"
+CHECKPOINT_ID_LABEL = "cedana.ai/checkpoint-id"
 #: Where the wrap route mounts the store Secret (read-only, root only) for the CLI's store_credentials_dir.
 CREDENTIALS_MOUNT = "/var/run/secrets/cedana/store"
 _CREDENTIALS_VOLUME = "cedana-store-credentials"
@@ -80,6 +84,7 @@ class Route:
     resume: bool = True  # False: the pod starts fresh (cedana route: no CEDANA_CHECKPOINT to restore from)
     key_secret: str = "cedana-node-key"  # wrap: the Secret holding node.key, the workers' node key
     job_parts: int = 1  # wrap: above 1, the pod runs one part of a job (its Indexed Job completion index)
+    node_lost_seconds: int = 60  # a job's pods: how long they tolerate a lost node before they are evicted
 
 
 def uses_gpu(pod: k8s.V1Pod) -> bool:
@@ -157,9 +162,15 @@ def apply_route(pod: k8s.V1Pod, route: Route) -> k8s.V1Pod:
     for name, value in handshake.items():  # the image's CLI may be older than this operator
         _env(main, name, value)
     if route.job_parts > 1:  # which part: the pod's completion index, as the Job controller writes it
+        if any(e.name == "JOB_COMPLETION_INDEX" for e in main.env or []):
+            raise ConfigError("the pod's env sets JOB_COMPLETION_INDEX: the Job controller sets it to each pod's "
+                              "index (the part this pod runs; the controller keeps a value already there). Remove it.")
         _env(main, "CEDANA_JOB_PARTS", str(route.job_parts))
         _env(main, "CEDANA_JOB_PART", source=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(
             field_path=f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']")))
+        # this try's Job's name, for a command to name part 0's pod: $(CEDANA_JOB_NAME)-0.<subdomain>
+        _env(main, "CEDANA_JOB_NAME", source=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(
+            field_path=f"metadata.labels['{JOB_LABEL}']")))
     if route.store:
         _env(main, "CEDANA_STORE", route.store)
     _env(main, "CEDANA_NODE", source=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path="spec.nodeName")))
@@ -188,30 +199,63 @@ def apply_route(pod: k8s.V1Pod, route: Route) -> k8s.V1Pod:
     return pod
 
 
+#: What a job's own spec may not set: each would let the Job controller recreate a part within one attempt
+#: (podFailurePolicy Ignore, a per-index backoff), keep a part on a lost node from ever counting as failed
+#: (podReplacementPolicy Failed, or any podFailurePolicy: the controller then waits for a phase such a pod never
+#: reaches), end the Job while parts run (successPolicy), or drop the labels a part is found by.
+_JOB_FIELDS_REFUSED = {"pod_failure_policy": "podFailurePolicy", "backoff_limit_per_index": "backoffLimitPerIndex",
+                       "max_failed_indexes": "maxFailedIndexes", "success_policy": "successPolicy",
+                       "managed_by": "managedBy"}
+#: Taints a lost node gets: its pods are evicted (and so count as failed) after their toleration of them.
+NODE_LOST_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
+
+
+def job_label_value(checkpoint_id: str) -> str:
+    """The label value every try's Job of one checkpoint ID carries (IDs are longer than a label's 63)."""
+    return hashlib.sha256(checkpoint_id.encode()).hexdigest()[:32]
+
+
 def apply_job_route(job: k8s.V1Job, route: Route) -> k8s.V1Job:
     """Return a copy of ``job`` whose pods each run one part of it on the wrap route: an Indexed Job of
-    ``route.job_parts`` pods, all at once, one per node (a required pod anti-affinity on the job's name), and
-    no pod restarted or recreated (restartPolicy Never, backoffLimit 0): a part that fails fails the Job,
-    whose other pods the Job controller then stops, and Airflow's retry runs every part again from the newest
-    seq that holds them all. Not on the ``cedana`` route: Cedana's runtime checkpoints each pod on its own."""
+    ``route.job_parts`` pods, all at once, one per node (a required pod anti-affinity on our own label), none
+    restarted or recreated (restartPolicy Never, backoffLimit 0): a part that fails fails the Job, whose other
+    pods the Job controller then stops, and Airflow's retry runs every part again from the newest seq that holds
+    them all. A part on a lost node counts as failed once it is evicted: after ``route.node_lost_seconds``
+    (its toleration of the lost node's taints; Kubernetes' default is 300 s). Not on the ``cedana`` route:
+    Cedana's runtime checkpoints each pod on its own."""
     if route.kind != "wrap" or route.job_parts < 2:
         raise ConfigError(f"a job of several pods is checkpointed on the wrap route with 2 or more parts "
                           f"(route {route.kind!r}, {route.job_parts} part(s)): set route='wrap' and parts=N")
+    spec = job.spec
+    refused = [name for attr, name in _JOB_FIELDS_REFUSED.items() if getattr(spec, attr, None) is not None]
+    refused += ["manualSelector"] * bool(spec.manual_selector) + ["suspend"] * bool(spec.suspend)
+    refused += ["podReplacementPolicy"] * (getattr(spec, "pod_replacement_policy", None) not in (None, "TerminatingOrFailed"))
+    if refused:
+        raise ConfigError(f"the job's spec sets {', '.join(refused)}: a checkpointed job fails as one and is "
+                          "resumed by Airflow's retry (docs/jobs.md, Kubernetes). Remove them from full_job_spec or "
+                          "job_template_file.")
     job = copy.deepcopy(job)
     template = job.spec.template
     pod = apply_route(k8s.V1Pod(metadata=template.metadata or k8s.V1ObjectMeta(), spec=template.spec), route)
     pod.spec.restart_policy = "Never"  # a restarted container would be a part of no attempt
-    name = job.metadata.name
-    if name:
-        # one part per node: two parts on one node would be lost together and share its address
-        term = k8s.V1PodAffinityTerm(label_selector=k8s.V1LabelSelector(match_labels={JOB_NAME_LABEL: name}),
-                                     topology_key=HOSTNAME_LABEL)
-        anti = pod.spec.affinity.pod_anti_affinity = pod.spec.affinity.pod_anti_affinity or k8s.V1PodAntiAffinity()
-        anti.required_during_scheduling_ignored_during_execution = [
-            *(anti.required_during_scheduling_ignored_during_execution or []), term]
+    ours = {JOB_LABEL: job.metadata.name, CHECKPOINT_ID_LABEL: job_label_value(route.checkpoint_id)}
+    pod.metadata.labels = {**(pod.metadata.labels or {}), **ours}
+    job.metadata.labels = {**(job.metadata.labels or {}), CHECKPOINT_ID_LABEL: ours[CHECKPOINT_ID_LABEL]}
+    # one part per node: two parts on one node would be lost together and share its address
+    term = k8s.V1PodAffinityTerm(label_selector=k8s.V1LabelSelector(match_labels={JOB_LABEL: job.metadata.name}),
+                                 topology_key=HOSTNAME_LABEL)
+    anti = pod.spec.affinity.pod_anti_affinity = pod.spec.affinity.pod_anti_affinity or k8s.V1PodAntiAffinity()
+    anti.required_during_scheduling_ignored_during_execution = [
+        *(anti.required_during_scheduling_ignored_during_execution or []), term]
+    tolerated = {t.key for t in pod.spec.tolerations or []}
+    pod.spec.tolerations = [*(pod.spec.tolerations or []), *(
+        k8s.V1Toleration(key=key, operator="Exists", effect="NoExecute", toleration_seconds=route.node_lost_seconds)
+        for key in NODE_LOST_TAINTS if key not in tolerated)]  # a DAG's own tolerations of them win
     job.spec.template = k8s.V1PodTemplateSpec(metadata=pod.metadata, spec=pod.spec)
     job.spec.completion_mode = "Indexed"
     job.spec.completions = job.spec.parallelism = route.job_parts
+    # 0, and no podFailurePolicy or podReplacementPolicy Failed (refused above): the first failed or evicted
+    # pod fails the Job (its FailureTarget condition at once; Failed once every pod has terminated)
     job.spec.backoff_limit = 0
     return job
 

@@ -246,7 +246,7 @@ def test_spec_a_job_of_two_pods_is_an_indexed_job_each_pod_one_part_of_one_check
     assert "0.12.0 or later; this one is 0.11.2" in supervisor_refusal({"CEDANA_MIN_SUPERVISOR": JOB_FLOOR}, "0.11.2")
     # one part per node, on opted-in nodes
     [term] = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert term == {"labelSelector": {"matchLabels": {"job-name": job.metadata.name}},
+    assert term == {"labelSelector": {"matchLabels": {"cedana.ai/job": job.metadata.name}},
                     "topologyKey": "kubernetes.io/hostname"}
     [nodes] = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert nodes["matchExpressions"] == [{"key": "cedana.ai/enabled", "operator": "In", "values": ["true"]}]
@@ -292,3 +292,121 @@ def test_spec_the_pod_template_is_a_valid_pod_for_the_kubelet(job_op):
     job, _ = _job(job_op())
     pod = k8s.V1Pod(metadata=job.spec.template.metadata, spec=job.spec.template.spec)
     assert ApiClient().sanitize_for_serialization(pod)["spec"]["containers"][0]["securityContext"]["privileged"] is True
+
+
+class _FakeApiServer:
+    """Stands in for the Kubernetes API server (none can run here): the calls the provider's job path makes on
+    its BatchV1Api and CoreV1Api, answered from what a test sets up, and recorded."""
+
+    def __init__(self, *, earlier_jobs=(), pods_after_lists=0, conditions=(("Complete", "True"),)):
+        from kubernetes.client import ApiClient
+
+        self.api_client = ApiClient()  # serializes only: it never connects
+        self.earlier_jobs, self.pods_after_lists, self.conditions = list(earlier_jobs), pods_after_lists, conditions
+        self.calls: list[tuple[str, dict]] = []
+        self.created = None
+        self.pod_lists = self.status_reads = 0
+
+    def __getattr__(self, name):  # anything else the provider calls is recorded and answers nothing
+        return lambda **kw: self.calls.append((name, kw))
+
+    def list_namespaced_job(self, namespace, label_selector):
+        self.calls.append(("list_namespaced_job", {"label_selector": label_selector}))
+        return k8s.V1JobList(items=self.earlier_jobs)
+
+    def delete_namespaced_job(self, name, namespace, **kw):
+        self.calls.append(("delete_namespaced_job", {"name": name, **kw}))
+
+    def create_namespaced_job(self, body, namespace, **kw):
+        self.created = body
+        return body
+
+    def read_namespaced_job_status(self, name, namespace, **kw):
+        self.status_reads += 1
+        if self.status_reads > 50:  # a wait that would never end (it sleeps no time here)
+            raise RuntimeError(f"Job {name}: still waited for after 50 reads of its status")
+        conditions = [k8s.V1JobCondition(type=t, status=s, reason=f"{t}Reason") for t, s in self.conditions]
+        return k8s.V1Job(metadata=k8s.V1ObjectMeta(name=name, namespace=namespace),
+                         status=k8s.V1JobStatus(conditions=conditions))
+
+    def list_namespaced_pod(self, namespace, label_selector):
+        self.pod_lists += 1
+        self.calls.append(("list_namespaced_pod", {"label_selector": label_selector}))
+        if self.pod_lists <= self.pods_after_lists:
+            return k8s.V1PodList(items=[])
+        job = self.created["metadata"]["name"]
+        return k8s.V1PodList(items=[k8s.V1Pod(metadata=k8s.V1ObjectMeta(
+            name=f"{job}-{i}-x", namespace=namespace, labels={"try_number": "1", "cedana.ai/job": job}))
+            for i in range(2)])
+
+    def read_namespaced_pod(self, name, namespace, **kw):
+        return k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=name, namespace=namespace), status=k8s.V1PodStatus(phase="Failed"))
+
+
+def _execute(op, api, monkeypatch, try_number=2):
+    """The provider's own execute path (create, pod discovery, the wait, the failure check) against ``api``."""
+    import operators.kubernetes as kube_op
+
+    monkeypatch.setattr(kube_op.time, "sleep", lambda s: None)
+    op.hook.__dict__["batch_v1_client"] = op.hook.__dict__["core_v1_client"] = api
+    ctx = _context(try_number)
+    ctx["ti"].xcom_push = lambda **kw: None
+    return op.execute(ctx)
+
+
+def test_a_job_that_lost_a_node_fails_its_try_at_failure_target_and_is_deleted_fake_api_server(job_op, monkeypatch):
+    """Kubernetes 1.31+: a Job whose pod was lost has FailureTarget at once, but Failed only when every pod
+    has terminated, which a pod on an unreachable node never does. The try fails at FailureTarget (so the
+    retry starts), and deletes its Job so that no part of it runs beside the retry's."""
+    from cedana_airflow.airflow_compat import AirflowException
+
+    api = _FakeApiServer(conditions=(("FailureTarget", "True"),))
+    op = job_op(get_logs=False, on_finish_action="keep_pod", job_poll_interval=0)
+    with pytest.raises(AirflowException, match=r"is failed with error 'FailureTargetReason \(its pods still stopping\)'"):
+        _execute(op, api, monkeypatch)
+    name = api.created["metadata"]["name"]
+    assert ("delete_namespaced_job", {"name": name, "propagation_policy": "Foreground"}) in api.calls
+
+
+def test_each_try_deletes_earlier_tries_jobs_and_waits_for_its_own_pods_fake_api_server(job_op, monkeypatch):
+    """A worker that died never deleted its try's Job: the next try deletes it before it starts its own (two
+    attempts' parts never run at once). Its pods, found by its own Job's label only, are waited for (the
+    provider's discovery listed 4 times without a pause and failed the try with the Job left running)."""
+    old = k8s.V1Job(metadata=k8s.V1ObjectMeta(name="job-pretrain-try1", namespace="ml"))
+    api = _FakeApiServer(earlier_jobs=[old], pods_after_lists=6)
+    op = job_op(get_logs=False, on_finish_action="keep_pod", job_poll_interval=0)
+    _execute(op, api, monkeypatch)
+    created = api.created
+    [listed] = [kw for name, kw in api.calls if name == "list_namespaced_job"]
+    assert listed["label_selector"] == f"cedana.ai/checkpoint-id={created['metadata']['labels']['cedana.ai/checkpoint-id']}"
+    assert ("delete_namespaced_job", {"name": "job-pretrain-try1", "propagation_policy": "Foreground"}) in api.calls
+    assert api.pod_lists == 7 and {kw["label_selector"] for name, kw in api.calls if name == "list_namespaced_pod"} == {
+        f"cedana.ai/job={created['metadata']['name']}"}
+    assert not [c for c in api.calls if c[0] == "delete_namespaced_job" and c[1]["name"] == created["metadata"]["name"]]
+
+
+def test_spec_a_jobs_pods_tolerate_a_lost_node_for_node_lost_seconds_and_name_their_job(job_op):
+    _, data = _job(job_op(node_lost_seconds=45, subdomain="pretrain"))
+    pod = data["spec"]["template"]["spec"]
+    assert {(t["key"], t["effect"], t["tolerationSeconds"]) for t in pod["tolerations"]} == {
+        ("node.kubernetes.io/unreachable", "NoExecute", 45), ("node.kubernetes.io/not-ready", "NoExecute", 45)}
+    assert pod["subdomain"] == "pretrain"
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert env["CEDANA_JOB_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['cedana.ai/job']"
+    assert data["spec"]["template"]["metadata"]["labels"]["cedana.ai/job"] == data["metadata"]["name"]
+
+
+def test_spec_what_would_let_a_part_run_on_alone_is_refused(job_op):
+    from cedana_airflow.airflow_compat import AirflowFailException
+
+    for kw, why in (({"deferrable": True}, "deferrable=True"), ({"do_xcom_push": True}, "do_xcom_push=True"),
+                    ({"wait_until_job_complete": False}, "wait_until_job_complete=False"),
+                    ({"random_name_suffix": False}, "random_name_suffix=False")):
+        with pytest.raises(ValueError, match=why):
+            job_op(**kw)
+    spec = k8s.V1Job(spec=k8s.V1JobSpec(template=k8s.V1PodTemplateSpec(), pod_replacement_policy="Failed",
+                                        pod_failure_policy=k8s.V1PodFailurePolicy(rules=[])))
+    with pytest.raises(AirflowFailException, match=r"sets podFailurePolicy, podReplacementPolicy: a checkpointed job"):
+        _job(job_op(full_job_spec=spec))
+    with pytest.raises(AirflowFailException, match=r"env sets JOB_COMPLETION_INDEX"):
+        _job(job_op(env_vars={"JOB_COMPLETION_INDEX": "1"}))
