@@ -475,11 +475,13 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
             if result.stop.final is not None:
                 result.checkpoints.append(result.stop.final)
 
-    with _signals(handle_signals, workload, got, stop_requested):
+    with _signals(handle_signals, workload, got):
         triggers.start()
         try:
             while workload.poll() is None:
-                if stop_requested.wait(0.1):
+                if got:  # a stop signal, recorded by its handler: set here, where no lock of the Event is held
+                    stop_requested.set()
+                if stop_requested.is_set():
                     sig = signal.Signals(got[0] if got else signal.SIGTERM)
                     # a job's part takes no final checkpoint (one part alone is no seq): said as off
                     log.info("stop requested signal=%s checkpoint_on_term=%s", sig.name,
@@ -487,6 +489,7 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
                     result.stopped_by_signal = sig
                     cut(sig.name)
                     break
+                time.sleep(0.1)
         except BaseException as e:  # execution_timeout's AirflowTaskTimeout, a KeyboardInterrupt: the same cut
             result.stopped_by_signal = signal.SIGTERM
             cut(type(e).__name__)
@@ -606,14 +609,17 @@ class _Triggers:
 
 
 @contextlib.contextmanager
-def _signals(handle: bool, workload: Workload, got: list[int], stop_requested: threading.Event) -> Iterator[None]:
-    """While supervising: SIGTERM/SIGINT request a stop (final checkpoint first), HUP/QUIT/USR1/USR2 go
-    to the workload. Only in the main thread (Python's rule), and only when the caller lets us."""
+def _signals(handle: bool, workload: Workload, got: list[int]) -> Iterator[None]:
+    """While supervising: SIGTERM/SIGINT request a stop (final checkpoint first: recorded in ``got``, which the
+    supervising loop reads), HUP/QUIT/USR1/USR2 go to the workload. Only in the main thread (Python's rule),
+    and only when the caller lets us."""
     previous: dict[signal.Signals, Any] = {}
     if handle and threading.current_thread() is threading.main_thread():
         def on_stop(signum: int, frame: FrameType | None) -> None:
+            # Only recorded: the handler runs in the main thread between two bytecodes, possibly while that
+            # thread holds an Event's lock inside Event.wait(), and Event.set() here then waited for it for
+            # ever (a SIGTERM left a supervisor hung, its workload run to the end: unit run of 2026-12-06).
             got.append(signum)
-            stop_requested.set()
 
         def on_forward(signum: int, frame: FrameType | None) -> None:
             workload.send_signal(signum)
