@@ -275,8 +275,10 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
 
     def on_kill(self) -> None:
         # Called from Airflow's SIGTERM handler in the task process: the supervision loop sees the
-        # event, takes the final checkpoint (unless checkpoint_on_kill=False) and stops the workload.
-        self.log.info("cedana: the task is being stopped; final checkpoint, then the workload tree ends")
+        # event, says so, takes the final checkpoint (unless checkpoint_on_kill=False) and stops the workload.
+        # Nothing else here: a log line could wait for ever on a logger's lock this thread held when the
+        # signal came (the handler runs in the main thread), and so could the event's, were it ever waited
+        # on in this thread (the loops only poll it).
         self._stop.set()
 
 

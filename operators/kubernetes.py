@@ -9,6 +9,7 @@ around the command) is configuration: ``[cedana] k8s_route``. The pod spec itsel
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -20,11 +21,13 @@ from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 from airflow.providers.cncf.kubernetes.operators.job import KubernetesJobOperator
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from kubernetes.client import models as k8s
+from kubernetes.client.exceptions import ApiException
 
 from cedana_airflow.airflow.config import airflow_options
-from cedana_airflow.airflow_compat import AirflowException
-from cedana_airflow.airflow.kube import (CHECKPOINT_ID_LABEL, JOB_LABEL, Route, apply_job_route, apply_route,
-                                         node_label_of, restore_rules_env, route_heartbeat, uses_gpu, with_env)
+from cedana_airflow.airflow_compat import AirflowException, AirflowFailException
+from cedana_airflow.airflow.kube import (CHECKPOINT_ID_LABEL, JOB_LABEL, TASK_LABEL, TRY_LABEL, Route, apply_job_route,
+                                         apply_route, node_label_of, restore_rules_env, route_heartbeat, uses_gpu,
+                                         with_env)
 from cedana_airflow.airflow.logsink import prefixed
 from cedana_airflow.airflow.task import CEDANA_TEMPLATE_FIELDS, CedanaTask, Placement, TaskSetup, airflow_errors
 from cedana_airflow.airflow.task_state import TaskState, airflow_task
@@ -176,8 +179,24 @@ def _condition(job: k8s.V1Job, kind: str) -> Any:
     return next((c for c in conditions if c.type == kind and c.status in (True, "True")), None)
 
 
+def _condition_of(pod: k8s.V1Pod, kind: str) -> bool:
+    return any(c.type == kind and c.status in (True, "True") for c in (pod.status.conditions if pod.status else None) or [])
+
+
+def _delete(jobs: Any, name: str, namespace: str) -> bool:
+    """Delete a Job and its pods; False when it was already gone."""
+    try:
+        jobs.delete_namespaced_job(name=name, namespace=namespace, propagation_policy="Foreground")
+    except ApiException as e:
+        if e.status == 404:
+            return False
+        raise
+    return True
+
+
 #: How long a try waits for its Job's pods to exist (the provider's own wait lists 4 times, without a pause).
 POD_DISCOVERY_SECONDS = 300.0
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 class CedanaKubernetesJobOperator(CedanaTask, KubernetesJobOperator):
@@ -217,19 +236,27 @@ class CedanaKubernetesJobOperator(CedanaTask, KubernetesJobOperator):
         if clash := [f"{k}={kwargs[k]!r}" for k, v in fixed.items() if kwargs.get(k) not in (None, v)]:
             raise ValueError(f"{task_id}: {', '.join(clash)}: a checkpointed job runs its {parts} parts at once, "
                              f"indexed, and fails as one (backoff_limit=0, Airflow's retry resumes it); leave them out")
-        # What would let a try end while its parts run on, or keep a failed part's pod running
-        unfit = {"wait_until_job_complete": False, "deferrable": True, "do_xcom_push": True, "random_name_suffix": False}
-        if clash := [f"{k}={v!r}" for k, v in unfit.items() if k in kwargs and kwargs[k] == v]:
-            raise ValueError(f"{task_id}: {', '.join(clash)}: a checkpointed job's task follows its Job to the end "
-                             "(a failed part's pod must end: no xcom sidecar; not deferrable: the triggerer's wait "
-                             "would miss a Job failed on a lost node), and each try's Job has a name of its own")
         if (route or airflow_options("k8s_route").k8s_route) != "wrap":
             raise ValueError(f"{task_id}: a job of several pods is checkpointed on the wrap route only (Cedana's "
                              "runtime checkpoints each pod on its own): pass route='wrap'")
         if not isinstance(node_lost_seconds, int) or node_lost_seconds < 0:
             raise ValueError(f"{task_id}: node_lost_seconds={node_lost_seconds!r}: give whole seconds, 0 or more")
-        kwargs["wait_until_job_complete"] = True
+        if subdomain is not None and not _DNS_LABEL.fullmatch(subdomain):
+            raise ValueError(f"{task_id}: subdomain={subdomain!r} is not a DNS label (a-z, 0-9 and '-', 63 at most)")
+        kwargs.setdefault("wait_until_job_complete", True)
         super().__init__(**{**kwargs, **fixed})
+        # Read back as set (default_args and [operators] default_deferrable reach them too): what would let a
+        # try end while its parts run on, or keep a failed part's pod running (an xcom sidecar never ends)
+        unfit = {"wait_until_job_complete": False, "do_xcom_push": True, "random_name_suffix": False}
+        if clash := [f"{k}={v!r}" for k, v in unfit.items() if bool(getattr(self, k)) == v]:
+            raise ValueError(f"{task_id}: {', '.join(clash)}: a checkpointed job's task follows its Job to the end, "
+                             "a failed part's pod must end (no xcom sidecar), and each try's Job has a name of its own")
+        # Never deferred (said at execute): the triggerer's wait knows only Failed, which a Job that lost a node
+        # reaches once that node's pod is gone, possibly never
+        self.deferred_asked, self.deferrable = bool(self.deferrable), False
+        # Each pod's log is read once the Job has ended, before the pods go: the provider follows them, which
+        # fails (a pod being deleted) or hangs (a lost node's pod still said to be running) after a FailureTarget
+        self.read_logs, self.get_logs = bool(self.get_logs), False
         self.parts, self.store_secret, self.route = parts, store_secret, "wrap"
         self.subdomain, self.node_lost_seconds = subdomain, node_lost_seconds
         self.init_cedana(**cedana)
@@ -241,37 +268,66 @@ class CedanaKubernetesJobOperator(CedanaTask, KubernetesJobOperator):
 
     @prefixed
     def execute(self, context: Context) -> Any:
+        if self.deferred_asked:
+            self.log.info("cedana: not deferred: the triggerer's wait for a Job would miss one that lost a node")
         try:
             return super().execute(context)  # the Job's; our set-up's lines in the task log carry `cedana:`
         except Exception:
             self._delete_job()  # a failed try leaves no part running beside the retry's
             raise
 
+    def _cleanup_monitoring_pods(self, context: Context) -> None:
+        if self.read_logs:  # once, not followed; a pod already gone or on a lost node is said and skipped
+            for pod in getattr(self, "pods", None) or []:
+                try:
+                    self.pod_manager.fetch_requested_container_logs(pod=pod, containers=self.container_logs,
+                                                                    follow_logs=False)
+                except Exception as e:
+                    self.log.warning("cedana: the log of pod %s could not be read: %s", pod.metadata.name,
+                                     str(e).splitlines()[0] if str(e) else type(e).__name__)
+        super()._cleanup_monitoring_pods(context)
+
     def _delete_job(self) -> None:
         job = getattr(self, "job", None)
         if job is None:
             return
         try:
-            self.job_client.delete_namespaced_job(name=job.metadata.name, namespace=job.metadata.namespace,
-                                                  propagation_policy="Foreground")
-            self.log.info("cedana: deleted Job %s: this try failed, and no part of it may run beside the retry's",
-                          job.metadata.name)
+            if _delete(self.job_client, job.metadata.name, job.metadata.namespace):
+                self.log.info("cedana: deleted Job %s: this try failed, and no part of it may run beside the "
+                              "retry's", job.metadata.name)
         except Exception as e:  # the next try deletes it (create_job)
-            self.log.warning("cedana: could not delete Job %s (%s); the next try deletes it", job.metadata.name, e)
+            self.log.warning("cedana: could not delete Job %s (%s); the next try deletes it", job.metadata.name,
+                             str(e).splitlines()[0] if str(e) else type(e).__name__)
 
     def create_job(self, job_request_obj: k8s.V1Job) -> k8s.V1Job:
-        """Earlier tries' Jobs of this checkpoint ID are deleted first (a worker that died never deleted its
-        try's), so that two attempts' parts never run at once."""
+        """Earlier tries' Jobs of this task instance are deleted first (a worker that died never deleted its
+        try's): their pods are stopped, within their grace period; a part on a partitioned node runs on until
+        its node is back, fenced by this try's writer lease and rounds. A Job of this checkpoint ID that belongs
+        to another task instance is refused, in one line, before anything is deleted."""
         labels = job_request_obj.metadata.labels or {}
-        if value := labels.get(CHECKPOINT_ID_LABEL):
-            namespace = job_request_obj.metadata.namespace
-            earlier = self.job_client.list_namespaced_job(namespace=namespace,
-                                                          label_selector=f"{CHECKPOINT_ID_LABEL}={value}").items
-            for old in earlier:
-                if old.metadata.name != job_request_obj.metadata.name:
-                    self.log.info("cedana: deleting Job %s, an earlier try's, before this try's", old.metadata.name)
-                    self.job_client.delete_namespaced_job(name=old.metadata.name, namespace=namespace,
-                                                          propagation_policy="Foreground")
+        if CHECKPOINT_ID_LABEL not in labels:
+            return super().create_job(job_request_obj)  # out of scope: as the provider does
+        namespace = job_request_obj.metadata.namespace
+        try:
+            listed = self.job_client.list_namespaced_job(
+                namespace=namespace, label_selector=f"{CHECKPOINT_ID_LABEL}={labels[CHECKPOINT_ID_LABEL]}").items
+        except ApiException as e:
+            raise AirflowException(f"cedana: Jobs in namespace {namespace} cannot be listed ({e.status} {e.reason}): the "
+                                   "worker's Kubernetes role needs jobs get/list/create/delete, pods get/list/delete "
+                                   "and pods/log get (docs/jobs.md)") from None
+        for old in listed:
+            theirs = old.metadata.labels or {}
+            if old.metadata.name == job_request_obj.metadata.name:
+                continue
+            if theirs.get(TASK_LABEL) != labels[TASK_LABEL]:
+                raise AirflowFailException(f"cedana: Job {old.metadata.name} of another task instance (another run, "
+                                           "task or map index) uses this checkpoint ID: give each its own checkpoint_id")
+            if int(theirs.get(TRY_LABEL, "0") or 0) >= int(labels[TRY_LABEL]):
+                raise AirflowException(f"cedana: Job {old.metadata.name} is of try {theirs.get(TRY_LABEL)}, not earlier "
+                                       f"than this try ({labels[TRY_LABEL]}): this try is stale and starts nothing")
+            if _delete(self.job_client, old.metadata.name, namespace):
+                self.log.info("cedana: deleted Job %s, try %s's, before this try's", old.metadata.name,
+                              theirs.get(TRY_LABEL))
         return super().create_job(job_request_obj)
 
     def get_pods(self, pod_request_obj: k8s.V1Pod, context: Context, *,
@@ -280,15 +336,23 @@ class CedanaKubernetesJobOperator(CedanaTask, KubernetesJobOperator):
         job = self.job
         assert job is not None  # execute creates it before it looks for its pods
         selector = f"{JOB_LABEL}={job.metadata.name}"
-        deadline = time.monotonic() + POD_DISCOVERY_SECONDS
+        started = time.monotonic()
         while True:
             pods = self.client.list_namespaced_pod(namespace=job.metadata.namespace, label_selector=selector).items
-            if len(pods) >= self.parts:
+            waiting = [p for p in pods if not _condition_of(p, "PodScheduled")]
+            if len(pods) >= self.parts and not waiting:
                 break
-            if time.monotonic() > deadline:
+            waited = time.monotonic() - started
+            if len(pods) < self.parts and waited > POD_DISCOVERY_SECONDS:
                 raise AirflowException(f"cedana: {len(pods)} of the {self.parts} pods of Job {job.metadata.name} were "
-                                       f"made in {POD_DISCOVERY_SECONDS:.0f} s (see the Job's events: a refused pod, "
-                                       "too few opted-in nodes for one part per node)")
+                                       f"made in {POD_DISCOVERY_SECONDS:.0f} s: see the Job's events (a pod refused, "
+                                       "a quota)")
+            if len(pods) >= self.parts and waited > self.schedule_timeout_seconds:
+                why = next((c.message for p in waiting for c in (p.status.conditions if p.status else None) or []
+                            if c.type == "PodScheduled" and c.message), "no reason given")
+                raise AirflowException(f"cedana: {len(waiting)} of the {self.parts} pods of Job {job.metadata.name} "
+                                       f"not scheduled in {self.schedule_timeout_seconds} s (one part per node, on "
+                                       f"opted-in nodes): {why}")
             time.sleep(2)
         for pod in pods:
             self.log_matching_pod(pod=pod, context=context)
@@ -302,6 +366,10 @@ class CedanaKubernetesJobOperator(CedanaTask, KubernetesJobOperator):
             return self._checkpointed(job, context)
 
     def _checkpointed(self, job: k8s.V1Job, context: Context) -> k8s.V1Job:
+        # each pod's hostname is <job>-<index>, a DNS label: the API server refuses a longer Indexed Job's name
+        if len(name := job.metadata.name) + 1 + len(str(self.parts - 1)) > 63:
+            suffix = name[name.rfind("-"):]
+            job.metadata.name = name[:63 - 1 - len(str(self.parts - 1)) - len(suffix)].rstrip("-") + suffix
         template = job.spec.template
         if self.subdomain:
             template.spec.subdomain = self.subdomain

@@ -39,8 +39,8 @@ from ..run.cadence import FREEZE_SECONDS_PER_GIB, Cadence
 from ..scope.optin import DEFAULT_NODE_LABEL, OptInList
 
 __all__ = ["HEARTBEAT_LABEL", "CHECKPOINT_ENV", "CHECKPOINT_ID_LABEL", "COMPLETION_INDEX_ANNOTATION", "CREDENTIALS_MOUNT",
-           "JOB_LABEL", "KEY_MOUNT", "NODE_LOST_TAINTS", "NOT_READY_TAINT", "Route", "apply_job_route", "apply_route",
-           "job_label_value", "route_heartbeat",
+           "JOB_LABEL", "KEY_MOUNT", "NODE_LOST_TAINTS", "NOT_READY_TAINT", "Route", "TASK_LABEL", "TRY_LABEL",
+           "apply_job_route", "apply_route", "job_label_value", "route_heartbeat",
            "kubernetes_executor_route", "node_label_of", "restore_rules_env", "uses_gpu", "with_env"]
 
 HEARTBEAT_LABEL = "cedana.ai/heartbeat-checkpoint"
@@ -53,6 +53,9 @@ COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 #: Job of one checkpoint ID (an earlier try's Job found and deleted before the next starts).
 JOB_LABEL = "cedana.ai/job"
 CHECKPOINT_ID_LABEL = "cedana.ai/checkpoint-id"
+#: ... and whose task instance and try each Job is: only an earlier try of the same one is deleted.
+TASK_LABEL = "cedana.ai/task"
+TRY_LABEL = "cedana.ai/try-number"
 #: Where the wrap route mounts the store Secret (read-only, root only) for the CLI's store_credentials_dir.
 CREDENTIALS_MOUNT = "/var/run/secrets/cedana/store"
 _CREDENTIALS_VOLUME = "cedana-store-credentials"
@@ -210,9 +213,9 @@ _JOB_FIELDS_REFUSED = {"pod_failure_policy": "podFailurePolicy", "backoff_limit_
 NODE_LOST_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
 
 
-def job_label_value(checkpoint_id: str) -> str:
-    """The label value every try's Job of one checkpoint ID carries (IDs are longer than a label's 63)."""
-    return hashlib.sha256(checkpoint_id.encode()).hexdigest()[:32]
+def job_label_value(*parts: object) -> str:
+    """A label value for a checkpoint ID or a task instance (longer than a label's 63 characters)."""
+    return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:32]
 
 
 def apply_job_route(job: k8s.V1Job, route: Route) -> k8s.V1Job:
@@ -240,17 +243,22 @@ def apply_job_route(job: k8s.V1Job, route: Route) -> k8s.V1Job:
     pod.spec.restart_policy = "Never"  # a restarted container would be a part of no attempt
     ours = {JOB_LABEL: job.metadata.name, CHECKPOINT_ID_LABEL: job_label_value(route.checkpoint_id)}
     pod.metadata.labels = {**(pod.metadata.labels or {}), **ours}
-    job.metadata.labels = {**(job.metadata.labels or {}), CHECKPOINT_ID_LABEL: ours[CHECKPOINT_ID_LABEL]}
+    task = route.airflow
+    job.metadata.labels = {**(job.metadata.labels or {}), CHECKPOINT_ID_LABEL: ours[CHECKPOINT_ID_LABEL],
+                           TASK_LABEL: job_label_value(*((task.dag_id, task.task_id, task.run_id, task.map_index)
+                                                         if task else (route.checkpoint_id,))),
+                           TRY_LABEL: str(route.try_number)}
     # one part per node: two parts on one node would be lost together and share its address
     term = k8s.V1PodAffinityTerm(label_selector=k8s.V1LabelSelector(match_labels={JOB_LABEL: job.metadata.name}),
                                  topology_key=HOSTNAME_LABEL)
     anti = pod.spec.affinity.pod_anti_affinity = pod.spec.affinity.pod_anti_affinity or k8s.V1PodAntiAffinity()
     anti.required_during_scheduling_ignored_during_execution = [
         *(anti.required_during_scheduling_ignored_during_execution or []), term]
-    tolerated = {t.key for t in pod.spec.tolerations or []}
-    pod.spec.tolerations = [*(pod.spec.tolerations or []), *(
-        k8s.V1Toleration(key=key, operator="Exists", effect="NoExecute", toleration_seconds=route.node_lost_seconds)
-        for key in NODE_LOST_TAINTS if key not in tolerated)]  # a DAG's own tolerations of them win
+    # First: the taint manager takes the first toleration that matches each taint, so a DAG's own (a blanket
+    # `operator: Exists` among them) must not decide how long a part outlives its node (node_lost_seconds does)
+    pod.spec.tolerations = [*(k8s.V1Toleration(key=key, operator="Exists", effect="NoExecute",
+                                               toleration_seconds=route.node_lost_seconds) for key in NODE_LOST_TAINTS),
+                            *(pod.spec.tolerations or [])]
     job.spec.template = k8s.V1PodTemplateSpec(metadata=pod.metadata, spec=pod.spec)
     job.spec.completion_mode = "Indexed"
     job.spec.completions = job.spec.parallelism = route.job_parts

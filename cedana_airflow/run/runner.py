@@ -483,9 +483,12 @@ def _supervise(settings: Settings, cp: Checkpointer, workload: Workload, result:
                     stop_requested.set()
                 if stop_requested.is_set():
                     sig = signal.Signals(got[0] if got else signal.SIGTERM)
-                    # a job's part takes no final checkpoint (one part alone is no seq): said as off
-                    log.info("stop requested signal=%s checkpoint_on_term=%s", sig.name,
-                             settings.checkpoint_on_term and cp.job is None)
+                    final = settings.checkpoint_on_term and cp.job is None  # a job's part takes none: no seq alone
+                    if got:
+                        log.info("stop requested signal=%s checkpoint_on_term=%s", sig.name, final)
+                    else:  # the caller's stop (Airflow's on_kill, set inside its signal handler): said here
+                        log.info("the task is being stopped; %s, then the workload tree ends",
+                                 "final checkpoint" if final else "no final checkpoint")
                     result.stopped_by_signal = sig
                     cut(sig.name)
                     break

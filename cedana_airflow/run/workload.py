@@ -295,12 +295,17 @@ def run_unprotected(command: Sequence[str], *, cwd: str | None, env: dict[str, s
     pump = _Pump(out_r, sink, "cedana-output")
     pump.start()
     while proc.poll() is None:
-        if stop.wait(0.1):
+        # is_set() and a sleep, never stop.wait(): stop is set from inside a signal handler (Airflow's on_kill),
+        # which runs in this thread and would wait for ever on the event's lock if this thread held it
+        if stop.is_set():
+            log.info("the task is being stopped; the workload tree ends")
             proc.terminate()
             try:
                 proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 proc.kill()
+            break
+        time.sleep(0.1)
     pump.join(5)  # a grandchild that keeps the pipe open must not hang us
     return proc.wait()
 

@@ -208,9 +208,9 @@ def job_op(optin):
     def make(**kw):
         kw.setdefault("cmds", ["torchrun"])
         kw.setdefault("arguments", ["--nnodes", "2", "--node-rank", "$(JOB_COMPLETION_INDEX)", "train.py"])
-        return CedanaKubernetesJobOperator(task_id="pretrain", name="pretrain", namespace="ml", image="ml/train:1",
+        return CedanaKubernetesJobOperator(task_id="pretrain", namespace="ml", image="ml/train:1",
                                            route="wrap", store_secret="ckpt-s3", config_file=str(config),
-                                           **{"parts": 2, "heartbeat": timedelta(minutes=5), **kw})
+                                           **{"name": "pretrain", "parts": 2, "heartbeat": timedelta(minutes=5), **kw})
     return make
 
 
@@ -298,24 +298,30 @@ class _FakeApiServer:
     """Stands in for the Kubernetes API server (none can run here): the calls the provider's job path makes on
     its BatchV1Api and CoreV1Api, answered from what a test sets up, and recorded."""
 
-    def __init__(self, *, earlier_jobs=(), pods_after_lists=0, conditions=(("Complete", "True"),)):
+    def __init__(self, *, earlier_jobs=(), pods_after_lists=0, conditions=(("Complete", "True"),),
+                 scheduled=True, gone=()):
         from kubernetes.client import ApiClient
 
         self.api_client = ApiClient()  # serializes only: it never connects
         self.earlier_jobs, self.pods_after_lists, self.conditions = list(earlier_jobs), pods_after_lists, conditions
+        self.scheduled, self.gone = scheduled, set(gone)  # gone: jobs whose delete answers 404
         self.calls: list[tuple[str, dict]] = []
         self.created = None
         self.pod_lists = self.status_reads = 0
 
     def __getattr__(self, name):  # anything else the provider calls is recorded and answers nothing
-        return lambda **kw: self.calls.append((name, kw))
+        return lambda *a, **kw: self.calls.append((name, kw))
 
     def list_namespaced_job(self, namespace, label_selector):
         self.calls.append(("list_namespaced_job", {"label_selector": label_selector}))
         return k8s.V1JobList(items=self.earlier_jobs)
 
     def delete_namespaced_job(self, name, namespace, **kw):
+        from kubernetes.client.exceptions import ApiException
+
         self.calls.append(("delete_namespaced_job", {"name": name, **kw}))
+        if name in self.gone:
+            raise ApiException(status=404, reason="Not Found")
 
     def create_namespaced_job(self, body, namespace, **kw):
         self.created = body
@@ -335,19 +341,53 @@ class _FakeApiServer:
         if self.pod_lists <= self.pods_after_lists:
             return k8s.V1PodList(items=[])
         job = self.created["metadata"]["name"]
+        scheduled = k8s.V1PodCondition(type="PodScheduled", status="True" if self.scheduled else "False",
+                                       message=None if self.scheduled else "0/3 nodes are available: 1 node(s) didn't "
+                                       "match pod anti-affinity rules, 2 node(s) didn't match node affinity")
         return k8s.V1PodList(items=[k8s.V1Pod(metadata=k8s.V1ObjectMeta(
-            name=f"{job}-{i}-x", namespace=namespace, labels={"try_number": "1", "cedana.ai/job": job}))
-            for i in range(2)])
+            name=f"{job}-{i}-x", namespace=namespace, labels={"try_number": "2", "cedana.ai/job": job}),
+            status=k8s.V1PodStatus(phase="Running", conditions=[scheduled])) for i in range(2)])
+
+    def read_namespaced_pod_log(self, name, namespace, **kw):
+        from kubernetes.client.exceptions import ApiException
+
+        self.calls.append(("read_namespaced_pod_log", {"name": name, **kw}))
+        raise ApiException(status=404, reason=f"pods \"{name}\" not found")  # being deleted, at FailureTarget
 
     def read_namespaced_pod(self, name, namespace, **kw):
-        return k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=name, namespace=namespace), status=k8s.V1PodStatus(phase="Failed"))
+        ended = k8s.V1ContainerStatus(name="base", image="i", image_id="", ready=False, restart_count=0,
+                                      state=k8s.V1ContainerState(terminated=k8s.V1ContainerStateTerminated(exit_code=1)))
+        return k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=name, namespace=namespace),
+                         spec=k8s.V1PodSpec(containers=[k8s.V1Container(name="base")]),
+                         status=k8s.V1PodStatus(phase="Failed", container_statuses=[ended]))
+
+
+class _Clock:
+    """time for operators/kubernetes.py: its waits advance it instead of sleeping."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+def _earlier(try_number, task=("train_llm", "finetune", "scheduled__2026-11-29T00:00:00+00:00", -1), name=None):
+    """A Job an earlier (or another) try left, labelled as the operator labels its own."""
+    from cedana_airflow.airflow.kube import job_label_value
+
+    return k8s.V1Job(metadata=k8s.V1ObjectMeta(name=name or f"job-pretrain-try{try_number}", namespace="ml", labels={
+        "cedana.ai/task": job_label_value(*task), "cedana.ai/try-number": str(try_number)}))
 
 
 def _execute(op, api, monkeypatch, try_number=2):
     """The provider's own execute path (create, pod discovery, the wait, the failure check) against ``api``."""
-    import operators.kubernetes as kube_op
+    import sys
 
-    monkeypatch.setattr(kube_op.time, "sleep", lambda s: None)
+    monkeypatch.setattr(sys.modules[type(op).__module__], "time", _Clock())  # the module the class came from
     op.hook.__dict__["batch_v1_client"] = op.hook.__dict__["core_v1_client"] = api
     ctx = _context(try_number)
     ctx["ti"].xcom_push = lambda **kw: None
@@ -356,24 +396,26 @@ def _execute(op, api, monkeypatch, try_number=2):
 
 def test_a_job_that_lost_a_node_fails_its_try_at_failure_target_and_is_deleted_fake_api_server(job_op, monkeypatch):
     """Kubernetes 1.31+: a Job whose pod was lost has FailureTarget at once, but Failed only when every pod
-    has terminated, which a pod on an unreachable node never does. The try fails at FailureTarget (so the
-    retry starts), and deletes its Job so that no part of it runs beside the retry's."""
+    has terminated, which a pod on an unreachable node never does. The try fails at FailureTarget with the
+    Job's reason (the pods' logs, read once and not followed, are not there: said, not raised), and deletes
+    its Job so that no part of it runs beside the retry's."""
     from cedana_airflow.airflow_compat import AirflowException
 
     api = _FakeApiServer(conditions=(("FailureTarget", "True"),))
-    op = job_op(get_logs=False, on_finish_action="keep_pod", job_poll_interval=0)
+    op = job_op(on_finish_action="keep_pod", job_poll_interval=0)  # get_logs: the provider's default, on
     with pytest.raises(AirflowException, match=r"is failed with error 'FailureTargetReason \(its pods still stopping\)'"):
         _execute(op, api, monkeypatch)
     name = api.created["metadata"]["name"]
     assert ("delete_namespaced_job", {"name": name, "propagation_policy": "Foreground"}) in api.calls
+    assert [kw.get("follow") for n, kw in api.calls if n == "read_namespaced_pod_log"] == [False, False]
 
 
 def test_each_try_deletes_earlier_tries_jobs_and_waits_for_its_own_pods_fake_api_server(job_op, monkeypatch):
-    """A worker that died never deleted its try's Job: the next try deletes it before it starts its own (two
-    attempts' parts never run at once). Its pods, found by its own Job's label only, are waited for (the
-    provider's discovery listed 4 times without a pause and failed the try with the Job left running)."""
-    old = k8s.V1Job(metadata=k8s.V1ObjectMeta(name="job-pretrain-try1", namespace="ml"))
-    api = _FakeApiServer(earlier_jobs=[old], pods_after_lists=6)
+    """A worker that died never deleted its try's Job: the next try deletes it before it starts its own (a
+    Job already gone is fine). Its pods, found by its own Job's label only, are waited for (the provider's
+    discovery listed 4 times without a pause and failed the try with the Job left running)."""
+    api = _FakeApiServer(earlier_jobs=[_earlier(1), _earlier(1, name="job-pretrain-gone")], pods_after_lists=6,
+                         gone={"job-pretrain-gone"})
     op = job_op(get_logs=False, on_finish_action="keep_pod", job_poll_interval=0)
     _execute(op, api, monkeypatch)
     created = api.created
@@ -385,11 +427,55 @@ def test_each_try_deletes_earlier_tries_jobs_and_waits_for_its_own_pods_fake_api
     assert not [c for c in api.calls if c[0] == "delete_namespaced_job" and c[1]["name"] == created["metadata"]["name"]]
 
 
+def test_another_task_instances_or_a_newer_trys_job_is_never_deleted_fake_api_server(job_op, monkeypatch):
+    from cedana_airflow.airflow_compat import AirflowException, AirflowFailException
+
+    other = _earlier(1, task=("train_llm", "finetune", "manual__2026-12-01", -1))  # another run, the same ID
+    api = _FakeApiServer(earlier_jobs=[other])
+    with pytest.raises(AirflowFailException, match=r"Job job-pretrain-try1 of another task instance .* uses this "
+                                                    r"checkpoint ID: give each its own checkpoint_id"):
+        _execute(job_op(get_logs=False, job_poll_interval=0), api, monkeypatch)
+    api = _FakeApiServer(earlier_jobs=[_earlier(3)])  # a stale try 2 that woke up after try 3 started
+    with pytest.raises(AirflowException, match=r"is of try 3, not earlier than this try \(2\): this try is stale"):
+        _execute(job_op(get_logs=False, job_poll_interval=0), api, monkeypatch)
+    assert not [c for c in api.calls if c[0] == "delete_namespaced_job" and c[1]["name"] == "job-pretrain-try3"]
+
+
+def test_pods_that_never_schedule_fail_the_try_with_the_schedulers_reason_fake_api_server(job_op, monkeypatch):
+    from cedana_airflow.airflow_compat import AirflowException
+
+    api = _FakeApiServer(scheduled=False)
+    with pytest.raises(AirflowException, match=r"2 of the 2 pods of Job \S+ not scheduled in 90 s .*didn't match pod "
+                                               r"anti-affinity rules"):
+        _execute(job_op(get_logs=False, job_poll_interval=0, schedule_timeout_seconds=90), api, monkeypatch)
+    assert ("delete_namespaced_job", {"name": api.created["metadata"]["name"], "propagation_policy": "Foreground"}) \
+        in api.calls
+
+
+def test_spec_defaults_from_default_args_or_the_deployment_cannot_let_a_part_run_alone(job_op, monkeypatch):
+    for default, why in (({"do_xcom_push": True}, "do_xcom_push=True"),
+                         ({"random_name_suffix": False}, "random_name_suffix=False")):
+        with pytest.raises(ValueError, match=why):
+            job_op(default_args=default)
+    monkeypatch.setenv("AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE", "True")
+    op = job_op(default_args={"deferrable": True})
+    assert op.deferrable is False and op.deferred_asked  # never deferred; said when it runs
+
+
+def test_spec_a_long_name_is_cut_so_every_pods_hostname_is_a_dns_label(job_op):
+    job, _ = _job(job_op(name="pretrain-a-large-language-model-on-the-full-corpus-x"))
+    assert len(job.metadata.name) + len("-1") <= 63 and job.metadata.name.startswith("job-pretrain-a-large")
+    with pytest.raises(ValueError, match=r"subdomain='Pre_train' is not a DNS label"):
+        job_op(subdomain="Pre_train")
+
+
 def test_spec_a_jobs_pods_tolerate_a_lost_node_for_node_lost_seconds_and_name_their_job(job_op):
-    _, data = _job(job_op(node_lost_seconds=45, subdomain="pretrain"))
+    # first, before a DAG's own: the taint manager takes the first match, and a blanket one tolerates for ever
+    _, data = _job(job_op(node_lost_seconds=45, subdomain="pretrain", tolerations=[k8s.V1Toleration(operator="Exists")]))
     pod = data["spec"]["template"]["spec"]
-    assert {(t["key"], t["effect"], t["tolerationSeconds"]) for t in pod["tolerations"]} == {
-        ("node.kubernetes.io/unreachable", "NoExecute", 45), ("node.kubernetes.io/not-ready", "NoExecute", 45)}
+    assert [(t.get("key"), t.get("effect"), t.get("tolerationSeconds")) for t in pod["tolerations"]] == [
+        ("node.kubernetes.io/unreachable", "NoExecute", 45), ("node.kubernetes.io/not-ready", "NoExecute", 45),
+        (None, None, None)]
     assert pod["subdomain"] == "pretrain"
     env = {e["name"]: e for e in pod["containers"][0]["env"]}
     assert env["CEDANA_JOB_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['cedana.ai/job']"
@@ -399,11 +485,12 @@ def test_spec_a_jobs_pods_tolerate_a_lost_node_for_node_lost_seconds_and_name_th
 def test_spec_what_would_let_a_part_run_on_alone_is_refused(job_op):
     from cedana_airflow.airflow_compat import AirflowFailException
 
-    for kw, why in (({"deferrable": True}, "deferrable=True"), ({"do_xcom_push": True}, "do_xcom_push=True"),
+    for kw, why in (({"do_xcom_push": True}, "do_xcom_push=True"),
                     ({"wait_until_job_complete": False}, "wait_until_job_complete=False"),
                     ({"random_name_suffix": False}, "random_name_suffix=False")):
         with pytest.raises(ValueError, match=why):
             job_op(**kw)
+    assert job_op(deferrable=True).deferrable is False
     spec = k8s.V1Job(spec=k8s.V1JobSpec(template=k8s.V1PodTemplateSpec(), pod_replacement_policy="Failed",
                                         pod_failure_policy=k8s.V1PodFailurePolicy(rules=[])))
     with pytest.raises(AirflowFailException, match=r"sets podFailurePolicy, podReplacementPolicy: a checkpointed job"):
