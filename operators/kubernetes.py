@@ -174,13 +174,10 @@ class _JobHook(KubernetesHook):
         return f"{target.reason or 'FailureTarget'} (its pods still stopping)"
 
 
-def _condition(job: k8s.V1Job, kind: str) -> Any:
-    conditions = (job.status.conditions if job.status else None) or []
+def _condition(obj: k8s.V1Job | k8s.V1Pod, kind: str) -> Any:
+    """A Job's or a pod's condition of that type when it holds, else None."""
+    conditions = (obj.status.conditions if obj.status else None) or []
     return next((c for c in conditions if c.type == kind and c.status in (True, "True")), None)
-
-
-def _condition_of(pod: k8s.V1Pod, kind: str) -> bool:
-    return any(c.type == kind and c.status in (True, "True") for c in (pod.status.conditions if pod.status else None) or [])
 
 
 def _delete(jobs: Any, name: str, namespace: str) -> bool:
@@ -339,7 +336,7 @@ class CedanaKubernetesJobOperator(CedanaTask, KubernetesJobOperator):
         started = time.monotonic()
         while True:
             pods = self.client.list_namespaced_pod(namespace=job.metadata.namespace, label_selector=selector).items
-            waiting = [p for p in pods if not _condition_of(p, "PodScheduled")]
+            waiting = [p for p in pods if not _condition(p, "PodScheduled")]
             if len(pods) >= self.parts and not waiting:
                 break
             waited = time.monotonic() - started
