@@ -634,21 +634,18 @@ class Checkpointer:
         if stale := sweep(self.work_dir):
             log.warning("unmounted %d page file(s) a killed supervisor left under %s", stale, self.work_dir)
         failpoint("restore.lease", work_dir=self.work_dir)  # the runner holds the writer lease by now
-        with tl.span("manifests"):
-            candidates = require_latest(self.store, self.checkpoint_id)
-            if self.job is not None:  # this part of the newest committed seq, or nothing
-                try:
+        job_seq: int | None = None  # one part of a job: the seq it resumes, said down if it cannot
+        try:
+            with tl.span("manifests"):
+                candidates = require_latest(self.store, self.checkpoint_id)
+                if self.job is not None:  # this part of the newest committed seq, or nothing
+                    job_seq = candidates[0].seq
                     candidates = [self.job.part_of(candidates[0], self.trust.refusal)]
-                except BaseException:
-                    self.job.down(candidates[0].seq)
-                    raise
-        if self.job is not None:
-            try:
-                return self._restore_candidates(candidates, tl, stdout, stderr, cwd)
-            except BaseException:
-                self.job.down(candidates[0].seq)  # the other parts waiting at their gates give up now
-                raise
-        return self._restore_candidates(candidates, tl, stdout, stderr, cwd)
+            return self._restore_candidates(candidates, tl, stdout, stderr, cwd)
+        except BaseException:
+            if self.job is not None and job_seq is not None:
+                self.job.down(job_seq)  # the other parts waiting at their gates give up now
+            raise
 
     def _restore_candidates(self, candidates: list[Manifest], tl: Timeline, stdout: Sink | None,
                             stderr: Sink | None, cwd: str | None) -> Restored:
