@@ -41,6 +41,15 @@ INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 #: The job's network, and the address each completion index keeps (the stand-in for a pinning CNI).
 SUBNET, ADDRESSES = "10.89.70.0/24", ("10.89.70.10", "10.89.70.11")
 PORT = 7000
+#: A kube config whose API server is never called: KubernetesPodOperator's build_pod_request_obj asks its
+#: hook whether it runs in a cluster, which reads one (the spec is built locally; no Job is created from it).
+KUBECONFIG = """apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:9"}}]
+users: [{name: u, user: {token: unused}}]
+contexts: [{name: c, context: {cluster: c, user: u}}]
+current-context: c
+"""
 
 
 def operator(cluster: Any, prefix: str) -> Any:
@@ -51,10 +60,8 @@ def operator(cluster: Any, prefix: str) -> Any:
 
     code = k8s.V1Volume(name="workload", host_path=k8s.V1HostPathVolumeSource(path=str(PINGPONG.parent)))
     role = f'$([ "$JOB_COMPLETION_INDEX" = 0 ] && echo --serve || echo --connect) {ADDRESSES[0]}:{PORT}'
-    config = cluster.root / "kubeconfig"  # read by the operator's hook, never called (no API server here)
-    config.write_text("apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: 'https://127.0.0.1:9'}}]\n"
-                      "users: [{name: u, user: {token: unused}}]\ncontexts: [{name: c, context: {cluster: c, user: u}}]\n"
-                      "current-context: c\n")
+    config = cluster.root / "kubeconfig"
+    config.write_text(KUBECONFIG)
     return CedanaKubernetesJobOperator(
         task_id="pretrain", name=f"{prefix}-pretrain", namespace="ml", image=cluster.image, route="wrap", parts=2,
         store_secret="ckpt-s3", cmds=["sh", "-c", f"exec python3 /workload/{PINGPONG.name} {' '.join(PINGPONG_ARGS)} {role}"],
@@ -105,14 +112,16 @@ def committed(cluster: Any, prefix: str) -> list[dict[str, Any]]:
     return [m for m in cluster.checkpoints(prefix) if m.get("job")]
 
 
-def uninterrupted() -> str:
-    """The digest an uninterrupted run of the two parts prints (both print the same), on loopback."""
+def uninterrupted(steps: int = int(PINGPONG_ARGS[1])) -> str:
+    """The digest an uninterrupted run of job_pingpong.py's two parts prints (both print the same; a run whose
+    parts disagree raises), on loopback, ``steps`` steps unpaced."""
     with socket.socket() as s:  # a free port (the connecting side retries until the server listens)
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
-    steps = PINGPONG_ARGS[:2]
-    serve = subprocess.Popen([sys.executable, str(PINGPONG), *steps, "--serve", address], stdout=subprocess.PIPE, text=True)
-    talk = subprocess.run([sys.executable, str(PINGPONG), *steps, "--step-seconds", "0", "--connect", address],
+    steps_args = ["--steps", str(steps)]
+    serve = subprocess.Popen([sys.executable, str(PINGPONG), *steps_args, "--serve", address], stdout=subprocess.PIPE,
+                             text=True)
+    talk = subprocess.run([sys.executable, str(PINGPONG), *steps_args, "--step-seconds", "0", "--connect", address],
                           capture_output=True, text=True, timeout=120, check=True)
     served = serve.communicate(timeout=60)[0].splitlines()[-1]
     if served != talk.stdout.splitlines()[-1]:

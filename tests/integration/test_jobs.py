@@ -18,6 +18,7 @@ import pytest
 
 from conftest import REPO, cli_env, manifests, wait_for_checkpoint_after, wait_for_line
 from netns_nodes import NetNode, NetNodes
+import pod_jobs
 
 pytestmark = pytest.mark.integration
 
@@ -78,7 +79,7 @@ def test_a_two_part_job_resumes_on_two_nodes_from_its_last_whole_seq_after_a_par
     steps = 100
     serve = [sys.executable, str(PINGPONG), "--serve", f"{a.address}:7000", "--steps", str(steps)]
     talk = [sys.executable, str(PINGPONG), "--connect", f"{a.address}:7000", "--steps", str(steps)]
-    reference = _reference(tmp_path, steps)
+    reference = pod_jobs.uninterrupted(steps)
     runs = [_part(a, tmp_path, 0, serve, try_number=1, heartbeat="1", out="a1", CEDANA_JOB_BARRIER_SECONDS="3"),
             _part(b, tmp_path, 1, talk, try_number=1, heartbeat="1", out="b1", CEDANA_JOB_BARRIER_SECONDS="3",
                   CEDANA_FAILPOINTS="heartbeat.frozen=kill-supervisor@3")]
@@ -102,16 +103,6 @@ def test_a_two_part_job_resumes_on_two_nodes_from_its_last_whole_seq_after_a_par
         resumed = _steps(tmp_path / f"{q}.out")
         assert 1 < resumed[0] <= last[p] + 1, (p, resumed[:2], last[p])  # went on from where it was
         assert (tmp_path / f"{q}.out").read_text().splitlines()[-1] == reference, q
-
-
-def _reference(tmp_path: Path, steps: int) -> str:
-    """The digest an uninterrupted run of the two parts prints (both print the same), on loopback."""
-    serve = subprocess.Popen([sys.executable, str(PINGPONG), "--serve", "127.0.0.1:7999", "--steps", str(steps)],
-                             stdout=subprocess.PIPE, text=True)
-    talk = subprocess.run([sys.executable, str(PINGPONG), "--connect", "127.0.0.1:7999", "--steps", str(steps),
-                           "--step-seconds", "0"], capture_output=True, text=True, timeout=60, check=True)
-    assert serve.communicate(timeout=60)[0].splitlines()[-1] == talk.stdout.splitlines()[-1]
-    return talk.stdout.splitlines()[-1]
 
 
 def test_a_two_node_torchrun_job_resumes_on_two_nodes_with_an_uninterrupted_runs_parameters(nodes, tmp_path):

@@ -18,6 +18,7 @@ from kubernetes.client import models as k8s  # noqa: E402
 from cedana_airflow.airflow.kube import COMPLETION_INDEX_ANNOTATION, CREDENTIALS_MOUNT, HEARTBEAT_LABEL, KEY_MOUNT  # noqa: E402
 from cedana_airflow.compat import JOB_FLOOR, supervisor_refusal  # noqa: E402
 from cedana_airflow.operators import CedanaKubernetesJobOperator, CedanaKubernetesPodOperator  # noqa: E402
+from pod_jobs import KUBECONFIG  # noqa: E402  (scripts/: a kube config whose API server is never called)
 
 OPTIN = '[node]\nlabels = { "cedana.ai/enabled" = "true" }\n[queue]\nqueues = ["*"]\n[workload]\ndags = ["*"]\n'
 
@@ -187,17 +188,6 @@ def test_spec_heartbeat_auto_stays_auto_in_the_wrap_routes_pod_and_is_chosen_now
 
 
 # -- CedanaKubernetesJobOperator: a job of several pods, checkpointed as one (docs/jobs.md) --------------------
-
-#: A kube config whose API server is never called: KubernetesPodOperator's build_pod_request_obj asks its
-#: hook whether it runs in a cluster, which reads one (the spec is built locally; the Job is never created).
-KUBECONFIG = """apiVersion: v1
-kind: Config
-clusters: [{name: c, cluster: {server: "https://127.0.0.1:9"}}]
-users: [{name: u, user: {token: unused}}]
-contexts: [{name: c, context: {cluster: c, user: u}}]
-current-context: c
-"""
-
 
 @pytest.fixture
 def job_op(optin):
