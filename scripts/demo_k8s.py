@@ -44,6 +44,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
+import pod_jobs  # noqa: E402  (its functions import this module when they run)
 from local_parts import seaweed_server  # noqa: E402
 from pod_runtime import Node, PodError, PodRuntime, place, pod_dict, translate  # noqa: E402
 
@@ -286,19 +287,6 @@ def _environ(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def job_expected() -> str:
-    import pod_jobs
-
-    return pod_jobs.uninterrupted()
-
-
-def job(cluster: Cluster, prefix: str) -> Case:
-    """A job of two pods loses a node; the retry's Job resumes both parts from one seq (pod_jobs.py)."""
-    import pod_jobs
-
-    return pod_jobs.job_loss(cluster, prefix)
-
-
 def run(root: Path, cache: Path | None = None,
         cases: tuple[str, ...] = ("node loss", "drain", "live drill", "version skew", "job")) -> list[Case]:
     """Build (or load) the image, start the store, and play each case; every pod is gone afterwards."""
@@ -323,7 +311,8 @@ def run(root: Path, cache: Path | None = None,
         boto3.client("s3").create_bucket(Bucket=BUCKET)
         cluster = Cluster(root, image, rt, s3_url, canary)
         done = []
-        plays = (("node loss", node_loss), ("drain", drain), ("live drill", live_drill), ("version skew", skew), ("job", job))
+        plays = (("node loss", node_loss), ("drain", drain), ("live drill", live_drill), ("version skew", skew),
+                 ("job", pod_jobs.job_loss))
         for name, play in plays:
             if name in cases:
                 prefix = name.replace(" ", "-")
@@ -331,7 +320,7 @@ def run(root: Path, cache: Path | None = None,
                     t0 = time.monotonic()
                     case = play(cluster, prefix)
                     case.seconds = time.monotonic() - t0
-                case.expected = "" if name == "version skew" else job_expected() if name == "job" else expected
+                case.expected = "" if name == "version skew" else pod_jobs.uninterrupted() if name == "job" else expected
                 case.manifests = cluster.checkpoints(prefix)
                 case.images_hold_credentials = images_hold(cluster, prefix, canary, root / "images" / prefix)
                 done.append(case)
