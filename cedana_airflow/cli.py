@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from . import __version__
 from .config import Settings, load_settings
 from .errors import AgentUnavailable, CedanaError, ConfigError
+from .signal_safe import SignalSafeEvent
 from .units import binary_size
 
 if TYPE_CHECKING:
@@ -339,7 +340,7 @@ def _run_through_agent(args: argparse.Namespace, settings: Any, command: list[st
     from .run.runner import restored_line
     from .run.environment import workload_env
 
-    stop = threading.Event()
+    stop = SignalSafeEvent()  # set in a signal handler, perhaps inside another's (signal_safe.py)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     if args.timings:

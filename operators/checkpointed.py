@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import threading
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -35,6 +34,7 @@ from cedana_airflow.run.summary import run_summary
 from cedana_airflow.run.stop import UNPROTECTED_GRACE_SECONDS
 from cedana_airflow.run.workload import run_unprotected
 from cedana_airflow.scope.optin import OptInList, parse_labels
+from cedana_airflow.signal_safe import SignalSafeEvent
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -97,7 +97,7 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
                  job_server: bool = False, gpu: bool = False, mode: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.command, self.env, self.cwd, self.checkpoint_on_kill = command, env, cwd, checkpoint_on_kill
-        self._stop = threading.Event()
+        self._stop = SignalSafeEvent()
         self.init_cedana(checkpoint_id=checkpoint_id, heartbeat=heartbeat, heartbeat_min=heartbeat_min,
                          heartbeat_max=heartbeat_max, mtbf=mtbf, store=store, aws_conn_id=aws_conn_id,
                          settings=settings, idempotency_key=idempotency_key, max_restore_gap=max_restore_gap,
@@ -115,7 +115,7 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         # A stop belongs to one try. `airflow dags test` and dag.test() run every try on this same object,
         # and Airflow calls on_kill after an execution_timeout: the old event would stop each retry at once.
-        self._stop = threading.Event()
+        self._stop = SignalSafeEvent()
         ti = context["ti"]
         with airflow_errors():
             argv = command_argv(self.command)  # the templated fields are rendered by now
@@ -277,8 +277,8 @@ class CheckpointedCommandOperator(CedanaTask, BaseOperator):
         # Called from Airflow's SIGTERM handler in the task process: the supervision loop sees the
         # event, says so, takes the final checkpoint (unless checkpoint_on_kill=False) and stops the workload.
         # Nothing else here: a log line could wait for ever on a logger's lock this thread held when the
-        # signal came (the handler runs in the main thread), and so could the event's, were it ever waited
-        # on in this thread (the loops only poll it).
+        # signal came (the handler runs in the main thread). The event takes no lock either: a second
+        # SIGTERM's handler can run inside this one (sudo relays the one a run_as_user task's group got).
         self._stop.set()
 
 

@@ -49,6 +49,7 @@ from ..errors import ConfigError
 from ..format.manifest import AirflowTask
 from ..fsafe import UnsafePath, secure_base
 from ..ids import validate_checkpoint_id
+from ..signal_safe import SignalSafeEvent
 from . import protocol
 from .callers import Caller, read_caller, read_self
 from .protocol import Peer, Sender
@@ -275,7 +276,7 @@ class Agent:
         self._audit_path = audit
         self._lock = threading.Lock()
         self._runs: dict[str, Run] = {}
-        self._closing = threading.Event()
+        self._closing = SignalSafeEvent()  # close() runs in SIGTERM's and SIGINT's handlers
         self._listener = self._bind(socket_path)
         # Where shims build the mounts of trees in namespaces of their own: each mounts a tmpfs on it in a
         # private mount namespace, so one empty folder serves them all; root's only.
