@@ -19,7 +19,8 @@ ADAPTERS = ("cedana_airflow.airflow", "cedana_airflow.hooks", "cedana_airflow.tr
 #: Subpackages from the bottom up: a module may import only from its own layer or one below it.
 LAYERS = [
     {"cedana_airflow.errors", "cedana_airflow.ids", "cedana_airflow.config", "cedana_airflow.units",
-     "cedana_airflow.compat", "cedana_airflow.failpoints", "cedana_airflow.coop", "cedana_airflow.fsafe"},
+     "cedana_airflow.compat", "cedana_airflow.failpoints", "cedana_airflow.coop", "cedana_airflow.fsafe",
+     "cedana_airflow.signal_safe"},
     {"cedana_airflow.format"},
     {"cedana_airflow.store", "cedana_airflow.engine", "cedana_airflow.keys"},
     {"cedana_airflow.node"},
