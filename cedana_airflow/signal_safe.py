@@ -4,9 +4,10 @@ Python runs a signal's handler in the main thread between two bytecodes, and a s
 can run inside the first's. ``threading.Event.set()`` takes the event's lock, which is not reentrant:
 a second SIGTERM arriving while the first handler is inside ``set()`` waits for ever on a lock its own
 thread holds. It happens: Airflow's task supervisor signals a run_as_user task's process group, and
-sudo relays the same SIGTERM to its command about 60 µs later, so the task process gets two
-(CI of 2026-12-06: the task hung in on_kill, its workload ran on until Airflow's SIGKILL, and no final
-checkpoint was taken). Here ``set()`` is one attribute store, atomic under the GIL, and a waiter polls.
+sudo (with no terminal, its command stays in that group) relays the same SIGTERM about 60 µs later,
+so the task process can get two (CI of 2026-12-06: the task hung in on_kill, its workload ran on until
+Airflow's SIGKILL, and no final checkpoint was taken). Here ``set()`` is one attribute store, atomic
+under the GIL, and a waiter polls.
 """
 from __future__ import annotations
 
@@ -18,25 +19,22 @@ POLL_SECONDS = 0.05
 
 
 class SignalSafeEvent(threading.Event):
-    """A ``threading.Event`` for stops requested from signal handlers: ``set()`` and ``is_set()`` take no
-    lock; ``wait()`` polls every POLL_SECONDS instead of being woken."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._requested = False
+    """A ``threading.Event`` for stops requested from signal handlers: ``set()``, ``is_set()`` and
+    ``clear()`` take no lock (they keep the base class's flag, so its repr stays true); ``wait()`` polls
+    every POLL_SECONDS instead of being woken."""
 
     def is_set(self) -> bool:
-        return self._requested
+        return self._flag
 
     def set(self) -> None:
-        self._requested = True
+        self._flag = True
 
     def clear(self) -> None:
-        self._requested = False
+        self._flag = False
 
     def wait(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._requested:
+        while not self._flag:
             if deadline is None:
                 time.sleep(POLL_SECONDS)
                 continue

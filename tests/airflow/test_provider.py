@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 from datetime import timedelta
 
 import pytest
@@ -340,18 +339,3 @@ def test_a_slurm_job_followed_in_the_worker_survives_slurm_s_silence_and_is_canc
         op._follow(slurm, "7", "/out")
     assert slurm.cancelled == ["7"] and slurm.closed == 1  # on_kill's own login, closed
 
-
-def test_on_kill_returns_even_inside_another_on_kill_in_the_same_thread():
-    # Airflow's SIGTERM handler calls on_kill; a run_as_user task's process gets the SIGTERM twice (its group's,
-    # and sudo's relay ~60 µs later), so a second on_kill can run inside the first's. A stop that took a lock
-    # hung the task there, its workload running on until Airflow's SIGKILL with no final checkpoint.
-    op = CheckpointedCommandOperator(task_id="t", command=["true"])
-
-    def first_on_kill_holding_the_stops_lock() -> None:
-        with op._stop._cond:  # where the first handler's Event.set() would be
-            op.on_kill()
-
-    t = threading.Thread(target=first_on_kill_holding_the_stops_lock, daemon=True)
-    t.start()
-    t.join(30)
-    assert not t.is_alive() and op._stop.is_set()
