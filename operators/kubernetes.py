@@ -62,6 +62,21 @@ def _placement(task: CedanaTask, pod: k8s.V1Pod) -> Callable[[OptInList | None, 
     return placement
 
 
+def _route(task: CedanaTask, setup: TaskSetup, context: Context, kind: str, store_secret: str | None,
+           **more: Any) -> Route:
+    """The route either operator writes its pods with: what every pod of the task carries (the ID, the
+    heartbeat, the opt-in node label, the store and its Secret, the try, the node key's Secret); ``more``: the
+    operator's own fields."""
+    options = airflow_options("k8s_heartbeat_seconds", "k8s_key_secret")
+    settings = setup.settings
+    return Route(kind=kind, checkpoint_id=setup.checkpoint_id,  # type: ignore[arg-type]
+                 heartbeat_seconds=route_heartbeat(settings, kind, options.k8s_heartbeat_seconds),
+                 node_label=next(iter(setup.placement.node_labels.items())), store=settings.store or "",
+                 store_secret=store_secret or "", try_number=context["ti"].try_number, airflow=airflow_task(context),
+                 env={**task.cedana_env(None), **restore_rules_env(settings)}, key_secret=options.k8s_key_secret,
+                 **more)
+
+
 def _unprotected(task: CedanaTask, pod: k8s.V1Pod, gpu_note: str) -> k8s.V1Pod:
     """An out-of-scope pod: as given, but for CEDANA_IDEMPOTENCY_KEY (the key holds for an unprotected run
     too); a GPU pod says it runs unprotected."""
@@ -131,15 +146,9 @@ class CedanaKubernetesPodOperator(CedanaTask, KubernetesPodOperator):
         earlier = TaskState.of(context, self.log).earlier_nodes(ti.try_number)
         if earlier:
             self.log.info("cedana: this retry's pod avoids node(s) %s, where earlier tries ran", ", ".join(earlier))
-        options = airflow_options("k8s_runtime_class", "k8s_heartbeat_seconds", "k8s_key_secret")
-        settings = setup.settings
-        route = Route(kind=self.route, checkpoint_id=setup.checkpoint_id,  # type: ignore[arg-type]
-                      heartbeat_seconds=route_heartbeat(settings, self.route, options.k8s_heartbeat_seconds),
-                      node_label=next(iter(setup.placement.node_labels.items())), avoid_nodes=earlier,
-                      runtime_class=options.k8s_runtime_class, store=settings.store or "",
-                      store_secret=self.store_secret or "", try_number=ti.try_number, airflow=airflow_task(context),
-                      env={**self.cedana_env(None), **restore_rules_env(settings)},
-                      resume=self.route == "wrap" or self._may_resume(setup, context), key_secret=options.k8s_key_secret)
+        route = _route(self, setup, context, self.route, self.store_secret, avoid_nodes=earlier,
+                       runtime_class=airflow_options("k8s_runtime_class").k8s_runtime_class,
+                       resume=self.route == "wrap" or self._may_resume(setup, context))
         return apply_route(pod, route)
 
     def _may_resume(self, setup: TaskSetup, context: Context) -> bool:
@@ -376,14 +385,8 @@ class CedanaKubernetesJobOperator(CedanaTask, KubernetesJobOperator):
             pod = _unprotected(self, pod, "this job asks for GPUs")
             job.spec.template = k8s.V1PodTemplateSpec(metadata=pod.metadata, spec=pod.spec)
             return job
-        options = airflow_options("k8s_heartbeat_seconds", "k8s_key_secret")
-        settings = setup.settings
-        route = Route(kind="wrap", checkpoint_id=setup.checkpoint_id,
-                      heartbeat_seconds=route_heartbeat(settings, "wrap", options.k8s_heartbeat_seconds),
-                      node_label=next(iter(setup.placement.node_labels.items())), store=settings.store or "",
-                      store_secret=self.store_secret or "", try_number=context["ti"].try_number,
-                      airflow=airflow_task(context), env={**self.cedana_env(None), **restore_rules_env(settings)},
-                      key_secret=options.k8s_key_secret, job_parts=self.parts, node_lost_seconds=self.node_lost_seconds)
+        route = _route(self, setup, context, "wrap", self.store_secret, job_parts=self.parts,
+                       node_lost_seconds=self.node_lost_seconds)
         self.log.info("cedana: a job of %d pods, one part each, checkpointed as one (checkpoint_id=%s)", self.parts,
                       setup.checkpoint_id)
         return apply_job_route(job, route)

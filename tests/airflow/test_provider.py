@@ -338,4 +338,3 @@ def test_a_slurm_job_followed_in_the_worker_survives_slurm_s_silence_and_is_canc
     with pytest.raises(AirflowException, match="cedana: scontrol did not answer"):
         op._follow(slurm, "7", "/out")
     assert slurm.cancelled == ["7"] and slurm.closed == 1  # on_kill's own login, closed
-
